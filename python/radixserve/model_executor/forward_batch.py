@@ -1,0 +1,148 @@
+"""Batch descriptions handed from the scheduler to the model.
+
+ScheduleBatch (scheduler-owned) -> ModelWorkerBatch (plain CPU data the forward needs)
+-> ForwardBatch (tensors on the model's device plus attention metadata, one step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.base import AttentionBackend
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(IntEnum):
+    EXTEND = 1  # prefill of new tokens, possibly on top of a cached prefix
+    DECODE = 2  # exactly one new token per request
+    MIXED = 3  # a chunked prefill and decodes in one forward
+    IDLE = 4  # nothing to run (kept for data-parallel symmetry)
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass
+class ModelWorkerBatch:
+    """What one forward needs, as CPU data. Built by ScheduleBatch.get_model_worker_batch()."""
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64, prefix_len + extend_len
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    sampling_info: SamplingBatchInfo | None
+    extend_seq_lens: list[int] | None = None  # [bs]; a decode request in MIXED has 1
+    extend_prefix_lens: list[int] | None = None  # [bs]
+    extend_num_tokens: int = 0
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+    # Prompt logprobs are returned from this offset into each request's extend chunk (or None).
+    extend_logprob_start_lens: list[int] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+@dataclass
+class GenerationBatchResult:
+    """The outcome of one forward + sample, as the scheduler consumes it."""
+
+    next_token_ids: torch.Tensor  # [bs] int64
+    next_token_logprobs: torch.Tensor | None = None  # [bs] fp32
+    top_logprobs_val: list[list[float]] | None = None
+    top_logprobs_idx: list[list[int]] | None = None
+    # Per request: logprobs of prompt tokens from extend_logprob_start_lens (None if not asked).
+    input_token_logprobs: list[list[float]] | None = None
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
+    copy_done: Any | None = None  # a CUDA event on GPU; None on CPU
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors for one forward step, plus what attention backends need to find the KV."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    attn_backend: AttentionBackend
+    extend_seq_lens_cpu: list[int] | None = None  # [bs]
+    extend_prefix_lens_cpu: list[int] | None = None  # [bs]
+    extend_num_tokens: int = 0
+    sampling_info: SamplingBatchInfo | None = None
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+    extend_logprob_start_lens: list[int] | None = None
+    attn_metadata: Any = field(default=None)
+
+    @classmethod
+    def init_new(
+        cls,
+        batch: ModelWorkerBatch,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MHATokenToKVPool,
+        attn_backend: AttentionBackend,
+        device: torch.device,
+    ) -> ForwardBatch:
+        seq_lens_cpu = batch.seq_lens.tolist()
+        if batch.forward_mode.is_extend():
+            assert batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None
+            positions = _extend_positions(batch.extend_prefix_lens, batch.extend_seq_lens)
+        else:
+            positions = batch.seq_lens - 1  # the new token sits at seq_len - 1
+        fb = cls(
+            forward_mode=batch.forward_mode,
+            batch_size=len(seq_lens_cpu),
+            input_ids=batch.input_ids.to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
+            req_pool_indices=batch.req_pool_indices.to(device, non_blocking=True),
+            seq_lens=batch.seq_lens.to(device, non_blocking=True),
+            seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=batch.out_cache_loc.to(device, non_blocking=True),
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool=token_to_kv_pool,
+            attn_backend=attn_backend,
+            extend_seq_lens_cpu=batch.extend_seq_lens,
+            extend_prefix_lens_cpu=batch.extend_prefix_lens,
+            extend_num_tokens=batch.extend_num_tokens,
+            sampling_info=batch.sampling_info,
+            return_logprob=batch.return_logprob,
+            top_logprobs_nums=batch.top_logprobs_nums,
+            extend_logprob_start_lens=batch.extend_logprob_start_lens,
+        )
+        attn_backend.init_forward_metadata(fb)
+        return fb
+
+
+def _extend_positions(prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+    """Positions prefix_len .. prefix_len + extend_len - 1 of every request, concatenated."""
+    lens = torch.tensor(extend_lens, dtype=torch.int64)  # [bs]
+    starts = torch.tensor(prefix_lens, dtype=torch.int64)  # [bs]
+    total = int(lens.sum())
+    # offset of each token inside its request: arange(total) - (start of its request's run)
+    run_starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)  # [num_tokens]
+    return torch.repeat_interleave(starts, lens) + torch.arange(total, dtype=torch.int64) - run_starts

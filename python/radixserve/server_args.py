@@ -1,0 +1,155 @@
+"""Server arguments: what the user typed, then one resolve() that decides every "auto" value.
+
+Each field's `help` metadata is the CLI help text (`add_cli_args` builds the parser from the
+dataclass), so the flags, their defaults and their documentation cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str | None = _f(None, "Model folder (HF format). Empty or 'default': SmolLM2-135M-Instruct.")
+    tokenizer_path: str | None = _f(None, "Tokenizer folder; defaults to the model folder.")
+    load_format: str = _f("auto", "Weight format: 'auto' (safetensors) or 'dummy' (random weights).")
+    dtype: str = _f("auto", "Model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")
+    context_length: int | None = _f(None, "Maximum context length; defaults to the model's.")
+    served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
+    chat_template: str | None = _f(None, "A Jinja chat template file or string overriding the tokenizer's.")
+    trust_remote_code: bool = _f(False, "Unused; kept for SGLang command-line compatibility.")
+
+    # HTTP server
+    host: str = _f("127.0.0.1", "Host to bind the HTTP server to.")
+    port: int = _f(30000, "Port of the HTTP server.")
+    api_key: str | None = _f(None, "If set, requests must carry 'Authorization: Bearer <key>'.")
+    enable_metrics: bool = _f(False, "Expose Prometheus metrics at /metrics.")
+    log_level: str = _f("info", "Logging level.")
+    log_requests: bool = _f(False, "Log every request's inputs and outputs.")
+
+    # Device and parallelism
+    device: str | None = _f(None, "Device: cpu or cuda; defaults to cuda when available.")
+    tp_size: int = _f(1, "Tensor-parallel size (number of scheduler processes).")
+    random_seed: int = _f(42, "Random seed for unseeded sampling.")
+    cpu_threads: int | None = _f(None, "Torch threads for the scheduler process on CPU; defaults to all cores.")
+
+    # Memory and batching
+    mem_fraction_static: float | None = _f(None, "Fraction of free device memory for weights and KV cache (CUDA).")
+    max_total_tokens: int | None = _f(None, "Size of the KV pool in tokens; computed from memory when unset.")
+    max_running_requests: int | None = _f(None, "Most requests decoding at once.")
+    max_queued_requests: int | None = _f(None, "Most requests waiting; beyond it requests are rejected (503).")
+    max_prefill_tokens: int = _f(16384, "Most new prompt tokens in one prefill batch.")
+    chunked_prefill_size: int | None = _f(None, "Chunk size for long prompts; -1 disables chunking.")
+    page_size: int = _f(1, "Tokens per KV-cache page.")
+    schedule_policy: str = _f("lpm", "Waiting-queue order.", choices=SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _f(1.0, "Scales the initial new_token_ratio; higher admits fewer.")
+    disable_radix_cache: bool = _f(False, "Disable prefix sharing (a ChunkCache is used instead).")
+    disable_overlap_schedule: bool = _f(False, "Run the normal (non-overlapped) scheduler loop.")
+    enable_mixed_chunk: bool = _f(False, "Run a prefill chunk and the running decodes in one forward.")
+    enable_priority_scheduling: bool = _f(False, "Order waiting requests by their 'priority' field.")
+    priority_scheduling_preemption_threshold: int = _f(10, "Priority gap needed to preempt a running request.")
+    prefill_max_requests: int | None = _f(None, "Most requests admitted in one prefill batch.")
+    waiting_timeout: float | None = _f(None, "Abort requests waiting longer than this many seconds.")
+    running_timeout: float | None = _f(None, "Abort requests running longer than this many seconds.")
+
+    # Kernels
+    attention_backend: str | None = _f(None, "Attention backend; defaults to the best for the device.")
+    disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.")
+    cuda_graph_max_bs: int = _f(64, "Largest decode batch captured in a CUDA graph.")
+
+    # Structured output
+    grammar_backend: str = _f("xgrammar", "Grammar backend for constrained decoding.")
+    grammar_compile_timeout: float = _f(300.0, "Seconds before a grammar compilation is given up.")
+
+    def resolve(self) -> ServerArgs:
+        """Decide every automatic value once; the result is frozen and passed to constructors."""
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        updates: dict[str, Any] = {"device": device}
+        if self.chunked_prefill_size is None:
+            # Chunks bound a prefill step's latency; CPUs are ~100x slower so chunks are smaller.
+            updates["chunked_prefill_size"] = 8192 if device == "cuda" else 2048
+        if self.attention_backend is None:
+            updates["attention_backend"] = "triton" if device == "cuda" else "torch_native"
+        if self.mem_fraction_static is None and device == "cuda":
+            updates["mem_fraction_static"] = 0.85
+        if self.cpu_threads is None and device == "cpu":
+            updates["cpu_threads"] = os.cpu_count() or 1
+        resolved = dataclasses.replace(self, **updates)
+        resolved.validate()
+        logger.info(
+            "Resolved server args: device=%s attention_backend=%s chunked_prefill_size=%s page_size=%d",
+            resolved.device,
+            resolved.attention_backend,
+            resolved.chunked_prefill_size,
+            resolved.page_size,
+        )
+        return resolved
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError("--max-total-tokens must hold at least one page")
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kwargs: dict[str, Any] = {"default": f.default, "help": f"{help_text} (default: {f.default})"}
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            kwargs["type"] = _cli_type(f.type)
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _cli_type(annotation: Any) -> type:
+    """Map a field's annotation (a string under `from __future__ import annotations`) to a parser type."""
+    text = annotation if isinstance(annotation, str) else str(annotation)
+    for name, typ in (("int", int), ("float", float)):
+        if text.startswith(name):
+            return typ
+    return str
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m radixserve.launch_server")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
