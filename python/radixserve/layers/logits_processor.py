@@ -1,0 +1,80 @@
+"""From final hidden states to the logits the sampler needs, plus prompt logprobs when asked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor  # [bs, vocab_size] fp32, at each request's last token
+    # Per request, logprobs of its prompt tokens after extend_logprob_start_lens (see below).
+    input_token_logprobs: list[list[float]] | None = None
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
+
+
+class LogitsProcessor:
+    """Projects only the rows that are needed: the last token of each request, and, for requests
+    that asked for prompt logprobs, the tokens from their start offset.
+
+    Prompt logprobs of request b: for chunk-local offsets i in [start_b + 1, extend_len_b), the
+    logprob of the i-th extend token under the distribution predicted at offset i - 1.
+    """
+
+    def __call__(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
+    ) -> LogitsOutput:
+        if forward_batch.forward_mode.is_decode():
+            last_hidden = hidden  # [bs, hidden_size]
+        else:
+            ends = torch.cumsum(torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden.device), 0)
+            last_hidden = hidden[ends - 1]
+        logits = torch.matmul(last_hidden, lm_head_weight.t()).float()  # [bs, vocab_size]
+        output = LogitsOutput(next_token_logits=logits)
+        if forward_batch.return_logprob and forward_batch.extend_logprob_start_lens is not None:
+            self._prompt_logprobs(hidden, lm_head_weight, forward_batch, output)
+        return output
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        forward_batch: ForwardBatch,
+        output: LogitsOutput,
+    ) -> None:
+        extend_lens = forward_batch.extend_seq_lens_cpu or []
+        starts = forward_batch.extend_logprob_start_lens or []
+        top_nums = forward_batch.top_logprobs_nums or [0] * len(extend_lens)
+        input_ids = forward_batch.input_ids
+        token_logprobs: list[list[float]] = []
+        top_vals: list[list[list[float]]] = []
+        top_idx: list[list[list[int]]] = []
+        offset = 0
+        for extend_len, start, top_k in zip(extend_lens, starts, top_nums):
+            lo, hi = offset + max(start, 0), offset + extend_len - 1  # predicting rows lo .. hi - 1
+            if hi > lo:
+                lp = torch.log_softmax(torch.matmul(hidden[lo:hi], lm_head_weight.t()).float(), dim=-1)
+                targets = input_ids[lo + 1 : hi + 1]
+                token_logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).tolist())
+                if top_k > 0:
+                    vals, idx = lp.topk(top_k, dim=-1)
+                    top_vals.append(vals.tolist())
+                    top_idx.append(idx.tolist())
+                else:
+                    top_vals.append([])
+                    top_idx.append([])
+            else:
+                token_logprobs.append([])
+                top_vals.append([])
+                top_idx.append([])
+            offset += extend_len
+        output.input_token_logprobs = token_logprobs
+        output.input_top_logprobs_val = top_vals
+        output.input_top_logprobs_idx = top_idx

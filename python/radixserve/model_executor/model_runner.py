@@ -1,0 +1,108 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import psutil
+import torch
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
+from radixserve.layers.sampler import SampleOutput, Sampler
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.model_loader.loader import load_model
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# On CPU without --max-total-tokens, the KV pool takes this share of available RAM.
+CPU_KV_RAM_FRACTION = 0.2
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Backends are imported only when selected, so CPU-only installs never import GPU packages."""
+    if name == "torch_native":
+        from radixserve.layers.attention.torch_native import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend(device)
+    raise ValueError(f"Attention backend {name!r} is not available in this build (available: torch_native)")
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+        self.server_args = server_args
+        self.model_config = model_config
+        self.device = torch.device(server_args.device or "cpu")
+        self.page_size = server_args.page_size
+        torch.manual_seed(server_args.random_seed)
+        start = time.perf_counter()
+        self.model = load_model(model_config, server_args.load_format, self.device)
+        logger.info("Model loaded in %.1f s (%s, %s)", time.perf_counter() - start, model_config.architecture,
+                    model_config.dtype)
+        self._init_memory_pools()
+        self.attn_backend = create_attention_backend(server_args.attention_backend or "torch_native", self.device)
+        self.logits_processor = LogitsProcessor()
+        self.sampler = Sampler()
+
+    def _kv_bytes_per_token(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.finfo(mc.dtype).bits // 8
+
+    def _profile_max_num_tokens(self) -> int:
+        per_token = self._kv_bytes_per_token()
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            fraction = self.server_args.mem_fraction_static or 0.85
+            budget = free - total * (1 - fraction)
+        else:
+            budget = psutil.virtual_memory().available * CPU_KV_RAM_FRACTION
+        return max(int(budget // per_token), 0)
+
+    def _init_memory_pools(self) -> None:
+        args = self.server_args
+        num_tokens = args.max_total_tokens or self._profile_max_num_tokens()
+        num_tokens = num_tokens // self.page_size * self.page_size
+        if num_tokens < self.page_size:
+            raise RuntimeError("Not enough memory for even one KV page; lower the model size or raise the budget")
+        self.max_total_num_tokens = num_tokens
+        self.max_req_num = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        # One spare row: a chunked request holds a row while the running batch is full.
+        self.req_to_token_pool = ReqToTokenPool(self.max_req_num + 1, self.model_config.context_len + 4, self.device)
+        mc = self.model_config
+        self.token_to_kv_pool = MHATokenToKVPool(
+            num_tokens, self.page_size, mc.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.device
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(num_tokens, self.page_size, self.token_to_kv_pool)
+        logger.info(
+            "KV cache: max_total_num_tokens=%d (%.2f GiB, %d bytes/token), page_size=%d, max_req_num=%d",
+            num_tokens,
+            num_tokens * self._kv_bytes_per_token() / 2**30,
+            self._kv_bytes_per_token(),
+            self.page_size,
+            self.max_req_num,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ModelWorkerBatch) -> tuple[ForwardBatch, LogitsOutput]:
+        fb = ForwardBatch.init_new(batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend, self.device)
+        hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+        return fb, self.logits_processor(hidden, self.model.lm_head_weight, fb)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
+        assert fb.sampling_info is not None
+        # The sampled token will sit at position seq_len: seeded draws hash (seed, that position).
+        return self.sampler(
+            logits_output.next_token_logits,
+            fb.sampling_info,
+            fb.seq_lens,
+            fb.return_logprob,
+            fb.top_logprobs_nums,
+        )

@@ -1,0 +1,26 @@
+"""Model classes keyed by the `architectures` entry of a checkpoint's config.json."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from radixserve.model_loader.errors import ModelLoadError
+from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise ModelLoadError(
+            f"Unsupported model architecture {architecture!r}. Supported architectures: {supported}"
+        ) from None

@@ -1,0 +1,85 @@
+"""Tiny random HF checkpoints for tests and benchmarks: written to a folder, loadable by both
+radixserve and HF transformers, so outputs can be compared token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_VOCAB = 384
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    # Wide weights make logits peaky, so greedy parity is not decided by last-bit rounding.
+    "initializer_range": 0.25,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        "rope_theta": 500000.0,
+    },
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+    },
+}
+
+
+def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
+    """Write a random `kind` ('llama', 'qwen2', 'qwen3') checkpoint to `path` and return it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**_COMMON, **TINY_CONFIGS[kind]}
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)  # non-trivial norms catch a missing or misplaced norm
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return path
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Reference greedy decoding with full recomputation: tokens and their log_softmax logprobs."""
+    ids = list(prompt)
+    logprobs: list[float] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return ids[len(prompt) :], logprobs

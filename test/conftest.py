@@ -1,0 +1,22 @@
+import os
+
+# Tests never touch a model hub; keep torch to a predictable thread count on the 2-core CI box.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_model_dir('llama') -> folder with a random tiny checkpoint (made once)."""
+    from radixserve.testing.tiny_models import make_tiny_model
+
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(make_tiny_model(kind, tmp_path_factory.mktemp(f"tiny_{kind}")))
+        return made[kind]
+
+    return get
