@@ -1,0 +1,144 @@
+"""Static-batch latency benchmark without a server: one prefill, then decode steps.
+
+    python -m radixserve.bench_one_batch --batch-size 1 8 32 64 --input-len 128 --output-len 64 --hf
+
+Prints SGLang-style result blocks, and appends one JSON line per batch size to --result-file.
+With --hf, runs HF transformers `generate` on the same shapes in the same process for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
+from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.model_loader.default_model import resolve_model_path
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+
+def _random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab_size - 100, (batch_size, input_len), generator=g).tolist()
+
+
+def bench_radixserve(worker: TpModelWorker, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    runner = StaticBatchRunner(worker)
+    reqs = [StaticReq(p, SamplingParams(max_new_tokens=output_len, temperature=0.0)) for p in prompts]
+    bs, input_len = len(prompts), len(prompts[0])
+    start = time.perf_counter()
+    runner.prefill(reqs)
+    prefill_latency = time.perf_counter() - start
+    decode_latencies = []
+    for _ in range(output_len - 1):
+        tic = time.perf_counter()
+        runner.decode(reqs)
+        decode_latencies.append(time.perf_counter() - tic)
+    total = time.perf_counter() - start
+    runner.release(reqs)
+    median_decode = statistics.median(decode_latencies)
+    return {
+        "engine": "radixserve",
+        "batch_size": bs,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_latency": prefill_latency,
+        "prefill_throughput": bs * input_len / prefill_latency,
+        "median_decode_latency": median_decode,
+        "median_decode_throughput": bs / median_decode,
+        "total_latency": total,
+        "overall_throughput": bs * (input_len + output_len) / total,
+        "output_throughput": bs * output_len / total,
+    }
+
+
+def bench_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    ids = torch.tensor(prompts)
+    bs, input_len = ids.shape
+    with torch.inference_mode():
+        tic = time.perf_counter()
+        model(ids)  # a prefill alone, to split prefill from decode time
+        prefill_latency = time.perf_counter() - tic
+        tic = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                       min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        total = time.perf_counter() - tic
+    decode_time = max(total - prefill_latency, 1e-9)
+    return {
+        "engine": "hf-transformers",
+        "batch_size": bs,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_latency": prefill_latency,
+        "prefill_throughput": bs * input_len / prefill_latency,
+        "median_decode_latency": decode_time / (output_len - 1),
+        "median_decode_throughput": bs * (output_len - 1) / decode_time,
+        "total_latency": total,
+        "overall_throughput": bs * (input_len + output_len) / total,
+        "output_throughput": bs * output_len / total,
+    }
+
+
+def print_block(r: dict[str, Any]) -> None:
+    print(f"==== {r['engine']}  batch_size={r['batch_size']} input_len={r['input_len']} output_len={r['output_len']}")
+    print(f"Prefill. latency: {r['prefill_latency']:.4f} s, throughput: {r['prefill_throughput']:9.2f} token/s")
+    print(
+        f"Decode.  median latency: {r['median_decode_latency']:.5f} s, "
+        f"median throughput: {r['median_decode_throughput']:9.2f} token/s"
+    )
+    print(f"Total. latency: {r['total_latency']:.3f} s, output throughput: {r['output_throughput']:9.2f} token/s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--hf", action="store_true", help="also run HF transformers generate")
+    parser.add_argument("--result-file", default=None, help="append JSON lines here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    model_path = resolve_model_path(args.model_path)
+    max_bs = max(args.batch_size)
+    server_args = ServerArgs(
+        model_path=model_path,
+        load_format=args.load_format,
+        max_total_tokens=max_bs * (args.input_len + args.output_len) + 64,
+        max_running_requests=max_bs,
+    ).resolve()
+    model_config = ModelConfig.from_path(model_path, dtype=server_args.dtype, device=server_args.device)
+    torch.set_num_threads(server_args.cpu_threads or torch.get_num_threads())
+    worker = TpModelWorker(server_args, model_config)
+    hf_model = None
+    if args.hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    # Warm-up so one-time costs (allocator growth, lazy init) are not timed.
+    bench_radixserve(worker, _random_prompts(2, 16, model_config.vocab_size, args.seed), 4)
+    results = []
+    for bs in args.batch_size:
+        prompts = _random_prompts(bs, args.input_len, model_config.vocab_size, args.seed + bs)
+        results.append(bench_radixserve(worker, prompts, args.output_len))
+        print_block(results[-1])
+        if hf_model is not None:
+            results.append(bench_hf(hf_model, prompts, args.output_len))
+            print_block(results[-1])
+    if args.result_file:
+        with open(args.result_file, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
