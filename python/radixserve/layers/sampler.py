@@ -1,0 +1,216 @@
+"""Token sampler: penalties, grammar mask, temperature, top-k/top-p/min-p, seeded sampling.
+
+Order per call:
+  1. logprobs = log_softmax(raw logits) when asked (the user-visible distribution is the model's);
+  2. penalties + min_new_tokens, then the grammar vocab mask (-inf where disallowed);
+  3. all-greedy batch: argmax; otherwise temperature -> softmax -> one (partial) sort per batch
+     giving each row's smallest kept probability under top-k / top-p / min-p -> zero the rest ->
+     inverse-CDF draw with one uniform per row;
+  4. rows with top_k == 1 take the argmax whatever the rest of the batch does.
+
+Seeded rows take their uniform from a hash of (seed, position), so the sampled token depends only
+on that row's logits, seed and position — not on batch size, row order or torch's RNG. Unseeded rows
+use torch's RNG. The sort is usually a topk prefix: top-k and min-p cuts lie inside the largest
+top-k, and a top-p cut without top-k is first looked for in the top 1024 (full sort as fallback),
+which matters on CPU where sorting a 150k vocab costs ~1 s per 32 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: Tensor  # [bs] int64
+    next_token_logprobs: Tensor | None  # [bs] fp32, logprob of the chosen token (raw distribution)
+    top_logprobs_val: list[list[float]] | None  # per row, top_logprobs_nums[i] values
+    top_logprobs_idx: list[list[int]] | None  # per row, matching token ids
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: Tensor,
+        info: SamplingBatchInfo,
+        positions: Tensor,
+        return_logprob: bool,
+        top_logprobs_nums: list[int] | None,
+    ) -> SampleOutput:
+        """logits [bs, vocab] raw; positions [bs] int64 = position of the token being sampled."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None  # [bs, vocab]
+        logits = _constrain(logits, info)
+        if info.is_all_greedy:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            next_ids = _sample(logits, info, positions)
+        if raw_logprobs is None:
+            return SampleOutput(next_ids, None, None, None)
+        chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [bs]
+        top_val, top_idx = _top_logprobs(raw_logprobs, top_logprobs_nums)
+        return SampleOutput(next_ids, chosen, top_val, top_idx)
+
+
+def _constrain(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """Penalties, min_new_tokens and grammar mask, on a copy so the caller's logits stay raw."""
+    if info.penalizer is None and info.vocab_mask is None:
+        return logits
+    logits = logits.clone()
+    if info.penalizer is not None:
+        info.penalizer.apply(logits)
+    if info.vocab_mask is not None:
+        logits.masked_fill_(~info.vocab_mask.to(logits.device), float("-inf"))
+    return logits
+
+
+def _sample(logits: Tensor, info: SamplingBatchInfo, positions: Tensor) -> Tensor:
+    """[bs, vocab] constrained logits -> [bs] int64 token ids."""
+    probs = torch.softmax(logits / info.temperatures, dim=-1)  # [bs, vocab]
+    if info.need_top_k or info.need_top_p or info.need_min_p:
+        # Cut tokens below the row's threshold; zeros never win the inverse-CDF draw below.
+        probs = probs.masked_fill(probs < _keep_thresholds(probs, info), 0.0)
+    next_ids = _inverse_cdf(probs, _uniforms(info.seeds, positions, probs))
+    greedy_rows = info.top_ks == 1  # [bs]
+    if bool(greedy_rows.any()):
+        next_ids = torch.where(greedy_rows, logits.argmax(dim=-1), next_ids)
+    return next_ids
+
+
+def _keep_thresholds(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """[bs, 1] smallest kept probability per row after top-k, then top-p, then min-p.
+
+    Only the *values* of the sorted probabilities are used, never the order of tied tokens, so the
+    kept set (and a seeded draw) does not depend on how a sort breaks ties. Tokens tied with the
+    last kept one are kept too (as HF's TopKLogitsWarper does).
+    """
+    vocab = probs.shape[1]
+    sampled = info.top_ks > 1  # [bs]; greedy rows are overwritten by argmax later
+    limited = sampled & (info.top_ks < vocab)  # [bs]; rows with a real top-k cut
+    # Every top-k / min-p cut lies inside the largest top-k prefix (min-p needs only the max).
+    width = int(info.top_ks[limited].max()) if info.need_top_k else 1
+    if bool((sampled & ~limited & (info.top_ps < 1.0)).any()):
+        # top-p without top-k: its cut usually lies well inside a short prefix; try that first.
+        width = max(width, _TOP_P_PREFIX)
+    if width < vocab:
+        thresholds = _prefix_thresholds(torch.topk(probs, width, dim=-1).values, probs, info)
+        if thresholds is not None:
+            return thresholds
+    return _prefix_thresholds(torch.sort(probs, dim=-1, descending=True).values, probs, info)
+
+
+# Prefix length tried for top-p rows without top-k before falling back to a full sort, which on a
+# CPU costs ~50x a topk of this size for a 150k vocab.
+_TOP_P_PREFIX = 1024
+
+
+def _prefix_thresholds(sorted_p: Tensor, probs: Tensor, info: SamplingBatchInfo) -> Tensor | None:
+    """Thresholds from the `width` largest probabilities per row (sorted_p [bs, width], descending).
+
+    None when some top-p cut would fall beyond the prefix (only possible if width < vocab).
+    """
+    vocab = probs.shape[1]
+    width = sorted_p.shape[1]
+    limited = info.top_ks < vocab  # [bs]
+    ranks = torch.arange(width, device=probs.device).unsqueeze(0)  # [1, width]
+    keep = ranks < info.top_ks.unsqueeze(1)  # [bs, width], a prefix per row
+    top_ps = info.top_ps.unsqueeze(1)  # [bs, 1]
+    if info.need_top_p:
+        # top-p applies to the distribution left by top-k (HF warper order): total is the top-k
+        # mass for limited rows (all inside the prefix) and the whole row's mass otherwise.
+        kept_p = sorted_p * keep
+        cum = kept_p.cumsum(dim=-1)
+        exclusive = cum - kept_p  # mass strictly before each rank
+        total = torch.where(limited.unsqueeze(1), cum[:, -1:], probs.sum(dim=-1, keepdim=True))
+        # Smallest prefix whose mass reaches top_p; rows with top_p == 1 skip the test so fp
+        # rounding in the cumsum can never drop a token there.
+        keep &= (exclusive < top_ps * total) | (top_ps >= 1.0)
+        prefix_too_short = keep[:, -1] & ~limited & (info.top_ps < 1.0) & (info.top_ks > 1)
+        if width < vocab and bool(prefix_too_short.any()):
+            return None
+    count = keep.sum(dim=-1, keepdim=True).clamp_min(1)  # [bs, 1]; rank 0 is always kept
+    thresholds = sorted_p.gather(1, count - 1)
+    # Rows with neither a top-k nor a top-p cut keep everything (their prefix may exceed width).
+    uncut = ~limited.unsqueeze(1) & (top_ps >= 1.0)
+    thresholds = thresholds.masked_fill(uncut, 0.0)
+    if info.need_min_p:
+        # Relative to the max, so renormalization by the earlier cuts does not change it.
+        thresholds = torch.maximum(thresholds, info.min_ps.unsqueeze(1) * sorted_p[:, :1])
+    return thresholds
+
+
+def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """Sample one token per row from unnormalized weights [bs, vocab] with uniforms u [bs].
+
+    Token-id order (not sorted order) keeps the draw independent of sort tie-breaking. The chosen
+    index i satisfies cum[i] > cum[i-1], so a zero-weight token can never be drawn.
+    """
+    cum = weights.cumsum(dim=-1)  # [bs, vocab], non-decreasing
+    total = cum[:, -1:].contiguous()  # [bs, 1]
+    ids = torch.searchsorted(cum, u.unsqueeze(1) * total, right=True)
+    # u * total can round up to total; the last index where cum rises is the last positive token.
+    last = torch.searchsorted(cum, total, right=False)
+    return torch.minimum(ids, last).squeeze(1)
+
+
+def _uniforms(seeds: Tensor | None, positions: Tensor, like: Tensor) -> Tensor:
+    """[bs] fp32 in (0, 1): hash(seed, position) for seeded rows, torch's RNG for the others."""
+    u = torch.rand(like.shape[0], dtype=torch.float32, device=like.device)
+    if seeds is None:
+        return u
+    seeds = seeds.to(like.device)
+    pos = positions.to(like.device, torch.int64)
+    return torch.where(seeds >= 0, hashed_uniform(seeds, pos), u)
+
+
+# ---------------------------------------------------------------------- counter-based noise
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift on int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: Tensor) -> Tensor:
+    """splitmix64 finalizer on int64 bits; multiplication wraps mod 2**64 like uint64."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def hashed_uniform(seeds: Tensor, positions: Tensor) -> Tensor:
+    """fp32 in (0, 1), a pure function of (seed, position), elementwise over int64 tensors."""
+    h = _mix64(_mix64(seeds * _GOLDEN + _MIX1) + _mix64(positions + _GOLDEN))
+    # Top 24 bits -> exactly representable in fp32; +0.5 keeps u strictly inside (0, 1).
+    return (_shr(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _top_logprobs(
+    logprobs: Tensor, nums: list[int] | None
+) -> tuple[list[list[float]] | None, list[list[int]] | None]:
+    """Per-row top-`nums[i]` (value, token id) lists from logprobs [bs, vocab]; one topk call."""
+    if nums is None:
+        return None, None
+    k = min(max(nums, default=0), logprobs.shape[1])
+    if k <= 0:
+        return [[] for _ in nums], [[] for _ in nums]
+    vals, idx = logprobs.topk(k, dim=-1)  # [bs, k], sorted descending
+    vals_l, idx_l = vals.tolist(), idx.tolist()
+    return [v[:n] for v, n in zip(vals_l, nums)], [i[:n] for i, n in zip(idx_l, nums)]

@@ -1,0 +1,160 @@
+"""User-facing sampling parameters (SGLang field names and defaults).
+
+`from_dict` is the single entry point from untrusted JSON: it rejects unknown keys and wrong types
+with ValueError so the HTTP layer can answer 400. `normalize()` then `verify(vocab_size)` run once
+per request before it reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature sampling is indistinguishable from argmax; dividing by it would overflow.
+GREEDY_EPS = 1e-6
+
+# top_k value meaning "no top-k cut". Kept independent of the vocab size so params can be
+# normalized before the model is known; the sampler treats any top_k >= vocab as "keep all".
+TOP_K_ALL = 1 << 30
+
+_PENALTY_RANGE = 2.0
+
+# Accepted JSON types per field. bool is excluded from numbers explicitly (isinstance(True, int)).
+_INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_OPT_STR_FIELDS = ("json_schema", "regex", "ebnf")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocab
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a JSON object; unknown keys / wrong types raise ValueError.
+
+        A JSON null for a field with a non-None default means "use the default", because OpenAI-style
+        clients routinely send explicit nulls for unset options.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"Unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if value is None:
+                continue  # default (None for the optional fields, the SGLang default otherwise)
+            kwargs[key] = _check_type(key, value)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ normalize / verify
+    def normalize(self) -> None:
+        """Canonicalize in place; idempotent."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.temperature < GREEDY_EPS:
+            # Greedy is expressed as top_k = 1 so the sampler has a single greedy test; temperature
+            # 1.0 keeps any later division harmless.
+            self.top_k = 1
+            self.temperature = 1.0
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+
+    def verify(self, vocab_size: int) -> None:
+        """Raise ValueError describing the first invalid value."""
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -_PENALTY_RANGE <= value <= _PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be at least 0, got {self.min_new_tokens}.")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                f"got {self.min_new_tokens}."
+            )
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        grammars = [g for g in _OPT_STR_FIELDS if getattr(self, g) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"Only one of json_schema, regex, ebnf can be set, got {', '.join(grammars)}.")
+        for tok in self.stop_token_ids or ():
+            if not 0 <= tok < vocab_size:
+                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {tok}.")
+
+
+def _check_type(key: str, value: Any) -> Any:
+    """Validate one JSON value against the field's type; return it converted (int -> float)."""
+    if key in _INT_FIELDS or key == "seed":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {type(value).__name__}")
+        return value
+    if key in _FLOAT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {type(value).__name__}")
+        return float(value)
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be a boolean, got {type(value).__name__}")
+        return value
+    if key in _OPT_STR_FIELDS:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {type(value).__name__}")
+        return value
+    if key == "stop":
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return list(value)
+        raise ValueError("stop must be a string or a list of strings")
+    if key == "stop_token_ids":
+        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return list(value)
+        raise ValueError("stop_token_ids must be a list of integers")
+    raise AssertionError(f"unhandled sampling field {key}")  # every dataclass field is listed above
