@@ -1,0 +1,95 @@
+"""The prefix-cache interface shared by RadixCache and ChunkCache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.radix_cache import TreeNode
+
+
+class ReqLike(Protocol):
+    """The fields of a scheduler ``Req`` that ``cache_*_req`` read and write (duck-typed)."""
+
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    fill_ids: list[int]
+    req_pool_idx: int | None
+    prefix_indices: torch.Tensor | None
+    last_node: Any
+    kv_committed_len: int
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    device_indices: torch.Tensor  # [prefix_len] int64 KV slots of the matched prefix
+    last_node: TreeNode | None  # deepest matched node (lock it to protect the prefix)
+
+
+def empty_indices() -> torch.Tensor:
+    """A [0] int64 slot tensor (the value of an empty prefix)."""
+    return torch.empty(0, dtype=torch.int64)
+
+
+class BasePrefixCache(ABC):
+    """Maps token prefixes to KV slots; see docs/contracts.md (Memory)."""
+
+    hit_tokens: int
+    query_tokens: int
+
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult: ...
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor) -> int: ...
+
+    @abstractmethod
+    def cache_finished_req(self, req: ReqLike) -> None: ...
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: ReqLike) -> None: ...
+
+    @abstractmethod
+    def inc_lock_ref(self, node: TreeNode | None) -> int: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: TreeNode | None) -> int: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int: ...
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def total_size(self) -> int: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def all_values(self) -> torch.Tensor:
+        """Every KV slot the cache owns ([total_size] int64), for leak checks."""
+
+    @abstractmethod
+    def check_invariants(self) -> int:
+        """Verify internal accounting (raise AssertionError if broken); return total cached tokens."""
+
+    def pretty_print(self) -> str:
+        text = f"{type(self).__name__}(total={self.total_size()})"
+        print(text)
+        return text
+
+    def reset_counters(self) -> None:
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
