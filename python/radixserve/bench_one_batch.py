@@ -67,8 +67,14 @@ def bench_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str,
         model(ids)  # a prefill alone, to split prefill from decode time
         prefill_latency = time.perf_counter() - tic
         tic = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                       min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
         total = time.perf_counter() - tic
     decode_time = max(total - prefill_latency, 1e-9)
     return {
@@ -87,17 +93,25 @@ def bench_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str,
 
 
 def print_block(r: dict[str, Any]) -> None:
-    print(f"==== {r['engine']}  batch_size={r['batch_size']} input_len={r['input_len']} output_len={r['output_len']}")
-    print(f"Prefill. latency: {r['prefill_latency']:.4f} s, throughput: {r['prefill_throughput']:9.2f} token/s")
+    print(
+        f"==== {r['engine']}  batch_size={r['batch_size']} input_len={r['input_len']} output_len={r['output_len']}"
+    )
+    print(
+        f"Prefill. latency: {r['prefill_latency']:.4f} s, throughput: {r['prefill_throughput']:9.2f} token/s"
+    )
     print(
         f"Decode.  median latency: {r['median_decode_latency']:.5f} s, "
         f"median throughput: {r['median_decode_throughput']:9.2f} token/s"
     )
-    print(f"Total. latency: {r['total_latency']:.3f} s, output throughput: {r['output_throughput']:9.2f} token/s")
+    print(
+        f"Total. latency: {r['total_latency']:.3f} s, output throughput: {r['output_throughput']:9.2f} token/s"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 64])

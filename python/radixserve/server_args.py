@@ -29,7 +29,9 @@ class ServerArgs:
     model_path: str | None = _f(None, "Model folder (HF format). Empty or 'default': SmolLM2-135M-Instruct.")
     tokenizer_path: str | None = _f(None, "Tokenizer folder; defaults to the model folder.")
     load_format: str = _f("auto", "Weight format: 'auto' (safetensors) or 'dummy' (random weights).")
-    dtype: str = _f("auto", "Model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")
+    dtype: str = _f(
+        "auto", "Model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."
+    )
     context_length: int | None = _f(None, "Maximum context length; defaults to the model's.")
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
     chat_template: str | None = _f(None, "A Jinja chat template file or string overriding the tokenizer's.")
@@ -47,13 +49,19 @@ class ServerArgs:
     device: str | None = _f(None, "Device: cpu or cuda; defaults to cuda when available.")
     tp_size: int = _f(1, "Tensor-parallel size (number of scheduler processes).")
     random_seed: int = _f(42, "Random seed for unseeded sampling.")
-    cpu_threads: int | None = _f(None, "Torch threads for the scheduler process on CPU; defaults to all cores.")
+    cpu_threads: int | None = _f(
+        None, "Torch threads for the scheduler process on CPU; defaults to all cores."
+    )
 
     # Memory and batching
-    mem_fraction_static: float | None = _f(None, "Fraction of free device memory for weights and KV cache (CUDA).")
+    mem_fraction_static: float | None = _f(
+        None, "Fraction of free device memory for weights and KV cache (CUDA)."
+    )
     max_total_tokens: int | None = _f(None, "Size of the KV pool in tokens; computed from memory when unset.")
     max_running_requests: int | None = _f(None, "Most requests decoding at once.")
-    max_queued_requests: int | None = _f(None, "Most requests waiting; beyond it requests are rejected (503).")
+    max_queued_requests: int | None = _f(
+        None, "Most requests waiting; beyond it requests are rejected (503)."
+    )
     max_prefill_tokens: int = _f(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _f(None, "Chunk size for long prompts; -1 disables chunking.")
     page_size: int = _f(1, "Tokens per KV-cache page.")
@@ -63,7 +71,9 @@ class ServerArgs:
     disable_overlap_schedule: bool = _f(False, "Run the normal (non-overlapped) scheduler loop.")
     enable_mixed_chunk: bool = _f(False, "Run a prefill chunk and the running decodes in one forward.")
     enable_priority_scheduling: bool = _f(False, "Order waiting requests by their 'priority' field.")
-    priority_scheduling_preemption_threshold: int = _f(10, "Priority gap needed to preempt a running request.")
+    priority_scheduling_preemption_threshold: int = _f(
+        10, "Priority gap needed to preempt a running request."
+    )
     prefill_max_requests: int | None = _f(None, "Most requests admitted in one prefill batch.")
     waiting_timeout: float | None = _f(None, "Abort requests waiting longer than this many seconds.")
     running_timeout: float | None = _f(None, "Abort requests running longer than this many seconds.")
@@ -107,7 +117,9 @@ class ServerArgs:
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+            raise ValueError(
+                f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from radixserve.configs.model_config import ModelConfig
 from radixserve.model_loader import default_model
 from radixserve.model_loader.default_model import MARKER_FILE, ensure_default_model, resolve_model_path
@@ -119,8 +120,9 @@ def test_hf_greedy_generation_is_coherent(model_dir: str, hf_tokenizer) -> None:
 
 
 def test_radixserve_loader_reads_converted_weights(model_dir: str) -> None:
-    from radixserve.model_loader.loader import load_model
     from safetensors import safe_open
+
+    from radixserve.model_loader.loader import load_model
 
     model = load_model(ModelConfig.from_path(model_dir))
     with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:

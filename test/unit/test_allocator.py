@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 

@@ -9,12 +9,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from radixserve.configs.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, resolve_dtype
 from radixserve.model_loader.errors import ModelLoadError, check_shape
 from radixserve.model_loader.gguf_convert import hf_tensor_name, undo_rope_permute
 from radixserve.model_loader.loader import load_model
 from radixserve.model_loader.weights import find_weight_files, iterate_weights
-from torch import nn
 
 transformers = pytest.importorskip("transformers")
 

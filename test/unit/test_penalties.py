@@ -4,9 +4,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
 from radixserve.layers.sampler import Sampler
 from radixserve.sampling import SamplingBatchInfo, SamplingParams
-from transformers import RepetitionPenaltyLogitsProcessor
 
 V = 8
 EOS = 7

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from radixserve.mem_cache import ChunkCache, RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
 
 

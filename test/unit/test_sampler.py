@@ -4,9 +4,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
 from radixserve.layers.sampler import Sampler, _keep_thresholds, hashed_uniform
 from radixserve.sampling import SamplingBatchInfo, SamplingParams
-from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 V = 16
 N = 1000  # draws per masking test, done as one batch of identical rows

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+
 from radixserve.sampling.sampling_params import TOP_K_ALL, SamplingParams
 
 VOCAB = 100

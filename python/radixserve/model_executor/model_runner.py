@@ -43,10 +43,16 @@ class ModelRunner:
         torch.manual_seed(server_args.random_seed)
         start = time.perf_counter()
         self.model = load_model(model_config, server_args.load_format, self.device)
-        logger.info("Model loaded in %.1f s (%s, %s)", time.perf_counter() - start, model_config.architecture,
-                    model_config.dtype)
+        logger.info(
+            "Model loaded in %.1f s (%s, %s)",
+            time.perf_counter() - start,
+            model_config.architecture,
+            model_config.dtype,
+        )
         self._init_memory_pools()
-        self.attn_backend = create_attention_backend(server_args.attention_backend or "torch_native", self.device)
+        self.attn_backend = create_attention_backend(
+            server_args.attention_backend or "torch_native", self.device
+        )
         self.logits_processor = LogitsProcessor()
         self.sampler = Sampler()
 
@@ -70,16 +76,22 @@ class ModelRunner:
         num_tokens = args.max_total_tokens or self._profile_max_num_tokens()
         num_tokens = num_tokens // self.page_size * self.page_size
         if num_tokens < self.page_size:
-            raise RuntimeError("Not enough memory for even one KV page; lower the model size or raise the budget")
+            raise RuntimeError(
+                "Not enough memory for even one KV page; lower the model size or raise the budget"
+            )
         self.max_total_num_tokens = num_tokens
         self.max_req_num = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         # One spare row: a chunked request holds a row while the running batch is full.
-        self.req_to_token_pool = ReqToTokenPool(self.max_req_num + 1, self.model_config.context_len + 4, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_req_num + 1, self.model_config.context_len + 4, self.device
+        )
         mc = self.model_config
         self.token_to_kv_pool = MHATokenToKVPool(
             num_tokens, self.page_size, mc.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.device
         )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(num_tokens, self.page_size, self.token_to_kv_pool)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            num_tokens, self.page_size, self.token_to_kv_pool
+        )
         logger.info(
             "KV cache: max_total_num_tokens=%d (%.2f GiB, %d bytes/token), page_size=%d, max_req_num=%d",
             num_tokens,
@@ -91,7 +103,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> tuple[ForwardBatch, LogitsOutput]:
-        fb = ForwardBatch.init_new(batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend, self.device)
+        fb = ForwardBatch.init_new(
+            batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend, self.device
+        )
         hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
         return fb, self.logits_processor(hidden, self.model.lm_head_weight, fb)
 

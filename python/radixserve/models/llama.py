@@ -40,14 +40,20 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.o_proj = nn.Linear(
+            self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False)
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         theta, scaling = rope_config(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -104,7 +110,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual = None
         for layer in self.layers:
@@ -120,14 +128,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias or getattr(config, "attention_bias", False), self.qk_norm)
+        self.model = LlamaModel(
+            config, self.qkv_bias or getattr(config, "attention_bias", False), self.qk_norm
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         """Returns final hidden states [num_tokens, hidden_size]; LogitsProcessor projects them."""
         return self.model(input_ids, positions, forward_batch)
 
@@ -145,14 +157,18 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             target, shard = _fused_target(name)
             if target not in params:
-                raise ModelLoadError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+                raise ModelLoadError(
+                    f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
+                )
             self._load_one(params[target], target, shard, tensor)
             loaded.add(target)
         missing = sorted(set(params) - loaded - ({"lm_head.weight"} if self.tie_word_embeddings else set()))
         if missing:
             raise ModelLoadError(f"Checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
 
-    def _load_one(self, param: nn.Parameter, name: str, shard: str | int | None, tensor: torch.Tensor) -> None:
+    def _load_one(
+        self, param: nn.Parameter, name: str, shard: str | int | None, tensor: torch.Tensor
+    ) -> None:
         dst = param.data
         if shard is not None:
             dst = _shard_view(dst, shard, self.model.layers[0].self_attn, name)

@@ -12,7 +12,9 @@ if TYPE_CHECKING:
 
 
 class RadixAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int) -> None:
+    def __init__(
+        self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim

@@ -66,7 +66,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             torch.cumsum(extend_lens, 0) - extend_lens, extend_lens
         )
         q_scatter_index = starts[token_req] + token_off  # [num_tokens]
-        forward_batch.attn_metadata = TorchNativeMetadata(kv_indices, mask[:, None], q_scatter_index, max_q_len)
+        forward_batch.attn_metadata = TorchNativeMetadata(
+            kv_indices, mask[:, None], q_scatter_index, max_q_len
+        )
 
     def _gather_kv(
         self, layer: RadixAttention, forward_batch: ForwardBatch, meta: TorchNativeMetadata
@@ -85,7 +87,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             group = layer.num_heads // layer.num_kv_heads
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=layer.scaling)
+        out = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=layer.scaling
+        )
         return out  # [bs, num_heads, q_len, head_dim]
 
     def forward_extend(
