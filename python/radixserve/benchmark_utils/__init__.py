@@ -1,0 +1,1 @@
+"""Building blocks of `radixserve.bench_serving`: datasets, request backends and metric arithmetic."""
