@@ -1,3 +1,20 @@
 """radixserve: an LLM serving engine with a radix prefix cache, paged KV pools and an overlap scheduler."""
 
 __version__ = "0.1.0"
+
+from typing import Any
+
+__all__ = ["Engine", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import lazily: `import radixserve` stays cheap, and subprocesses import only what they use."""
+    if name == "Engine":
+        from radixserve.entrypoints.engine import Engine
+
+        return Engine
+    if name == "SamplingParams":
+        from radixserve.sampling.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

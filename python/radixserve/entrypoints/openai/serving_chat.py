@@ -1,0 +1,142 @@
+"""POST /v1/chat/completions: chat template -> token ids -> native generate request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from radixserve.entrypoints.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+    random_id,
+)
+from radixserve.entrypoints.openai.serving_common import (
+    check_model,
+    finish_reason,
+    raise_if_failed,
+    sampling_params,
+    sse,
+    sse_errors,
+    usage,
+)
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer_manager import ClientRequest, TokenizerManager
+
+
+class ChatHandler:
+    def __init__(self, tm: TokenizerManager, served_names: tuple[str, ...]) -> None:
+        self.tm = tm
+        self.served_names = served_names
+
+    def to_native(self, req: ChatCompletionRequest, stream: bool) -> GenerateReqInput:
+        check_model(req.model, self.served_names)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        input_ids = self.tm.apply_chat_template(
+            messages, req.add_generation_prompt, req.continue_final_message
+        )
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params=sampling_params(req, max_new),
+            return_logprob=req.logprobs,
+            top_logprobs_num=req.top_logprobs or 0,
+            rid=req.rid,
+            stream=stream,
+        )
+
+    async def create(
+        self, req: ChatCompletionRequest, request: ClientRequest | None
+    ) -> ChatCompletionResponse:
+        result = await self.tm.generate(self.to_native(req, stream=False), request)
+        outputs = [result] if isinstance(result, dict) else result
+        choices = []
+        for i, out in enumerate(outputs):
+            raise_if_failed(out)
+            reason, matched = finish_reason(out)
+            choices.append(
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=out["text"]),
+                    logprobs=self._logprobs(out) if req.logprobs else None,
+                    finish_reason=reason,
+                    matched_stop=matched,
+                )
+            )
+        model = req.model or self.served_names[0]
+        return ChatCompletionResponse(
+            id=random_id("chatcmpl"), model=model, choices=choices, usage=usage(outputs, req.n)
+        )
+
+    def stream(self, req: ChatCompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
+        outputs = self.tm.stream(self.to_native(req, stream=True), request)
+        return sse_errors(self._stream_chunks(req, outputs))
+
+    async def _stream_chunks(
+        self, req: ChatCompletionRequest, outputs: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[bytes]:
+        rid, model = random_id("chatcmpl"), req.model or self.served_names[0]
+
+        def chunk(choice: ChatStreamChoice) -> bytes:
+            return sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+
+        sent: dict[int, int] = {}  # index -> chars of content already streamed
+        lp_sent: dict[int, int] = {}  # index -> logprob entries already streamed
+        finals: dict[int, dict[str, Any]] = {}
+        async for out in outputs:
+            raise_if_failed(out)
+            idx = out["index"]
+            if idx not in sent:  # the first chunk of each choice announces the role
+                yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content="")))
+            delta = out["text"][sent.get(idx, 0) :]
+            sent[idx] = len(out["text"])
+            logprobs = None
+            if req.logprobs:
+                logprobs = self._logprobs(out, start=lp_sent.get(idx, 0))
+                lp_sent[idx] = lp_sent.get(idx, 0) + len(logprobs.content)
+            reason, matched = finish_reason(out)
+            if reason is not None:
+                finals[idx] = out
+            elif not delta:
+                continue
+            choice = ChatStreamChoice(
+                index=idx,
+                delta=DeltaMessage(content=delta),
+                logprobs=logprobs,
+                finish_reason=reason,
+                matched_stop=matched,
+            )
+            yield chunk(choice)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            ordered = [finals[i] for i in sorted(finals)]
+            final = ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=usage(ordered, req.n))
+            yield sse(final)
+
+    def _logprobs(self, out: dict[str, Any], start: int = 0) -> ChatLogprobs:
+        meta = out["meta_info"]
+        tokens = meta.get("output_token_logprobs", [])[start:]
+        tops = meta.get("output_top_logprobs", [])[start:]
+        content = []
+        for i, (lp, tok, text) in enumerate(tokens):
+            top = tops[i] if i < len(tops) else None
+            content.append(
+                ChatTokenLogprob(
+                    token=self._text(tok, text),
+                    logprob=lp,
+                    bytes=list(self._text(tok, text).encode("utf-8")),
+                    top_logprobs=[
+                        ChatTopLogprob(token=self._text(t, tt), logprob=tl) for tl, t, tt in (top or [])
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _text(self, tok: int, text: str | None) -> str:
+        return text if text is not None else self.tm.detokenize([tok])

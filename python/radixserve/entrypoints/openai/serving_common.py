@@ -1,0 +1,130 @@
+"""Pieces shared by the completions and chat handlers: OpenAI -> native params, usage, SSE."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from pydantic import BaseModel
+
+from radixserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    PromptTokensDetails,
+    SamplingExtras,
+    UsageInfo,
+    error_body,
+)
+from radixserve.managers.tokenizer_manager import InvalidRequestError, RequestAbortedError
+
+# Fields copied verbatim (OpenAI name == SGLang name) when the client set them.
+_PASS_THROUGH = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "regex",
+    "ebnf",
+    "json_schema",
+)
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+def check_model(name: str | None, served_names: tuple[str, ...]) -> None:
+    # "default" is what many clients send when they do not care; accept it like an omitted name.
+    if name is not None and name not in served_names and name != "default":
+        raise ModelNotFoundError(f"The model `{name}` does not exist.")
+
+
+def sampling_params(req: SamplingExtras, max_new_tokens: int | None) -> dict[str, Any]:
+    """Map an OpenAI request onto SGLang sampling parameters (unset fields keep their defaults)."""
+    if getattr(req, "logit_bias", None):
+        raise InvalidRequestError("logit_bias is not supported.")
+    params: dict[str, Any] = {k: getattr(req, k) for k in _PASS_THROUGH if getattr(req, k) is not None}
+    if req.stop is not None:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
+    if max_new_tokens is not None:
+        params["max_new_tokens"] = max_new_tokens
+    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+        params.update(_response_format(req))
+    return params
+
+
+def _response_format(req: ChatCompletionRequest) -> dict[str, Any]:
+    fmt = req.response_format
+    assert fmt is not None
+    if fmt.type == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if fmt.type == "json_schema":
+        schema = (fmt.json_schema or {}).get("schema")
+        if schema is None:
+            raise InvalidRequestError("response_format.json_schema.schema is required.")
+        return {"json_schema": json.dumps(schema)}
+    return {}
+
+
+def finish_reason(output: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    """OpenAI finish_reason and matched stop from a native output (None while unfinished)."""
+    reason = output["meta_info"]["finish_reason"]
+    if reason is None:
+        return None, None
+    kind = reason.get("type")
+    if kind == "abort":
+        return "abort", None
+    return kind, reason.get("matched")
+
+
+def raise_if_failed(output: dict[str, Any]) -> None:
+    """An abort with an HTTP status (queue full, server failure) becomes an error response."""
+    reason = output["meta_info"]["finish_reason"] or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        raise RequestAbortedError(reason.get("message", "Request aborted."), int(reason["status_code"]))
+
+
+def usage(outputs: list[dict[str, Any]], n: int) -> UsageInfo:
+    """Prompt tokens count once per prompt (the n samples share it); completions count per sample."""
+    firsts = outputs[::n]
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in firsts)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    cached = sum(o["meta_info"]["cached_tokens"] for o in firsts)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> bytes:
+    data = payload.model_dump(exclude_none=False) if isinstance(payload, BaseModel) else payload
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Once streaming has started the status is sent, so errors go in-band, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (ValueError, RequestAbortedError) as exc:
+        code = getattr(exc, "status_code", 400)
+        yield b"data: " + orjson.dumps(error_body(str(exc), "server_error", code)) + b"\n\n"
+    yield SSE_DONE

@@ -1,0 +1,144 @@
+"""`python -m radixserve.launch_server --model-path ... --port 30000`
+
+Start-up: resolve the arguments, start the scheduler(s) and the detokenizer, serve the app with
+uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdown (SIGTERM or
+SIGINT): uvicorn stops accepting, in-flight requests get GRACEFUL_SHUTDOWN_S to finish, the
+children are stopped and the process exits 0. A child dying on its own turns /health to 503
+and the process exits 1 within a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from radixserve.entrypoints.http_server import ServerState, create_app
+from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
+from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
+from radixserve.server_args import ServerArgs, prepare_server_args
+from radixserve.utils.network import PortArgs
+from radixserve.utils.process import ChildProcesses, limit_threads
+
+logger = logging.getLogger(__name__)
+
+READY_LINE = "The server is fired up and ready to roll!"
+GRACEFUL_SHUTDOWN_S = 30
+DEATH_GRACE_S = 1.0  # /health reports 503 this long before the server begins to exit
+DEATH_HARD_EXIT_S = 4.0  # then exit no matter what in-flight work remains
+WARMUP_TIMEOUT_S = 600.0
+
+
+class ServerRuntime:
+    """Owns the children, the uvicorn server and the health state of one server process."""
+
+    def __init__(self, server_args: ServerArgs, scheduler_entry: SchedulerEntry | None) -> None:
+        self.server_args = server_args
+        self.port_args = PortArgs.create()
+        self.children: ChildProcesses
+        self.children, info = launch_subprocesses(server_args, self.port_args, scheduler_entry)
+        limit_threads()  # after spawning, so the scheduler does not inherit the limits
+        tm = TokenizerManager(server_args, self.port_args, info, load_tokenizer(server_args))
+        self.state = ServerState(tm=tm)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        app = create_app(self.state, lifespan=self._lifespan)
+        config = uvicorn.Config(
+            app,
+            host=server_args.host,
+            port=server_args.port,
+            loop="uvloop",
+            log_level=server_args.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_keep_alive=5,
+        )
+        self.server = uvicorn.Server(config)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        self.loop = asyncio.get_running_loop()
+        await self.state.tm.start()
+        self.children.start_watchdog(self._on_child_death)
+        threading.Thread(target=self._warmup, name="warmup", daemon=True).start()
+        yield
+        await self.state.tm.close()
+
+    def _on_child_death(self, name: str, exitcode: int | None) -> None:
+        """Watchdog thread: report unhealthy, fail in-flight requests, then exit non-zero."""
+        self.state.dead = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.state.tm.fail_all, f"{name} died (exit code {exitcode})", 503)
+        threading.Timer(DEATH_GRACE_S, self._request_exit).start()
+        threading.Timer(DEATH_HARD_EXIT_S, self._hard_exit).start()
+
+    def _request_exit(self) -> None:
+        self.server.should_exit = True
+
+    def _hard_exit(self) -> None:
+        logger.error("Exiting after a child process died")
+        self.children.terminate(timeout=0.5)
+        self.port_args.cleanup()
+        os._exit(1)
+
+    def _warmup(self) -> None:
+        """Send one real request through HTTP, then declare the server ready."""
+        args = self.server_args
+        url = f"http://{args.host}:{args.port}"
+        headers = {"Content-Type": "application/json"}
+        if args.api_key:
+            headers["Authorization"] = f"Bearer {args.api_key}"
+        deadline = time.monotonic() + WARMUP_TIMEOUT_S
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        body = {
+            "text": "The capital city of France is",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        }
+        try:
+            req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), headers, method="POST")
+            with urllib.request.urlopen(req, timeout=WARMUP_TIMEOUT_S) as resp:
+                resp.read()
+        except Exception as exc:
+            logger.error("Warm-up request failed: %r", exc)
+            self.state.dead = True
+            self._request_exit()
+            return
+        self.state.ready = True
+        logger.info(READY_LINE)
+
+    def run(self) -> int:
+        """Serve until shut down; return the process exit code."""
+        # uvicorn re-raises the signal it caught after its graceful shutdown; a recording
+        # handler keeps that from killing us before the children are stopped.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        try:
+            self.server.run()
+        finally:
+            self.children.terminate()
+            self.port_args.cleanup()
+        return 1 if self.state.dead else 0
+
+
+def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None) -> None:
+    """Run a server until SIGTERM/SIGINT; `scheduler_entry` replaces the scheduler (tests)."""
+    logging.basicConfig(
+        level=server_args.log_level.upper(), format="[%(asctime)s %(processName)s] %(levelname)s %(message)s"
+    )
+    server_args = resolve_model_path(server_args.resolve())
+    runtime = ServerRuntime(server_args, scheduler_entry)
+    sys.exit(runtime.run())
+
+
+if __name__ == "__main__":
+    launch_server(prepare_server_args())

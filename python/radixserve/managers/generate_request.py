@@ -1,0 +1,125 @@
+"""The native generate request (POST /generate, Engine.generate) and its expansion into items.
+
+A request is single or batched (`text: list[str]` / `input_ids: list[list[int]]`) and each prompt
+may ask for `n` samples. `expand()` flattens it into one `RequestItem` per sample, in output
+order (prompt-major), which is the unit the TokenizerManager tracks and the scheduler sees.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from radixserve.sampling.sampling_params import SamplingParams
+
+
+class GenerateReqInput(BaseModel):
+    """SGLang's /generate body. Exactly one of `text` and `input_ids` is given."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    @property
+    def is_single(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, str)
+        return not (self.input_ids and isinstance(self.input_ids[0], list))
+
+    @property
+    def num_prompts(self) -> int:
+        if self.is_single:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids or [])
+
+    def validate_shape(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("Exactly one of 'text' and 'input_ids' must be given.")
+        if (
+            self.input_ids is not None
+            and not self.is_single
+            and not all(isinstance(x, list) for x in self.input_ids)
+        ):
+            raise ValueError("'input_ids' must be a list of integers or a list of lists of integers.")
+        if self.num_prompts == 0:
+            raise ValueError("The batch of prompts is empty.")
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != self.num_prompts:
+                raise ValueError(f"'{name}' has {len(value)} entries for {self.num_prompts} prompts.")
+            if isinstance(value, list) and self.is_single:
+                raise ValueError(f"'{name}' must not be a list for a single prompt.")
+
+    def _prompt(self, value: Any, i: int) -> Any:
+        if value is None or self.is_single:
+            return value
+        return value[i]
+
+    def expand(self) -> list[RequestItem]:
+        """One item per (prompt, sample), prompt-major; raises ValueError on bad input."""
+        self.validate_shape()
+        items: list[RequestItem] = []
+        for i in range(self.num_prompts):
+            raw = dict(_pick(self.sampling_params, i) or {})
+            params = SamplingParams.from_dict(raw)
+            base_rid = _pick(self.rid, i) or uuid.uuid4().hex
+            n = params.n
+            for j in range(n):
+                items.append(
+                    RequestItem(
+                        index=len(items),
+                        rid=base_rid if n == 1 else f"{base_rid}-{j}",
+                        text=self._prompt(self.text, i),
+                        input_ids=self._prompt(self.input_ids, i),
+                        sampling_params=_sample_params(params, j),
+                        max_new_tokens_set=raw.get("max_new_tokens") is not None,
+                        return_logprob=bool(_pick(self.return_logprob, i)),
+                        logprob_start_len=int(_pick(self.logprob_start_len, i)),
+                        top_logprobs_num=int(_pick(self.top_logprobs_num, i)),
+                        prompt_index=i,
+                        sample_index=j,
+                    )
+                )
+        return items
+
+
+def _pick(value: Any, i: int) -> Any:
+    """The i-th entry of a per-prompt list, or the scalar shared by all prompts."""
+    return value[i] if isinstance(value, list) else value
+
+
+def _sample_params(params: SamplingParams, sample_index: int) -> SamplingParams:
+    """A private copy per sample; seeded samples get distinct yet reproducible seeds."""
+    out = copy.deepcopy(params)
+    if out.seed is not None:
+        out.seed += sample_index
+    return out
+
+
+@dataclass(frozen=True)
+class RequestItem:
+    """One sample of one prompt: what becomes a single scheduler request."""
+
+    index: int  # position in the response list
+    rid: str
+    text: str | None
+    input_ids: list[int] | None
+    sampling_params: SamplingParams  # mutable: the TokenizerManager normalizes it once
+    max_new_tokens_set: bool  # False: the default budget may shrink to fit the context
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    prompt_index: int
+    sample_index: int

@@ -1,0 +1,50 @@
+"""Folds a BatchStrOut (one scheduler step, many requests) into the per-request states."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from radixserve.managers.io_struct import BatchStrOut
+from radixserve.managers.req_state import LogprobAccumulator, ReqState
+
+# (state, number of new tokens, whether they are the first ones, finish reason or None)
+Update = tuple[ReqState, int, bool, dict[str, Any] | None]
+
+
+def apply_batch_str_out(msg: BatchStrOut, rid_to_state: dict[str, ReqState], now: float) -> Iterator[Update]:
+    """Append each live request's new text, ids and logprobs; unknown rids (aborted) are skipped."""
+    for i, rid in enumerate(msg.rids):
+        state = rid_to_state.get(rid)
+        if state is None or state.finished:
+            continue
+        new_ids = msg.output_ids[i]
+        first = state.first_token_time is None and bool(new_ids)
+        if first:
+            state.first_token_time = now
+        state.text += msg.output_strs[i]
+        state.output_ids.extend(new_ids)
+        state.prompt_tokens = msg.prompt_tokens[i]
+        state.completion_tokens = msg.completion_tokens[i]
+        state.cached_tokens = msg.cached_tokens[i]
+        if state.item.return_logprob:
+            _add_logprobs(state.logprobs, msg, i, new_ids, state.input_ids, state.item.logprob_start_len)
+        yield state, len(new_ids), first, msg.finished_reasons[i]
+
+
+def _add_logprobs(
+    acc: LogprobAccumulator, msg: BatchStrOut, i: int, new_ids: list[int], input_ids: list[int], start: int
+) -> None:
+    if msg.output_token_logprobs_val is not None:
+        ids = msg.output_token_logprobs_idx[i] if msg.output_token_logprobs_idx is not None else new_ids
+        acc.output_token.extend(zip(msg.output_token_logprobs_val[i], ids))
+    if msg.output_top_logprobs_val is not None and msg.output_top_logprobs_idx is not None:
+        for vals, idxs in zip(msg.output_top_logprobs_val[i], msg.output_top_logprobs_idx[i]):
+            acc.output_top.append(list(zip(vals, idxs)))
+    if msg.input_token_logprobs_val is not None and msg.input_token_logprobs_val[i]:
+        if msg.input_token_logprobs_idx is not None:
+            ids = msg.input_token_logprobs_idx[i]
+        else:  # prompt logprobs cover input_ids[start:], continuing where the last message ended
+            offset = max(start, 0) + len(acc.input_token)
+            ids = input_ids[offset : offset + len(msg.input_token_logprobs_val[i])]
+        acc.input_token.extend(zip(msg.input_token_logprobs_val[i], ids))

@@ -1,0 +1,98 @@
+"""Per-request state kept by the TokenizerManager, and the output dicts built from it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.managers.generate_request import RequestItem
+
+
+@dataclass
+class LogprobAccumulator:
+    """Logprobs gathered across steps: (logprob, token_id) pairs and per-position top-k lists."""
+
+    output_token: list[tuple[float, int]] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token: list[tuple[float | None, int]] = field(default_factory=list)
+
+
+@dataclass
+class ReqState:
+    """One scheduler request (one sample of one prompt) as the TokenizerManager tracks it.
+
+    `group_event` is shared by every item of one generate call, so a caller streaming a batch
+    wakes up on any item's progress; `dirty` marks the items with unseen progress.
+    """
+
+    item: RequestItem
+    input_ids: list[int]
+    group_event: asyncio.Event
+    created_time: float = field(default_factory=time.perf_counter)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+    finished: bool = False
+    dirty: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
+
+    @property
+    def rid(self) -> str:
+        return self.item.rid
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        self.finished = True
+        self.finished_reason = reason
+        self.finished_time = time.perf_counter()
+        self.mark_dirty()
+
+    def mark_dirty(self) -> None:
+        self.dirty = True
+        self.group_event.set()
+
+
+def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> dict[str, Any]:
+    """SGLang's output shape: text, output_ids, meta_info (and the item's index in the batch).
+
+    `token_text` adds each logprob token's text (return_text_in_logprobs); None leaves it out.
+    """
+    end = state.finished_time if state.finished else time.perf_counter()
+    meta: dict[str, Any] = {
+        "id": state.rid,
+        "finish_reason": state.finished_reason,
+        "prompt_tokens": state.prompt_tokens or len(state.input_ids),
+        "completion_tokens": state.completion_tokens or len(state.output_ids),
+        "cached_tokens": state.cached_tokens,
+        "e2e_latency": (end or time.perf_counter()) - state.created_time,
+    }
+    if state.item.return_logprob:
+        meta.update(_logprob_meta(state.logprobs, token_text))
+    return {
+        "text": state.text,
+        "output_ids": list(state.output_ids),
+        "meta_info": meta,
+        "index": state.item.index,
+    }
+
+
+def _logprob_meta(acc: LogprobAccumulator, token_text: Callable[[int], str] | None) -> dict[str, Any]:
+    def triple(lp: float | None, tok: int) -> list[Any]:
+        return [lp, tok, token_text(tok) if token_text else None]
+
+    def top(entries: list[tuple[float, int]] | None) -> list[list[Any]] | None:
+        return None if entries is None else [triple(lp, tok) for lp, tok in entries]
+
+    return {
+        "input_token_logprobs": [triple(lp, tok) for lp, tok in acc.input_token],
+        "output_token_logprobs": [triple(lp, tok) for lp, tok in acc.output_token],
+        "output_top_logprobs": [top(t) for t in acc.output_top],
+    }

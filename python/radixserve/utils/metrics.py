@@ -1,0 +1,139 @@
+"""Prometheus metrics in the text exposition format, with no client library.
+
+The TokenizerManager owns one `ServerMetrics` and updates it from its event loop only, so the
+counters need no locks; /metrics renders a snapshot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+PREFIX = "radixserve"
+
+# Bucket upper bounds in seconds: fine below 1 s where interactive latencies live.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class Histogram:
+    name: str
+    help: str
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    num: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        idx = bisect.bisect_left(self.buckets, value)
+        if idx < len(self.counts):
+            self.counts[idx] += 1
+        self.total += value
+        self.num += 1
+
+    def render(self) -> list[str]:
+        name = f"{PREFIX}:{self.name}"
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            lines.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.num}')
+        lines.append(f"{name}_sum {_fmt(self.total)}")
+        lines.append(f"{name}_count {self.num}")
+        return lines
+
+
+@dataclass
+class Scalar:
+    name: str
+    help: str
+    kind: str  # "counter" or "gauge"
+    value: float = 0.0
+
+    def render(self) -> list[str]:
+        name = f"{PREFIX}:{self.name}"
+        return [f"# HELP {name} {self.help}", f"# TYPE {name} {self.kind}", f"{name} {_fmt(self.value)}"]
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf"
+    return repr(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class ServerMetrics:
+    """Request-level metrics as seen by the TokenizerManager."""
+
+    def __init__(self, max_total_num_tokens: int) -> None:
+        self.max_total_num_tokens = max(1, max_total_num_tokens)
+        self.num_requests = Scalar("num_requests_total", "Finished requests.", "counter")
+        self.num_aborted = Scalar("num_aborted_requests_total", "Aborted requests.", "counter")
+        self.prompt_tokens = Scalar("prompt_tokens_total", "Prompt tokens of finished requests.", "counter")
+        self.generation_tokens = Scalar("generation_tokens_total", "Generated tokens.", "counter")
+        self.cached_tokens = Scalar(
+            "cached_tokens_total", "Prompt tokens served by the prefix cache.", "counter"
+        )
+        self.num_running = Scalar("num_running_reqs", "Requests that produced a first token.", "gauge")
+        self.num_queued = Scalar("num_queue_reqs", "Requests waiting for their first token.", "gauge")
+        self.token_usage = Scalar(
+            "token_usage", "Tokens held by in-flight requests / KV pool size (an upper bound).", "gauge"
+        )
+        self.cache_hit_rate = Scalar("cache_hit_rate", "cached_tokens_total / prompt_tokens_total.", "gauge")
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = Histogram(
+            "inter_token_latency_seconds", "Time between output chunks per token.", ITL_BUCKETS
+        )
+        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency end to end.", LATENCY_BUCKETS)
+        self.queue_time = Histogram(
+            "queue_time_seconds", "Time before the first token minus one step.", LATENCY_BUCKETS
+        )
+
+    def on_first_token(self, ttft: float, queue_time: float | None) -> None:
+        self.ttft.observe(ttft)
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
+
+    def on_tokens(self, num_new_tokens: int, interval: float | None) -> None:
+        self.generation_tokens.value += num_new_tokens
+        if interval is not None and num_new_tokens > 0:
+            per_token = interval / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.itl.observe(per_token)
+
+    def on_finish(self, prompt_tokens: int, cached_tokens: int, e2e: float, aborted: bool) -> None:
+        self.num_requests.value += 1
+        self.num_aborted.value += int(aborted)
+        self.prompt_tokens.value += prompt_tokens
+        self.cached_tokens.value += cached_tokens
+        self.e2e.observe(e2e)
+        if self.prompt_tokens.value:
+            self.cache_hit_rate.value = self.cached_tokens.value / self.prompt_tokens.value
+
+    def set_load(self, num_running: int, num_queued: int, tokens_in_flight: int) -> None:
+        self.num_running.value = num_running
+        self.num_queued.value = num_queued
+        self.token_usage.value = min(1.0, tokens_in_flight / self.max_total_num_tokens)
+
+    def render(self) -> str:
+        parts: list[Scalar | Histogram] = [
+            self.num_requests,
+            self.num_aborted,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.cached_tokens,
+            self.cache_hit_rate,
+            self.num_running,
+            self.num_queued,
+            self.token_usage,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+        ]
+        return "\n".join(line for p in parts for line in p.render()) + "\n"

@@ -1,0 +1,133 @@
+"""Child-process management: start, readiness handshake, death watch, and teardown.
+
+Children must never outlive the server: each child asks the kernel to SIGKILL it when its parent
+dies (PR_SET_PDEATHSIG, covers a SIGKILLed parent), and the parent terminates them at exit. A
+watchdog thread notices a child that died on its own so the server can report 503 and exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent exits (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+
+
+def limit_threads() -> None:
+    """One compute thread for processes that do no heavy math (tokenizer, detokenizer).
+
+    On a 2-core host every extra BLAS/OpenMP thread competes with the scheduler's forward pass.
+    """
+    for var in _THREAD_ENV_VARS:
+        os.environ[var] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def child_entry(target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+    """Common prologue of every child: die with the parent, then run the real entry point."""
+    set_parent_death_signal()
+    try:
+        target(*args)
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        logger.exception("%s crashed", name)
+        raise
+
+
+class ChildProcesses:
+    """The server's children, their readiness pipes, and a watchdog over them."""
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("spawn")  # fork after importing torch/zmq is unsafe
+        self.procs: list[mp.process.BaseProcess] = []
+        self._pipes: list[Connection] = []
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        atexit.register(self.terminate)
+
+    def start(self, name: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+        """Start `target(*args, pipe)`; the child reports readiness (a dict) over `pipe`."""
+        reader, writer = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(
+            target=child_entry, args=(target, (*args, writer), name), name=name, daemon=True
+        )
+        proc.start()
+        writer.close()  # the child holds its own copy; closing ours makes EOF visible if it dies
+        self.procs.append(proc)
+        self._pipes.append(reader)
+
+    def wait_ready(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Block until every child reported {"status": "ready", ...}; raise if one failed or died."""
+        infos = []
+        for proc, pipe in zip(self.procs, self._pipes):
+            if not pipe.poll(timeout):
+                raise RuntimeError(f"{proc.name} did not become ready within {timeout} s")
+            try:
+                info = pipe.recv()
+            except EOFError:
+                raise RuntimeError(
+                    f"{proc.name} exited during start-up (exit code {proc.exitcode})"
+                ) from None
+            if not isinstance(info, dict) or info.get("status") != "ready":
+                raise RuntimeError(f"{proc.name} failed to start: {info}")
+            infos.append(info)
+        return infos
+
+    def start_watchdog(self, on_death: Callable[[str, int | None], None]) -> None:
+        """Call `on_death(name, exitcode)` once if any child exits while the server runs."""
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(on_death,), name="child-watchdog", daemon=True
+        )
+        self._watchdog.start()
+
+    def _watch(self, on_death: Callable[[str, int | None], None]) -> None:
+        sentinels = {p.sentinel: p for p in self.procs}
+        while not self._stopping.is_set():
+            ready = wait(list(sentinels), timeout=0.5)
+            if ready and not self._stopping.is_set():
+                proc = sentinels[ready[0]]
+                proc.join(0)
+                logger.error("Child process %s died (exit code %s)", proc.name, proc.exitcode)
+                on_death(proc.name, proc.exitcode)
+                return
+
+    def any_dead(self) -> bool:
+        return any(not p.is_alive() for p in self.procs)
+
+    def terminate(self, timeout: float = 3.0) -> None:
+        """SIGTERM every child, SIGKILL those still alive after `timeout` s. Idempotent."""
+        self._stopping.set()
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        for pipe in self._pipes:
+            pipe.close()
+        self._pipes.clear()

@@ -1,0 +1,65 @@
+"""radixserve.Engine over the fake scheduler: sync, async, streaming, batches, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_scheduler import run_fake_scheduler, write_tiny_tokenizer  # noqa: E402
+
+from radixserve.entrypoints.engine import Engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    tok_dir = str(tmp_path_factory.mktemp("tok"))
+    write_tiny_tokenizer(tok_dir)
+    with Engine(model_path=tok_dir, scheduler_entry=run_fake_scheduler) as eng:
+        yield eng
+    assert all(not p.is_alive() for p in eng._children.procs)
+
+
+def test_generate_single_and_batch(engine: Engine) -> None:
+    out = engine.generate("Hello world", {"max_new_tokens": 4})
+    assert out["text"] == "Hello worldHello world"
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+    assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"} <= set(meta)
+    outs = engine.generate(["Hello", "world"], [{"max_new_tokens": 1}, {"max_new_tokens": 2}])
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [1, 2]
+    assert outs[0]["text"] == "Hello" and outs[1]["text"].startswith("w")
+
+
+def test_logprobs_and_input_ids(engine: Engine) -> None:
+    out = engine.generate(
+        input_ids=[67, 68],
+        sampling_params={"max_new_tokens": 2},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+    )
+    meta = out["meta_info"]
+    assert [t[1] for t in meta["output_token_logprobs"]] == [67, 68]
+    assert len(meta["output_top_logprobs"][0]) == 2 and len(meta["input_token_logprobs"]) == 2
+
+
+def test_stream_and_async(engine: Engine) -> None:
+    chunks = list(engine.generate("Hello", {"max_new_tokens": 3}, stream=True))
+    assert chunks[-1]["text"] == "HelloHelloHello" and chunks[-1]["meta_info"]["finish_reason"] is not None
+
+    async def main() -> tuple[dict, list[dict]]:
+        single = await engine.async_generate("abc", {"max_new_tokens": 2})
+        stream = await engine.async_generate("abc", {"max_new_tokens": 2}, stream=True)
+        return single, [c async for c in stream]
+
+    single, streamed = asyncio.run(main())
+    assert single["text"] == streamed[-1]["text"]
+
+
+def test_invalid_request_raises_value_error(engine: Engine) -> None:
+    with pytest.raises(ValueError):
+        engine.generate("Hello", {"temperature": -1.0})

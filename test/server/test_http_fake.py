@@ -1,0 +1,318 @@
+"""The real HTTP server over ZMQ with the fake scheduler (test/server/fake_scheduler.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from fake_scheduler import write_tiny_tokenizer  # noqa: E402
+
+from radixserve.utils.network import get_free_port  # noqa: E402
+
+API_KEY = "sk-test"
+
+
+class Server:
+    def __init__(self, tok_dir: str, *flags: str) -> None:
+        self.port = get_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, os.path.join(HERE, "fake_scheduler.py"), "--model-path", tok_dir]
+        cmd += ["--port", str(self.port), "--log-level", "warning", *flags]
+        env = dict(os.environ, FAKE_STEP_S="0.01")
+        self.proc = subprocess.Popen(cmd, env=env)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "server exited during start-up"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("server did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Server]:
+    tok_dir = str(tmp_path_factory.mktemp("tok"))
+    write_tiny_tokenizer(tok_dir)
+    started = {
+        "main": Server(
+            tok_dir, "--enable-metrics", "--max-queued-requests", "4", "--served-model-name", "tiny"
+        ),
+        "auth": Server(tok_dir, "--api-key", API_KEY),
+    }
+    try:
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def url(servers: dict[str, Server]) -> str:
+    return servers["main"].url
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def detok(url: str, ids: list[int]) -> str:
+    return httpx.post(f"{url}/v1/detokenize", json={"tokens": ids}).json()["text"]
+
+
+def assert_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+# ----------------------------------------------------------------------------- native routes
+def test_health_and_info(url: str) -> None:
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/health_generate", timeout=10).status_code == 200
+    info = httpx.get(f"{url}/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] == info["tokenizer_path"]
+    server_info = httpx.get(f"{url}/get_server_info").json()
+    assert server_info["served_model_name"] == "tiny"
+    assert server_info["internal_states"][0]["fake"] is True
+
+
+def test_generate_single_batch_and_n(url: str) -> None:
+    out = httpx.post(
+        f"{url}/generate", json={"text": "Hello world", "sampling_params": {"max_new_tokens": 4}}
+    ).json()
+    assert out["text"] == "Hello worldHello world"
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert out["meta_info"]["completion_tokens"] == 4 and len(out["output_ids"]) == 4
+    body = {
+        "input_ids": [[67, 68], [69]],
+        "sampling_params": [{"max_new_tokens": 2, "n": 2}, {"max_new_tokens": 3}],
+    }
+    outs = httpx.post(f"{url}/generate", json=body).json()
+    assert [o["output_ids"] for o in outs] == [[67, 68], [67, 68], [69, 69, 69]]
+    assert [o["meta_info"]["id"][-2:] for o in outs[:2]] == ["-0", "-1"]
+
+
+def test_generate_stream_and_stop_strings(url: str) -> None:
+    body = {
+        "text": "Hello world STOP",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 40, "stop": ["STOP"]},
+    }
+    with httpx.stream("POST", f"{url}/generate", json=body) as resp:
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("STOP" not in c["text"] for c in chunks)
+    assert chunks[-1]["text"] == "Hello world "
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "STOP"}
+    assert sum(c["meta_info"]["finish_reason"] is not None for c in chunks) == 1
+
+
+def test_stop_token_and_no_stop_trim(url: str) -> None:
+    params = {"max_new_tokens": 10, "stop_token_ids": [69], "skip_special_tokens": True}
+    out = httpx.post(f"{url}/generate", json={"input_ids": [67, 68, 69], "sampling_params": params}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 69}
+    assert out["text"] == detok(url, [67, 68])
+    params = {"max_new_tokens": 10, "stop": "wor", "no_stop_trim": True}
+    out = httpx.post(f"{url}/generate", json={"text": "Hello world", "sampling_params": params}).json()
+    assert out["text"] == "Hello wor"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b'{"text": 5}',
+        b'{"text": "a", "sampling_params": {"temperature": "hot"}}',
+        b'{"text": "a", "sampling_params": {"top_p": 7.0}}',
+        b'{"text": "a", "sampling_params": {"bogus": 1}}',
+        b'{"text": "a", "input_ids": [1]}',
+        b'{"text": "' + b"Hello world " * 200 + b'"}',
+        b'{"text": "a", "sampling_params": {"max_new_tokens": 100000}}',
+    ],
+)
+def test_generate_validation_is_400(url: str, body: bytes) -> None:
+    assert_error(httpx.post(f"{url}/generate", content=body), 400)
+
+
+def test_queue_full_is_503(url: str) -> None:
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "n": 6}}
+    assert_error(httpx.post(f"{url}/generate", json=body), 503)
+
+
+def test_flush_cache_and_abort_request(url: str) -> None:
+    assert httpx.post(f"{url}/flush_cache").status_code == 200
+    body = {"text": "Hi", "rid": "long-1", "stream": True, "sampling_params": {"max_new_tokens": 200}}
+    with httpx.Client(timeout=10) as client, httpx.stream("POST", f"{url}/generate", json=body) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+        assert_error(client.post(f"{url}/flush_cache"), 400)  # busy
+        assert client.post(f"{url}/abort_request", json={"rid": "long-1"}).status_code == 200
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "long-1" in aborted_rids(url)
+
+
+def aborted_rids(url: str) -> list[str]:
+    deadline = time.monotonic() + 3
+    while True:
+        rids = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]["aborted_rids"]
+        if rids or time.monotonic() > deadline:
+            return rids
+        time.sleep(0.05)
+
+
+def wait_aborted(url: str, rid: str) -> None:
+    deadline = time.monotonic() + 4
+    while rid not in aborted_rids(url):
+        assert time.monotonic() < deadline, f"{rid} never aborted"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_streaming_and_non_streaming(url: str) -> None:
+    body = {"text": "Hi", "rid": "gone-stream", "stream": True, "sampling_params": {"max_new_tokens": 240}}
+    with httpx.stream("POST", f"{url}/generate", json=body) as resp:
+        next(resp.iter_lines())
+    wait_aborted(url, "gone-stream")
+    body = {"text": "Hi", "rid": "gone-plain", "sampling_params": {"max_new_tokens": 240}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/generate", json=body, timeout=0.3)
+    wait_aborted(url, "gone-plain")
+
+
+# ----------------------------------------------------------------------------- OpenAI routes
+def test_openai_completions(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    resp = client.completions.create(model="tiny", prompt=["Hello", "abc"], max_tokens=3, n=2, echo=True)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.choices[0].text == "HelloHelloHelloHello" and resp.choices[2].text == "abcabc"
+    assert resp.usage.prompt_tokens == 1 + 3 and resp.usage.completion_tokens == 12
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    resp = client.completions.create(model="tiny", prompt=[67, 68], max_tokens=2, logprobs=1)
+    assert resp.choices[0].text == detok(url, [67, 68]) and resp.choices[0].logprobs.token_logprobs == [
+        -0.5,
+        -0.5,
+    ]
+
+
+def test_openai_completions_stream_usage(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    stream = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=4, n=2, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    finishes: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finishes[c.index] = finishes.get(c.index, 0) + (c.finish_reason is not None)
+    assert texts == {0: "Hello" * 4, 1: "Hello" * 4} and finishes == {0: 1, 1: 1}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_openai_chat(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    msgs = [{"role": "user", "content": "Hello"}]
+    resp = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=5, seed=1)
+    assert resp.choices[0].finish_reason == "length" and resp.choices[0].message.role == "assistant"
+    assert resp.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, stop=["user"], stream=True, logprobs=True, top_logprobs=1
+    )
+    chunks = list(stream)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["stop"]
+    assert "user" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_openai_errors(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=-1)
+    assert_error(httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"}), 400)
+    assert_error(httpx.post(f"{url}/v1/completions", content=b"[1,"), 400)
+    assert assert_error(httpx.get(f"{url}/v1/models/nope"), 404)["code"] == "model_not_found"
+    assert_error(httpx.get(f"{url}/no/such/route"), 404)
+
+
+def test_models_tokenize_metrics(url: str) -> None:
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{url}/v1/models/tiny").json()["id"] == "tiny"
+    tok = httpx.post(f"{url}/v1/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+    text = httpx.post(f"{url}/v1/detokenize", json={"tokens": tok["tokens"]}).json()["text"]
+    assert text == "Hello world"
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_bucket"):
+        assert f"radixserve:{name}" in metrics
+
+
+# ----------------------------------------------------------------------------- auth, lifecycle
+def test_api_key(servers: dict[str, Server]) -> None:
+    url = servers["auth"].url
+    assert_error(httpx.get(f"{url}/v1/models"), 401)
+    assert_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_sigterm_finishes_in_flight_then_exits_0(servers: dict[str, Server]) -> None:
+    server = servers["auth"]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    info = httpx.get(f"{server.url}/get_server_info", headers=headers).json()
+    scheduler_pid = info["internal_states"][0]["pid"]
+    body = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 60}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, headers=headers) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["meta_info"]["finish_reason"]["type"] == "length"
+    assert server.proc.wait(timeout=15) == 0
+    with pytest.raises(ProcessLookupError):  # the children went with it
+        os.kill(scheduler_pid, 0)
+
+
+def test_dead_scheduler_makes_health_503_and_server_exit(servers: dict[str, Server]) -> None:
+    server = servers["main"]  # the last test of the module: it kills this server
+    pid = httpx.get(f"{server.url}/get_server_info").json()["internal_states"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    saw_503 = False
+    while server.proc.poll() is None and time.monotonic() - killed < 5:
+        try:
+            saw_503 |= httpx.get(f"{server.url}/health", timeout=0.5).status_code == 503
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    assert saw_503
+    assert server.proc.wait(timeout=max(0.1, 5 - (time.monotonic() - killed))) != 0

@@ -1,0 +1,158 @@
+"""Incremental detokenization and stop strings against a real byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from radixserve.managers.detokenizer import (
+    DecodeState,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    TokenDecoder,
+)
+
+CORPUS = [
+    "Hello world, this is a small test corpus for a tiny tokenizer.",
+    "Héllo wörld, ça va? Über straße naïve café.",
+    "日本語のテキストと中文文本 한국어 텍스트",
+    "Emoji: 😀 🎉 👍🏽 🚀 and symbols € £ ¥ ∑ ∞",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=420, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def stream(decode: TokenDecoder, ids: list[int], chunk: int = 1) -> str:
+    detok = IncrementalDetokenizer(decode)
+    parts = []
+    for i in range(0, len(ids), chunk):
+        piece = ids[i : i + chunk]
+        parts.append(detok.append(piece, final=i + chunk >= len(ids)))
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_streams_match_full_decode(tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 200))]
+    for skip in (True, False):
+        decode = TokenDecoder(tokenizer, skip_special_tokens=skip)
+        assert stream(decode, ids, chunk=rng.randint(1, 3)) == decode(ids)
+
+
+@pytest.mark.parametrize("text", CORPUS + ["日😀é" * 30, "a" * 50 + "ß" * 50])
+def test_real_text_round_trips_token_by_token(tokenizer: PreTrainedTokenizerFast, text: str) -> None:
+    ids = tokenizer.encode(text)
+    assert stream(TokenDecoder(tokenizer), ids) == text
+
+
+def test_multibyte_char_split_across_tokens_is_held_back(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("😀")
+    assert len(ids) > 1, "the tiny vocab must split the emoji into several byte tokens"
+    detok = IncrementalDetokenizer(TokenDecoder(tokenizer))
+    deltas = [detok.append([i]) for i in ids]
+    assert all(d == "" for d in deltas[:-1])
+    assert deltas[-1] == "😀"
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_special_tokens_skip_and_spacing(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("Hello<|im_end|><|im_start|>world")
+    assert TokenDecoder(tokenizer, skip_special_tokens=True)(ids) == "Helloworld"
+    spaced = TokenDecoder(tokenizer, skip_special_tokens=False, spaces_between_special_tokens=True)
+    tight = TokenDecoder(tokenizer, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert spaced(ids) == "Hello <|im_end|> <|im_start|> world"
+    assert tight(ids) == "Hello<|im_end|><|im_start|>world"
+    for decode in (spaced, tight):
+        assert stream(decode, ids) == decode(ids)
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer, counting the tokens handed to decode."""
+
+    def __init__(self, inner: PreTrainedTokenizerFast) -> None:
+        self.inner = inner
+        self.added_tokens_decoder = inner.added_tokens_decoder
+        self.all_special_ids = inner.all_special_ids
+        self.decoded_tokens = 0
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        self.decoded_tokens += len(ids)
+        return self.inner.decode(ids, **kwargs)
+
+
+def test_per_token_decode_work_is_bounded(tokenizer: PreTrainedTokenizerFast) -> None:
+    counting = CountingTokenizer(tokenizer)
+    ids = (tokenizer.encode(" ".join(CORPUS)) * 100)[:2000]
+    assert len(ids) == 2000
+    text = stream(TokenDecoder(counting), ids)
+    assert text == tokenizer.decode(ids)
+    # A full re-decode per step would pass ~2000*2000/2 = 2M tokens; a window passes a few each.
+    assert counting.decoded_tokens < 10 * len(ids)
+
+
+def run_matcher(
+    chunks: list[str], stop: list[str], no_stop_trim: bool = False
+) -> tuple[list[str], str | None]:
+    matcher = StopStringMatcher(stop, no_stop_trim)
+    out = [matcher.feed(c) for c in chunks]
+    if matcher.matched is None:
+        out.append(matcher.flush())
+    return out, matcher.matched
+
+
+def test_stop_string_spanning_chunks_never_leaks() -> None:
+    out, matched = run_matcher(["Hello wo", "rld", " S", "TO", "P and more"], ["STOP"])
+    assert matched == "STOP"
+    assert "".join(out) == "Hello world "
+    assert all("S" not in o for o in out)
+
+
+def test_partial_match_released_when_it_does_not_complete() -> None:
+    out, matched = run_matcher(["abc ST", "ATE of ", "S"], ["STOP"])
+    assert matched is None
+    assert out[0] == "abc "
+    assert "".join(out) == "abc STATE of S"
+
+
+def test_no_stop_trim_keeps_the_stop_string() -> None:
+    out, matched = run_matcher(["x</", "end> tail"], ["</end>"], no_stop_trim=True)
+    assert matched == "</end>"
+    assert "".join(out) == "x</end>"
+
+
+def test_earliest_and_overlapping_stops() -> None:
+    out, matched = run_matcher(["aaXbbXY"], ["XY", "bX"])
+    assert (matched, "".join(out)) == ("bX", "aaXb")
+    out, matched = run_matcher(["1234"], ["23", "234"])
+    assert (matched, "".join(out)) == ("234", "1")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_stop_strings_over_token_stream(tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
+    rng = random.Random(seed)
+    text = rng.choice(CORPUS)
+    stop = text[rng.randrange(5, len(text) - 5) :][: rng.randint(1, 6)]
+    state = DecodeState(TokenDecoder(tokenizer), [stop], no_stop_trim=False)
+    ids = tokenizer.encode(text)
+    streamed = ""
+    for i, tok in enumerate(ids):
+        streamed += state.step([tok], finished=i == len(ids) - 1)
+        assert stop not in streamed
+    assert state.matched_stop == stop
+    assert streamed == text[: text.index(stop)]
