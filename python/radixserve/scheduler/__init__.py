@@ -1,0 +1,7 @@
+"""The scheduler process's core: request state, batch construction, policies and event loops."""
+
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.scheduler.scheduler import NormalLoop, OverlapLoop, Scheduler
+
+__all__ = ["NormalLoop", "OverlapLoop", "Req", "ScheduleBatch", "Scheduler"]

@@ -1,0 +1,146 @@
+"""Every message that crosses a process boundary, plus the type-keyed dispatcher receivers use.
+
+Flow (DESIGN.md): TokenizerManager --TokenizedGenerateReqInput / AbortReq / FlushCacheReqInput /
+GetInternalStateReq--> Scheduler --BatchTokenIDOut--> Detokenizer --BatchStrOut--> TokenizerManager;
+the scheduler answers control requests with their *Output message straight to the TokenizerManager.
+
+All messages are frozen dataclasses with slots: cheap to build, safe to share between threads, and
+picklable (ZMQ `send_pyobj`). Batch messages are columnar: `rids[i]` and every other list's `[i]`
+describe the same request. Finish reasons are plain dicts so they serialize anywhere:
+
+    {"type": "stop", "matched": <token id (int) or stop string (str)>}
+    {"type": "length", "length": <number of output tokens>}
+    {"type": "abort", "message": <why>, "status_code": <HTTP status or None>}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.sampling.sampling_params import SamplingParams
+
+FinishReasonDict = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------- requests
+@dataclass(frozen=True, slots=True)
+class TokenizedGenerateReqInput:
+    """One generation request, tokenized and validated by the TokenizerManager."""
+
+    rid: str
+    input_text: str  # the prompt as text ("" when the client sent token ids); for logs only
+    input_ids: list[int]
+    sampling_params: SamplingParams  # already normalize()d and verify()d
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # prompt position from which prompt logprobs are returned; -1: none
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: int | None = None  # larger = more important (only with --enable-priority-scheduling)
+    received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTokenizedGenerateReqInput:
+    """Several generation requests sent in one message (e.g. a batched /generate call or n > 1)."""
+
+    reqs: list[TokenizedGenerateReqInput]
+
+
+@dataclass(frozen=True, slots=True)
+class AbortReq:
+    """Abort every request whose rid starts with `rid` (so "abc" also aborts n > 1 children
+    "abc-0", "abc-1", ...), or every request when `abort_all`."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FlushCacheReqInput:
+    """Drop the prefix cache and reset the KV pools; refused while requests are in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GetInternalStateReq:
+    """Ask the scheduler for a snapshot of its counters (for /get_server_info)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GetInternalStateReqOutput:
+    internal_state: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------- outputs
+@dataclass(frozen=True, slots=True)
+class BatchTokenIDOut:
+    """Scheduler -> Detokenizer, one per scheduler step: every request that has something to report.
+
+    A streaming request appears whenever it produced tokens; a non-streaming one only when it
+    finishes (then `output_ids` holds its whole output). `output_ids[i]` are the token ids new since
+    the previous message for that rid, and the logprob lists follow the same "new since last time"
+    rule. The detokenizer keeps per-rid decode state and drops it when `finished_reasons[i]` is set.
+    """
+
+    rids: list[str]
+    finished_reasons: list[FinishReasonDict | None]
+    output_ids: list[list[int]]  # new output token ids per request
+    prompt_tokens: list[int]
+    completion_tokens: list[int]  # output tokens so far (all of them, not just the new ones)
+    cached_tokens: list[int]  # prompt tokens served from the prefix cache
+    # Detokenization options, per request (the detokenizer is stateless about sampling params).
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]]  # stop strings the detokenizer trims from (and withholds in) text
+    # Logprobs (None when no request in the message asked for them; [] for those that did not).
+    output_token_logprobs_val: list[list[float]] | None = None  # logprob of each new output token
+    output_token_logprobs_idx: list[list[int]] | None = None  # the token id it belongs to
+    output_top_logprobs_val: list[list[list[float]]] | None = None  # per new token, top-k logprobs
+    output_top_logprobs_idx: list[list[list[int]]] | None = None
+    input_token_logprobs_val: list[list[float]] | None = None  # prompt logprobs, new since last time
+    input_token_logprobs_idx: list[list[int]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStrOut:
+    """Detokenizer -> TokenizerManager: `BatchTokenIDOut` with the new text of each request."""
+
+    rids: list[str]
+    finished_reasons: list[FinishReasonDict | None]
+    output_strs: list[str]  # text new since the previous message for that rid
+    output_ids: list[list[int]]  # the token ids behind that text (new since last time)
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs_val: list[list[float]] | None = None
+    output_token_logprobs_idx: list[list[int]] | None = None
+    output_top_logprobs_val: list[list[list[float]]] | None = None
+    output_top_logprobs_idx: list[list[list[int]]] | None = None
+    input_token_logprobs_val: list[list[float]] | None = None
+    input_token_logprobs_idx: list[list[int]] | None = None
+
+
+# ------------------------------------------------------------------------------------- dispatching
+@dataclass(slots=True)
+class TypeBasedDispatcher:
+    """Route a message to its handler by type: one table per receiver (seed 002 §4.4).
+
+    Handlers are tried in table order with isinstance, so list a subclass before its base. An
+    unknown type raises ValueError: a message nobody handles is a bug, not something to drop.
+    """
+
+    mapping: list[tuple[type, Callable[[Any], Any]]] = field(default_factory=list)
+
+    def __call__(self, obj: object) -> Any:  # noqa: ANN401 - handlers return their own types
+        for ty, fn in self.mapping:
+            if isinstance(obj, ty):
+                return fn(obj)
+        raise ValueError(f"Invalid object: {type(obj).__name__} has no handler")

@@ -1,0 +1,198 @@
+"""Result processing (seed 001 §5, seed 000 §11) and streaming: tokens are appended, finish
+conditions checked, KV handed to the prefix cache, and each scheduler step sends ONE BatchTokenIDOut
+with everything it has to report.
+
+KV timing rule: a request that finishes releases its KV only once no launched batch containing it is
+still unprocessed (in the overlap loop the next decode may already be running with it); that batch's
+token is then dropped. An unfinished request's prompt is cached right after its prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.model_executor.forward_batch import GenerationBatchResult
+from radixserve.scheduler.kv_memory import KVMemory
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.schedule_batch import ScheduleBatch
+
+
+class StepStats:
+    """Counters the periodic log lines and get_internal_state read."""
+
+    def __init__(self) -> None:
+        self.num_generated_tokens = 0  # since the last decode log line
+        self.last_log_time = time.monotonic()
+        self.num_decode_steps = 0
+        self.last_gen_throughput = 0.0
+        self.cache_hit_tokens = 0
+        self.cache_query_tokens = 0
+
+
+class OutputProcessor:
+    def __init__(
+        self, mem: KVMemory, send_output: Callable[[object], None], on_finished: Callable[[Req], None]
+    ) -> None:
+        self.mem = mem
+        self.send_output = send_output
+        self.on_finished = on_finished
+        self.stats = StepStats()
+        self._step_reqs: dict[int, Req] = {}  # requests to report this step, in order
+
+    # ------------------------------------------------------------------ results
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        next_token_ids = result.next_token_ids.tolist()  # [bs]
+        logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
+        if batch.forward_mode.is_decode():
+            self._process_decode(batch, result, next_token_ids, logprobs)
+        else:
+            self._process_prefill(batch, result, next_token_ids, logprobs)
+        if batch.sampling_info is not None:
+            batch.sampling_info.cumulate_output_tokens(result.next_token_ids)
+
+    def _begin(self, batch: ScheduleBatch, i: int, req: Req) -> bool:
+        """Bookkeeping every row needs; True when this row's token must be dropped."""
+        req.num_inflight -= 1
+        if batch.future_indices is not None and req.pending_future == batch.future_indices[i]:
+            req.pending_future = None
+        if req.is_retracted:
+            return True  # its KV is gone; it recomputes this token after re-admission
+        if req.finished():  # finished while this batch was in flight
+            self.release_if_idle(req)
+            return True
+        return False
+
+    def _process_prefill(
+        self,
+        batch: ScheduleBatch,
+        result: GenerationBatchResult,
+        next_token_ids: list[int],
+        logprobs: list[float] | None,
+    ) -> None:
+        decoding = {id(r) for r in batch.decoding_reqs}
+        for i, req in enumerate(batch.reqs):
+            if self._begin(batch, i, req):
+                continue
+            if id(req) not in decoding:
+                self._record_input_logprobs(batch, result, i, req)
+                if req.is_chunked > 0:  # a middle chunk: its sampled token means nothing
+                    req.is_chunked -= 1
+                    continue
+            self._append_token(req, next_token_ids[i], result, logprobs, i)
+            if req.finished():
+                self.release_if_idle(req)
+            elif id(req) not in decoding:
+                self.mem.tree_cache.cache_unfinished_req(req)
+            self.collect(req)
+
+    def _process_decode(
+        self,
+        batch: ScheduleBatch,
+        result: GenerationBatchResult,
+        next_token_ids: list[int],
+        logprobs: list[float] | None,
+    ) -> None:
+        self.stats.num_decode_steps += 1
+        for i, req in enumerate(batch.reqs):
+            if self._begin(batch, i, req):
+                continue
+            self._append_token(req, next_token_ids[i], result, logprobs, i)
+            if req.finished():
+                self.release_if_idle(req)
+            self.collect(req)
+
+    def _append_token(
+        self, req: Req, token_id: int, result: GenerationBatchResult, logprobs: list[float] | None, i: int
+    ) -> None:
+        req.output_ids.append(token_id)
+        self.stats.num_generated_tokens += 1
+        if req.times.first_token is None:
+            req.times.first_token = time.monotonic()
+        if req.return_logprob:
+            req.append_output_logprob(
+                token_id,
+                logprobs[i] if logprobs is not None else None,
+                result.top_logprobs_val[i] if result.top_logprobs_val is not None else None,
+                result.top_logprobs_idx[i] if result.top_logprobs_idx is not None else None,
+            )
+        req.check_finished()
+
+    @staticmethod
+    def _record_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult, i: int, req: Req) -> None:
+        if (
+            not req.return_logprob
+            or result.input_token_logprobs is None
+            or batch.extend_logprob_start_lens is None
+        ):
+            return
+        # The forward returns logprobs of chunk-local tokens start+1 .. extend_len-1.
+        start = batch.prefix_lens[i] + batch.extend_logprob_start_lens[i] + 1
+        req.append_input_logprobs(result.input_token_logprobs[i], start)
+
+    # ------------------------------------------------------------------ finishing
+    def release_if_idle(self, req: Req) -> None:
+        """Release a finished request's KV unless a launched batch with it is still unprocessed."""
+        if req.num_inflight == 0 and req.holds_kv():
+            self.mem.release_finished(req)
+
+    def finish_now(self, req: Req, message: str, status_code: int | None = None) -> None:
+        """Abort a request outside result processing (waiting, chunked, rejected) and report it."""
+        req.set_finish_with_abort(message, status_code)
+        req.to_finish = None
+        self.release_if_idle(req)
+        self.collect(req)
+
+    # ------------------------------------------------------------------ streaming
+    def collect(self, req: Req) -> None:
+        """Report req in this step's message: streaming requests always, others when finished."""
+        if req.finished() or req.stream:
+            self._step_reqs[id(req)] = req
+
+    def flush(self) -> None:
+        """Send this step's BatchTokenIDOut (nothing when no request has anything to report)."""
+        if not self._step_reqs:
+            return
+        reqs = list(self._step_reqs.values())
+        self._step_reqs.clear()
+        self.send_output(self._build_message(reqs))
+        for req in reqs:
+            if req.finished():
+                req.times.finished = time.monotonic()
+                self.on_finished(req)
+
+    @staticmethod
+    def _build_message(reqs: list[Req]) -> BatchTokenIDOut:
+        output_ids, out_val, out_idx, top_val, top_idx, in_val, in_idx = [], [], [], [], [], [], []
+        for req in reqs:
+            output_ids.append(req.output_ids[req.sent_output_len :])
+            req.sent_output_len = len(req.output_ids)
+            lp = req.logprobs
+            out_val.append(lp.output_val[lp.sent_output :])
+            out_idx.append(lp.output_idx[lp.sent_output :])
+            top_val.append(lp.top_val[lp.sent_output :])
+            top_idx.append(lp.top_idx[lp.sent_output :])
+            lp.sent_output = len(lp.output_val)
+            in_val.append(lp.input_val[lp.sent_input :])
+            in_idx.append(lp.input_idx[lp.sent_input :])
+            lp.sent_input = len(lp.input_val)
+        any_logprob = any(r.return_logprob for r in reqs)
+        return BatchTokenIDOut(
+            rids=[r.rid for r in reqs],
+            finished_reasons=[r.finished_reason.to_json() if r.finished_reason else None for r in reqs],
+            output_ids=output_ids,
+            prompt_tokens=[len(r.origin_input_ids) for r in reqs],
+            completion_tokens=[len(r.output_ids) for r in reqs],
+            cached_tokens=[r.cached_tokens for r in reqs],
+            skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
+            spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
+            no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
+            stop_strs=[list(r.stop_strs) for r in reqs],
+            output_token_logprobs_val=out_val if any_logprob else None,
+            output_token_logprobs_idx=out_idx if any_logprob else None,
+            output_top_logprobs_val=top_val if any_logprob else None,
+            output_top_logprobs_idx=top_idx if any_logprob else None,
+            input_token_logprobs_val=in_val if any_logprob else None,
+            input_token_logprobs_idx=in_idx if any_logprob else None,
+        )

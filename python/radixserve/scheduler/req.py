@@ -1,0 +1,236 @@
+"""A request's state inside the scheduler (seed 001 §7) and the reasons it can finish.
+
+Lifecycle: WAITING -> EXTENDING (-> CHUNKED -> EXTENDING ...) -> DECODING -> FINISHED, with
+DECODING -> WAITING on retraction/preemption and any state -> FINISHED on abort.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.base_cache import BasePrefixCache
+
+
+# ------------------------------------------------------------------------------- finish reasons
+@dataclass(frozen=True)
+class FinishReason:
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FinishLength(FinishReason):
+    length: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass(frozen=True)
+class FinishMatchedToken(FinishReason):
+    matched: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
+class FinishMatchedStr(FinishReason):
+    matched: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
+class FinishAbort(FinishReason):
+    message: str = "Aborted."
+    status_code: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "abort", "message": self.message, "status_code": self.status_code}
+
+
+@dataclass
+class ReqTimes:
+    received: float  # time.time() when the server got the request
+    queued: float = 0.0  # time.monotonic() when it (last) entered the waiting queue
+    first_scheduled: float | None = None  # monotonic; running_timeout counts from here
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class ReqLogprobs:
+    """Accumulated logprobs, plus how many of each were already sent to the detokenizer."""
+
+    output_val: list[float] = field(default_factory=list)
+    output_idx: list[int] = field(default_factory=list)
+    top_val: list[list[float]] = field(default_factory=list)
+    top_idx: list[list[int]] = field(default_factory=list)
+    input_val: list[float] = field(default_factory=list)
+    input_idx: list[int] = field(default_factory=list)
+    sent_output: int = 0
+    sent_input: int = 0
+
+
+class Req:
+    """The input and output state of one request (field names per seed 001 §7.1)."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        origin_input_text: str = "",
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        priority: int | None = None,
+        received_time: float | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer: Any = None,  # noqa: ANN401 - any HF-style tokenizer with decode()
+    ) -> None:
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+        self.priority = priority if priority is not None else 0  # larger = more important
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.tokenizer = tokenizer
+        stops = sampling_params.stop or []
+        self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
+        self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
+
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []  # origin_input_ids + output_ids, cut to the chunk being run
+        # KV bookkeeping
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = torch.empty((0,), dtype=torch.int64)  # [prefix_len]
+        self.last_node: Any = None  # RadixCache TreeNode locked for this request
+        self.extend_input_len = 0
+        # Positions whose KV is written or being written by an already launched forward: the worker
+        # runs forwards in launch order, so anything launched later may read them.
+        self.kv_committed_len = 0
+        self.already_computed = 0  # prompt tokens computed by earlier chunks (not cache hits)
+        self.cached_tokens = 0
+        # Finish state
+        self.finished_reason: FinishReason | None = None
+        self.to_finish: FinishReason | None = None  # applied by the next check_finished()
+        # Chunking / retraction
+        self.is_chunked = 0  # > 0: chunks still in flight whose results must not be streamed
+        self.is_retracted = False
+        # Overlap bookkeeping: batches launched but not yet processed that contain this request, and
+        # the FutureMap slot that will hold its newest token (None once that token is known).
+        self.num_inflight = 0
+        self.pending_future: int | None = None
+
+        self.times = ReqTimes(received=received_time if received_time else time.time())
+        self.logprobs = ReqLogprobs()
+        self.sent_output_len = 0  # output_ids already sent to the detokenizer
+
+    # ------------------------------------------------------------------ state
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def holds_kv(self) -> bool:
+        return self.req_pool_idx is not None
+
+    def set_finish_with_abort(self, message: str, status_code: int | None = None) -> None:
+        self.finished_reason = FinishAbort(message, status_code)
+
+    # ------------------------------------------------------------------ scheduling
+    def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
+        """Set fill_ids and match the longest cached prefix (seed 001 §8).
+
+        Without a tree cache (a resumed chunk) the prefix set by cache_unfinished_req is kept.
+        """
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        input_len = len(self.fill_ids)
+        # At least one token must be computed: its logits give the next token.
+        max_prefix_len = input_len - 1
+        if self.return_logprob and self.logprob_start_len >= 0:
+            # Prompt logprobs need the logits of every position from logprob_start_len.
+            max_prefix_len = min(max_prefix_len, self.logprob_start_len)
+        if tree_cache is not None:
+            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)])
+            self.prefix_indices = match.device_indices
+            self.last_node = match.last_node
+        self.extend_input_len = input_len - len(self.prefix_indices)
+
+    def set_extend_input_len(self, extend_input_len: int) -> None:
+        """Cut this round to `extend_input_len` new tokens (a chunk)."""
+        self.extend_input_len = extend_input_len
+        self.fill_ids = self.fill_ids[: len(self.prefix_indices) + extend_input_len]
+
+    # ------------------------------------------------------------------ finishing
+    def check_finished(self) -> None:
+        """Finish on abort, length, stop token or stop string (seed 001 §7.2 order)."""
+        if self.finished_reason is not None:
+            return
+        if self.to_finish is not None:
+            self.finished_reason, self.to_finish = self.to_finish, None
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishLength(len(self.output_ids))
+            return
+        if not self.output_ids or len(self.output_ids) < params.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        # ignore_eos only disables the model's EOS; stop_token_ids the user asked for still stop.
+        if last in self.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishMatchedToken(last)
+            return
+        if self.stop_strs and self.tokenizer is not None:
+            # A stop string of L characters spans at most L tokens plus the newest one, so decoding
+            # that tail finds every newly completed match without re-decoding the whole output.
+            tail = self.tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 1) :])
+            for stop in self.stop_strs:
+                if stop and stop in tail:
+                    self.finished_reason = FinishMatchedStr(stop)
+                    return
+
+    # ------------------------------------------------------------------ logprobs
+    def append_output_logprob(
+        self, token_id: int, logprob: float | None, top_val: list[float] | None, top_idx: list[int] | None
+    ) -> None:
+        if not self.return_logprob:
+            return
+        lp = self.logprobs
+        lp.output_val.append(float(logprob) if logprob is not None else 0.0)
+        lp.output_idx.append(token_id)
+        if self.top_logprobs_num > 0:
+            lp.top_val.append(list(top_val or []))
+            lp.top_idx.append(list(top_idx or []))
+
+    def append_input_logprobs(self, values: list[float], start_pos: int) -> None:
+        """Prompt logprobs for prompt positions start_pos .. start_pos + len(values) - 1."""
+        if not self.return_logprob or not values or self.output_ids:
+            return  # a re-prefill after retraction already reported its prompt logprobs
+        self.logprobs.input_val.extend(values)
+        self.logprobs.input_idx.extend(self.origin_input_ids[start_pos : start_pos + len(values)])
+
+    def __repr__(self) -> str:
+        return (
+            f"Req(rid={self.rid!r}, input_len={len(self.origin_input_ids)}, "
+            f"output_len={len(self.output_ids)}, finished={self.finished_reason})"
+        )

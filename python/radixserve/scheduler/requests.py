@@ -1,0 +1,159 @@
+"""The scheduler's request bookkeeping: the waiting queue, the running batch, the chunked request and
+a rid -> Req table of every live request; admission checks, abort by rid prefix and timeouts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from http import HTTPStatus
+
+from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from radixserve.scheduler.output_processor import OutputProcessor
+from radixserve.scheduler.req import FinishAbort, Req
+from radixserve.scheduler.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerState:
+    """Seed 001 §11.5's running status."""
+
+    running_batch: ScheduleBatch
+    new_token_ratio: float
+    waiting_queue: list[Req] = field(default_factory=list)
+    chunked_req: Req | None = None
+    last_batch: ScheduleBatch | None = None
+    live: dict[str, Req] = field(default_factory=dict)  # every request not yet reported finished
+
+    def is_idle(self) -> bool:
+        return not self.live and self.running_batch.is_empty() and self.chunked_req is None
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_queued_requests: int | None
+    max_req_len: int  # prompt + output must fit this (min of context length and KV pool size)
+    waiting_timeout: float | None
+    running_timeout: float | None
+
+
+class RequestTable:
+    def __init__(self, state: SchedulerState, output: OutputProcessor, limits: RequestLimits) -> None:
+        self.state = state
+        self.output = output
+        self.limits = limits
+
+    # ------------------------------------------------------------------ arrival
+    def queue_is_full(self) -> bool:
+        cap = self.limits.max_queued_requests
+        return cap is not None and len(self.state.waiting_queue) + 1 > cap
+
+    def add(self, req: Req) -> None:
+        """Validate and enqueue; a request that can never run is finished at once with the reason."""
+        self.state.live[req.rid] = req
+        if self.queue_is_full():
+            self.output.finish_now(req, "The request queue is full.", int(HTTPStatus.SERVICE_UNAVAILABLE))
+            return
+        error = self._validate(req)
+        if error is not None:
+            self.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
+            return
+        self.enqueue(req)
+
+    def _validate(self, req: Req) -> str | None:
+        input_len, max_len = len(req.origin_input_ids), self.limits.max_req_len
+        if input_len == 0:
+            return "The input is empty: at least one token is needed."
+        if input_len >= max_len:
+            return (
+                f"The input ({input_len} tokens) is longer than the model's context length or the KV "
+                f"cache allows ({max_len} tokens, which must include at least one output token)."
+            )
+        # Cap the output so prompt + output fits the context and the KV pool even alone: a request
+        # that cannot finish would otherwise be retracted forever.
+        room = max_len - 1 - input_len
+        if req.sampling_params.max_new_tokens > room:
+            req.sampling_params = replace(req.sampling_params, max_new_tokens=max(room, 1))
+        return None
+
+    def enqueue(self, req: Req) -> None:
+        req.times.queued = time.monotonic()
+        self.state.waiting_queue.append(req)
+
+    def requeue(self, req: Req) -> None:
+        """A retracted or preempted request goes back to the queue, unless it was aborted meanwhile."""
+        if req.to_finish is not None:
+            reason, req.to_finish = req.to_finish, None
+            req.finished_reason = reason
+            self.output.collect(req)
+            return
+        self.enqueue(req)
+
+    def forget(self, req: Req) -> None:
+        """Called once the request's final output was sent."""
+        if self.state.live.get(req.rid) is req:
+            del self.state.live[req.rid]
+
+    # ------------------------------------------------------------------ abort
+    def abort(self, msg: AbortReq) -> None:
+        """Abort every live request whose rid starts with msg.rid (or all of them), in any state."""
+        matches = [r for rid, r in self.state.live.items() if msg.abort_all or rid.startswith(msg.rid)]
+        for req in matches:
+            self.abort_req(req, "Aborted by AbortReq.")
+
+    def abort_req(self, req: Req, message: str, status_code: int | None = None) -> None:
+        if req.finished():
+            return
+        waiting = self.state.waiting_queue
+        if any(r is req for r in waiting):
+            waiting[:] = [r for r in waiting if r is not req]
+            logger.debug("Abort queued request %s", req.rid)
+            self.output.finish_now(req, message, status_code)
+        else:
+            # Running, chunked or in a launched batch: finished safely at its next result processing
+            # (the chunked request when the next batch is built).
+            req.to_finish = FinishAbort(message, status_code)
+
+    def abort_on_timeouts(self) -> None:
+        now = time.monotonic()
+        if self.limits.waiting_timeout is not None:
+            expired = [
+                r for r in self.state.waiting_queue if now - r.times.queued > self.limits.waiting_timeout
+            ]
+            for req in expired:
+                self.abort_req(
+                    req,
+                    f"Request waited longer than the waiting timeout ({self.limits.waiting_timeout} s).",
+                    int(HTTPStatus.SERVICE_UNAVAILABLE),
+                )
+        if self.limits.running_timeout is not None:
+            running = list(self.state.running_batch.reqs)
+            if self.state.chunked_req is not None:
+                running.append(self.state.chunked_req)
+            for req in running:
+                started = req.times.first_scheduled
+                if started is not None and now - started > self.limits.running_timeout:
+                    self.abort_req(
+                        req, f"Request ran longer than the running timeout ({self.limits.running_timeout} s)."
+                    )
+
+    @staticmethod
+    def build_req(
+        msg: TokenizedGenerateReqInput, eos_token_ids: tuple[int, ...], tokenizer: object | None
+    ) -> Req:
+        return Req(
+            msg.rid,
+            msg.input_ids,
+            msg.sampling_params,
+            origin_input_text=msg.input_text,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            stream=msg.stream,
+            priority=msg.priority,
+            received_time=msg.received_time,
+            eos_token_ids=eos_token_ids,
+            tokenizer=tokenizer,
+        )

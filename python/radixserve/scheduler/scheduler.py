@@ -1,0 +1,336 @@
+"""The Scheduler: owns the small objects that do the work and runs the event loops (seed 001 §2).
+
+    scheduler = Scheduler(server_args, worker, tokenizer=None, eos_token_ids=(2,), send_output=out.append)
+    scheduler.process_input_requests([TokenizedGenerateReqInput(...)])
+    loop = scheduler.make_loop()           # OverlapLoop, or NormalLoop with --disable-overlap-schedule
+    while not scheduler.is_idle(): loop.step()
+    scheduler.event_loop(recv_requests)    # the process's `while True` around the same step()
+
+Collaborators: KVMemory (pools + prefix cache), RequestTable (queue, live requests, abort,
+timeouts), SchedulePolicy, BatchBuilder (next batch), OutputProcessor (results and streaming).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
+
+from radixserve.managers.io_struct import (
+    AbortReq,
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+    TypeBasedDispatcher,
+)
+from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
+from radixserve.scheduler.kv_memory import KVMemory
+from radixserve.scheduler.output_processor import OutputProcessor
+from radixserve.scheduler.overlap import FutureMap, OverlapWorker
+from radixserve.scheduler.policy import SchedulePolicy
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
+from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# new_token_ratio schedule (seed 000 §10.3, §19): start, floor, and per-decode-step decay.
+INIT_NEW_TOKEN_RATIO = 0.4
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class ModelWorker(Protocol):
+    """What the scheduler needs from TpModelWorker (or a test fake)."""
+
+    req_to_token_pool: Any
+    token_to_kv_pool_allocator: Any
+    max_total_num_tokens: int
+    max_req_num: int
+    max_context_len: int
+    vocab_size: int
+
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        worker: ModelWorker,
+        tokenizer: Any = None,  # noqa: ANN401 - any HF-style tokenizer; None disables stop strings
+        eos_token_ids: Sequence[int] = (),
+        send_output: Callable[[object], None] = lambda msg: None,
+    ) -> None:
+        args = server_args
+        self.server_args = args
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.send_output = send_output
+        self.device = getattr(worker, "device", "cpu")
+        allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
+        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
+        self.mem = KVMemory(
+            rows, allocator, cache_cls(rows, allocator, allocator.page_size), allocator.page_size
+        )
+        self.chunked_prefill_size = (
+            args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
+        )
+        self.max_running_requests = min(args.max_running_requests or worker.max_req_num, worker.max_req_num)
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
+        self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
+        self.output = OutputProcessor(
+            self.mem, send_output, on_finished=lambda req: self.requests.forget(req)
+        )
+        max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
+        self.requests = RequestTable(
+            self.state,
+            self.output,
+            RequestLimits(args.max_queued_requests, max_req_len, args.waiting_timeout, args.running_timeout),
+        )
+        self.policy = SchedulePolicy(
+            args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
+        )
+        self.builder = BatchBuilder(
+            self.state,
+            self.requests,
+            self.output,
+            self.mem,
+            self.policy,
+            self._batch_limits(),
+            self.make_batch,
+        )
+        self.dispatcher = TypeBasedDispatcher(
+            [
+                (TokenizedGenerateReqInput, self.handle_generate_request),
+                (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
+                (AbortReq, self.requests.abort),
+                (FlushCacheReqInput, self.flush_cache),
+                (GetInternalStateReq, self.get_internal_state),
+            ]
+        )
+        self.num_inflight_batches = 0  # launched, results not processed yet
+
+    def _batch_limits(self) -> BatchLimits:
+        args = self.server_args
+        return BatchLimits(
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=self.chunked_prefill_size,
+            is_mixed_chunk=self.chunked_prefill_size is not None and args.enable_mixed_chunk,
+            prefill_max_requests=args.prefill_max_requests,
+            enable_priority_scheduling=args.enable_priority_scheduling,
+            preemption_threshold=args.priority_scheduling_preemption_threshold,
+            min_new_token_ratio=min(MIN_NEW_TOKEN_RATIO, self.init_new_token_ratio),
+            new_token_ratio_decay=NEW_TOKEN_RATIO_DECAY,
+        )
+
+    def make_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch.init_new(reqs, self.mem, self.worker.vocab_size, self.device, self.eos_token_ids)
+
+    # ------------------------------------------------------------------ input
+    def process_input_requests(self, recv_reqs: Iterable[object]) -> None:
+        for msg in recv_reqs:
+            reply = self.dispatcher(msg)
+            if reply is not None:
+                self.send_output(reply)
+
+    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        self.requests.add(RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer))
+
+    def handle_batch_generate_request(self, msg: BatchTokenizedGenerateReqInput) -> None:
+        for req in msg.reqs:
+            self.handle_generate_request(req)
+
+    # ------------------------------------------------------------------ control requests
+    def is_idle(self) -> bool:
+        return self.state.is_idle() and not self.state.waiting_queue and self.num_inflight_batches == 0
+
+    def flush_cache(self, msg: FlushCacheReqInput | None = None) -> FlushCacheReqOutput:
+        if not self.is_idle():
+            message = (
+                f"Cannot flush the cache while requests are in flight (#queue-req: "
+                f"{len(self.state.waiting_queue)}, #running-req: {len(self.state.running_batch.reqs)})."
+            )
+            logger.warning(message)
+            return FlushCacheReqOutput(success=False, message=message)
+        self.mem.flush()
+        self.state.new_token_ratio = self.init_new_token_ratio
+        self.output.stats.cache_hit_tokens = self.output.stats.cache_query_tokens = 0
+        logger.info("Cache flushed successfully.")
+        return FlushCacheReqOutput(success=True, message="Cache flushed.")
+
+    def get_internal_state(self, msg: GetInternalStateReq | None = None) -> GetInternalStateReqOutput:
+        stats = self.output.stats
+        return GetInternalStateReqOutput(
+            internal_state={
+                "num_running_reqs": len(self.state.running_batch.reqs),
+                "num_waiting_reqs": len(self.state.waiting_queue),
+                "token_usage": self.mem.token_usage(),
+                "available_tokens": self.mem.available_size(),
+                "evictable_tokens": self.mem.evictable_size(),
+                "max_total_num_tokens": self.mem.total_tokens,
+                "cache_hit_tokens": stats.cache_hit_tokens,
+                "cache_query_tokens": stats.cache_query_tokens,
+                "cache_hit_rate": stats.cache_hit_tokens / max(stats.cache_query_tokens, 1),
+                "last_gen_throughput": stats.last_gen_throughput,
+                "new_token_ratio": self.state.new_token_ratio,
+            }
+        )
+
+    def check_memory_leak(self) -> str | None:
+        """None when the pools are consistent; a description of the leak otherwise (idle only)."""
+        if not self.is_idle():
+            return "the scheduler is not idle: memory can only be checked with no request alive"
+        return self.mem.check_leak()
+
+    def self_check_during_idle(self) -> None:
+        """When idle, verify no KV slot or row leaked and re-init the admission ratio."""
+        if not self.is_idle():
+            return
+        problem = self.mem.check_leak()
+        if problem is not None:
+            logger.error("KV MEMORY LEAK DETECTED while idle: %s", problem)
+        self.state.new_token_ratio = self.init_new_token_ratio
+
+    # ------------------------------------------------------------------ running batches
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        return self.builder.get_next_batch_to_run()
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """Synchronous forward (the normal loop)."""
+        self._mark_launched(batch, None)
+        with torch.inference_mode():
+            return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+
+    def _mark_launched(self, batch: ScheduleBatch, future_indices: list[int] | None) -> None:
+        batch.future_indices = future_indices
+        self.num_inflight_batches += 1
+        for i, req in enumerate(batch.reqs):
+            req.num_inflight += 1
+            if future_indices is not None:
+                req.pending_future = future_indices[i]
+
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        self.num_inflight_batches -= 1
+        self.output.process_batch_result(batch, result)
+
+    def is_disable_overlap_for_batch(self, batch: ScheduleBatch | None) -> bool:
+        """Two consecutive prefills do not overlap: the first one's tokens come out sooner (TTFT)."""
+        last = self.state.last_batch
+        return (
+            batch is not None
+            and batch.forward_mode.is_extend()
+            and last is not None
+            and last.forward_mode.is_extend()
+        )
+
+    def make_loop(self) -> NormalLoop | OverlapLoop:
+        return NormalLoop(self) if self.server_args.disable_overlap_schedule else OverlapLoop(self)
+
+    def event_loop(self, recv_requests: Callable[[], list[object]]) -> None:
+        """The scheduler process's main loop (never returns): overlap unless disabled."""
+        if self.server_args.disable_overlap_schedule:
+            self.event_loop_normal(recv_requests)
+        else:
+            self.event_loop_overlap(recv_requests)
+
+    def event_loop_normal(self, recv_requests: Callable[[], list[object]]) -> None:
+        loop = NormalLoop(self)
+        while True:
+            loop.step(recv_requests())
+
+    def event_loop_overlap(self, recv_requests: Callable[[], list[object]]) -> None:
+        loop = OverlapLoop(self)
+        try:
+            while True:
+                loop.step(recv_requests())
+        finally:
+            loop.close()
+
+
+class NormalLoop:
+    """event_loop_normal (seed 001 §2.1): build, run, process; the CPU waits for each forward."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def step(self, recv_reqs: Iterable[object] = ()) -> None:
+        s = self.scheduler
+        s.process_input_requests(recv_reqs)
+        batch = s.get_next_batch_to_run()
+        if batch is not None:
+            s.process_batch_result(batch, s.run_batch(batch))
+        else:
+            s.self_check_during_idle()
+        s.state.last_batch = batch
+        s.output.flush()
+
+    def close(self) -> None:
+        return None
+
+
+class OverlapLoop:
+    """event_loop_overlap (seed 001 §2.2): batch N's results are processed after batch N+1 has been
+    launched on the forward thread, so result processing hides behind the next forward."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.future_map = FutureMap(
+            scheduler.max_running_requests, scheduler.chunked_prefill_size, scheduler.worker.max_context_len
+        )
+        self.worker = OverlapWorker(scheduler.worker, self.future_map)
+        self.result_queue: deque[tuple[ScheduleBatch, Future[GenerationBatchResult]]] = deque()
+
+    def _pop_and_process(self) -> None:
+        batch, future = self.result_queue.popleft()
+        self.scheduler.process_batch_result(batch, future.result())
+
+    def _launch(self, batch: ScheduleBatch) -> None:
+        s = self.scheduler
+        mwb = batch.get_model_worker_batch()
+        future_indices = self.future_map.alloc_future_indices(batch.batch_size())
+        s._mark_launched(batch, future_indices)
+        self.result_queue.append((batch.copy(), self.worker.launch(mwb, future_indices)))
+
+    def step(self, recv_reqs: Iterable[object] = ()) -> None:
+        s = self.scheduler
+        s.process_input_requests(recv_reqs)
+        # Penalty counts are updated in place when results are processed; a batch that carries them
+        # is processed before the next batch is built so rows still line up (no overlap for it).
+        if self.result_queue and _has_penalties(self.result_queue[-1][0]):
+            self._pop_and_process()
+        batch = s.get_next_batch_to_run()
+        disable_overlap = s.is_disable_overlap_for_batch(batch)
+        if disable_overlap and self.result_queue:
+            self._pop_and_process()
+        if batch is not None:
+            self._launch(batch)
+        # Process the previous batch while the current one runs on the forward thread.
+        if len(self.result_queue) > (1 if batch is not None else 0):
+            self._pop_and_process()
+        elif batch is None and s.state.last_batch is None:
+            s.self_check_during_idle()
+        s.state.last_batch = batch
+        s.output.flush()
+
+    def close(self) -> None:
+        while self.result_queue:
+            self._pop_and_process()
+        self.worker.shutdown()
+
+
+def _has_penalties(batch: ScheduleBatch) -> bool:
+    return batch.sampling_info is not None and batch.sampling_info.penalizer is not None

@@ -1,0 +1,83 @@
+"""Every cross-process message survives pickle (ZMQ send_pyobj) and msgspec round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import msgspec
+import pytest
+
+from radixserve.managers import io_struct as io
+from radixserve.sampling.sampling_params import SamplingParams
+
+MESSAGES = [
+    io.TokenizedGenerateReqInput(
+        "r1", "hi", [1, 2, 3], SamplingParams(max_new_tokens=4, stop=["x"]), True, 0, 2, True, 3, 1.5
+    ),
+    io.BatchTokenizedGenerateReqInput([io.TokenizedGenerateReqInput("r2", "", [4], SamplingParams())]),
+    io.AbortReq("abc"),
+    io.AbortReq(abort_all=True),
+    io.FlushCacheReqInput(),
+    io.FlushCacheReqOutput(False, "busy"),
+    io.GetInternalStateReq(),
+    io.GetInternalStateReqOutput({"num_running_reqs": 1, "token_usage": 0.5}),
+    io.BatchTokenIDOut(
+        rids=["a", "b"],
+        finished_reasons=[None, {"type": "stop", "matched": 2}],
+        output_ids=[[1], [2, 3]],
+        prompt_tokens=[3, 4],
+        completion_tokens=[1, 2],
+        cached_tokens=[0, 2],
+        skip_special_tokens=[True, False],
+        spaces_between_special_tokens=[True, True],
+        no_stop_trim=[False, False],
+        stop_strs=[[], ["</s>"]],
+        output_token_logprobs_val=[[-0.1], [-0.2, -0.3]],
+        output_token_logprobs_idx=[[1], [2, 3]],
+        output_top_logprobs_val=[[], []],
+        output_top_logprobs_idx=[[], []],
+        input_token_logprobs_val=[[], [-1.0]],
+        input_token_logprobs_idx=[[], [7]],
+    ),
+    io.BatchStrOut(
+        rids=["a"],
+        finished_reasons=[{"type": "abort", "message": "m", "status_code": 503}],
+        output_strs=["hello"],
+        output_ids=[[5]],
+        prompt_tokens=[1],
+        completion_tokens=[1],
+        cached_tokens=[0],
+    ),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_pickle_round_trip(msg):
+    assert pickle.loads(pickle.dumps(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_msgspec_round_trip(msg):
+    data = msgspec.msgpack.encode(msg)
+    assert msgspec.msgpack.decode(data, type=type(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_frozen(msg):
+    fields = dataclasses.fields(msg)
+    if fields:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(msg, fields[0].name, None)
+
+
+def test_dispatcher_routes_by_type_and_rejects_unknown():
+    seen = []
+    dispatch = io.TypeBasedDispatcher(
+        [(io.AbortReq, seen.append), (io.FlushCacheReqInput, lambda m: "flushed")]
+    )
+    dispatch(io.AbortReq("x"))
+    assert seen == [io.AbortReq("x")]
+    assert dispatch(io.FlushCacheReqInput()) == "flushed"
+    with pytest.raises(ValueError):
+        dispatch(object())

@@ -1,0 +1,261 @@
+"""Scheduler end to end over the real-pool FakeWorker: outputs, chunking, paging, caching, retraction,
+overlap, finish conditions, logprobs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fake_worker import FakeWorker, reference_output
+
+from conftest import random_workload
+from radixserve.managers.io_struct import BatchTokenIDOut, FlushCacheReqInput, GetInternalStateReq
+
+
+def run_workload(make_harness, workload, worker=None, **args):
+    h = make_harness(worker=worker, **args)
+    for rid, ids, max_new in workload:
+        h.submit(rid, ids, max_new)
+    h.run_until_idle()
+    assert h.worker.unwritten_reads == 0
+    return h
+
+
+def test_outputs_match_reference(make_harness):
+    workload = random_workload(1, 12)
+    h = run_workload(make_harness, workload)
+    for rid, ids, max_new in workload:
+        assert h.outputs[rid] == reference_output(ids, max_new)
+        assert h.finished[rid] == {"type": "length", "length": max_new}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"chunked_prefill_size": 16},
+        {"chunked_prefill_size": 7, "max_prefill_tokens": 20},
+        {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
+        {"disable_radix_cache": True},
+        {"disable_radix_cache": True, "chunked_prefill_size": 8},
+        {"schedule_policy": "dfs-weight"},
+        {"schedule_policy": "lof", "max_running_requests": 3},
+    ],
+)
+def test_variants_match_reference(make_harness, args):
+    workload = random_workload(2, 16)
+    h = run_workload(make_harness, workload, **args)
+    for rid, ids, max_new in workload:
+        assert h.outputs[rid] == reference_output(ids, max_new), rid
+
+
+@pytest.mark.parametrize("chunk", [None, 12])
+def test_page_size_4(make_harness, chunk):
+    workload = random_workload(3, 12)
+    h = run_workload(
+        make_harness, workload, worker=FakeWorker(page_size=4), page_size=4, chunked_prefill_size=chunk
+    )
+    for rid, ids, max_new in workload:
+        assert h.outputs[rid] == reference_output(ids, max_new), rid
+
+
+def test_chunk_boundaries_and_resumption(make_harness):
+    prompt = list(range(100, 150))  # 50 tokens, chunks of 16: 16, 16, 16, 2
+    h = make_harness(chunked_prefill_size=16)
+    h.submit("long", prompt, 5, stream=True)
+    h.step()
+    st = h.scheduler.state
+    assert st.chunked_req is not None and st.chunked_req.extend_input_len == 16
+    assert "long" not in h.outputs  # a middle chunk streams nothing
+    h.step()
+    h.step()
+    assert st.chunked_req is not None and len(st.chunked_req.prefix_indices) == 32
+    h.run_until_idle()
+    assert h.outputs["long"] == reference_output(prompt, 5)
+    extend_modes = [m for m in h.worker.forward_modes if m == "EXTEND"]
+    assert len(extend_modes) == 4
+
+
+def test_prefix_cache_hit(make_harness):
+    h = make_harness()
+    shared = list(range(1, 41))
+    h.submit("a", shared + [500, 501], 4)
+    h.run_until_idle()
+    h.submit("b", shared + [600], 4)
+    h.run_until_idle()
+    msg = [m for m in h.messages(BatchTokenIDOut) if "b" in m.rids][-1]
+    assert msg.cached_tokens[msg.rids.index("b")] == 40
+    assert h.outputs["b"] == reference_output(shared + [600], 4)
+    state = h.scheduler.get_internal_state().internal_state
+    assert state["cache_hit_tokens"] >= 40
+
+
+def long_output_workload(n=16):
+    return [(f"L{i}", [(i * 37 + j) % 997 for j in range(20)], 60) for i in range(n)]
+
+
+def test_retraction_tiny_pool_same_outputs(make_harness, caplog):
+    workload = long_output_workload()
+    big = run_workload(make_harness, workload)
+    tiny_worker = FakeWorker(max_total_num_tokens=400)
+    with caplog.at_level(logging.WARNING):
+        tiny = run_workload(make_harness, workload, worker=tiny_worker)
+    assert "Retract requests" in caplog.text
+    assert tiny.outputs == big.outputs
+    assert all(r["type"] == "length" for r in tiny.finished.values())
+
+
+def test_retraction_overlap_tiny_pool(make_harness):
+    workload = long_output_workload(20)
+    big = run_workload(make_harness, workload)
+    tiny = run_workload(
+        make_harness, workload, worker=FakeWorker(max_total_num_tokens=360), disable_overlap_schedule=False
+    )
+    assert tiny.outputs == big.outputs
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {},
+        {"chunked_prefill_size": 24},
+        {"chunked_prefill_size": 24, "enable_mixed_chunk": True, "page_size": 4},
+        {"disable_radix_cache": True},
+    ],
+)
+def test_overlap_equals_normal(make_harness, args):
+    workload = random_workload(6, 60)
+    page = args.get("page_size", 1)
+    normal = run_workload(
+        make_harness, workload, worker=FakeWorker(page_size=page, max_total_num_tokens=1600), **args
+    )
+    overlap_worker = FakeWorker(page_size=page, max_total_num_tokens=1600)
+    overlap = run_workload(
+        make_harness, workload, worker=overlap_worker, disable_overlap_schedule=False, **args
+    )
+    assert overlap.outputs == normal.outputs
+    assert overlap.finished == normal.finished
+    assert len(overlap_worker.thread_ids) == 1 and overlap_worker.thread_ids != normal.worker.thread_ids
+
+
+def test_eos_stop_token_and_min_new_tokens(make_harness):
+    worker = FakeWorker(eos_token_id=5, eos_period=3)
+    h = make_harness(worker=worker, eos=(5,))
+    prompt = list(range(10, 30))
+    h.submit("eos", prompt, 64)
+    h.submit("ignore", prompt, 12, ignore_eos=True)
+    h.submit("min", prompt, 64, min_new_tokens=10)
+    h.run_until_idle()
+    assert h.finished["eos"] == {"type": "stop", "matched": 5}
+    assert h.outputs["eos"][-1] == 5 and 5 not in h.outputs["eos"][:-1]
+    assert h.finished["ignore"]["type"] == "length" and len(h.outputs["ignore"]) == 12
+    assert len(h.outputs["min"]) >= 10
+    ref = reference_output(prompt, 4)
+    h = make_harness()
+    h.submit("stop_id", prompt, 64, stop_token_ids=[ref[2]])
+    h.run_until_idle()
+    assert h.finished["stop_id"] == {"type": "stop", "matched": ref[2]} and len(h.outputs["stop_id"]) == 3
+
+
+class CharTokenizer:
+    """Token t decodes to chr(ord('a') + t % 26)."""
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_stop_string(make_harness):
+    prompt = list(range(40, 60))
+    text = CharTokenizer().decode(reference_output(prompt, 10))
+    h = make_harness(tokenizer=CharTokenizer())
+    h.submit("s", prompt, 10, stop=[text[4:6]])
+    h.run_until_idle()
+    assert h.finished["s"] == {"type": "stop", "matched": text[4:6]}
+    assert CharTokenizer().decode(h.outputs["s"]).endswith(text[4:6])
+
+
+def test_streaming_one_message_per_step(make_harness):
+    h = make_harness()
+    h.submit("s1", [1, 2, 3], 5, stream=True)
+    h.submit("s2", [4, 5, 6], 5, stream=True)
+    h.submit("quiet", [7, 8, 9], 5)
+    h.step()
+    msgs = h.messages(BatchTokenIDOut)
+    assert len(msgs) == 1 and msgs[0].rids == ["s1", "s2"]
+    assert all(len(ids) == 1 for ids in msgs[0].output_ids)
+    h.run_until_idle()
+    quiet = [m for m in h.messages(BatchTokenIDOut) if "quiet" in m.rids]
+    assert len(quiet) == 1 and len(quiet[0].output_ids[quiet[0].rids.index("quiet")]) == 5
+
+
+def test_logprobs(make_harness):
+    h = make_harness()
+    h.submit("lp", list(range(20)), 4, return_logprob=True, logprob_start_len=5, top_logprobs_num=2)
+    h.run_until_idle()
+    assert len(h.logprobs["lp"]) == 4
+    assert len(h.input_logprobs["lp"]) == 20 - 5 - 1
+
+
+def test_request_that_never_fits_is_aborted(make_harness):
+    h = make_harness(worker=FakeWorker(max_total_num_tokens=64))
+    h.submit("huge", list(range(100)), 4)
+    h.submit("empty", [], 4)
+    h.submit("ok", list(range(60)), 100)  # output capped so prompt + output fits the pool
+    h.run_until_idle()
+    assert h.finished["huge"]["type"] == "abort" and "longer" in h.finished["huge"]["message"]
+    assert h.finished["empty"]["type"] == "abort"
+    assert h.finished["ok"]["type"] == "length"
+
+
+def test_flush_cache_and_internal_state(make_harness):
+    h = make_harness()
+    h.submit("a", list(range(30)), 20)
+    h.step()
+    h.step([FlushCacheReqInput()])
+    refused = h.sent[-1] if not isinstance(h.sent[-1], BatchTokenIDOut) else h.sent[-2]
+    assert refused.success is False and "in flight" in refused.message
+    h.run_until_idle()
+    assert h.scheduler.mem.evictable_size() > 0
+    h.step([FlushCacheReqInput(), GetInternalStateReq()])
+    flushed, state = h.sent[-2], h.sent[-1].internal_state
+    assert flushed.success is True
+    assert state["evictable_tokens"] == 0 and state["available_tokens"] == state["max_total_num_tokens"]
+    for key in (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "token_usage",
+        "cache_hit_tokens",
+        "last_gen_throughput",
+    ):
+        assert key in state
+
+
+def test_decode_log_line(make_harness, caplog):
+    h = make_harness()
+    h.submit("a", [1, 2, 3], 45)
+    with caplog.at_level(logging.INFO, logger="radixserve.scheduler"):
+        h.run_until_idle()
+    assert "Decode batch. #running-req: 1" in caplog.text
+    assert "Prefill batch. #new-seq: 1, #new-token: 3, #cached-token: 0" in caplog.text
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_penalties_stay_row_aligned(make_harness, overlap):
+    """Penalty counts are cumulated in place; with overlap such batches are processed before the
+    next one is built, so every row's count still matches its request's output length."""
+    workload = random_workload(7, 20)
+    h = make_harness(disable_overlap_schedule=not overlap)
+    for i, (rid, ids, max_new) in enumerate(workload):
+        h.submit(rid, ids, max_new, frequency_penalty=0.5 if i % 3 == 0 else 0.0)
+    for _ in range(6):
+        h.step()
+        if not overlap:
+            batch = h.scheduler.state.running_batch
+            pen = batch.sampling_info.penalizer if batch.sampling_info else None
+            if pen is not None:
+                lens = pen.output_lens.tolist()
+                for row, req in enumerate(batch.reqs):
+                    if req.sampling_params.frequency_penalty:  # neutral rows start from 0 on merge
+                        assert lens[row] == len(req.output_ids), req.rid
+    h.run_until_idle()
+    for rid, ids, max_new in workload:
+        assert h.outputs[rid] == reference_output(ids, max_new)

@@ -1,0 +1,153 @@
+"""Abort in every state, timeouts, queue-full rejection, priority order and preemption."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fake_worker import FakeWorker, reference_output
+
+from radixserve.managers.io_struct import AbortReq
+
+
+def pool_is_full(h) -> bool:
+    mem = h.scheduler.mem
+    return mem.available_size() + mem.evictable_size() == mem.total_tokens
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_waiting(make_harness, overlap):
+    h = make_harness(max_running_requests=1, disable_overlap_schedule=not overlap)
+    h.submit("run", list(range(10)), 30)
+    h.submit("wait", list(range(20, 30)), 30)
+    h.step()
+    assert [r.rid for r in h.scheduler.state.waiting_queue] == ["wait"]
+    h.step([AbortReq(rid="wait")])
+    assert h.finished["wait"] == {"type": "abort", "message": "Aborted by AbortReq.", "status_code": None}
+    assert h.outputs["wait"] == []
+    h.run_until_idle()
+    assert h.outputs["run"] == reference_output(list(range(10)), 30)
+    assert pool_is_full(h)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_chunked(make_harness, overlap):
+    h = make_harness(chunked_prefill_size=8, disable_overlap_schedule=not overlap)
+    h.submit("long", list(range(40)), 10)
+    h.step()
+    h.step()
+    assert h.scheduler.state.chunked_req is not None
+    h.step([AbortReq(rid="long")])
+    h.run_until_idle()
+    assert h.finished["long"]["type"] == "abort"
+    assert h.scheduler.state.chunked_req is None
+    assert pool_is_full(h)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_running_by_prefix_and_all(make_harness, overlap):
+    h = make_harness(disable_overlap_schedule=not overlap)
+    for rid in ("abc-0", "abc-1", "other"):
+        h.submit(rid, list(range(5, 25)), 50, stream=True)
+    for _ in range(4):
+        h.step()
+    h.step([AbortReq(rid="abc")])
+    h.step()
+    h.step()
+    assert h.finished["abc-0"]["type"] == "abort" and h.finished["abc-1"]["type"] == "abort"
+    assert "other" not in h.finished
+    h.step([AbortReq(abort_all=True)])
+    h.run_until_idle()
+    assert h.finished["other"]["type"] == "abort"
+    assert pool_is_full(h)
+
+
+def test_queue_full_rejected(make_harness):
+    h = make_harness(max_queued_requests=2)
+    for i in range(4):
+        h.submit(f"q{i}", [1, 2, 3, i], 3)
+    h.step()
+    assert h.finished["q2"] == {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+    assert h.finished["q3"]["status_code"] == 503
+    h.run_until_idle()
+    assert h.finished["q0"]["type"] == "length" and h.finished["q1"]["type"] == "length"
+
+
+def test_waiting_timeout(make_harness):
+    h = make_harness(max_running_requests=1, waiting_timeout=0.05)
+    h.submit("first", list(range(10)), 5)
+    h.step()
+    h.submit("late", list(range(10, 20)), 5)
+    time.sleep(0.06)
+    h.run_until_idle()
+    assert h.finished["late"]["type"] == "abort" and "waiting timeout" in h.finished["late"]["message"]
+    assert h.finished["first"]["type"] == "length"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_running_timeout(make_harness, overlap):
+    h = make_harness(running_timeout=0.0, disable_overlap_schedule=not overlap)
+    h.submit("slow", list(range(10)), 500)
+    h.run_until_idle()
+    assert h.finished["slow"]["type"] == "abort" and "running timeout" in h.finished["slow"]["message"]
+    assert len(h.outputs["slow"]) < 10
+    assert pool_is_full(h)
+
+
+def test_priority_order(make_harness):
+    h = make_harness(max_running_requests=1, enable_priority_scheduling=True, schedule_policy="fcfs")
+    h.submit("busy", list(range(10)), 3, priority=100)
+    h.step()
+    for rid, prio in (("low", 0), ("high", 5), ("mid", 2), ("high2", 5)):
+        h.submit(rid, list(range(30, 40)), 2, priority=prio)
+    h.run_until_idle()
+    order = [rid for rid in h.finished if rid != "busy"]
+    assert order == ["high", "high2", "mid", "low"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_priority_preemption(make_harness, overlap):
+    h = make_harness(
+        max_running_requests=2,
+        enable_priority_scheduling=True,
+        priority_scheduling_preemption_threshold=3,
+        disable_overlap_schedule=not overlap,
+    )
+    h.submit("low", list(range(10)), 40, priority=0)
+    h.submit("near", list(range(50, 60)), 40, priority=9)
+    for _ in range(3):
+        h.step()
+    h.submit("urgent", list(range(100, 110)), 5, priority=10)
+    h.step()
+    h.step()
+    st = h.scheduler.state
+    # low (gap 10 > 3) is preempted; near (gap 1) keeps running.
+    assert any(r.rid == "low" for r in st.waiting_queue)
+    h.run_until_idle()
+    assert list(h.finished)[0] == "urgent"
+    for rid, ids in (("low", list(range(10))), ("near", list(range(50, 60)))):
+        assert h.outputs[rid] == reference_output(ids, 40)
+
+
+def test_preemption_respects_threshold(make_harness):
+    h = make_harness(
+        max_running_requests=1, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10
+    )
+    h.submit("low", list(range(10)), 20, priority=0)
+    h.step()
+    h.submit("slightly", list(range(20, 30)), 3, priority=5)
+    h.run_until_idle()
+    assert list(h.finished) == ["low", "slightly"]
+
+
+def test_retraction_victim_is_lowest_priority(make_harness):
+    worker = FakeWorker(max_total_num_tokens=160)
+    h = make_harness(
+        worker=worker, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=1000
+    )
+    h.submit("vip", list(range(10)), 60, priority=10)
+    h.submit("pleb", list(range(20, 30)), 60, priority=0)
+    h.run_until_idle()
+    assert h.outputs["vip"] == reference_output(list(range(10)), 60)
+    assert h.outputs["pleb"] == reference_output(list(range(20, 30)), 60)
+    assert list(h.finished)[0] == "vip"
