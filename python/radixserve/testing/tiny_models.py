@@ -50,6 +50,36 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "The capital of France is Paris. One, two, three, four, five.",
+    "Héllo 日本語 😀 STOP here. def f(x): return x * 2",
+]
+
+
+def write_tiny_tokenizer(path: str | Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A small byte-level BPE tokenizer with ChatML special tokens (ids 0, 1, 2), saved as HF files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 10, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML_TEMPLATE
+    hf.save_pretrained(str(path))
+
+
 def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
     """Write a random `kind` ('llama', 'qwen2', 'qwen3') checkpoint to `path` and return it."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -68,6 +98,7 @@ def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
+    write_tiny_tokenizer(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return path
 
