@@ -1,0 +1,30 @@
+"""A model worker that does no math: real pools, constant next tokens.
+
+It isolates the scheduler's own CPU cost per step (batch building, pool bookkeeping, result
+processing, output messages) from the forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.memory_pool import ReqToTokenPool
+from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+
+
+class NullWorker:
+    def __init__(
+        self, max_total_num_tokens: int, max_req_num: int, max_context_len: int, vocab_size: int, page_size: int = 1
+    ) -> None:
+        self.req_to_token_pool = ReqToTokenPool(max_req_num + 1, max_context_len, "cpu")
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
+        self.max_total_num_tokens = max_total_num_tokens
+        self.max_req_num = max_req_num
+        self.max_context_len = max_context_len
+        self.vocab_size = vocab_size
+        self.device = "cpu"
+        self.token = vocab_size - 1
+
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        return GenerationBatchResult(next_token_ids=torch.full((mwb.batch_size,), self.token, dtype=torch.int64))
