@@ -40,7 +40,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         key_pos = torch.arange(max_seq_len, device=self.device)  # [max_seq_len]
         valid_key = key_pos[None, :] < seq_lens[:, None]  # [bs, max_seq_len]
         rows = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :max_seq_len]
-        kv_indices = torch.where(valid_key, rows.long(), torch.zeros_like(rows, dtype=torch.long))
+        kv_indices = torch.where(
+            valid_key, rows.long(), torch.zeros_like(rows, dtype=torch.long)
+        ).contiguous()
 
         if forward_batch.forward_mode.is_decode():
             mask = valid_key[:, None, None, :]  # [bs, 1, 1, max_seq_len]
@@ -74,21 +76,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         self, layer: RadixAttention, forward_batch: ForwardBatch, meta: TorchNativeMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pool = forward_batch.token_to_kv_pool
+        bs, max_seq_len = meta.kv_indices.shape
+        flat = meta.kv_indices.view(-1)  # index_select is a plain row copy, cheaper than fancy indexing
+        shape = (bs, max_seq_len, layer.num_kv_heads, layer.head_dim)
         # [bs, num_kv_heads, max_seq_len, head_dim]
-        k = pool.get_key_buffer(layer.layer_id)[meta.kv_indices].transpose(1, 2)
-        v = pool.get_value_buffer(layer.layer_id)[meta.kv_indices].transpose(1, 2)
+        k = pool.get_key_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
+        v = pool.get_value_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
         return k, v
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: RadixAttention
     ) -> torch.Tensor:
         """q [bs, num_heads, q_len, head_dim]; k, v [bs, num_kv_heads, kv_len, head_dim]."""
-        if layer.num_kv_heads != layer.num_heads:
-            group = layer.num_heads // layer.num_kv_heads
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
+        # enable_gqa lets query-head groups share a KV head without materializing repeated K/V.
         out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=layer.scaling
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=mask,
+            scale=layer.scaling,
+            enable_gqa=layer.num_kv_heads != layer.num_heads,
         )
         return out  # [bs, num_heads, q_len, head_dim]
 
