@@ -47,7 +47,7 @@ class ServerArgs:
 
     # Device and parallelism
     device: str | None = _f(None, "Device: cpu or cuda; defaults to cuda when available.")
-    tp_size: int = _f(1, "Tensor-parallel size (number of scheduler processes).")
+    tp_size: int = _f(1, "Tensor-parallel size; only 1 is supported so far.")
     random_seed: int = _f(42, "Random seed for unseeded sampling.")
     cpu_threads: int | None = _f(
         None, "Torch threads for the scheduler process on CPU; defaults to all cores."
@@ -124,8 +124,12 @@ class ServerArgs:
             raise ValueError(
                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.tp_size < 1:
-            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.tp_size != 1:
+            # The process plumbing starts one scheduler per rank, but the model has no sharded
+            # layers or collectives yet: refuse rather than run N unsynchronized copies.
+            raise ValueError(
+                f"--tp-size {self.tp_size} is not supported yet: tensor parallelism is not implemented"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
 
