@@ -25,7 +25,9 @@ class LogitsProcessor:
     that asked for prompt logprobs, the tokens from their start offset.
 
     Prompt logprobs of request b: for chunk-local offsets i in [start_b + 1, extend_len_b), the
-    logprob of the i-th extend token under the distribution predicted at offset i - 1.
+    logprob of the i-th extend token under the distribution predicted at offset i - 1; then, when
+    the chunk is not the end of the prompt, the logprob of the next chunk's first token
+    (extend_logprob_next_token_ids) under the distribution predicted at the chunk's last offset.
     """
 
     def __call__(
@@ -52,16 +54,20 @@ class LogitsProcessor:
         extend_lens = forward_batch.extend_seq_lens_cpu or []
         starts = forward_batch.extend_logprob_start_lens or []
         top_nums = forward_batch.top_logprobs_nums or [0] * len(extend_lens)
+        next_ids = forward_batch.extend_logprob_next_token_ids or [-1] * len(extend_lens)
         input_ids = forward_batch.input_ids
         token_logprobs: list[list[float]] = []
         top_vals: list[list[list[float]]] = []
         top_idx: list[list[list[int]]] = []
         offset = 0
-        for extend_len, start, top_k in zip(extend_lens, starts, top_nums):
+        for extend_len, start, top_k, next_id in zip(extend_lens, starts, top_nums, next_ids):
             lo, hi = offset + max(start, 0), offset + extend_len - 1  # predicting rows lo .. hi - 1
+            targets = input_ids[lo + 1 : hi + 1]
+            if next_id >= 0 and hi >= lo:  # the last row predicts the next chunk's first token
+                targets = torch.cat([targets, targets.new_tensor([next_id])])
+                hi += 1
             if hi > lo:
                 lp = torch.log_softmax(torch.matmul(hidden[lo:hi], lm_head_weight.t()).float(), dim=-1)
-                targets = input_ids[lo + 1 : hi + 1]
                 token_logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).tolist())
                 if top_k > 0:
                     vals, idx = lp.topk(top_k, dim=-1)

@@ -54,6 +54,9 @@ class ModelWorkerBatch:
     top_logprobs_nums: list[int] | None = None
     # Prompt logprobs are returned from this offset into each request's extend chunk (or None).
     extend_logprob_start_lens: list[int] | None = None
+    # [bs] the prompt token right after each request's chunk (-1: the chunk ends the prompt): the
+    # chunk's last position predicts it, so its logprob is reported with this chunk (or None).
+    extend_logprob_next_token_ids: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -97,6 +100,7 @@ class ForwardBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens: list[int] | None = None
+    extend_logprob_next_token_ids: list[int] | None = None
     attn_metadata: Any = field(default=None)
 
     @classmethod
@@ -133,6 +137,7 @@ class ForwardBatch:
             return_logprob=batch.return_logprob,
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
+            extend_logprob_next_token_ids=batch.extend_logprob_next_token_ids,
         )
         attn_backend.init_forward_metadata(fb)
         return fb

@@ -129,6 +129,14 @@ class ScheduleBatch:
                 out.append(e)
         return out
 
+    def _logprob_next_token_ids(self) -> list[int]:
+        """The prompt token right after each request's chunk (-1: none): the chunk's last position
+        predicts it, so its prompt logprob is computed with this chunk, not the next one."""
+        return [
+            r.origin_input_ids[s] if r.return_logprob and s < len(r.origin_input_ids) else -1
+            for r, s in zip(self.reqs, self.seq_lens)
+        ]
+
     # ------------------------------------------------------------------ decode
     def prepare_for_decode(self) -> None:
         """One new token per request: its input is the newest output token (a FutureMap reference
@@ -244,6 +252,11 @@ class ScheduleBatch:
             return_logprob=self.return_logprob,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if self.return_logprob else None,
             extend_logprob_start_lens=self.extend_logprob_start_lens if is_extend else None,
+            extend_logprob_next_token_ids=(
+                self._logprob_next_token_ids()
+                if is_extend and self.extend_logprob_start_lens is not None
+                else None
+            ),
         )
 
     def copy(self) -> ScheduleBatch:
