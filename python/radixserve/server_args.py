@@ -86,6 +86,19 @@ class ServerArgs:
     # Structured output
     grammar_backend: str = _f("xgrammar", "Grammar backend for constrained decoding.")
     grammar_compile_timeout: float = _f(300.0, "Seconds before a grammar compilation is given up.")
+    tool_call_parser: str | None = _f(
+        None,
+        "How /v1/chat/completions finds tool calls in the output: 'hermes' (also 'qwen', 'qwen25': "
+        '<tool_call>{json}</tool_call>) or \'llama3\' ({"name": ..., "parameters": ...}, optionally '
+        "after <|python_tag|>). Default: hermes when a request has tools.",
+        choices=["hermes", "qwen", "qwen25", "llama3"],
+    )
+    reasoning_parser: str | None = _f(
+        None,
+        "Separate <think>...</think> into reasoning_content: 'qwen3' (the model opens <think> itself) "
+        "or 'deepseek-r1' (the template opens it: output starts inside the reasoning).",
+        choices=["qwen3", "deepseek-r1"],
+    )
 
     def resolve(self) -> ServerArgs:
         """Decide every automatic value once; the result is frozen and passed to constructors."""
@@ -132,6 +145,13 @@ class ServerArgs:
             )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
+        if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
+            # Chunks are cut at page boundaries: a chunk smaller than a page could never be cut, and
+            # a prompt longer than the chunk size would wait forever.
+            raise ValueError(
+                f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size "
+                f"({self.page_size}), or -1 to disable chunking"
+            )
 
     @property
     def chunked_prefill_enabled(self) -> bool:

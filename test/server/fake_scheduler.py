@@ -194,7 +194,7 @@ def _input_lps(r: FakeReq) -> list[float]:
     start = r.req.logprob_start_len
     if not r.req.return_logprob or start < 0 or r.reported > 0:
         return []
-    return [-1.0] * (len(r.req.input_ids) - start)
+    return [-1.0] * (len(r.req.input_ids) - start - 1)  # positions start + 1 .., as the real one
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

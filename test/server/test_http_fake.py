@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -16,37 +15,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fake_scheduler import write_tiny_tokenizer  # noqa: E402
-
-from radixserve.utils.network import get_free_port  # noqa: E402
+from server_helpers import Server, assert_error, sse_events, start_servers  # noqa: E402
 
 API_KEY = "sk-test"
-
-
-class Server:
-    def __init__(self, tok_dir: str, *flags: str) -> None:
-        self.port = get_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, os.path.join(HERE, "fake_scheduler.py"), "--model-path", tok_dir]
-        cmd += ["--port", str(self.port), "--log-level", "warning", *flags]
-        env = dict(os.environ, FAKE_STEP_S="0.01")
-        self.proc = subprocess.Popen(cmd, env=env)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "server exited during start-up"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("server did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +25,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Server]:
     tok_dir = str(tmp_path_factory.mktemp("tok"))
     write_tiny_tokenizer(tok_dir)
     started = {
-        "main": Server(
+        "main": Server.fake(
             tok_dir, "--enable-metrics", "--max-queued-requests", "4", "--served-model-name", "tiny"
         ),
-        "auth": Server(tok_dir, "--api-key", API_KEY),
+        "auth": Server.fake(tok_dir, "--api-key", API_KEY),
     }
     try:
-        for server in started.values():
-            server.wait_ready()
-        yield started
+        yield start_servers(started)
     finally:
         for server in started.values():
             server.stop()
@@ -73,19 +42,8 @@ def url(servers: dict[str, Server]) -> str:
     return servers["main"].url
 
 
-def sse_events(resp: httpx.Response) -> list[str]:
-    return [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
-
-
 def detok(url: str, ids: list[int]) -> str:
     return httpx.post(f"{url}/v1/detokenize", json={"tokens": ids}).json()["text"]
-
-
-def assert_error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    return err
 
 
 # ----------------------------------------------------------------------------- native routes

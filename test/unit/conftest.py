@@ -4,7 +4,6 @@ and a leak check after every test."""
 from __future__ import annotations
 
 import dataclasses
-import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -94,15 +93,3 @@ def make_harness() -> Callable[..., Harness]:
         h.loop.close()
         if h.scheduler.is_idle():
             assert h.scheduler.check_memory_leak() is None, h.scheduler.check_memory_leak()
-
-
-def random_workload(seed: int, n: int, vocab: int = 997) -> list[tuple[str, list[int], int]]:
-    """Requests sharing a few random prefixes, with random suffixes and output lengths."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(8, 64))] for _ in range(4)]
-    out = []
-    for i in range(n):
-        prefix = rng.choice(prefixes)[: rng.randint(0, 64)]
-        suffix = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-        out.append((f"r{i}", prefix + suffix, rng.randint(1, 24)))
-    return out

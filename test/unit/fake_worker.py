@@ -9,6 +9,7 @@ a wrong prefix slot or a stale row changes the tokens, and reading a never-writt
 
 from __future__ import annotations
 
+import random
 import threading
 
 import torch
@@ -97,4 +98,16 @@ def reference_output(
         tok = (h * 31 + len(seq)) % vocab_size
         out.append(tok)
         seq.append(tok)
+    return out
+
+
+def random_workload(seed: int, n: int, vocab: int = 997) -> list[tuple[str, list[int], int]]:
+    """Requests sharing a few random prefixes, with random suffixes and output lengths."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(8, 64))] for _ in range(4)]
+    out = []
+    for i in range(n):
+        prefix = rng.choice(prefixes)[: rng.randint(0, 64)]
+        suffix = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        out.append((f"r{i}", prefix + suffix, rng.randint(1, 24)))
     return out

@@ -6,9 +6,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from fake_worker import FakeWorker, reference_output
+from fake_worker import FakeWorker, random_workload, reference_output
 
-from conftest import random_workload
 from radixserve.managers.io_struct import BatchTokenIDOut, FlushCacheReqInput, GetInternalStateReq
 
 

@@ -42,7 +42,11 @@ from radixserve.entrypoints.openai.serving_common import (
 )
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.tokenizer_manager import RequestAbortedError, TokenizerManager
+from radixserve.managers.tokenizer_manager import (
+    InvalidRequestError,
+    RequestAbortedError,
+    TokenizerManager,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +252,9 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/detokenize")
     async def v1_detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         tokens = req.tokens
+        flat = [t for seq in tokens for t in seq] if tokens and isinstance(tokens[0], list) else tokens
+        if any(not 0 <= t < tm.vocab_size for t in flat):  # type: ignore[operator]
+            raise InvalidRequestError(f"Token ids must be in [0, {tm.vocab_size}).")
         if tokens and isinstance(tokens[0], list):
             return DetokenizeResponse(text=[tm.detokenize(t) for t in tokens]).model_dump()  # type: ignore[arg-type]
         return DetokenizeResponse(text=tm.detokenize(tokens)).model_dump()  # type: ignore[arg-type]

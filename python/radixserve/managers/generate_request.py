@@ -76,6 +76,10 @@ class GenerateReqInput(BaseModel):
             params = SamplingParams.from_dict(raw)
             base_rid = _pick(self.rid, i) or uuid.uuid4().hex
             n = params.n
+            if n < 1:  # no item would ever be verified: an empty answer instead of a 400
+                raise ValueError(f"n must be at least 1, got {n}.")
+            if int(_pick(self.top_logprobs_num, i)) < 0:
+                raise ValueError("top_logprobs_num must be at least 0.")
             for j in range(n):
                 items.append(
                     RequestItem(

@@ -41,10 +41,19 @@ def _add_logprobs(
     if msg.output_top_logprobs_val is not None and msg.output_top_logprobs_idx is not None:
         for vals, idxs in zip(msg.output_top_logprobs_val[i], msg.output_top_logprobs_idx[i]):
             acc.output_top.append(list(zip(vals, idxs)))
-    if msg.input_token_logprobs_val is not None and msg.input_token_logprobs_val[i]:
-        if msg.input_token_logprobs_idx is not None:
-            ids = msg.input_token_logprobs_idx[i]
-        else:  # prompt logprobs cover input_ids[start:], continuing where the last message ended
-            offset = max(start, 0) + len(acc.input_token)
-            ids = input_ids[offset : offset + len(msg.input_token_logprobs_val[i])]
-        acc.input_token.extend(zip(msg.input_token_logprobs_val[i], ids))
+    if msg.input_token_logprobs_val is None or not 0 <= start < len(input_ids):
+        return
+    if not acc.input_token:
+        # The scheduler reports prompt logprobs of positions start + 1 .. (the logits at `start`
+        # predict the next token), so the token at `start` gets None, as in SGLang and OpenAI's
+        # echo: the entries then line up with input_ids[start:].
+        acc.input_token.append((None, input_ids[start]))
+    values = msg.input_token_logprobs_val[i]
+    if not values:
+        return
+    if msg.input_token_logprobs_idx is not None:
+        ids = msg.input_token_logprobs_idx[i]
+    else:  # they continue where the last message ended
+        offset = start + len(acc.input_token)
+        ids = input_ids[offset : offset + len(values)]
+    acc.input_token.extend(zip(values, ids))

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
+from radixserve.constrained.validation import prewarm as prewarm_grammar
+from radixserve.constrained.validation import validate_grammar
 from radixserve.managers.generate_request import GenerateReqInput, RequestItem
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -112,6 +114,7 @@ class TokenizerManager:
         self._recv = get_zmq_socket(self._async_ctx, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True)
         self._control_lock = asyncio.Lock()
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        prewarm_grammar()
 
     async def close(self) -> None:
         if self._recv_task is not None:
@@ -207,6 +210,7 @@ class TokenizerManager:
             )
         params = item.sampling_params
         params.verify(self.vocab_size)
+        validate_grammar(params)  # a bad json_schema / regex / ebnf is a 400 with the reason
         if len(ids) + params.max_new_tokens > self.context_len:
             if item.max_new_tokens_set:
                 raise InvalidRequestError(

@@ -117,6 +117,11 @@ class OutputProcessor:
                 result.top_logprobs_val[i] if result.top_logprobs_val is not None else None,
                 result.top_logprobs_idx[i] if result.top_logprobs_idx is not None else None,
             )
+        if req.grammar is not None:
+            # Imported here: constrained/ imports the scheduler package (a cycle at module level).
+            from radixserve.constrained.grammar_manager import accept_token
+
+            accept_token(req, token_id)  # may set to_finish (grammar terminated), applied below
         req.check_finished()
 
     @staticmethod

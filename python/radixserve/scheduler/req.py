@@ -138,6 +138,10 @@ class Req:
         # the FutureMap slot that will hold its newest token (None once that token is known).
         self.num_inflight = 0
         self.pending_future: int | None = None
+        # Constrained decoding: the request's own xgrammar matcher (None: unconstrained) and the
+        # (kind, spec) key of its compiled grammar.
+        self.grammar: Any = None
+        self.grammar_key: tuple[str, str] | None = None
 
         self.times = ReqTimes(received=received_time if received_time else time.time())
         self.logprobs = ReqLogprobs()

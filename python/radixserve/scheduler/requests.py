@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
@@ -50,8 +51,9 @@ class RequestTable:
         cap = self.limits.max_queued_requests
         return cap is not None and len(self.state.waiting_queue) + 1 > cap
 
-    def add(self, req: Req) -> None:
-        """Validate and enqueue; a request that can never run is finished at once with the reason."""
+    def add(self, req: Req, enqueue: Callable[[Req], None] | None = None) -> None:
+        """Validate and enqueue (through `enqueue` when given, e.g. the grammar queue's router); a
+        request that can never run is finished at once with the reason."""
         self.state.live[req.rid] = req
         if self.queue_is_full():
             self.output.finish_now(req, "The request queue is full.", int(HTTPStatus.SERVICE_UNAVAILABLE))
@@ -60,7 +62,7 @@ class RequestTable:
         if error is not None:
             self.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
             return
-        self.enqueue(req)
+        (enqueue or self.enqueue)(req)
 
     def _validate(self, req: Req) -> str | None:
         input_len, max_len = len(req.origin_input_ids), self.limits.max_req_len

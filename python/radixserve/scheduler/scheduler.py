@@ -20,6 +20,9 @@ from typing import Any, Protocol
 
 import torch
 
+# A module import (not `from ... import GrammarManager`): constrained/ imports this package back.
+from radixserve.constrained import grammar_manager as constrained
+from radixserve.constrained.grammar_backend import GrammarBackend
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenizedGenerateReqInput,
@@ -44,6 +47,9 @@ from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+# While only grammar compilations are pending, the loop sleeps on them at most this long per step.
+GRAMMAR_WAIT_S = 0.01
 
 # new_token_ratio schedule (seed 000 §10.3, §19): start, floor, and per-decode-step decay.
 INIT_NEW_TOKEN_RATIO = 0.4
@@ -72,6 +78,7 @@ class Scheduler:
         tokenizer: Any = None,  # noqa: ANN401 - any HF-style tokenizer; None disables stop strings
         eos_token_ids: Sequence[int] = (),
         send_output: Callable[[object], None] = lambda msg: None,
+        grammar_backend: GrammarBackend | None = None,  # default: xgrammar on `tokenizer`, on first use
     ) -> None:
         args = server_args
         self.server_args = args
@@ -99,6 +106,12 @@ class Scheduler:
             self.state,
             self.output,
             RequestLimits(args.max_queued_requests, max_req_len, args.waiting_timeout, args.running_timeout),
+        )
+        self.grammar = constrained.GrammarManager(
+            self._grammar_backend_factory(grammar_backend),
+            args.grammar_compile_timeout,
+            self.requests.enqueue,
+            self.output.finish_now,
         )
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
@@ -137,6 +150,13 @@ class Scheduler:
             new_token_ratio_decay=NEW_TOKEN_RATIO_DECAY,
         )
 
+    def _grammar_backend_factory(self, backend: GrammarBackend | None) -> Callable[[], GrammarBackend] | None:
+        if backend is not None:
+            return lambda: backend
+        if self.tokenizer is None or self.server_args.grammar_backend == "none":
+            return None
+        return lambda: GrammarBackend(self.tokenizer, self.worker.vocab_size, self.eos_token_ids)
+
     def make_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch.init_new(reqs, self.mem, self.worker.vocab_size, self.device, self.eos_token_ids)
 
@@ -148,7 +168,8 @@ class Scheduler:
                 self.send_output(reply)
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        self.requests.add(RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer))
+        req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
+        self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
 
     def handle_batch_generate_request(self, msg: BatchTokenizedGenerateReqInput) -> None:
         for req in msg.reqs:
@@ -178,6 +199,7 @@ class Scheduler:
             internal_state={
                 "num_running_reqs": len(self.state.running_batch.reqs),
                 "num_waiting_reqs": len(self.state.waiting_queue),
+                "num_grammar_queue_reqs": len(self.grammar.grammar_queue),
                 "token_usage": self.mem.token_usage(),
                 "available_tokens": self.mem.available_size(),
                 "evictable_tokens": self.mem.evictable_size(),
@@ -207,13 +229,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        return self.builder.get_next_batch_to_run()
+        self.grammar.move_ready()
+        batch = self.builder.get_next_batch_to_run()
+        if batch is None and self.num_inflight_batches == 0 and self.grammar.has_pending():
+            self.grammar.wait_for_any(GRAMMAR_WAIT_S)
+        return batch
+
+    def get_model_worker_batch(self, batch: ScheduleBatch) -> ModelWorkerBatch:
+        """The forward's view of `batch`, with this step's grammar mask when it has constrained
+        requests (their matchers must already hold every earlier token: see OverlapLoop.step)."""
+        mwb = batch.get_model_worker_batch()
+        if mwb.sampling_info is not None:
+            # Set on the forward's shallow copy only: the live batch never carries a stale mask.
+            mwb.sampling_info.vocab_mask = self.grammar.vocab_mask(batch.reqs, self.worker.vocab_size)
+        return mwb
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         """Synchronous forward (the normal loop)."""
+        mwb = self.get_model_worker_batch(batch)
         self._mark_launched(batch, None)
         with torch.inference_mode():
-            return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+            return self.worker.forward_batch_generation(mwb)
 
     def _mark_launched(self, batch: ScheduleBatch, future_indices: list[int] | None) -> None:
         batch.future_indices = future_indices
@@ -300,7 +336,7 @@ class OverlapLoop:
 
     def _launch(self, batch: ScheduleBatch) -> None:
         s = self.scheduler
-        mwb = batch.get_model_worker_batch()
+        mwb = s.get_model_worker_batch(batch)
         future_indices = self.future_map.alloc_future_indices(batch.batch_size())
         s._mark_launched(batch, future_indices)
         self.result_queue.append((batch.copy(), self.worker.launch(mwb, future_indices)))
@@ -310,7 +346,8 @@ class OverlapLoop:
         s.process_input_requests(recv_reqs)
         # Penalty counts are updated in place when results are processed; a batch that carries them
         # is processed before the next batch is built so rows still line up (no overlap for it).
-        if self.result_queue and _has_penalties(self.result_queue[-1][0]):
+        # Grammar masks likewise need the previous token accepted by each matcher first.
+        if self.result_queue and _needs_sync(self.result_queue[-1][0]):
             self._pop_and_process()
         batch = s.get_next_batch_to_run()
         disable_overlap = s.is_disable_overlap_for_batch(batch)
@@ -332,5 +369,8 @@ class OverlapLoop:
         self.worker.shutdown()
 
 
-def _has_penalties(batch: ScheduleBatch) -> bool:
-    return batch.sampling_info is not None and batch.sampling_info.penalizer is not None
+def _needs_sync(batch: ScheduleBatch) -> bool:
+    """Whether `batch`'s results must be processed before the next batch is built."""
+    if batch.sampling_info is not None and batch.sampling_info.penalizer is not None:
+        return True
+    return any(r.grammar is not None for r in batch.reqs)

@@ -131,12 +131,45 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a JSON object as text (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message, or a streamed piece of one (then only `index` is certain)."""
+
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]  # {"name": ...}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an earlier assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -161,6 +194,10 @@ class ChatCompletionRequest(SamplingExtras):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     logit_bias: dict[str, float] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart from content
 
 
 class ChatTopLogprob(BaseModel):
@@ -180,6 +217,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -202,6 +241,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from radixserve.entrypoints.openai.chat_tools import ChatPlan, ChoiceStream, plan_chat, split_output
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -37,34 +38,47 @@ class ChatHandler:
         self.served_names = served_names
 
     def to_native(self, req: ChatCompletionRequest, stream: bool) -> GenerateReqInput:
+        return self._plan(req, stream)[0]
+
+    def _plan(self, req: ChatCompletionRequest, stream: bool) -> tuple[GenerateReqInput, ChatPlan]:
         check_model(req.model, self.served_names)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        input_ids = self.tm.apply_chat_template(
-            messages, req.add_generation_prompt, req.continue_final_message
-        )
+        # Tools (prompt + forcing grammar) and reasoning are decided in chat_tools.
+        prompt, plan = plan_chat(req, self.tm.tokenizer, self.tm.server_args)
+        # The template already holds BOS and friends; adding them again would duplicate them.
+        input_ids = self.tm.tokenize(prompt, add_special_tokens=False)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return GenerateReqInput(
+        params = {**sampling_params(req, max_new), **plan.sampling_overrides}
+        native = GenerateReqInput(
             input_ids=input_ids,
-            sampling_params=sampling_params(req, max_new),
+            sampling_params=params,
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
             rid=req.rid,
             stream=stream,
         )
+        return native, plan
 
     async def create(
         self, req: ChatCompletionRequest, request: ClientRequest | None
     ) -> ChatCompletionResponse:
-        result = await self.tm.generate(self.to_native(req, stream=False), request)
+        native, plan = self._plan(req, stream=False)
+        result = await self.tm.generate(native, request)
         outputs = [result] if isinstance(result, dict) else result
         choices = []
         for i, out in enumerate(outputs):
             raise_if_failed(out)
             reason, matched = finish_reason(out)
+            parts = split_output(out["text"], plan)
+            if parts.tool_calls and reason == "stop":
+                reason = "tool_calls"
             choices.append(
                 ChatCompletionChoice(
                     index=i,
-                    message=ChatResponseMessage(content=out["text"]),
+                    message=ChatResponseMessage(
+                        content=parts.content,
+                        reasoning_content=parts.reasoning_content,
+                        tool_calls=parts.tool_calls,
+                    ),
                     logprobs=self._logprobs(out) if req.logprobs else None,
                     finish_reason=reason,
                     matched_stop=matched,
@@ -76,39 +90,42 @@ class ChatHandler:
         )
 
     def stream(self, req: ChatCompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
-        outputs = self.tm.stream(self.to_native(req, stream=True), request)
-        return sse_errors(self._stream_chunks(req, outputs))
+        native, plan = self._plan(req, stream=True)
+        outputs = self.tm.stream(native, request)
+        return sse_errors(self._stream_chunks(req, outputs, plan))
 
     async def _stream_chunks(
-        self, req: ChatCompletionRequest, outputs: AsyncIterator[dict[str, Any]]
+        self, req: ChatCompletionRequest, outputs: AsyncIterator[dict[str, Any]], plan: ChatPlan
     ) -> AsyncIterator[bytes]:
         rid, model = random_id("chatcmpl"), req.model or self.served_names[0]
 
         def chunk(choice: ChatStreamChoice) -> bytes:
             return sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
 
-        sent: dict[int, int] = {}  # index -> chars of content already streamed
+        streams: dict[int, ChoiceStream] = {}  # index -> its reasoning/content/tool-call splitter
         lp_sent: dict[int, int] = {}  # index -> logprob entries already streamed
         finals: dict[int, dict[str, Any]] = {}
         async for out in outputs:
             raise_if_failed(out)
             idx = out["index"]
-            if idx not in sent:  # the first chunk of each choice announces the role
+            if idx not in streams:  # the first chunk of each choice announces the role
+                streams[idx] = ChoiceStream(plan)
                 yield chunk(ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content="")))
-            delta = out["text"][sent.get(idx, 0) :]
-            sent[idx] = len(out["text"])
             logprobs = None
             if req.logprobs:
                 logprobs = self._logprobs(out, start=lp_sent.get(idx, 0))
                 lp_sent[idx] = lp_sent.get(idx, 0) + len(logprobs.content)
             reason, matched = finish_reason(out)
+            delta = streams[idx].feed(out["text"], final=reason is not None)
             if reason is not None:
                 finals[idx] = out
-            elif not delta:
+                if reason == "stop" and streams[idx].has_tool_calls:
+                    reason = "tool_calls"
+            elif delta is None:
                 continue
             choice = ChatStreamChoice(
                 index=idx,
-                delta=DeltaMessage(content=delta),
+                delta=delta or DeltaMessage(),
                 logprobs=logprobs,
                 finish_reason=reason,
                 matched_stop=matched,

@@ -1,0 +1,96 @@
+"""Helpers shared by the HTTP server tests: start a server on a free port, read SSE, check errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from radixserve.utils.network import get_free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# KV pool sizes of the real-model servers and Engines: small, so a leak shows quickly.
+TINY_POOL_TOKENS = 16384
+BUILTIN_POOL_TOKENS = 8192
+
+
+class Server:
+    """A server process on a free port: the fake-scheduler script or the real launch_server."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = get_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, *argv, "--port", str(self.port), "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, env=dict(os.environ, **(env or {})))
+
+    @classmethod
+    def fake(cls, tok_dir: str, *flags: str) -> Server:
+        """The real HTTP server with test/server/fake_scheduler.py in place of the scheduler."""
+        script = os.path.join(HERE, "fake_scheduler.py")
+        return cls([script, "--model-path", tok_dir, *flags], env={"FAKE_STEP_S": "0.01"})
+
+    @classmethod
+    def real(cls, model_path: str, *flags: str) -> Server:
+        """`python -m radixserve.launch_server --model-path ... <flags>`."""
+        return cls(["-m", "radixserve.launch_server", "--model-path", model_path, *flags])
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "server exited during start-up"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("server did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_servers(servers: dict[str, Server]) -> dict[str, Server]:
+    """Wait for servers started together (their start-ups overlap); stop them all on failure."""
+    try:
+        for server in servers.values():
+            server.wait_ready()
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def assert_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `check()` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(interval)
