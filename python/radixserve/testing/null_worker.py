@@ -15,7 +15,12 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 
 class NullWorker:
     def __init__(
-        self, max_total_num_tokens: int, max_req_num: int, max_context_len: int, vocab_size: int, page_size: int = 1
+        self,
+        max_total_num_tokens: int,
+        max_req_num: int,
+        max_context_len: int,
+        vocab_size: int,
+        page_size: int = 1,
     ) -> None:
         self.req_to_token_pool = ReqToTokenPool(max_req_num + 1, max_context_len, "cpu")
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
@@ -27,4 +32,6 @@ class NullWorker:
         self.token = vocab_size - 1
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
-        return GenerationBatchResult(next_token_ids=torch.full((mwb.batch_size,), self.token, dtype=torch.int64))
+        return GenerationBatchResult(
+            next_token_ids=torch.full((mwb.batch_size,), self.token, dtype=torch.int64)
+        )
