@@ -449,11 +449,6 @@ def test_echo_prompt_logprobs_match_hf(builtin: str, builtin_tokenizer: Any, hf_
         assert abs(lp["token_logprobs"][-1] - float(torch.log_softmax(logits[-1], -1).max())) < 1e-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler bug: max_new_tokens=0 still samples one token (OutputProcessor._process_prefill "
-    "appends the prefill token before Req.check_finished looks at max_new_tokens)",
-)
 def test_echo_with_max_tokens_0_returns_only_the_prompt(builtin: str, builtin_tokenizer: Any) -> None:
     text = "The capital of France is"
     body = {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}

@@ -151,3 +151,15 @@ def test_retraction_victim_is_lowest_priority(make_harness):
     assert h.outputs["vip"] == reference_output(list(range(10)), 60)
     assert h.outputs["pleb"] == reference_output(list(range(20, 30)), 60)
     assert list(h.finished)[0] == "vip"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_new_tokens_zero_prefills_only(make_harness, overlap):
+    h = make_harness(disable_overlap_schedule=not overlap)
+    h.submit("prompt-only", list(range(1, 30)), max_new_tokens=0, return_logprob=True, logprob_start_len=0)
+    h.submit("normal", list(range(1, 30)), max_new_tokens=3)
+    h.run_until_idle()
+    assert h.outputs.get("prompt-only", []) == []
+    assert h.finished["prompt-only"]["type"] == "length"
+    assert len(h.input_logprobs["prompt-only"]) == 28  # positions 1 .. 28
+    assert len(h.outputs["normal"]) == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Iterator
@@ -87,8 +88,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _construct(cls: type[nn.Module], model_config: ModelConfig, device: torch.device) -> nn.Module:
+    # Position tables must cover --context-length even where it exceeds the checkpoint's own limit.
+    kwargs = (
+        {"max_position": model_config.context_len}
+        if "max_position" in inspect.signature(cls).parameters
+        else {}
+    )
     with torch.device(device), _default_dtype(model_config.dtype):
-        model = cls(model_config.hf_config)
+        model = cls(model_config.hf_config, **kwargs)
     if not callable(getattr(model, "load_weights", None)):
         raise ModelLoadError(f"{cls.__name__} has no load_weights(weights) method.")
     return model

@@ -32,7 +32,7 @@ STACKED_PARAMS = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         theta, scaling = rope_config(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
         self.attn = RadixAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
@@ -77,9 +77,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, max_position)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -102,11 +102,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, max_position)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -125,12 +126,12 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(
-            config, self.qkv_bias or getattr(config, "attention_bias", False), self.qk_norm
-        )
+        max_position = max(max_position or 0, config.max_position_embeddings)
+        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens

@@ -80,7 +80,10 @@ class OutputProcessor:
                 if req.is_chunked > 0:  # a middle chunk: its sampled token means nothing
                     req.is_chunked -= 1
                     continue
-            self._append_token(req, next_token_ids[i], result, logprobs, i)
+            if req.sampling_params.max_new_tokens == 0:
+                req.check_finished()  # a prompt-only request (echo / prompt logprobs): no token
+            else:
+                self._append_token(req, next_token_ids[i], result, logprobs, i)
             if req.finished():
                 self.release_if_idle(req)
             elif id(req) not in decoding:
