@@ -69,6 +69,11 @@ class ServerArgs:
     schedule_conservativeness: float = _f(1.0, "Scales the initial new_token_ratio; higher admits fewer.")
     disable_radix_cache: bool = _f(False, "Disable prefix sharing (a ChunkCache is used instead).")
     disable_overlap_schedule: bool = _f(False, "Run the normal (non-overlapped) scheduler loop.")
+    enable_overlap_schedule: bool = _f(
+        False,
+        "Use the overlap loop on CPU too. On CPU the normal loop is the default: the overlap thread "
+        "competes with the forward for the cores (docs/benchmarks.md: 12% slower on 2 cores).",
+    )
     enable_mixed_chunk: bool = _f(False, "Run a prefill chunk and the running decodes in one forward.")
     enable_priority_scheduling: bool = _f(False, "Order waiting requests by their 'priority' field.")
     priority_scheduling_preemption_threshold: int = _f(
@@ -109,6 +114,8 @@ class ServerArgs:
         if self.chunked_prefill_size is None:
             # Chunks bound a prefill step's latency; CPUs are ~100x slower so chunks are smaller.
             updates["chunked_prefill_size"] = 8192 if device == "cuda" else 2048
+        if device == "cpu" and not self.enable_overlap_schedule:
+            updates["disable_overlap_schedule"] = True
         if self.attention_backend is None:
             updates["attention_backend"] = "triton" if device == "cuda" else "torch_native"
         if self.mem_fraction_static is None and device == "cuda":
@@ -118,15 +125,19 @@ class ServerArgs:
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
-            "Resolved server args: device=%s attention_backend=%s chunked_prefill_size=%s page_size=%d",
+            "Resolved server args: device=%s attention_backend=%s chunked_prefill_size=%s page_size=%d "
+            "overlap_schedule=%s",
             resolved.device,
             resolved.attention_backend,
             resolved.chunked_prefill_size,
             resolved.page_size,
+            not resolved.disable_overlap_schedule,
         )
         return resolved
 
     def validate(self) -> None:
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

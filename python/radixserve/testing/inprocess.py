@@ -38,6 +38,10 @@ class InProcessScheduler:
         from radixserve.model_executor.tp_worker import TpModelWorker
         from radixserve.scheduler.scheduler import Scheduler
 
+        # Tests choose the loop explicitly: an explicit overlap request must survive the CPU default.
+        server_args.setdefault(
+            "enable_overlap_schedule", not server_args.get("disable_overlap_schedule", False)
+        )
         self.args = ServerArgs(model_path=model_path, **server_args).resolve()
         self.model_config = ModelConfig.from_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Reproduces the CPU numbers in docs/benchmarks.md (built-in model). Run on an otherwise idle box:
+# two cores are shared, and any other process skews every number.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+OUT=${OUT:-/tmp/radixserve-bench}
+mkdir -p "$OUT"
+
+echo "== bench_one_batch (static batch, vs HF transformers generate)"
+$PY -m radixserve.bench_one_batch --batch-size 1 8 32 64 --input-len 128 --output-len 64 --hf \
+  --result-file "$OUT/one_batch.jsonl"
+
+echo "== scheduler CPU per step (null worker)"
+$PY benchmark/bench_scheduler_overhead.py --batch-size 64
+
+echo "== offline throughput 64 x 128/128, overlap on vs off"
+for overlap in false true; do
+  $PY -m radixserve.bench_offline_throughput --num-prompts 64 --random-input-len 128 \
+    --random-output-len 128 --random-range-ratio 1.0 \
+    --server-args "{\"disable_overlap_schedule\": $([ $overlap = true ] && echo false || echo true), \"log_level\": \"warning\"}" \
+    --result-file "$OUT/offline.jsonl"
+done
+
+echo "== shared prefix 8 groups x 8 prompts, 1024-token prefix, 64-token question, 64 out: radix on vs off"
+for radix in on off; do
+  $PY -m radixserve.bench_offline_throughput --dataset-name generated-shared-prefix \
+    --server-args "{\"disable_radix_cache\": $([ $radix = off ] && echo true || echo false), \"log_level\": \"warning\"}" \
+    --result-file "$OUT/shared_prefix.jsonl"
+done
