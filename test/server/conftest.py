@@ -10,9 +10,11 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_helpers import BUILTIN_POOL_TOKENS, TINY_POOL_TOKENS  # noqa: E402
+from real_helpers import BUILTIN_SERVER_POOL_TOKENS  # noqa: E402
+from server_helpers import BUILTIN_POOL_TOKENS, TINY_POOL_TOKENS, Server, start_servers  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +60,55 @@ def tiny_tokenizer(tiny_llama_path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_llama_path)
+
+
+# Real servers, started together once for the session and shared by test_server_real*.py.
+@pytest.fixture(scope="session")
+def servers(tiny_llama_path: str, builtin_model_path: str) -> dict[str, Server]:
+    started = {
+        "tiny": Server.real(
+            tiny_llama_path,
+            "--enable-metrics",
+            "--max-total-tokens",
+            str(TINY_POOL_TOKENS),
+        ),
+        "builtin": Server.real(builtin_model_path, "--max-total-tokens", str(BUILTIN_SERVER_POOL_TOKENS)),
+        "limited": Server.real(
+            tiny_llama_path,
+            "--max-queued-requests",
+            "1",
+            "--max-running-requests",
+            "1",
+            "--max-total-tokens",
+            "4096",
+        ),
+    }
+    try:
+        yield start_servers(started)
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny(servers: dict[str, Server]) -> str:
+    return servers["tiny"].url
+
+
+@pytest.fixture(scope="session")
+def builtin(servers: dict[str, Server]) -> str:
+    return servers["builtin"].url
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_llama_path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_builtin(builtin_model_path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(builtin_model_path, dtype=torch.float32).eval()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,23 +61,24 @@ def _raise_on_error(data: dict[str, Any]) -> None:
         raise ServerError(json.dumps(data["error"])[:500])
 
 
-class Backend:
+class Backend(ABC):
     """Request shape and response parsing of one API; subclasses fill in the three methods."""
 
     name: str = ""
     path: str = ""
     accepts_token_ids: bool = True
 
+    @abstractmethod
     def build_body(self, inp: RequestFuncInput) -> dict[str, Any]:
-        raise NotImplementedError
+        """The JSON body of one request."""
 
+    @abstractmethod
     def parse_chunk(self, data: dict[str, Any], state: StreamState) -> bool:
         """Fold one streamed JSON object into `state`; True if it carried new output."""
-        raise NotImplementedError
 
+    @abstractmethod
     def parse_final(self, data: dict[str, Any], state: StreamState) -> None:
         """Fold a whole non-streamed response into `state`."""
-        raise NotImplementedError
 
 
 class RadixServeBackend(Backend):

@@ -7,6 +7,7 @@ DECODING -> WAITING on retraction/preemption and any state -> FINISHED on abort.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +21,10 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------- finish reasons
 @dataclass(frozen=True)
-class FinishReason:
+class FinishReason(ABC):
+    @abstractmethod
     def to_json(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The finish reason as it crosses processes: {"type": ..., ...}."""
 
 
 @dataclass(frozen=True)
