@@ -157,7 +157,9 @@ class TokenizerManager:
                     if state.dirty:
                         state.dirty = False
                         yield self._output(state)
-                if all(s.finished for s in states):
+                # The receive task runs while we are suspended in `yield`: a state may have finished
+                # (and become dirty) since it was last yielded, so leave only when none is unseen.
+                if all(s.finished and not s.dirty for s in states):
                     return
         finally:
             self._abort_unfinished(states)
