@@ -32,30 +32,14 @@ from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
 
 FAKE_CONTEXT_LEN = 256
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+_FAKE_CORPUS = ["Hello world, the quick brown fox jumps over the lazy dog.", "Héllo 日本語 😀 STOP here."]
 
 
 def write_tiny_tokenizer(path: str) -> None:
-    """Train a small byte-level BPE tokenizer with ChatML special tokens and save it as HF files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The fake server's tokenizer: the shared tiny BPE writer, with the vocabulary these tests use."""
+    from radixserve.testing.tiny_models import write_tiny_tokenizer as write
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    corpus = ["Hello world, the quick brown fox jumps over the lazy dog.", "Héllo 日本語 😀 STOP here."]
-    tok.train_from_iterator(corpus * 10, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    hf.chat_template = CHATML
-    hf.save_pretrained(path)
+    write(path, vocab_size=400, corpus=_FAKE_CORPUS, eos_token="<|endoftext|>")
 
 
 @dataclass

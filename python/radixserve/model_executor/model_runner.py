@@ -67,7 +67,7 @@ class ModelRunner:
 
     def _kv_bytes_per_token(self) -> int:
         mc = self.model_config
-        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.finfo(mc.dtype).bits // 8
+        return MHATokenToKVPool.kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
 
     def _profile_max_num_tokens(self) -> int:
         per_token = self._kv_bytes_per_token()

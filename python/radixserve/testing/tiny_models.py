@@ -61,7 +61,12 @@ _CORPUS = [
 ]
 
 
-def write_tiny_tokenizer(path: str | Path, vocab_size: int = TINY_VOCAB) -> None:
+def write_tiny_tokenizer(
+    path: str | Path,
+    vocab_size: int = TINY_VOCAB,
+    corpus: list[str] | None = None,
+    eos_token: str = "<|im_end|>",
+) -> None:
     """A small byte-level BPE tokenizer with ChatML special tokens (ids 0, 1, 2), saved as HF files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -74,8 +79,8 @@ def write_tiny_tokenizer(path: str | Path, vocab_size: int = TINY_VOCAB) -> None
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_CORPUS * 10, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.train_from_iterator((corpus or _CORPUS) * 10, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token="<|endoftext|>")
     hf.chat_template = CHATML_TEMPLATE
     hf.save_pretrained(str(path))
 
