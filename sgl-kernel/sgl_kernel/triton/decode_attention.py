@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel.triton._common import dot_precision, last_dim_contiguous, next_pow2, on_interpreter
+from sgl_kernel.triton._common import (
+    dot_precision,
+    last_dim_contiguous,
+    next_pow2,
+    on_interpreter,
+    online_softmax_update,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -101,18 +107,13 @@ def _decode_stage1_kernel(
                 tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
             )  # [BLOCK_H, BLOCK_N]
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 V_Buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
             v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
         # Empty split: l_i == 0 -> LSE -inf, which stage 2 weights by zero.
         has = l_i > 0

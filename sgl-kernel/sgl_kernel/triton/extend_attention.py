@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel.triton._common import dot_precision, last_dim_contiguous, next_pow2, on_interpreter
+from sgl_kernel.triton._common import (
+    dot_precision,
+    last_dim_contiguous,
+    next_pow2,
+    on_interpreter,
+    online_softmax_update,
+)
 from sgl_kernel.triton.decode_attention import LOG2E
 
 
@@ -98,18 +104,13 @@ def _extend_kernel(
             )
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 V_Buf + slots[:, None] * stride_vbt + kv_head * stride_vbh + offs_d[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
             v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
         # 2. this step's tokens, causal; nothing past the block's last query row is needed.
         # Column 0 is visible to every row, so m_i is finite before any fully masked tile.
@@ -128,18 +129,13 @@ def _extend_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = (offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :]
             qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 V_Ext + kv_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
             v = v.to(V_Buf.dtype.element_ty).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         o_ptr = Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]

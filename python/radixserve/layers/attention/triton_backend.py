@@ -117,6 +117,21 @@ class TritonAttnBackend(AttentionBackend):
             kv_indptr, kv_indices, qo_indptr=qo_indptr, max_extend_len=max(extend_lens_cpu, default=0)
         )
 
+    @staticmethod
+    def _store_step_kv(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shape q/k/v per head and write this step's K/V into the pool; returns them with the
+        layer's pool buffers: q [N, H, D], k/v [N, Hkv, D], k_buf/v_buf [S, Hkv, D]."""
+        pool = forward_batch.token_to_kv_pool
+        k_buf = pool.get_key_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
+        k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
+        store_kv_cache(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        return q, k, v, k_buf, v_buf
+
     def forward_extend(
         self,
         q: torch.Tensor,
@@ -126,13 +141,7 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: TritonMetadata = forward_batch.attn_metadata
-        pool = forward_batch.token_to_kv_pool
-        k_buf = pool.get_key_buffer(layer.layer_id)  # [S, Hkv, D]
-        v_buf = pool.get_value_buffer(layer.layer_id)
-        q = q.reshape(-1, layer.num_heads, layer.head_dim)  # [N, H, D]
-        k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)  # [N, Hkv, D]
-        v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
-        store_kv_cache(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        q, k, v, k_buf, v_buf = self._store_step_kv(q, k, v, layer, forward_batch)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [N, H, D]
         assert meta.qo_indptr is not None
         extend_attention_fwd(
@@ -159,17 +168,7 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: TritonMetadata = forward_batch.attn_metadata
-        pool = forward_batch.token_to_kv_pool
-        k_buf = pool.get_key_buffer(layer.layer_id)  # [S, Hkv, D]
-        v_buf = pool.get_value_buffer(layer.layer_id)
-        q = q.reshape(-1, layer.num_heads, layer.head_dim)  # [bs, H, D]
-        store_kv_cache(
-            k_buf,
-            v_buf,
-            forward_batch.out_cache_loc,
-            k.reshape(-1, layer.num_kv_heads, layer.head_dim),
-            v.reshape(-1, layer.num_kv_heads, layer.head_dim),
-        )
+        q, _, _, k_buf, v_buf = self._store_step_kv(q, k, v, layer, forward_batch)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [bs, H, D]
         assert meta.num_kv_splits is not None
         decode_attention_fwd(
