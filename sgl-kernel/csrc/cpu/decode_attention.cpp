@@ -1,0 +1,161 @@
+// Paged decode attention on CPU, reading K/V in place from the token pool.
+//
+// Why: the torch-native reference gathers every request's K/V into a padded tensor per layer
+// (a copy of the whole context, every layer, every step) and then runs SDPA with a mask. Here
+// each (request, KV head) task walks its req_to_token row: pass 1 scores the G query heads that
+// share the KV head against each K row, then a softmax, then pass 2 accumulates V rows. K and V
+// are each read once from the pool, nothing is padded and nothing is copied.
+//
+// The AVX2 paths keep several independent FMA chains in flight (4 K rows per step in pass 1, 8
+// output vectors in pass 2): a single accumulator per dot product would be bound by FMA latency.
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kTokensPerStep = 4;
+
+template <typename kv_t>
+struct TaskArgs {
+  const float* q;  // [G, D] query heads of this KV head, row stride q_head_stride
+  int64_t q_head_stride;
+  const kv_t* k_buf;  // pool [N, Hkv, D], offset to this KV head
+  const kv_t* v_buf;
+  int64_t kv_row_stride;  // Hkv * D
+  const int32_t* slots;  // req_to_token row
+  int64_t len, G, D;
+  float scale;
+  float* out;  // [G, D], row stride out_head_stride
+  int64_t out_head_stride;
+};
+
+// scores[g * len + t] = scale * q_g . K[slots[t]]
+template <typename kv_t>
+void score_pass(const TaskArgs<kv_t>& a, float* scores) {
+  int64_t t = 0;
+#if RS_HAVE_AVX2
+  if (a.D % 8 == 0) {
+    for (; t + kTokensPerStep <= a.len; t += kTokensPerStep) {
+      const kv_t* k[kTokensPerStep];
+      for (int j = 0; j < kTokensPerStep; ++j) k[j] = a.k_buf + static_cast<int64_t>(a.slots[t + j]) * a.kv_row_stride;
+      for (int64_t g = 0; g < a.G; ++g) {
+        const float* q = a.q + g * a.q_head_stride;
+        __m256 acc[kTokensPerStep];
+        for (int j = 0; j < kTokensPerStep; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < a.D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + d);
+          for (int j = 0; j < kTokensPerStep; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
+        }
+        for (int j = 0; j < kTokensPerStep; ++j) scores[g * a.len + t + j] = hsum(acc[j]) * a.scale;
+      }
+    }
+  }
+#endif
+  for (; t < a.len; ++t) {
+    const kv_t* k = a.k_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride;
+    for (int64_t g = 0; g < a.G; ++g) scores[g * a.len + t] = dot(a.q + g * a.q_head_stride, k, a.D) * a.scale;
+  }
+}
+
+// out_g = sum_t p[g * len + t] * V[slots[t]]
+template <typename kv_t>
+void value_pass(const TaskArgs<kv_t>& a, const float* p, std::vector<float>& acc) {
+#if RS_HAVE_AVX2
+  constexpr int64_t kChunk = 64;  // 8 accumulators of 8 floats
+  if (a.D % kChunk == 0) {
+    for (int64_t g = 0; g < a.G; ++g) {
+      const float* pg = p + g * a.len;
+      for (int64_t d0 = 0; d0 < a.D; d0 += kChunk) {
+        __m256 o[8];
+        for (int i = 0; i < 8; ++i) o[i] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < a.len; ++t) {
+          const kv_t* v = a.v_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride + d0;
+          const __m256 w = _mm256_set1_ps(pg[t]);
+          for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, load8(v + 8 * i), o[i]);
+        }
+        float* out = a.out + g * a.out_head_stride + d0;
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
+      }
+    }
+    return;
+  }
+#endif
+  acc.assign(static_cast<size_t>(a.G * a.D), 0.f);
+  for (int64_t t = 0; t < a.len; ++t) {
+    const kv_t* v = a.v_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride;
+    for (int64_t g = 0; g < a.G; ++g) axpy(acc.data() + g * a.D, p[g * a.len + t], v, a.D);
+  }
+  for (int64_t g = 0; g < a.G; ++g) {
+    std::memcpy(a.out + g * a.out_head_stride, acc.data() + g * a.D, sizeof(float) * a.D);
+  }
+}
+
+template <typename kv_t>
+void decode_attention_task(const TaskArgs<kv_t>& a, std::vector<float>& scores, std::vector<float>& acc) {
+  scores.resize(static_cast<size_t>(a.G * a.len));
+  score_pass(a, scores.data());
+  for (int64_t g = 0; g < a.G; ++g) softmax_inplace(scores.data() + g * a.len, a.len);
+  value_pass(a, scores.data(), acc);
+}
+
+template <typename kv_t>
+void decode_attention_impl(
+    const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
+    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+    double scale) {
+  const int64_t bs = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  const int64_t G = H / Hkv;
+  const float* q_ptr = q.data_ptr<float>();
+  const kv_t* k_ptr = k_buf.data_ptr<kv_t>();
+  const kv_t* v_ptr = v_buf.data_ptr<kv_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const int32_t* r2t = req_to_token.data_ptr<int32_t>();
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t r2t_stride = req_to_token.stride(0);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, kh = task % Hkv;
+      const TaskArgs<kv_t> args{
+          q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, k_buf.stride(0),
+          r2t + rows[b] * r2t_stride, lens[b], G, D, static_cast<float>(scale),
+          out_ptr + b * os0 + kh * G * os1, os1};
+      decode_attention_task(args, scores, acc);
+    }
+  });
+}
+
+}  // namespace
+
+void decode_attention(
+    const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
+    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
+              "decode_attention: q/out [bs, H, D], k_buf/v_buf [N, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "decode_attention: q and out must be float32");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "decode_attention: K/V dtypes differ");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "decode_attention: head_dim must be contiguous");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "decode_attention: K/V buffers must be contiguous");
+  TORCH_CHECK(k_buf.sizes() == v_buf.sizes() && k_buf.size(2) == q.size(2), "decode_attention: K/V shapes");
+  TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "decode_attention: num_heads % num_kv_heads != 0");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1,
+              "decode_attention: req_to_token must be int32 with contiguous rows");
+  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous(),
+              "decode_attention: req_pool_indices and seq_lens must be contiguous int64");
+  TORCH_CHECK(req_pool_indices.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "decode_attention: batch sizes differ");
+  TORCH_CHECK(seq_lens.numel() == 0 || seq_lens.min().item<int64_t>() >= 1,
+              "decode_attention: every seq_len must be >= 1");
+  if (k_buf.scalar_type() == at::kFloat) {
+    decode_attention_impl<float>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale);
+  } else if (k_buf.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<at::BFloat16>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale);
+  } else {
+    TORCH_CHECK(false, "decode_attention: K/V must be float32 or bfloat16");
+  }
+}

@@ -1,0 +1,169 @@
+"""sgl-kernel's compiled CPU kernels vs torch references on random paged inputs.
+
+`make setup` builds the extension; where it is not built (no compiler) these tests skip and the
+engine runs the pure-torch paths, which test_default_backend_falls_back checks.
+"""
+
+import pytest
+import torch
+from paged_cases import paged_rows, ref_attention, run_backend_parity
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.layers.attention.cpu_backend import CpuAttnBackend
+from radixserve.layers.linear import SMALL_BATCH_MAX_TOKENS, Linear, attach_fp16_weights
+from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
+from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+from sgl_kernel import cpu as cpu_kernels
+
+needs_ext = pytest.mark.skipif(not cpu_kernels.available(), reason="sgl_kernel._cpu not built")
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _decode_inputs(page_size, num_heads, num_kv_heads, head_dim, lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lens) + 2
+    rows = paged_rows(lens, page_size, num_pages, gen, share=16 if page_size == 16 else 0)
+    size = num_pages * page_size
+    k_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    v_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    req_to_token = torch.zeros(len(lens) + 2, max(lens) + 5, dtype=torch.int32)
+    pool_idx = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)]  # arbitrary rows
+    for i, r in zip(pool_idx.tolist(), rows):
+        req_to_token[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    # q as a strided view (the model slices q out of the fused qkv projection).
+    qkv = torch.randn(len(lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    q = qkv[:, :num_heads]
+    return q, k_buf, v_buf, req_to_token, pool_idx, torch.tensor(lens), rows
+
+
+@needs_ext
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 4), 32), ((8, 1), 16)])
+def test_decode_attention_matches_reference(page_size, heads, head_dim):
+    # Ragged lengths: one token, around a page, a long one; request 1 shares request 0's first
+    # page when page_size is 16 (a radix hit).
+    lens = [1, 17, 16, 300, 33]
+    q, k_buf, v_buf, r2t, pool_idx, seq_lens, rows = _decode_inputs(page_size, *heads, head_dim, lens, seed=3)
+    scale = head_dim**-0.5
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, r2t, pool_idx, seq_lens, scale)
+    for i, r in enumerate(rows):
+        slots = torch.tensor(r)
+        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], len(r) - 1, scale)[0]
+        torch.testing.assert_close(out[i], ref, **FP32_TOL)
+
+
+@needs_ext
+def test_decode_attention_bf16_kv_matches_fp32_of_same_values():
+    q, k_buf, v_buf, r2t, pool_idx, seq_lens, _ = _decode_inputs(1, 6, 2, 32, [5, 70], seed=4)
+    kb, vb = k_buf.bfloat16(), v_buf.bfloat16()
+    got = cpu_kernels.decode_attention(q, kb, vb, r2t, pool_idx, seq_lens, 0.2)
+    ref = cpu_kernels.decode_attention(q, kb.float(), vb.float(), r2t, pool_idx, seq_lens, 0.2)
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+
+
+@needs_ext
+def test_decode_attention_rejects_bad_inputs():
+    q, k_buf, v_buf, r2t, pool_idx, seq_lens, _ = _decode_inputs(1, 4, 2, 16, [3, 4], seed=5)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_kernels.decode_attention(q, k_buf, v_buf, r2t.long(), pool_idx, seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.decode_attention(q.double(), k_buf, v_buf, r2t, pool_idx, seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="num_kv_heads"):
+        cpu_kernels.decode_attention(q[:, :3], k_buf, v_buf, r2t, pool_idx, seq_lens, 1.0)
+
+
+@needs_ext
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_backend_matches_torch_native(page_size):
+    run_backend_parity(CpuAttnBackend, "cpu", torch.float32, page_size, FP32_TOL)
+
+
+@needs_ext
+def test_cpu_backend_is_the_cpu_default():
+    assert ServerArgs(model_path="x", device="cpu").resolve().attention_backend == "cpu"
+
+
+def test_default_backend_falls_back_without_the_extension(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_DISABLE_CPU_KERNELS", "1")
+    assert not cpu_kernels.available()
+    assert ServerArgs(model_path="x", device="cpu").resolve().attention_backend == "torch_native"
+    with pytest.raises(RuntimeError, match="torch_native"):
+        CpuAttnBackend(torch.device("cpu"))
+
+
+@needs_ext
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 36), (7, 1536, 10), (2, 13, 7), (9, 40, 33)])
+def test_linear_f16_matches_fp64_reference(m, k, n):
+    # Covers full 4-row tiles, a 1-row x remainder (odd M), N % 4 != 0 and K % 8 != 0.
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, 2 * k, generator=gen)[:, :k]  # strided rows, as a slice of a wider tensor
+    w = torch.randn(n, k, generator=gen).half()
+    bias = torch.randn(n, generator=gen)
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(cpu_kernels.linear_f16(x, w).double(), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        cpu_kernels.linear_f16(x, w, bias).double(), ref + bias.double(), atol=1e-4, rtol=1e-5
+    )
+
+
+@needs_ext
+def test_linear_f16_rejects_bad_inputs():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_kernels.linear_f16(x, w)
+    with pytest.raises(RuntimeError, match="K="):
+        cpu_kernels.linear_f16(x, torch.randn(4, 16).half())
+
+
+@needs_ext
+def test_linear_dispatch_by_batch_size():
+    layer = Linear(32, 24, bias=True)
+    small, large = torch.randn(SMALL_BATCH_MAX_TOKENS, 32), torch.randn(SMALL_BATCH_MAX_TOKENS + 1, 32)
+    assert torch.equal(layer(small), cpu_kernels.linear_f32(small, layer.weight, layer.bias))
+    assert torch.equal(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias))
+    assert attach_fp16_weights(layer) == 32 * 24 * 2
+    assert torch.equal(layer(small), cpu_kernels.linear_f16(small, layer.weight_f16, layer.bias))
+    assert torch.equal(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias))
+
+
+@needs_ext
+def test_fp16_weights_model_stays_close_to_fp32(tiny_model_dir):
+    """--cpu-fp16-weights on a tiny Llama: prefill (14 tokens, above the small-batch bound) and
+    decode (2 tokens, through the fp16 kernel) logits stay within fp16 rounding of fp32's."""
+    path = str(tiny_model_dir("llama"))
+    logits = {}
+    for f16 in (False, True):
+        args = ServerArgs(
+            model_path=path, max_total_tokens=4096, device="cpu", cpu_fp16_weights=f16
+        ).resolve()
+        runner = StaticBatchRunner(TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")))
+        model_runner = runner.worker.model_runner
+        seen, processor = [], model_runner.logits_processor
+
+        def record(*args, processor=processor, seen=seen):
+            out = processor(*args)
+            seen.append(out.next_token_logits.clone())
+            return out
+
+        model_runner.logits_processor = record
+        reqs = [
+            StaticReq(list(range(3, 3 + n)), SamplingParams(max_new_tokens=4, temperature=0.0))
+            for n in (5, 9)
+        ]
+        runner.prefill(reqs)
+        for req in reqs:
+            req.output_ids = [7]  # the same next input in both runs, whatever was sampled
+        runner.decode(reqs)
+        logits[f16] = seen
+    for got, ref in zip(logits[True], logits[False]):
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(logits[True][1], logits[False][1])  # the fp16 path really ran
+
+
+def test_fp16_weights_rejected_off_cpu_fp32(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    args = ServerArgs(model_path=path, max_total_tokens=4096, device="cpu", cpu_fp16_weights=True).resolve()
+    with pytest.raises(ValueError, match="fp32 models on CPU"):
+        TpModelWorker(args, ModelConfig.from_path(path, dtype="bfloat16"))
