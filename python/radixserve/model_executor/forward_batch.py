@@ -111,6 +111,7 @@ class ForwardBatch:
         token_to_kv_pool: MHATokenToKVPool,
         attn_backend: AttentionBackend,
         device: torch.device,
+        init_attn_metadata: bool = True,  # False when a CUDA graph replays: its hook fills them
     ) -> ForwardBatch:
         seq_lens_cpu = batch.seq_lens.tolist()
         if batch.forward_mode.is_extend():
@@ -139,7 +140,8 @@ class ForwardBatch:
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
             extend_logprob_next_token_ids=batch.extend_logprob_next_token_ids,
         )
-        attn_backend.init_forward_metadata(fb)
+        if init_attn_metadata:
+            attn_backend.init_forward_metadata(fb)
         return fb
 
 

@@ -10,10 +10,12 @@ import torch
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.linear import SMALL_BATCH_MAX_TOKENS, attach_fp16_weights, fp16_copy
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.model_executor.cuda_graph_runner import create_cuda_graph_runner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
@@ -27,6 +29,10 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """Backends are imported only when selected, so CPU-only installs never import GPU packages."""
+    if name == "cpu":
+        from radixserve.layers.attention.cpu_backend import CpuAttnBackend
+
+        return CpuAttnBackend(device)
     if name == "torch_native":
         from radixserve.layers.attention.torch_native import TorchNativeAttnBackend
 
@@ -40,7 +46,7 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
 
         import_flashinfer()  # raises a clear ImportError (what to install) when flashinfer is missing
         return FlashInferAttnBackend(device)
-    raise ValueError(f"Unknown attention backend {name!r} (available: torch_native, triton, flashinfer)")
+    raise ValueError(f"Unknown attention backend {name!r} (available: cpu, torch_native, triton, flashinfer)")
 
 
 class ModelRunner:
@@ -58,12 +64,29 @@ class ModelRunner:
             model_config.architecture,
             model_config.dtype,
         )
+        self.lm_head_weight_f16 = self._maybe_attach_fp16_weights()
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(
             server_args.attention_backend or "torch_native", self.device
         )
         self.logits_processor = LogitsProcessor()
         self.sampler = Sampler()
+        # Decode CUDA graphs (None on CPU, with --disable-cuda-graph, or a backend without hooks).
+        self.graph_runner = create_cuda_graph_runner(self, server_args)
+
+    def _maybe_attach_fp16_weights(self) -> torch.Tensor | None:
+        """--cpu-fp16-weights: fp16 weight copies for small CPU batches (layers/linear.py)."""
+        if not self.server_args.cpu_fp16_weights:
+            return None
+        if self.device.type != "cpu" or self.model_config.dtype != torch.float32:
+            raise ValueError("--cpu-fp16-weights applies to fp32 models on CPU only")
+        added = attach_fp16_weights(self.model)
+        lm_head_f16 = fp16_copy(self.model.lm_head_weight)
+        added += lm_head_f16.numel() * 2
+        logger.info(
+            "fp16 weight copies for batches <= %d tokens: +%.0f MiB", SMALL_BATCH_MAX_TOKENS, added / 2**20
+        )
+        return lm_head_f16
 
     def _kv_bytes_per_token(self) -> int:
         mc = self.model_config
@@ -112,11 +135,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> tuple[ForwardBatch, LogitsOutput]:
+        use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         fb = ForwardBatch.init_new(
-            batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend, self.device
+            batch,
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            self.attn_backend,
+            self.device,
+            init_attn_metadata=not use_graph,
         )
-        hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
-        return fb, self.logits_processor(hidden, self.model.lm_head_weight, fb)
+        if use_graph:
+            assert self.graph_runner is not None
+            hidden = self.graph_runner.replay(fb)  # [bs, hidden_size]
+        else:
+            hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+        return fb, self.logits_processor(hidden, self.model.lm_head_weight, fb, self.lm_head_weight_f16)
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:

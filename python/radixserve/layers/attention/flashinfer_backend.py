@@ -15,6 +15,12 @@ of a step (`create_attention_backend(name, device)` knows no model shapes), so `
 lazily on the first layer call of each step and is reused by every later layer with the same
 shape. Targets flashinfer-python >= 0.2 (the plan/run API). `flashinfer` is imported only when
 this backend is constructed.
+
+CUDA graphs (decode): one `use_cuda_graph=True` decode wrapper per captured batch size, over fixed
+indptr / indices / last-page-len buffers. It is created and planned on the graph's first (eager)
+warm-up run, when the layer shapes become known; the capture then finds the plan in place and
+records only `run()`. Before each replay, the replay hook plans again (outside the graph) for the
+step's lengths, which rewrites the fixed buffers the captured kernels read.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from radixserve.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.radix_attention import RadixAttention
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from radixserve.model_executor.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's split-KV scratch; 128 MB+ is its recommendation
@@ -50,7 +57,8 @@ class FlashInferMetadata:
     kv_indices: torch.Tensor  # [total] int32 slots on device (prefix + new tokens)
     last_page_len_cpu: torch.Tensor  # [bs] int32, all 1 (page_size 1)
     qo_indptr_cpu: torch.Tensor | None  # [bs + 1] int32, extend only
-    planned_for: tuple | None = None  # (H, Hkv, D, scale, q dtype, kv dtype) of the current plan
+    planned_for: tuple | None = None  # (decode, H, Hkv, D, scale, q dtype, kv dtype) of the plan
+    graph_bs: int | None = None  # set for a CUDA-graph decode batch of this (padded) size
 
 
 def build_kv_indices(
@@ -70,6 +78,8 @@ def build_kv_indices(
 
 
 class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -80,6 +90,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill_wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._fi = fi
         self._decode_wrappers: dict[bool, Any] = {}
+        self._graph_wrappers: dict[int, Any] = {}  # captured bs -> its cuda-graph decode wrapper
+        self._graph_plan_key: tuple | None = None  # the layer shapes the graph wrappers were planned for
 
     def _decode_wrapper(self, group_size: int) -> Any:
         # Tensor-core decode kernels pay off once several query heads share a KV head (GQA).
@@ -89,6 +101,61 @@ class FlashInferAttnBackend(AttentionBackend):
                 self.workspace, "NHD", use_tensor_cores=use_tc
             )
         return self._decode_wrappers[use_tc]
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+    def init_cuda_graph_state(
+        self, max_bs: int, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool
+    ) -> None:
+        self._graph_req_to_token = req_to_token_pool.req_to_token  # [R, max_context_len] int32
+        # Shared by every wrapper: only one graph replays at a time. Page size 1: one slot a page.
+        self._graph_kv_indices = torch.zeros(
+            max_bs * req_to_token_pool.max_context_len, dtype=torch.int32, device=self.device
+        )
+
+    def _graph_wrapper(self, bs: int, group_size: int) -> Any:
+        if bs not in self._graph_wrappers:
+            self._graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=group_size >= 4,
+                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=self._graph_kv_indices,
+                paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=self.device),
+            )
+        return self._graph_wrappers[bs]
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> FlashInferMetadata:
+        # Filled by the replay hook, which the graph runner calls before the warm-up runs.
+        return FlashInferMetadata(
+            torch.zeros(bs + 1, dtype=torch.int32),
+            self._graph_kv_indices,
+            torch.ones(bs, dtype=torch.int32),
+            None,
+            graph_bs=bs,
+        )
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+        metadata: FlashInferMetadata,
+    ) -> None:
+        meta = metadata
+        meta.kv_indptr_cpu[1:] = torch.cumsum(torch.tensor(seq_lens_cpu, dtype=torch.int32), 0)
+        total = int(meta.kv_indptr_cpu[-1])
+        kv_indptr = meta.kv_indptr_cpu.to(self.device, non_blocking=True)
+        meta.kv_indices = build_kv_indices(
+            self._graph_req_to_token, req_pool_indices, seq_lens, kv_indptr, total
+        )
+        meta.planned_for = None
+        if self._graph_plan_key is not None:
+            # plan() copies indptr / indices into the wrapper's fixed buffers (what the graph reads).
+            self._plan_with_key(meta, self._graph_plan_key)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -121,9 +188,18 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError(
                 f"flashinfer attention supports fp16/bf16, got {q_dtype}; use the triton backend"
             )
-        group = layer.num_heads // layer.num_kv_heads
         key = (decode, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling, q_dtype, kv_dtype)
-        wrapper = self._decode_wrapper(group) if decode else self.prefill_wrapper
+        if meta.graph_bs is not None:
+            self._graph_plan_key = key  # learnt on the eager warm-up; replays re-plan with it
+        return self._plan_with_key(meta, key)
+
+    def _plan_with_key(self, meta: FlashInferMetadata, key: tuple) -> Any:
+        decode, num_heads, num_kv_heads, head_dim, scaling, q_dtype, kv_dtype = key
+        group = num_heads // num_kv_heads
+        if meta.graph_bs is not None:
+            wrapper = self._graph_wrapper(meta.graph_bs, group)
+        else:
+            wrapper = self._decode_wrapper(group) if decode else self.prefill_wrapper
         if meta.planned_for == key:
             return wrapper
         if decode:
@@ -131,12 +207,12 @@ class FlashInferAttnBackend(AttentionBackend):
                 meta.kv_indptr_cpu,
                 meta.kv_indices,
                 meta.last_page_len_cpu,
-                layer.num_heads,
-                layer.num_kv_heads,
-                layer.head_dim,
+                num_heads,
+                num_kv_heads,
+                head_dim,
                 1,  # page_size: one slot per page
                 pos_encoding_mode="NONE",
-                sm_scale=layer.scaling,
+                sm_scale=scaling,
                 q_data_type=q_dtype,
                 kv_data_type=kv_dtype,
             )
@@ -147,12 +223,12 @@ class FlashInferAttnBackend(AttentionBackend):
                 meta.kv_indptr_cpu,
                 meta.kv_indices,
                 meta.last_page_len_cpu,
-                layer.num_heads,
-                layer.num_kv_heads,
-                layer.head_dim,
+                num_heads,
+                num_kv_heads,
+                head_dim,
                 1,
                 causal=True,
-                sm_scale=layer.scaling,
+                sm_scale=scaling,
                 q_data_type=q_dtype,
                 kv_data_type=kv_dtype,
             )

@@ -22,6 +22,7 @@ from radixserve.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.radix_attention import RadixAttention
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from radixserve.model_executor.forward_batch import ForwardBatch
 
 
@@ -62,6 +63,8 @@ class TritonMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(
         self,
         device: torch.device,
@@ -116,6 +119,54 @@ class TritonAttnBackend(AttentionBackend):
         fb.attn_metadata = TritonMetadata(
             kv_indptr, kv_indices, qo_indptr=qo_indptr, max_extend_len=max(extend_lens_cpu, default=0)
         )
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+    def init_cuda_graph_state(
+        self, max_bs: int, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool
+    ) -> None:
+        self._graph_req_to_token = req_to_token_pool.req_to_token  # [R, max_context_len] int32
+        self._graph_num_kv_heads = token_to_kv_pool.num_kv_heads
+        # Shared by every batch size: only one graph replays at a time.
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_kv_indices = torch.zeros(
+            max_bs * req_to_token_pool.max_context_len, dtype=torch.int32, device=self.device
+        )  # [max_bs * max_context_len]: room for max_bs sequences of full length
+        self._graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> TritonMetadata:
+        # The grid's split dimension depends only on bs (choose_num_kv_splits), so it is fixed
+        # for the life of this graph; the per-request split counts are rewritten at replay.
+        _, grid_splits = choose_num_kv_splits(
+            seq_lens, self._graph_num_kv_heads, self.max_kv_splits, self.num_sms, self.min_split_len
+        )
+        return TritonMetadata(
+            self._graph_kv_indptr[: bs + 1],
+            self._graph_kv_indices,
+            num_kv_splits=self._graph_num_kv_splits[:bs],
+            grid_kv_splits=grid_splits,
+        )
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+        metadata: TritonMetadata,
+    ) -> None:
+        total = sum(seq_lens_cpu)
+        kv_indptr, kv_indices = create_kv_indices(self._graph_req_to_token, req_pool_indices, seq_lens, total)
+        splits, grid_splits = choose_num_kv_splits(
+            seq_lens, self._graph_num_kv_heads, self.max_kv_splits, self.num_sms, self.min_split_len
+        )
+        assert grid_splits == metadata.grid_kv_splits, "the decode grid is fixed per batch size"
+        # Device-to-device copies into the buffers the captured kernels read: no host sync.
+        metadata.kv_indptr.copy_(kv_indptr)
+        metadata.kv_indices[:total].copy_(kv_indices[:total])
+        assert metadata.num_kv_splits is not None
+        metadata.num_kv_splits.copy_(splits)
 
     @staticmethod
     def _store_step_kv(
