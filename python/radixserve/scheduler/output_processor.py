@@ -43,6 +43,9 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ results
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        if result.copy_done is not None:
+            # Overlap on CUDA: the tokens are still being copied to the host (seed 001 §5.1).
+            result.copy_done.synchronize()
         next_token_ids = result.next_token_ids.tolist()  # [bs]
         logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
         if batch.forward_mode.is_decode():

@@ -1,16 +1,21 @@
-"""Overlap machinery (seed 001 §3, seed 004): the forward of batch N+1 runs while the scheduler
-processes batch N's results.
+"""Overlap machinery (seed 001 §3, seed 004): the forward of batch N+1 is launched before the
+scheduler processes batch N's results, so result processing hides behind the next forward.
 
-On CPU the forward runs on one worker thread (forwards stay in launch order, which is what makes KV
-written by batch N safe for batch N+1 to read). Tokens of a launched batch are not known when the
-next batch is built, so the next batch refers to them as `-future_idx` in its input_ids; the
-worker thread replaces those references from the FutureMap right before the forward, after batch
-N's forward has stored its tokens there.
+Tokens of a launched batch are not known when the next batch is built, so the next batch refers to
+them as `-future_idx` in its input_ids. Right before its forward, in forward order, the references
+are replaced from the FutureMap, where batch N's forward stored its sampled tokens.
+
+How a forward is launched depends on the device (`create_overlap_executor`):
+- CPU (scheduler/overlap_thread.py): one worker thread runs the forwards in launch order.
+- CUDA (model_executor/overlap_cuda.py): the forward is enqueued on a dedicated forward stream from
+  the scheduler's own thread; the FutureMap lives on the device and tokens reach the host through a
+  non-blocking copy guarded by a copy-done event. No host synchronisation inside a step.
+Both return a handle whose `result()` gives the GenerationBatchResult; when its `copy_done` is set,
+result processing waits on that event before it reads the tokens.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -22,19 +27,46 @@ class ForwardWorker(Protocol):
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult: ...
 
 
+class PendingResult(Protocol):
+    def result(self) -> GenerationBatchResult: ...
+
+
+class OverlapExecutor(Protocol):
+    """Launches forwards ahead of result processing, in order."""
+
+    def launch(self, mwb: ModelWorkerBatch, future_indices: list[int]) -> PendingResult:
+        """Start the forward of `mwb` (its negative input ids resolved first) and store its tokens
+        at `future_indices`; returns without waiting for the forward."""
+        ...
+
+    def shutdown(self) -> None:
+        """Wait for launched forwards and release threads/streams."""
+        ...
+
+
 class FutureMap:
-    """A circular buffer of token ids indexed by future index (>= 1, so -index is negative).
+    """A circular buffer of token ids indexed by future index (>= 1, so -index is negative), on the
+    model's device.
 
     Sizing follows seed 001: a running decode batch, then up to one prefill chunk per chunk of the
-    context, each at most max_running_requests wide, must fit before the buffer wraps.
+    context, each at most max_running_requests wide, must fit before the buffer wraps. The slack of
+    2 * max_running_requests past future_limit means one batch's indices never wrap, so they are a
+    contiguous range and storing them is a slice assignment (no index tensor to copy to the device).
     """
 
-    def __init__(self, max_running_requests: int, chunked_prefill_size: int | None, context_len: int) -> None:
+    def __init__(
+        self,
+        max_running_requests: int,
+        chunked_prefill_size: int | None,
+        context_len: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
         max_num_chunks = -(-context_len // chunked_prefill_size) if chunked_prefill_size else 0
         self.future_limit = max_running_requests * (3 + max_num_chunks)
-        # Slack so an allocation starting just below future_limit never wraps mid-batch.
         self.future_buffer_len = self.future_limit + 2 * max_running_requests
-        self.token_ids_buf = torch.zeros(self.future_buffer_len + 1, dtype=torch.int64)  # [len + 1]
+        self.device = torch.device(device)
+        # [len + 1]: index 0 is never handed out; resolve_future reads it for non-future ids.
+        self.token_ids_buf = torch.zeros(self.future_buffer_len + 1, dtype=torch.int64, device=self.device)
         self.future_ct = 0
 
     def alloc_future_indices(self, bs: int) -> list[int]:
@@ -43,34 +75,32 @@ class FutureMap:
         return list(range(start, start + bs))
 
     def resolve_future(self, mwb: ModelWorkerBatch) -> None:
-        """Replace negative input ids (future references) by the tokens stored for them."""
-        ids = mwb.input_ids  # [num_tokens] int64
+        """Replace negative input ids (future references) by the tokens stored for them. Must run in
+        forward order (on the forward thread / stream), after the producing forward stored them."""
+        ids = mwb.input_ids  # [num_tokens] int64, on the host as the scheduler built it
+        # The test reads host memory, so it never waits for the device.
         if ids.numel() and bool((ids < 0).any()):
+            ids = ids.to(self.device, non_blocking=True)
             mwb.input_ids = torch.where(ids < 0, self.token_ids_buf[(-ids).clamp(min=0)], ids)
 
     def store_to_map(self, future_indices: list[int], next_token_ids: torch.Tensor) -> None:
+        """token_ids_buf[future_indices] = next_token_ids ([bs] int64, on any device)."""
         if future_indices:
-            idx = torch.tensor(future_indices, dtype=torch.int64)  # [bs]
-            self.token_ids_buf[idx] = next_token_ids.to("cpu", torch.int64)
+            start = future_indices[0]
+            assert future_indices[-1] == start + len(future_indices) - 1, "future indices are contiguous"
+            # Same device: an asynchronous copy in stream order. Across devices copy_ blocks.
+            self.token_ids_buf[start : start + len(future_indices)].copy_(next_token_ids)
 
 
-class OverlapWorker:
-    """Runs any worker's forward_batch_generation on one background thread; launch() returns at
-    once with a Future of the result."""
+def create_overlap_executor(
+    worker: ForwardWorker, future_map: FutureMap, device: str | torch.device
+) -> OverlapExecutor:
+    """CUDA streams on a CUDA device, a worker thread elsewhere."""
+    if torch.device(device).type == "cuda":
+        # Imported only here: streams and events stay in model_executor/ (house style).
+        from radixserve.model_executor.overlap_cuda import CudaStreamOverlapExecutor
 
-    def __init__(self, worker: ForwardWorker, future_map: FutureMap) -> None:
-        self.worker = worker
-        self.future_map = future_map
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-forward")
+        return CudaStreamOverlapExecutor(worker, future_map, torch.device(device))
+    from radixserve.scheduler.overlap_thread import ThreadOverlapExecutor
 
-    def launch(self, mwb: ModelWorkerBatch, future_indices: list[int]) -> Future[GenerationBatchResult]:
-        return self._executor.submit(self._run, mwb, future_indices)
-
-    def _run(self, mwb: ModelWorkerBatch, future_indices: list[int]) -> GenerationBatchResult:
-        self.future_map.resolve_future(mwb)
-        result = self.worker.forward_batch_generation(mwb)
-        self.future_map.store_to_map(future_indices, result.next_token_ids)
-        return result
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+    return ThreadOverlapExecutor(worker, future_map)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -39,7 +38,7 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.output_processor import OutputProcessor
-from radixserve.scheduler.overlap import FutureMap, OverlapWorker
+from radixserve.scheduler.overlap import FutureMap, PendingResult, create_overlap_executor
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
@@ -88,10 +87,11 @@ class Scheduler:
         self.send_output = send_output
         self.device = getattr(worker, "device", "cpu")
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
-        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
-        self.mem = KVMemory(
-            rows, allocator, cache_cls(rows, allocator, allocator.page_size), allocator.page_size
-        )
+        if args.disable_radix_cache:
+            cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
+        else:
+            cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
+        self.mem = KVMemory(rows, allocator, cache, allocator.page_size)
         self.chunked_prefill_size = (
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
@@ -320,15 +320,19 @@ class NormalLoop:
 
 class OverlapLoop:
     """event_loop_overlap (seed 001 §2.2): batch N's results are processed after batch N+1 has been
-    launched on the forward thread, so result processing hides behind the next forward."""
+    launched (on the forward thread on CPU, the forward stream on CUDA: scheduler/overlap.py), so
+    result processing hides behind the next forward."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.future_map = FutureMap(
-            scheduler.max_running_requests, scheduler.chunked_prefill_size, scheduler.worker.max_context_len
+            scheduler.max_running_requests,
+            scheduler.chunked_prefill_size,
+            scheduler.worker.max_context_len,
+            scheduler.device,
         )
-        self.worker = OverlapWorker(scheduler.worker, self.future_map)
-        self.result_queue: deque[tuple[ScheduleBatch, Future[GenerationBatchResult]]] = deque()
+        self.worker = create_overlap_executor(scheduler.worker, self.future_map, scheduler.device)
+        self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()
 
     def _pop_and_process(self) -> None:
         batch, future = self.result_queue.popleft()
@@ -355,7 +359,7 @@ class OverlapLoop:
             self._pop_and_process()
         if batch is not None:
             self._launch(batch)
-        # Process the previous batch while the current one runs on the forward thread.
+        # Process the previous batch while the current one runs on the forward thread / stream.
         if len(self.result_queue) > (1 if batch is not None else 0):
             self._pop_and_process()
         elif batch is None and s.state.last_batch is None:
