@@ -16,7 +16,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
-ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+RADIX_EVICTION_POLICIES = ("lru", "lfu")
+ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -68,6 +69,12 @@ class ServerArgs:
     schedule_policy: str = _f("lpm", "Waiting-queue order.", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _f(1.0, "Scales the initial new_token_ratio; higher admits fewer.")
     disable_radix_cache: bool = _f(False, "Disable prefix sharing (a ChunkCache is used instead).")
+    radix_eviction_policy: str = _f(
+        "lru",
+        "Which unused radix-cache leaves are evicted first when KV memory runs out: 'lru' (least "
+        "recently used) or 'lfu' (fewest prefix hits; ties go to the least recently used).",
+        choices=RADIX_EVICTION_POLICIES,
+    )
     disable_overlap_schedule: bool = _f(False, "Run the normal (non-overlapped) scheduler loop.")
     enable_overlap_schedule: bool = _f(
         False,
@@ -84,9 +91,25 @@ class ServerArgs:
     running_timeout: float | None = _f(None, "Abort requests running longer than this many seconds.")
 
     # Kernels
-    attention_backend: str | None = _f(None, "Attention backend; defaults to the best for the device.")
+    attention_backend: str | None = _f(
+        None,
+        "Attention backend: cpu (torch-native extend + sgl-kernel's compiled paged decode), "
+        "torch_native (pure torch, the reference), triton or flashinfer (CUDA). Default: triton on "
+        "CUDA; cpu on CPU when sgl-kernel's CPU extension is built, else torch_native.",
+    )
+    cpu_fp16_weights: bool = _f(
+        False,
+        "CPU, fp32 models: also keep every linear weight (and the LM head) in fp16 and run batches of "
+        "at most 32 tokens through sgl-kernel's F16C kernel, halving the bytes a small decode step "
+        "reads (+50% weight memory; outputs differ slightly from fp32).",
+    )
     disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.")
-    cuda_graph_max_bs: int = _f(64, "Largest decode batch captured in a CUDA graph.")
+    cuda_graph_max_bs: int = _f(
+        64,
+        "Largest decode batch captured in a CUDA graph. Sizes 1, 2, 4, 8, then multiples of 8 (16 "
+        "past 256) up to it are captured at start; a decode batch is padded to the next captured "
+        "size, and larger batches run eagerly.",
+    )
 
     # Structured output
     grammar_backend: str = _f("xgrammar", "Grammar backend for constrained decoding.")
@@ -117,7 +140,7 @@ class ServerArgs:
         if device == "cpu" and not self.enable_overlap_schedule:
             updates["disable_overlap_schedule"] = True
         if self.attention_backend is None:
-            updates["attention_backend"] = "triton" if device == "cuda" else "torch_native"
+            updates["attention_backend"] = _default_attention_backend(device)
         if self.mem_fraction_static is None and device == "cuda":
             updates["mem_fraction_static"] = 0.85
         if self.cpu_threads is None and device == "cpu":
@@ -143,6 +166,11 @@ class ServerArgs:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
+            raise ValueError(
+                f"--radix-eviction-policy must be one of {RADIX_EVICTION_POLICIES}, "
+                f"got {self.radix_eviction_policy!r}"
             )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -172,7 +200,7 @@ class ServerArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
+            help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
@@ -200,3 +228,14 @@ def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="python -m radixserve.launch_server")
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def _default_attention_backend(device: str) -> str:
+    """triton on CUDA; on CPU the compiled sgl-kernel decode path when it was built."""
+    if device == "cuda":
+        return "triton"
+    try:
+        from sgl_kernel import cpu as cpu_kernels
+    except ImportError:  # sgl-kernel not installed at all
+        return "torch_native"
+    return "cpu" if cpu_kernels.available() else "torch_native"

@@ -27,11 +27,26 @@ def test_cli_round_trip_and_resolve():
         ({"schedule_policy": "nope"}, "--schedule-policy"),
         ({"attention_backend": "nope"}, "--attention-backend"),
         ({"tp_size": 2}, "--tp-size"),
+        ({"radix_eviction_policy": "fifo"}, "--radix-eviction-policy"),
     ],
 )
 def test_validation_messages(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kwargs).resolve()
+
+
+@pytest.mark.parametrize("argv, policy", [([], "lru"), (["--radix-eviction-policy", "lfu"], "lfu")])
+def test_radix_eviction_policy_reaches_the_cache(argv, policy, make_harness):
+    args = prepare_server_args(argv)
+    assert args.radix_eviction_policy == policy
+    h = make_harness(radix_eviction_policy=args.radix_eviction_policy)
+    assert h.scheduler.mem.tree_cache.eviction_policy == policy
+
+
+def test_radix_eviction_policy_cli_rejects_unknown(capsys):
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--radix-eviction-policy", "fifo"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_server_args_doc_is_current():
