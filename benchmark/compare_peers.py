@@ -1,0 +1,394 @@
+"""radixserve side by side with llama.cpp's llama-server (F16, F32) and an HF transformers baseline.
+
+    python benchmark/compare_peers.py                 # everything; ~25 min on 2 cores
+    python benchmark/compare_peers.py --quick         # a smoke run of the whole pipeline
+    python benchmark/compare_peers.py --report-only --results-file R.jsonl   # re-render from results
+
+One engine runs at a time on the built-in model. The serving engines get the same workloads from
+radixserve's own client (radixserve.bench_serving; --backend openai against llama-server, with the
+built-in model's tokenizer so random-ids prompts are exactly N tokens): random prompts at each
+--concurrency, and the shared-prefix workload (radixserve once with the radix cache and once
+with --disable-radix-cache). The HF baseline runs static batches in this process. Results go to
+--results-file (JSONL), a table into <out-dir>/benchmarks.md between the compare_peers markers,
+and plots into <out-dir>/img/. llama-server is built into ~/.cache/radixserve/peers on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from peers import llama_cpp, report
+from peers.process import ServerProcess, ServerStartError, free_port
+
+ENGINES = ("radixserve", "llama-server-f16", "llama-server-f32", "hf")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Every tunable: the full run's value and the --quick one. A flag given on the command line wins.
+DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "concurrency": ([1, 4, 16, 64], [1, 2]),
+    "input_len": (128, 16),
+    "output_len": (128, 16),
+    "num_prompts_per_concurrency": (2.0, 2.0),
+    "min_num_prompts": (8, 4),
+    "hf_batch_sizes": ([1, 8, 32], [1, 2]),
+    "gsp_num_groups": (8, 2),
+    "gsp_prompts_per_group": (8, 2),
+    "gsp_system_prompt_len": (1024, 64),
+    "gsp_question_len": (64, 16),
+    "gsp_output_len": (64, 16),
+    "gsp_concurrency": (8, 2),
+}
+METRIC_KEYS = (
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input",
+    "total_output",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "median_e2e_latency_ms",
+    "p99_e2e_latency_ms",
+)
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,16, got {text!r}")
+    return values
+
+
+def _engine_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = sorted(set(names) - set(ENGINES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=_engine_list, default=list(ENGINES), help="comma-separated subset")
+    p.add_argument("--concurrency", type=_int_list, help="random workload concurrencies (1,4,16,64)")
+    p.add_argument("--input-len", type=int, help="random workload prompt tokens (128)")
+    p.add_argument("--output-len", type=int, help="random workload output tokens (128)")
+    p.add_argument(
+        "--num-prompts-per-concurrency",
+        type=float,
+        help="prompts per run = max(--min-num-prompts, ceil(this x C)) (2)",
+    )
+    p.add_argument("--min-num-prompts", type=int, help="see above (8)")
+    p.add_argument("--hf-batch-sizes", type=_int_list, help="HF static batch sizes (1,8,32)")
+    p.add_argument(
+        "--shared-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the shared-prefix workload on the serving engines (default: on)",
+    )
+    p.add_argument("--gsp-num-groups", type=int, help="shared-prefix groups (8)")
+    p.add_argument("--gsp-prompts-per-group", type=int, help="prompts per group (8)")
+    p.add_argument("--gsp-system-prompt-len", type=int, help="shared system prompt tokens (1024)")
+    p.add_argument("--gsp-question-len", type=int, help="question tokens (64)")
+    p.add_argument("--gsp-output-len", type=int, help="output tokens (64)")
+    p.add_argument("--gsp-concurrency", type=int, help="shared-prefix concurrency (8)")
+    p.add_argument("--quick", action="store_true", help="tiny smoke settings (the second column of DEFAULTS)")
+    p.add_argument("--seed", type=int, default=0, help="base seed; each run adds its own offset")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and HF torch threads")
+    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs", help="benchmarks.md and img/ go here")
+    p.add_argument("--results-file", type=Path, default=None, help="JSONL of all results (appended)")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: <cache>/peers/logs)")
+    p.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument(
+        "--report-only", action="store_true", help="only render the table and plots from --results-file"
+    )
+    args = p.parse_args(argv)
+    for key, (full, quick) in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    if args.report_only and args.results_file is None:
+        p.error("--report-only needs --results-file")
+    return args
+
+
+def num_prompts(concurrency: int, per_concurrency: float, minimum: int) -> int:
+    return max(minimum, math.ceil(per_concurrency * concurrency))
+
+
+# ----------------------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class Workload:
+    """One bench_serving run: a dataset at one concurrency."""
+
+    name: str  # "random" | "shared-prefix"
+    desc: str
+    concurrency: int
+    num_prompts: int
+    max_len: int  # longest prompt + output, for llama-server's per-slot context
+    dataset_args: tuple[str, ...]
+    seed: int
+
+
+def random_workloads(args: argparse.Namespace) -> list[Workload]:
+    n_in, n_out = args.input_len, args.output_len
+    return [
+        Workload(
+            name="random",
+            desc=f"random {n_in}→{n_out}",
+            concurrency=c,
+            num_prompts=num_prompts(c, args.num_prompts_per_concurrency, args.min_num_prompts),
+            max_len=n_in + n_out,
+            dataset_args=(
+                *("--dataset-name", "random-ids", "--random-range-ratio", "1.0"),
+                *("--random-input-len", str(n_in), "--random-output-len", str(n_out)),
+            ),
+            # The same prompts for every engine at a given C, different ones for every C.
+            seed=args.seed + c,
+        )
+        for c in args.concurrency
+    ]
+
+
+def shared_prefix_workload(args: argparse.Namespace) -> Workload:
+    g, p, s, q, o = (
+        args.gsp_num_groups,
+        args.gsp_prompts_per_group,
+        args.gsp_system_prompt_len,
+        args.gsp_question_len,
+        args.gsp_output_len,
+    )
+    return Workload(
+        name="shared-prefix",
+        desc=f"shared prefix {g}×{p}, {s}+{q}→{o}",
+        concurrency=args.gsp_concurrency,
+        num_prompts=g * p,
+        max_len=s + q + o,
+        dataset_args=(
+            *("--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(g)),
+            *("--gsp-prompts-per-group", str(p), "--gsp-system-prompt-len", str(s)),
+            *("--gsp-question-len", str(q), "--gsp-output-len", str(o)),
+        ),
+        seed=args.seed + 100_000,
+    )
+
+
+def run_serving(engine: str, backend: str, base_url: str, w: Workload, tokenizer_dir: Path) -> dict[str, Any]:
+    """One bench_serving run in this process; the result row for the report and the JSONL file."""
+    from radixserve import bench_serving
+
+    argv = [
+        *("--backend", backend, "--base-url", base_url, "--tokenizer", str(tokenizer_dir)),
+        *("--num-prompts", str(w.num_prompts), "--max-concurrency", str(w.concurrency)),
+        *("--seed", str(w.seed), "--warmup-requests", "1", "--disable-tqdm"),
+        *w.dataset_args,
+    ]
+    print(f"\n=== {engine}: {w.desc}, concurrency {w.concurrency}, {w.num_prompts} prompts", flush=True)
+    metrics = vars(bench_serving.main(argv))
+    return {
+        "engine": engine,
+        "workload": w.name,
+        "workload_desc": w.desc,
+        "concurrency": w.concurrency,
+        "num_prompts": w.num_prompts,
+        **{k: metrics[k] for k in METRIC_KEYS},
+        "errors": metrics["errors"][:5],
+        "seed": w.seed,
+        "bench_serving_argv": argv,
+    }
+
+
+# ----------------------------------------------------------------------------- engines
+@dataclass(frozen=True)
+class ServerPlan:
+    """A server to start (a command built for a port) and the workloads to run against it."""
+
+    label: str  # the engine name in the results
+    backend: str  # bench_serving --backend
+    make_cmd: Callable[[int], list[str]]
+    workloads: tuple[Workload, ...]
+
+
+def radixserve_command(port: int, disable_radix_cache: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    return cmd + (["--disable-radix-cache"] if disable_radix_cache else [])
+
+
+def server_plans(args: argparse.Namespace, llama: dict[str, tuple[Path, Path]]) -> list[ServerPlan]:
+    """The servers to run, in --engines order; `llama` maps each llama-server engine to (binary, GGUF)."""
+    randoms = tuple(random_workloads(args))
+    shared = (shared_prefix_workload(args),) if args.shared_prefix else ()
+    plans = []
+    for engine in args.engines:
+        if engine == "radixserve":
+            plans.append(ServerPlan("radixserve", "radixserve", radixserve_command, randoms + shared))
+            if shared:
+                off = "radixserve (no radix cache)"
+                plans.append(ServerPlan(off, "radixserve", lambda p: radixserve_command(p, True), shared))
+        elif engine in llama:
+            binary, gguf = llama[engine]
+            # One server per workload: -np is the workload's concurrency, and each of the -np slots
+            # holds -c / -np tokens (no -kvu), which must fit the longest prompt + output.
+            for group in (randoms, shared):
+                if group:
+                    slots = max(w.concurrency for w in group)
+                    if llama_cpp.CTX_SIZE // slots < max(w.max_len for w in group):
+                        print(
+                            f"warning: {engine}: {slots} slots of {llama_cpp.CTX_SIZE // slots} tokens "
+                            "are too short for this workload; its requests will fail",
+                            file=sys.stderr,
+                        )
+                    make_cmd = _llama_cmd(binary, gguf, args.threads, slots)
+                    plans.append(ServerPlan(engine, "openai", make_cmd, group))
+    return plans
+
+
+def _llama_cmd(binary: Path, gguf: Path, threads: int, slots: int) -> Callable[[int], list[str]]:
+    def make_cmd(port: int) -> list[str]:
+        return llama_cpp.server_command(binary, gguf, port, threads=threads, parallel=slots)
+
+    return make_cmd
+
+
+def prepare_llama(engines: list[str], model_dir: Path) -> dict[str, tuple[Path, Path]]:
+    """Build llama-server and convert the GGUFs the requested engines need (cached after the first run)."""
+    wanted = [e for e in engines if e.startswith("llama-server-")]
+    if not wanted:
+        return {}
+    binary = llama_cpp.build_server()
+    return {e: (binary, llama_cpp.convert_gguf(model_dir, e.rsplit("-", 1)[1])) for e in wanted}
+
+
+def run_plan(
+    plan: ServerPlan,
+    args: argparse.Namespace,
+    model_dir: Path,
+    log_dir: Path,
+    results: list[dict[str, Any]],
+    context: dict[str, Any],
+) -> None:
+    """Start the plan's server, run its workloads (appending to `results` as they finish), stop it."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    slug = plan.label.replace(" ", "-").replace("(", "").replace(")", "")
+    log_path = log_dir / f"{slug}-{plan.workloads[0].name}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with ServerProcess(plan.label, plan.make_cmd(port), log_path, base_url, env) as server:
+        waited = server.wait_healthy(args.server_timeout)
+        print(f"[{plan.label}] healthy after {waited:.1f} s (log {log_path})", flush=True)
+        for w in plan.workloads:
+            result = {**run_serving(plan.label, plan.backend, base_url, w, model_dir), "log": str(log_path)}
+            result.update(context)
+            append_result(args.results_file, result)
+            results.append(result)
+
+
+def append_result(path: Path, result: dict[str, Any]) -> None:
+    """Append one result to the JSONL file at once, so a crash later keeps what was measured."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(result, default=str) + "\n")
+
+
+def load_results(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------- report
+def write_report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The table into <out-dir>/benchmarks.md and the plots into <out-dir>/img/."""
+    command, machine = results[0]["command"], results[0]["machine"]
+    notes = [
+        "Serving engines: radixserve's client (`radixserve.bench_serving`: streaming, greedy, EOS ignored, "
+        "prompts of random token ids, the same prompts for every engine at a given concurrency)."
+    ]
+    if any(r["engine"].startswith("llama-server") for r in results):
+        t, c = results[0].get("threads", args.threads), llama_cpp.CTX_SIZE
+        notes.append(
+            f"llama-server runs with `-t {t} -tb {t} -c {c} -np N -cb -b 2048 -ub 512` (no `-kvu`), "
+            f"N = the workload's largest concurrency, so each slot holds {c} / N tokens."
+        )
+    failed = sorted({r["engine"] for r in results if r.get("failed")})
+    if failed:
+        notes.append(f"Some requests failed on: {', '.join(failed)} (see the results file).")
+    block = report.render_block(results, command, machine, notes)
+    report.update_doc(args.out_dir / "benchmarks.md", block)
+    for path in report.write_plots(results, args.out_dir / "img", subtitle=machine[0]):
+        print(f"wrote {path}")
+    print(f"updated {args.out_dir / 'benchmarks.md'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    command = shlex.join(["python", "benchmark/compare_peers.py", *raw_argv])
+    if args.report_only:
+        write_report(load_results(args.results_file), args)
+        return 0
+
+    from radixserve.model_loader.default_model import ensure_default_model
+
+    model_dir = Path(ensure_default_model())
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    if args.results_file is None:
+        args.results_file = llama_cpp.peers_dir() / "results" / f"compare_peers-{stamp}.jsonl"
+    args.results_file.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = args.log_dir or llama_cpp.peers_dir() / "logs" / stamp
+    start = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    problems: list[str] = []
+    try:
+        llama = prepare_llama(args.engines, model_dir)
+    except llama_cpp.PeerSetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llama_desc = None
+    if llama:
+        version = llama_cpp.server_version(next(iter(llama.values()))[0])
+        llama_desc = f"llama.cpp from llama-cpp-python {llama_cpp.LLAMA_CPP_PYTHON_VERSION} ({version})"
+    # Stored with every result, so --report-only renders what the run measured, where and how.
+    machine = report.machine_description(REPO_ROOT, llama_desc)
+    context = {"command": command, "machine": machine, "threads": args.threads}
+    for plan in server_plans(args, llama):
+        try:
+            run_plan(plan, args, model_dir, log_dir, results, context)
+        except (ServerStartError, SystemExit) as e:  # bench_serving exits when its warm-up fails
+            problems.append(f"{plan.label}: {e}")
+            print(f"error: {problems[-1]}", file=sys.stderr)
+    if "hf" in args.engines:
+        from peers.hf_static import run_static_batches
+
+        print(
+            f"\n=== hf: static batches {args.hf_batch_sizes}, {args.input_len}→{args.output_len}", flush=True
+        )
+        for r in run_static_batches(
+            model_dir, args.hf_batch_sizes, args.input_len, args.output_len, args.threads, args.seed
+        ):
+            r.update(context)
+            results.append(r)
+            append_result(args.results_file, r)
+    print(f"\nall runs took {time.perf_counter() - start:.0f} s; results in {args.results_file}")
+    if results:
+        write_report(results, args)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems or not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

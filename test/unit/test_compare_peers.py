@@ -1,0 +1,255 @@
+"""benchmark/compare_peers.py: CLI, workloads, server commands, table/markers rewriting, plots.
+
+No network, no build, no servers: the llama-server paths are fake and nothing is started.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+
+import compare_peers  # noqa: E402
+from peers import llama_cpp, report  # noqa: E402
+from peers.process import ServerProcess, ServerStartError, free_port  # noqa: E402
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_defaults_are_the_full_run():
+    args = compare_peers.parse_args([])
+    assert args.engines == ["radixserve", "llama-server-f16", "llama-server-f32", "hf"]
+    assert args.concurrency == [1, 4, 16, 64]
+    assert (args.input_len, args.output_len) == (128, 128)
+    assert args.hf_batch_sizes == [1, 8, 32]
+    assert args.shared_prefix is True
+    g = (args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len)
+    assert g + (args.gsp_question_len, args.gsp_output_len, args.gsp_concurrency) == (8, 8, 1024, 64, 64, 8)
+    assert args.out_dir == compare_peers.REPO_ROOT / "docs"
+
+
+def test_quick_shrinks_everything_but_explicit_flags_win():
+    args = compare_peers.parse_args(["--quick", "--output-len", "8", "--engines", "hf,radixserve"])
+    assert args.concurrency == [1, 2]
+    assert (args.input_len, args.output_len) == (16, 8)
+    assert args.engines == ["hf", "radixserve"]
+    assert args.gsp_system_prompt_len == 64
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--engines", "vllm"],
+        ["--engines", ""],
+        ["--concurrency", "0,4"],
+        ["--concurrency", "x"],
+        ["--report-only"],
+    ],
+)
+def test_bad_arguments_exit(argv):
+    with pytest.raises(SystemExit):
+        compare_peers.parse_args(argv)
+
+
+def test_num_prompts_policy():
+    assert [compare_peers.num_prompts(c, 2.0, 8) for c in (1, 4, 16, 64)] == [8, 8, 32, 128]
+    assert compare_peers.num_prompts(3, 1.5, 1) == 5  # rounded up
+
+
+# ----------------------------------------------------------------------------- workloads and plans
+
+
+def _bench_args(w: compare_peers.Workload) -> dict[str, str]:
+    return dict(zip(w.dataset_args[::2], w.dataset_args[1::2]))
+
+
+def test_workloads_have_exact_lengths_and_distinct_seeds():
+    args = compare_peers.parse_args(["--seed", "7"])
+    randoms = compare_peers.random_workloads(args)
+    assert [w.concurrency for w in randoms] == [1, 4, 16, 64]
+    assert [w.num_prompts for w in randoms] == [8, 8, 32, 128]
+    assert _bench_args(randoms[0])["--random-range-ratio"] == "1.0"  # every prompt exactly 128 tokens
+    shared = compare_peers.shared_prefix_workload(args)
+    assert (shared.num_prompts, shared.concurrency, shared.max_len) == (64, 8, 1024 + 64 + 64)
+    assert _bench_args(shared)["--dataset-name"] == "generated-shared-prefix"
+    seeds = [w.seed for w in randoms] + [shared.seed]
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_server_plans_cover_radix_on_off_and_one_llama_server_per_workload():
+    args = compare_peers.parse_args(["--engines", "radixserve,llama-server-f16,hf"])
+    fake = {"llama-server-f16": (Path("/x/llama-server"), Path("/x/m-f16.gguf"))}
+    plans = compare_peers.server_plans(args, fake)
+    summary = [(p.label, p.backend, [w.name for w in p.workloads]) for p in plans]
+    assert summary == [
+        ("radixserve", "radixserve", ["random"] * 4 + ["shared-prefix"]),
+        ("radixserve (no radix cache)", "radixserve", ["shared-prefix"]),
+        ("llama-server-f16", "openai", ["random"] * 4),
+        ("llama-server-f16", "openai", ["shared-prefix"]),
+    ]
+    assert "--disable-radix-cache" not in plans[0].make_cmd(1234)
+    assert plans[1].make_cmd(1234)[-1] == "--disable-radix-cache"
+    # -np follows the workload: 64 slots of 512 tokens, then 8 slots of 4096 for 1152-token requests.
+    for plan, slots in ((plans[2], "64"), (plans[3], "8")):
+        cmd = plan.make_cmd(4321)
+        assert cmd[cmd.index("-np") + 1] == slots
+        assert cmd[cmd.index("--port") + 1] == "4321"
+
+
+def test_no_shared_prefix_drops_the_radix_off_server():
+    args = compare_peers.parse_args(["--engines", "radixserve", "--no-shared-prefix"])
+    assert [p.label for p in compare_peers.server_plans(args, {})] == ["radixserve"]
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+def test_llama_server_command_line():
+    cmd = llama_cpp.server_command(Path("/c/llama-server"), Path("/c/m.gguf"), 8080)
+    assert cmd == [
+        "/c/llama-server",
+        *("-m", "/c/m.gguf", "-t", "2", "-tb", "2", "-c", "32768", "-np", "64", "-cb"),
+        *("-b", "2048", "-ub", "512", "--no-webui", "--host", "127.0.0.1", "--port", "8080"),
+    ]
+    assert "-kvu" not in cmd
+
+
+def test_cache_layout_follows_radixserve_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    assert llama_cpp.peers_dir() == tmp_path / "peers"
+    assert llama_cpp.server_binary("1.2.3") == (
+        tmp_path / "peers/llama_cpp_python-1.2.3/vendor/llama.cpp/build/bin/llama-server"
+    )
+    assert llama_cpp.gguf_path(Path("/m/SmolLM2"), "f16") == tmp_path / "peers/gguf/SmolLM2-f16.gguf"
+    with pytest.raises(ValueError):
+        llama_cpp.convert_gguf(Path("/m/SmolLM2"), "q4_0")
+
+
+def test_cached_binary_is_returned_without_building(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    binary = llama_cpp.server_binary()
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(llama_cpp, "check_build_tools", lambda: pytest.fail("must not build"))
+    assert llama_cpp.build_server() == binary
+
+
+def test_missing_build_tools_are_named(monkeypatch):
+    monkeypatch.setattr(llama_cpp.shutil, "which", lambda name: None)
+    with pytest.raises(llama_cpp.PeerSetupError, match="cmake.*C\\+\\+ compiler"):
+        llama_cpp.check_build_tools()
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _result(engine, workload, c, tok_s, ttft=100.0, failed=0):
+    static = workload == "static-batch"
+    return {
+        "engine": engine,
+        "workload": workload,
+        "workload_desc": f"{workload} 128→128",
+        "concurrency": c,
+        "num_prompts": 2 * c,
+        "failed": failed,
+        "request_throughput": tok_s / 128,
+        "output_throughput": tok_s,
+        "median_ttft_ms": None if static else ttft,
+        "p99_ttft_ms": None if static else 3 * ttft,
+        "median_tpot_ms": None if static else 50.0,
+        "p99_tpot_ms": None if static else 80.0,
+        "median_e2e_latency_ms": 6500.0,
+    }
+
+
+RESULTS = [
+    _result("radixserve", "random", 1, 17.4),
+    _result("radixserve", "random", 4, 60.0, failed=1),
+    _result("llama-server-f16", "random", 1, 45.6),
+    _result("llama-server-f16", "random", 4, 120.0),
+    _result("radixserve", "shared-prefix", 8, 22.4),
+    _result("hf", "static-batch", 8, 75.6),
+    _result("hf", "static-batch", 1, 20.2),
+]
+
+
+def test_table_rows_grouped_and_formatted():
+    lines = report.format_table(RESULTS).splitlines()
+    assert lines[0].startswith(
+        "| engine | workload | concurrency | requests | req/s | output tok/s | TTFT p50"
+    )
+    assert lines[1] == "|---|---|" + "---:|" * 9
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    assert [(r[0], r[2]) for r in rows] == [
+        ("radixserve", "1"),
+        ("radixserve", "4"),
+        ("llama-server-f16", "1"),
+        ("llama-server-f16", "4"),
+        ("hf", "1"),
+        ("hf", "8"),
+        ("radixserve", "8"),
+    ]
+    assert rows[0][3:] == ["2", "0.14", "17.4", "100", "300", "50.0", "80.0", "6500"]
+    assert rows[1][3] == "8 (1 failed)"
+    assert rows[4][6:10] == ["—"] * 4  # a static batch has no TTFT/TPOT
+
+
+def test_block_is_appended_once_then_replaced_in_place():
+    doc = "# Benchmarks\n\nintro\n"
+    first = report.replace_block(doc, "one")
+    assert first.startswith(doc.rstrip("\n"))
+    assert first.count(report.SECTION_TITLE) == 1
+    assert f"{report.BEGIN_MARKER}\none\n{report.END_MARKER}" in first
+    tail = "\n## Later section\n\ntext\n"
+    second = report.replace_block(first + tail, "two\nlines\n")
+    assert second == first.replace("\none\n", "\ntwo\nlines\n") + tail
+    assert second.count(report.BEGIN_MARKER) == 1 and second.count(report.SECTION_TITLE) == 1
+
+
+def test_unbalanced_markers_are_refused():
+    with pytest.raises(ValueError, match="unbalanced"):
+        report.replace_block(f"x\n{report.BEGIN_MARKER}\nold\n", "new")
+
+
+def test_render_block_and_update_doc(tmp_path):
+    block = report.render_block(RESULTS, "python benchmark/compare_peers.py --quick", ["2 cores", "today"])
+    assert "Command: `python benchmark/compare_peers.py --quick`" in block
+    assert "Machine: 2 cores; today." in block
+    assert "no TTFT or TPOT" in block
+    assert "](img/compare_peers_throughput.png)" in block
+    doc = tmp_path / "docs" / "benchmarks.md"
+    report.update_doc(doc, block)  # a missing file is created
+    report.update_doc(doc, block)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n") and text.count(report.BEGIN_MARKER) == 1
+
+
+def test_plots_are_png_files(tmp_path):
+    pytest.importorskip("matplotlib")  # the `bench` extra, installed by `make setup`
+    paths = report.write_plots(RESULTS, tmp_path / "img", subtitle="fake")
+    assert sorted(p.name for p in paths) == sorted(report.PLOT_FILES.values())
+    for path in paths:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plots_of_an_empty_run_still_write_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert len(report.write_plots([], tmp_path)) == 3
+
+
+# ----------------------------------------------------------------------------- process
+
+
+def test_server_that_exits_early_reports_its_log(tmp_path):
+    server = ServerProcess(
+        "fake",
+        [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+        tmp_path / "fake.log",
+        f"http://127.0.0.1:{free_port()}",
+    )
+    with server, pytest.raises(ServerStartError, match="(?s)exited with code 3.*boom"):
+        server.wait_healthy(timeout_s=30)
+    assert server.proc is None  # stopped on exit of the with-block
