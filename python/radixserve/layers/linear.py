@@ -19,15 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from sgl_kernel import cpu as cpu_kernels
-except ImportError:  # sgl-kernel not installed: the fp16 path cannot be enabled
-    cpu_kernels = None  # type: ignore[assignment]
+from radixserve.layers import cpu_fused
+from radixserve.layers.cpu_fused import cpu_kernels, fusable
 
 # Up to this many tokens sgl-kernel's small-M kernels beat torch's fp32 GEMM on this 2-core AVX2
 # CPU (1.9x at 1 token, 1.2x at 32, even at 64: docs/benchmarks.md); beyond, the GEMM wins.
 SMALL_BATCH_MAX_TOKENS = 32
-_use_small_m_kernels = cpu_kernels is not None and cpu_kernels.available()
 
 
 def linear(
@@ -38,10 +35,10 @@ def linear(
 ) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T (+ bias). Small fp32 CPU batches go through sgl-kernel: the
     fp16 weight copy when there is one, else the fp32 weight (both with fp32 math)."""
-    if _use_small_m_kernels and x.shape[0] <= SMALL_BATCH_MAX_TOKENS and x.dtype == torch.float32:
+    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_TOKENS and x.stride(-1) == 1 and fusable(x):
         if weight_f16 is not None:
             return cpu_kernels.linear_f16(x, weight_f16, bias)
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dim() == 2:
+        if fusable(weight):
             return cpu_kernels.linear_f32(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -63,7 +60,7 @@ def fp16_copy(weight: torch.Tensor) -> torch.Tensor:
 
 def attach_fp16_weights(model: nn.Module) -> int:
     """Give every Linear of `model` its fp16 weight copy; returns the bytes added."""
-    if cpu_kernels is None or not cpu_kernels.available():
+    if not cpu_fused.ENABLED:
         raise RuntimeError(
             "--cpu-fp16-weights needs sgl-kernel's compiled CPU extension "
             "(`pip install --no-build-isolation -e sgl-kernel`, which make setup runs)"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixserve.layers.cpu_fused import cpu_kernels, fusable
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -15,7 +17,22 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalize x; with `residual`, first add it and also return the sum (the new residual)."""
+        """Normalize x; with `residual`, first add it and also return the sum (the new residual).
+
+        On the compiled CPU path the residual form works in place: `residual` becomes the sum and
+        `x` the normalized output (both are the layer's own intermediates, never reused)."""
+        if x.dim() == 2 and x.stride(-1) == 1 and fusable(x, self.weight):
+            if residual is None:
+                return cpu_kernels.rmsnorm(x, self.weight, self.variance_epsilon)
+            if residual.stride(-1) == 1 and fusable(residual):
+                cpu_kernels.fused_add_rmsnorm_(x, residual, self.weight, self.variance_epsilon)
+                return x, residual
+        return self.forward_native(x, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference (any device and dtype); never modifies its inputs."""
         if residual is not None:
             x = x + residual
             residual = x

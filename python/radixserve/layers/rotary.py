@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.layers.cpu_fused import cpu_kernels, fusable
+
 
 def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from a config of transformers 4.x (rope_theta/rope_scaling) or 5.x
@@ -62,7 +64,18 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]."""
+        """positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim].
+
+        The compiled CPU path rotates q and k in place (views of the layer's fresh qkv output)."""
+        if q.stride(-1) == 1 and k.stride(-1) == 1 and fusable(q, k, self.cos_cached):
+            cpu_kernels.rotary_neox_(positions, q, k, self.cos_cached, self.sin_cached)
+            return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference; returns new tensors."""
         cos = self.cos_cached[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
         sin = self.sin_cached[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -51,12 +51,13 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         if forward_batch.attn_metadata is not None or q.dtype != torch.float32:
             return super().forward_decode(q, k, v, layer, forward_batch)
-        pool = forward_batch.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        # One compiled store instead of the pool's casts and two index_copy_ calls.
+        cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
         out = cpu_kernels.decode_attention(
             q,
-            pool.get_key_buffer(layer.layer_id),
-            pool.get_value_buffer(layer.layer_id),
+            k_buf,
+            v_buf,
             forward_batch.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
