@@ -25,13 +25,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from peers import llama_cpp, report
 from peers.process import ServerProcess, ServerStartError, free_port
 
-ENGINES = ("radixserve", "llama-server-f16", "llama-server-f32", "hf")
+# radixserve-fp16: radixserve with --cpu-fp16-weights (16-bit weight storage, fp32 math), the
+# counterpart of llama-server's F16 GGUF.
+ENGINES = ("radixserve", "radixserve-fp16", "llama-server-f16", "llama-server-f32", "hf")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Every tunable: the full run's value and the --quick one. A flag given on the command line wins.
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -224,9 +227,9 @@ class ServerPlan:
     workloads: tuple[Workload, ...]
 
 
-def radixserve_command(port: int, disable_radix_cache: bool = False) -> list[str]:
+def radixserve_command(port: int, extra_flags: tuple[str, ...] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port)]
-    return cmd + (["--disable-radix-cache"] if disable_radix_cache else [])
+    return cmd + list(extra_flags)
 
 
 def server_plans(args: argparse.Namespace, llama: dict[str, tuple[Path, Path]]) -> list[ServerPlan]:
@@ -239,7 +242,11 @@ def server_plans(args: argparse.Namespace, llama: dict[str, tuple[Path, Path]]) 
             plans.append(ServerPlan("radixserve", "radixserve", radixserve_command, randoms + shared))
             if shared:
                 off = "radixserve (no radix cache)"
-                plans.append(ServerPlan(off, "radixserve", lambda p: radixserve_command(p, True), shared))
+                no_radix = partial(radixserve_command, extra_flags=("--disable-radix-cache",))
+                plans.append(ServerPlan(off, "radixserve", no_radix, shared))
+        elif engine == "radixserve-fp16":
+            fp16 = partial(radixserve_command, extra_flags=("--cpu-fp16-weights",))
+            plans.append(ServerPlan("radixserve-fp16", "radixserve", fp16, randoms))
         elif engine in llama:
             binary, gguf = llama[engine]
             # One server per workload: -np is the workload's concurrency, and each of the -np slots

@@ -29,7 +29,9 @@ def _random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int)
     return torch.randint(100, vocab_size - 100, (batch_size, input_len), generator=g).tolist()
 
 
-def bench_radixserve(worker: TpModelWorker, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+def bench_radixserve(
+    worker: TpModelWorker, prompts: list[list[int]], output_len: int, label: str = "radixserve"
+) -> dict[str, Any]:
     runner = StaticBatchRunner(worker)
     reqs = [StaticReq(p, SamplingParams(max_new_tokens=output_len, temperature=0.0)) for p in prompts]
     bs, input_len = len(prompts), len(prompts[0])
@@ -45,7 +47,7 @@ def bench_radixserve(worker: TpModelWorker, prompts: list[list[int]], output_len
     runner.release(reqs)
     median_decode = statistics.median(decode_latencies)
     return {
-        "engine": "radixserve",
+        "engine": label,
         "batch_size": bs,
         "input_len": input_len,
         "output_len": output_len,
@@ -120,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate")
     parser.add_argument("--result-file", default=None, help="append JSON lines here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--server-args",
+        default="{}",
+        help='ServerArgs fields as JSON, e.g. \'{"attention_backend": "torch_native"}\' or '
+        "'{\"cpu_fp16_weights\": true}'",
+    )
     args = parser.parse_args(argv)
 
     model_path = resolve_model_path(args.model_path)
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         load_format=args.load_format,
         max_total_tokens=max_bs * (args.input_len + args.output_len) + 64,
         max_running_requests=max_bs,
+        **json.loads(args.server_args),
     ).resolve()
     model_config = ModelConfig.from_path(model_path, dtype=server_args.dtype, device=server_args.device)
     torch.set_num_threads(server_args.cpu_threads or torch.get_num_threads())
@@ -138,12 +147,13 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    label = f"radixserve ({server_args.attention_backend}{', fp16 weights' if server_args.cpu_fp16_weights else ''})"
     # Warm-up so one-time costs (allocator growth, lazy init) are not timed.
     bench_radixserve(worker, _random_prompts(2, 16, model_config.vocab_size, args.seed), 4)
     results = []
     for bs in args.batch_size:
         prompts = _random_prompts(bs, args.input_len, model_config.vocab_size, args.seed + bs)
-        results.append(bench_radixserve(worker, prompts, args.output_len))
+        results.append(bench_radixserve(worker, prompts, args.output_len, label))
         print_block(results[-1])
         if hf_model is not None:
             results.append(bench_hf(hf_model, prompts, args.output_len))

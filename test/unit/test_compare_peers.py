@@ -19,7 +19,7 @@ from peers.process import ServerProcess, ServerStartError, free_port  # noqa: E4
 
 def test_defaults_are_the_full_run():
     args = compare_peers.parse_args([])
-    assert args.engines == ["radixserve", "llama-server-f16", "llama-server-f32", "hf"]
+    assert args.engines == ["radixserve", "radixserve-fp16", "llama-server-f16", "llama-server-f32", "hf"]
     assert args.concurrency == [1, 4, 16, 64]
     assert (args.input_len, args.output_len) == (128, 128)
     assert args.hf_batch_sizes == [1, 8, 32]
@@ -78,20 +78,22 @@ def test_workloads_have_exact_lengths_and_distinct_seeds():
 
 
 def test_server_plans_cover_radix_on_off_and_one_llama_server_per_workload():
-    args = compare_peers.parse_args(["--engines", "radixserve,llama-server-f16,hf"])
+    args = compare_peers.parse_args(["--engines", "radixserve,radixserve-fp16,llama-server-f16,hf"])
     fake = {"llama-server-f16": (Path("/x/llama-server"), Path("/x/m-f16.gguf"))}
     plans = compare_peers.server_plans(args, fake)
     summary = [(p.label, p.backend, [w.name for w in p.workloads]) for p in plans]
     assert summary == [
         ("radixserve", "radixserve", ["random"] * 4 + ["shared-prefix"]),
         ("radixserve (no radix cache)", "radixserve", ["shared-prefix"]),
+        ("radixserve-fp16", "radixserve", ["random"] * 4),
         ("llama-server-f16", "openai", ["random"] * 4),
         ("llama-server-f16", "openai", ["shared-prefix"]),
     ]
     assert "--disable-radix-cache" not in plans[0].make_cmd(1234)
     assert plans[1].make_cmd(1234)[-1] == "--disable-radix-cache"
+    assert plans[2].make_cmd(1234)[-1] == "--cpu-fp16-weights"
     # -np follows the workload: 64 slots of 512 tokens, then 8 slots of 4096 for 1152-token requests.
-    for plan, slots in ((plans[2], "64"), (plans[3], "8")):
+    for plan, slots in ((plans[3], "64"), (plans[4], "8")):
         cmd = plan.make_cmd(4321)
         assert cmd[cmd.index("-np") + 1] == slots
         assert cmd[cmd.index("--port") + 1] == "4321"
