@@ -100,8 +100,13 @@ class ServerArgs:
     cpu_fp16_weights: bool = _f(
         False,
         "CPU, fp32 models: also keep every linear weight (and the LM head) in fp16 and run batches of "
-        "at most 32 tokens through sgl-kernel's F16C kernel, halving the bytes a small decode step "
+        "at most 2 tokens through sgl-kernel's F16C kernel, halving the bytes a small decode step "
         "reads (+50% weight memory; outputs differ slightly from fp32).",
+    )
+    disable_cpu_weight_prepack: bool = _f(
+        False,
+        "CPU, fp32 models: keep torch's default GEMM (F.linear) instead of prepacking every linear "
+        "weight for oneDNN at start (2-3x slower at the shapes measured; for A/B runs and debugging).",
     )
     disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.")
     cuda_graph_max_bs: int = _f(

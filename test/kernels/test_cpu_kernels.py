@@ -10,7 +10,13 @@ from paged_cases import paged_rows, ref_attention, run_backend_parity
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers.attention.cpu_backend import CpuAttnBackend
-from radixserve.layers.linear import SMALL_BATCH_MAX_TOKENS, Linear, attach_fp16_weights
+from radixserve.layers.linear import (
+    F16_MAX_TOKENS,
+    SMALL_BATCH_MAX_TOKENS,
+    Linear,
+    onednn_prepack_available,
+    prepare_cpu_linears,
+)
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
@@ -118,14 +124,30 @@ def test_linear_f16_rejects_bad_inputs():
 
 
 @needs_ext
-def test_linear_dispatch_by_batch_size():
+@pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
+def test_linear_dispatch_by_weight_form_and_batch_size():
     layer = Linear(32, 24, bias=True)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     small, large = torch.randn(SMALL_BATCH_MAX_TOKENS, 32), torch.randn(SMALL_BATCH_MAX_TOKENS + 1, 32)
-    assert torch.equal(layer(small), cpu_kernels.linear_f32(small, layer.weight, layer.bias))
-    assert torch.equal(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias))
-    assert attach_fp16_weights(layer) == 32 * 24 * 2
-    assert torch.equal(layer(small), cpu_kernels.linear_f16(small, layer.weight_f16, layer.bias))
-    assert torch.equal(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias))
+    # Plain weight: the small-M kernel, then torch's GEMM.
+    assert torch.equal(layer(small), cpu_kernels.linear_f32(small, w, b))
+    assert torch.equal(layer(large), torch.nn.functional.linear(large, w, b))
+    prepare_cpu_linears([layer], fp16=True, prepack=True)
+    assert layer.weight.numel() == 0 and layer.weight_packed is not None  # the packed copy replaced it
+    one = torch.randn(F16_MAX_TOKENS, 32)
+    assert torch.equal(layer(one), cpu_kernels.linear_f16(one, w.half(), b))
+    for x in (torch.randn(F16_MAX_TOKENS + 1, 32), large, torch.randn(300, 64)[:, :32]):
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
+def test_prepack_keeps_a_weight_tied_to_an_embedding():
+    embed = torch.nn.Embedding(50, 16)
+    head = Linear.sharing(embed.weight)
+    prepare_cpu_linears([embed, head], fp16=False, prepack=True)
+    assert head.weight is embed.weight and embed.weight.shape == (50, 16)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(head(x), x @ embed.weight.detach().T, atol=1e-5, rtol=1e-5)
 
 
 @needs_ext

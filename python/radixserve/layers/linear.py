@@ -1,19 +1,26 @@
-"""Linear layers with sgl-kernel's small-batch CPU paths, optionally over an fp16 weight copy.
+"""Linear layers and their CPU fast paths.
 
-torch's fp32 GEMM (MKL) reads weights at ~15 GB/s for a single token and slower for 2-16 tokens
-on this CPU; sgl-kernel's register-tiled kernel streams them at ~27 GB/s, so decode batches up to
-SMALL_BATCH_MAX_TOKENS tokens use it (no change in precision, only in summation order).
+On CPU with fp32 weights, `prepare_cpu_linears` (called once after loading) gives every Linear
+the fastest form this machine has, and `linear` picks per call:
 
-A decode step of a few requests is bound by reading the weights, not by arithmetic: at batch 1
-the built-in model's fp32 weights (~0.54 GB) take ~25 ms per step at this machine's ~20 GB/s.
-With `--cpu-fp16-weights` every Linear (and the LM head) also keeps its weight in fp16, and
-batches of at most SMALL_BATCH_MAX_TOKENS tokens go through sgl-kernel's `linear_f16` (F16C
-conversion, fp32 math), reading half the bytes. Larger batches are compute-bound and keep the
-fp32 GEMM. The price is 50% more weight memory and fp16 rounding of the weights (outputs then
-differ slightly from fp32, which is why it is opt-in).
+1. `--cpu-fp16-weights`, batches of at most F16_MAX_TOKENS tokens: sgl-kernel's `linear_f16`
+   over an fp16 copy (F16C conversion, fp32 math). Single-token decode is bound by reading the
+   weights, and fp16 halves the bytes.
+2. A weight prepacked for oneDNN (torch's mkldnn ops): every other batch size. torch's default
+   fp32 GEMM (MKL) runs 2-3x slower at the model's shapes on the AMD CPUs measured here
+   (docs/benchmarks.md); oneDNN's JIT kernels over a blocked weight layout are near peak from
+   a single token up to prefill sizes. The plain weight is then dropped: the packed copy is the
+   only fp32 one (no doubled memory).
+3. No oneDNN (a torch built without it, or --disable-cpu-weight-prepack): sgl-kernel's
+   `linear_f32` for batches of at most SMALL_BATCH_MAX_TOKENS tokens, else F.linear.
+
+Everywhere else (GPU, fp16/bf16 models) it is F.linear. Results differ from F.linear only in
+summation order.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +29,11 @@ from torch import nn
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
 
-# Up to this many tokens sgl-kernel's small-M kernels beat torch's fp32 GEMM on this 2-core AVX2
-# CPU (1.9x at 1 token, 1.2x at 32, even at 64: docs/benchmarks.md); beyond, the GEMM wins.
+logger = logging.getLogger(__name__)
+
+# Up to this many tokens the fp16 kernel beats oneDNN's fp32 GEMM over the prepacked weight.
+F16_MAX_TOKENS = 2
+# Without oneDNN: up to this many tokens sgl-kernel's fp32 small-M kernel beats torch's GEMM.
 SMALL_BATCH_MAX_TOKENS = 32
 
 
@@ -32,42 +42,80 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     weight_f16: torch.Tensor | None = None,
+    weight_packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [num_tokens, in] @ weight.T (+ bias). Small fp32 CPU batches go through sgl-kernel: the
-    fp16 weight copy when there is one, else the fp32 weight (both with fp32 math)."""
-    if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_TOKENS and x.stride(-1) == 1 and fusable(x):
-        if weight_f16 is not None:
-            return cpu_kernels.linear_f16(x, weight_f16, bias)
-        if fusable(weight):
-            return cpu_kernels.linear_f32(x, weight, bias)
+    """x [num_tokens, in] @ weight.T (+ bias), through the fastest form of the weight there is
+    (module docstring). `weight` may be empty when `weight_packed` is given."""
+    num_tokens = x.shape[0]
+    if weight_f16 is not None and num_tokens <= F16_MAX_TOKENS and _rows_ok(x):
+        return cpu_kernels.linear_f16(x, weight_f16, bias)
+    if weight_packed is not None and x.dim() == 2:
+        # [num_tokens, out]; oneDNN wants dense rows.
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight_packed, bias, "none", [], "")
+    if num_tokens <= SMALL_BATCH_MAX_TOKENS and _rows_ok(x) and fusable(weight):
+        return cpu_kernels.linear_f32(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
+def _rows_ok(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(-1) == 1 and fusable(x)
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and checkpoint names) with an optional fp16 weight copy."""
+    """nn.Linear (same parameters and checkpoint names) with optional CPU weight forms."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.weight_f16: torch.Tensor | None = None
+        self.weight_f16: torch.Tensor | None = None  # [out, in] fp16
+        self.weight_packed: torch.Tensor | None = None  # oneDNN's blocked layout of [out, in]
+
+    @classmethod
+    def sharing(cls, weight: nn.Parameter) -> Linear:
+        """A bias-free Linear over an existing [out, in] weight (e.g. the LM head tied to the
+        embedding); the weight is shared, not copied."""
+        layer = cls(1, 1, bias=False)
+        layer.weight = weight
+        layer.out_features, layer.in_features = weight.shape
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_f16)
+        return linear(x, self.weight, self.bias, self.weight_f16, self.weight_packed)
 
 
-def fp16_copy(weight: torch.Tensor) -> torch.Tensor:
-    return weight.detach().to(torch.float16).contiguous()
+def onednn_prepack_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def attach_fp16_weights(model: nn.Module) -> int:
-    """Give every Linear of `model` its fp16 weight copy; returns the bytes added."""
-    if not cpu_fused.ENABLED:
-        raise RuntimeError(
-            "--cpu-fp16-weights needs sgl-kernel's compiled CPU extension "
-            "(`pip install --no-build-isolation -e sgl-kernel`, which make setup runs)"
-        )
-    added = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.float32:
-            module.weight_f16 = fp16_copy(module.weight)
-            added += module.weight_f16.numel() * 2
-    return added
+def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool) -> None:
+    """Give every fp32 CPU Linear in `modules` its fast forms (module docstring): an fp16 copy
+    when `fp16`, then a oneDNN-packed weight when `prepack` (which also frees the plain weight
+    unless something else holds it, like an embedding tied to the LM head). Logs what it did."""
+    layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
+    layers = [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    if fp16:
+        if not cpu_fused.ENABLED:
+            raise RuntimeError(
+                "--cpu-fp16-weights needs sgl-kernel's compiled CPU extension "
+                "(`pip install --no-build-isolation -e sgl-kernel`, which make setup runs)"
+            )
+        for layer in layers:
+            layer.weight_f16 = layer.weight.detach().to(torch.float16).contiguous()
+        added = sum(layer.weight_f16.numel() * 2 for layer in layers)
+        logger.info("fp16 weight copies for batches <= %d tokens: +%.0f MiB", F16_MAX_TOKENS, added / 2**20)
+    if prepack and not onednn_prepack_available():
+        logger.warning("oneDNN is not available in this torch build: CPU linears use F.linear")
+        prepack = False
+    if prepack:
+        # A weight that a non-Linear module also holds (an embedding tied to the LM head) stays.
+        tied = {
+            id(p)
+            for root in modules
+            for m in root.modules()
+            if not isinstance(m, Linear)
+            for p in m.parameters(recurse=False)
+        }
+        for layer in layers:
+            layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+            if id(layer.weight) not in tied:  # the packed copy replaces the plain one
+                layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        logger.info("CPU linears: %d weights prepacked for oneDNN", len(layers))

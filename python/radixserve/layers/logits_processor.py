@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
-from radixserve.layers.linear import linear
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -35,25 +34,24 @@ class LogitsProcessor:
     def __call__(
         self,
         hidden: torch.Tensor,
-        lm_head_weight: torch.Tensor,
+        lm_head: Callable[[torch.Tensor], torch.Tensor],  # [n, hidden_size] -> [n, vocab_size]
         forward_batch: ForwardBatch,
-        lm_head_weight_f16: torch.Tensor | None = None,
     ) -> LogitsOutput:
         if forward_batch.forward_mode.is_decode():
             last_hidden = hidden  # [bs, hidden_size]
         else:
             ends = torch.cumsum(torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden.device), 0)
             last_hidden = hidden[ends - 1]
-        logits = linear(last_hidden, lm_head_weight, weight_f16=lm_head_weight_f16).float()  # [bs, vocab]
+        logits = lm_head(last_hidden).float()  # [bs, vocab_size]
         output = LogitsOutput(next_token_logits=logits)
         if forward_batch.return_logprob and forward_batch.extend_logprob_start_lens is not None:
-            self._prompt_logprobs(hidden, lm_head_weight, forward_batch, output)
+            self._prompt_logprobs(hidden, lm_head, forward_batch, output)
         return output
 
     def _prompt_logprobs(
         self,
         hidden: torch.Tensor,
-        lm_head_weight: torch.Tensor,
+        lm_head: Callable[[torch.Tensor], torch.Tensor],
         forward_batch: ForwardBatch,
         output: LogitsOutput,
     ) -> None:
@@ -73,7 +71,7 @@ class LogitsProcessor:
                 targets = torch.cat([targets, targets.new_tensor([next_id])])
                 hi += 1
             if hi > lo:
-                lp = torch.log_softmax(torch.matmul(hidden[lo:hi], lm_head_weight.t()).float(), dim=-1)
+                lp = torch.log_softmax(lm_head(hidden[lo:hi]).float(), dim=-1)
                 token_logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).tolist())
                 if top_k > 0:
                     vals, idx = lp.topk(top_k, dim=-1)

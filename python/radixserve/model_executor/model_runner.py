@@ -10,7 +10,7 @@ import torch
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers.attention.base import AttentionBackend
-from radixserve.layers.linear import SMALL_BATCH_MAX_TOKENS, attach_fp16_weights, fp16_copy
+from radixserve.layers.linear import Linear, prepare_cpu_linears
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
@@ -64,7 +64,9 @@ class ModelRunner:
             model_config.architecture,
             model_config.dtype,
         )
-        self.lm_head_weight_f16 = self._maybe_attach_fp16_weights()
+        # The LM head as a Linear over the (possibly tied) weight, so it gets the CPU fast paths too.
+        self.lm_head = Linear.sharing(self.model.lm_head_weight)
+        self._prepare_cpu_linears()
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(
             server_args.attention_backend or "torch_native", self.device
@@ -74,19 +76,15 @@ class ModelRunner:
         # Decode CUDA graphs (None on CPU, with --disable-cuda-graph, or a backend without hooks).
         self.graph_runner = create_cuda_graph_runner(self, server_args)
 
-    def _maybe_attach_fp16_weights(self) -> torch.Tensor | None:
-        """--cpu-fp16-weights: fp16 weight copies for small CPU batches (layers/linear.py)."""
-        if not self.server_args.cpu_fp16_weights:
-            return None
-        if self.device.type != "cpu" or self.model_config.dtype != torch.float32:
+    def _prepare_cpu_linears(self) -> None:
+        """fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for CPU fp32 models."""
+        fp16 = self.server_args.cpu_fp16_weights
+        cpu_fp32 = self.device.type == "cpu" and self.model_config.dtype == torch.float32
+        if fp16 and not cpu_fp32:
             raise ValueError("--cpu-fp16-weights applies to fp32 models on CPU only")
-        added = attach_fp16_weights(self.model)
-        lm_head_f16 = fp16_copy(self.model.lm_head_weight)
-        added += lm_head_f16.numel() * 2
-        logger.info(
-            "fp16 weight copies for batches <= %d tokens: +%.0f MiB", SMALL_BATCH_MAX_TOKENS, added / 2**20
-        )
-        return lm_head_f16
+        if cpu_fp32:
+            prepack = not self.server_args.disable_cpu_weight_prepack
+            prepare_cpu_linears([self.model, self.lm_head], fp16=fp16, prepack=prepack)
 
     def _kv_bytes_per_token(self) -> int:
         mc = self.model_config
@@ -149,7 +147,7 @@ class ModelRunner:
             hidden = self.graph_runner.replay(fb)  # [bs, hidden_size]
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
-        return fb, self.logits_processor(hidden, self.model.lm_head_weight, fb, self.lm_head_weight_f16)
+        return fb, self.logits_processor(hidden, self.lm_head, fb)
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
