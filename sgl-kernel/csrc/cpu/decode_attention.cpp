@@ -8,6 +8,10 @@
 //
 // The AVX2 paths keep several independent FMA chains in flight (4 K rows per step in pass 1, 8
 // output vectors in pass 2): a single accumulator per dot product would be bound by FMA latency.
+// The AVX-512 path (head_dim % 64 == 0, up to 8 query heads per KV head) is specialized on the
+// group size so that pass 2 reads each V row once for all G heads, with G x 4 accumulators in
+// registers; both passes prefetch the rows a few tokens ahead (the slots are an indirection the
+// hardware prefetcher cannot follow).
 #include "common.h"
 
 namespace {
@@ -89,9 +93,90 @@ void value_pass(const TaskArgs<kv_t>& a, const float* p, std::vector<float>& acc
   }
 }
 
+#if RS_HAVE_AVX512
+constexpr int64_t kPrefetchTokens = 8;
+
+template <typename kv_t>
+inline void prefetch_row(const kv_t* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(kv_t)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+template <int G, typename kv_t>
+void score_pass_512(const TaskArgs<kv_t>& a, float* scores) {
+  const int64_t num_chunks = a.D / 16;
+  for (int64_t t = 0; t < a.len; ++t) {
+    if (t + kPrefetchTokens < a.len) {
+      prefetch_row(a.k_buf + static_cast<int64_t>(a.slots[t + kPrefetchTokens]) * a.kv_row_stride, a.D);
+    }
+    const kv_t* k = a.k_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride;
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const __m512 kv = load16(k + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(a.q + g * a.q_head_stride + 16 * c), kv, acc[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) scores[g * a.len + t] = _mm512_reduce_add_ps(acc[g]) * a.scale;
+  }
+}
+
+template <int G, typename kv_t>
+void value_pass_512(const TaskArgs<kv_t>& a, const float* p) {
+  constexpr int kNB = G <= 6 ? 4 : 2;  // 16-float chunks per block; G * kNB accumulators + kNB rows
+  for (int64_t d0 = 0; d0 < a.D; d0 += 16 * kNB) {
+    __m512 acc[G][kNB];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kNB; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < a.len; ++t) {
+      if (d0 == 0 && t + kPrefetchTokens < a.len) {
+        prefetch_row(a.v_buf + static_cast<int64_t>(a.slots[t + kPrefetchTokens]) * a.kv_row_stride, a.D);
+      }
+      const kv_t* v = a.v_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride + d0;
+      __m512 rows[kNB];
+      for (int c = 0; c < kNB; ++c) rows[c] = load16(v + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * a.len + t]);
+        for (int c = 0; c < kNB; ++c) acc[g][c] = _mm512_fmadd_ps(w, rows[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kNB; ++c) _mm512_storeu_ps(a.out + g * a.out_head_stride + d0 + 16 * c, acc[g][c]);
+  }
+}
+
+template <int G, typename kv_t>
+void task_512(const TaskArgs<kv_t>& a, float* scores) {
+  score_pass_512<G>(a, scores);
+  for (int64_t g = 0; g < G; ++g) softmax_inplace(scores + g * a.len, a.len);
+  value_pass_512<G>(a, scores);
+}
+
+// True when the AVX-512 path took the task (head_dim % 64 == 0 and 1 <= G <= 8).
+template <typename kv_t>
+bool try_task_512(const TaskArgs<kv_t>& a, float* scores) {
+  if (a.D % 64 != 0) return false;
+  switch (a.G) {
+    case 1: task_512<1>(a, scores); return true;
+    case 2: task_512<2>(a, scores); return true;
+    case 3: task_512<3>(a, scores); return true;
+    case 4: task_512<4>(a, scores); return true;
+    case 5: task_512<5>(a, scores); return true;
+    case 6: task_512<6>(a, scores); return true;
+    case 7: task_512<7>(a, scores); return true;
+    case 8: task_512<8>(a, scores); return true;
+    default: return false;
+  }
+}
+#endif
+
 template <typename kv_t>
 void decode_attention_task(const TaskArgs<kv_t>& a, std::vector<float>& scores, std::vector<float>& acc) {
   scores.resize(static_cast<size_t>(a.G * a.len));
+#if RS_HAVE_AVX512
+  if (try_task_512(a, scores.data())) return;
+#endif
   score_pass(a, scores.data());
   for (int64_t g = 0; g < a.G; ++g) softmax_inplace(scores.data() + g * a.len, a.len);
   value_pass(a, scores.data(), acc);
