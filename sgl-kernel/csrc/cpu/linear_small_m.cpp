@@ -39,6 +39,39 @@ inline void tile(const float* x, int64_t ldx, const w_t* w, int64_t K, int64_t K
 }
 #endif
 
+#if RS_HAVE_AVX512
+// The AVX-512 tile: 8 weight rows (8 streams in flight per thread, and the next tile's rows
+// prefetched) x MB rows of x, 16 floats per step; measured 1.2x (fp32) and 1.3-1.6x (fp16) over
+// the AVX2 tile on the built-in model's decode (docs/benchmarks.md).
+constexpr int64_t kRowsPerTile512 = 8;
+
+template <int MB, typename w_t>
+inline void tile512(const float* x, int64_t ldx, const w_t* w, int64_t K, int64_t K16, float* y, int64_t ldy,
+                    bool prefetch_next) {
+  __m512 acc[MB][kRowsPerTile512];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < kRowsPerTile512; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 wv[kRowsPerTile512];
+    for (int j = 0; j < kRowsPerTile512; ++j) {
+      if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(w + (j + kRowsPerTile512) * K + k), _MM_HINT_T0);
+      wv[j] = load16(w + j * K + k);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int j = 0; j < kRowsPerTile512; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < kRowsPerTile512; ++j) {
+      float s = _mm512_reduce_add_ps(acc[m][j]);
+      for (int64_t k = K16; k < K; ++k) s += x[m * ldx + k] * static_cast<float>(w[j * K + k]);
+      y[m * ldy + j] = s;
+    }
+  }
+}
+#endif
+
 template <typename w_t>
 inline float dot_scalar(const float* x, const w_t* w, int64_t K) {
   float s = 0.f;
@@ -51,6 +84,18 @@ template <typename w_t>
 void linear_block(const float* x, int64_t ldx, const w_t* w, const float* bias, float* y, int64_t ldy,
                   int64_t M, int64_t K, int64_t n0, int64_t n1) {
   int64_t n = n0;
+#if RS_HAVE_AVX512
+  const int64_t K16 = K / 16 * 16;
+  for (; n + kRowsPerTile512 <= n1; n += kRowsPerTile512) {
+    // Prefetching helps the fp16 stream and slows the fp32 one (measured), so fp16 only.
+    const bool prefetch_next = sizeof(w_t) == 2 && n + 2 * kRowsPerTile512 <= n1;
+    int64_t m = 0;
+    for (; m + kBatchPerTile <= M; m += kBatchPerTile) {
+      tile512<kBatchPerTile, w_t>(x + m * ldx, ldx, w + n * K, K, K16, y + m * ldy + n, ldy, prefetch_next);
+    }
+    for (; m < M; ++m) tile512<1, w_t>(x + m * ldx, ldx, w + n * K, K, K16, y + m * ldy + n, ldy, prefetch_next);
+  }
+#endif
 #if RS_HAVE_AVX2
   const int64_t K8 = K / 8 * 8;
   for (; n + kRowsPerTile <= n1; n += kRowsPerTile) {
