@@ -240,10 +240,22 @@ async def run_benchmark(
 
 
 # ----------------------------------------------------------------------------- report
-def write_record(path: str, args: argparse.Namespace, seed: int, metrics: BenchmarkMetrics) -> None:
-    """Append one JSON line: every metric, the arguments, and the seed actually used."""
+def write_record(
+    path: str,
+    args: argparse.Namespace,
+    seed: int,
+    metrics: BenchmarkMetrics,
+    outputs: list[RequestFuncOutput],
+) -> None:
+    """Append one JSON line: every metric, the arguments, the seed actually used, and per request
+    (in dataset order, as SGLang's records have them) its send time, TTFT, latency and lengths."""
     record = {"timestamp": time.time(), **asdict(metrics), "seed": seed, "args": vars(args)}
     record["errors"] = metrics.errors[:20]  # keep the line short when a whole run fails
+    record["start_times"] = [round(o.start_time, 6) for o in outputs]
+    record["ttfts"] = [round(o.ttft, 6) if o.success else None for o in outputs]
+    record["latencies"] = [round(o.latency, 6) if o.success else None for o in outputs]
+    record["input_lens"] = [o.prompt_len for o in outputs]
+    record["output_lens"] = [o.output_len for o in outputs]
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, default=str) + "\n")
 
@@ -329,7 +341,7 @@ def main(argv: list[str] | None = None) -> BenchmarkMetrics:
     }
     print(format_report(metrics, header))
     if args.output_file:
-        write_record(args.output_file, args, seed, metrics)
+        write_record(args.output_file, args, seed, metrics, outputs)
     return metrics
 
 

@@ -283,6 +283,11 @@ def test_e2e_radixserve_counts_tokens_and_opens_a_connection_per_request(serve, 
     record = json.loads(out_file.read_text().splitlines()[-1])
     assert record["total_output"] == 40 and record["args"]["backend"] == "radixserve"
     assert isinstance(record["seed"], int) and "p99_ttft_ms" in record
+    # Per request, in dataset order: lengths and timings that add up to the report's numbers.
+    assert record["input_lens"] == [12] * 8 and record["output_lens"] == [5] * 8
+    assert all(0 < t <= lat for t, lat in zip(record["ttfts"], record["latencies"]))
+    assert 1e3 * sum(record["ttfts"]) / 8 == pytest.approx(m.mean_ttft_ms, rel=1e-3)
+    assert len(record["start_times"]) == 8 and min(record["start_times"]) >= 0
 
 
 def test_e2e_openai_poisson_seeded_and_failures_reported(serve, capsys):

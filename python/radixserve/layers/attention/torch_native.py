@@ -1,8 +1,12 @@
 """Paged attention in plain torch: the reference every other backend is tested against.
 
-Requests are padded into one batched SDPA call per layer (not one call per request): the KV of
-request b is gathered from the pool through `req_to_token[req_pool_idx_b, :seq_len_b]`, and a
-boolean mask hides padding and, for extend, future tokens.
+The KV of request b is gathered from the pool through `req_to_token[req_pool_idx_b, :seq_len_b]`.
+Decode pads the batch into one SDPA call per layer (one query each, a mask hides the padding).
+Extend runs one SDPA call per request: requests in a prefill batch are ragged (a 1088-token
+prompt beside 64-token questions over a cached prefix), and padding every request to the longest
+one multiplied the attention work by up to the batch size. A request without a cached prefix uses
+SDPA's causal mode (its kernel skips the upper triangle); one with a prefix gets an explicit mask
+(query i sees keys up to prefix_len + i).
 """
 
 from __future__ import annotations
@@ -21,12 +25,21 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class ExtendSegment:
+    """One request of an extend batch: its rows of the step's tokens and its KV slots."""
+
+    q_start: int  # first row of this request in q / the output
+    q_len: int  # extend_len
+    kv_indices: torch.Tensor  # [seq_len] int64 pool slots (prefix + new tokens)
+    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend) with a prefix; None: causal
+
+
+@dataclass
 class TorchNativeMetadata:
-    kv_indices: torch.Tensor  # [bs, max_seq_len] int64 pool slots (padding -> slot 0)
-    attn_mask: torch.Tensor  # [bs, 1, max_q_len, max_seq_len] bool, True = attend
-    # Extend only: where each of the step's tokens sits in the padded [bs * max_q_len] query grid.
-    q_scatter_index: torch.Tensor | None
-    max_q_len: int
+    # Decode: [bs, max_seq_len] slots (padding -> slot 0) and [bs, 1, 1, max_seq_len] mask.
+    kv_indices: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+    segments: list[ExtendSegment] | None = None  # extend only
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -34,66 +47,54 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.device = device
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if forward_batch.forward_mode.is_decode():
+            forward_batch.attn_metadata = self._decode_metadata(forward_batch)
+        else:
+            forward_batch.attn_metadata = TorchNativeMetadata(segments=self._extend_segments(forward_batch))
+
+    def _decode_metadata(self, forward_batch: ForwardBatch) -> TorchNativeMetadata:
         seq_lens = forward_batch.seq_lens  # [bs]
-        bs = forward_batch.batch_size
-        max_seq_len = max(forward_batch.seq_lens_cpu) if bs else 0
+        max_seq_len = max(forward_batch.seq_lens_cpu) if forward_batch.batch_size else 0
         key_pos = torch.arange(max_seq_len, device=self.device)  # [max_seq_len]
         valid_key = key_pos[None, :] < seq_lens[:, None]  # [bs, max_seq_len]
         rows = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :max_seq_len]
-        kv_indices = torch.where(
-            valid_key, rows.long(), torch.zeros_like(rows, dtype=torch.long)
-        ).contiguous()
+        kv_indices = torch.where(valid_key, rows.long(), torch.zeros_like(rows, dtype=torch.long))
+        return TorchNativeMetadata(kv_indices.contiguous(), valid_key[:, None, None, :])
 
-        if forward_batch.forward_mode.is_decode():
-            mask = valid_key[:, None, None, :]  # [bs, 1, 1, max_seq_len]
-            forward_batch.attn_metadata = TorchNativeMetadata(kv_indices, mask, None, 1)
-            return
-
-        extend_lens_cpu = forward_batch.extend_seq_lens_cpu
-        assert extend_lens_cpu is not None
-        max_q_len = max(extend_lens_cpu)
-        extend_lens = torch.tensor(extend_lens_cpu, device=self.device)  # [bs]
-        prefix_lens = seq_lens - extend_lens  # [bs]
-        q_pos = torch.arange(max_q_len, device=self.device)  # [max_q_len]
-        # Query i of request b sits at absolute position prefix_len_b + i and sees keys <= it.
-        abs_q = prefix_lens[:, None] + q_pos[None, :]  # [bs, max_q_len]
-        causal = key_pos[None, None, :] <= abs_q[:, :, None]  # [bs, max_q_len, max_seq_len]
-        mask = causal & valid_key[:, None, :]
-        # Padded query rows would be all-masked (NaN in SDPA): let them see key 0, then drop them.
-        pad_q = q_pos[None, :] >= extend_lens[:, None]  # [bs, max_q_len]
-        mask[..., 0] |= pad_q
-        starts = torch.arange(bs, device=self.device) * max_q_len  # [bs]
-        token_req = torch.repeat_interleave(torch.arange(bs, device=self.device), extend_lens)
-        token_off = torch.arange(int(extend_lens.sum()), device=self.device) - torch.repeat_interleave(
-            torch.cumsum(extend_lens, 0) - extend_lens, extend_lens
-        )
-        q_scatter_index = starts[token_req] + token_off  # [num_tokens]
-        forward_batch.attn_metadata = TorchNativeMetadata(
-            kv_indices, mask[:, None], q_scatter_index, max_q_len
-        )
-
-    def _gather_kv(
-        self, layer: RadixAttention, forward_batch: ForwardBatch, meta: TorchNativeMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = forward_batch.token_to_kv_pool
-        bs, max_seq_len = meta.kv_indices.shape
-        flat = meta.kv_indices.view(-1)  # index_select is a plain row copy, cheaper than fancy indexing
-        shape = (bs, max_seq_len, layer.num_kv_heads, layer.head_dim)
-        # [bs, num_kv_heads, max_seq_len, head_dim]
-        k = pool.get_key_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
-        v = pool.get_value_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
-        return k, v
+    def _extend_segments(self, forward_batch: ForwardBatch) -> list[ExtendSegment]:
+        extend_lens = forward_batch.extend_seq_lens_cpu
+        assert extend_lens is not None
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        rows = forward_batch.req_pool_indices.tolist()
+        segments, q_start = [], 0
+        for row, seq_len, q_len in zip(rows, forward_batch.seq_lens_cpu, extend_lens):
+            prefix_len = seq_len - q_len
+            mask = None
+            if prefix_len > 0:
+                q_pos = torch.arange(prefix_len, seq_len, device=self.device)  # [q_len]
+                mask = torch.arange(seq_len, device=self.device)[None, :] <= q_pos[:, None]
+            kv_indices = req_to_token[row, :seq_len].long()  # [seq_len]
+            segments.append(ExtendSegment(q_start, q_len, kv_indices, mask))
+            q_start += q_len
+        return segments
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: RadixAttention
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        layer: RadixAttention,
     ) -> torch.Tensor:
-        """q [bs, num_heads, q_len, head_dim]; k, v [bs, num_kv_heads, kv_len, head_dim]."""
+        """q [bs, num_heads, q_len, head_dim]; k, v [bs, num_kv_heads, kv_len, head_dim];
+        mask None means causal with q_len == kv_len."""
         # enable_gqa lets query-head groups share a KV head without materializing repeated K/V.
         out = F.scaled_dot_product_attention(
             q,
             k.to(q.dtype),
             v.to(q.dtype),
             attn_mask=mask,
+            is_causal=mask is None,
             scale=layer.scaling,
             enable_gqa=layer.num_kv_heads != layer.num_heads,
         )
@@ -108,15 +109,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: TorchNativeMetadata = forward_batch.attn_metadata
-        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_all, v_all = self._gather_kv(layer, forward_batch, meta)
-        bs, num_tokens = forward_batch.batch_size, q.shape[0]
-        q_pad = q.new_zeros(bs * meta.max_q_len, layer.num_heads, layer.head_dim)
-        q_pad[meta.q_scatter_index] = q
-        q_pad = q_pad.view(bs, meta.max_q_len, layer.num_heads, layer.head_dim).transpose(1, 2)
-        out = self._attend(q_pad, k_all, v_all, meta.attn_mask, layer)  # [bs, H, max_q_len, D]
-        out = out.transpose(1, 2).reshape(bs * meta.max_q_len, layer.num_heads * layer.head_dim)
-        return out[meta.q_scatter_index] if num_tokens != out.shape[0] else out
+        assert meta.segments is not None
+        pool = forward_batch.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)  # [pool_size, num_kv_heads, head_dim]
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)  # [num_tokens, H * D]
+        for seg in meta.segments:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            q_b = q[rows].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+            k_b = k_buf.index_select(0, seg.kv_indices).transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
+            v_b = v_buf.index_select(0, seg.kv_indices).transpose(0, 1)[None]
+            o_b = self._attend(q_b, k_b, v_b, seg.mask, layer)  # [1, num_heads, q_len, head_dim]
+            out[rows] = o_b[0].transpose(0, 1).reshape(seg.q_len, -1)
+        return out
 
     def forward_decode(
         self,
@@ -127,7 +132,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: TorchNativeMetadata = forward_batch.attn_metadata
+        assert meta.kv_indices is not None and meta.attn_mask is not None
         forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_all, v_all = self._gather_kv(layer, forward_batch, meta)
+        pool = forward_batch.token_to_kv_pool
+        bs, max_seq_len = meta.kv_indices.shape
+        flat = meta.kv_indices.view(-1)  # index_select is a plain row copy, cheaper than fancy indexing
+        shape = (bs, max_seq_len, layer.num_kv_heads, layer.head_dim)
+        # [bs, num_kv_heads, max_seq_len, head_dim]
+        k_all = pool.get_key_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
+        v_all = pool.get_value_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
         out = self._attend(q.unsqueeze(2), k_all, v_all, meta.attn_mask, layer)  # [bs, H, 1, D]
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
