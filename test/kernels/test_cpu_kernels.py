@@ -12,6 +12,7 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.layers.attention.cpu_backend import CpuAttnBackend
 from radixserve.layers.linear import (
     F16_MAX_TOKENS,
+    F32_SMALL_MAX_TOKENS,
     SMALL_BATCH_MAX_TOKENS,
     Linear,
     onednn_prepack_available,
@@ -123,28 +124,40 @@ def test_linear_f16_rejects_bad_inputs():
         cpu_kernels.linear_f16(x, torch.randn(4, 16).half())
 
 
+def _fresh_linear(seed):
+    torch.manual_seed(seed)
+    layer = Linear(32, 24, bias=True)
+    return layer, layer.weight.detach().clone(), layer.bias.detach().clone()
+
+
 @needs_ext
 @pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
-def test_linear_dispatch_by_weight_form_and_batch_size():
-    layer = Linear(32, 24, bias=True)
-    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+@pytest.mark.parametrize("fp16", [False, True])
+def test_linear_dispatch_by_weight_form_and_batch_size(fp16, monkeypatch):
+    layer, w, b = _fresh_linear(0)
     small, large = torch.randn(SMALL_BATCH_MAX_TOKENS, 32), torch.randn(SMALL_BATCH_MAX_TOKENS + 1, 32)
-    # Plain weight: the small-M kernel, then torch's GEMM.
+    # Plain weight only: the small-M kernel, then torch's GEMM.
     assert torch.equal(layer(small), cpu_kernels.linear_f32(small, w, b))
     assert torch.equal(layer(large), torch.nn.functional.linear(large, w, b))
-    prepare_cpu_linears([layer], fp16=True, prepack=True)
-    assert layer.weight.numel() == 0 and layer.weight_packed is not None  # the packed copy replaced it
-    one = torch.randn(F16_MAX_TOKENS, 32)
-    assert torch.equal(layer(one), cpu_kernels.linear_f16(one, w.half(), b))
-    for x in (torch.randn(F16_MAX_TOKENS + 1, 32), large, torch.randn(300, 64)[:, :32]):
+    prepare_cpu_linears([layer], fp16=fp16, prepack=True)
+    assert layer.weight_packed is not None and (layer.weight_f16 is not None) == fp16
+    # The fp16 kernel (when asked for) up to its bound, else the fp32 kernel up to its own.
+    small_bound = F16_MAX_TOKENS if fp16 else F32_SMALL_MAX_TOKENS
+    x = torch.randn(small_bound, 32)
+    ref = cpu_kernels.linear_f16(x, w.half(), b) if fp16 else cpu_kernels.linear_f32(x, w, b)
+    assert torch.equal(layer(x), ref)
+    # Beyond it, oneDNN over the packed weight (dense or strided input), not the small-M kernels.
+    for name in ("linear_f16", "linear_f32"):
+        monkeypatch.setattr(cpu_kernels, name, lambda *a: pytest.fail("small-M kernel used"))
+    for x in (torch.randn(small_bound + 1, 32), large, torch.randn(300, 64)[:, :32]):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
-def test_prepack_keeps_a_weight_tied_to_an_embedding():
+def test_linear_sharing_uses_the_tied_weight_itself():
     embed = torch.nn.Embedding(50, 16)
     head = Linear.sharing(embed.weight)
-    prepare_cpu_linears([embed, head], fp16=False, prepack=True)
+    assert head.weight is embed.weight and (head.in_features, head.out_features) == (16, 50)
+    prepare_cpu_linears([embed, head], fp16=False, prepack=onednn_prepack_available())
     assert head.weight is embed.weight and embed.weight.shape == (50, 16)
     x = torch.randn(3, 16)
     torch.testing.assert_close(head(x), x @ embed.weight.detach().T, atol=1e-5, rtol=1e-5)

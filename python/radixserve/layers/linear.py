@@ -1,21 +1,23 @@
 """Linear layers and their CPU fast paths.
 
 On CPU with fp32 weights, `prepare_cpu_linears` (called once after loading) gives every Linear
-the fastest form this machine has, and `linear` picks per call:
+the fastest forms this machine has, and `linear` picks per call by batch size (measured on the
+built-in model's decode, docs/benchmarks.md):
 
 1. `--cpu-fp16-weights`, batches of at most F16_MAX_TOKENS tokens: sgl-kernel's `linear_f16`
-   over an fp16 copy (F16C conversion, fp32 math). Single-token decode is bound by reading the
+   over an fp16 copy (F16C conversion, fp32 math). Small decode batches are bound by reading the
    weights, and fp16 halves the bytes.
-2. A weight prepacked for oneDNN (torch's mkldnn ops): every other batch size. torch's default
-   fp32 GEMM (MKL) runs 2-3x slower at the model's shapes on the AMD CPUs measured here
-   (docs/benchmarks.md); oneDNN's JIT kernels over a blocked weight layout are near peak from
-   a single token up to prefill sizes. The plain weight is then dropped: the packed copy is the
-   only fp32 one (no doubled memory).
-3. No oneDNN (a torch built without it, or --disable-cpu-weight-prepack): sgl-kernel's
-   `linear_f32` for batches of at most SMALL_BATCH_MAX_TOKENS tokens, else F.linear.
+2. Batches of at most F32_SMALL_MAX_TOKENS tokens: sgl-kernel's `linear_f32`, which streams the
+   plain fp32 weight faster than any GEMM library does at one or two tokens.
+3. A weight prepacked for oneDNN (torch's mkldnn ops): every larger batch. torch's default fp32
+   GEMM (MKL) runs 2-3x slower at the model's shapes on the AMD CPUs measured here; oneDNN's JIT
+   kernels over a blocked weight layout are near peak from a few tokens up to prefill sizes.
+   The price is a second copy of each linear weight (the plain one stays for path 2).
+4. Without oneDNN (a torch built without it, or --disable-cpu-weight-prepack): `linear_f32` up to
+   SMALL_BATCH_MAX_TOKENS tokens, F.linear beyond.
 
 Everywhere else (GPU, fp16/bf16 models) it is F.linear. Results differ from F.linear only in
-summation order.
+summation order (and by fp16 rounding of the weights on path 1).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from radixserve.layers.cpu_fused import cpu_kernels, fusable
 logger = logging.getLogger(__name__)
 
 # Up to this many tokens the fp16 kernel beats oneDNN's fp32 GEMM over the prepacked weight.
-F16_MAX_TOKENS = 2
+F16_MAX_TOKENS = 16
+# Up to this many tokens the fp32 small-M kernel beats oneDNN's GEMM over the prepacked weight.
+F32_SMALL_MAX_TOKENS = 2
 # Without oneDNN: up to this many tokens sgl-kernel's fp32 small-M kernel beats torch's GEMM.
 SMALL_BATCH_MAX_TOKENS = 32
 
@@ -45,10 +49,12 @@ def linear(
     weight_packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T (+ bias), through the fastest form of the weight there is
-    (module docstring). `weight` may be empty when `weight_packed` is given."""
+    for this batch size (module docstring)."""
     num_tokens = x.shape[0]
     if weight_f16 is not None and num_tokens <= F16_MAX_TOKENS and _rows_ok(x):
         return cpu_kernels.linear_f16(x, weight_f16, bias)
+    if weight_packed is not None and num_tokens <= F32_SMALL_MAX_TOKENS and _rows_ok(x) and fusable(weight):
+        return cpu_kernels.linear_f32(x, weight, bias)
     if weight_packed is not None and x.dim() == 2:
         # [num_tokens, out]; oneDNN wants dense rows.
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight_packed, bias, "none", [], "")
@@ -88,8 +94,7 @@ def onednn_prepack_available() -> bool:
 
 def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool) -> None:
     """Give every fp32 CPU Linear in `modules` its fast forms (module docstring): an fp16 copy
-    when `fp16`, then a oneDNN-packed weight when `prepack` (which also frees the plain weight
-    unless something else holds it, like an embedding tied to the LM head). Logs what it did."""
+    when `fp16`, and a oneDNN-packed copy when `prepack`. Logs what it did and what it cost."""
     layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
     layers = [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     if fp16:
@@ -106,16 +111,7 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool) -> 
         logger.warning("oneDNN is not available in this torch build: CPU linears use F.linear")
         prepack = False
     if prepack:
-        # A weight that a non-Linear module also holds (an embedding tied to the LM head) stays.
-        tied = {
-            id(p)
-            for root in modules
-            for m in root.modules()
-            if not isinstance(m, Linear)
-            for p in m.parameters(recurse=False)
-        }
         for layer in layers:
             layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
-            if id(layer.weight) not in tied:  # the packed copy replaces the plain one
-                layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        logger.info("CPU linears: %d weights prepacked for oneDNN", len(layers))
+        added = sum(layer.weight.numel() * 4 for layer in layers)
+        logger.info("CPU linears: %d weights prepacked for oneDNN (+%.0f MiB)", len(layers), added / 2**20)
