@@ -108,6 +108,11 @@ class ServerArgs:
         "CPU, fp32 models: keep torch's default GEMM (F.linear) instead of prepacking every linear "
         "weight for oneDNN at start (2-3x slower at the shapes measured; for A/B runs and debugging).",
     )
+    disable_cpu_fused_decode: bool = _f(
+        False,
+        "CPU: run every decode batch through the module forward instead of running small ones "
+        "(the sizes sgl-kernel's small-batch linears serve) as one compiled call.",
+    )
     disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.")
     cuda_graph_max_bs: int = _f(
         64,

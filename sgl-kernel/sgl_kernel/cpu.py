@@ -94,3 +94,20 @@ def store_kv(
 ) -> None:
     """k_buf[loc] = k and v_buf[loc] = v in one call."""
     _lib().store_kv(k_buf, v_buf, loc, k, v)
+
+
+def decode_model(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rms_norm_eps: float,
+    scaling: float,
+    cos: torch.Tensor,  # [max_position, head_dim / 2] fp32
+    sin: torch.Tensor,
+) -> object:
+    """A `DecodeModel`: a Llama-family decoder stack whose decode step is one call. Fill it with
+    `add_layer(input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b,
+    down_w, down_b, k_buf, v_buf)` per layer (weights fp32 or fp16, optional ones None) and
+    `set_final_norm(w)`; then `forward(hidden, positions, out_cache_loc, req_to_token,
+    req_pool_indices, seq_lens)` returns the final normed hidden states."""
+    return _lib().DecodeModel(num_heads, num_kv_heads, head_dim, rms_norm_eps, scaling, cos, sin)

@@ -15,7 +15,8 @@ from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from radixserve.model_executor.cuda_graph_runner import create_cuda_graph_runner
+from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_cpu_decode_runner
+from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
@@ -75,6 +76,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Decode CUDA graphs (None on CPU, with --disable-cuda-graph, or a backend without hooks).
         self.graph_runner = create_cuda_graph_runner(self, server_args)
+        # Small CPU decode batches as one compiled call (None off CPU, or where it does not apply).
+        self.cpu_decode_runner = create_cpu_decode_runner(self.model, self.token_to_kv_pool, server_args)
 
     def _prepare_cpu_linears(self) -> None:
         """fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for CPU fp32 models."""
@@ -133,21 +136,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> tuple[ForwardBatch, LogitsOutput]:
-        use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
+        fast_path = self._decode_fast_path(batch)
         fb = ForwardBatch.init_new(
             batch,
             self.req_to_token_pool,
             self.token_to_kv_pool,
             self.attn_backend,
             self.device,
-            init_attn_metadata=not use_graph,
+            init_attn_metadata=fast_path is None,  # the fast paths read the pools themselves
         )
-        if use_graph:
-            assert self.graph_runner is not None
-            hidden = self.graph_runner.replay(fb)  # [bs, hidden_size]
+        if fast_path is not None:
+            hidden = fast_path.replay(fb)  # [bs, hidden_size]
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
         return fb, self.logits_processor(hidden, self.lm_head, fb)
+
+    def _decode_fast_path(self, batch: ModelWorkerBatch) -> CudaGraphRunner | CpuDecodeRunner | None:
+        """A CUDA graph or the CPU fused decode when one can take `batch`; None for the module forward."""
+        for runner in (self.graph_runner, self.cpu_decode_runner):
+            if runner is not None and runner.can_run(batch):
+                return runner
+        return None
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:

@@ -1,20 +1,8 @@
 // Python bindings of the CPU kernels (module sgl_kernel._cpu).
 #include <torch/extension.h>
 
-void decode_attention(
-    const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
-    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-    double scale);
-
-at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
-
-at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps);
-void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
-void rotary_neox_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
-                  const at::Tensor& sin);
-at::Tensor silu_and_mul(const at::Tensor& x);
-void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
+#include "decode_model.h"
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU kernels";
@@ -29,4 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");
   m.def("silu_and_mul", &silu_and_mul, "x [M, 2d] -> silu(x[:, :d]) * x[:, d:]");
   m.def("store_kv", &store_kv, "k_buf[loc] = k; v_buf[loc] = v (fp32 pools)");
+  py::class_<DecodeModel>(m, "DecodeModel", "A Llama-family decoder stack run by one call per decode step")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scaling"),
+           py::arg("cos"), py::arg("sin"))
+      .def("add_layer", &DecodeModel::add_layer)
+      .def("set_final_norm", &DecodeModel::set_final_norm)
+      .def("forward", &DecodeModel::forward, py::arg("hidden"), py::arg("positions"), py::arg("out_cache_loc"),
+           py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"));
 }

@@ -13,6 +13,7 @@
 // registers; both passes prefetch the rows a few tokens ahead (the slots are an indirection the
 // hardware prefetcher cannot follow).
 #include "common.h"
+#include "ops.h"
 
 namespace {
 

@@ -6,6 +6,7 @@
 // is one call here, and the inputs are read once. Rows are split over threads only when there are
 // enough of them to pay for the fork (at::parallel_for runs inline below the grain size).
 #include "common.h"
+#include "ops.h"
 
 namespace {
 

@@ -8,6 +8,7 @@
 // trick; torch's own half/bf16 GEMMs run at a fraction of fp32 speed on this class of CPU).
 // Large M is compute-bound and stays with torch's GEMM (layers/linear.py picks).
 #include "common.h"
+#include "ops.h"
 
 namespace {
 

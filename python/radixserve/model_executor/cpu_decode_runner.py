@@ -1,0 +1,117 @@
+"""Small CPU decode batches in one compiled call: the CPU counterpart of a decode CUDA graph.
+
+At one to a few tokens a decode step is bound by reading the weights, and the ~450 Python-level
+ops of a 30-layer forward (module calls, views, kernel dispatch) cost ~1.5 ms on top of a
+~7-13 ms step. `sgl_kernel.cpu.decode_model` runs the whole decoder stack in C++ over the same
+tensors the Python path uses: the small-M linear kernels on the same weights (fp16 copies with
+--cpu-fp16-weights, else the plain fp32 ones), the same KV pool, the same rotary tables. The
+embedding lookup, the LM head and sampling stay in Python.
+
+It takes decode batches up to the size where the small-M linear kernels stop beating oneDNN
+(layers/linear.py); larger batches, extend batches, and models or devices it does not cover run
+the module forward. The module forward is the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.layers import cpu_fused
+from radixserve.layers.cpu_fused import cpu_kernels
+from radixserve.layers.linear import F16_MAX_TOKENS, F32_SMALL_MAX_TOKENS, Linear
+from radixserve.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool
+    from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+    from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def _weight(layer: Linear) -> torch.Tensor:
+    """The form the small-M kernels read: the fp16 copy when there is one, else the fp32 weight."""
+    weight = layer.weight_f16 if layer.weight_f16 is not None else layer.weight
+    return weight.detach()
+
+
+def _bias(layer: Linear) -> torch.Tensor | None:
+    return None if layer.bias is None else layer.bias.detach()
+
+
+class CpuDecodeRunner:
+    def __init__(self, model: LlamaForCausalLM, token_to_kv_pool: MHATokenToKVPool, max_bs: int) -> None:
+        inner = model.model
+        first = inner.layers[0].self_attn
+        self.embed_tokens = inner.embed_tokens
+        self.max_bs = max_bs
+        self.decode_model = cpu_kernels.decode_model(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            inner.norm.variance_epsilon,
+            first.attn.scaling,
+            first.rotary_emb.cos_cached,
+            first.rotary_emb.sin_cached,
+        )
+        for layer_id, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer_id)
+            self.decode_model.add_layer(
+                layer.input_layernorm.weight.detach(),
+                _weight(attn.qkv_proj),
+                _bias(attn.qkv_proj),
+                None if attn.q_norm is None else attn.q_norm.weight.detach(),
+                None if attn.k_norm is None else attn.k_norm.weight.detach(),
+                _weight(attn.o_proj),
+                _bias(attn.o_proj),
+                layer.post_attention_layernorm.weight.detach(),
+                _weight(mlp.gate_up_proj),
+                _bias(mlp.gate_up_proj),
+                _weight(mlp.down_proj),
+                _bias(mlp.down_proj),
+                k_buf,
+                v_buf,
+            )
+        self.decode_model.set_final_norm(inner.norm.weight.detach())
+
+    def can_run(self, batch: ModelWorkerBatch | ForwardBatch) -> bool:
+        return batch.forward_mode.is_decode() and 0 < batch.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """The final hidden states [bs, hidden_size] of a decode batch (KV written as a side effect)."""
+        hidden = self.embed_tokens(fb.input_ids)  # [bs, hidden_size]
+        return self.decode_model.forward(
+            hidden,
+            fb.positions,
+            fb.out_cache_loc,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+        )
+
+
+def create_cpu_decode_runner(
+    model: torch.nn.Module, token_to_kv_pool: MHATokenToKVPool, server_args: ServerArgs
+) -> CpuDecodeRunner | None:
+    """The fused decode path, or None where it does not apply (says why in the log at debug)."""
+    reasons = []
+    if server_args.device != "cpu" or token_to_kv_pool.dtype != torch.float32:
+        reasons.append("not an fp32 CPU model")
+    if server_args.attention_backend != "cpu":
+        reasons.append(f"attention backend {server_args.attention_backend}")
+    if not cpu_fused.ENABLED:
+        reasons.append("sgl-kernel's CPU extension is not built")
+    if not isinstance(model, LlamaForCausalLM):
+        reasons.append(f"{type(model).__name__} is not Llama-family")
+    if server_args.disable_cpu_fused_decode:
+        reasons.append("--disable-cpu-fused-decode")
+    if reasons:
+        logger.debug("CPU fused decode off: %s", "; ".join(reasons))
+        return None
+    max_bs = F16_MAX_TOKENS if server_args.cpu_fp16_weights else F32_SMALL_MAX_TOKENS
+    logger.info("CPU fused decode: decode batches of <= %d requests run as one compiled call", max_bs)
+    return CpuDecodeRunner(model, token_to_kv_pool, max_bs)

@@ -1,0 +1,84 @@
+#include "decode_model.h"
+
+#include "ops.h"
+
+namespace {
+
+// x [M, K] @ w.T (+ b) with the small-M kernel that matches the weight's storage.
+at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  return w.scalar_type() == at::kHalf ? linear_f16(x, w, b) : linear_f32(x, w, b);
+}
+
+// Per-head RMSNorm of a [M, heads, D] view (Qwen3's q/k norm); returns a contiguous tensor.
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const auto sizes = x.sizes().vec();
+  return rmsnorm(x.contiguous().view({-1, x.size(2)}), w, eps).view(sizes);
+}
+
+void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.is_contiguous() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
+              "DecodeModel: ", name, " must be a contiguous fp32/fp16 [", rows, ", ", cols, "]");
+}
+
+}  // namespace
+
+DecodeModel::DecodeModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps,
+                         double scaling, at::Tensor cos, at::Tensor sin)
+    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(rms_norm_eps),
+      scaling_(scaling), cos_(std::move(cos)), sin_(std::move(sin)) {
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "DecodeModel: num_heads % num_kv_heads != 0");
+}
+
+void DecodeModel::add_layer(at::Tensor input_norm, at::Tensor qkv_w, c10::optional<at::Tensor> qkv_b,
+                            c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, at::Tensor o_w,
+                            c10::optional<at::Tensor> o_b, at::Tensor post_norm, at::Tensor gate_up_w,
+                            c10::optional<at::Tensor> gate_up_b, at::Tensor down_w,
+                            c10::optional<at::Tensor> down_b, at::Tensor k_buf, at::Tensor v_buf) {
+  const int64_t hidden = input_norm.numel(), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  check_weight(qkv_w, q_size + 2 * kv_size, hidden, "qkv_w");
+  check_weight(o_w, hidden, q_size, "o_w");
+  TORCH_CHECK(gate_up_w.dim() == 2 && gate_up_w.size(0) % 2 == 0, "DecodeModel: gate_up_w must be [2 * I, H]");
+  check_weight(gate_up_w, gate_up_w.size(0), hidden, "gate_up_w");
+  check_weight(down_w, hidden, gate_up_w.size(0) / 2, "down_w");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeModel: q_norm and k_norm come together");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.size(1) == num_kv_heads_ && k_buf.size(2) == head_dim_ &&
+                  k_buf.scalar_type() == at::kFloat,
+              "DecodeModel: KV buffers must be fp32 [pool_size, num_kv_heads, head_dim]");
+  layers_.push_back(DecodeLayer{input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, qkv_b, q_norm, k_norm, o_b,
+                                gate_up_b, down_b, k_buf, v_buf});
+}
+
+void DecodeModel::set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
+
+at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& positions,
+                                const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+                                const at::Tensor& req_pool_indices, const at::Tensor& seq_lens) const {
+  TORCH_CHECK(!layers_.empty() && final_norm_.defined(), "DecodeModel: layers or final norm missing");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "DecodeModel: hidden must be fp32 [bs, H]");
+  const int64_t bs = hidden.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
+  // The same chain as LlamaDecoderLayer: residual carries the sum, x the normed input of each block.
+  at::Tensor residual = hidden.contiguous().clone();
+  at::Tensor x = rmsnorm(residual, layers_[0].input_norm, eps_);
+  at::Tensor attn_out = at::empty({bs, H, D}, hidden.options());  // [bs, num_heads, head_dim]
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecodeLayer& L = layers_[i];
+    if (i > 0) fused_add_rmsnorm_(x, residual, L.input_norm, eps_);
+    const at::Tensor qkv = lin(x, L.qkv_w, L.qkv_b).view({bs, H + 2 * Hkv, D});
+    at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, Hkv);
+    const at::Tensor v = qkv.narrow(1, H + Hkv, Hkv);
+    if (L.q_norm.has_value()) {
+      q = head_norm(q, *L.q_norm, eps_);
+      k = head_norm(k, *L.k_norm, eps_);
+    }
+    rotary_neox_(positions, q, k, cos_, sin_);
+    at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
+    store_kv(k_buf, v_buf, out_cache_loc, k, v);
+    decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_);
+    x = lin(attn_out.view({bs, H * D}), L.o_w, L.o_b);
+    fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
+    x = lin(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_b)), L.down_w, L.down_b);
+  }
+  fused_add_rmsnorm_(x, residual, final_norm_, eps_);
+  return x;
+}

@@ -1,0 +1,41 @@
+// A Llama-family decoder stack (Llama, Qwen2 biases, Qwen3 q/k norms) run for one decode step in a
+// single call: the CPU counterpart of a CUDA graph. At small batches a decode step is ~30 layers x
+// ~15 Python-level ops whose dispatch costs more than their arithmetic; here the whole stack runs
+// in C++ over the same kernels (and the same weight and KV tensors) the Python path uses.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+struct DecodeLayer {
+  at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32 or fp16
+  c10::optional<at::Tensor> qkv_b, q_norm, k_norm, o_b, gate_up_b, down_b;
+  at::Tensor k_buf, v_buf;  // this layer's KV pool [pool_size, num_kv_heads, head_dim] fp32
+};
+
+class DecodeModel {
+ public:
+  DecodeModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scaling,
+              at::Tensor cos, at::Tensor sin);
+
+  void add_layer(at::Tensor input_norm, at::Tensor qkv_w, c10::optional<at::Tensor> qkv_b,
+                 c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, at::Tensor o_w,
+                 c10::optional<at::Tensor> o_b, at::Tensor post_norm, at::Tensor gate_up_w,
+                 c10::optional<at::Tensor> gate_up_b, at::Tensor down_w, c10::optional<at::Tensor> down_b,
+                 at::Tensor k_buf, at::Tensor v_buf);
+  void set_final_norm(at::Tensor weight);
+
+  // hidden [bs, hidden_size] (the token embeddings) -> final normed hidden [bs, hidden_size]; writes
+  // this step's K/V at out_cache_loc, attends over req_to_token[req_pool_indices, :seq_lens].
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                     const at::Tensor& seq_lens) const;
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scaling_;
+  at::Tensor cos_, sin_;  // [max_position, head_dim / 2]
+  std::vector<DecodeLayer> layers_;
+  at::Tensor final_norm_;
+};

@@ -1,0 +1,19 @@
+// The CPU ops of sgl_kernel._cpu, shared by the bindings and by the fused decode model.
+#pragma once
+
+#include <ATen/ATen.h>
+
+void decode_attention(
+    const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
+    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+    double scale);
+
+at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps);
+void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
+void rotary_neox_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
+                  const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
