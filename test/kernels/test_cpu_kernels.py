@@ -62,6 +62,20 @@ def test_decode_attention_matches_reference(page_size, heads, head_dim):
 
 
 @needs_ext
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("lens", [[700], [1000, 3]])
+def test_decode_attention_few_long_requests(heads, lens):
+    # Too few (request, KV head) tasks for the threads: the AVX-512 path splits each request's
+    # tokens across tasks and merges them by log-sum-exp (other builds take the two-pass path).
+    q, k_buf, v_buf, r2t, pool_idx, seq_lens, rows = _decode_inputs(16, *heads, 64, lens, seed=6)
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, r2t, pool_idx, seq_lens, 0.125)
+    for i, r in enumerate(rows):
+        slots = torch.tensor(r)
+        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], len(r) - 1, 0.125)[0]
+        torch.testing.assert_close(out[i], ref, **FP32_TOL)
+
+
+@needs_ext
 def test_decode_attention_bf16_kv_matches_fp32_of_same_values():
     q, k_buf, v_buf, r2t, pool_idx, seq_lens, _ = _decode_inputs(1, 6, 2, 32, [5, 70], seed=4)
     kb, vb = k_buf.bfloat16(), v_buf.bfloat16()
