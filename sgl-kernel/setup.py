@@ -17,7 +17,7 @@ from setuptools import setup
 HERE = Path(__file__).parent
 
 
-def cpu_extension() -> list:
+def cpu_extension() -> tuple[list, dict]:
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
@@ -34,7 +34,17 @@ def cpu_extension() -> list:
         extra_link_args=["-fopenmp"],
         optional=True,
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    base = BuildExtension.with_options(use_ninja=False)
+
+    class BuildExt(base):  # type: ignore[misc, valid-type]
+        def run(self) -> None:
+            # The extension is optional, so a failed compile only warns: without this, the previous
+            # build's module would stay in the source tree and be imported as if it were current.
+            for stale in (HERE / "sgl_kernel").glob("_cpu*.so"):
+                stale.unlink()
+            super().run()
+
+    return [ext], {"build_ext": BuildExt}
 
 
 ext_modules, cmdclass = cpu_extension()

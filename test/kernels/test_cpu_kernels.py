@@ -76,6 +76,36 @@ def test_decode_attention_few_long_requests(heads, lens):
 
 
 @needs_ext
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_shared_prefixes(kv_dtype):
+    # Two radix-style groups: requests 0, 2, 3, 5 share their first 200 slots (then diverge at
+    # different points), 1 and 4 share 100; request 6 shares nothing. The kernel folds each shared
+    # run once for its whole group (cascade) and must match attention over each row alone.
+    gen = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    lens = [260, 150, 201, 330, 101, 215, 90]
+    groups = {0: (0, 200), 2: (0, 200), 3: (0, 200), 5: (0, 200), 1: (1, 100), 4: (1, 100)}
+    size = sum(lens) + 64
+    free = (torch.randperm(size - 1, generator=gen) + 1).tolist()
+    heads = {g: [free.pop() for _ in range(n)] for g, n in ((0, 200), (1, 100))}
+    rows = []
+    for i, n in enumerate(lens):
+        head = heads[groups[i][0]] if i in groups else []
+        rows.append(head + [free.pop() for _ in range(n - len(head))])
+    k_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    r2t = torch.zeros(len(lens), max(lens), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        r2t[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, r2t, torch.arange(len(lens)), torch.tensor(lens), 0.125)
+    for i, r in enumerate(rows):
+        slots = torch.tensor(r)
+        ref = ref_attention(q[i : i + 1], k_buf[slots].float(), v_buf[slots].float(), len(r) - 1, 0.125)[0]
+        torch.testing.assert_close(out[i], ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_ext
 def test_decode_attention_bf16_kv_matches_fp32_of_same_values():
     q, k_buf, v_buf, r2t, pool_idx, seq_lens, _ = _decode_inputs(1, 6, 2, 32, [5, 70], seed=4)
     kb, vb = k_buf.bfloat16(), v_buf.bfloat16()

@@ -2,18 +2,24 @@
 //
 // Why: the torch-native reference gathers every request's K/V into a padded tensor per layer
 // (a copy of the whole context, every layer, every step) and then runs SDPA with a mask. Here
-// each (request, KV head) task walks its req_to_token row: pass 1 scores the G query heads that
-// share the KV head against each K row, then a softmax, then pass 2 accumulates V rows. K and V
-// are each read once from the pool, nothing is padded and nothing is copied.
+// K/V rows are read where they are, through each request's req_to_token row.
 //
-// The AVX2 paths keep several independent FMA chains in flight (4 K rows per step in pass 1, 8
-// output vectors in pass 2): a single accumulator per dot product would be bound by FMA latency.
-// The AVX-512 path (head_dim % 64 == 0, up to 8 query heads per KV head) is specialized on the
-// group size so that pass 2 reads each V row once for all G heads, with G x 4 accumulators in
-// registers; both passes prefetch the rows a few tokens ahead (the slots are an indirection the
-// hardware prefetcher cannot follow).
+// The main path (AVX2 or AVX-512, head_dim a multiple of the vector width, up to 8 query heads per
+// KV head) is flash-decoding: tokens are folded block by block into an online-softmax state
+// (attention_block.h), and the work is planned as segments of slot rows:
+// - Cascade over shared prefixes. Requests whose rows start with the same slots share those
+//   tokens' K/V (the radix cache hands them the same slots), so the shared run is one segment
+//   folded for all of them: its K/V is read from memory once per step instead of once per request.
+// - Splits. When there are too few (segment, KV head) tasks for the threads (one long request),
+//   segments are split; partial states are merged by their log-sum-exp at the end.
+// Other shapes (and builds without AVX2) take a two-pass path: scores, softmax, values.
+#include "attention_block.h"
 #include "common.h"
 #include "ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
 
 namespace {
 
@@ -94,118 +100,133 @@ void value_pass(const TaskArgs<kv_t>& a, const float* p, std::vector<float>& acc
   }
 }
 
-#if RS_HAVE_AVX512
-// The AVX-512 path is one pass over the tokens in blocks of kBlockTokens with an online softmax
-// (flash-decoding): K and V rows of a block are read together, the next block's rows are
-// prefetched (the slot indirection defeats the hardware prefetcher), and the block's
-// probabilities come from one vector exp. When there are too few (request, KV head) tasks to
-// keep every thread busy (a single long request), each request's tokens are split across tasks
-// and the partial results merged by their log-sum-exp.
-constexpr int64_t kBlockTokens = 16;
-constexpr int64_t kMinSplitTokens = 128;
+#if RS_HAVE_AVX2
+constexpr int64_t kMinSplitTokens = 128;  // no split shorter than this
+constexpr int64_t kMinSharedTokens = 64;  // a shared prefix shorter than this is not worth a segment
 
-template <typename kv_t>
-inline void prefetch_row(const kv_t* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(kv_t)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
-// One block of n <= kBlockTokens tokens for one KV head: folds their scores and values into acc
-// [G, D] (un-normalized output), m [G] (running max) and l [G] (running sum of exp(score - m)).
 template <int G, typename kv_t>
-void block_512(const TaskArgs<kv_t>& a, const int32_t* slots, int n, float* acc, float* m, float* l) {
-  constexpr int kNB = G <= 6 ? 4 : 2;  // 16-float chunks per value block: G * kNB accumulators
-  const int64_t num_chunks = a.D / 16;
-  alignas(64) float p[G][kBlockTokens];
-  for (int j = 0; j < n; ++j) {  // scores
-    const kv_t* k = a.k_buf + static_cast<int64_t>(slots[j]) * a.kv_row_stride;
-    __m512 s[G];
-    for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const __m512 kv = load16(k + 16 * c);
-      for (int g = 0; g < G; ++g) s[g] = _mm512_fmadd_ps(_mm512_loadu_ps(a.q + g * a.q_head_stride + 16 * c), kv, s[g]);
-    }
-    for (int g = 0; g < G; ++g) p[g][j] = _mm512_reduce_add_ps(s[g]) * a.scale;
-  }
-  const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
-  float alpha[G];
-  for (int g = 0; g < G; ++g) {  // online softmax: rescale what came before by exp(m_old - m_new)
-    const __m512 sv = _mm512_maskz_loadu_ps(valid, p[g]);
-    const float m_new = std::max(m[g], _mm512_mask_reduce_max_ps(valid, sv));
-    alpha[g] = std::exp(m[g] - m_new);
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-    _mm512_store_ps(p[g], e);
-    l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(e);
-    m[g] = m_new;
-  }
-  for (int64_t d0 = 0; d0 < a.D; d0 += 16 * kNB) {  // values
-    __m512 o[G][kNB];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < kNB; ++c)
-        o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * a.D + d0 + 16 * c), _mm512_set1_ps(alpha[g]));
-    for (int j = 0; j < n; ++j) {
-      const kv_t* v = a.v_buf + static_cast<int64_t>(slots[j]) * a.kv_row_stride + d0;
-      __m512 rows[kNB];
-      for (int c = 0; c < kNB; ++c) rows[c] = load16(v + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(p[g][j]);
-        for (int c = 0; c < kNB; ++c) o[g][c] = _mm512_fmadd_ps(w, rows[c], o[g][c]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < kNB; ++c) _mm512_storeu_ps(acc + g * a.D + d0 + 16 * c, o[g][c]);
-  }
-}
-
-// Tokens [t0, t1) of one (request, KV head) task into acc [G, D], m [G], l [G] (block_512's state),
-// prefetching the next block's rows of this head. One task per KV head measured faster than one
-// per request reading whole token rows (the per-head working set stays in L1).
-template <int G, typename kv_t>
-void head_task_512(const TaskArgs<kv_t>& a, int64_t t0, int64_t t1, float* acc, float* m, float* l) {
-  for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-  std::memset(acc, 0, sizeof(float) * G * a.D);
-  for (int64_t tb = t0; tb < t1; tb += kBlockTokens) {
-    const int n = static_cast<int>(std::min<int64_t>(kBlockTokens, t1 - tb));
-    for (int64_t j = tb + kBlockTokens; j < std::min<int64_t>(tb + 2 * kBlockTokens, t1); ++j) {
-      prefetch_row(a.k_buf + static_cast<int64_t>(a.slots[j]) * a.kv_row_stride, a.D);
-      prefetch_row(a.v_buf + static_cast<int64_t>(a.slots[j]) * a.kv_row_stride, a.D);
-    }
-    block_512<G>(a, a.slots + tb, n, acc, m, l);
-  }
+void fold_range_g(const HeadView<kv_t>* views, const HeadState* states, int64_t n, int64_t D, const int32_t* slots,
+                  int64_t t0, int64_t t1) {
+  constexpr int kMax = max_value_chunks<G>();
+  const int64_t chunks = D / Vec::kWidth;
+  if (kMax >= 4 && chunks % 4 == 0) return fold_range<G, 4>(views, states, n, D, slots, t0, t1);
+  if (kMax >= 2 && chunks % 2 == 0) return fold_range<G, 2>(views, states, n, D, slots, t0, t1);
+  fold_range<G, 1>(views, states, n, D, slots, t0, t1);
 }
 
 template <typename kv_t>
-void head_task_dispatch(const TaskArgs<kv_t>& a, int64_t t0, int64_t t1, float* acc, float* m, float* l) {
-  switch (a.G) {
-    case 1: return head_task_512<1>(a, t0, t1, acc, m, l);
-    case 2: return head_task_512<2>(a, t0, t1, acc, m, l);
-    case 3: return head_task_512<3>(a, t0, t1, acc, m, l);
-    case 4: return head_task_512<4>(a, t0, t1, acc, m, l);
-    case 5: return head_task_512<5>(a, t0, t1, acc, m, l);
-    case 6: return head_task_512<6>(a, t0, t1, acc, m, l);
-    case 7: return head_task_512<7>(a, t0, t1, acc, m, l);
-    default: return head_task_512<8>(a, t0, t1, acc, m, l);
+bool fold_range_dispatch(const HeadView<kv_t>* views, const HeadState* states, int64_t n, int64_t G, int64_t D,
+                         const int32_t* slots, int64_t t0, int64_t t1) {
+  if (D % Vec::kWidth != 0) return false;
+  switch (G) {
+    case 1: fold_range_g<1>(views, states, n, D, slots, t0, t1); return true;
+    case 2: fold_range_g<2>(views, states, n, D, slots, t0, t1); return true;
+    case 3: fold_range_g<3>(views, states, n, D, slots, t0, t1); return true;
+    case 4: fold_range_g<4>(views, states, n, D, slots, t0, t1); return true;
+    case 5: fold_range_g<5>(views, states, n, D, slots, t0, t1); return true;
+    case 6: fold_range_g<6>(views, states, n, D, slots, t0, t1); return true;
+    case 7: fold_range_g<7>(views, states, n, D, slots, t0, t1); return true;
+    case 8: fold_range_g<8>(views, states, n, D, slots, t0, t1); return true;
+    default: return false;
   }
 }
 
-bool avx512_applies(int64_t G, int64_t D) { return D % 64 == 0 && G >= 1 && G <= 8; }
+bool online_path_applies(int64_t G, int64_t D) {
+  return D % Vec::kWidth == 0 && D <= kMaxHeadDim && G >= 1 && G <= 8;
+}
 
-// For each query head h of a task: out[h] = sum_s exp(m_s[h] - M) acc_s[h] / sum_s exp(m_s[h] - M)
-// l_s[h], M = max_s m_s[h]. part: [S][H * D + 2 * H] (acc, then m, then l); out rows strided.
-void merge_splits(const float* part, int64_t S, int64_t H, int64_t D, float* out, int64_t out_head_stride) {
-  const int64_t stride = H * D + 2 * H;
-  for (int64_t h = 0; h < H; ++h) {
+// Tokens [t0, t1) of request `rep`'s slot row, folded for each request in members[mb, me).
+struct Segment {
+  int64_t rep, t0, t1, mb, me, part_base;  // member i's state is part part_base + (i - mb)
+};
+
+struct Plan {
+  bool has_shared = false;  // some segment is a prefix shared by several requests
+  std::vector<Segment> segments;
+  std::vector<int64_t> members;
+  std::vector<std::vector<int64_t>> parts_of;  // per request, the parts merged into its output
+  int64_t num_parts = 0;
+};
+
+// Runs f(0..n-1) on the thread pool, each thread taking the next task when it finishes one:
+// segments differ in work (a shared prefix folded for 8 requests vs one request's tail), and
+// at::parallel_for's static halves left one thread idle for a third of the time.
+template <typename F>
+void parallel_tasks(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t);
+  });
+}
+
+int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
+  int64_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+
+// Shared-prefix groups (same first slot, common run >= kMinSharedTokens), then every request's
+// own remainder; ranges are split where one would hold more than its share of the work.
+Plan make_plan(int64_t bs, int64_t Hkv, const std::vector<const int32_t*>& rows, const int64_t* lens) {
+  struct Range {
+    int64_t rep, t0, t1;
+    std::vector<int64_t> members;
+  };
+  std::vector<Range> ranges;
+  std::vector<int64_t> own_start(bs, 0);
+  std::map<int32_t, std::vector<int64_t>> by_first_slot;
+  for (int64_t b = 0; b < bs; ++b) by_first_slot[rows[b][0]].push_back(b);
+  for (auto& [slot, group] : by_first_slot) {
+    if (group.size() < 2) continue;
+    const int64_t rep = group[0];
+    int64_t shared = lens[rep] - 1;  // every request keeps at least its newest token as its own
+    for (int64_t m : group) shared = std::min(shared, lens[m] - 1);
+    for (size_t i = 1; i < group.size(); ++i) shared = common_prefix(rows[rep], rows[group[i]], shared);
+    if (shared < kMinSharedTokens) continue;
+    ranges.push_back({rep, 0, shared, group});
+    for (int64_t m : group) own_start[m] = shared;
+  }
+  for (int64_t b = 0; b < bs; ++b) ranges.push_back({b, own_start[b], lens[b], {b}});
+  // Split the ranges whose work (tokens x requests folded) exceeds an even share of
+  // 4 tasks per thread, so that no thread is left with one long shared prefix.
+  int64_t total_work = 0;
+  for (const Range& r : ranges) total_work += (r.t1 - r.t0) * static_cast<int64_t>(r.members.size()) * Hkv;
+  const int64_t share = std::max<int64_t>(1, total_work / (4 * at::get_num_threads()));
+
+  Plan plan;
+  plan.has_shared = ranges.size() > static_cast<size_t>(bs);
+  plan.parts_of.resize(bs);
+  for (const Range& r : ranges) {
+    const int64_t len = r.t1 - r.t0, work = len * static_cast<int64_t>(r.members.size()) * Hkv;
+    const int64_t pieces = std::max<int64_t>(1, std::min((work + share - 1) / share, len / kMinSplitTokens));
+    for (int64_t s = 0; s < pieces; ++s) {
+      const int64_t mb = static_cast<int64_t>(plan.members.size());
+      plan.members.insert(plan.members.end(), r.members.begin(), r.members.end());
+      const int64_t me = static_cast<int64_t>(plan.members.size());
+      plan.segments.push_back({r.rep, r.t0 + len * s / pieces, r.t0 + len * (s + 1) / pieces, mb, me, plan.num_parts});
+      for (int64_t m : r.members) plan.parts_of[m].push_back(plan.num_parts++);
+    }
+  }
+  return plan;
+}
+
+// out[g] = sum_p exp(m_p[g] - M) acc_p[g] / sum_p exp(m_p[g] - M) l_p[g], M = max_p m_p[g], over
+// the parts `parts` of one (request, KV head); part p's state starts at part_at(p).
+template <typename PartAt>
+void merge_parts(const std::vector<int64_t>& parts, PartAt part_at, int64_t G, int64_t D, float* out,
+                 int64_t out_head_stride) {
+  for (int64_t g = 0; g < G; ++g) {
     float M = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < S; ++s) M = std::max(M, part[s * stride + H * D + h]);
+    for (int64_t p : parts) M = std::max(M, part_at(p)[G * D + g]);
     float denom = 0.f;
-    float* o = out + h * out_head_stride;
+    float* o = out + g * out_head_stride;
     std::fill(o, o + D, 0.f);
-    for (int64_t s = 0; s < S; ++s) {
-      const float* ps = part + s * stride;
-      if (ps[H * D + H + h] == 0.f) continue;  // an empty split
-      const float w = std::exp(ps[H * D + h] - M);
-      denom += w * ps[H * D + H + h];
-      axpy(o, w, ps + h * D, D);
+    for (int64_t p : parts) {
+      const float* st = part_at(p);
+      if (st[G * D + G + g] == 0.f) continue;  // an empty part
+      const float w = std::exp(st[G * D + g] - M);
+      denom += w * st[G * D + G + g];
+      axpy(o, w, st + g * D, D);
     }
     const float inv = 1.f / denom;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
@@ -213,28 +234,20 @@ void merge_splits(const float* part, int64_t S, int64_t H, int64_t D, float* out
 }
 #endif
 
-// The two-pass path (AVX2 or scalar) for one (request, KV head).
+// The two-pass path for one (request, KV head).
 template <typename kv_t>
-void decode_attention_task(const TaskArgs<kv_t>& a, std::vector<float>& scores, std::vector<float>& acc) {
+void two_pass_task(const TaskArgs<kv_t>& a, std::vector<float>& scores, std::vector<float>& acc) {
   scores.resize(static_cast<size_t>(a.G * a.len));
   score_pass(a, scores.data());
   for (int64_t g = 0; g < a.G; ++g) softmax_inplace(scores.data() + g * a.len, a.len);
   value_pass(a, scores.data(), acc);
 }
 
-// How many tasks to split each request's tokens into (AVX-512 path): enough (request, KV head,
-// split) tasks to balance the threads, none shorter than kMinSplitTokens.
-int64_t num_kv_splits(int64_t num_heads_tasks, int64_t max_len) {
-  const int64_t want = 4 * at::get_num_threads();
-  if (num_heads_tasks >= want) return 1;
-  return std::max<int64_t>(1, std::min((want + num_heads_tasks - 1) / num_heads_tasks, max_len / kMinSplitTokens));
-}
-
 template <typename kv_t>
 void decode_attention_impl(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-    double scale, int64_t max_len) {
+    double scale) {
   const int64_t bs = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
   const int64_t G = H / Hkv;
   const float* q_ptr = q.data_ptr<float>();
@@ -242,45 +255,58 @@ void decode_attention_impl(
   const kv_t* v_ptr = v_buf.data_ptr<kv_t>();
   float* out_ptr = out.data_ptr<float>();
   const int32_t* r2t = req_to_token.data_ptr<int32_t>();
-  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* pool_rows = req_pool_indices.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t r2t_stride = req_to_token.stride(0);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
-  auto args_of = [&](int64_t b, int64_t kh) {
-    return TaskArgs<kv_t>{q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, k_buf.stride(0),
-                          r2t + rows[b] * r2t_stride, lens[b], G, D, static_cast<float>(scale),
-                          out_ptr + b * os0 + kh * G * os1, os1};
-  };
-#if RS_HAVE_AVX512
-  if (avx512_applies(G, D)) {
-    // Tasks are (request, KV head, split); splits only when there are too few of the first two.
-    const int64_t S = num_kv_splits(bs * Hkv, max_len), part_stride = G * D + 2 * G;
-    std::vector<float> parts(static_cast<size_t>(S > 1 ? bs * Hkv * S * part_stride : 0));
-    at::parallel_for(0, bs * Hkv * S, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> own(static_cast<size_t>(part_stride));
+  std::vector<const int32_t*> rows(bs);
+  for (int64_t b = 0; b < bs; ++b) rows[b] = r2t + pool_rows[b] * r2t_stride;
+#if RS_HAVE_AVX2
+  // With 16 AVX2 registers the two-pass path is faster than the online one (measured), except
+  // where a shared prefix lets the online path read K/V once for many requests.
+  const Plan plan = online_path_applies(G, D) ? make_plan(bs, Hkv, rows, lens) : Plan{};
+  if (online_path_applies(G, D) && (RS_HAVE_AVX512 || plan.has_shared)) {
+    const int64_t state_size = G * D + 2 * G;
+    std::vector<float> parts(static_cast<size_t>(plan.num_parts * Hkv * state_size));
+    auto part_at = [&](int64_t part, int64_t kh) { return parts.data() + (part * Hkv + kh) * state_size; };
+    // Segments come heaviest first (shared prefixes, then own tails), which dynamic scheduling
+    // needs to balance well.
+    parallel_tasks(static_cast<int64_t>(plan.segments.size()) * Hkv, [&](int64_t task) {
+      thread_local std::vector<HeadView<kv_t>> views;
+      thread_local std::vector<HeadState> states;
+      const Segment& seg = plan.segments[task / Hkv];
+      const int64_t kh = task % Hkv;
+      views.clear();
+      states.clear();
+      for (int64_t i = seg.mb; i < seg.me; ++i) {
+        const int64_t b = plan.members[i];
+        views.push_back({q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, Hkv * D,
+                         static_cast<float>(scale)});
+        float* st = part_at(seg.part_base + (i - seg.mb), kh);
+        states.push_back({st, st + G * D, st + G * D + G});
+        reset_state(states.back(), G, D);
+      }
+      fold_range_dispatch(views.data(), states.data(), seg.me - seg.mb, G, D, rows[seg.rep], seg.t0, seg.t1);
+    });
+    at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t bh = task / S, s = task % S;
-        const TaskArgs<kv_t> a = args_of(bh / Hkv, bh % Hkv);
-        float* part = S > 1 ? parts.data() + task * part_stride : own.data();
-        head_task_dispatch(a, a.len * s / S, a.len * (s + 1) / S, part, part + G * D, part + G * D + G);
-        if (S == 1) merge_splits(part, 1, G, D, a.out, a.out_head_stride);
+        const int64_t b = task / Hkv, kh = task % Hkv;
+        merge_parts(plan.parts_of[b], [&](int64_t p) { return part_at(p, kh); }, G, D,
+                    out_ptr + b * os0 + kh * G * os1, os1);
       }
     });
-    if (S > 1) {
-      at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const TaskArgs<kv_t> a = args_of(bh / Hkv, bh % Hkv);
-          merge_splits(parts.data() + bh * S * part_stride, S, G, D, a.out, a.out_head_stride);
-        }
-      });
-    }
     return;
   }
 #endif
   at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    for (int64_t task = begin; task < end; ++task) decode_attention_task(args_of(task / Hkv, task % Hkv), scores, acc);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, kh = task % Hkv;
+      const TaskArgs<kv_t> a{q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, k_buf.stride(0),
+                             rows[b], lens[b], G, D, static_cast<float>(scale), out_ptr + b * os0 + kh * G * os1, os1};
+      two_pass_task(a, scores, acc);
+    }
   });
 }
 
@@ -306,18 +332,15 @@ void decode_attention(
               "decode_attention: req_pool_indices and seq_lens must be contiguous int64");
   TORCH_CHECK(req_pool_indices.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "decode_attention: batch sizes differ");
-  int64_t max_len = 0;
   for (int64_t b = 0; b < seq_lens.numel(); ++b) {  // a host loop: cheaper than an ATen reduction
     const int64_t len = seq_lens.data_ptr<int64_t>()[b];
     TORCH_CHECK(len >= 1 && len <= req_to_token.size(1), "decode_attention: seq_len ", len, " outside [1, ",
                 req_to_token.size(1), "]");
-    max_len = std::max(max_len, len);
   }
   if (k_buf.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale, max_len);
+    decode_attention_impl<float>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale);
   } else if (k_buf.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens,
-                                         scale, max_len);
+    decode_attention_impl<at::BFloat16>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale);
   } else {
     TORCH_CHECK(false, "decode_attention: K/V must be float32 or bfloat16");
   }
