@@ -98,7 +98,9 @@ def test_decode_attention_shared_prefixes(kv_dtype):
     for i, r in enumerate(rows):
         r2t[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
-    out = cpu_kernels.decode_attention(q, k_buf, v_buf, r2t, torch.arange(len(lens)), torch.tensor(lens), 0.125)
+    out = cpu_kernels.decode_attention(
+        q, k_buf, v_buf, r2t, torch.arange(len(lens)), torch.tensor(lens), 0.125
+    )
     for i, r in enumerate(rows):
         slots = torch.tensor(r)
         ref = ref_attention(q[i : i + 1], k_buf[slots].float(), v_buf[slots].float(), len(r) - 1, 0.125)[0]
