@@ -45,26 +45,28 @@ inline void tile(const float* x, int64_t ldx, const w_t* w, int64_t K, int64_t K
 // prefetched) x MB rows of x, 16 floats per step; measured 1.2x (fp32) and 1.3-1.6x (fp16) over
 // the AVX2 tile on the built-in model's decode (docs/benchmarks.md).
 constexpr int64_t kRowsPerTile512 = 8;
+constexpr int64_t kRowsPerTile512Wide = 6;  // for 3 or more rows of x
 
-template <int MB, typename w_t>
+// MB rows of x against NR weight rows; the next NR weight rows are prefetched when asked.
+template <int MB, int NR, typename w_t>
 inline void tile512(const float* x, int64_t ldx, const w_t* w, int64_t K, int64_t K16, float* y, int64_t ldy,
                     bool prefetch_next) {
-  __m512 acc[MB][kRowsPerTile512];
+  __m512 acc[MB][NR];
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < kRowsPerTile512; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K16; k += 16) {
-    __m512 wv[kRowsPerTile512];
-    for (int j = 0; j < kRowsPerTile512; ++j) {
-      if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(w + (j + kRowsPerTile512) * K + k), _MM_HINT_T0);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * K + k), _MM_HINT_T0);
       wv[j] = load16(w + j * K + k);
     }
     for (int m = 0; m < MB; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-      for (int j = 0; j < kRowsPerTile512; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
   for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < kRowsPerTile512; ++j) {
+    for (int j = 0; j < NR; ++j) {
       float s = _mm512_reduce_add_ps(acc[m][j]);
       for (int64_t k = K16; k < K; ++k) s += x[m * ldx + k] * static_cast<float>(w[j * K + k]);
       y[m * ldy + j] = s;
@@ -87,14 +89,30 @@ void linear_block(const float* x, int64_t ldx, const w_t* w, const float* bias, 
   int64_t n = n0;
 #if RS_HAVE_AVX512
   const int64_t K16 = K / 16 * 16;
-  for (; n + kRowsPerTile512 <= n1; n += kRowsPerTile512) {
-    // Prefetching helps the fp16 stream and slows the fp32 one (measured), so fp16 only.
-    const bool prefetch_next = sizeof(w_t) == 2 && n + 2 * kRowsPerTile512 <= n1;
-    int64_t m = 0;
-    for (; m + kBatchPerTile <= M; m += kBatchPerTile) {
-      tile512<kBatchPerTile, w_t>(x + m * ldx, ldx, w + n * K, K, K16, y + m * ldy + n, ldy, prefetch_next);
+  if (M <= 2) {
+    for (; n + kRowsPerTile512 <= n1; n += kRowsPerTile512) {
+      // Prefetching helps the fp16 stream and slows the fp32 one at one or two rows (measured).
+      const bool prefetch_next = sizeof(w_t) == 2 && n + 2 * kRowsPerTile512 <= n1;
+      if (M == 2) {
+        tile512<2, kRowsPerTile512>(x, ldx, w + n * K, K, K16, y + n, ldy, prefetch_next);
+      } else {
+        tile512<1, kRowsPerTile512>(x, ldx, w + n * K, K, K16, y + n, ldy, prefetch_next);
+      }
     }
-    for (; m < M; ++m) tile512<1, w_t>(x + m * ldx, ldx, w + n * K, K, K16, y + m * ldy + n, ldy, prefetch_next);
+  } else {
+    // 4 x rows x 6 weight rows: 24 accumulators, and each weight row read from memory once
+    // for every 4 rows of x (the 2 x 8 tile re-read it from L1 for every 2, and ran out of
+    // FMA ports before memory at 4-16 rows).
+    for (; n + kRowsPerTile512Wide <= n1; n += kRowsPerTile512Wide) {
+      const bool prefetch_next = n + 2 * kRowsPerTile512Wide <= n1;
+      const w_t* wn = w + n * K;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        tile512<4, kRowsPerTile512Wide>(x + m * ldx, ldx, wn, K, K16, y + m * ldy + n, ldy, prefetch_next && m == 0);
+      }
+      for (; m + 2 <= M; m += 2) tile512<2, kRowsPerTile512Wide>(x + m * ldx, ldx, wn, K, K16, y + m * ldy + n, ldy, false);
+      for (; m < M; ++m) tile512<1, kRowsPerTile512Wide>(x + m * ldx, ldx, wn, K, K16, y + m * ldy + n, ldy, false);
+    }
   }
 #endif
 #if RS_HAVE_AVX2
