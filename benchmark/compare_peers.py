@@ -113,6 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gsp-concurrency", type=int, help="shared-prefix concurrency (8)")
     p.add_argument("--quick", action="store_true", help="tiny smoke settings (the second column of DEFAULTS)")
     p.add_argument("--seed", type=int, default=0, help="base seed; each run adds its own offset")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="passes over every engine and workload (round-robin, fresh servers); the report shows "
+        "the median run of each and the range (this machine's numbers drift by 10-20%% between runs)",
+    )
     p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and HF torch threads")
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs", help="benchmarks.md and img/ go here")
     p.add_argument("--results-file", type=Path, default=None, help="JSONL of all results (appended)")
@@ -127,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, quick if args.quick else full)
     if args.report_only and args.results_file is None:
         p.error("--report-only needs --results-file")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     return args
 
 
@@ -293,7 +302,8 @@ def run_plan(
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     slug = plan.label.replace(" ", "-").replace("(", "").replace(")", "")
-    log_path = log_dir / f"{slug}-{plan.workloads[0].name}.log"
+    repeat = context.get("repeat", 0)
+    log_path = log_dir / f"{slug}-{plan.workloads[0].name}{f'-pass{repeat + 1}' if repeat else ''}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with ServerProcess(plan.label, plan.make_cmd(port), log_path, base_url, env) as server:
         waited = server.wait_healthy(args.server_timeout)
@@ -303,6 +313,20 @@ def run_plan(
             result.update(context)
             append_result(args.results_file, result)
             results.append(result)
+
+
+def run_hf(
+    args: argparse.Namespace, model_dir: Path, results: list[dict[str, Any]], context: dict[str, Any]
+) -> None:
+    from peers.hf_static import run_static_batches
+
+    print(f"\n=== hf: static batches {args.hf_batch_sizes}, {args.input_len}→{args.output_len}", flush=True)
+    for r in run_static_batches(
+        model_dir, args.hf_batch_sizes, args.input_len, args.output_len, args.threads, args.seed
+    ):
+        r.update(context)
+        results.append(r)
+        append_result(args.results_file, r)
 
 
 def append_result(path: Path, result: dict[str, Any]) -> None:
@@ -371,24 +395,16 @@ def main(argv: list[str] | None = None) -> int:
     # Stored with every result, so --report-only renders what the run measured, where and how.
     machine = report.machine_description(REPO_ROOT, llama_desc)
     context = {"command": command, "machine": machine, "threads": args.threads}
-    for plan in server_plans(args, llama):
-        try:
-            run_plan(plan, args, model_dir, log_dir, results, context)
-        except (ServerStartError, SystemExit) as e:  # bench_serving exits when its warm-up fails
-            problems.append(f"{plan.label}: {e}")
-            print(f"error: {problems[-1]}", file=sys.stderr)
-    if "hf" in args.engines:
-        from peers.hf_static import run_static_batches
-
-        print(
-            f"\n=== hf: static batches {args.hf_batch_sizes}, {args.input_len}→{args.output_len}", flush=True
-        )
-        for r in run_static_batches(
-            model_dir, args.hf_batch_sizes, args.input_len, args.output_len, args.threads, args.seed
-        ):
-            r.update(context)
-            results.append(r)
-            append_result(args.results_file, r)
+    for repeat in range(args.repeats):
+        pass_context = {**context, "repeat": repeat}
+        for plan in server_plans(args, llama):
+            try:
+                run_plan(plan, args, model_dir, log_dir, results, pass_context)
+            except (ServerStartError, SystemExit) as e:  # bench_serving exits when its warm-up fails
+                problems.append(f"{plan.label} (pass {repeat + 1}): {e}")
+                print(f"error: {problems[-1]}", file=sys.stderr)
+        if "hf" in args.engines:
+            run_hf(args, model_dir, results, pass_context)
     print(f"\nall runs took {time.perf_counter() - start:.0f} s; results in {args.results_file}")
     if results:
         write_report(results, args)

@@ -255,3 +255,22 @@ def test_server_that_exits_early_reports_its_log(tmp_path):
     with server, pytest.raises(ServerStartError, match="(?s)exited with code 3.*boom"):
         server.wait_healthy(timeout_s=30)
     assert server.proc is None  # stopped on exit of the with-block
+
+
+def test_repeats_reduce_to_the_median_run_with_its_range():
+    runs = [
+        {**_result("radixserve", "random", 4, tps, ttft=ttft), "repeat": i}
+        for i, (tps, ttft) in enumerate([(60.0, 100.0), (80.0, 300.0), (70.0, 200.0)])
+    ]
+    (row,) = report.median_runs(runs)
+    assert row["output_throughput"] == 70.0 and row["median_ttft_ms"] == 200.0  # one whole run
+    assert row["runs"] == 3 and row["output_range"] == (60.0, 80.0)
+    table = report.format_table([row])
+    assert "| 70.0 (60–80) |" in table
+    block = report.render_block(runs + RESULTS[2:3], "cmd", ["m"])
+    assert "median of 3 runs" in block and "| 45.6 |" in block  # a single run shows no range
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(SystemExit):
+        compare_peers.parse_args(["--repeats", "0"])
