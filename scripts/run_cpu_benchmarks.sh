@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces the CPU numbers in docs/benchmarks.md (built-in model). Run on an otherwise idle box:
-# two cores are shared, and any other process skews every number.
+# two cores are shared, and any other process skews every number. The side-by-side comparison with
+# llama.cpp and HF transformers is separate: benchmark/compare_peers.py --repeats 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -10,6 +11,18 @@ mkdir -p "$OUT"
 echo "== bench_one_batch (static batch, vs HF transformers generate)"
 $PY -m radixserve.bench_one_batch --batch-size 1 8 32 64 --input-len 128 --output-len 64 --hf \
   --result-file "$OUT/one_batch.jsonl"
+
+echo "== each CPU fast path off in turn (static batch 1 and 64)"
+for cfg in '{}' '{"cpu_fp16_weights": true}' '{"disable_cpu_fused_decode": true}' \
+  '{"disable_cpu_weight_prepack": true}' '{"attention_backend": "torch_native"}'; do
+  $PY -m radixserve.bench_one_batch --batch-size 1 64 --input-len 128 --output-len 64 \
+    --server-args "$cfg" --result-file "$OUT/ablation.jsonl"
+done
+RADIXSERVE_DISABLE_CPU_KERNELS=1 $PY -m radixserve.bench_one_batch --batch-size 1 64 --input-len 128 \
+  --output-len 64 --server-args '{"disable_cpu_weight_prepack": true}' --result-file "$OUT/ablation.jsonl"
+
+echo "== sgl-kernel CPU kernels vs what they replace"
+$PY benchmark/bench_cpu_kernels.py
 
 echo "== scheduler CPU per step (null worker)"
 $PY benchmark/bench_scheduler_overhead.py --batch-size 64

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -147,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    label = f"radixserve ({server_args.attention_backend}{', fp16 weights' if server_args.cpu_fp16_weights else ''})"
+    # The label says what differs from the defaults, so A/B rows (docs/benchmarks.md) tell apart.
+    label = "radixserve" + (f" {args.server_args}" if json.loads(args.server_args) else "")
+    if os.environ.get("RADIXSERVE_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
+        label += " [compiled CPU kernels off]"
     # Warm-up so one-time costs (allocator growth, lazy init) are not timed.
     bench_radixserve(worker, _random_prompts(2, 16, model_config.vocab_size, args.seed), 4)
     results = []

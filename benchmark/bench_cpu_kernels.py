@@ -1,0 +1,132 @@
+"""sgl-kernel's CPU kernels at the built-in model's shapes, against the alternatives they replace.
+
+    python benchmark/bench_cpu_kernels.py                 # linears and decode attention
+    python benchmark/bench_cpu_kernels.py --only linear --tokens 1 2 4 8 16 32
+
+Linears: one decode step's worth of weights (30 layers of qkv / o / gate_up / down, then the
+49,152 x 576 LM head), each weight its own tensor so they stream from memory as in a real step,
+through sgl-kernel's linear_f32 and linear_f16, oneDNN over prepacked weights, and F.linear.
+Decode attention: 30 layers of a paged KV pool, sgl-kernel's kernel with and without requests
+sharing a prefix (the radix cache's case), against the torch-native backend's gather + SDPA.
+Each number is the median of several timed steps after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from sgl_kernel import cpu as cpu_kernels
+
+HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+LINEAR_SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
+
+
+def median_ms(step: Callable[[], None], repeats: int) -> float:
+    step()
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(times)
+
+
+def bench_linears(token_counts: list[int], repeats: int) -> None:
+    weights = [[torch.randn(n, k) for n, k in LINEAR_SHAPES] for _ in range(LAYERS)]
+    weights.append([torch.randn(VOCAB, HIDDEN)])
+    flat = [w for layer in weights for w in layer]
+    forms = {
+        "sgl-kernel linear_f32": (cpu_kernels.linear_f32, flat),
+        "sgl-kernel linear_f16 (fp16 weights)": (cpu_kernels.linear_f16, [w.half() for w in flat]),
+        "oneDNN, prepacked": (
+            lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in flat],
+        ),
+        "F.linear (MKL)": (F.linear, flat),
+    }
+    gb = sum(w.numel() for w in flat) * 4 / 1e9
+    print(f"\n== linears: one decode step's weights ({gb:.2f} GB in fp32), ms per step")
+    print(f"{'tokens':>6} " + " ".join(f"{name:>38}" for name in forms))
+    in_features = [w.shape[1] for w in flat]
+    for m in token_counts:
+        xs = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
+        inputs = [xs[k] for k in in_features]
+        row = [median_ms(partial(_linear_step, fn, inputs, ws), repeats) for fn, ws in forms.values()]
+        print(f"{m:>6} " + " ".join(f"{t:>38.2f}" for t in row))
+
+
+def _linear_step(fn: Callable, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    for x, w in zip(inputs, weights):
+        fn(x, w)
+
+
+def _paged_pool(
+    bs: int, ctx: int, shared: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    size = bs * ctx + 64
+    k = [torch.randn(size, NUM_KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    v = [torch.randn(size, NUM_KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    req_to_token = torch.zeros(bs, ctx, dtype=torch.int32)
+    slots = torch.randperm(size - 1)[: bs * ctx].int() + 1  # scattered, as after some churn
+    for b in range(bs):
+        req_to_token[b] = slots[b * ctx : (b + 1) * ctx]
+        req_to_token[b, :shared] = req_to_token[0, :shared]  # a radix-cache hit: the same slots
+    return k, v, req_to_token
+
+
+def bench_attention(cases: list[tuple[int, int, int]], repeats: int) -> None:
+    print("\n== decode attention, 30 layers, ms per step")
+    print(f"{'batch':>5} {'context':>8} {'shared':>7} {'sgl-kernel':>11} {'torch-native (gather+SDPA)':>27}")
+    for bs, ctx, shared in cases:
+        k, v, r2t = _paged_pool(bs, ctx, shared)
+        q = torch.randn(bs, NUM_HEADS, HEAD_DIM)
+        kernel = median_ms(partial(_kernel_step, q, k, v, r2t), repeats)
+        reference = median_ms(partial(_reference_step, q, k, v, r2t), repeats)
+        print(f"{bs:>5} {ctx:>8} {shared:>7} {kernel:>11.2f} {reference:>27.2f}")
+
+
+def _kernel_step(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], r2t: torch.Tensor) -> None:
+    bs, ctx = r2t.shape
+    rows, lens = torch.arange(bs), torch.full((bs,), ctx)
+    for layer in range(LAYERS):
+        cpu_kernels.decode_attention(q, k[layer], v[layer], r2t, rows, lens, HEAD_DIM**-0.5)
+
+
+def _reference_step(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], r2t: torch.Tensor) -> None:
+    """What the torch-native backend does per layer: gather every request's K/V, then SDPA."""
+    bs, ctx = r2t.shape
+    flat = r2t.long().view(-1)
+    for layer in range(LAYERS):
+        kk = k[layer].index_select(0, flat).view(bs, ctx, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        vv = v[layer].index_select(0, flat).view(bs, ctx, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=("linear", "attention"), default=None)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = p.parse_args(argv)
+    if not cpu_kernels.available():
+        raise SystemExit("sgl-kernel's CPU extension is not built (make setup builds it)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if args.only in (None, "linear"):
+        bench_linears(args.tokens, args.repeats)
+    if args.only in (None, "attention"):
+        bench_attention([(1, 1100, 0), (8, 1100, 0), (8, 1100, 1024), (64, 160, 0)], args.repeats)
+
+
+if __name__ == "__main__":
+    main()
