@@ -33,8 +33,16 @@ from peers import llama_cpp, report
 from peers.process import ServerProcess, ServerStartError, free_port
 
 # radixserve-fp16: radixserve with --cpu-fp16-weights (16-bit weight storage, fp32 math), the
-# counterpart of llama-server's F16 GGUF.
-ENGINES = ("radixserve", "radixserve-fp16", "llama-server-f16", "llama-server-f32", "hf")
+# counterpart of llama-server's F16 GGUF. radixserve-bf16gemm adds --cpu-bf16-gemm (large batches'
+# linears as bf16 GEMMs); it runs only where the CPU has native bf16 (AVX512_BF16 or AMX).
+ENGINES = (
+    "radixserve",
+    "radixserve-fp16",
+    "radixserve-bf16gemm",
+    "llama-server-f16",
+    "llama-server-f32",
+    "hf",
+)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Every tunable: the full run's value and the --quick one. A flag given on the command line wins.
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -256,6 +264,16 @@ def server_plans(args: argparse.Namespace, llama: dict[str, tuple[Path, Path]]) 
         elif engine == "radixserve-fp16":
             fp16 = partial(radixserve_command, extra_flags=("--cpu-fp16-weights",))
             plans.append(ServerPlan("radixserve-fp16", "radixserve", fp16, randoms))
+        elif engine == "radixserve-bf16gemm":
+            from radixserve.layers.linear import bf16_gemm_supported
+
+            if not bf16_gemm_supported():
+                print(f"warning: skipping {engine}: this CPU has no native bf16 GEMM", file=sys.stderr)
+                continue
+            flags = ("--cpu-fp16-weights", "--cpu-bf16-gemm")
+            plans.append(
+                ServerPlan(engine, "radixserve", partial(radixserve_command, extra_flags=flags), randoms)
+            )
         elif engine in llama:
             binary, gguf = llama[engine]
             # One server per workload: -np is the workload's concurrency, and each of the -np slots

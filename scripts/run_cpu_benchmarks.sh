@@ -18,6 +18,12 @@ for cfg in '{}' '{"cpu_fp16_weights": true}' '{"disable_cpu_fused_decode": true}
   $PY -m radixserve.bench_one_batch --batch-size 1 64 --input-len 128 --output-len 64 \
     --server-args "$cfg" --result-file "$OUT/ablation.jsonl"
 done
+if $PY -c 'import sys; from radixserve.layers.linear import bf16_gemm_supported as s; sys.exit(not s())'; then
+  $PY -m radixserve.bench_one_batch --batch-size 1 64 --input-len 128 --output-len 64 \
+    --server-args '{"cpu_bf16_gemm": true}' --result-file "$OUT/ablation.jsonl"
+else
+  echo "(skipping --cpu-bf16-gemm: this CPU has no native bf16 GEMM)"
+fi
 RADIXSERVE_DISABLE_CPU_KERNELS=1 $PY -m radixserve.bench_one_batch --batch-size 1 64 --input-len 128 \
   --output-len 64 --server-args '{"disable_cpu_weight_prepack": true}' --result-file "$OUT/ablation.jsonl"
 

@@ -100,8 +100,15 @@ class ServerArgs:
     cpu_fp16_weights: bool = _f(
         False,
         "CPU, fp32 models: also keep every linear weight (and the LM head) in fp16 and run batches of "
-        "at most 2 tokens through sgl-kernel's F16C kernel, halving the bytes a small decode step "
+        "at most 16 tokens through sgl-kernel's F16C kernel, halving the bytes a small decode step "
         "reads (+50% weight memory; outputs differ slightly from fp32).",
+    )
+    cpu_bf16_gemm: bool = _f(
+        False,
+        "CPU, fp32 models, CPUs with AVX512_BF16 or AMX: batches above the small-batch kernels' "
+        "sizes (large decode batches, prefill) run their linears as oneDNN bf16 GEMMs, about twice "
+        "as fast as fp32; inputs and outputs of those GEMMs are rounded to bf16, as on a bf16 GPU. "
+        "Refused on other CPUs and with --disable-cpu-weight-prepack.",
     )
     disable_cpu_weight_prepack: bool = _f(
         False,
@@ -191,6 +198,10 @@ class ServerArgs:
             # layers or collectives yet: refuse rather than run N unsynchronized copies.
             raise ValueError(
                 f"--tp-size {self.tp_size} is not supported yet: tensor parallelism is not implemented"
+            )
+        if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:
+            raise ValueError(
+                "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"
             )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")

@@ -19,7 +19,15 @@ from peers.process import ServerProcess, ServerStartError, free_port  # noqa: E4
 
 def test_defaults_are_the_full_run():
     args = compare_peers.parse_args([])
-    assert args.engines == ["radixserve", "radixserve-fp16", "llama-server-f16", "llama-server-f32", "hf"]
+    assert args.engines == list(compare_peers.ENGINES)
+    assert compare_peers.ENGINES == (
+        "radixserve",
+        "radixserve-fp16",
+        "radixserve-bf16gemm",
+        "llama-server-f16",
+        "llama-server-f32",
+        "hf",
+    )
     assert args.concurrency == [1, 4, 16, 64]
     assert (args.input_len, args.output_len) == (128, 128)
     assert args.hf_batch_sizes == [1, 8, 32]
@@ -75,6 +83,22 @@ def test_workloads_have_exact_lengths_and_distinct_seeds():
     assert _bench_args(shared)["--dataset-name"] == "generated-shared-prefix"
     seeds = [w.seed for w in randoms] + [shared.seed]
     assert len(set(seeds)) == len(seeds)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_bf16gemm_engine_runs_only_where_the_cpu_has_native_bf16(native_bf16, monkeypatch):
+    from radixserve.layers import linear
+
+    monkeypatch.setattr(linear, "bf16_gemm_supported", lambda: native_bf16)
+    args = compare_peers.parse_args(["--engines", "radixserve-bf16gemm", "--no-shared-prefix"])
+    plans = compare_peers.server_plans(args, {})
+    if not native_bf16:
+        assert plans == []
+        return
+    assert [(p.label, [w.name for w in p.workloads]) for p in plans] == [
+        ("radixserve-bf16gemm", ["random"] * 4)
+    ]
+    assert plans[0].make_cmd(1234)[-2:] == ["--cpu-fp16-weights", "--cpu-bf16-gemm"]
 
 
 def test_server_plans_cover_radix_on_off_and_one_llama_server_per_workload():

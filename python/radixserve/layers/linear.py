@@ -13,6 +13,9 @@ built-in model's decode, docs/benchmarks.md):
    GEMM (MKL) runs 2-3x slower at the model's shapes on the AMD CPUs measured here; oneDNN's JIT
    kernels over a blocked weight layout are near peak from a few tokens up to prefill sizes.
    The price is a second copy of each linear weight (the plain one stays for path 2).
+   With --cpu-bf16-gemm the packed copy is bf16 instead: inputs are rounded to bf16 and the
+   output comes back as bf16 (then fp32), as on a bf16 GPU. On CPUs with AVX512_BF16 oneDNN's bf16
+   GEMM runs ~2x its fp32 one; elsewhere it would be emulated and slower, so the flag is refused.
 4. Without oneDNN (a torch built without it, or --disable-cpu-weight-prepack): `linear_f32` up to
    SMALL_BATCH_MAX_TOKENS tokens, F.linear beyond.
 
@@ -56,11 +59,28 @@ def linear(
     if weight_packed is not None and num_tokens <= F32_SMALL_MAX_TOKENS and _rows_ok(x) and fusable(weight):
         return cpu_kernels.linear_f32(x, weight, bias)
     if weight_packed is not None and x.dim() == 2:
+        if weight_packed.dtype == torch.bfloat16:
+            return _linear_bf16(x, weight_packed, bias)
         # [num_tokens, out]; oneDNN wants dense rows.
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight_packed, bias, "none", [], "")
     if num_tokens <= SMALL_BATCH_MAX_TOKENS and _rows_ok(x) and fusable(weight):
         return cpu_kernels.linear_f32(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _linear_bf16(x: torch.Tensor, weight_packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's bf16 GEMM (fp32 accumulation) over a bf16-packed weight; fp32 in and out. The
+    bias is added in fp32 after the bf16 rounding of the product."""
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight_packed, None, "none", [], "")
+    out = out.to(torch.float32)
+    return out if bias is None else out.add_(bias)
+
+
+def bf16_gemm_supported() -> bool:
+    """Whether this CPU runs bf16 GEMMs natively (AVX512_BF16 or AMX), so --cpu-bf16-gemm pays."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return onednn_prepack_available() and any(getattr(cpu, c, lambda: False)() for c in checks)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -92,9 +112,10 @@ def onednn_prepack_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool) -> None:
+def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf16_gemm: bool = False) -> None:
     """Give every fp32 CPU Linear in `modules` its fast forms (module docstring): an fp16 copy
-    when `fp16`, and a oneDNN-packed copy when `prepack`. Logs what it did and what it cost."""
+    when `fp16`, and a oneDNN-packed copy when `prepack` (bf16 when `bf16_gemm`). Logs what it did
+    and what it cost."""
     layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
     layers = [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     if fp16:
@@ -107,11 +128,23 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool) -> 
             layer.weight_f16 = layer.weight.detach().to(torch.float16).contiguous()
         added = sum(layer.weight_f16.numel() * 2 for layer in layers)
         logger.info("fp16 weight copies for batches <= %d tokens: +%.0f MiB", F16_MAX_TOKENS, added / 2**20)
+    if bf16_gemm and not (prepack and bf16_gemm_supported()):
+        raise RuntimeError(
+            "--cpu-bf16-gemm needs oneDNN weight prepacking and a CPU with AVX512_BF16 or AMX "
+            "(elsewhere bf16 GEMMs are emulated and run slower than fp32)"
+        )
     if prepack and not onednn_prepack_available():
         logger.warning("oneDNN is not available in this torch build: CPU linears use F.linear")
         prepack = False
     if prepack:
+        packed_dtype = torch.bfloat16 if bf16_gemm else torch.float32
         for layer in layers:
-            layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
-        added = sum(layer.weight.numel() * 4 for layer in layers)
-        logger.info("CPU linears: %d weights prepacked for oneDNN (+%.0f MiB)", len(layers), added / 2**20)
+            weight = layer.weight.detach().to(packed_dtype)
+            layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        added = sum(layer.weight.numel() * packed_dtype.itemsize for layer in layers)
+        logger.info(
+            "CPU linears: %d weights prepacked for oneDNN in %s (+%.0f MiB)",
+            len(layers),
+            "bf16" if bf16_gemm else "fp32",
+            added / 2**20,
+        )

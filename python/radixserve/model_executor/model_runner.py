@@ -81,13 +81,21 @@ class ModelRunner:
 
     def _prepare_cpu_linears(self) -> None:
         """fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for CPU fp32 models."""
-        fp16 = self.server_args.cpu_fp16_weights
+        args = self.server_args
         cpu_fp32 = self.device.type == "cpu" and self.model_config.dtype == torch.float32
-        if fp16 and not cpu_fp32:
-            raise ValueError("--cpu-fp16-weights applies to fp32 models on CPU only")
+        for flag, on in (
+            ("--cpu-fp16-weights", args.cpu_fp16_weights),
+            ("--cpu-bf16-gemm", args.cpu_bf16_gemm),
+        ):
+            if on and not cpu_fp32:
+                raise ValueError(f"{flag} applies to fp32 models on CPU only")
         if cpu_fp32:
-            prepack = not self.server_args.disable_cpu_weight_prepack
-            prepare_cpu_linears([self.model, self.lm_head], fp16=fp16, prepack=prepack)
+            prepare_cpu_linears(
+                [self.model, self.lm_head],
+                fp16=args.cpu_fp16_weights,
+                prepack=not args.disable_cpu_weight_prepack,
+                bf16_gemm=args.cpu_bf16_gemm,
+            )
 
     def _kv_bytes_per_token(self) -> int:
         mc = self.model_config

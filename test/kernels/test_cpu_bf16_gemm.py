@@ -1,0 +1,137 @@
+"""--cpu-bf16-gemm: large CPU batches' linears as oneDNN bf16 GEMMs over bf16-packed weights.
+
+The path runs wherever torch can pack bf16 weights for oneDNN (AVX-512 without AVX512_BF16
+emulates the bf16 math, slowly but exactly), so these tests pretend the CPU has native bf16 to
+check the numbers on more machines; plain AVX2 machines skip them. The refusal on CPUs without
+native bf16 is tested everywhere.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.layers import linear as linear_module
+from radixserve.layers.linear import (
+    F32_SMALL_MAX_TOKENS,
+    Linear,
+    onednn_prepack_available,
+    prepare_cpu_linears,
+)
+from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
+from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+from sgl_kernel import cpu as cpu_kernels
+
+
+def _bf16_packing_works() -> bool:
+    """torch packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on plain
+    AVX2 machines (some CI runners) it refuses, and so these tests skip there."""
+    if not onednn_prepack_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+needs_onednn = pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
+needs_bf16_packing = pytest.mark.skipif(not _bf16_packing_works(), reason="this CPU cannot pack bf16 weights")
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    monkeypatch.setattr(linear_module, "bf16_gemm_supported", lambda: True)
+
+
+def _layer(bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=bias)
+    return layer, layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+
+
+@needs_bf16_packing
+@pytest.mark.parametrize("bias", [False, True])
+def test_large_batches_run_bf16_gemm_small_ones_stay_fp32(native_bf16, bias):
+    layer, w, b = _layer(bias)
+    prepare_cpu_linears([layer], fp16=False, prepack=True, bf16_gemm=True)
+    assert layer.weight_packed is not None and layer.weight_packed.dtype == torch.bfloat16
+    for x in (torch.randn(F32_SMALL_MAX_TOKENS + 1, 64), torch.randn(130, 64), torch.randn(40, 128)[:, :64]):
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (x.shape[0], 48)
+        # The reference: the bf16 product (fp32 accumulation) rounded to bf16, then the fp32 bias.
+        ref = F.linear(x.bfloat16(), w.bfloat16()).float()
+        ref = ref if b is None else ref + b
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+        # ...and within bf16 rounding of the fp32 result, but not equal to it: bf16 really ran.
+        fp32 = F.linear(x, w, b)
+        torch.testing.assert_close(got, fp32, atol=5e-2, rtol=2e-2)
+        assert not torch.equal(got, fp32)
+    if cpu_kernels.available():
+        # One or two tokens still stream the plain fp32 weight: exact fp32 results.
+        x = torch.randn(F32_SMALL_MAX_TOKENS, 64)
+        assert torch.equal(layer(x), cpu_kernels.linear_f32(x, w, b))
+
+
+@needs_onednn
+def test_refused_without_native_bf16_or_prepack(monkeypatch):
+    monkeypatch.setattr(linear_module, "bf16_gemm_supported", lambda: False)
+    layer, _, _ = _layer(False)
+    with pytest.raises(RuntimeError, match="AVX512_BF16"):
+        prepare_cpu_linears([layer], fp16=False, prepack=True, bf16_gemm=True)
+    assert layer.weight_packed is None
+    with pytest.raises(ValueError, match="--disable-cpu-weight-prepack"):
+        ServerArgs(cpu_bf16_gemm=True, disable_cpu_weight_prepack=True, device="cpu").resolve()
+
+
+def test_supported_check_follows_the_cpu(monkeypatch):
+    monkeypatch.setattr(linear_module, "onednn_prepack_available", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not linear_module.bf16_gemm_supported()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert linear_module.bf16_gemm_supported()
+
+
+@needs_bf16_packing
+def test_model_with_bf16_gemm_stays_close_to_fp32(tiny_model_dir, native_bf16):
+    """A tiny Llama prefilled through bf16 GEMMs (9 and 14 tokens) and decoded one step: logits
+    within bf16 rounding of the fp32 run's, and the same greedy tokens."""
+    path = str(tiny_model_dir("llama"))
+    logits = {}
+    for bf16 in (False, True):
+        args = ServerArgs(model_path=path, max_total_tokens=4096, device="cpu", cpu_bf16_gemm=bf16).resolve()
+        runner = StaticBatchRunner(TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")))
+        model_runner = runner.worker.model_runner
+        seen, processor = [], model_runner.logits_processor
+
+        def record(*args, processor=processor, seen=seen):
+            out = processor(*args)
+            seen.append(out.next_token_logits.clone())
+            return out
+
+        model_runner.logits_processor = record
+        reqs = [
+            StaticReq(list(range(3, 3 + n)), SamplingParams(max_new_tokens=4, temperature=0.0))
+            for n in (9, 14)
+        ]
+        runner.prefill(reqs)
+        for req in reqs:
+            req.output_ids = [7]  # the same next input in both runs, whatever was sampled
+        runner.decode(reqs)
+        logits[bf16] = seen
+    for got, ref in zip(logits[True], logits[False]):
+        # bf16 keeps 8 mantissa bits: errors of a few 1e-2 on logits of order 1.
+        torch.testing.assert_close(got, ref, atol=1.5e-1, rtol=5e-2)
+        assert (got - ref).abs().mean() < 5e-2 * ref.abs().mean()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert not torch.equal(logits[True][0], logits[False][0])  # the bf16 path really ran
+
+
+def test_rejected_off_cpu_fp32(tiny_model_dir, native_bf16):
+    path = str(tiny_model_dir("llama"))
+    args = ServerArgs(model_path=path, max_total_tokens=4096, device="cpu", cpu_bf16_gemm=True).resolve()
+    with pytest.raises(ValueError, match="--cpu-bf16-gemm applies to fp32 models on CPU"):
+        TpModelWorker(args, ModelConfig.from_path(path, dtype="bfloat16"))
