@@ -45,9 +45,25 @@ def limit_threads() -> None:
         sys.modules["torch"].set_num_threads(1)
 
 
+def use_thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock before its first bar (the weight loader's) in this process.
+
+    By default tqdm creates a multiprocessing lock, a POSIX semaphore registered with the parent's
+    resource tracker. A child stopped by a signal never unregisters it, and the parent then warns
+    about a leaked semaphore at exit. Children write no bars from several processes, so a thread
+    lock is all they need.
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def child_entry(target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
     """Common prologue of every child: die with the parent, then run the real entry point."""
     set_parent_death_signal()
+    use_thread_lock_for_tqdm()
     try:
         target(*args)
     except KeyboardInterrupt:
