@@ -220,6 +220,22 @@ def test_openai_errors(url: str) -> None:
     assert_error(httpx.get(f"{url}/no/such/route"), 404)
 
 
+def test_json_bodies_need_no_json_content_type(url: str) -> None:
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded; every POST route still reads JSON."""
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
+    r = httpx.post(f"{url}/v1/chat/completions", content=chat, headers=form)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    r = httpx.post(
+        f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}', headers=form
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = httpx.post(f"{url}/v1/tokenize", content=b'{"prompt": "Hello world"}', headers=form)
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
+    assert httpx.post(f"{url}/abort_request", content=b'{"abort_all": true}', headers=form).status_code == 200
+    assert_error(httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny"}', headers=form), 400)
+
+
 def test_models_tokenize_metrics(url: str) -> None:
     models = httpx.get(f"{url}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"

@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -49,6 +49,7 @@ from radixserve.managers.tokenizer_manager import (
 )
 
 logger = logging.getLogger(__name__)
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -74,6 +75,12 @@ def error_response(status: int, message: str, code: str | int | None = None) -> 
     return JSONResponse(
         error_body(message, err_type, code if code is not None else status), status_code=status
     )
+
+
+async def json_body(model: type[BodyT], request: Request) -> BodyT:
+    """The request body parsed as `model` whatever its Content-Type says: `curl -d` sends JSON as a
+    form, which FastAPI's body parameters reject. Bad JSON or fields raise ValidationError (400)."""
+    return model.model_validate_json(await request.body())
 
 
 def _validation_message(exc: RequestValidationError | ValidationError) -> str:
@@ -161,8 +168,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
-        # Parsed by hand so that a JSON body without a JSON content type (curl -d) still works.
-        obj = GenerateReqInput.model_validate_json(await request.body())
+        obj = await json_body(GenerateReqInput, request)
         if obj.stream:
             return _sse_stream(sse_errors(_native_chunks(tm.stream(obj, request))))
         result = await tm.generate(obj, request)
@@ -190,7 +196,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         return Response("Cache flushed.", status_code=200)
 
     @app.post("/abort_request")
-    async def abort_request(body: AbortRequestBody) -> Response:
+    async def abort_request(request: Request) -> Response:
+        body = await json_body(AbortRequestBody, request)
         if not body.rid and not body.abort_all:
             return error_response(400, "Give 'rid' or 'abort_all'.")
         tm.abort_request(body.rid or None, abort_all=body.abort_all)
@@ -218,13 +225,15 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return ModelCard(id=tm.served_model_name, root=tm.model_path, max_model_len=tm.context_len)
 
     @app.post("/v1/completions")
-    async def v1_completions(req: CompletionRequest, request: Request) -> Response:
+    async def v1_completions(request: Request) -> Response:
+        req = await json_body(CompletionRequest, request)
         if req.stream:
             return _sse_stream(completions.stream(req, request))
         return JSONResponse((await completions.create(req, request)).model_dump())
 
     @app.post("/v1/chat/completions")
-    async def v1_chat(req: ChatCompletionRequest, request: Request) -> Response:
+    async def v1_chat(request: Request) -> Response:
+        req = await json_body(ChatCompletionRequest, request)
         if req.stream:
             return _sse_stream(chat.stream(req, request))
         return JSONResponse((await chat.create(req, request)).model_dump())
@@ -240,7 +249,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return card().model_dump()
 
     @app.post("/v1/tokenize")
-    async def v1_tokenize(req: TokenizeRequest) -> dict[str, Any]:
+    async def v1_tokenize(request: Request) -> dict[str, Any]:
+        req = await json_body(TokenizeRequest, request)
         if isinstance(req.prompt, str):
             tokens: Any = tm.tokenize(req.prompt, req.add_special_tokens)
             count: Any = len(tokens)
@@ -250,7 +260,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return TokenizeResponse(tokens=tokens, count=count, max_model_len=tm.context_len).model_dump()
 
     @app.post("/v1/detokenize")
-    async def v1_detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+    async def v1_detokenize(request: Request) -> dict[str, Any]:
+        req = await json_body(DetokenizeRequest, request)
         tokens = req.tokens
         flat = [t for seq in tokens for t in seq] if tokens and isinstance(tokens[0], list) else tokens
         if any(not 0 <= t < tm.vocab_size for t in flat):  # type: ignore[operator]
