@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from radixserve.layers.attention.base import CudaGraphAttnBackend
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ def create_cuda_graph_runner(
     if model_runner.device.type != "cuda" or server_args.disable_cuda_graph:
         return None
     backend = model_runner.attn_backend
-    if not backend.supports_cuda_graph:
+    if not isinstance(backend, CudaGraphAttnBackend):
         logger.info(
             "CUDA graphs are off: the %s attention backend has no graph hooks; decode runs eagerly",
             server_args.attention_backend,

@@ -19,45 +19,7 @@ class AttentionBackend(ABC):
     `init_forward_metadata` runs once per step and precomputes whatever the kernels need (KV
     gather indices, masks, kernel plans), so the per-layer calls do only the math. Before the
     math, each call writes this step's K/V into the pool at `forward_batch.out_cache_loc`.
-
-    CUDA-graph hooks (decode only; a backend that sets `supports_cuda_graph` implements all three):
-    a graph replays the kernels it captured with the same pointers, so the per-step metadata must
-    live in fixed-size buffers that the replay hook rewrites in place, outside the graph. Nothing
-    the captured kernels read may be allocated per step, and nothing inside them may read values
-    back to the host (.item(), .tolist(), data-dependent shapes).
     """
-
-    supports_cuda_graph: bool = False
-
-    def init_cuda_graph_state(
-        self, max_bs: int, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool
-    ) -> None:
-        """Allocate the fixed buffers shared by every captured batch size (<= max_bs rows, each
-        reading at most req_to_token_pool.max_context_len KV slots) and keep the pools the replay
-        hook reads."""
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
-
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,  # [bs] int64, a view of the graph's static buffer
-        seq_lens: torch.Tensor,  # [bs] int64, a view of the graph's static buffer
-    ) -> Any:  # noqa: ANN401 - each backend's own metadata type, stored on ForwardBatch.attn_metadata
-        """Metadata for the graph of batch size `bs`, built on the fixed buffers: the captured
-        kernels keep reading these tensors at every replay."""
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
-
-    def init_forward_metadata_replay_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,  # [bs] int64 on device (padding rows included)
-        seq_lens: torch.Tensor,  # [bs] int64 on device (padding rows included)
-        seq_lens_cpu: list[int],  # [bs] the same lengths on the host
-        metadata: Any,  # noqa: ANN401 - what the capture hook returned for this bs
-    ) -> None:
-        """Rewrite the fixed buffers for this step's batch, before the graph of size `bs` replays.
-        Runs eagerly (outside the graph), so it may use host values such as seq_lens_cpu."""
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -97,3 +59,43 @@ class AttentionBackend(ABC):
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch)
         return self.forward_extend(q, k, v, layer, forward_batch)
+
+
+class CudaGraphAttnBackend(AttentionBackend):
+    """An attention backend whose decode kernels can be captured in CUDA graphs (triton, flashinfer).
+
+    Decode only: a graph replays the kernels it captured with the same pointers, so the per-step metadata must
+    live in fixed-size buffers that the replay hook rewrites in place, outside the graph. Nothing
+    the captured kernels read may be allocated per step, and nothing inside them may read values
+    back to the host (.item(), .tolist(), data-dependent shapes).
+    """
+
+    @abstractmethod
+    def init_cuda_graph_state(
+        self, max_bs: int, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool
+    ) -> None:
+        """Allocate the fixed buffers shared by every captured batch size (<= max_bs rows, each
+        reading at most req_to_token_pool.max_context_len KV slots) and keep the pools the replay
+        hook reads."""
+
+    @abstractmethod
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,  # [bs] int64, a view of the graph's static buffer
+        seq_lens: torch.Tensor,  # [bs] int64, a view of the graph's static buffer
+    ) -> Any:  # noqa: ANN401 - each backend's own metadata type, stored on ForwardBatch.attn_metadata
+        """Metadata for the graph of batch size `bs`, built on the fixed buffers: the captured
+        kernels keep reading these tensors at every replay."""
+
+    @abstractmethod
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,  # [bs] int64 on device (padding rows included)
+        seq_lens: torch.Tensor,  # [bs] int64 on device (padding rows included)
+        seq_lens_cpu: list[int],  # [bs] the same lengths on the host
+        metadata: Any,  # noqa: ANN401 - what the capture hook returned for this bs
+    ) -> None:
+        """Rewrite the fixed buffers for this step's batch, before the graph of size `bs` replays.
+        Runs eagerly (outside the graph), so it may use host values such as seq_lens_cpu."""

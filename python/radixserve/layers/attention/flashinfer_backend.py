@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.attention.base import CudaGraphAttnBackend
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.radix_attention import RadixAttention
@@ -77,9 +77,7 @@ def build_kv_indices(
     return req_to_token[req_pool_indices[token_req], pos].to(torch.int32)
 
 
-class FlashInferAttnBackend(AttentionBackend):
-    supports_cuda_graph = True
-
+class FlashInferAttnBackend(CudaGraphAttnBackend):
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":

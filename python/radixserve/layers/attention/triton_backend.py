@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.attention.base import CudaGraphAttnBackend
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.radix_attention import RadixAttention
@@ -62,9 +62,7 @@ class TritonMetadata:
     max_extend_len: int = 0
 
 
-class TritonAttnBackend(AttentionBackend):
-    supports_cuda_graph = True
-
+class TritonAttnBackend(CudaGraphAttnBackend):
     def __init__(
         self,
         device: torch.device,
