@@ -9,6 +9,7 @@ native bf16 is tested everywhere.
 import pytest
 import torch
 import torch.nn.functional as F
+from model_logits import prefill_decode_logits
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import linear as linear_module
@@ -18,9 +19,7 @@ from radixserve.layers.linear import (
     onednn_prepack_available,
     prepare_cpu_linears,
 )
-from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
-from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from sgl_kernel import cpu as cpu_kernels
 
@@ -100,28 +99,7 @@ def test_model_with_bf16_gemm_stays_close_to_fp32(tiny_model_dir, native_bf16):
     """A tiny Llama prefilled through bf16 GEMMs (9 and 14 tokens) and decoded one step: logits
     within bf16 rounding of the fp32 run's, and the same greedy tokens."""
     path = str(tiny_model_dir("llama"))
-    logits = {}
-    for bf16 in (False, True):
-        args = ServerArgs(model_path=path, max_total_tokens=4096, device="cpu", cpu_bf16_gemm=bf16).resolve()
-        runner = StaticBatchRunner(TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")))
-        model_runner = runner.worker.model_runner
-        seen, processor = [], model_runner.logits_processor
-
-        def record(*args, processor=processor, seen=seen):
-            out = processor(*args)
-            seen.append(out.next_token_logits.clone())
-            return out
-
-        model_runner.logits_processor = record
-        reqs = [
-            StaticReq(list(range(3, 3 + n)), SamplingParams(max_new_tokens=4, temperature=0.0))
-            for n in (9, 14)
-        ]
-        runner.prefill(reqs)
-        for req in reqs:
-            req.output_ids = [7]  # the same next input in both runs, whatever was sampled
-        runner.decode(reqs)
-        logits[bf16] = seen
+    logits = {bf16: prefill_decode_logits(path, (9, 14), cpu_bf16_gemm=bf16) for bf16 in (False, True)}
     for got, ref in zip(logits[True], logits[False]):
         # bf16 keeps 8 mantissa bits: errors of a few 1e-2 on logits of order 1.
         torch.testing.assert_close(got, ref, atol=1.5e-1, rtol=5e-2)

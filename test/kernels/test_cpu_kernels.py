@@ -6,6 +6,7 @@ engine runs the pure-torch paths, which test_default_backend_falls_back checks.
 
 import pytest
 import torch
+from model_logits import prefill_decode_logits
 from paged_cases import paged_rows, ref_attention, run_backend_parity
 
 from radixserve.configs.model_config import ModelConfig
@@ -18,9 +19,7 @@ from radixserve.layers.linear import (
     onednn_prepack_available,
     prepare_cpu_linears,
 )
-from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
-from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from sgl_kernel import cpu as cpu_kernels
 
@@ -214,30 +213,7 @@ def test_fp16_weights_model_stays_close_to_fp32(tiny_model_dir):
     """--cpu-fp16-weights on a tiny Llama: prefill (14 tokens, above the small-batch bound) and
     decode (2 tokens, through the fp16 kernel) logits stay within fp16 rounding of fp32's."""
     path = str(tiny_model_dir("llama"))
-    logits = {}
-    for f16 in (False, True):
-        args = ServerArgs(
-            model_path=path, max_total_tokens=4096, device="cpu", cpu_fp16_weights=f16
-        ).resolve()
-        runner = StaticBatchRunner(TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")))
-        model_runner = runner.worker.model_runner
-        seen, processor = [], model_runner.logits_processor
-
-        def record(*args, processor=processor, seen=seen):
-            out = processor(*args)
-            seen.append(out.next_token_logits.clone())
-            return out
-
-        model_runner.logits_processor = record
-        reqs = [
-            StaticReq(list(range(3, 3 + n)), SamplingParams(max_new_tokens=4, temperature=0.0))
-            for n in (5, 9)
-        ]
-        runner.prefill(reqs)
-        for req in reqs:
-            req.output_ids = [7]  # the same next input in both runs, whatever was sampled
-        runner.decode(reqs)
-        logits[f16] = seen
+    logits = {f16: prefill_decode_logits(path, (5, 9), cpu_fp16_weights=f16) for f16 in (False, True)}
     for got, ref in zip(logits[True], logits[False]):
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     assert not torch.equal(logits[True][1], logits[False][1])  # the fp16 path really ran
