@@ -110,9 +110,32 @@ def _reference_step(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor
         F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)
 
 
+def bench_gemm_rates(tokens: list[int], repeats: int) -> None:
+    """One warm oneDNN GEMM per MLP shape, fp32 and bf16 (what --cpu-bf16-gemm uses), in GFLOP/s."""
+    print("== oneDNN GEMM rate, one warm weight (GFLOP/s); bf16 needs a CPU that can pack it")
+    print(f"{'tokens':>6} {'out x in':>11} {'fp32':>8} {'bf16':>8}")
+    for m in tokens:
+        for n, k in (LINEAR_SHAPES[2], LINEAR_SHAPES[3]):
+            x, w = torch.randn(m, k), torch.randn(n, k)
+            rates = []
+            for dtype in (torch.float32, torch.bfloat16):
+                try:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+                except RuntimeError:
+                    rates.append(float("nan"))
+                    continue
+                xd = x.to(dtype)
+                ms = median_ms(
+                    lambda xd=xd, p=packed: torch.ops.mkldnn._linear_pointwise(xd, p, None, "none", [], ""),
+                    repeats,
+                )
+                rates.append(2 * m * n * k / ms / 1e6)
+            print(f"{m:>6} {f'{n}x{k}':>11} {rates[0]:>8.0f} {rates[1]:>8.0f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("linear", "attention"), default=None)
+    p.add_argument("--only", choices=("linear", "attention", "gemm"), default=None)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -126,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_linears(args.tokens, args.repeats)
     if args.only in (None, "attention"):
         bench_attention([(1, 1100, 0), (8, 1100, 0), (8, 1100, 1024), (64, 160, 0)], args.repeats)
+    if args.only in (None, "gemm"):
+        bench_gemm_rates([64, 512], args.repeats)
 
 
 if __name__ == "__main__":

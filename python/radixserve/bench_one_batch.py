@@ -95,6 +95,16 @@ def bench_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str,
     }
 
 
+def profile_prefill(worker: TpModelWorker, prompts: list[list[int]]) -> None:
+    """Where one prefill of `prompts` spends its time, op by op (torch profiler, self CPU time)."""
+    runner = StaticBatchRunner(worker)
+    reqs = [StaticReq(p, SamplingParams(max_new_tokens=1, temperature=0.0)) for p in prompts]
+    with torch.profiler.profile() as prof:
+        runner.prefill(reqs)
+    runner.release(reqs)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
 def print_block(r: dict[str, Any]) -> None:
     print(
         f"==== {r['engine']}  batch_size={r['batch_size']} input_len={r['input_len']} output_len={r['output_len']}"
@@ -123,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate")
     parser.add_argument("--result-file", default=None, help="append JSON lines here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile", action="store_true", help="print a torch-profiler table of each batch's prefill"
+    )
     parser.add_argument(
         "--server-args",
         default="{}",
@@ -157,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for bs in args.batch_size:
         prompts = _random_prompts(bs, args.input_len, model_config.vocab_size, args.seed + bs)
+        if args.profile:
+            profile_prefill(worker, prompts)
         results.append(bench_radixserve(worker, prompts, args.output_len, label))
         print_block(results[-1])
         if hf_model is not None:
