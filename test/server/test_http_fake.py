@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import httpx
@@ -133,6 +134,29 @@ def test_flush_cache_and_abort_request(url: str) -> None:
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
     assert "long-1" in aborted_rids(url)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_abort_returns_the_partial_output_of_non_streaming_requests(url: str, n: int) -> None:
+    """The scheduler's final output for an aborted request carries the tokens so far; the waiting
+    non-streaming caller (n > 1: aborted by the parent rid) gets them rather than empty text."""
+    results: list[dict | list[dict]] = []
+    rid = f"plain-abort-n{n}"
+    body = {"text": "Hi", "rid": rid, "sampling_params": {"max_new_tokens": 240, "n": n}}
+    thread = threading.Thread(
+        target=lambda: results.append(httpx.post(f"{url}/generate", json=body, timeout=10).json())
+    )
+    thread.start()
+    time.sleep(0.3)  # ~60 fake decode steps of 5 ms
+    assert httpx.post(f"{url}/abort_request", json={"rid": rid}).status_code == 200
+    thread.join(timeout=10)
+    assert len(results) == 1
+    outs = results[0] if n > 1 else [results[0]]
+    assert len(outs) == n
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < out["meta_info"]["completion_tokens"] < 240
+        assert out["text"] and len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
 
 
 def aborted_rids(url: str) -> list[str]:

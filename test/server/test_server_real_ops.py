@@ -223,8 +223,8 @@ def test_abort_all_during_16_long_decodes(builtin: str) -> None:
     for i, out in results.items():
         assert out["meta_info"]["finish_reason"]["type"] == "abort", out
         assert out["meta_info"]["completion_tokens"] < 2000
-        if i % 2:  # streamed: the tokens so far were seen (a non-streaming abort reports none)
-            assert out["meta_info"]["completion_tokens"] > 0 and out["text"]
+        # Streamed or not, the caller gets the tokens generated before the abort.
+        assert out["meta_info"]["completion_tokens"] > 0 and out["text"], (i, out)
     assert httpx.get(f"{builtin}/health").status_code == 200
     wait_until(lambda: pool_is_full(builtin), 2, "the pool to be full after abort_all")
     out = generate(

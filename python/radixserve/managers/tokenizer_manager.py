@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting request checks whether its HTTP client went away.
 DISCONNECT_POLL_S = 0.5
+# An aborted request stays in flight until the scheduler's final output (with the tokens generated
+# so far) arrives; this bounds the wait should that output never come.
+ABORT_GRACE_S = 10.0
 CONTROL_TIMEOUT_S = 30.0
 
 
@@ -252,12 +255,33 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ aborts and control
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        """Tell the scheduler to stop `rid` (or everything) and finish the local state as aborted."""
+        """Tell the scheduler to stop `rid` (its n > 1 samples "rid-i" too) or everything.
+
+        The scheduler answers with each request's final output (finish_reason abort, the tokens so
+        far), which finishes it here as any other output does, so a non-streaming caller gets the
+        partial text; if that never arrives within ABORT_GRACE_S the request is finished locally."""
         self._send.send_pyobj(AbortReq(rid=rid or "", abort_all=abort_all))
-        targets = list(self.rid_to_state.values()) if abort_all else [self.rid_to_state.get(rid or "")]
+        targets = [
+            s
+            for key, s in self.rid_to_state.items()
+            if abort_all or (rid and (key == rid or key.startswith(f"{rid}-")))
+        ]
+        if not targets:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop to wait on: finish now
+            loop = None
         for state in targets:
-            if state is not None and not state.finished:
+            if loop is None:
                 self._finish(state, {"type": "abort", "message": "Aborted by request.", "status_code": None})
+            else:
+                loop.call_later(ABORT_GRACE_S, self._finish_abandoned, state)
+
+    def _finish_abandoned(self, state: ReqState) -> None:
+        if self.rid_to_state.get(state.rid) is state:
+            logger.warning("No final output for aborted request %s; finishing it locally", state.rid)
+            self._finish(state, {"type": "abort", "message": "Aborted by request.", "status_code": None})
 
     @property
     def num_in_flight(self) -> int:
@@ -319,8 +343,9 @@ class TokenizerManager:
                 future.set_result(msg)
 
     def _finish(self, state: ReqState, reason: dict[str, Any]) -> None:
-        if self.rid_to_state.pop(state.rid, None) is None:
-            return
+        if self.rid_to_state.get(state.rid) is not state:
+            return  # already finished (the rid may since belong to a new request)
+        del self.rid_to_state[state.rid]
         state.finish(reason)
         if self.metrics is not None:
             self.metrics.on_finish(
