@@ -1,7 +1,8 @@
 """Cost of constrained decoding.
 
-1. Per step, at batch 1 / 16 / 64: filling the grammar mask (xgrammar bitmask + unpacking to the
-   sampler's bool mask) and applying it to the logits (what Sampler does with vocab_mask).
+1. Per step, at batch 1 / 16 / 64 with every row constrained and with one row constrained: filling
+   the grammar mask (xgrammar bitmask + unpacking the constrained rows to bool) and applying it to
+   the logits (what Sampler does with vocab_mask, including its copy of the logits).
 2. Decode throughput of the scheduler with 50% constrained requests vs none.
 
     python benchmark/bench_grammar.py                   # the built-in model (real vocab)
@@ -51,20 +52,25 @@ def bench_mask(model: str, batch_sizes: list[int], iters: int) -> None:
     compiled = backend.get_cached_or_future_value(("json", json.dumps(SCHEMA)))[0].result()
     manager = GrammarManager(lambda: backend, 300.0, lambda r: None, lambda r, m, c: None)
     print(f"vocab={vocab}")
-    print("| batch | fill mask (ms) | apply mask (ms) | total per step (ms) |")
-    print("|---|---|---|---|")
+    print("| batch | constrained rows | fill mask (ms) | apply mask (ms) | total per step (ms) |")
+    print("|---|---|---|---|---|")
     for bs in batch_sizes:
-        rows = []
-        for _ in range(bs):
-            matcher = backend.new_matcher(compiled)
-            matcher.accept_string('{"name": "Ada Lovelace", "age": 36, "tags": ["math')  # mid-string
-            rows.append(_Row(matcher))
-        logits = torch.randn(bs, vocab)
-        fill = _timed(lambda rows=rows: manager.vocab_mask(rows, vocab), iters)  # noqa: B023
-        mask = manager.vocab_mask(rows, vocab)
-        apply = _timed(lambda lg=logits, m=mask: lg.clone().masked_fill_(~m, float("-inf")), iters)  # noqa: B023
-        print(f"| {bs} | {fill:.3f} | {apply:.3f} | {fill + apply:.3f} |")
+        for constrained in sorted({bs, 1}, reverse=True):
+            rows = [
+                _Row(_mid_string_matcher(backend, compiled) if i < constrained else None) for i in range(bs)
+            ]
+            logits = torch.randn(bs, vocab)
+            fill = _timed(lambda rows=rows: manager.vocab_mask(rows, vocab), iters)  # noqa: B023
+            mask = manager.vocab_mask(rows, vocab)
+            apply = _timed(lambda lg=logits, m=mask: m.apply_(lg.clone()), iters)  # noqa: B023
+            print(f"| {bs} | {constrained} | {fill:.3f} | {apply:.3f} | {fill + apply:.3f} |")
     backend.shutdown()
+
+
+def _mid_string_matcher(backend: GrammarBackend, compiled: Any) -> Any:  # noqa: ANN401
+    matcher = backend.new_matcher(compiled)
+    matcher.accept_string('{"name": "Ada Lovelace", "age": 36, "tags": ["math')  # mid-string
+    return matcher
 
 
 def _timed(fn: Any, iters: int) -> float:  # noqa: ANN401

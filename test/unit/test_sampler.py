@@ -8,6 +8,7 @@ from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from radixserve.layers.sampler import Sampler, _keep_thresholds, hashed_uniform
 from radixserve.sampling import SamplingBatchInfo, SamplingParams
+from radixserve.sampling.vocab_mask import VocabMask
 
 V = 16
 N = 1000  # draws per masking test, done as one batch of identical rows
@@ -119,12 +120,40 @@ def test_min_p_never_samples_masked():
 
 
 def test_vocab_mask_never_samples_disallowed():
+    """Odd rows carry a grammar allowing only tokens 2 and 5; even rows are free and sample as usual."""
     info = make_info([SamplingParams() for _ in range(N)])
-    mask = torch.zeros(N, V, dtype=torch.bool)
-    mask[:, [2, 5]] = True
-    info.vocab_mask = mask
-    got = set(sample(known_logits().repeat(N, 1), info).next_token_ids.tolist())
-    assert got == {2, 5}
+    rows = torch.arange(1, N, 2)
+    allowed = torch.zeros(rows.numel(), V, dtype=torch.bool)
+    allowed[:, [2, 5]] = True
+    info.vocab_mask = VocabMask(rows, allowed)
+    logits = known_logits().repeat(N, 1)
+    got = sample(logits, info).next_token_ids
+    assert set(got[1::2].tolist()) == {2, 5}
+    assert set(got[0::2].tolist()) == {9, 2, 14, 5}  # the free rows' draws are untouched
+    assert torch.equal(logits, known_logits().repeat(N, 1))  # the caller's logits stay raw
+
+
+def test_vocab_mask_follows_filter_and_merge():
+    def dense(info: SamplingBatchInfo) -> list[list[bool]]:
+        out = torch.ones(info.batch_size, V, dtype=torch.bool)
+        if info.vocab_mask is not None:
+            out[info.vocab_mask.rows] = info.vocab_mask.allowed
+        return out.tolist()
+
+    a = make_info([SamplingParams() for _ in range(4)])
+    a_allowed = torch.rand(2, V) < 0.5
+    a.vocab_mask = VocabMask(torch.tensor([1, 3]), a_allowed)
+    want = dense(a)
+    a.filter([3, 0, 1])
+    assert dense(a) == [want[3], want[0], want[1]]
+    assert a.vocab_mask.rows.tolist() == [0, 2]  # ascending in the new order
+    b = make_info([SamplingParams() for _ in range(2)])
+    b.vocab_mask = VocabMask(torch.tensor([0]), torch.rand(1, V) < 0.5)
+    want = dense(a) + dense(b)
+    a.merge(b)
+    assert dense(a) == want and a.vocab_mask.rows.tolist() == [0, 2, 3]
+    a.filter([1])  # only a free row stays
+    assert a.vocab_mask is None
 
 
 def hf_kept(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -6,8 +6,8 @@ per-step vocab mask and advancing each request's matcher.
 - `move_ready()` (each loop iteration): compiled -> waiting queue with a fresh matcher; failed ->
   finished with the compiler's message (400); past --grammar-compile-timeout -> finished with an
   error; aborted while compiling -> finished with the abort's reason.
-- `vocab_mask(reqs)`: bool [bs, vocab] (True = allowed) for a batch with at least one grammar, None
-  otherwise, so unconstrained batches pay nothing. Unconstrained rows are all True.
+- `vocab_mask(reqs)`: a VocabMask (bool [k, vocab], True = allowed, for the k constrained rows) for
+  a batch with at least one grammar, None otherwise; unconstrained rows pay nothing in either case.
 - `accept_token(req, tok)`: advance the matcher with a kept token; a terminated grammar finishes
   the request ("stop").
 
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from radixserve.constrained.grammar_backend import GrammarBackend, InvalidGrammar, grammar_key
+from radixserve.sampling.vocab_mask import VocabMask
 from radixserve.scheduler.req import FinishAbort, FinishMatchedToken, Req
 
 logger = logging.getLogger(__name__)
@@ -145,20 +146,21 @@ class GrammarManager:
             wait_futures(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ decoding
-    def vocab_mask(self, reqs: list[Req], vocab_size: int) -> torch.Tensor | None:
-        """bool [bs, vocab_size], True = allowed, or None when no request in `reqs` is constrained."""
+    def vocab_mask(self, reqs: list[Req], vocab_size: int) -> VocabMask | None:
+        """The allowed tokens of the constrained rows of `reqs`, or None when no row is constrained.
+        Unconstrained rows are left out, so they cost nothing here or in the sampler."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
         if not rows:
             return None
         words = (vocab_size + 31) // 32
-        bitmask = self._bitmask_buffer(len(reqs), words)
-        bitmask.fill_(-1)  # all bits set = every token allowed (unconstrained rows keep this)
+        bitmask = self._bitmask_buffer(len(rows), words)  # row j = the j-th constrained request
         matchers = [reqs[i].grammar for i in rows]
         if len(rows) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+            matchers[0].fill_next_token_bitmask(bitmask, 0)
         else:
-            self._batch_matcher_obj().batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return unpack_bitmask(bitmask, vocab_size, self._shifts)
+            self._batch_matcher_obj().batch_fill_next_token_bitmask(matchers, bitmask, list(range(len(rows))))
+        allowed = unpack_bitmask(bitmask, vocab_size, self._shifts)  # [k, vocab]
+        return VocabMask(torch.tensor(rows, dtype=torch.int64), allowed)
 
     def _bitmask_buffer(self, bs: int, words: int) -> torch.Tensor:
         buf = self._bitmask

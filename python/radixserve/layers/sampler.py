@@ -65,7 +65,7 @@ def _constrain(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     if info.penalizer is not None:
         info.penalizer.apply(logits)
     if info.vocab_mask is not None:
-        logits.masked_fill_(~info.vocab_mask.to(logits.device), float("-inf"))
+        info.vocab_mask.apply_(logits)  # touches the constrained rows only
     return logits
 
 

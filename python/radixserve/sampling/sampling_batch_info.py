@@ -18,6 +18,7 @@ from torch import Tensor
 
 from radixserve.sampling.penalties import PenaltyState, merge_optional
 from radixserve.sampling.sampling_params import GREEDY_EPS
+from radixserve.sampling.vocab_mask import VocabMask
 
 # Seeds are folded into [0, 2**63) so any user integer (negative, > int64) fits an int64 tensor and
 # -1 stays free as the "unseeded" marker.
@@ -38,7 +39,7 @@ class SamplingBatchInfo:
     penalizer: PenaltyState | None  # None when no row uses a penalty or min_new_tokens
     vocab_size: int
     device: torch.device
-    vocab_mask: Tensor | None = None  # [bs, vocab] bool, True = allowed; set per step by grammar
+    vocab_mask: VocabMask | None = None  # the constrained rows' allowed tokens; set per step by grammar
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -100,14 +101,14 @@ class SamplingBatchInfo:
     def filter(self, keep_indices: list[int]) -> None:
         """Keep only rows `keep_indices` (in that order)."""
         keep = torch.tensor(keep_indices, dtype=torch.int64, device=self.device)  # [k]
+        if self.vocab_mask is not None:
+            self.vocab_mask = self.vocab_mask.filter(keep, self.batch_size)
         self.temperatures = self.temperatures.index_select(0, keep)
         self.top_ps = self.top_ps.index_select(0, keep)
         self.top_ks = self.top_ks.index_select(0, keep)
         self.min_ps = self.min_ps.index_select(0, keep)
         if self.seeds is not None:
             self.seeds = self.seeds.index_select(0, keep)
-        if self.vocab_mask is not None:
-            self.vocab_mask = self.vocab_mask.index_select(0, keep)
         if self.penalizer is not None:
             self.penalizer = self.penalizer.filter(keep)
         self._update_flags()
@@ -121,7 +122,7 @@ class SamplingBatchInfo:
             self.penalizer, other.penalizer, bs_a, bs_b, self.vocab_size, self.device
         )
         self.seeds = _cat_optional(self.seeds, other.seeds, bs_a, bs_b, -1)
-        self.vocab_mask = _cat_optional(self.vocab_mask, other.vocab_mask, bs_a, bs_b, True)
+        self.vocab_mask = VocabMask.merge(self.vocab_mask, other.vocab_mask, bs_a)
         self.temperatures = torch.cat([self.temperatures, other.temperatures])
         self.top_ps = torch.cat([self.top_ps, other.top_ps])
         self.top_ks = torch.cat([self.top_ks, other.top_ks])
