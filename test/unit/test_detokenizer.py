@@ -156,3 +156,15 @@ def test_stop_strings_over_token_stream(tokenizer: PreTrainedTokenizerFast, seed
         assert stop not in streamed
     assert state.matched_stop == stop
     assert streamed == text[: text.index(stop)]
+
+
+def test_stop_strings_wait_for_min_new_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Like the scheduler, a stop string only ends the text once min_new_tokens tokens exist:
+    an earlier occurrence streams through untouched, a later one stops as usual."""
+    ids = tokenizer.encode(" one, two, three, four")
+    comma = [i for i, t in enumerate(ids) if "," in tokenizer.decode([t])]
+    assert len(comma) == 3
+    state = DecodeState(TokenDecoder(tokenizer), [","], no_stop_trim=False, min_new_tokens=comma[0] + 2)
+    streamed = "".join(state.step([t], finished=i == len(ids) - 1) for i, t in enumerate(ids))
+    assert state.matched_stop == ","
+    assert streamed == " one, two"  # the first comma came too early; the second one stops

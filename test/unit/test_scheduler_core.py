@@ -172,6 +172,19 @@ def test_stop_string(make_harness):
     assert CharTokenizer().decode(h.outputs["s"]).endswith(text[4:6])
 
 
+def test_stop_string_completed_before_min_new_tokens_does_not_count(make_harness):
+    prompt = list(range(40, 60))
+    text = CharTokenizer().decode(reference_output(prompt, 12))  # one character per token
+    stop = text[3:5]  # completed by token 5, before min_new_tokens = 6
+    h = make_harness(tokenizer=CharTokenizer())
+    h.submit("s", prompt, 12, stop=[stop], min_new_tokens=6)
+    h.run_until_idle()
+    # The first k >= 6 whose k-th token completes the stop string, else the length limit.
+    k = next((k for k in range(6, 13) if text[k - 2 : k] == stop), None)
+    want = {"type": "stop", "matched": stop} if k else {"type": "length", "length": 12}
+    assert h.finished["s"] == want and len(h.outputs["s"]) == (k or 12)
+
+
 def test_streaming_one_message_per_step(make_harness):
     h = make_harness()
     h.submit("s1", [1, 2, 3], 5, stream=True)

@@ -167,11 +167,18 @@ class StopStringMatcher:
 
 
 class DecodeState:
-    """Everything the detokenizer keeps for one request: the text stream and its stop strings."""
+    """Everything the detokenizer keeps for one request: the text stream and its stop strings.
 
-    def __init__(self, decode: DecodeFn, stop: Sequence[str] | None, no_stop_trim: bool) -> None:
+    As in the scheduler, stop strings only count once `min_new_tokens` tokens exist: text of the
+    earlier steps streams unmatched and unwithheld; the step that reaches the minimum is matched."""
+
+    def __init__(
+        self, decode: DecodeFn, stop: Sequence[str] | None, no_stop_trim: bool, min_new_tokens: int = 0
+    ) -> None:
         self.detok = IncrementalDetokenizer(decode)
         self.matcher = StopStringMatcher(stop, no_stop_trim)
+        self.min_new_tokens = min_new_tokens
+        self.num_tokens = 0
 
     @property
     def matched_stop(self) -> str | None:
@@ -179,7 +186,11 @@ class DecodeState:
 
     def step(self, new_ids: Sequence[int], finished: bool) -> str:
         """Feed one step's tokens; return the text to stream. `finished` flushes held text."""
-        text = self.matcher.feed(self.detok.append(new_ids, final=finished))
+        self.num_tokens += len(new_ids)
+        text = self.detok.append(new_ids, final=finished)
+        if self.num_tokens < self.min_new_tokens:
+            return text  # too early for a stop string to end the request
+        text = self.matcher.feed(text)
         if finished and self.matcher.matched is None:
             text += self.matcher.flush()
         return text

@@ -56,8 +56,9 @@ class DetokenizerManager:
             state = self.states.get(rid)
             if state is None:
                 decode = self._decoder(msg.skip_special_tokens[i], msg.spaces_between_special_tokens[i])
+                min_new = msg.min_new_tokens[i] if msg.min_new_tokens is not None else 0
                 state = self.states[rid] = _RidState(
-                    DecodeState(decode, msg.stop_strs[i], msg.no_stop_trim[i])
+                    DecodeState(decode, msg.stop_strs[i], msg.no_stop_trim[i], min_new)
                 )
             reason = msg.finished_reasons[i]
             if reason is not None:

@@ -100,6 +100,8 @@ class BatchTokenIDOut:
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
     stop_strs: list[list[str]]  # stop strings the detokenizer trims from (and withholds in) text
+    # Per request: stop strings count only from this many output tokens on (None: all 0).
+    min_new_tokens: list[int] | None = None
     # Logprobs (None when no request in the message asked for them; [] for those that did not).
     output_token_logprobs_val: list[list[float]] | None = None  # logprob of each new output token
     output_token_logprobs_idx: list[list[int]] | None = None  # the token id it belongs to

@@ -209,9 +209,13 @@ class Req:
         if self.stop_strs and self.tokenizer is not None:
             # A stop string of L characters spans at most L tokens plus the newest one, so decoding
             # that tail finds every newly completed match without re-decoding the whole output.
-            tail = self.tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 1) :])
+            tail_ids = self.output_ids[-(self.stop_str_max_len + 1) :]
+            tail = self.tokenizer.decode(tail_ids)
+            # On the first step that may stop (min_new_tokens reached) the tail can still hold a
+            # match completed earlier, which must not count: only one ending in the newest token.
+            before = self.tokenizer.decode(tail_ids[:-1]) if len(self.output_ids) == params.min_new_tokens else ""
             for stop in self.stop_strs:
-                if stop and stop in tail:
+                if stop and tail.count(stop) > before.count(stop):
                     self.finished_reason = FinishMatchedStr(stop)
                     return
 
