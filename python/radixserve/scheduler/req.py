@@ -213,7 +213,9 @@ class Req:
             tail = self.tokenizer.decode(tail_ids)
             # On the first step that may stop (min_new_tokens reached) the tail can still hold a
             # match completed earlier, which must not count: only one ending in the newest token.
-            before = self.tokenizer.decode(tail_ids[:-1]) if len(self.output_ids) == params.min_new_tokens else ""
+            before = (
+                self.tokenizer.decode(tail_ids[:-1]) if len(self.output_ids) == params.min_new_tokens else ""
+            )
             for stop in self.stop_strs:
                 if stop and tail.count(stop) > before.count(stop):
                     self.finished_reason = FinishMatchedStr(stop)
