@@ -27,6 +27,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
+    rid_matches,
 )
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
@@ -84,7 +85,7 @@ class FakeScheduler:
             self.add(msg)
         elif isinstance(msg, AbortReq):
             for rid, r in self.running.items():
-                if msg.abort_all or rid.startswith(msg.rid):
+                if msg.abort_all or rid_matches(rid, msg.rid):
                     self.aborted.append(rid)
                     r.finished_reason = {"type": "abort", "message": "Aborted.", "status_code": None}
         elif isinstance(msg, FlushCacheReqInput):

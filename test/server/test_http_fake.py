@@ -111,6 +111,9 @@ def test_stop_token_and_no_stop_trim(url: str) -> None:
         b'{"text": "a", "input_ids": [1]}',
         b'{"text": "' + b"Hello world " * 200 + b'"}',
         b'{"text": "a", "sampling_params": {"max_new_tokens": 100000}}',
+        b'{"text": ["a", "b"], "rid": "same"}',  # one rid for two prompts
+        b'{"text": ["a", "b"], "rid": ["x", "x"]}',
+        b'{"text": ["a", "b"], "rid": ["x", "x-1"], "sampling_params": [{"n": 2}, {}]}',  # x's sample x-1
     ],
 )
 def test_generate_validation_is_400(url: str, body: bytes) -> None:
@@ -157,6 +160,32 @@ def test_abort_returns_the_partial_output_of_non_streaming_requests(url: str, n:
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < out["meta_info"]["completion_tokens"] < 240
         assert out["text"] and len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+
+
+def test_abort_reaches_samples_but_not_lookalike_rids(url: str) -> None:
+    """Aborting "job" ends its n > 1 samples "job-0", "job-1" but not a request named "job-extra"."""
+    results: dict[str, object] = {}
+
+    def post(name: str, body: dict) -> None:
+        results[name] = httpx.post(f"{url}/generate", json=body, timeout=10).json()
+
+    long = {"max_new_tokens": 200}
+    threads = [
+        threading.Thread(
+            target=post, args=("job", {"text": "Hi", "rid": "job", "sampling_params": {**long, "n": 2}})
+        ),
+        threading.Thread(
+            target=post, args=("extra", {"text": "Hi", "rid": "job-extra", "sampling_params": long})
+        ),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert httpx.post(f"{url}/abort_request", json={"rid": "job"}).status_code == 200
+    for t in threads:
+        t.join(timeout=10)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in results["job"]] == ["abort", "abort"]
+    assert results["extra"]["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def aborted_rids(url: str) -> list[str]:

@@ -81,3 +81,10 @@ def test_dispatcher_routes_by_type_and_rejects_unknown():
     assert dispatch(io.FlushCacheReqInput()) == "flushed"
     with pytest.raises(ValueError):
         dispatch(object())
+
+
+def test_rid_matches_the_rid_and_its_samples_only():
+    assert io.rid_matches("job", "job") and io.rid_matches("job-0", "job") and io.rid_matches("job-12", "job")
+    assert not io.rid_matches("job-extra", "job") and not io.rid_matches("jobs", "job")
+    assert not io.rid_matches("x-10", "x-1") and io.rid_matches("x-1-0", "x-1")
+    assert not io.rid_matches("anything", "")

@@ -61,6 +61,8 @@ class GenerateReqInput(BaseModel):
                 raise ValueError(f"'{name}' has {len(value)} entries for {self.num_prompts} prompts.")
             if isinstance(value, list) and self.is_single:
                 raise ValueError(f"'{name}' must not be a list for a single prompt.")
+        if isinstance(self.rid, str) and not self.is_single:
+            raise ValueError("'rid' must be a list with one id per prompt for a batch.")
 
     def _prompt(self, value: Any, i: int) -> Any:
         if value is None or self.is_single:
@@ -96,6 +98,10 @@ class GenerateReqInput(BaseModel):
                         sample_index=j,
                     )
                 )
+        rids = [item.rid for item in items]
+        if len(set(rids)) != len(rids):
+            dup = next(r for r in rids if rids.count(r) > 1)
+            raise ValueError(f"Duplicate request id {dup!r} in one request.")
         return items
 
 

@@ -50,11 +50,20 @@ class BatchTokenizedGenerateReqInput:
 
 @dataclass(frozen=True, slots=True)
 class AbortReq:
-    """Abort the request `rid` and its n > 1 children "rid-0", "rid-1", ... (the seeds' prefix
-    match, anchored at "-" so "x-1" leaves "x-10" alone), or every request when `abort_all`."""
+    """Abort the request `rid` and its n > 1 samples "rid-0", "rid-1", ... (see `rid_matches`), or
+    every request when `abort_all`."""
 
     rid: str = ""
     abort_all: bool = False
+
+
+def rid_matches(rid: str, target: str) -> bool:
+    """Whether aborting `target` aborts `rid`: the rid itself or one of its samples "target-<i>".
+    The seeds' plain prefix match also hit unrelated requests ("job" aborted "job-extra", "x-1"
+    aborted "x-10"), so only a decimal sample index may follow the "-"."""
+    if rid == target:
+        return True
+    return bool(target) and rid.startswith(f"{target}-") and rid[len(target) + 1 :].isdigit()
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
+    rid_matches,
 )
 from radixserve.managers.output_applier import apply_batch_str_out
 from radixserve.managers.req_state import ReqState, build_output
@@ -261,11 +262,7 @@ class TokenizerManager:
         far), which finishes it here as any other output does, so a non-streaming caller gets the
         partial text; if that never arrives within ABORT_GRACE_S the request is finished locally."""
         self._send.send_pyobj(AbortReq(rid=rid or "", abort_all=abort_all))
-        targets = [
-            s
-            for key, s in self.rid_to_state.items()
-            if abort_all or (rid and (key == rid or key.startswith(f"{rid}-")))
-        ]
+        targets = [s for key, s in self.rid_to_state.items() if abort_all or (rid and rid_matches(key, rid))]
         if not targets:
             return
         try:

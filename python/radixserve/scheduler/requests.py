@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
-from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput, rid_matches
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.req import FinishAbort, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -102,9 +102,8 @@ class RequestTable:
     def abort(self, msg: AbortReq) -> None:
         """Abort the live request msg.rid and its n > 1 children "rid-i" (or all), in any state.
 
-        A bare prefix match would let "x-1" also abort its sibling "x-10", so children are matched
-        on "rid-" only."""
-        matches = [r for rid, r in self.state.live.items() if msg.abort_all or _rid_matches(rid, msg.rid)]
+        See io_struct.rid_matches for which rids a target covers."""
+        matches = [r for rid, r in self.state.live.items() if msg.abort_all or rid_matches(rid, msg.rid)]
         for req in matches:
             self.abort_req(req, "Aborted by AbortReq.")
 
@@ -162,7 +161,3 @@ class RequestTable:
             eos_token_ids=eos_token_ids,
             tokenizer=tokenizer,
         )
-
-
-def _rid_matches(rid: str, target: str) -> bool:
-    return rid == target or rid.startswith(target + "-")
