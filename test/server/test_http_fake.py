@@ -246,6 +246,24 @@ def test_openai_completions_stream_usage(url: str) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
+def test_health_generate_is_503_while_its_probe_is_refused(url: str) -> None:
+    body = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 200}}
+    with httpx.Client(timeout=10) as client:
+        streams = [client.stream("POST", f"{url}/generate", json=body) for _ in range(4)]
+        lines = [s.__enter__().iter_lines() for s in streams]  # kept: a dropped iterator disconnects
+        try:
+            for it in lines:
+                next(it)  # all four admitted: the queue (--max-queued-requests 4) is full
+            assert_error(client.get(f"{url}/health_generate"), 503)
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{url}/health_generate", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "health_generate never recovered"
+        time.sleep(0.1)
+
+
 def test_openai_chat(url: str) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     msgs = [{"role": "user", "content": "Hello"}]
@@ -259,6 +277,9 @@ def test_openai_chat(url: str) -> None:
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["stop"]
     assert "user" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # No max_tokens: OpenAI's semantics, the rest of the context (the fake model never stops).
+    resp = client.chat.completions.create(model="tiny", messages=msgs)
+    assert resp.usage.completion_tokens == 256 - resp.usage.prompt_tokens > 128
 
 
 def test_openai_errors(url: str) -> None:
@@ -293,6 +314,7 @@ def test_models_tokenize_metrics(url: str) -> None:
     models = httpx.get(f"{url}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     assert httpx.get(f"{url}/v1/models/tiny").json()["id"] == "tiny"
+    assert httpx.get(f"{url}/v1/models/default").json()["id"] == "tiny"  # as completions accept it
     tok = httpx.post(f"{url}/v1/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
     text = httpx.post(f"{url}/v1/detokenize", json={"tokens": tok["tokens"]}).json()["text"]
@@ -309,6 +331,8 @@ def test_api_key(servers: dict[str, Server]) -> None:
     assert_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200
+    info = httpx.get(f"{url}/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert info["api_key"] == "<redacted>" and API_KEY not in json.dumps(info)
 
 
 def test_sigterm_finishes_in_flight_then_exits_0(servers: dict[str, Server]) -> None:

@@ -161,7 +161,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, "The server is not ready.")
         probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
         try:
-            await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
+            out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
+            raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
         except (asyncio.TimeoutError, RequestAbortedError) as exc:
             return error_response(503, f"Generation failed: {exc!r}")
         return Response(status_code=200)
@@ -184,6 +185,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         info: dict[str, Any] = dataclasses.asdict(tm.server_args)
+        if info.get("api_key"):
+            info["api_key"] = "<redacted>"  # never echo a secret, even to its holders
         info["internal_states"] = await tm.get_internal_states()
         info["max_total_num_tokens"] = tm.max_total_num_tokens
         info["context_len"] = tm.context_len
@@ -244,7 +247,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def v1_model(model_id: str) -> dict[str, Any]:
-        if model_id not in state.served_names:
+        if model_id not in state.served_names and model_id != "default":  # as check_model accepts
             raise ModelNotFoundError(f"The model `{model_id}` does not exist.")
         return card().model_dump()
 

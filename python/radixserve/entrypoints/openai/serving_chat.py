@@ -47,6 +47,9 @@ class ChatHandler:
         # The template already holds BOS and friends; adding them again would duplicate them.
         input_ids = self.tm.tokenize(prompt, add_special_tokens=False)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_new is None:
+            # OpenAI's chat semantics: no limit but the context (the native default is 128 tokens).
+            max_new = max(self.tm.context_len - len(input_ids), 0)
         params = {**sampling_params(req, max_new), **plan.sampling_overrides}
         native = GenerateReqInput(
             input_ids=input_ids,
