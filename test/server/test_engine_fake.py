@@ -45,6 +45,15 @@ def test_logprobs_and_input_ids(engine: Engine) -> None:
     meta = out["meta_info"]
     assert [t[1] for t in meta["output_token_logprobs"]] == [67, 68]
     assert len(meta["output_top_logprobs"][0]) == 2 and len(meta["input_token_logprobs"]) == 2
+    assert all(t[2] is None for t in meta["output_token_logprobs"])  # no text unless asked
+    named = engine.generate(
+        input_ids=[67, 68],
+        sampling_params={"max_new_tokens": 2},
+        return_logprob=True,
+        return_text_in_logprobs=True,
+    )
+    texts = [t[2] for t in named["meta_info"]["output_token_logprobs"]]
+    assert texts == [engine.tokenizer_manager.tokenizer.decode([t]) for t in (67, 68)]
 
 
 def test_stream_and_async(engine: Engine) -> None:

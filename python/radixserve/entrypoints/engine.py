@@ -57,10 +57,12 @@ class Engine:
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
         stream: bool = False,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         obj = _request(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
         )
+        obj.return_text_in_logprobs = return_text_in_logprobs
         if stream:
             return self._sync_stream(obj)
         return self._run(self.tokenizer_manager.generate(obj))
@@ -74,10 +76,12 @@ class Engine:
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
         stream: bool = False,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         obj = _request(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
         )
+        obj.return_text_in_logprobs = return_text_in_logprobs
         if stream:
             return self._async_stream(obj)
         future = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate(obj), self._loop)

@@ -31,6 +31,7 @@ class GenerateReqInput(BaseModel):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    priority: int | list[int] | None = None  # larger = sooner (with --enable-priority-scheduling)
 
     @property
     def is_single(self) -> bool:
@@ -55,7 +56,14 @@ class GenerateReqInput(BaseModel):
             raise ValueError("'input_ids' must be a list of integers or a list of lists of integers.")
         if self.num_prompts == 0:
             raise ValueError("The batch of prompts is empty.")
-        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"):
+        for name in (
+            "sampling_params",
+            "rid",
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "priority",
+        ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
                 raise ValueError(f"'{name}' has {len(value)} entries for {self.num_prompts} prompts.")
@@ -92,8 +100,10 @@ class GenerateReqInput(BaseModel):
                         sampling_params=_sample_params(params, j),
                         max_new_tokens_set=raw.get("max_new_tokens") is not None,
                         return_logprob=bool(_pick(self.return_logprob, i)),
+                        return_text_in_logprobs=self.return_text_in_logprobs,
                         logprob_start_len=int(_pick(self.logprob_start_len, i)),
                         top_logprobs_num=int(_pick(self.top_logprobs_num, i)),
+                        priority=_pick(self.priority, i),
                         prompt_index=i,
                         sample_index=j,
                     )
@@ -129,7 +139,9 @@ class RequestItem:
     sampling_params: SamplingParams  # mutable: the TokenizerManager normalizes it once
     max_new_tokens_set: bool  # False: the default budget may shrink to fit the context
     return_logprob: bool
+    return_text_in_logprobs: bool  # fill each logprob entry's token text (else None)
     logprob_start_len: int
     top_logprobs_num: int
+    priority: int | None
     prompt_index: int
     sample_index: int

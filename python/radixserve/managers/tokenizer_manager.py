@@ -197,6 +197,7 @@ class TokenizerManager:
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
+            priority=item.priority,
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
@@ -247,7 +248,7 @@ class TokenizerManager:
 
     def _output(self, state: ReqState) -> dict:
         decode = None
-        if state.item.return_logprob:
+        if state.item.return_logprob and state.item.return_text_in_logprobs:
 
             def decode(tok: int) -> str:
                 return self.tokenizer.decode([tok])

@@ -56,6 +56,7 @@ class ChatHandler:
             sampling_params=params,
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
+            return_text_in_logprobs=True,  # the OpenAI logprobs name each token
             rid=req.rid,
             stream=stream,
         )

@@ -47,6 +47,7 @@ class CompletionsHandler:
             return_logprob=req.logprobs is not None,
             top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
+            return_text_in_logprobs=True,  # the OpenAI logprobs name each token
             rid=req.rid,
             stream=stream,
         )
