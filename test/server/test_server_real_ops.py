@@ -79,6 +79,8 @@ def test_metrics(tiny: str) -> None:
     assert _metric(after, "generation_tokens_total") >= _metric(before, "generation_tokens_total") + 5
     assert _metric(after, "prompt_tokens_total") > _metric(before, "prompt_tokens_total")
     assert "radixserve:time_to_first_token_seconds_bucket" in after
+    # The scheduler reports each request's queue time with its first output.
+    assert _metric(after, "queue_time_seconds_count") == _metric(before, "queue_time_seconds_count") + 1
 
 
 # ----------------------------------------------------------------------------- validation

@@ -193,6 +193,7 @@ def test_streaming_one_message_per_step(make_harness):
     h.step()
     msgs = h.messages(BatchTokenIDOut)
     assert len(msgs) == 1 and msgs[0].rids == ["s1", "s2"]
+    assert all(t is not None and t >= 0 for t in msgs[0].queue_times)
     assert all(len(ids) == 1 for ids in msgs[0].output_ids)
     h.run_until_idle()
     quiet = [m for m in h.messages(BatchTokenIDOut) if "quiet" in m.rids]

@@ -111,6 +111,8 @@ class BatchTokenIDOut:
     stop_strs: list[list[str]]  # stop strings the detokenizer trims from (and withholds in) text
     # Per request: stop strings count only from this many output tokens on (None: all 0).
     min_new_tokens: list[int] | None = None
+    # Per request: seconds it waited in the queue before its first prefill (None: never scheduled).
+    queue_times: list[float | None] | None = None
     # Logprobs (None when no request in the message asked for them; [] for those that did not).
     output_token_logprobs_val: list[list[float]] | None = None  # logprob of each new output token
     output_token_logprobs_idx: list[list[int]] | None = None  # the token id it belongs to
@@ -131,6 +133,7 @@ class BatchStrOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    queue_times: list[float | None] | None = None
     output_token_logprobs_val: list[list[float]] | None = None
     output_token_logprobs_idx: list[list[int]] | None = None
     output_top_logprobs_val: list[list[list[float]]] | None = None

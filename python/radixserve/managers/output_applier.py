@@ -22,6 +22,8 @@ def apply_batch_str_out(msg: BatchStrOut, rid_to_state: dict[str, ReqState], now
         first = state.first_token_time is None and bool(new_ids)
         if first:
             state.first_token_time = now
+            if msg.queue_times is not None:
+                state.queue_time = msg.queue_times[i]
         state.text += msg.output_strs[i]
         state.output_ids.extend(new_ids)
         state.prompt_tokens = msg.prompt_tokens[i]

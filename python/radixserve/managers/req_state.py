@@ -41,6 +41,7 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_time: float | None = None
+    queue_time: float | None = None  # seconds in the scheduler's waiting queue (from the scheduler)
     last_token_time: float | None = None
     finished_time: float | None = None
     logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)

@@ -316,7 +316,7 @@ class TokenizerManager:
         for state, num_new, first, reason in apply_batch_str_out(msg, self.rid_to_state, now):
             if self.metrics is not None:
                 if first:
-                    self.metrics.on_first_token(now - state.created_time, None)
+                    self.metrics.on_first_token(now - state.created_time, state.queue_time)
                 self.metrics.on_tokens(num_new, None if first else now - (state.last_token_time or now))
             state.last_token_time = now
             if reason is not None:

@@ -199,6 +199,7 @@ class BatchBuilder:
         for r in adder.can_run_list:
             if r.times.first_scheduled is None:
                 r.times.first_scheduled = now
+                r.times.queue_time = now - r.times.queued
         stats = self.output.stats
         stats.cache_hit_tokens += adder.log_hit_tokens
         stats.cache_query_tokens += adder.log_hit_tokens + adder.log_input_tokens

@@ -65,6 +65,7 @@ class ReqTimes:
     received: float  # time.time() when the server got the request
     queued: float = 0.0  # time.monotonic() when it (last) entered the waiting queue
     first_scheduled: float | None = None  # monotonic; running_timeout counts from here
+    queue_time: float | None = None  # seconds in the waiting queue before first scheduled
     first_token: float | None = None
     finished: float | None = None
 

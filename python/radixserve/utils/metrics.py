@@ -91,7 +91,9 @@ class ServerMetrics:
         )
         self.e2e = Histogram("e2e_request_latency_seconds", "Request latency end to end.", LATENCY_BUCKETS)
         self.queue_time = Histogram(
-            "queue_time_seconds", "Time before the first token minus one step.", LATENCY_BUCKETS
+            "queue_time_seconds",
+            "Time in the scheduler's waiting queue before the first prefill.",
+            LATENCY_BUCKETS,
         )
 
     def on_first_token(self, ttft: float, queue_time: float | None) -> None:
