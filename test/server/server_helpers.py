@@ -82,6 +82,7 @@ def assert_error(resp: httpx.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error"), err
     return err
 
 

@@ -292,6 +292,7 @@ def test_openai_errors(url: str) -> None:
     assert_error(httpx.post(f"{url}/v1/completions", content=b"[1,"), 400)
     assert assert_error(httpx.get(f"{url}/v1/models/nope"), 404)["code"] == "model_not_found"
     assert_error(httpx.get(f"{url}/no/such/route"), 404)
+    assert_error(httpx.delete(f"{url}/generate"), 405)
 
 
 def test_json_bodies_need_no_json_content_type(url: str) -> None:

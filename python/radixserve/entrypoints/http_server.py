@@ -32,6 +32,7 @@ from radixserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     error_body,
+    error_type,
 )
 from radixserve.entrypoints.openai.serving_chat import ChatHandler
 from radixserve.entrypoints.openai.serving_common import (
@@ -54,7 +55,6 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 _PUBLIC_PATHS = ("/health", "/metrics")
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
 
 
 @dataclass
@@ -71,9 +71,8 @@ class ServerState:
 
 
 def error_response(status: int, message: str, code: str | int | None = None) -> JSONResponse:
-    err_type = _ERROR_TYPES.get(status, "server_error")
     return JSONResponse(
-        error_body(message, err_type, code if code is not None else status), status_code=status
+        error_body(message, error_type(status), code if code is not None else status), status_code=status
     )
 
 

@@ -41,6 +41,11 @@ def error_body(
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status: the client's fault (4xx) or the server's."""
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
 # ----------------------------------------------------------------------------- shared pieces
 class StreamOptions(BaseModel):
     include_usage: bool = False

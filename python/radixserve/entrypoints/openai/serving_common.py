@@ -15,6 +15,7 @@ from radixserve.entrypoints.openai.protocol import (
     SamplingExtras,
     UsageInfo,
     error_body,
+    error_type,
 )
 from radixserve.managers.tokenizer_manager import InvalidRequestError, RequestAbortedError
 
@@ -126,5 +127,5 @@ async def sse_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield chunk
     except (ValueError, RequestAbortedError) as exc:
         code = getattr(exc, "status_code", 400)
-        yield b"data: " + orjson.dumps(error_body(str(exc), "server_error", code)) + b"\n\n"
+        yield b"data: " + orjson.dumps(error_body(str(exc), error_type(code), code)) + b"\n\n"
     yield SSE_DONE
