@@ -8,6 +8,10 @@ Linears: one decode step's worth of weights (30 layers of qkv / o / gate_up / do
 through sgl-kernel's linear_f32 and linear_f16, oneDNN over prepacked weights, and F.linear.
 Decode attention: 30 layers of a paged KV pool, sgl-kernel's kernel with and without requests
 sharing a prefix (the radix cache's case), against the torch-native backend's gather + SDPA.
+Extend attention (--only extend): 30 layers of a paged pool, per-layer ms and GFLOP/s (causal
+flops) of sgl-kernel's extend kernel, of SDPA over K/V already contiguous (batched when the
+requests have one shape; a mask where they have a prefix), and of the torch-native backend's
+forward_extend (per-request gather + SDPA).
 Each number is the median of several timed steps after a warm-up.
 """
 
@@ -110,6 +114,97 @@ def _reference_step(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor
         F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)
 
 
+def _extend_case(
+    prefix: int, ext: int, bs: int
+) -> tuple[
+    list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]
+]:
+    """A 30-layer pool where each of `bs` requests has `prefix` cached tokens (the same slots for
+    all: a radix hit) and `ext` new ones, slots scattered; plus each layer's q."""
+    seq = prefix + ext
+    size = prefix + bs * ext + 64
+    k = [torch.randn(size, NUM_KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    v = [torch.randn(size, NUM_KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    slots = torch.randperm(size - 1)[: prefix + bs * ext].int() + 1
+    req_to_token = torch.zeros(bs, seq, dtype=torch.int32)
+    for b in range(bs):
+        req_to_token[b, :prefix] = slots[:prefix]
+        req_to_token[b, prefix:] = slots[prefix + b * ext : prefix + (b + 1) * ext]
+    seq_lens, extend_lens = torch.full((bs,), seq), torch.full((bs,), ext)
+    qs = [torch.randn(bs * ext, NUM_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    return k, v, req_to_token, seq_lens, extend_lens, qs
+
+
+def bench_extend(cases: list[tuple[int, int, int]], repeats: int) -> None:
+    threads, isa = torch.get_num_threads(), cpu_kernels.extend_attention_isa()
+    print(
+        f"\n== extend attention (H={NUM_HEADS}, Hkv={NUM_KV_HEADS}, D={HEAD_DIM}, {threads} threads, kernel {isa})"
+    )
+    print("   per layer: ms (GFLOP/s over causal flops), mean of 30 layers' pools")
+    names = ("sgl-kernel", "SDPA, contiguous K/V", "torch-native forward_extend")
+    print(f"{'batch':>5} {'prefix':>6} {'new':>5} " + " ".join(f"{n:>30}" for n in names))
+    for prefix, ext, bs in cases:
+        flops = 4 * NUM_HEADS * HEAD_DIM * bs * (ext * prefix + ext * (ext + 1) / 2)
+        cells = [
+            f"{ms:>8.2f} ms ({flops / ms / 1e6:>4.0f} GFLOP/s)"
+            for ms in _extend_times(prefix, ext, bs, repeats)
+        ]
+        print(f"{bs:>5} {prefix:>6} {ext:>5} " + " ".join(f"{c:>30}" for c in cells))
+
+
+def _extend_times(prefix: int, ext: int, bs: int, repeats: int) -> list[float]:
+    """Per-layer ms of the kernel, of SDPA over contiguous K/V and of the torch-native backend."""
+    from types import SimpleNamespace
+
+    from radixserve.layers.attention.radix_attention import RadixAttention
+    from radixserve.layers.attention.torch_native import TorchNativeAttnBackend, TorchNativeMetadata
+
+    k, v, r2t, seq_lens, extend_lens, qs = _extend_case(prefix, ext, bs)
+    rows, scale = torch.arange(bs), HEAD_DIM**-0.5
+
+    def kernel() -> None:
+        for i in range(LAYERS):
+            cpu_kernels.extend_attention(qs[i], k[i], v[i], r2t, rows, seq_lens, extend_lens, scale)
+
+    # The ideal torch case: K/V already contiguous per request (no gather), one batched SDPA call.
+    flat = r2t.long().view(-1)
+    shape = (bs, prefix + ext, NUM_KV_HEADS, HEAD_DIM)
+    kk = [x.index_select(0, flat).view(shape).transpose(1, 2) for x in k]
+    vv = [x.index_select(0, flat).view(shape).transpose(1, 2) for x in v]
+    qq = [x.view(bs, ext, NUM_HEADS, HEAD_DIM).transpose(1, 2) for x in qs]
+    mask = (
+        torch.arange(prefix + ext)[None, :] <= torch.arange(prefix, prefix + ext)[:, None] if prefix else None
+    )
+
+    def sdpa() -> None:
+        for i in range(LAYERS):
+            F.scaled_dot_product_attention(
+                qq[i], kk[i], vv[i], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+
+    # The backend's own forward_extend over these pools; K/V are already stored, so no store.
+    layer = RadixAttention(NUM_HEADS, HEAD_DIM, scale, NUM_KV_HEADS, 0)
+    backend = TorchNativeAttnBackend(torch.device("cpu"))
+    fb = SimpleNamespace(
+        extend_seq_lens_cpu=[ext] * bs,
+        seq_lens_cpu=[prefix + ext] * bs,
+        req_pool_indices=rows,
+        req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+        out_cache_loc=None,
+    )
+    fb.attn_metadata = TorchNativeMetadata(segments=backend._extend_segments(fb))  # type: ignore[arg-type]
+    pools = [
+        SimpleNamespace(set_kv_buffer=lambda *a: None, get_kv_buffer=lambda _, kv=kv: kv) for kv in zip(k, v)
+    ]
+
+    def native() -> None:
+        for i in range(LAYERS):
+            fb.token_to_kv_pool = pools[i]
+            backend.forward_extend(qs[i], None, None, layer, fb)  # type: ignore[arg-type]
+
+    return [median_ms(step, repeats) / LAYERS for step in (kernel, sdpa, native)]
+
+
 def bench_gemm_rates(tokens: list[int], repeats: int) -> None:
     """One warm oneDNN GEMM per MLP shape, fp32 and bf16 (what --cpu-bf16-gemm uses), in GFLOP/s."""
     print("== oneDNN GEMM rate, one warm weight (GFLOP/s); bf16 needs a CPU that can pack it")
@@ -135,7 +230,7 @@ def bench_gemm_rates(tokens: list[int], repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("linear", "attention", "gemm"), default=None)
+    p.add_argument("--only", choices=("linear", "attention", "gemm", "extend"), default=None)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -151,6 +246,10 @@ def main(argv: list[str] | None = None) -> None:
         bench_attention([(1, 1100, 0), (8, 1100, 0), (8, 1100, 1024), (64, 160, 0)], args.repeats)
     if args.only in (None, "gemm"):
         bench_gemm_rates([64, 512], args.repeats)
+    if args.only == "extend":  # opt-in: the default run prints what it always has
+        # (prefix, new tokens, requests): one prompt, short turns over a shared cached prefix, a
+        # batch of mid-size prompts.
+        bench_extend([(0, 1088, 1), (1024, 64, 8), (0, 256, 4)], args.repeats)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,98 @@ def decode_attention(
     return out
 
 
+def extend_attention_isa() -> str:
+    """The vector path extend_attention was compiled with: "avx512", "avx2", or "none" (built
+    without AVX2: extend_attention raises and callers keep the torch-native path)."""
+    return str(getattr(_ext, "extend_attention_isa", "none")) if available() else "none"
+
+
+def extend_attention_supported(head_dim: int) -> bool:
+    """Whether extend_attention handles this shape here (built, with AVX2, head_dim % 8 == 0)."""
+    return extend_attention_isa() != "none" and head_dim % 8 == 0 and 8 <= head_dim <= 512
+
+
+def _check_extend_inputs(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    index_tensors: dict[str, torch.Tensor],
+) -> None:
+    """Cheap shape/dtype/layout checks with clear messages; the kernel re-checks them and also
+    validates every length and slot (reading outside the pool would crash, not raise)."""
+    tensors = {"q": q, "k_buf": k_buf, "v_buf": v_buf, "req_to_token": req_to_token, **index_tensors}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"extend_attention: {name} must be a CPU tensor")
+    for name in ("q", "k_buf", "v_buf"):
+        if tensors[name].dtype != torch.float32:
+            raise ValueError(f"extend_attention: {name} must be float32, got {tensors[name].dtype}")
+        if tensors[name].dim() != 3:
+            raise ValueError(f"extend_attention: {name} must be 3-D, got shape {tuple(tensors[name].shape)}")
+    if k_buf.shape != v_buf.shape or k_buf.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"extend_attention: k_buf {tuple(k_buf.shape)} and v_buf {tuple(v_buf.shape)} must both be "
+            f"[pool_size, num_kv_heads, head_dim={q.shape[2]}]"
+        )
+    num_heads, num_kv_heads, head_dim = q.shape[1], k_buf.shape[1], q.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"extend_attention: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if head_dim % 8 != 0 or not 8 <= head_dim <= 512:
+        raise ValueError(f"extend_attention: head_dim {head_dim} must be a multiple of 8 in [8, 512]")
+    if q.stride(2) != 1:
+        raise ValueError("extend_attention: q's head_dim must be contiguous (token/head strides may be any)")
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        raise ValueError("extend_attention: k_buf and v_buf must be contiguous")
+    if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError(
+            "extend_attention: req_to_token must be int32 [rows, max_context] with contiguous rows"
+        )
+    bs = index_tensors["seq_lens"].shape[0] if index_tensors["seq_lens"].dim() == 1 else -1
+    for name, t in index_tensors.items():
+        if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous() or t.shape[0] != bs:
+            raise ValueError(
+                f"extend_attention: {name} must be a contiguous int64 [bs] tensor (bs = len(seq_lens))"
+            )
+
+
+def extend_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32 (head_dim contiguous)
+    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim] fp32, contiguous
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,  # [max_reqs, max_context_len] int32
+    req_pool_indices: torch.Tensor,  # [bs] int64
+    seq_lens: torch.Tensor,  # [bs] int64: prefix + new tokens
+    extend_lens: torch.Tensor | list[int],  # [bs] int64: new tokens
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads * head_dim] fp32, contiguous
+) -> torch.Tensor:
+    """Causal extend (prefill) attention over the paged KV pool, as TorchNativeAttnBackend's
+    forward_extend computes it. The new tokens' K/V must already be stored in the pool.
+
+    q holds every request's new tokens, concatenated in batch order (sum(extend_lens) rows).
+    Request b's key j (0 <= j < seq_lens[b]) is pool slot req_to_token[req_pool_indices[b], j];
+    its new token i sits at position prefix_b + i (prefix_b = seq_lens[b] - extend_lens[b]) and
+    attends keys 0 .. prefix_b + i. Query head h reads KV head h // (num_heads // num_kv_heads).
+    Returns out [num_tokens, num_heads * head_dim] fp32. Raises ValueError on a wrong dtype,
+    shape or layout (and on lengths or slots outside req_to_token / the pool)."""
+    if not isinstance(extend_lens, torch.Tensor):
+        extend_lens = torch.tensor(extend_lens, dtype=torch.int64)
+    index_tensors = {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens, "extend_lens": extend_lens}
+    _check_extend_inputs(q, k_buf, v_buf, req_to_token, index_tensors)
+    shape = (q.shape[0], q.shape[1] * q.shape[2])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"extend_attention: out must be a contiguous float32 {shape} tensor")
+    _lib().extend_attention(
+        q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, scale
+    )
+    return out
+
+
 def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ weight.T (+ bias) with weight [N, K] stored in fp16; fp32 math.
     Returns [M, N] fp32. Fast for small M (reads the weight once, converting with F16C)."""

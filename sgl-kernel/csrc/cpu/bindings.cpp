@@ -1,6 +1,7 @@
 // Python bindings of the CPU kernels (module sgl_kernel._cpu).
 #include <torch/extension.h>
 
+#include "common.h"
 #include "decode_model.h"
 #include "ops.h"
 
@@ -8,6 +9,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU kernels";
   m.def("decode_attention", &decode_attention,
         "Paged decode attention over the token pool, in place (q/out [bs,H,D] fp32)");
+  m.def("extend_attention", &extend_attention,
+        "Paged causal extend (prefill) attention over the token pool (q [T,H,D], out [T,H*D] fp32)");
+  // Which vector path extend_attention was compiled with ("none": it raises, use torch).
+  m.attr("extend_attention_isa") = RS_HAVE_AVX512 ? "avx512" : RS_HAVE_AVX2 ? "avx2" : "none";
   m.def("linear_f16", &linear_f16, "y = x @ w.T (+ bias): x fp32 [M,K], w fp16 [N,K], fp32 math",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("linear_f32", &linear_f32, "y = x @ w.T (+ bias) for small M: x, w fp32",

@@ -1,0 +1,206 @@
+// Paged extend (prefill) attention on CPU, reading K/V in place from the token pool.
+//
+// Why: the torch-native path gathers each request's whole K/V context out of the pool and runs one
+// SDPA call per request, with an explicit [q_len, seq_len] mask whenever the request has a cached
+// prefix (SDPA's fast causal kernel only covers q_len == kv_len). Here it is flash attention:
+// - A work item is (request, KV head, block of query positions). Its query rows of every head in
+//   the GQA group are packed together (e.g. 32 positions x 3 heads = 96 rows), so each block of
+//   keys read from the pool serves the whole group.
+// - Keys come in blocks of 64, gathered through req_to_token into a small transposed K tile and a
+//   V tile (extend_attention_tile.h); S = Q K^T and O = O * alpha + P V are register-blocked
+//   AVX-512 (or AVX2) products, with an online softmax in between.
+// - Causality: a query at position p sees keys 0..p, so key blocks past the item's last position
+//   are never visited and only the blocks on the diagonal are masked, row by row.
+// - Items are scheduled heaviest first (later query blocks see more keys) onto threads that each
+//   take the next item when done.
+#include "extend_attention_tile.h"
+#include "ops.h"
+
+#include <atomic>
+
+namespace {
+
+#if RS_HAVE_AVX2
+using namespace extend_tile;
+
+constexpr int64_t kTargetRows = 96;  // query rows (positions x group heads) per work item
+
+struct WorkItem {
+  int64_t b, kh, p0, nq;  // request, KV head, first query of the block (within the extend), count
+  int64_t cost;           // rows x keys visited: the order of scheduling
+};
+
+struct Buffers {  // per thread, grown to the largest item seen
+  std::vector<float> q, s, o, kt, v, m, l, alpha;
+  void reserve(int64_t M, int64_t Dp) {
+    auto grow = [](std::vector<float>& x, int64_t n) {
+      if (static_cast<int64_t>(x.size()) < n) x.resize(static_cast<size_t>(n));
+    };
+    grow(q, M * Dp), grow(s, M * kKeys), grow(o, M * Dp), grow(kt, Dp * kKeys), grow(v, kKeys * Dp);
+    grow(m, M), grow(l, M), grow(alpha, M);
+  }
+};
+
+struct Problem {
+  const float* q;
+  int64_t qs0, qs1;  // q strides (token, head); head_dim is contiguous
+  const float* k;
+  const float* v;
+  int64_t kv_row_stride;  // Hkv * D
+  float* out;             // [T, H * D]
+  std::vector<const int32_t*> rows;
+  std::vector<int64_t> q_start, prefix;
+  int64_t H, Hkv, G, D, Dp;
+  float scale;
+};
+
+void run_item(const Problem& pb, const WorkItem& it, Buffers& buf) {
+  const int64_t G = pb.G, D = pb.D, Dp = pb.Dp, M = it.nq * G;
+  const int64_t prefix = pb.prefix[it.b];
+  const int64_t first_pos = prefix + it.p0;  // absolute position of the item's first query
+  const int64_t key_end = first_pos + it.nq;  // keys [0, key_end) are visible to some row
+  const int32_t* slots = pb.rows[it.b];
+  const float* k = pb.k + it.kh * D;
+  const float* v = pb.v + it.kh * D;
+  buf.reserve(M, Dp);
+  float *qp = buf.q.data(), *s = buf.s.data(), *o = buf.o.data(), *kt = buf.kt.data(), *vt = buf.v.data();
+  // Row r is query position p0 + r / G of head kh * G + r % G: position-major, so that rows of one
+  // position share the causal limit.
+  for (int64_t r = 0; r < M; ++r) {
+    const float* src = pb.q + (pb.q_start[it.b] + it.p0 + r / G) * pb.qs0 + (it.kh * G + r % G) * pb.qs1;
+    pack_query_row(src, D, Dp, pb.scale, qp + r * Dp);
+    buf.m[r] = -std::numeric_limits<float>::infinity();
+    buf.l[r] = 0.f;
+  }
+  // Key blocks: [0, first_pos) in whole blocks (every row sees all of it), then the diagonal
+  // [first_pos, key_end), which starts a block of its own so that masking wastes at most the
+  // block's own triangle.
+  for (int64_t kb = 0; kb < key_end;) {
+    const int64_t n = std::min(kKeys, (kb < first_pos ? first_pos : key_end) - kb);
+    const int64_t nc = (n + Vec::kWidth - 1) / Vec::kWidth * Vec::kWidth;
+    const int64_t next = std::min(kKeys, key_end - kb - n);
+    if (next > 0) {  // the slot indirection defeats the hardware prefetcher
+      prefetch_rows(k, pb.kv_row_stride, slots + kb + n, next, D);
+      prefetch_rows(v, pb.kv_row_stride, slots + kb + n, next, D);
+    }
+    pack_keys_t(k, pb.kv_row_stride, slots + kb, n, D, Dp, kt);
+    pack_values(v, pb.kv_row_stride, slots + kb, n, D, Dp, vt);
+    tile_gemm<false>(qp, Dp, kt, kKeys, Dp, s, kKeys, M, nc, nullptr);  // S = (scale Q) K^T
+    const bool diagonal = kb + n - 1 > first_pos;  // some key here lies past some row's position
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t visible = diagonal ? std::min(n, first_pos + r / G - kb + 1) : n;
+      buf.alpha[r] = softmax_row(s + r * kKeys, visible, n, nc, buf.m[r], buf.l[r]);
+    }
+    // The first block is visible to every row (key 0), so O starts as its P V.
+    if (kb == 0) {
+      tile_gemm<false>(s, kKeys, vt, Dp, n, o, Dp, M, Dp, nullptr);
+    } else {
+      tile_gemm<true>(s, kKeys, vt, Dp, n, o, Dp, M, Dp, buf.alpha.data());
+    }
+    kb += n;
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t tok = pb.q_start[it.b] + it.p0 + r / G, head = it.kh * G + r % G;
+    float* dst = pb.out + (tok * pb.H + head) * D;
+    const float inv = 1.f / buf.l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[r * Dp + d] * inv;
+  }
+}
+
+// Runs f(0..n-1) on the thread pool, each thread taking the next item when it finishes one (items
+// differ in cost by up to the number of query blocks).
+template <typename F>
+void parallel_items(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t);
+  });
+}
+
+void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
+                           const at::Tensor& req_to_token, const int64_t* pool_rows, const int64_t* seq_lens,
+                           const int64_t* extend_lens, int64_t bs, double scale) {
+  Problem pb;
+  pb.q = q.data_ptr<float>();
+  pb.qs0 = q.stride(0), pb.qs1 = q.stride(1);
+  pb.k = k_buf.data_ptr<float>(), pb.v = v_buf.data_ptr<float>();
+  pb.H = q.size(1), pb.Hkv = k_buf.size(1), pb.D = q.size(2);
+  pb.G = pb.H / pb.Hkv;
+  pb.Dp = (pb.D + Vec::kWidth - 1) / Vec::kWidth * Vec::kWidth;
+  pb.kv_row_stride = pb.Hkv * pb.D;
+  pb.out = out.data_ptr<float>();
+  pb.scale = static_cast<float>(scale);
+  const int32_t* r2t = req_to_token.data_ptr<int32_t>();
+  const int64_t bq = std::max<int64_t>(1, kTargetRows / pb.G);  // query positions per item
+  std::vector<WorkItem> items;
+  int64_t q_start = 0;
+  for (int64_t b = 0; b < bs; ++b) {
+    pb.rows.push_back(r2t + pool_rows[b] * req_to_token.stride(0));
+    pb.q_start.push_back(q_start);
+    pb.prefix.push_back(seq_lens[b] - extend_lens[b]);
+    for (int64_t p0 = 0; p0 < extend_lens[b]; p0 += bq) {
+      const int64_t nq = std::min(bq, extend_lens[b] - p0);
+      for (int64_t kh = 0; kh < pb.Hkv; ++kh) {
+        items.push_back({b, kh, p0, nq, nq * pb.G * (pb.prefix[b] + p0 + nq)});
+      }
+    }
+    q_start += extend_lens[b];
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local Buffers buf;
+    run_item(pb, items[i], buf);
+  });
+}
+#endif
+
+}  // namespace
+
+void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
+                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                      const at::Tensor& extend_lens, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 2,
+                    "extend_attention: q [T, H, D], k_buf/v_buf [N, Hkv, D], out [T, H * D]");
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k_buf.scalar_type() == at::kFloat &&
+                        v_buf.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+                    "extend_attention: q, k_buf, v_buf and out must be float32");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  TORCH_CHECK_VALUE(q.stride(2) == 1, "extend_attention: q's head_dim must be contiguous");
+  TORCH_CHECK_VALUE(k_buf.is_contiguous() && v_buf.is_contiguous() && out.is_contiguous(),
+                    "extend_attention: k_buf, v_buf and out must be contiguous");
+  TORCH_CHECK_VALUE(k_buf.sizes() == v_buf.sizes() && k_buf.size(2) == D, "extend_attention: K/V shapes");
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "extend_attention: num_heads % num_kv_heads != 0");
+  TORCH_CHECK_VALUE(D % 8 == 0 && D >= 8 && D <= 512, "extend_attention: head_dim must be a multiple of 8 in [8, 512]");
+  TORCH_CHECK_VALUE(out.size(0) == T && out.size(1) == H * D, "extend_attention: out must be [T, H * D]");
+  TORCH_CHECK_VALUE(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1,
+                    "extend_attention: req_to_token must be int32 [rows, max_context] with contiguous rows");
+  for (const at::Tensor* t : {&req_pool_indices, &seq_lens, &extend_lens}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous(),
+                      "extend_attention: req_pool_indices, seq_lens and extend_lens must be contiguous int64 [bs]");
+  }
+  const int64_t bs = seq_lens.size(0);
+  TORCH_CHECK_VALUE(req_pool_indices.size(0) == bs && extend_lens.size(0) == bs, "extend_attention: batch sizes differ");
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* ext = extend_lens.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < bs; ++b) {  // host loops: a bad length would read outside the pool
+    TORCH_CHECK_VALUE(rows[b] >= 0 && rows[b] < req_to_token.size(0), "extend_attention: req_pool_index ", rows[b],
+                      " outside [0, ", req_to_token.size(0), ")");
+    TORCH_CHECK_VALUE(ext[b] >= 0 && ext[b] <= lens[b] && lens[b] <= req_to_token.size(1),
+                      "extend_attention: request ", b, " has extend_len ", ext[b], " and seq_len ", lens[b],
+                      " (need 0 <= extend_len <= seq_len <= ", req_to_token.size(1), ")");
+    const int32_t* row = req_to_token.data_ptr<int32_t>() + rows[b] * req_to_token.stride(0);
+    for (int64_t j = 0; j < lens[b]; ++j) {
+      TORCH_CHECK_VALUE(row[j] >= 0 && row[j] < k_buf.size(0), "extend_attention: request ", b, " key ", j,
+                        " has slot ", row[j], " outside the pool of ", k_buf.size(0));
+    }
+    total += ext[b];
+  }
+  TORCH_CHECK_VALUE(total == T, "extend_attention: sum(extend_lens) = ", total, " but q has ", T, " tokens");
+#if RS_HAVE_AVX2
+  extend_attention_impl(q, k_buf, v_buf, out, req_to_token, rows, lens, ext, bs, scale);
+#else
+  TORCH_CHECK(false, "extend_attention: sgl_kernel._cpu was built without AVX2; use the torch-native path");
+#endif
+}
