@@ -133,6 +133,27 @@ def test_cpu_backend_matches_torch_native(page_size):
 
 
 @needs_ext
+@pytest.mark.parametrize("head_dim, compiled", [(16, True), (12, False)])
+def test_cpu_backend_extend_takes_the_kernel_when_it_can(head_dim, compiled):
+    """The parity test above would also pass on the torch-native fallback, so check which path an
+    fp32 extend batch takes: the compiled kernel for a head_dim it supports, torch-native else."""
+    from paged_cases import make_batch
+
+    from radixserve.layers.attention.cpu_backend import CpuExtendMetadata
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    compiled = compiled and cpu_kernels.extend_attention_isa() != "none"  # a build without AVX2
+    assert cpu_kernels.extend_attention_supported(head_dim) == compiled
+    rtp = ReqToTokenPool(2, 16, "cpu")
+    rtp.req_to_token[0, :10] = torch.arange(1, 11, dtype=torch.int32)
+    kv = MHATokenToKVPool(16, 1, torch.float32, 1, 2, head_dim, "cpu")
+    batch = make_batch(ForwardMode.EXTEND, [list(range(1, 11))], [0], [4], [6])
+    fb = ForwardBatch.init_new(batch, rtp, kv, CpuAttnBackend(torch.device("cpu")), torch.device("cpu"))
+    assert isinstance(fb.attn_metadata, CpuExtendMetadata) == compiled
+
+
+@needs_ext
 def test_cpu_backend_is_the_cpu_default():
     assert ServerArgs(model_path="x", device="cpu").resolve().attention_backend == "cpu"
 

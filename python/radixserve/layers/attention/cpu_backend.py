@@ -1,14 +1,21 @@
-"""The default CPU backend: torch-native extend, and decode through sgl-kernel's compiled kernel.
+"""The default CPU backend: decode and extend attention through sgl-kernel's compiled kernels.
 
 Decode is where the torch-native reference loses most on CPU: it copies every request's whole
 K/V context out of the pool (per layer, per step) into a padded tensor before SDPA. The compiled
 kernel (`sgl_kernel.cpu.decode_attention`) walks each request's req_to_token row and reads K/V in
-place, so a decode step touches the context once. Extend (prefill) keeps the torch-native path,
-where SDPA's GEMMs dominate and the gather is amortized over many query tokens.
+place, so a decode step touches the context once.
+
+Extend (prefill, and MIXED batches) uses `sgl_kernel.cpu.extend_attention`: flash attention over
+the paged pool, causal among the new tokens and full over a cached prefix, with the query heads of
+a GQA group sharing each K/V tile. torch-native instead gathers each request's K/V into a copy and
+runs SDPA per request, with an explicit mask when there is a prefix (its slow path). Where the
+kernel cannot run (fp16/bf16 pools, a head_dim it does not take, a build without AVX2) extend
+falls back to torch-native.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +26,13 @@ from sgl_kernel import cpu as cpu_kernels
 if TYPE_CHECKING:
     from radixserve.layers.attention.radix_attention import RadixAttention
     from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class CpuExtendMetadata:
+    """An extend step on the compiled kernel: it reads req_to_token and seq_lens itself."""
+
+    extend_lens: torch.Tensor  # [bs] int64 new tokens per request
 
 
 def cpu_kernels_available() -> bool:
@@ -36,10 +50,41 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         super().__init__(device)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if forward_batch.forward_mode.is_decode() and forward_batch.token_to_kv_pool.dtype == torch.float32:
-            forward_batch.attn_metadata = None  # the kernel reads req_to_token directly
-            return
+        pool = forward_batch.token_to_kv_pool
+        if pool.dtype == torch.float32:
+            if forward_batch.forward_mode.is_decode():
+                forward_batch.attn_metadata = None  # the kernel reads req_to_token directly
+                return
+            if cpu_kernels.extend_attention_supported(pool.head_dim):
+                assert forward_batch.extend_seq_lens_cpu is not None
+                lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
+                forward_batch.attn_metadata = CpuExtendMetadata(lens)
+                return
         super().init_forward_metadata(forward_batch)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = forward_batch.attn_metadata
+        if not isinstance(meta, CpuExtendMetadata):
+            return super().forward_extend(q, k, v, layer, forward_batch)
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        return cpu_kernels.extend_attention(
+            q,  # [num_tokens, num_heads, head_dim]
+            k_buf,
+            v_buf,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            meta.extend_lens,
+            layer.scaling,
+        )  # [num_tokens, num_heads * head_dim]
 
     def forward_decode(
         self,
