@@ -29,6 +29,7 @@ RADIXSERVE_DISABLE_CPU_KERNELS=1 $PY -m radixserve.bench_one_batch --batch-size 
 
 echo "== sgl-kernel CPU kernels vs what they replace"
 $PY benchmark/bench_cpu_kernels.py
+$PY benchmark/bench_cpu_kernels.py --only extend
 
 echo "== scheduler CPU per step (null worker)"
 $PY benchmark/bench_scheduler_overhead.py --batch-size 64
