@@ -25,6 +25,24 @@ def paged_rows(lens, page_size, num_pages, gen, share=0):
     return rows
 
 
+def paged_pool(lens, page_size, num_heads, num_kv_heads, head_dim, num_q, gen, share=0):
+    """A random fp32 K/V pool holding requests of `lens` tokens on shuffled pages, their
+    req_to_token rows at arbitrary pool rows, and q [num_q, num_heads, head_dim] as a strided view
+    (the model slices q out of the fused qkv projection).
+    Returns q, k_buf, v_buf, req_to_token, pool_idx, rows."""
+    num_pages = sum(-(-n // page_size) for n in lens) + 3
+    rows = paged_rows(lens, page_size, num_pages, gen, share=share)
+    size = num_pages * page_size
+    k_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    v_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    req_to_token = torch.zeros(len(lens) + 2, max(lens) + 7, dtype=torch.int32)
+    pool_idx = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)]
+    for i, r in zip(pool_idx.tolist(), rows):
+        req_to_token[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    qkv = torch.randn(num_q, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv[:, :num_heads], k_buf, v_buf, req_to_token, pool_idx, rows
+
+
 def ref_attention(q, k, v, prefix_len, scale):
     """q [n, H, D] at positions prefix_len.., k/v [prefix_len + n, Hkv, D]: causal softmax attention."""
     group = q.shape[1] // k.shape[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import make_batch, paged_rows, ref_attention
+from paged_cases import make_batch, paged_pool, paged_rows, ref_attention
 
 from radixserve.layers.attention.radix_attention import RadixAttention
 from radixserve.layers.attention.torch_native import TorchNativeAttnBackend
@@ -38,17 +38,9 @@ def _inputs(
     num_heads, num_kv_heads = heads
     seq = [p + e for p, e in zip(prefix, ext)]
     share = 16 if len(seq) > 1 and min(prefix[:2]) >= 16 else 0
-    num_pages = sum(-(-n // page_size) for n in seq) + 3
-    rows = paged_rows(seq, page_size, num_pages, gen, share=share)
-    size = num_pages * page_size
-    k_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    v_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    req_to_token = torch.zeros(len(seq) + 2, max(seq) + 7, dtype=torch.int32)
-    pool_idx = torch.randperm(len(seq) + 2, generator=gen)[: len(seq)]  # arbitrary rows
-    for i, r in zip(pool_idx.tolist(), rows):
-        req_to_token[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    qkv = torch.randn(sum(ext), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    q = qkv[:, :num_heads]
+    q, k_buf, v_buf, req_to_token, pool_idx, rows = paged_pool(
+        seq, page_size, num_heads, num_kv_heads, head_dim, sum(ext), gen, share
+    )
     return (q, k_buf, v_buf, req_to_token, pool_idx, torch.tensor(seq), torch.tensor(ext)), rows
 
 

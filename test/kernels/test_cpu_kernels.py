@@ -7,7 +7,7 @@ engine runs the pure-torch paths, which test_default_backend_falls_back checks.
 import pytest
 import torch
 from model_logits import prefill_decode_logits
-from paged_cases import paged_rows, ref_attention, run_backend_parity
+from paged_cases import paged_pool, ref_attention, run_backend_parity
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers.attention.cpu_backend import CpuAttnBackend
@@ -29,18 +29,10 @@ FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 def _decode_inputs(page_size, num_heads, num_kv_heads, head_dim, lens, seed):
     gen = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-n // page_size) for n in lens) + 2
-    rows = paged_rows(lens, page_size, num_pages, gen, share=16 if page_size == 16 else 0)
-    size = num_pages * page_size
-    k_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    v_buf = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    req_to_token = torch.zeros(len(lens) + 2, max(lens) + 5, dtype=torch.int32)
-    pool_idx = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)]  # arbitrary rows
-    for i, r in zip(pool_idx.tolist(), rows):
-        req_to_token[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    # q as a strided view (the model slices q out of the fused qkv projection).
-    qkv = torch.randn(len(lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    q = qkv[:, :num_heads]
+    share = 16 if page_size == 16 else 0
+    q, k_buf, v_buf, req_to_token, pool_idx, rows = paged_pool(
+        lens, page_size, num_heads, num_kv_heads, head_dim, len(lens), gen, share
+    )
     return q, k_buf, v_buf, req_to_token, pool_idx, torch.tensor(lens), rows
 
 
