@@ -208,6 +208,37 @@ def test_logprobs(make_harness):
     assert len(h.input_logprobs["lp"]) == 20 - 5 - 1
 
 
+def test_prompt_logprobs_of_a_re_prefill_are_not_reported_twice():
+    """A chunked request preempted after some chunks' logprobs went out (overlap: even before any
+    output token) re-prefills from scratch; only positions not yet reported, and only prompt
+    positions (a re-prefill after retraction also covers output tokens), may be added."""
+    from radixserve.sampling.sampling_params import SamplingParams
+    from radixserve.scheduler.req import Req
+
+    prompt = list(range(100, 124))
+    req = Req("r", prompt, SamplingParams(max_new_tokens=4), return_logprob=True, logprob_start_len=0)
+    req.append_input_logprobs([-1.0] * 8, 1)  # chunk 1: positions 1..8
+    req.append_input_logprobs([-2.0] * 8, 9)  # chunk 2: positions 9..16
+    req.append_input_logprobs([-3.0] * 25, 1)  # re-prefill of prompt + 2 output tokens
+    assert req.logprobs.input_idx == prompt[1:]
+    assert req.logprobs.input_val == [-1.0] * 8 + [-2.0] * 8 + [-3.0] * 7
+
+
+def test_max_running_requests_counts_the_chunked_request(make_harness):
+    h = make_harness(max_running_requests=2, chunked_prefill_size=8)
+    h.submit("long", list(range(1, 34)), 20)  # chunks of 8: it holds a row while others arrive
+    h.step()
+    for i in range(3):
+        h.submit(f"s{i}", [300 + 10 * i + j for j in range(2)], 20)
+    peak = 0
+    for _ in range(12):
+        h.step()
+        peak = max(peak, len(h.scheduler.state.running_batch.reqs))
+    assert peak == 2
+    h.run_until_idle()
+    assert all(h.finished[r]["type"] == "length" for r in ("long", "s0", "s1", "s2"))
+
+
 def test_request_that_never_fits_is_aborted(make_harness):
     h = make_harness(worker=FakeWorker(max_total_num_tokens=64))
     h.submit("huge", list(range(100)), 4)

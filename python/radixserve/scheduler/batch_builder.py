@@ -92,16 +92,19 @@ class BatchBuilder:
             self.output.collect(req)
 
     # ------------------------------------------------------------------ prefill
-    def _num_allocatable(self, num_new: int) -> int:
-        by_running = self.limits.max_running_requests - len(self.state.running_batch.reqs) - num_new
-        return min(by_running, self.mem.req_to_token_pool.available_size() - num_new)
+    def _num_allocatable(self, num_scheduled: int, num_new_rows: int) -> int:
+        """How many more requests this round may take. The running cap counts every request
+        scheduled this round (the chunked one too: it already holds a row, and joins the running
+        batch with its last chunk); the row pool counts only requests that still need a row."""
+        by_running = self.limits.max_running_requests - len(self.state.running_batch.reqs) - num_scheduled
+        return min(by_running, self.mem.req_to_token_pool.available_size() - num_new_rows)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         st = self.state
         if st.chunked_req is None:
             if not st.waiting_queue:
                 return None
-            if self._num_allocatable(0) <= 0 and not self.limits.enable_priority_scheduling:
+            if self._num_allocatable(0, 0) <= 0 and not self.limits.enable_priority_scheduling:
                 return None
         prefix_computed = self.policy.calc_priority(st.waiting_queue)
         mixed_tokens = len(st.running_batch.reqs) if self.limits.is_mixed_chunk else 0
@@ -138,7 +141,9 @@ class BatchBuilder:
             if id(req) in self.policy.deprioritized:
                 continue  # in-batch prefix caching: a sibling caches the shared prefix first
             req.init_next_round_input(tree)
-            if self._num_allocatable(num_new) <= 0 and not self._preempt_for(req, adder, need_slot=True):
+            if self._num_allocatable(len(adder.can_run_list), num_new) <= 0 and not self._preempt_for(
+                req, adder, need_slot=True
+            ):
                 break
             result = adder.add_one_req(req)
             added = bool(adder.can_run_list) and adder.can_run_list[-1] is req

@@ -236,11 +236,20 @@ class Req:
             lp.top_idx.append(list(top_idx or []))
 
     def append_input_logprobs(self, values: list[float], start_pos: int) -> None:
-        """Prompt logprobs for prompt positions start_pos .. start_pos + len(values) - 1."""
-        if not self.return_logprob or not values or self.output_ids:
-            return  # a re-prefill after retraction already reported its prompt logprobs
-        self.logprobs.input_val.extend(values)
-        self.logprobs.input_idx.extend(self.origin_input_ids[start_pos : start_pos + len(values)])
+        """Prompt logprobs for positions start_pos .. start_pos + len(values) - 1, keeping only
+        prompt positions not reported yet: a re-prefill after retraction or preemption recomputes
+        positions whose logprobs went out already (even with no output token yet, when the chunks
+        before an in-flight last chunk were processed), and covers output tokens past the prompt."""
+        if not self.return_logprob or not values:
+            return
+        lp = self.logprobs
+        expected = max(self.logprob_start_len, 0) + 1 + len(lp.input_val)  # next unreported position
+        lo = max(start_pos, expected)
+        hi = min(start_pos + len(values), len(self.origin_input_ids))
+        if lo >= hi:
+            return
+        lp.input_val.extend(values[lo - start_pos : hi - start_pos])
+        lp.input_idx.extend(self.origin_input_ids[lo:hi])
 
     def __repr__(self) -> str:
         return (
