@@ -239,6 +239,52 @@ def test_max_running_requests_counts_the_chunked_request(make_harness):
     assert all(h.finished[r]["type"] == "length" for r in ("long", "s0", "s1", "s2"))
 
 
+@pytest.mark.parametrize("steps", [1, 4])
+def test_mixed_chunk_fits_chunks_and_riding_decodes_in_a_tight_pool(make_harness, steps):
+    """With mixed chunk, the running request decodes in every chunk's forward: the next chunk and
+    those decodes must both fit the KV actually free (neither was checked: RuntimeError)."""
+    worker = FakeWorker(max_total_num_tokens=48, max_context_len=512)
+    h = make_harness(worker=worker, chunked_prefill_size=3, enable_mixed_chunk=True)
+    h.submit("R", list(range(1, 5)), 20)
+    for _ in range(steps):
+        h.step()
+    h.submit("C", list(range(300, 330)), 1)
+    h.run_until_idle()
+    assert h.outputs["R"] == reference_output(list(range(1, 5)), 20)
+    assert h.outputs["C"] == reference_output(list(range(300, 330)), 1)
+    assert h.scheduler.check_memory_leak() is None
+
+
+def test_mixed_chunk_counts_a_page_per_decode_that_starts_one(make_harness):
+    worker = FakeWorker(max_total_num_tokens=16 * 12, max_context_len=512, page_size=16)
+    h = make_harness(worker=worker, page_size=16, chunked_prefill_size=64, enable_mixed_chunk=True)
+    prompts = {f"R{i}": [(i * 50 + j) % 997 + 1 for j in range(16)] for i in range(3)}
+    for rid, prompt in prompts.items():
+        h.submit(rid, prompt, 4)  # one full page each: every first decode starts a new page
+    h.step()
+    prompts["N"] = [(900 + j) % 997 for j in range(120)]
+    h.submit("N", prompts["N"], 2)
+    h.run_until_idle()
+    for rid, prompt in prompts.items():
+        assert h.outputs[rid] == reference_output(prompt, 2 if rid == "N" else 4)
+    assert h.scheduler.check_memory_leak() is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lone_request_waits_for_kv_held_by_an_in_flight_batch(make_harness, overlap):
+    """In the overlap loop B finishes while the next decode with it is in flight, so its KV comes
+    back a step late; A, alone in the running batch, must wait for it, not be aborted as too big."""
+    worker = FakeWorker(max_total_num_tokens=60, max_context_len=512)
+    h = make_harness(worker=worker, disable_overlap_schedule=not overlap)
+    h.submit("A", list(range(1, 11)), 1000)  # capped to the pool: 49 new tokens
+    h.step()
+    h.submit("B", list(range(200, 210)), 20)
+    h.run_until_idle()
+    assert h.finished["A"] == {"type": "length", "length": 49}
+    assert h.outputs["A"] == reference_output(list(range(1, 11)), 49)
+    assert h.finished["B"]["type"] == "length" and h.scheduler.check_memory_leak() is None
+
+
 def test_request_that_never_fits_is_aborted(make_harness):
     h = make_harness(worker=FakeWorker(max_total_num_tokens=64))
     h.submit("huge", list(range(100)), 4)

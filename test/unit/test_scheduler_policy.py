@@ -92,9 +92,18 @@ def test_adder_chunks_to_page_multiple():
 
 def test_adder_mixed_with_decode_tokens():
     mem = make_mem(1000)
-    adder = PrefillAdder(mem, [], 0.5, rem_input_tokens=100, rem_chunk_tokens=64, mixed_with_decode_tokens=10)
+    # 10 riding decodes: 10 input tokens; their KV (here 3 pages of 16 started) counts separately.
+    adder = PrefillAdder(
+        mem,
+        [],
+        0.5,
+        rem_input_tokens=100,
+        rem_chunk_tokens=64,
+        mixed_with_decode_tokens=10,
+        mixed_with_decode_kv=48,
+    )
     assert adder.rem_input_tokens == 90 and adder.rem_chunk_tokens == 54
-    assert adder.cur_rem_tokens == 990
+    assert adder.cur_rem_tokens == 1000 - 48
 
 
 def test_adder_lock_node_releases():

@@ -107,7 +107,11 @@ class BatchBuilder:
             if self._num_allocatable(0, 0) <= 0 and not self.limits.enable_priority_scheduling:
                 return None
         prefix_computed = self.policy.calc_priority(st.waiting_queue)
-        mixed_tokens = len(st.running_batch.reqs) if self.limits.is_mixed_chunk else 0
+        mixed_tokens = mixed_kv = 0
+        if self.limits.is_mixed_chunk:
+            running = st.running_batch.reqs
+            mixed_tokens = len(running)
+            mixed_kv = self.mem.decode_tokens_needed([r.kv_committed_len + 1 for r in running])
         adder = PrefillAdder(
             self.mem,
             st.running_batch.reqs,
@@ -115,6 +119,7 @@ class BatchBuilder:
             self.limits.max_prefill_tokens,
             self.limits.chunked_prefill_size,
             mixed_tokens,
+            mixed_kv,
         )
         if st.chunked_req is not None:
             st.chunked_req.init_next_round_input()
@@ -230,8 +235,8 @@ class BatchBuilder:
         if batch.return_logprob or running.return_logprob:
             return
         running.filter_batch()
-        if running.is_empty():
-            return
+        if running.is_empty() or not running.check_decode_mem():
+            return  # no room for the decodes beside the chunk: they run (or retract) next step
         running.prepare_for_decode()
         batch.mix_with_running(running)
         # The mixed batch becomes last_batch and is merged back as the whole running batch.

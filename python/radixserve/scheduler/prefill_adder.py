@@ -42,7 +42,11 @@ class PrefillAdder:
         rem_input_tokens: int,
         rem_chunk_tokens: int | None,
         mixed_with_decode_tokens: int = 0,
+        mixed_with_decode_kv: int = 0,
     ) -> None:
+        """`mixed_with_decode_tokens`: running requests decoding in the same forward (mixed chunk),
+        one input token each; `mixed_with_decode_kv`: the KV slots those decodes take (a whole page
+        for each that starts one)."""
         self.mem = mem
         self.tree_cache = mem.tree_cache
         self.page_size = mem.page_size
@@ -53,10 +57,10 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= mixed_with_decode_tokens
         # Offsets subtracted from free + evictable KV: the total one also reserves future output.
-        self.rem_total_token_offset = mixed_with_decode_tokens + sum(
+        self.rem_total_token_offset = mixed_with_decode_kv + sum(
             self.reserved_tokens(r) for r in running_reqs
         )
-        self.cur_rem_token_offset = mixed_with_decode_tokens
+        self.cur_rem_token_offset = mixed_with_decode_kv
         self.can_run_list: list[Req] = []
         self.preempt_list: list[Req] = []
         self.new_chunked_req: Req | None = None
@@ -107,11 +111,14 @@ class PrefillAdder:
         """Schedule the next chunk of the in-flight chunked request first; returns it while more
         chunks remain, None once this is its last chunk (it is in can_run_list iff scheduled)."""
         assert self.rem_chunk_tokens is not None, "a chunked request exists only with chunking on"
-        truncated = req.extend_input_len > self.rem_chunk_tokens
+        # The chunk must also fit the KV that is free now (the running decodes may have taken
+        # what was free when the request was admitted): a smaller chunk, or none this round.
+        room = min(self.rem_chunk_tokens, int(self.cur_rem_tokens) // self.page_size * self.page_size)
+        truncated = req.extend_input_len > room
         if truncated:
-            trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
+            trunc_len = room // self.page_size * self.page_size
             if trunc_len <= 0:
-                return req  # no room for a page this round (mixed decodes took it): wait
+                return req  # no room for a page this round: wait
             req.set_extend_input_len(trunc_len)
         self.can_run_list.append(req)
         self._update_prefill_budget(0, req.extend_input_len, 0 if truncated else remaining_new_tokens(req))

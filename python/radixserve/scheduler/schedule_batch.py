@@ -215,14 +215,17 @@ class ScheduleBatch:
         )
         retracted: list[Req] = []
         to_abort: list[Req] = []
-        while not self.mem.can_decode([self.reqs[i].kv_committed_len + 1 for i in order]):
-            if len(order) == 1:
-                # Alone and still out of memory: it can never finish. Admission caps every request
-                # to the pool, so this only happens if the pool is smaller than one sequence.
-                idx = order.pop()
+        while order and not self.mem.can_decode([self.reqs[i].kv_committed_len + 1 for i in order]):
+            idx = order.pop()
+            if not order and self.mem.ceil_paged(self.reqs[idx].kv_committed_len + 1) > self.mem.total_tokens:
+                # Alone and larger than the whole pool: it can never finish. (Admission caps every
+                # request to the pool, so this needs a pool smaller than one sequence.)
                 to_abort.append(self.release_req(idx))
                 break
-            retracted.append(self.release_req(order.pop()))
+            # Alone but the pool is held elsewhere (a chunked prompt's computed chunks, or the KV
+            # of requests that finished in a batch still in flight in the overlap loop): wait in
+            # the queue until it is free again rather than fail a request that fits.
+            retracted.append(self.release_req(idx))
         keep = sorted(order)
         self.filter_batch(keep_indices=keep)
         total_decoded = sum(len(r.output_ids) for r in self.reqs)
