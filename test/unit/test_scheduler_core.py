@@ -285,6 +285,15 @@ def test_lone_request_waits_for_kv_held_by_an_in_flight_batch(make_harness, over
     assert h.finished["B"]["type"] == "length" and h.scheduler.check_memory_leak() is None
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_only_request_gets_no_decode_forward(make_harness, overlap):
+    h = make_harness(disable_overlap_schedule=not overlap)
+    h.submit("p", list(range(1, 30)), 0)
+    h.run_until_idle()
+    assert h.worker.forward_modes == ["EXTEND"] and h.finished["p"] == {"type": "length", "length": 0}
+    assert h.scheduler.check_memory_leak() is None
+
+
 def test_request_that_never_fits_is_aborted(make_harness):
     h = make_harness(worker=FakeWorker(max_total_num_tokens=64))
     h.submit("huge", list(range(100)), 4)

@@ -67,8 +67,11 @@ class BatchBuilder:
         if st.chunked_req is not None:
             self._cache_chunked_req(st.chunked_req)
         if st.last_batch is not None and st.last_batch.forward_mode.is_extend():
-            # Finished requests and the still-chunking one do not join the decode batch.
-            st.last_batch.filter_batch(chunked_req_to_exclude=chunked_to_exclude)
+            # Finished requests, the still-chunking one and prompt-only requests (max_new_tokens 0:
+            # in the overlap loop not yet finished here, as their prefill is still in flight) do
+            # not join the decode batch.
+            prompt_only = [r for r in st.last_batch.reqs if r.sampling_params.max_new_tokens == 0]
+            st.last_batch.filter_batch(chunked_req_to_exclude=chunked_to_exclude + prompt_only)
             if not st.last_batch.is_empty():
                 if st.running_batch.is_empty():
                     st.running_batch = st.last_batch
