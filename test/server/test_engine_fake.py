@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_scheduler import run_fake_scheduler, write_tiny_tokenizer  # noqa: E402
 
 from radixserve.entrypoints.engine import Engine  # noqa: E402
+from radixserve.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +73,14 @@ def test_stream_and_async(engine: Engine) -> None:
 def test_invalid_request_raises_value_error(engine: Engine) -> None:
     with pytest.raises(ValueError):
         engine.generate("Hello", {"temperature": -1.0})
+
+
+def test_sampling_params_object_budget_shrinks_to_fit_like_a_dict(engine: Engine) -> None:
+    """A SamplingParams object's default max_new_tokens (128) counts as unset, as an omitted key
+    does: a 200-token prompt in the fake's 256-token context gets the 56 that fit, not an error."""
+    prompt = list(range(60, 70)) * 20
+    as_dict = engine.generate(input_ids=prompt, sampling_params={})
+    as_object = engine.generate(input_ids=prompt, sampling_params=SamplingParams())
+    assert as_object["meta_info"]["completion_tokens"] == as_dict["meta_info"]["completion_tokens"] == 56
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.generate(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=100))

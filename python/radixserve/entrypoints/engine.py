@@ -19,6 +19,8 @@ from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs
 
+DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens
+
 T = TypeVar("T")
 Prompt = str | list[str] | None
 Params = dict[str, Any] | SamplingParams | list[dict[str, Any] | SamplingParams] | None
@@ -151,7 +153,14 @@ def _request(
     top_logprobs_num: int | None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
-        return p.to_dict() if isinstance(p, SamplingParams) else dict(p)
+        if not isinstance(p, SamplingParams):
+            return dict(p)
+        d = p.to_dict()
+        # An object cannot tell a max_new_tokens the caller set from its default: the default
+        # counts as unset, so it shrinks to fit a long prompt as an omitted dict key does.
+        if d["max_new_tokens"] == DEFAULT_MAX_NEW_TOKENS:
+            del d["max_new_tokens"]
+        return d
 
     params: Any = sampling_params
     if isinstance(params, list):
