@@ -62,9 +62,14 @@ class Engine:
         return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         obj = _request(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
         )
-        obj.return_text_in_logprobs = return_text_in_logprobs
         if stream:
             return self._sync_stream(obj)
         return self._run(self.tokenizer_manager.generate(obj))
@@ -81,9 +86,14 @@ class Engine:
         return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         obj = _request(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
         )
-        obj.return_text_in_logprobs = return_text_in_logprobs
         if stream:
             return self._async_stream(obj)
         future = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate(obj), self._loop)
@@ -151,6 +161,7 @@ def _request(
     return_logprob: bool,
     logprob_start_len: int | None,
     top_logprobs_num: int | None,
+    return_text_in_logprobs: bool,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -174,4 +185,5 @@ def _request(
         return_logprob=return_logprob,
         logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
         top_logprobs_num=top_logprobs_num or 0,
+        return_text_in_logprobs=return_text_in_logprobs,
     )

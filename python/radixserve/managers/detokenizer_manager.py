@@ -99,7 +99,7 @@ def _batch_str_out(
     optional = {
         f.name: pick(getattr(msg, f.name))
         for f in dataclasses.fields(BatchStrOut)
-        if f.name.endswith(("_val", "_idx")) or f.name == "queue_times"
+        if f.default is None  # the optional per-request lists, passed through as they are
     }
     return BatchStrOut(
         rids=[msg.rids[i] for i in keep],

@@ -108,10 +108,11 @@ class GenerateReqInput(BaseModel):
                         sample_index=j,
                     )
                 )
-        rids = [item.rid for item in items]
-        if len(set(rids)) != len(rids):
-            dup = next(r for r in rids if rids.count(r) > 1)
-            raise ValueError(f"Duplicate request id {dup!r} in one request.")
+        seen: set[str] = set()
+        for item in items:
+            if item.rid in seen:
+                raise ValueError(f"Duplicate request id {item.rid!r} in one request.")
+            seen.add(item.rid)
         return items
 
 

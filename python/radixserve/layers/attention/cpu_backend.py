@@ -62,6 +62,16 @@ class CpuAttnBackend(TorchNativeAttnBackend):
                 return
         super().init_forward_metadata(forward_batch)
 
+    @staticmethod
+    def _store_kv(
+        k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's K/V into the layer's pool buffers and return them. One compiled store
+        instead of the pool's casts and two index_copy_ calls."""
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        return k_buf, v_buf
+
     def forward_extend(
         self,
         q: torch.Tensor,
@@ -73,8 +83,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         meta = forward_batch.attn_metadata
         if not isinstance(meta, CpuExtendMetadata):
             return super().forward_extend(q, k, v, layer, forward_batch)
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)
         return cpu_kernels.extend_attention(
             q,  # [num_tokens, num_heads, head_dim]
             k_buf,
@@ -96,9 +105,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         if forward_batch.attn_metadata is not None or q.dtype != torch.float32:
             return super().forward_decode(q, k, v, layer, forward_batch)
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        # One compiled store instead of the pool's casts and two index_copy_ calls.
-        cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)
         out = cpu_kernels.decode_attention(
             q,
             k_buf,
