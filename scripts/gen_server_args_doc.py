@@ -31,6 +31,8 @@ def render() -> str:
         help_text = f.metadata.get("help", "")
         if "choices" in f.metadata:
             help_text += " Choices: " + ", ".join(f.metadata["choices"]) + "."
+        if f.metadata.get("aliases"):
+            help_text += " Also: " + ", ".join(f"`{a}`" for a in f.metadata["aliases"]) + "."
         lines.append(f"| `{flag}` | `{default}` | {help_text} |")
     return "\n".join(lines) + "\n"
 

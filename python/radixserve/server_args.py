@@ -11,7 +11,10 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.distributed.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +51,45 @@ class ServerArgs:
 
     # Device and parallelism
     device: str | None = _f(None, "Device: cpu or cuda; defaults to cuda when available.")
-    tp_size: int = _f(1, "Tensor-parallel size; only 1 is supported so far.")
+    tp_size: int = _f(
+        1,
+        "Tensor-parallel size: ranks that each hold a shard of every layer (attention heads, MLP, "
+        "vocabulary) and all-reduce after each layer (docs/parallelism.md).",
+        aliases=("--tp", "--tensor-parallel-size"),
+    )
+    pp_size: int = _f(
+        1,
+        "Pipeline-parallel size: stages that each hold a contiguous block of layers; hidden states "
+        "pass from stage to stage and micro-batches keep every stage busy.",
+        aliases=("--pp", "--pipeline-parallel-size"),
+    )
+    pp_max_micro_batch_size: int | None = _f(
+        None, "Most requests in one pipeline micro-batch; default max(max_running_requests // pp_size, 1)."
+    )
+    nnodes: int = _f(1, "Number of machines the tp_size x pp_size ranks are spread over.")
+    node_rank: int = _f(
+        0, "This machine's index among --nnodes; node 0 serves HTTP, the others run their ranks headless."
+    )
+    dist_init_addr: str | None = _f(
+        None,
+        "HOST:PORT where the ranks meet (rank 0 listens there); required with --nnodes > 1. Default "
+        "on one machine: a free port on 127.0.0.1.",
+    )
+    dist_timeout: float | None = _f(
+        None,
+        "Seconds a collective waits for a peer before the rank gives up and the server exits "
+        "(default 600). A peer that dies is noticed at once, whatever this is.",
+    )
+    disable_custom_all_reduce: bool = _f(
+        False,
+        "CPU: use gloo for the tensor-parallel all-reduce and all-gather instead of the same-host "
+        "shared-memory communicator (for A/B runs; gloo is ~100x slower per call here).",
+    )
     random_seed: int = _f(42, "Random seed for unseeded sampling.")
     cpu_threads: int | None = _f(
-        None, "Torch threads for the scheduler process on CPU; defaults to all cores."
+        None,
+        "Torch threads on CPU: all of them for the single scheduler process; with several ranks on "
+        "a machine they are split evenly and each rank is pinned to its own cores. Default: all cores.",
     )
 
     # Memory and batching
@@ -193,12 +231,15 @@ class ServerArgs:
             raise ValueError(
                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.tp_size != 1:
-            # The process plumbing starts one scheduler per rank, but the model has no sharded
-            # layers or collectives yet: refuse rather than run N unsynchronized copies.
+        self.layout().check()  # LayoutError (a ValueError) says which flag to change
+        if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(
-                f"--tp-size {self.tp_size} is not supported yet: tensor parallelism is not implemented"
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
             )
+        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
+            raise ValueError("--pp-max-micro-batch-size must be >= 1")
         if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:
             raise ValueError(
                 "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"
@@ -213,6 +254,11 @@ class ServerArgs:
                 f"({self.page_size}), or -1 to disable chunking"
             )
 
+    def layout(self) -> ParallelLayout:
+        from radixserve.distributed.layout import ParallelLayout
+
+        return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank)
+
     @property
     def chunked_prefill_enabled(self) -> bool:
         return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
@@ -220,16 +266,16 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_text)
+                parser.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
                 continue
             kwargs: dict[str, Any] = {"default": f.default, "help": f"{help_text} (default: {f.default})"}
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
             kwargs["type"] = _cli_type(f.type)
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(*flags, dest=f.name, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -243,6 +289,11 @@ def _cli_type(annotation: Any) -> type:
         if text.startswith(name):
             return typ
     return str
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:

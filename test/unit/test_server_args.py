@@ -26,7 +26,13 @@ def test_cli_round_trip_and_resolve():
         ({"page_size": 0}, "--page-size"),
         ({"schedule_policy": "nope"}, "--schedule-policy"),
         ({"attention_backend": "nope"}, "--attention-backend"),
-        ({"tp_size": 2}, "--tp-size"),
+        ({"tp_size": 0}, "--tp-size"),
+        ({"pp_size": 0}, "--pp-size"),
+        ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:5000"}, "--nnodes"),
+        ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "127.0.0.1:5000"}, "--node-rank"),
+        ({"tp_size": 2, "nnodes": 2}, "--dist-init-addr"),
+        ({"dist_init_addr": "nohost"}, "--dist-init-addr"),
+        ({"pp_max_micro_batch_size": 0}, "--pp-max-micro-batch-size"),
         ({"radix_eviction_policy": "fifo"}, "--radix-eviction-policy"),
     ],
 )
@@ -53,3 +59,25 @@ def test_server_args_doc_is_current():
     script = ROOT / "scripts" / "gen_server_args_doc.py"
     result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_parallel_flags_and_sglang_aliases():
+    args = prepare_server_args(
+        [
+            "--tp",
+            "2",
+            "--pipeline-parallel-size",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            "10.0.0.1:5000",
+            "--disable-custom-all-reduce",
+        ]
+    )
+    assert (args.tp_size, args.pp_size, args.nnodes, args.node_rank) == (2, 2, 2, 1)
+    assert args.dist_init_addr == "10.0.0.1:5000" and args.disable_custom_all_reduce
+    assert prepare_server_args(["--tensor-parallel-size", "4"]).tp_size == 4
+    assert prepare_server_args(["--tp-size", "3", "--pp", "2"]).layout().world_size == 6

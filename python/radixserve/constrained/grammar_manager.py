@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from radixserve.constrained.grammar_backend import GrammarBackend, InvalidGrammar, grammar_key
+from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.sampling.vocab_mask import VocabMask
 from radixserve.scheduler.req import FinishAbort, FinishMatchedToken, Req
 
@@ -52,8 +53,12 @@ class GrammarManager:
         compile_timeout_s: float,
         enqueue: Callable[[Req], None],
         finish_now: Callable[[Req, str, int | None], None],
+        sync: RankSync | None = None,
     ) -> None:
         self._backend_factory = backend_factory
+        # Ranks compile on their own threads; whether a compilation is done (or timed out) is
+        # agreed over all ranks so every rank's scheduler moves the same requests in the same step.
+        self._sync: RankSync = sync or LocalSync()
         self._backend: GrammarBackend | None = None
         self._backend_error: str | None = None
         self.compile_timeout_s = compile_timeout_s
@@ -105,17 +110,22 @@ class GrammarManager:
         if not self.grammar_queue:
             return
         now = time.monotonic()
+        queue = self.grammar_queue
+        done = [item.future.done() for item in queue]
+        in_time = [now - item.since <= self.compile_timeout_s for item in queue]
+        agreed = self._sync.all_agree(done + in_time)
+        done, in_time = agreed[: len(queue)], agreed[len(queue) :]
         still: list[_Pending] = []
-        for item in self.grammar_queue:
+        for item, is_done, is_in_time in zip(queue, done, in_time):
             req = item.req
             if req.to_finish is not None:  # aborted while compiling
                 reason = req.to_finish
                 message = reason.message if isinstance(reason, FinishAbort) else "Aborted."
                 code = reason.status_code if isinstance(reason, FinishAbort) else None
                 self._finish_now(req, message, code)
-            elif item.future.done():
+            elif is_done:
                 self._resolve(req, item.future)
-            elif now - item.since > self.compile_timeout_s:
+            elif not is_in_time:
                 message = (
                     f"Grammar compilation timed out after {self.compile_timeout_s:g} s "
                     f"(--grammar-compile-timeout) for {req.grammar_key[0] if req.grammar_key else 'grammar'}."

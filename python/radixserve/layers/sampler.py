@@ -10,7 +10,8 @@ Order per call:
 
 Seeded rows take their uniform from a hash of (seed, position), so the sampled token depends only
 on that row's logits, seed and position — not on batch size, row order or torch's RNG. Unseeded rows
-use torch's RNG. The sort is usually a topk prefix: top-k and min-p cuts lie inside the largest
+draw from the sampler's own generator (seeded with --random-seed), so every tensor-parallel rank,
+given the same gathered logits, draws the same tokens. The sort is usually a topk prefix: top-k and min-p cuts lie inside the largest
 top-k, and a top-p cut without top-k is first looked for in the top 1024 (full sort as fallback),
 which matters on CPU where sorting a 150k vocab costs ~1 s per 32 rows.
 """
@@ -34,6 +35,9 @@ class SampleOutput:
 
 
 class Sampler:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
     def __call__(
         self,
         logits: Tensor,
@@ -49,7 +53,7 @@ class Sampler:
         if info.is_all_greedy:
             next_ids = logits.argmax(dim=-1)
         else:
-            next_ids = _sample(logits, info, positions)
+            next_ids = _sample(logits, info, positions, self.generator)
         if raw_logprobs is None:
             return SampleOutput(next_ids, None, None, None)
         chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [bs]
@@ -69,13 +73,13 @@ def _constrain(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     return logits
 
 
-def _sample(logits: Tensor, info: SamplingBatchInfo, positions: Tensor) -> Tensor:
+def _sample(logits: Tensor, info: SamplingBatchInfo, positions: Tensor, generator: torch.Generator) -> Tensor:
     """[bs, vocab] constrained logits -> [bs] int64 token ids."""
     probs = torch.softmax(logits / info.temperatures, dim=-1)  # [bs, vocab]
     if info.need_top_k or info.need_top_p or info.need_min_p:
         # Cut tokens below the row's threshold; zeros never win the inverse-CDF draw below.
         probs = probs.masked_fill(probs < _keep_thresholds(probs, info), 0.0)
-    next_ids = _inverse_cdf(probs, _uniforms(info.seeds, positions, probs))
+    next_ids = _inverse_cdf(probs, _uniforms(info.seeds, positions, probs, generator))
     greedy_rows = info.top_ks == 1  # [bs]
     if bool(greedy_rows.any()):
         next_ids = torch.where(greedy_rows, logits.argmax(dim=-1), next_ids)
@@ -158,9 +162,9 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(ids, last).squeeze(1)
 
 
-def _uniforms(seeds: Tensor | None, positions: Tensor, like: Tensor) -> Tensor:
-    """[bs] fp32 in (0, 1): hash(seed, position) for seeded rows, torch's RNG for the others."""
-    u = torch.rand(like.shape[0], dtype=torch.float32, device=like.device)
+def _uniforms(seeds: Tensor | None, positions: Tensor, like: Tensor, generator: torch.Generator) -> Tensor:
+    """[bs] fp32 in (0, 1): hash(seed, position) for seeded rows, the generator for the others."""
+    u = torch.rand(like.shape[0], dtype=torch.float32, device=like.device, generator=generator)
     if seeds is None:
         return u
     seeds = seeds.to(like.device)

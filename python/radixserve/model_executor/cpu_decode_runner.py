@@ -25,6 +25,7 @@ from radixserve.layers.linear import F16_MAX_TOKENS, F32_SMALL_MAX_TOKENS, Linea
 from radixserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from radixserve.distributed.model_parallel import ModelParallelism
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool
     from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
     from radixserve.server_args import ServerArgs
@@ -43,7 +44,13 @@ def _bias(layer: Linear) -> torch.Tensor | None:
 
 
 class CpuDecodeRunner:
-    def __init__(self, model: LlamaForCausalLM, token_to_kv_pool: MHATokenToKVPool, max_bs: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        token_to_kv_pool: MHATokenToKVPool,
+        max_bs: int,
+        tp_comm: object | None = None,  # sgl_kernel's ShmComm of the TP group (tp_size > 1)
+    ) -> None:
         inner = model.model
         first = inner.layers[0].self_attn
         self.embed_tokens = inner.embed_tokens
@@ -77,6 +84,9 @@ class CpuDecodeRunner:
                 v_buf,
             )
         self.decode_model.set_final_norm(inner.norm.weight.detach())
+        if tp_comm is not None:
+            # Sharded weights: o_proj and down_proj partial sums are all-reduced inside the call.
+            self.decode_model.set_tp_comm(tp_comm)
 
     def can_run(self, batch: ModelWorkerBatch | ForwardBatch) -> bool:
         return batch.forward_mode.is_decode() and 0 < batch.batch_size <= self.max_bs
@@ -95,10 +105,22 @@ class CpuDecodeRunner:
 
 
 def create_cpu_decode_runner(
-    model: torch.nn.Module, token_to_kv_pool: MHATokenToKVPool, server_args: ServerArgs
+    model: torch.nn.Module,
+    token_to_kv_pool: MHATokenToKVPool,
+    server_args: ServerArgs,
+    parallel: ModelParallelism | None = None,
 ) -> CpuDecodeRunner | None:
     """The fused decode path, or None where it does not apply (says why in the log at debug)."""
     reasons = []
+    tp_comm = None
+    if parallel is not None and parallel.pp_size > 1:
+        reasons.append("pipeline parallelism (a stage runs part of the stack)")
+    if parallel is not None and parallel.tp.size > 1:
+        fast = parallel.tp.fast
+        tp_comm = getattr(fast, "handle", None)
+        decode_model_cls = getattr(getattr(cpu_kernels, "_ext", None), "DecodeModel", None)
+        if tp_comm is None or not hasattr(decode_model_cls, "set_tp_comm"):
+            reasons.append("tensor parallelism without the shared-memory all-reduce")
     if server_args.device != "cpu" or token_to_kv_pool.dtype != torch.float32:
         reasons.append("not an fp32 CPU model")
     if server_args.attention_backend != "cpu":
@@ -114,4 +136,4 @@ def create_cpu_decode_runner(
         return None
     max_bs = F16_MAX_TOKENS if server_args.cpu_fp16_weights else F32_SMALL_MAX_TOKENS
     logger.info("CPU fused decode: decode batches of <= %d requests run as one compiled call", max_bs)
-    return CpuDecodeRunner(model, token_to_kv_pool, max_bs)
+    return CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm)

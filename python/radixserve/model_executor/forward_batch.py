@@ -79,6 +79,15 @@ class GenerationBatchResult:
 
 
 @dataclass
+class PPProxyTensors:
+    """What a pipeline stage hands the next one: the hidden states and the residual stream after
+    its last layer (the next stage's first layer adds them before its input norm)."""
+
+    hidden: torch.Tensor  # [num_tokens, hidden_size]
+    residual: torch.Tensor  # [num_tokens, hidden_size]
+
+
+@dataclass
 class ForwardBatch:
     """Device tensors for one forward step, plus what attention backends need to find the KV."""
 

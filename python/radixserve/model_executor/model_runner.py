@@ -9,15 +9,18 @@ import psutil
 import torch
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.distributed.model_parallel import ModelParallelism
+from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
-from radixserve.layers.linear import Linear, prepare_cpu_linears
+from radixserve.layers.linear import prepare_cpu_linears
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.sampler import SampleOutput, Sampler
+from radixserve.layers.vocab_parallel import make_lm_head
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_cpu_decode_runner
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
-from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
 
@@ -51,33 +54,48 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+    def __init__(
+        self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
+    ) -> None:
         self.server_args = server_args
         self.model_config = model_config
+        self.rank = rank
+        self.parallel = rank.parallel if rank is not None else ModelParallelism()
         self.device = torch.device(server_args.device or "cpu")
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
         start = time.perf_counter()
-        self.model = load_model(model_config, server_args.load_format, self.device)
+        self.model = load_model(model_config, server_args.load_format, self.device, parallel=self.parallel)
         logger.info(
             "Model loaded in %.1f s (%s, %s)",
             time.perf_counter() - start,
             model_config.architecture,
             model_config.dtype,
         )
-        # The LM head as a Linear over the (possibly tied) weight, so it gets the CPU fast paths too.
-        self.lm_head = Linear.sharing(self.model.lm_head_weight)
+        # The LM head as a Linear over the (possibly tied) weight, so it gets the CPU fast paths
+        # too; gathered over the TP ranks' vocab blocks. Only the last pipeline stage has one.
+        self.lm_head = (
+            make_lm_head(self.model.lm_head_weight, model_config.vocab_size, self.parallel.tp)
+            if self.parallel.is_last_stage
+            else None
+        )
         self._prepare_cpu_linears()
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(
             server_args.attention_backend or "torch_native", self.device
         )
         self.logits_processor = LogitsProcessor()
-        self.sampler = Sampler()
-        # Decode CUDA graphs (None on CPU, with --disable-cuda-graph, or a backend without hooks).
-        self.graph_runner = create_cuda_graph_runner(self, server_args)
+        # Its own generator, seeded alike on every rank: ranks draw the same tokens from the same
+        # (gathered) logits whatever else consumed torch's global RNG while they loaded.
+        self.sampler = Sampler(server_args.random_seed, self.device)
+        pipelined = self.parallel.pp_size > 1
+        # Decode CUDA graphs (None on CPU, with --disable-cuda-graph, or a backend without hooks;
+        # not across pipeline stages, whose forward ends in a send).
+        self.graph_runner = None if pipelined else create_cuda_graph_runner(self, server_args)
         # Small CPU decode batches as one compiled call (None off CPU, or where it does not apply).
-        self.cpu_decode_runner = create_cpu_decode_runner(self.model, self.token_to_kv_pool, server_args)
+        self.cpu_decode_runner = create_cpu_decode_runner(
+            self.model, self.token_to_kv_pool, server_args, self.parallel
+        )
 
     def _prepare_cpu_linears(self) -> None:
         """fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for CPU fp32 models."""
@@ -91,15 +109,26 @@ class ModelRunner:
                 raise ValueError(f"{flag} applies to fp32 models on CPU only")
         if cpu_fp32:
             prepare_cpu_linears(
-                [self.model, self.lm_head],
+                [m for m in (self.model, self.lm_head) if m is not None],
                 fp16=args.cpu_fp16_weights,
                 prepack=not args.disable_cpu_weight_prepack,
                 bf16_gemm=args.cpu_bf16_gemm,
             )
 
+    @property
+    def num_local_layers(self) -> int:
+        start, end = self.parallel.stage_layers(self.model_config.num_layers)
+        return end - start
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return max(1, self.model_config.num_kv_heads // self.parallel.tp.size)
+
     def _kv_bytes_per_token(self) -> int:
         mc = self.model_config
-        return MHATokenToKVPool.kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
+        return MHATokenToKVPool.kv_bytes_per_token(
+            self.num_local_layers, self.num_local_kv_heads, mc.head_dim, mc.dtype
+        )
 
     def _profile_max_num_tokens(self) -> int:
         per_token = self._kv_bytes_per_token()
@@ -109,13 +138,18 @@ class ModelRunner:
             fraction = self.server_args.mem_fraction_static or 0.85
             budget = free - total * (1 - fraction)
         else:
-            budget = psutil.virtual_memory().available * CPU_KV_RAM_FRACTION
+            # The node's ranks share its RAM: each takes its part of the KV share.
+            ranks_here = self.rank.layout.ranks_per_node if self.rank is not None else 1
+            budget = psutil.virtual_memory().available * CPU_KV_RAM_FRACTION / ranks_here
         return max(int(budget // per_token), 0)
 
     def _init_memory_pools(self) -> None:
         args = self.server_args
         num_tokens = args.max_total_tokens or self._profile_max_num_tokens()
         num_tokens = num_tokens // self.page_size * self.page_size
+        if self.rank is not None:
+            # Every rank schedules alike, so every rank's pool must hold the same number of tokens.
+            num_tokens = self.rank.min_over_world(num_tokens)
         if num_tokens < self.page_size:
             raise RuntimeError(
                 "Not enough memory for even one KV page; lower the model size or raise the budget"
@@ -128,7 +162,13 @@ class ModelRunner:
         )
         mc = self.model_config
         self.token_to_kv_pool = MHATokenToKVPool(
-            num_tokens, self.page_size, mc.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.device
+            num_tokens,
+            self.page_size,
+            mc.dtype,
+            self.num_local_layers,
+            self.num_local_kv_heads,
+            mc.head_dim,
+            self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
             num_tokens, self.page_size, self.token_to_kv_pool
@@ -143,7 +183,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ModelWorkerBatch) -> tuple[ForwardBatch, LogitsOutput]:
+    def forward(
+        self, batch: ModelWorkerBatch, pp_proxy: PPProxyTensors | None = None
+    ) -> tuple[ForwardBatch, LogitsOutput | PPProxyTensors]:
+        """Logits on the last pipeline stage; before it, the states the next stage continues from
+        (`pp_proxy` carries the previous stage's states into a later stage)."""
+        if self.parallel.pp_size > 1:
+            return self._forward_stage(batch, pp_proxy)
         fast_path = self._decode_fast_path(batch)
         fb = ForwardBatch.init_new(
             batch,
@@ -158,6 +204,18 @@ class ModelRunner:
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
         return fb, self.logits_processor(hidden, self.lm_head, fb)
+
+    def _forward_stage(
+        self, batch: ModelWorkerBatch, pp_proxy: PPProxyTensors | None
+    ) -> tuple[ForwardBatch, LogitsOutput | PPProxyTensors]:
+        fb = ForwardBatch.init_new(
+            batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend, self.device
+        )
+        out = self.model(fb.input_ids, fb.positions, fb, pp_proxy)
+        if isinstance(out, PPProxyTensors):
+            return fb, out
+        assert self.lm_head is not None
+        return fb, self.logits_processor(out, self.lm_head, fb)
 
     def _decode_fast_path(self, batch: ModelWorkerBatch) -> CudaGraphRunner | CpuDecodeRunner | None:
         """A CUDA graph or the CPU fused decode when one can take `batch`; None for the module forward."""

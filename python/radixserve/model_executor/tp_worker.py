@@ -1,18 +1,22 @@
-"""TpModelWorker: the scheduler's handle on one tensor-parallel rank's model."""
+"""TpModelWorker: the scheduler's handle on one rank's model (its TP shard, its pipeline stage)."""
 
 from __future__ import annotations
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+from radixserve.distributed.rank_runtime import RankRuntime
+from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 
 
 class TpModelWorker:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
-        self.model_runner = ModelRunner(server_args, model_config)
+    def __init__(
+        self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
+    ) -> None:
+        self.model_runner = ModelRunner(server_args, model_config, rank)
         runner = self.model_runner
         self.model_config = model_config
+        self.rank = rank
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
@@ -21,16 +25,32 @@ class TpModelWorker:
         self.max_context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
         self.device = runner.device
+        self.stage_link = None
+        if rank is not None and rank.layout.pp_size > 1:
+            from radixserve.distributed.pipeline import StageLink
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        fb, logits_output = self.model_runner.forward(batch)
-        sample = self.model_runner.sample(logits_output, fb)
+            self.stage_link = StageLink(
+                rank.groups, model_config.hidden_size, model_config.dtype, runner.device
+            )
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult | None:
+        """Forward and sample; on a pipeline stage before the last, forward this stage's layers,
+        hand the states to the next stage and return None (the last stage samples)."""
+        proxy = None
+        if self.stage_link is not None and self.stage_link.prev is not None:
+            proxy = self.stage_link.recv_hidden(int(batch.input_ids.shape[0]))
+        fb, out = self.model_runner.forward(batch, proxy)
+        if isinstance(out, PPProxyTensors):
+            assert self.stage_link is not None
+            self.stage_link.send_hidden(out)
+            return None
+        sample = self.model_runner.sample(out, fb)
         return GenerationBatchResult(
             next_token_ids=sample.next_token_ids,
             next_token_logprobs=sample.next_token_logprobs,
             top_logprobs_val=sample.top_logprobs_val,
             top_logprobs_idx=sample.top_logprobs_idx,
-            input_token_logprobs=logits_output.input_token_logprobs,
-            input_top_logprobs_val=logits_output.input_top_logprobs_val,
-            input_top_logprobs_idx=logits_output.input_top_logprobs_idx,
+            input_token_logprobs=out.input_token_logprobs,
+            input_top_logprobs_val=out.input_top_logprobs_val,
+            input_top_logprobs_idx=out.input_top_logprobs_idx,
         )

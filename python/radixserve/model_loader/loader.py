@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.model_loader.errors import ModelLoadError
-from radixserve.model_loader.weights import iterate_weights
+from radixserve.model_loader.weights import iterate_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -30,21 +31,24 @@ def load_model(
     device: str | torch.device = "cpu",
     model_cls: type[nn.Module] | None = None,
     seed: int = 0,
+    parallel: ModelParallelism | None = None,
 ) -> nn.Module:
     """Construct the architecture's model class on `device` in `model_config.dtype`, load, eval().
 
     `model_cls` overrides the registry lookup (tests); `seed` only affects load_format="dummy".
+    `parallel` (tensor/pipeline parallelism) makes the model hold only this rank's shards, and
+    only those are read from the checkpoint.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"Unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}.")
     cls = model_cls or get_model_class(model_config.architecture)
     start = time.perf_counter()
     if load_format == "dummy":
-        model = _build_dummy(cls, model_config, torch.device(device), seed)
+        model = _build_dummy(cls, model_config, torch.device(device), seed, parallel)
     else:
         # Discover and validate the weight files before paying for model construction.
-        weights = iterate_weights(model_config.path)
-        model = _construct(cls, model_config, torch.device(device))
+        weights = iterate_checkpoint(model_config.path)
+        model = _construct(cls, model_config, torch.device(device), parallel)
         model.load_weights(weights)
     _finalize(model, model_config.dtype)
     logger.info(
@@ -87,13 +91,21 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _construct(cls: type[nn.Module], model_config: ModelConfig, device: torch.device) -> nn.Module:
-    # Position tables must cover --context-length even where it exceeds the checkpoint's own limit.
-    kwargs = (
-        {"max_position": model_config.context_len}
-        if "max_position" in inspect.signature(cls).parameters
-        else {}
-    )
+def _construct(
+    cls: type[nn.Module],
+    model_config: ModelConfig,
+    device: torch.device,
+    parallel: ModelParallelism | None = None,
+) -> nn.Module:
+    accepted = inspect.signature(cls).parameters
+    kwargs: dict[str, Any] = {}
+    if "max_position" in accepted:
+        # Position tables must cover --context-length even past the checkpoint's own limit.
+        kwargs["max_position"] = model_config.context_len
+    if parallel is not None and (parallel.tp.size > 1 or parallel.pp_size > 1):
+        if "parallel" not in accepted:
+            raise ModelLoadError(f"{cls.__name__} does not support tensor or pipeline parallelism")
+        kwargs["parallel"] = parallel
     with torch.device(device), _default_dtype(model_config.dtype):
         model = cls(model_config.hf_config, **kwargs)
     if not callable(getattr(model, "load_weights", None)):
@@ -109,10 +121,14 @@ def _construct(cls: type[nn.Module], model_config: ModelConfig, device: torch.de
 
 
 def _build_dummy(
-    cls: type[nn.Module], model_config: ModelConfig, device: torch.device, seed: int
+    cls: type[nn.Module],
+    model_config: ModelConfig,
+    device: torch.device,
+    seed: int,
+    parallel: ModelParallelism | None = None,
 ) -> nn.Module:
     with _parameters_on_meta():
-        model = _construct(cls, model_config, device)
+        model = _construct(cls, model_config, device, parallel)
     _materialize_parameters(model, device)
     _init_dummy_weights(model, device, seed)
     return model

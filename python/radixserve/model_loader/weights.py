@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,12 +67,49 @@ def _no_weights_error(path: str) -> ModelLoadError:
     return ModelLoadError(f"No *.safetensors weight files in {path}.{hint}")
 
 
+class CheckpointTensor:
+    """One checkpoint tensor, read on demand: whole, or one slice along a dimension, in which case
+    only that slice's bytes are read (a tensor-parallel rank reads its shard, never the whole)."""
+
+    def __init__(
+        self, name: str, shape: tuple[int, ...], read: Callable[[int, int, int], torch.Tensor]
+    ) -> None:
+        self.name = name
+        self.shape = shape
+        self._read = read  # (dim, start, length) -> tensor
+
+    @classmethod
+    def of(cls, name: str, value: torch.Tensor | CheckpointTensor) -> CheckpointTensor:
+        """Wrap an in-memory tensor (tests, converted weights); pass a CheckpointTensor through."""
+        if isinstance(value, CheckpointTensor):
+            return value
+        return cls(name, tuple(value.shape), lambda dim, start, length: value.narrow(dim, start, length))
+
+    def full(self) -> torch.Tensor:
+        if not self.shape:
+            return self._read(-1, 0, 0)
+        return self._read(0, 0, self.shape[0])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ModelLoadError(
+                f"Tensor {self.name!r} of shape {self.shape} has no rows [{start}, {start + length}) "
+                f"along dim {dim}: the checkpoint does not match the config"
+            )
+        return self._read(dim, start, length)
+
+
 def iterate_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor in the checkpoint at `path`, one shard at a time.
 
     File discovery and the index check run now, so a missing shard is reported before the model
     is built; header/data problems surface when the shard is reached.
     """
+    return ((name, t.full()) for name, t in iterate_checkpoint(path, show_progress))
+
+
+def iterate_checkpoint(path: str, show_progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Like iterate_weights, but yields CheckpointTensors so callers read only what they need."""
     index_path = os.path.join(path, SAFETENSORS_INDEX)
     if os.path.isfile(index_path):
         expected = _read_index(index_path)
@@ -82,14 +119,14 @@ def iterate_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str
 
 def _iterate_files(
     files: list[str], expected: dict[str, set[str]], show_progress: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, CheckpointTensor]]:
     # The bar is per shard: a tensor-level bar would redraw thousands of times for big models.
     bar = tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not show_progress)
     for file in bar:
         yield from _iterate_file(file, expected.get(file))
 
 
-def _iterate_file(file: str, expected_names: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate_file(file: str, expected_names: set[str] | None) -> Iterator[tuple[str, CheckpointTensor]]:
     handle = _open(file)
     names = list(handle.keys())
     if expected_names is not None and not expected_names.issubset(names):
@@ -100,10 +137,24 @@ def _iterate_file(file: str, expected_names: set[str] | None) -> Iterator[tuple[
         )
     for name in names:
         try:
-            tensor = handle.get_tensor(name)
+            sliced = handle.get_slice(name)
+            shape = tuple(int(d) for d in sliced.get_shape())
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ModelLoadError(f"Cannot read tensor '{name}' from {file}: {exc}") from exc
-        yield name, tensor
+        yield name, CheckpointTensor(name, shape, _slice_reader(file, name, sliced))
+
+
+def _slice_reader(file: str, name: str, sliced: Any) -> Callable[[int, int, int], torch.Tensor]:  # noqa: ANN401
+    def read(dim: int, start: int, length: int) -> torch.Tensor:
+        try:
+            if dim < 0:  # a 0-d tensor
+                return sliced[...]
+            index = (slice(None),) * dim + (slice(start, start + length),)
+            return sliced[index]
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"Cannot read tensor '{name}' from {file}: {exc}") from exc
+
+    return read
 
 
 def _open(file: str) -> Any:

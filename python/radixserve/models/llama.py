@@ -1,23 +1,37 @@
 """Llama-family decoder (Llama 2/3, SmolLM2), also the base of Qwen2 (qkv bias) and Qwen3 (q/k norm).
 
 Projections are fused (qkv, gate_up) so each layer runs 4 GEMMs instead of 7; `load_weights`
-maps HF checkpoint names onto the fused parameters.
+maps HF checkpoint names onto the fused parameters. Under tensor parallelism every projection,
+the embedding and the LM head hold this rank's shard (layers/parallel_linear.py,
+layers/vocab_parallel.py); under pipeline parallelism the model holds only its stage's layers (the
+embedding on the first stage, the final norm and the LM head on the last), and the hidden states
+cross stage boundaries as PPProxyTensors.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from radixserve.distributed.communication import TensorParallelComm
+from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.attention.radix_attention import RadixAttention
-from radixserve.layers.linear import Linear
 from radixserve.layers.norm import RMSNorm
+from radixserve.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from radixserve.layers.rotary import RotaryEmbedding, rope_config
+from radixserve.layers.vocab_parallel import VocabParallelEmbedding
+from radixserve.model_executor.forward_batch import PPProxyTensors
 from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -30,22 +44,37 @@ STACKED_PARAMS = (
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 )
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        qkv_bias: bool,
+        qk_norm: bool,
+        max_position: int,
+        tp: TensorParallelComm,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias, tp
+        )
+        # This rank's heads (all of them at tp_size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, getattr(config, "attention_bias", False), tp
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         theta, scaling = rope_config(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
+        # layer_id indexes this rank's KV pool, which holds only this stage's layers.
         self.attn = RadixAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
@@ -66,20 +95,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallelComm) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        qkv_bias: bool,
+        qk_norm: bool,
+        max_position: int,
+        tp: TensorParallelComm,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, max_position)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, max_position, tp)
+        bias = getattr(config, "mlp_bias", False)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -100,23 +138,48 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Identity):
+    """The place of a decoder layer another pipeline stage holds (no parameters)."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
+    def __init__(
+        self, config: Any, qkv_bias: bool, qk_norm: bool, max_position: int, parallel: ModelParallelism
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        tp = parallel.tp
+        self.start_layer, self.end_layer = parallel.stage_layers(config.num_hidden_layers)
+        self.is_last_stage = parallel.is_last_stage
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if parallel.is_first_stage
+            else None
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, max_position)
+            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, max_position, tp)
+            if self.start_layer <= i < self.end_layer
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        for layer in self.layers:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        pp_proxy: PPProxyTensors | None = None,
+    ) -> torch.Tensor | PPProxyTensors:
+        if pp_proxy is None:
+            assert self.embed_tokens is not None, "a later pipeline stage needs the previous stage's states"
+            hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
+        else:
+            hidden, residual = pp_proxy.hidden, pp_proxy.residual
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if not self.is_last_stage:
+            return PPProxyTensors(hidden, residual)
+        assert self.norm is not None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -125,59 +188,99 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: Any, max_position: int | None = None) -> None:
+    def __init__(
+        self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel = parallel or ModelParallelism()
         max_position = max(max_position or 0, config.max_position_embeddings)
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position, parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        self.lm_head: VocabParallelEmbedding | None
+        if not parallel.is_last_stage:
+            self.lm_head = None
+        elif self.tie_word_embeddings and self.model.embed_tokens is not None:
             self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:  # untied, or tied but the embedding lives on the first stage: loaded from it
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.tp)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """Returns final hidden states [num_tokens, hidden_size]; LogitsProcessor projects them."""
-        return self.model(input_ids, positions, forward_batch)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        pp_proxy: PPProxyTensors | None = None,
+    ) -> torch.Tensor | PPProxyTensors:
+        """Final hidden states [num_tokens, hidden_size] (LogitsProcessor projects them), or on a
+        stage before the last, the states the next stage continues from."""
+        return self.model(input_ids, positions, forward_batch, pp_proxy)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight  # [vocab_size, hidden_size]
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage holds the LM head")
+        return self.lm_head.weight  # [vocab rows of this rank, hidden_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    # ------------------------------------------------------------------ loading
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
+        """Copy this rank's part of each checkpoint tensor into its parameter; tensors of other
+        pipeline stages are skipped without being read."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+        for name, value in weights:
+            if "rotary_emb.inv_freq" in name or not self._on_this_stage(name):
                 continue
+            tensor = CheckpointTensor.of(name, value)
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # tied: the embedding is the head
             target, shard = _fused_target(name)
-            if target not in params:
-                raise ModelLoadError(
-                    f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
-                )
-            self._load_one(params[target], target, shard, tensor)
-            loaded.add(target)
-        missing = sorted(set(params) - loaded - ({"lm_head.weight"} if self.tie_word_embeddings else set()))
+            targets = [target]
+            if (
+                self.tie_word_embeddings
+                and target == "model.embed_tokens.weight"
+                and self.lm_head is not None
+            ):
+                targets = [t for t in (target, "lm_head.weight") if t in params]
+            for t in targets:
+                if t not in params:
+                    raise ModelLoadError(
+                        f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
+                    )
+                self._load_one(params[t], t, shard, tensor)
+                loaded.add(t)
+        missing = sorted(set(params) - loaded)
         if missing:
             raise ModelLoadError(f"Checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
 
+    def _on_this_stage(self, name: str) -> bool:
+        inner = self.model
+        match = _LAYER_INDEX.match(name)
+        if match is not None:
+            return inner.start_layer <= int(match.group(1)) < inner.end_layer
+        if name.startswith("model.embed_tokens."):
+            return inner.embed_tokens is not None or (self.tie_word_embeddings and self.lm_head is not None)
+        if name.startswith("model.norm."):
+            return inner.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
+
     def _load_one(
-        self, param: nn.Parameter, name: str, shard: str | int | None, tensor: torch.Tensor
+        self, param: nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
     ) -> None:
-        dst = param.data
-        if shard is not None:
-            dst = _shard_view(dst, shard, self.model.layers[0].self_attn, name)
-        if dst.shape != tensor.shape:
+        owner = self.get_submodule(name.rpartition(".")[0])
+        loader = getattr(owner, "weight_loader", None)
+        if loader is not None:
+            loader(param, tensor, shard)
+            return
+        if tuple(param.shape) != tensor.shape:
             raise ModelLoadError(
-                f"Shape mismatch for {name}{f' ({shard})' if shard is not None else ''}: "
-                f"the config implies {tuple(dst.shape)}, the checkpoint has {tuple(tensor.shape)}"
+                f"Shape mismatch for {name}: the config implies {tuple(param.shape)}, the checkpoint "
+                f"has {tensor.shape}"
             )
-        dst.copy_(tensor.to(dst.dtype))
+        param.data.copy_(tensor.full().to(param.dtype))
 
 
 def _fused_target(name: str) -> tuple[str, str | int | None]:
@@ -185,14 +288,3 @@ def _fused_target(name: str) -> tuple[str, str | int | None]:
         if hf_frag in name:
             return name.replace(hf_frag, fused_frag), shard
     return name, None
-
-
-def _shard_view(fused: torch.Tensor, shard: str | int, attn: LlamaAttention, name: str) -> torch.Tensor:
-    """The rows of a fused weight (or bias) that one HF projection fills."""
-    if ".qkv_proj." in name:
-        q, kv = attn.q_size, attn.kv_size
-        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-    else:
-        half = fused.shape[0] // 2
-        start, size = int(shard) * half, half
-    return fused.narrow(0, start, size)

@@ -117,7 +117,7 @@ class BatchBuilder:
             mixed_kv = self.mem.decode_tokens_needed([r.kv_committed_len + 1 for r in running])
         adder = PrefillAdder(
             self.mem,
-            st.running_batch.reqs,
+            st.running_batch.reqs + st.other_running_reqs,
             st.new_token_ratio,
             self.limits.max_prefill_tokens,
             self.limits.chunked_prefill_size,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
+from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput, rid_matches
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.req import FinishAbort, Req
@@ -27,6 +28,9 @@ class SchedulerState:
     chunked_req: Req | None = None
     last_batch: ScheduleBatch | None = None
     live: dict[str, Req] = field(default_factory=dict)  # every request not yet reported finished
+    # Requests decoding in the other micro-batches of a pipeline stage (event_loop_pp): admission
+    # reserves their future KV as it does the running batch's.
+    other_running_reqs: list[Req] = field(default_factory=list)
 
     def is_idle(self) -> bool:
         return not self.live and self.running_batch.is_empty() and self.chunked_req is None
@@ -41,10 +45,18 @@ class RequestLimits:
 
 
 class RequestTable:
-    def __init__(self, state: SchedulerState, output: OutputProcessor, limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        state: SchedulerState,
+        output: OutputProcessor,
+        limits: RequestLimits,
+        sync: RankSync | None = None,
+    ) -> None:
         self.state = state
         self.output = output
         self.limits = limits
+        # Timeouts read each rank's clock: ranks agree on which expired (any rank's view wins).
+        self.sync: RankSync = sync or LocalSync()
 
     # ------------------------------------------------------------------ arrival
     def queue_is_full(self) -> bool:
@@ -123,9 +135,9 @@ class RequestTable:
     def abort_on_timeouts(self) -> None:
         now = time.monotonic()
         if self.limits.waiting_timeout is not None:
-            expired = [
-                r for r in self.state.waiting_queue if now - r.times.queued > self.limits.waiting_timeout
-            ]
+            waiting = list(self.state.waiting_queue)
+            flags = self.sync.any_rank([now - r.times.queued > self.limits.waiting_timeout for r in waiting])
+            expired = [r for r, flag in zip(waiting, flags) if flag]
             for req in expired:
                 self.abort_req(
                     req,
@@ -136,9 +148,12 @@ class RequestTable:
             running = list(self.state.running_batch.reqs)
             if self.state.chunked_req is not None:
                 running.append(self.state.chunked_req)
-            for req in running:
-                started = req.times.first_scheduled
-                if started is not None and now - started > self.limits.running_timeout:
+            started = [r.times.first_scheduled for r in running]
+            flags = self.sync.any_rank(
+                [t is not None and now - t > self.limits.running_timeout for t in started]
+            )
+            for req, flag in zip(running, flags):
+                if flag:
                     self.abort_req(
                         req, f"Request ran longer than the running timeout ({self.limits.running_timeout} s)."
                     )

@@ -22,6 +22,7 @@ import torch
 # A module import (not `from ... import GrammarManager`): constrained/ imports this package back.
 from radixserve.constrained import grammar_manager as constrained
 from radixserve.constrained.grammar_backend import GrammarBackend
+from radixserve.distributed.rank_runtime import RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenizedGenerateReqInput,
@@ -78,6 +79,7 @@ class Scheduler:
         eos_token_ids: Sequence[int] = (),
         send_output: Callable[[object], None] = lambda msg: None,
         grammar_backend: GrammarBackend | None = None,  # default: xgrammar on `tokenizer`, on first use
+        sync: RankSync | None = None,  # agreements with the other ranks (multi-rank layouts)
     ) -> None:
         args = server_args
         self.server_args = args
@@ -106,12 +108,14 @@ class Scheduler:
             self.state,
             self.output,
             RequestLimits(args.max_queued_requests, max_req_len, args.waiting_timeout, args.running_timeout),
+            sync,
         )
         self.grammar = constrained.GrammarManager(
             self._grammar_backend_factory(grammar_backend),
             args.grammar_compile_timeout,
             self.requests.enqueue,
             self.output.finish_now,
+            sync,
         )
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed

@@ -1,22 +1,33 @@
 """The scheduler subprocess: the model worker and the Scheduler behind ZMQ sockets.
 
-Sockets: requests arrive on a PULL socket (from the TokenizerManager and, for stop-string aborts,
-the detokenizer); BatchTokenIDOut goes to the detokenizer; control replies (flush, internal state)
-go straight back to the TokenizerManager.
+Sockets (rank 0 only): requests arrive on a PULL socket (from the TokenizerManager and, for
+stop-string aborts, the detokenizer); BatchTokenIDOut goes to the detokenizer; control replies
+(flush, internal state) go straight back to the TokenizerManager.
+
+With --tp-size / --pp-size above 1 there is one such process per rank (`run_rank_process`). Rank 0
+alone owns the sockets: what it receives it broadcasts to its TP peers over the CPU group, later
+pipeline stages receive it from the previous stage, every rank runs the same scheduler, and only
+rank 0 sends outputs (docs/architecture.md, "Ranks").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from radixserve.managers.io_struct import BatchTokenIDOut
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
+
+if TYPE_CHECKING:
+    from radixserve.distributed.layout import ParallelLayout
+    from radixserve.distributed.rank_runtime import RankRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +69,9 @@ def _configure_threads(server_args: ServerArgs) -> None:
         torch.set_num_threads(server_args.cpu_threads)
 
 
-def build_scheduler(server_args: ServerArgs, send_output: Any) -> tuple[Any, dict[str, Any]]:  # noqa: ANN401
+def build_scheduler(
+    server_args: ServerArgs, send_output: Callable[[object], None], rank: RankRuntime | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Load the model and build the Scheduler; returns it with the readiness report."""
     from radixserve.configs.model_config import ModelConfig
     from radixserve.managers.tokenizer_manager import load_tokenizer
@@ -68,9 +81,9 @@ def build_scheduler(server_args: ServerArgs, send_output: Any) -> tuple[Any, dic
     model_config = ModelConfig.from_path(
         server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
     )
-    worker = TpModelWorker(server_args, model_config)
+    worker = TpModelWorker(server_args, model_config, rank)
     tokenizer = load_tokenizer(server_args)
-    scheduler = Scheduler(server_args, worker, tokenizer, model_config.eos_token_ids, send_output)
+    scheduler = Scheduler(server_args, worker, tokenizer, model_config.eos_token_ids, send_output, sync=rank)
     max_req_len = min(model_config.context_len, worker.max_total_num_tokens)
     info = {
         "status": "ready",
@@ -104,3 +117,127 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
         not server_args.disable_overlap_schedule,
     )
     scheduler.event_loop(lambda: io.recv_requests(block=scheduler.is_idle()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-rank
+# ---------------------------------------------------------------------------------------------
+
+
+def run_rank_process(
+    server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str, pipe: Connection
+) -> None:
+    """Process entry of one rank: join the world, load this rank's shard, report readiness, run
+    the TP loop or the pipeline loop. `port_args` is None on nodes other than 0 (headless)."""
+    from radixserve.distributed.layout import ParallelLayout
+
+    layout = ParallelLayout(
+        server_args.tp_size, server_args.pp_size, server_args.nnodes, server_args.node_rank
+    )
+    info = layout.rank_info(rank)
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format=f"[%(asctime)s scheduler TP{info.tp_rank} PP{info.pp_rank}] %(levelname)s %(message)s",
+    )
+    try:
+        server_args, threads, cores = _place_rank(server_args, layout, info.local_rank)
+        runtime, scheduler, io, ready = _build_rank(server_args, port_args, layout, rank, init_addr)
+        ready["rank_info"] = {
+            **dataclasses.asdict(info),
+            "pid": os.getpid(),
+            "host": os.uname().nodename,
+            "device": server_args.device,
+            "threads": threads,
+            "cores": cores,
+        }
+        ready["ranks"] = _gather_rank_infos(runtime, ready["rank_info"])
+    except Exception as exc:
+        logger.exception("Rank %d failed to start", rank)
+        pipe.send({"status": "error", "message": f"rank {rank} failed to start: {exc!r}"})
+        raise
+    pipe.send(ready)
+    logger.info("Rank %d ready (%d threads on cores %s)", rank, threads, cores or "any")
+    try:
+        _run_rank_loop(server_args, runtime, scheduler, io)
+    except Exception as exc:  # a peer died, a collective timed out, or a bug: never hang
+        logger.error(
+            "Rank %d stops: %s: %s. A rank that stops ends the server (the others see its sockets "
+            "close or their collectives time out).",
+            rank,
+            type(exc).__name__,
+            exc,
+        )
+        logging.shutdown()
+        os._exit(1)  # skip the process-group teardown, which would wait on the dead peer
+
+
+def _place_rank(
+    server_args: ServerArgs, layout: ParallelLayout, local_rank: int
+) -> tuple[ServerArgs, int, list[int]]:
+    """This rank's device and its share of the node's cores (pinned, so ranks never contend)."""
+    import torch
+
+    if server_args.device == "cuda":
+        server_args = dataclasses.replace(server_args, device=f"cuda:{local_rank}")
+        return server_args, torch.get_num_threads(), []
+    threads, cores = layout.cpu_cores(local_rank, server_args.cpu_threads)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+    return server_args, threads, cores
+
+
+def _build_rank(
+    server_args: ServerArgs, port_args: PortArgs | None, layout: ParallelLayout, rank: int, init_addr: str
+) -> tuple[RankRuntime, Any, SchedulerIO | None, dict[str, Any]]:
+    from radixserve.distributed.rank_runtime import RankRuntime
+
+    runtime = RankRuntime.start(
+        layout,
+        rank,
+        init_addr,
+        server_args.device or "cpu",
+        server_args.dist_timeout,
+        use_shm=not server_args.disable_custom_all_reduce,
+    )
+    io = SchedulerIO(port_args) if runtime.is_entry_rank and port_args is not None else None
+    send_output = io.send_output if io is not None else (lambda msg: None)
+    scheduler, ready = build_scheduler(server_args, send_output, runtime)
+    return runtime, scheduler, io, ready
+
+
+def _gather_rank_infos(runtime: RankRuntime, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * runtime.layout.world_size
+    dist.all_gather_object(everyone, mine, group=runtime.groups.world_cpu)
+    return everyone
+
+
+def _run_rank_loop(
+    server_args: ServerArgs,
+    runtime: RankRuntime,
+    scheduler: Any,  # noqa: ANN401 - the Scheduler (imported lazily)
+    io: SchedulerIO | None,
+) -> None:
+    from radixserve.distributed.communication import broadcast_pyobj
+
+    groups = runtime.groups
+    tp_src = runtime.layout.rank_of(groups.pp_rank, 0)
+
+    def recv_stage0() -> list[object]:
+        """Rank 0 reads the socket; its TP peers get the same list over the CPU group."""
+        msgs = io.recv_requests(block=scheduler.is_idle()) if io is not None else None
+        if runtime.layout.tp_size == 1:
+            return msgs or []
+        return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)
+
+    if runtime.layout.pp_size == 1:
+        scheduler.event_loop(recv_stage0)
+        return
+    from radixserve.scheduler.pipeline_loop import PipelineLoop
+
+    micro = server_args.pp_max_micro_batch_size or max(
+        scheduler.max_running_requests // runtime.layout.pp_size, 1
+    )
+    PipelineLoop(scheduler, scheduler.worker.stage_link, recv_stage0, micro).run_forever()

@@ -1,0 +1,114 @@
+"""One rank's share of a multi-rank layout, as the scheduler process assembles it: the process
+groups, the model's parallelism, and the agreements every rank's scheduler must reach together.
+
+Every rank runs the same scheduler over the same inputs and so makes the same decisions. The few
+decisions that depend on wall-clock time or on background threads (a grammar compiled, a timeout
+expired) are turned into agreements here: each rank proposes its local view and all take the
+element-wise AND (or OR) over the world, one small gloo all-reduce, and only when such a decision
+is pending.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch.distributed as dist
+
+from radixserve.distributed.communication import TensorParallelComm, all_reduce_ints
+from radixserve.distributed.layout import ParallelLayout
+from radixserve.distributed.model_parallel import ModelParallelism
+from radixserve.distributed.parallel_state import RankGroups, init_rank_groups
+
+logger = logging.getLogger(__name__)
+
+
+class RankSync(Protocol):
+    """How a scheduler agrees with its peers on decisions its inputs alone do not fix."""
+
+    def all_agree(self, flags: list[bool]) -> list[bool]:
+        """Element-wise AND of `flags` over every rank (all ranks pass equal-length lists)."""
+        ...
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Element-wise OR of `flags` over every rank."""
+        ...
+
+
+class LocalSync:
+    """A single rank agrees with itself."""
+
+    def all_agree(self, flags: list[bool]) -> list[bool]:
+        return list(flags)
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        return list(flags)
+
+
+@dataclass(frozen=True)
+class RankRuntime:
+    groups: RankGroups
+    parallel: ModelParallelism
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.groups.layout
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.parallel.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.parallel.is_last_stage
+
+    @property
+    def is_entry_rank(self) -> bool:
+        """Rank 0 reads the TokenizerManager's socket and sends every output of the scheduler."""
+        return self.groups.rank == 0
+
+    @classmethod
+    def start(
+        cls,
+        layout: ParallelLayout,
+        rank: int,
+        init_addr: str,
+        device: str,
+        timeout_s: float | None,
+        use_shm: bool,
+    ) -> RankRuntime:
+        groups = init_rank_groups(layout, rank, init_addr, device, timeout_s)
+        fast = None
+        if layout.tp_size > 1 and use_shm and device == "cpu":
+            fast = _shm_communicator(groups, timeout_s)
+        tp = TensorParallelComm(groups.tp_rank, layout.tp_size, groups.tp_device, fast)
+        return cls(groups, ModelParallelism(tp, groups.pp_rank, layout.pp_size))
+
+    # ------------------------------------------------------------------ agreements
+    def min_over_world(self, value: int) -> int:
+        return all_reduce_ints([value], dist.ReduceOp.MIN, self.groups.world_cpu)[0]
+
+    def all_agree(self, flags: list[bool]) -> list[bool]:
+        values = all_reduce_ints([int(f) for f in flags], dist.ReduceOp.MIN, self.groups.world_cpu)
+        return [bool(v) for v in values]
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        values = all_reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, self.groups.world_cpu)
+        return [bool(v) for v in values]
+
+
+def _shm_communicator(groups: RankGroups, timeout_s: float | None) -> object | None:
+    """The same-host shared-memory communicator of the TP group, or None (then gloo) when the
+    compiled extension is missing or the group spans hosts (it logs which)."""
+    try:
+        from radixserve.distributed.shm_comm import ShmCommunicator
+    except ImportError as exc:
+        logger.info("Shared-memory all-reduce unavailable (%s): TP collectives use gloo", exc)
+        return None
+    kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
+    return ShmCommunicator.create(groups.tp_cpu, f"tp{groups.pp_rank}", **kwargs)

@@ -1,0 +1,146 @@
+"""Tensor-parallel linear layers (Megatron's split): each TP rank holds a shard of the weight and
+loads only that shard from the checkpoint.
+
+- Column-parallel (QKV, gate/up): output features split; each rank computes its slice of the
+  output and needs no communication.
+- Row-parallel (o_proj, down): input features split; each rank computes a partial sum of the full
+  output and an all-reduce adds them. A bias is added once, after the all-reduce.
+
+All of them are `Linear`s over their local shard, so the CPU fast paths (oneDNN prepacking, fp16
+copies, the small-batch kernels) apply unchanged. At tp_size 1 every layer is exactly the Linear
+it replaces: same parameter shapes, same checkpoint names, same arithmetic.
+
+Loading: `weight_loader(param, tensor, shard_id)` copies the rank's part of a checkpoint tensor
+(a CheckpointTensor, read by slice) into the local parameter; `shard_id` names the HF projection
+of a fused layer ("q"/"k"/"v", or the index of gate/up).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.distributed.communication import TensorParallelComm
+from radixserve.layers.linear import Linear, linear
+from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.weights import CheckpointTensor
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ModelLoadError(f"{what} ({total}) is not divisible by --tp-size {parts}")
+    return total // parts
+
+
+def _expect(loaded: CheckpointTensor, shape: tuple[int, ...]) -> None:
+    """The checkpoint tensor must have the whole (unsharded) shape the config implies: a rank reads
+    only its slice, so a mismatch would otherwise go unnoticed."""
+    if tuple(loaded.shape) != tuple(shape):
+        raise ModelLoadError(
+            f"Shape mismatch for {loaded.name}: the config implies {tuple(shape)}, the checkpoint "
+            f"has {tuple(loaded.shape)}"
+        )
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(
+            f"Shape mismatch for {name}: the config implies {tuple(dst.shape)}, the checkpoint has "
+            f"{tuple(src.shape)}"
+        )
+    dst.copy_(src.to(dst.dtype))
+
+
+class ColumnParallelLinear(Linear):
+    """y[:, rank's slice] = x @ W[rank's rows].T (+ b[rank's slice])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelComm) -> None:
+        super().__init__(in_features, divide(out_features, tp.size, "output features"), bias=bias)
+        self.tp = tp
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        rows = param.shape[0]
+        _expect(loaded, (rows * self.tp.size, *param.shape[1:]))
+        _copy(param.data, loaded.narrow(0, self.tp.rank * rows, rows), loaded.name)
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several column-parallel projections of the same input fused into one GEMM (gate_up): the
+    local weight is [gate shard; up shard]."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TensorParallelComm) -> None:
+        self.local_sizes = [divide(n, tp.size, "output features") for n in output_sizes]
+        super().__init__(in_features, sum(self.local_sizes), bias=bias)
+        self.tp = tp
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        index = int(shard_id)  # type: ignore[call-overload]
+        size = self.local_sizes[index]
+        dst = param.data.narrow(0, sum(self.local_sizes[:index]), size)
+        _expect(loaded, (size * self.tp.size, *param.shape[1:]))
+        _copy(dst, loaded.narrow(0, self.tp.rank * size, size), loaded.name)
+
+
+class QKVParallelLinear(Linear):
+    """The fused q/k/v projection of attention, split by heads: rank r holds query heads
+    [r * H/tp, (r+1) * H/tp) and the KV heads they attend with: KV/tp of them when tp <= KV, else
+    the single head r * KV // tp, which tp/KV consecutive ranks then hold as a replica. (Query head
+    h uses KV head h // (H/KV), so a rank's query heads never need another rank's KV head.)"""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallelComm,
+    ) -> None:
+        self.head_dim = head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
+        self.num_heads = divide(num_heads, tp.size, "attention heads")
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        # The first KV head of this rank; with replication, consecutive ranks share a head.
+        self.kv_head_start = (
+            tp.rank * self.num_kv_heads if num_kv_heads >= tp.size else tp.rank * num_kv_heads // tp.size
+        )
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.tp = tp
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            dst_start, size, src_start = 0, self.q_size, self.tp.rank * self.q_size
+            _expect(loaded, (self.total_heads * d, *param.shape[1:]))
+        elif shard_id in ("k", "v"):
+            dst_start = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, src_start = self.kv_size, self.kv_head_start * d
+            _expect(loaded, (self.total_kv_heads * d, *param.shape[1:]))
+        else:
+            raise ModelLoadError(f"{loaded.name}: unknown q/k/v shard {shard_id!r}")
+        _copy(param.data.narrow(0, dst_start, size), loaded.narrow(0, src_start, size), loaded.name)
+
+
+class RowParallelLinear(Linear):
+    """y = all_reduce(x[:, rank's slice] @ W[:, rank's slice].T) + b."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelComm) -> None:
+        super().__init__(divide(in_features, tp.size, "input features"), out_features, bias=bias)
+        self.tp = tp
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        if param.dim() == 1:  # the bias: whole on every rank, added after the reduction
+            _copy(param.data, loaded.full(), loaded.name)
+            return
+        cols = param.shape[1]
+        _expect(loaded, (param.shape[0], cols * self.tp.size))
+        _copy(param.data, loaded.narrow(1, self.tp.rank * cols, cols), loaded.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        out = linear(x, self.weight, None, self.weight_f16, self.weight_packed)  # [n, out] partial
+        self.tp.all_reduce_(out)
+        return out if self.bias is None else out.add_(self.bias)

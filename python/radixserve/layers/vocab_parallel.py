@@ -1,0 +1,77 @@
+"""Vocabulary-parallel embedding and LM head: each TP rank holds a contiguous block of vocab rows.
+
+The vocabulary is padded up to a multiple of tp_size so every rank's block has the same size;
+padding rows are zero and never looked up (ids are < vocab_size), and their logits are cut off
+after the gather. At tp_size 1 the embedding is a plain lookup over a [vocab_size, hidden] weight
+and the head a plain Linear, exactly as before.
+
+- Embedding: a rank looks up the ids inside its block, writes zeros for the others, and an
+  all-reduce assembles the full rows (each id has exactly one non-zero contribution).
+- LM head: a rank computes the logits of its block, and an all-gather concatenates the blocks;
+  every rank ends with the same full logits, so every rank samples the same token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed.communication import TensorParallelComm
+from radixserve.layers.linear import Linear
+from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.weights import CheckpointTensor
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelComm) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp = tp
+        self.rows_per_rank = -(-vocab_size // tp.size)  # ceil: the padded vocab split evenly
+        self.vocab_start = tp.rank * self.rows_per_rank
+        # Rows of this block that are real tokens (the last rank's block may end in padding).
+        self.num_valid_rows = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size))  # [rows, hidden]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, hidden_size]."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)  # [num_tokens]
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce_(out)
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != param.shape[1:]:
+            raise ModelLoadError(
+                f"Shape mismatch for {loaded.name}: the config implies ({self.vocab_size}, "
+                f"{param.shape[1]}), the checkpoint has {tuple(loaded.shape)}"
+            )
+        rows = self.num_valid_rows
+        if rows:
+            param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows).to(param.dtype))
+
+
+class GatheredLMHead(nn.Module):
+    """Logits over the whole vocabulary from a rank's block of LM-head rows."""
+
+    def __init__(self, local_head: Linear, vocab_size: int, tp: TensorParallelComm) -> None:
+        super().__init__()
+        self.local_head = local_head  # [rows_per_rank, hidden] weight
+        self.vocab_size = vocab_size
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size]."""
+        local = self.local_head(hidden)  # [n, rows_per_rank]
+        return self.tp.all_gather(local)[:, : self.vocab_size]
+
+
+def make_lm_head(weight: nn.Parameter, vocab_size: int, tp: TensorParallelComm) -> nn.Module:
+    """A Linear over the (possibly tied) head weight, gathered across ranks when sharded; the
+    weight is shared, not copied, so it gets the CPU fast paths once."""
+    head = Linear.sharing(weight)
+    return head if tp.size == 1 else GatheredLMHead(head, vocab_size, tp)
