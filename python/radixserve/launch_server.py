@@ -136,6 +136,11 @@ def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | Non
         level=server_args.log_level.upper(), format="[%(asctime)s %(processName)s] %(levelname)s %(message)s"
     )
     server_args = resolve_model_path(server_args.resolve())
+    if server_args.node_rank > 0:
+        # Not node 0: this node's ranks and a health endpoint; node 0 serves the API.
+        from radixserve.entrypoints.headless_node import HeadlessNode
+
+        sys.exit(HeadlessNode(server_args).run())
     runtime = ServerRuntime(server_args, scheduler_entry)
     sys.exit(runtime.run())
 

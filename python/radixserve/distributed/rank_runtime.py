@@ -35,6 +35,10 @@ class RankSync(Protocol):
         """Element-wise OR of `flags` over every rank."""
         ...
 
+    def gather(self, obj: object) -> list[object]:
+        """Every rank's `obj`, in rank order (for reports, e.g. each rank's KV pool)."""
+        ...
+
 
 class LocalSync:
     """A single rank agrees with itself."""
@@ -44,6 +48,9 @@ class LocalSync:
 
     def any_rank(self, flags: list[bool]) -> list[bool]:
         return list(flags)
+
+    def gather(self, obj: object) -> list[object]:
+        return [obj]
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,11 @@ class RankRuntime:
     def any_rank(self, flags: list[bool]) -> list[bool]:
         values = all_reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, self.groups.world_cpu)
         return [bool(v) for v in values]
+
+    def gather(self, obj: object) -> list[object]:
+        everyone: list[object] = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, obj, group=self.groups.world_cpu)
+        return everyone
 
 
 def _shm_communicator(groups: RankGroups, timeout_s: float | None) -> object | None:

@@ -189,6 +189,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         info["internal_states"] = await tm.get_internal_states()
         info["max_total_num_tokens"] = tm.max_total_num_tokens
         info["context_len"] = tm.context_len
+        info["ranks"] = tm.ranks
         return info
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])

@@ -64,7 +64,9 @@ def launch_subprocesses(
     return children, info
 
 
-def start_rank_processes(children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs | None) -> None:
+def start_rank_processes(
+    children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs | None
+) -> None:
     """One scheduler process per rank of this node (`port_args` None: a headless node)."""
     from radixserve.scheduler.scheduler_process import run_rank_process
 

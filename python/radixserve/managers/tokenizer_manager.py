@@ -92,6 +92,10 @@ class TokenizerManager:
         self.max_req_input_len = int(scheduler_info.get("max_req_input_len", self.context_len - 1))
         self.vocab_size = int(scheduler_info.get("vocab_size", len(tokenizer)))
         self.max_total_num_tokens = int(scheduler_info.get("max_total_num_tokens", self.context_len))
+        # Every scheduler rank (tp/pp index, node, pid, cores) as rank 0 gathered them at start.
+        self.ranks: list[dict[str, Any]] = scheduler_info.get("ranks") or [
+            {"rank": 0, "tp_rank": 0, "pp_rank": 0, "node_rank": 0, "pid": scheduler_info.get("pid")}
+        ]
         self.metrics = ServerMetrics(self.max_total_num_tokens) if server_args.enable_metrics else None
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}

@@ -22,7 +22,7 @@ import torch
 # A module import (not `from ... import GrammarManager`): constrained/ imports this package back.
 from radixserve.constrained import grammar_manager as constrained
 from radixserve.constrained.grammar_backend import GrammarBackend
-from radixserve.distributed.rank_runtime import RankSync
+from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenizedGenerateReqInput,
@@ -129,6 +129,7 @@ class Scheduler:
             self._batch_limits(),
             self.make_batch,
         )
+        self.sync: RankSync = sync or LocalSync()
         self.dispatcher = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -213,8 +214,20 @@ class Scheduler:
                 "cache_hit_rate": stats.cache_hit_tokens / max(stats.cache_query_tokens, 1),
                 "last_gen_throughput": stats.last_gen_throughput,
                 "new_token_ratio": self.state.new_token_ratio,
+                # Each rank's own pool (they must agree), gathered from every rank: all ranks
+                # receive this request in the same step.
+                "ranks": self.sync.gather(self._pool_report()),
             }
         )
+
+    def _pool_report(self) -> dict[str, object]:
+        return {
+            "available_tokens": self.mem.available_size(),
+            "evictable_tokens": self.mem.evictable_size(),
+            "max_total_num_tokens": self.mem.total_tokens,
+            "free_request_rows": self.mem.req_to_token_pool.available_size(),
+            "memory_leak": self.mem.check_leak() if self.is_idle() else None,
+        }
 
     def check_memory_leak(self) -> str | None:
         """None when the pools are consistent; a description of the leak otherwise (idle only)."""

@@ -1,0 +1,92 @@
+"""ParallelLayout: rank numbering (SGLang's), nodes, layer split, KV-head split, core shares, and the
+layouts refused at start with a message naming the flag to change."""
+
+import pytest
+
+from radixserve.distributed.layout import LayoutError, ParallelLayout
+
+
+def test_rank_numbering_is_stage_major():
+    layout = ParallelLayout(tp_size=2, pp_size=3)
+    assert layout.world_size == 6
+    assert [(i.tp_rank, i.pp_rank) for i in map(layout.rank_info, range(6))] == [
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+        (0, 2),
+        (1, 2),
+    ]
+    assert layout.tp_group_ranks(1) == [2, 3]
+    assert layout.pp_group_ranks(1) == [1, 3, 5]
+    assert layout.rank_of(2, 1) == 5
+
+
+def test_nodes_take_consecutive_ranks_and_rank_0_is_on_node_0():
+    node1 = ParallelLayout(tp_size=2, pp_size=2, nnodes=2, node_rank=1)
+    assert node1.local_ranks() == (2, 3)  # the second pipeline stage
+    assert ParallelLayout(tp_size=2, pp_size=2, nnodes=2).local_ranks() == (0, 1)
+    info = node1.rank_info(3)
+    assert (info.node_rank, info.local_rank) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "layers, pp, expected",
+    [
+        (30, 2, [(0, 15), (15, 30)]),
+        (7, 3, [(0, 3), (3, 5), (5, 7)]),
+        (2, 2, [(0, 1), (1, 2)]),
+        (5, 1, [(0, 5)]),
+    ],
+)
+def test_stage_layers_cover_every_layer_once(layers, pp, expected):
+    layout = ParallelLayout(pp_size=pp)
+    assert [layout.stage_layers(layers, p) for p in range(pp)] == expected
+
+
+def test_kv_heads_split_or_replicate():
+    assert ParallelLayout(tp_size=2).kv_heads_per_rank(4) == 2
+    assert ParallelLayout(tp_size=4).kv_heads_per_rank(2) == 1  # replicated on pairs of ranks
+    assert ParallelLayout(tp_size=2).kv_heads_per_rank(1) == 1
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (ParallelLayout(tp_size=3, nnodes=2), "--nnodes"),
+        (ParallelLayout(nnodes=2, node_rank=2), "--node-rank"),
+        (ParallelLayout(tp_size=0), "--tp-size"),
+    ],
+)
+def test_impossible_layouts_are_refused(layout, message):
+    with pytest.raises(LayoutError, match=message):
+        layout.check()
+
+
+@pytest.mark.parametrize(
+    "tp, pp, heads, kv, inter, layers, message",
+    [
+        (3, 1, 4, 2, 128, 2, "attention heads"),
+        (4, 1, 12, 3, 128, 2, "KV heads"),
+        (2, 1, 4, 2, 129, 2, "MLP width"),
+        (1, 3, 4, 2, 128, 2, "layers"),
+    ],
+)
+def test_layouts_the_model_cannot_take_are_refused(tp, pp, heads, kv, inter, layers, message):
+    with pytest.raises(LayoutError, match=message):
+        ParallelLayout(tp_size=tp, pp_size=pp).check_model(layers, heads, kv, inter)
+
+
+def test_model_layouts_that_fit_pass():
+    ParallelLayout(tp_size=4, pp_size=2).check_model(30, 12, 2, 1536)  # kv replicated in pairs
+    ParallelLayout(tp_size=2).check_model(2, 4, 1, 128)  # one KV head, replicated
+
+
+def test_cores_are_split_between_the_ranks_of_a_node(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    layout = ParallelLayout(tp_size=2)
+    assert layout.cpu_cores(0, None) == (2, [0, 1])
+    assert layout.cpu_cores(1, None) == (2, [2, 3])
+    assert layout.cpu_cores(1, 2) == (1, [1])  # --cpu-threads caps the total
+    four = ParallelLayout(tp_size=2, pp_size=4)  # more ranks than cores: 1 thread each, unpinned
+    assert four.cpu_cores(5, None) == (1, [])
