@@ -41,6 +41,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
     },
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True},
+    # Multi-query attention (one KV head: replicated on every tensor-parallel rank) and a vocabulary
+    # that no tp_size > 1 divides (the vocab-parallel embedding and head pad it).
+    "llama_kv1": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "tie_word_embeddings": False,
+        "num_key_value_heads": 1,
+        "vocab_size": TINY_VOCAB + 3,
+    },
     "qwen3": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -86,7 +95,7 @@ def write_tiny_tokenizer(
 
 
 def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a random `kind` ('llama', 'qwen2', 'qwen3') checkpoint to `path` and return it."""
+    """Write a random `kind` ('llama', 'llama_kv1', 'qwen2', 'qwen3') checkpoint to `path`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
