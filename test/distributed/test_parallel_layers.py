@@ -15,6 +15,7 @@ from radixserve.distributed.communication import (
     recv_pyobj,
     send_pyobj,
 )
+from radixserve.distributed.layout import ParallelLayout
 from radixserve.layers.linear import Linear
 from radixserve.layers.parallel_linear import (
     ColumnParallelLinear,
@@ -41,7 +42,7 @@ def _full(name: str, *shape: int) -> CheckpointTensor:
 
 
 @torch.no_grad()
-def _linears(rank: int, world: int, num_kv_heads: int) -> dict[str, float]:
+def _linears(rank: int, world: int, num_heads: int, num_kv_heads: int) -> dict[str, float]:
     tp = _tp(rank, world)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
     errors: dict[str, float] = {}
@@ -65,20 +66,26 @@ def _linears(rank: int, world: int, num_kv_heads: int) -> dict[str, float]:
         (tp.all_gather(u_local) - x @ up.full().T).abs().max(),
     )
 
-    # qkv by heads, with KV heads replicated when there are fewer than ranks
-    heads = 4
+    # qkv by heads (whole KV groups, uneven when tp does not divide them; a KV head replicated
+    # when there are fewer than ranks); o_proj reads the columns of the rank's heads
+    heads = ParallelLayout(tp_size=world).attention_heads(num_heads, num_kv_heads, rank)
     q, k, v = (
-        _full(n, h * HEAD_DIM, HIDDEN) for n, h in (("q", heads), ("k", num_kv_heads), ("v", num_kv_heads))
+        _full(n, h * HEAD_DIM, HIDDEN)
+        for n, h in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))
     )
-    qkv = QKVParallelLinear(HIDDEN, HEAD_DIM, heads, num_kv_heads, False, tp)
+    qkv = QKVParallelLinear(HIDDEN, HEAD_DIM, num_heads, num_kv_heads, False, tp, heads)
     for shard, t in (("q", q), ("k", k), ("v", v)):
         qkv.weight_loader(qkv.weight, t, shard)
     ql, kl, vl = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=-1)
-    errors["q"] = (tp.all_gather(ql) - x @ q.full().T).abs().max()
-    kv_heads_here = qkv.num_kv_heads
-    start = qkv.kv_head_start * HEAD_DIM
-    errors["k"] = (kl - (x @ k.full().T)[:, start : start + kv_heads_here * HEAD_DIM]).abs().max()
-    errors["v"] = (vl - (x @ v.full().T)[:, start : start + kv_heads_here * HEAD_DIM]).abs().max()
+    qs, ks = heads.q_start * HEAD_DIM, heads.kv_start * HEAD_DIM
+    errors["q"] = (ql - (x @ q.full().T)[:, qs : qs + qkv.q_size]).abs().max()
+    errors["k"] = (kl - (x @ k.full().T)[:, ks : ks + qkv.kv_size]).abs().max()
+    errors["v"] = (vl - (x @ v.full().T)[:, ks : ks + qkv.kv_size]).abs().max()
+    o = _full("o", HIDDEN, num_heads * HEAD_DIM)
+    o_proj = RowParallelLinear(num_heads * HEAD_DIM, HIDDEN, False, tp, input_slice=(qs, qkv.q_size))
+    o_proj.weight_loader(o_proj.weight, o)
+    attn_out = torch.randn(5, num_heads * HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    errors["o"] = (o_proj(attn_out[:, qs : qs + qkv.q_size].contiguous()) - attn_out @ o.full().T).abs().max()
 
     # row: partial sums all-reduced, bias once
     w, b = _full("row.w", HIDDEN, 24), _full("row.b", HIDDEN)
@@ -93,9 +100,9 @@ def _linears(rank: int, world: int, num_kv_heads: int) -> dict[str, float]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("num_kv_heads", [2, 1])
-def test_parallel_linears_match_the_unsharded_layer(num_kv_heads):
-    results = run_on_ranks(_linears, 2, (num_kv_heads,))
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (4, 1), (6, 3)])
+def test_parallel_linears_match_the_unsharded_layer(num_heads, num_kv_heads):
+    results = run_on_ranks(_linears, 2, (num_heads, num_kv_heads))
     for res in results:
         assert max(res["errors"].values()) < 1e-5, res["errors"]
     assert torch.equal(results[0]["row"], results[1]["row"])  # every rank holds the same sum

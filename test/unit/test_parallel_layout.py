@@ -44,10 +44,18 @@ def test_stage_layers_cover_every_layer_once(layers, pp, expected):
     assert [layout.stage_layers(layers, p) for p in range(pp)] == expected
 
 
-def test_kv_heads_split_or_replicate():
-    assert ParallelLayout(tp_size=2).kv_heads_per_rank(4) == 2
-    assert ParallelLayout(tp_size=4).kv_heads_per_rank(2) == 1  # replicated on pairs of ranks
-    assert ParallelLayout(tp_size=2).kv_heads_per_rank(1) == 1
+def _heads(tp, heads, kv):
+    layout = ParallelLayout(tp_size=tp)
+    return [tuple(vars(layout.attention_heads(heads, kv, r)).values()) for r in range(tp)]
+
+
+def test_attention_heads_split_by_kv_group():
+    # (q_start, q_count, kv_start, kv_count) per rank
+    assert _heads(2, 4, 2) == [(0, 2, 0, 1), (2, 2, 1, 1)]
+    assert _heads(2, 9, 3) == [(0, 6, 0, 2), (6, 3, 2, 1)]  # SmolLM2-135M: uneven, whole groups
+    assert _heads(4, 8, 2) == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]  # replicated
+    assert _heads(2, 4, 1) == [(0, 2, 0, 1), (2, 2, 0, 1)]
+    assert _heads(1, 9, 3) == [(0, 9, 0, 3)]
 
 
 @pytest.mark.parametrize(
@@ -66,8 +74,9 @@ def test_impossible_layouts_are_refused(layout, message):
 @pytest.mark.parametrize(
     "tp, pp, heads, kv, inter, layers, message",
     [
-        (3, 1, 4, 2, 128, 2, "attention heads"),
-        (4, 1, 12, 3, 128, 2, "KV heads"),
+        (4, 1, 9, 3, 128, 2, "KV heads"),  # 4 ranks cannot share 3 KV heads evenly
+        (4, 1, 6, 2, 128, 2, "KV heads"),  # 6 heads over 4 ranks
+        (1, 1, 9, 2, 128, 2, "KV groups"),
         (2, 1, 4, 2, 129, 2, "MLP width"),
         (1, 3, 4, 2, 128, 2, "layers"),
     ],
@@ -80,6 +89,7 @@ def test_layouts_the_model_cannot_take_are_refused(tp, pp, heads, kv, inter, lay
 def test_model_layouts_that_fit_pass():
     ParallelLayout(tp_size=4, pp_size=2).check_model(30, 12, 2, 1536)  # kv replicated in pairs
     ParallelLayout(tp_size=2).check_model(2, 4, 1, 128)  # one KV head, replicated
+    ParallelLayout(tp_size=2).check_model(30, 9, 3, 1536)  # the built-in model: 2 + 1 KV heads
 
 
 def test_cores_are_split_between_the_ranks_of_a_node(monkeypatch):

@@ -8,7 +8,7 @@ node 0, the node that serves HTTP.
     layout = ParallelLayout(tp_size=2, pp_size=2, nnodes=2, node_rank=1)
     layout.local_ranks()             # (2, 3): the second stage runs on node 1
     layout.stage_layers(30, 1)       # (15, 30)
-    layout.kv_heads_per_rank(1)      # 1: a single KV head is replicated on every TP rank
+    layout.attention_heads(9, 3, 1)  # HeadShard(q_start=6, q_count=3, kv_start=2, kv_count=1)
 """
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ class RankInfo:
     pp_rank: int
     node_rank: int
     local_rank: int  # index among the ranks of this node (GPU index, share of the cores)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """A rank's attention heads: query heads [q_start, q_start + q_count) and KV heads
+    [kv_start, kv_start + kv_count) of the model's."""
+
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
 
 
 @dataclass(frozen=True)
@@ -68,17 +79,18 @@ class ParallelLayout:
 
     def check_model(self, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
         """Refuse layouts this model cannot be split into (at start, before any process runs)."""
-        if num_heads % self.tp_size:
-            raise LayoutError(
-                f"--tp-size {self.tp_size} does not divide the model's {num_heads} attention heads: "
-                f"use a --tp-size that divides {num_heads}"
-            )
-        if num_kv_heads % self.tp_size and self.tp_size % num_kv_heads:
-            raise LayoutError(
-                f"--tp-size {self.tp_size} and the model's {num_kv_heads} KV heads do not divide "
-                "each other: each rank must hold whole KV heads (a divisor of the KV heads, or a "
-                "multiple of them, which replicates each KV head)"
-            )
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise LayoutError(f"the model's {num_heads} attention heads do not form {num_kv_heads} KV groups")
+        if self.tp_size > num_kv_heads:
+            # More ranks than KV heads: each KV head is replicated on tp_size / num_kv_heads ranks,
+            # which split its query heads evenly.
+            if self.tp_size % num_kv_heads or num_heads % self.tp_size:
+                raise LayoutError(
+                    f"--tp-size {self.tp_size} exceeds the model's {num_kv_heads} KV heads, so each "
+                    f"KV head must be replicated on an equal number of ranks and the {num_heads} "
+                    f"attention heads split evenly: use a --tp-size up to {num_kv_heads}, or a "
+                    f"multiple of {num_kv_heads} that divides {num_heads}"
+                )
         if intermediate_size % self.tp_size:
             raise LayoutError(
                 f"--tp-size {self.tp_size} does not divide the model's MLP width ({intermediate_size}): "
@@ -121,9 +133,24 @@ class ParallelLayout:
         start = pp_rank * base + min(pp_rank, extra)
         return start, start + base + (1 if pp_rank < extra else 0)
 
-    def kv_heads_per_rank(self, num_kv_heads: int) -> int:
-        """KV heads each TP rank holds: a share, or one replicated head when tp_size > heads."""
-        return max(1, num_kv_heads // self.tp_size)
+    def attention_heads(self, num_heads: int, num_kv_heads: int, tp_rank: int) -> HeadShard:
+        """The query and KV heads TP rank `tp_rank` holds.
+
+        Heads are split by KV group (query head h attends with KV head h // (num_heads /
+        num_kv_heads)), so a rank never needs another rank's KV. With tp_size <= num_kv_heads each
+        rank takes a contiguous block of whole groups, one more group on the first ranks when
+        they do not divide evenly (SmolLM2-135M's 3 KV heads at tp_size 2: 2 and 1). With more
+        ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads ranks, which
+        split its group's query heads.
+        """
+        group = num_heads // num_kv_heads
+        if self.tp_size <= num_kv_heads:
+            base, extra = divmod(num_kv_heads, self.tp_size)
+            kv_start = tp_rank * base + min(tp_rank, extra)
+            kv_count = base + (1 if tp_rank < extra else 0)
+            return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
+        q_count = num_heads // self.tp_size
+        return HeadShard(tp_rank * q_count, q_count, tp_rank * num_kv_heads // self.tp_size, 1)
 
     # ------------------------------------------------------------------ cores
     def cpu_cores(self, local_rank: int, threads: int | None) -> tuple[int, list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.distributed.communication import TensorParallelComm
-from radixserve.distributed.layout import ParallelLayout
+from radixserve.distributed.layout import HeadShard, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -25,3 +25,7 @@ class ModelParallelism:
     def stage_layers(self, num_layers: int) -> tuple[int, int]:
         """[start, end) of the decoder layers this stage holds."""
         return ParallelLayout(pp_size=self.pp_size).stage_layers(num_layers, self.pp_rank)
+
+    def attention_heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        """This rank's query and KV heads (distributed/layout.py)."""
+        return ParallelLayout(tp_size=self.tp.size).attention_heads(num_heads, num_kv_heads, self.tp.rank)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
+from radixserve.distributed.layout import HeadShard
 from radixserve.layers.linear import Linear, linear
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
@@ -82,10 +83,8 @@ class MergedColumnParallelLinear(Linear):
 
 
 class QKVParallelLinear(Linear):
-    """The fused q/k/v projection of attention, split by heads: rank r holds query heads
-    [r * H/tp, (r+1) * H/tp) and the KV heads they attend with: KV/tp of them when tp <= KV, else
-    the single head r * KV // tp, which tp/KV consecutive ranks then hold as a replica. (Query head
-    h uses KV head h // (H/KV), so a rank's query heads never need another rank's KV head.)"""
+    """The fused q/k/v projection of attention, split by heads: the rank holds the query heads and
+    KV heads of its HeadShard (whole KV groups, or a replicated KV head: distributed/layout.py)."""
 
     def __init__(
         self,
@@ -95,15 +94,12 @@ class QKVParallelLinear(Linear):
         num_kv_heads: int,
         bias: bool,
         tp: TensorParallelComm,
+        heads: HeadShard | None = None,  # default: all heads (a single rank)
     ) -> None:
         self.head_dim = head_dim
         self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
-        self.num_heads = divide(num_heads, tp.size, "attention heads")
-        self.num_kv_heads = max(1, num_kv_heads // tp.size)
-        # The first KV head of this rank; with replication, consecutive ranks share a head.
-        self.kv_head_start = (
-            tp.rank * self.num_kv_heads if num_kv_heads >= tp.size else tp.rank * num_kv_heads // tp.size
-        )
+        self.heads = heads or HeadShard(0, num_heads, 0, num_kv_heads)
+        self.num_heads, self.num_kv_heads = self.heads.q_count, self.heads.kv_count
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
@@ -112,11 +108,11 @@ class QKVParallelLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         d = self.head_dim
         if shard_id == "q":
-            dst_start, size, src_start = 0, self.q_size, self.tp.rank * self.q_size
+            dst_start, size, src_start = 0, self.q_size, self.heads.q_start * d
             _expect(loaded, (self.total_heads * d, *param.shape[1:]))
         elif shard_id in ("k", "v"):
             dst_start = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size, src_start = self.kv_size, self.kv_head_start * d
+            size, src_start = self.kv_size, self.heads.kv_start * d
             _expect(loaded, (self.total_kv_heads * d, *param.shape[1:]))
         else:
             raise ModelLoadError(f"{loaded.name}: unknown q/k/v shard {shard_id!r}")
@@ -124,19 +120,33 @@ class QKVParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """y = all_reduce(x[:, rank's slice] @ W[:, rank's slice].T) + b."""
+    """y = all_reduce(x[:, rank's slice] @ W[:, rank's slice].T) + b.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelComm) -> None:
-        super().__init__(divide(in_features, tp.size, "input features"), out_features, bias=bias)
+    The rank's input slice is [input_start, input_start + input_size): an even split by default,
+    or the columns of the rank's attention heads for o_proj (which may be uneven)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallelComm,
+        input_slice: tuple[int, int] | None = None,  # (start, size); default: an even split
+    ) -> None:
+        if input_slice is None:
+            size = divide(in_features, tp.size, "input features")
+            input_slice = (tp.rank * size, size)
+        self.input_start, self.input_size = input_slice
+        self.total_in_features = in_features
+        super().__init__(self.input_size, out_features, bias=bias)
         self.tp = tp
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias: whole on every rank, added after the reduction
             _copy(param.data, loaded.full(), loaded.name)
             return
-        cols = param.shape[1]
-        _expect(loaded, (param.shape[0], cols * self.tp.size))
-        _copy(param.data, loaded.narrow(1, self.tp.rank * cols, cols), loaded.name)
+        _expect(loaded, (param.shape[0], self.total_in_features))
+        _copy(param.data, loaded.narrow(1, self.input_start, self.input_size), loaded.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

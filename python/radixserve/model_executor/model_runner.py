@@ -122,7 +122,8 @@ class ModelRunner:
 
     @property
     def num_local_kv_heads(self) -> int:
-        return max(1, self.model_config.num_kv_heads // self.parallel.tp.size)
+        mc = self.model_config
+        return self.parallel.attention_heads(mc.num_heads, mc.num_kv_heads).kv_count
 
     def _kv_bytes_per_token(self) -> int:
         mc = self.model_config

@@ -55,20 +55,26 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         max_position: int,
-        tp: TensorParallelComm,
+        parallel: ModelParallelism,
     ) -> None:
         super().__init__()
+        tp = parallel.tp
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        heads = parallel.attention_heads(total_heads, total_kv_heads)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias, tp
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias, tp, heads
         )
         # This rank's heads (all of them at tp_size 1).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            total_heads * self.head_dim, config.hidden_size, getattr(config, "attention_bias", False), tp
+            total_heads * self.head_dim,
+            config.hidden_size,
+            getattr(config, "attention_bias", False),
+            tp,
+            input_slice=(heads.q_start * self.head_dim, self.q_size),  # the columns of this rank's heads
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -112,12 +118,12 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         max_position: int,
-        tp: TensorParallelComm,
+        parallel: ModelParallelism,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, max_position, tp)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, max_position, parallel)
         bias = getattr(config, "mlp_bias", False)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, tp)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, parallel.tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -156,7 +162,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, max_position, tp)
+            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, max_position, parallel)
             if self.start_layer <= i < self.end_layer
             else MissingLayer()
             for i in range(config.num_hidden_layers)

@@ -256,6 +256,7 @@ class BatchBuilder:
             old_ratio = st.new_token_ratio
             retracted, ratio, to_abort = batch.retract_decode(self.limits.enable_priority_scheduling)
             st.new_token_ratio = max(st.new_token_ratio, ratio)
+            self.output.stats.num_retracted_reqs += len(retracted)
             for req in retracted:
                 self.requests.requeue(req)
             for req in to_abort:

@@ -29,6 +29,7 @@ class StepStats:
         self.last_gen_throughput = 0.0
         self.cache_hit_tokens = 0
         self.cache_query_tokens = 0
+        self.num_retracted_reqs = 0  # since start: decodes retracted because the KV pool was full
 
 
 class OutputProcessor:

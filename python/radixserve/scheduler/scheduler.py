@@ -214,6 +214,7 @@ class Scheduler:
                 "cache_hit_rate": stats.cache_hit_tokens / max(stats.cache_query_tokens, 1),
                 "last_gen_throughput": stats.last_gen_throughput,
                 "new_token_ratio": self.state.new_token_ratio,
+                "num_retracted_reqs": stats.num_retracted_reqs,
                 # Each rank's own pool (they must agree), gathered from every rank: all ranks
                 # receive this request in the same step.
                 "ranks": self.sync.gather(self._pool_report()),

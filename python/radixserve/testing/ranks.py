@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 from collections.abc import Callable
@@ -42,7 +43,9 @@ def _rank_main(
             world_size=world_size,
             timeout=timedelta(seconds=60),
         )
-        out.put((rank, True, fn(rank, world_size, *args)))
+        # Pickled here, by value: a tensor put on the queue as-is would be shared through a file
+        # descriptor that dies with this process before the parent reads it.
+        out.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
     finally:
@@ -72,7 +75,7 @@ def run_on_ranks(
                 ) from None
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(5)
