@@ -1,9 +1,13 @@
 """Static-batch latency benchmark without a server: one prefill, then decode steps.
 
     python -m radixserve.bench_one_batch --batch-size 1 8 32 64 --input-len 128 --output-len 64 --hf
+    python -m radixserve.bench_one_batch --batch-size 1 --server-args '{"tp_size": 2}'
 
 Prints SGLang-style result blocks, and appends one JSON line per batch size to --result-file.
 With --hf, runs HF transformers `generate` on the same shapes in the same process for comparison.
+With tp_size / pp_size > 1 in --server-args, one process per rank runs the same static batch (as
+the server's ranks do: same thread split and pinning); rank 0 prints. Pipeline stages run the
+batch one stage after the other (a static batch has no micro-batches to overlap).
 """
 
 from __future__ import annotations
@@ -153,9 +157,69 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=max_bs,
         **json.loads(args.server_args),
     ).resolve()
-    model_config = ModelConfig.from_path(model_path, dtype=server_args.dtype, device=server_args.device)
+    if not server_args.layout().is_single:
+        if args.hf or args.profile:
+            parser.error("--hf and --profile run on a single rank only")
+        _run_ranks(server_args, args)
+        return
     torch.set_num_threads(server_args.cpu_threads or torch.get_num_threads())
-    worker = TpModelWorker(server_args, model_config)
+    run_benchmarks(server_args, args, TpModelWorker(server_args, _model_config(server_args)))
+
+
+def _model_config(server_args: ServerArgs) -> ModelConfig:
+    return ModelConfig.from_path(server_args.model_path, dtype=server_args.dtype, device=server_args.device)
+
+
+def _run_ranks(server_args: ServerArgs, args: argparse.Namespace) -> None:
+    """One process per rank, placed like the server's ranks; rank 0 prints and writes results."""
+    import multiprocessing as mp
+
+    from radixserve.entrypoints.subprocesses import check_model_layout
+    from radixserve.utils.network import get_free_port
+
+    check_model_layout(server_args)
+    init_addr = f"127.0.0.1:{get_free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_bench_rank, args=(server_args, args, rank, init_addr))
+        for rank in range(server_args.layout().world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise SystemExit(f"ranks {failed} failed")
+
+
+def _bench_rank(server_args: ServerArgs, args: argparse.Namespace, rank: int, init_addr: str) -> None:
+    from radixserve.distributed.rank_runtime import RankRuntime
+    from radixserve.scheduler.scheduler_process import place_rank
+
+    layout = server_args.layout()
+    server_args, threads, cores = place_rank(server_args, layout, layout.rank_info(rank).local_rank)
+    runtime = RankRuntime.start(
+        layout,
+        rank,
+        init_addr,
+        server_args.device or "cpu",
+        server_args.dist_timeout,
+        use_shm=not server_args.disable_custom_all_reduce,
+    )
+    worker = TpModelWorker(server_args, _model_config(server_args), runtime)
+    if rank == 0:
+        print(
+            f"{layout.world_size} ranks (tp {layout.tp_size} x pp {layout.pp_size}), {threads} thread(s) each"
+        )
+    run_benchmarks(server_args, args, worker, quiet=rank != 0)
+
+
+def run_benchmarks(
+    server_args: ServerArgs, args: argparse.Namespace, worker: TpModelWorker, quiet: bool = False
+) -> None:
+    model_config = worker.model_config
+    model_path = server_args.model_path
     hf_model = None
     if args.hf:
         from transformers import AutoModelForCausalLM
@@ -163,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     # The label says what differs from the defaults, so A/B rows (docs/benchmarks.md) tell apart.
     label = "radixserve" + (f" {args.server_args}" if json.loads(args.server_args) else "")
+    if worker.rank is not None and worker.rank.parallel.tp.fast is None and server_args.tp_size > 1:
+        label += " [gloo all-reduce]"
     if os.environ.get("RADIXSERVE_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
         label += " [compiled CPU kernels off]"
     # Warm-up so one-time costs (allocator growth, lazy init) are not timed.
@@ -173,11 +239,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             profile_prefill(worker, prompts)
         results.append(bench_radixserve(worker, prompts, args.output_len, label))
+        if quiet:
+            continue
         print_block(results[-1])
         if hf_model is not None:
             results.append(bench_hf(hf_model, prompts, args.output_len))
             print_block(results[-1])
-    if args.result_file:
+    if args.result_file and not quiet:
         with open(args.result_file, "a") as f:
             for r in results:
                 f.write(json.dumps(r) + "\n")

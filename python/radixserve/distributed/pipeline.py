@@ -8,6 +8,7 @@ batch), so hidden states travel without a header.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from radixserve.distributed.communication import PendingSends, recv_pyobj, send_pyobj
 from radixserve.distributed.parallel_state import RankGroups
-from radixserve.model_executor.forward_batch import PPProxyTensors
+from radixserve.model_executor.forward_batch import GenerationBatchResult, PPProxyTensors
 
 
 class StageLink:
@@ -55,13 +56,30 @@ class StageLink:
         assert self.prev is not None
         return recv_pyobj(self.prev, self.groups.pp_cpu)
 
-    def send_to_earlier_stages(self, obj: Any) -> None:  # noqa: ANN401
-        """From the last stage to the same TP index of every earlier stage."""
+    def publish_result(self, result: GenerationBatchResult) -> GenerationBatchResult:
+        """Last stage: send a sampled result (on the host) to the same TP index of every earlier
+        stage, which needs its tokens to go on; returns the host copy."""
+        logprobs = result.next_token_logprobs
+        host = dataclasses.replace(
+            result,
+            next_token_ids=result.next_token_ids.cpu(),
+            next_token_logprobs=None if logprobs is None else logprobs.cpu(),
+            copy_done=None,
+        )
         for dst in self.earlier:
-            send_pyobj(obj, dst, self.groups.pp_cpu, self._obj_sends)
+            send_pyobj(host, dst, self.groups.pp_cpu, self._obj_sends)
+        return host
 
-    def recv_from_last_stage(self) -> Any:  # noqa: ANN401
+    def recv_result(self) -> GenerationBatchResult:
+        """Earlier stages: the next result the last stage published."""
         return recv_pyobj(self.last, self.groups.pp_cpu)
+
+    def exchange_result(self, result: GenerationBatchResult | None) -> GenerationBatchResult:
+        """Every stage ends with the last stage's result of the batch just run (no pipelining)."""
+        if self.next is None:
+            assert result is not None
+            return self.publish_result(result)
+        return self.recv_result()
 
     def close(self) -> None:
         self._hidden_sends.wait_all()

@@ -117,6 +117,9 @@ class StaticBatchRunner:
 
     def _run(self, reqs: list[StaticReq], batch: ModelWorkerBatch) -> GenerationBatchResult:
         result = self.worker.forward_batch_generation(batch)
+        link = getattr(self.worker, "stage_link", None)
+        if link is not None:  # pipeline stages: every stage goes on with the last stage's tokens
+            result = link.exchange_result(result)
         for i, (req, token) in enumerate(zip(reqs, result.next_token_ids.tolist())):
             req.output_ids.append(token)
             if result.next_token_logprobs is not None:

@@ -104,7 +104,7 @@ class PipelineLoop:
             result, slot.local_result = slot.local_result, None
             assert result is not None
             return result
-        return self.link.recv_from_last_stage()
+        return self.link.recv_result()
 
     def _swap_in(self, slot: MicroBatchSlot) -> None:
         state = self.scheduler.state
@@ -125,9 +125,7 @@ class PipelineLoop:
         slot.inflight = batch
         if self.is_last:
             assert result is not None
-            result = _to_host(result)
-            slot.local_result = result
-            self.link.send_to_earlier_stages(result)
+            slot.local_result = self.link.publish_result(result)
 
     def close(self) -> None:
         self.link.close()
@@ -138,14 +136,3 @@ class PipelineLoop:
                 self.step()
         finally:
             self.close()
-
-
-def _to_host(result: GenerationBatchResult) -> GenerationBatchResult:
-    """The result as the earlier stages receive it (pickled): tensors on the host."""
-    logprobs = result.next_token_logprobs
-    return dataclasses.replace(
-        result,
-        next_token_ids=result.next_token_ids.cpu(),
-        next_token_logprobs=None if logprobs is None else logprobs.cpu(),
-        copy_done=None,
-    )

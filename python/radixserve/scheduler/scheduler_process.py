@@ -140,7 +140,7 @@ def run_rank_process(
         format=f"[%(asctime)s scheduler TP{info.tp_rank} PP{info.pp_rank}] %(levelname)s %(message)s",
     )
     try:
-        server_args, threads, cores = _place_rank(server_args, layout, info.local_rank)
+        server_args, threads, cores = place_rank(server_args, layout, info.local_rank)
         runtime, scheduler, io, ready = _build_rank(server_args, port_args, layout, rank, init_addr)
         ready["rank_info"] = {
             **dataclasses.asdict(info),
@@ -171,7 +171,7 @@ def run_rank_process(
         os._exit(1)  # skip the process-group teardown, which would wait on the dead peer
 
 
-def _place_rank(
+def place_rank(
     server_args: ServerArgs, layout: ParallelLayout, local_rank: int
 ) -> tuple[ServerArgs, int, list[int]]:
     """This rank's device and its share of the node's cores (pinned, so ranks never contend)."""
