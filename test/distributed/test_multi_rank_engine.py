@@ -106,3 +106,26 @@ LAYOUTS = [
 def test_greedy_parity_with_single_rank_and_hf(kind, layout, tiny_model_dir, reference):
     hf, single = reference(kind)
     _assert_matches(_run(tiny_model_dir(kind), **layout), hf, single)
+
+
+@pytest.mark.timeout(300)
+def test_input_blocker_holds_requests_on_every_rank_until_unblock(tiny_model_dir):
+    import threading
+
+    from radixserve.managers.io_struct import BlockReqInput, BlockReqType
+
+    with Engine(model_path=tiny_model_dir("llama"), tp_size=2, pp_size=2, **ARGS) as engine:
+        send = engine.tokenizer_manager._send.send_pyobj  # the scheduler socket (white box)
+        send(BlockReqInput(BlockReqType.BLOCK))
+        done: list[dict] = []
+        worker = threading.Thread(
+            target=lambda: done.append(
+                engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0})
+            )
+        )
+        worker.start()
+        worker.join(timeout=2.0)
+        assert not done  # held by every rank's blocker
+        send(BlockReqInput(BlockReqType.UNBLOCK))
+        worker.join(timeout=60)
+        assert done and done[0]["meta_info"]["completion_tokens"] == 4

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from radixserve.sampling.sampling_params import SamplingParams
@@ -88,6 +89,19 @@ class GetInternalStateReqOutput:
 
 
 # ---------------------------------------------------------------------------------------- outputs
+class BlockReqType(Enum):
+    BLOCK = 1
+    UNBLOCK = 2
+
+
+@dataclass(frozen=True, slots=True)
+class BlockReqInput:
+    """Hold (BLOCK) or release (UNBLOCK) every request the schedulers receive: the
+    SchedulerInputBlocker (seed 002 §7.1) keeps them aside until every rank has unblocked."""
+
+    type: BlockReqType
+
+
 @dataclass(frozen=True, slots=True)
 class BatchTokenIDOut:
     """Scheduler -> Detokenizer, one per scheduler step: every request that has something to report.

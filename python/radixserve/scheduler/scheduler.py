@@ -37,6 +37,7 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
+from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.overlap import FutureMap, PendingResult, create_overlap_executor
@@ -130,6 +131,7 @@ class Scheduler:
             self.make_batch,
         )
         self.sync: RankSync = sync or LocalSync()
+        self.input_blocker = SchedulerInputBlocker(sync=self.sync)
         self.dispatcher = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -167,7 +169,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ input
     def process_input_requests(self, recv_reqs: Iterable[object]) -> None:
-        for msg in recv_reqs:
+        # Flow control first (BLOCK / UNBLOCK): held requests reach the dispatcher later.
+        for msg in self.input_blocker.handle(list(recv_reqs)) or ():
             reply = self.dispatcher(msg)
             if reply is not None:
                 self.send_output(reply)
@@ -182,7 +185,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ control requests
     def is_idle(self) -> bool:
-        return self.state.is_idle() and not self.state.waiting_queue and self.num_inflight_batches == 0
+        return (
+            self.state.is_idle()
+            and not self.state.waiting_queue
+            and self.num_inflight_batches == 0
+            and not self.input_blocker.at_barrier  # the UNBLOCK barrier is polled every step
+        )
 
     def flush_cache(self, msg: FlushCacheReqInput | None = None) -> FlushCacheReqOutput:
         if not self.is_idle():
