@@ -210,7 +210,8 @@ class Scheduler:
         stats = self.output.stats
         return GetInternalStateReqOutput(
             internal_state={
-                "num_running_reqs": len(self.state.running_batch.reqs),
+                # Pipeline stages decode several micro-batches: the others' requests count too.
+                "num_running_reqs": len(self.state.running_batch.reqs) + len(self.state.other_running_reqs),
                 "num_waiting_reqs": len(self.state.waiting_queue),
                 "num_grammar_queue_reqs": len(self.grammar.grammar_queue),
                 "token_usage": self.mem.token_usage(),

@@ -237,6 +237,9 @@ def _run_rank_loop(
         return
     from radixserve.scheduler.pipeline_loop import PipelineLoop
 
+    if not server_args.disable_overlap_schedule:
+        logger.info("Pipeline stages overlap micro-batches across stages; the overlap loop is not used")
+
     micro = server_args.pp_max_micro_batch_size or max(
         scheduler.max_running_requests // runtime.layout.pp_size, 1
     )
