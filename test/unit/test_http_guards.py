@@ -49,7 +49,9 @@ def test_allowed_host_names() -> None:
     assert allowed_host_names("10.0.0.5", None) == {"10.0.0.5"}
     assert allowed_host_names("localhost", None) == loopback
     assert allowed_host_names("0.0.0.0", None) is None  # a wildcard bind cannot know its names
-    assert allowed_host_names("::", "api.example") == loopback | {"api.example"}
+    assert allowed_host_names("::", "api.example") == loopback | {"api.example", "::"}
+    # launch_server's warm-up calls http://<bind host>:<port>: a 0.0.0.0 bind must accept it
+    assert "0.0.0.0" in allowed_host_names("0.0.0.0", "api.example")
     assert allowed_host_names("127.0.0.1", "*") is None
 
 

@@ -45,13 +45,14 @@ def allowed_host_names(bind_host: str, allowed_hosts: str | None) -> frozenset[s
 
     A specific bind address accepts itself (and the loopback names when it is a loopback address)
     plus --allowed-hosts. A wildcard bind (0.0.0.0, ::) cannot know the names it is reached by:
-    any Host is accepted unless --allowed-hosts lists them. "*" in the list accepts any."""
+    any Host is accepted unless --allowed-hosts lists them (the bind address and the loopback
+    names, which the start-up warm-up and local probes use, stay allowed). "*" accepts any."""
     extra = {_normalize(h) for h in (allowed_hosts or "").split(",") if h.strip()}
     if "*" in extra:
         return None
     bind = _normalize(bind_host)
     if bind in WILDCARD_BINDS:
-        return frozenset(extra | LOOPBACK_NAMES) if extra else None
+        return frozenset(extra | LOOPBACK_NAMES | {bind}) if extra else None
     names = {bind} | extra
     if bind == "localhost" or _is_loopback(bind):
         names |= LOOPBACK_NAMES
