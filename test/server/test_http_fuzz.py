@@ -50,8 +50,9 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
         server.stop()
 
 
-def _fuzz(operation, mode, failures: list[str]) -> int:  # noqa: ANN001 - schemathesis types
-    """Run one operation's generated cases; record each failure; return the number of cases."""
+def _fuzz(operation, mode) -> int:  # noqa: ANN001 - schemathesis' operation type
+    """Run one operation's generated cases; return their number. A failed check raises (a
+    FailureGroup naming every failed check, with a curl line) after hypothesis shrank the case."""
     calls = 0
 
     @settings(
@@ -65,10 +66,7 @@ def _fuzz(operation, mode, failures: list[str]) -> int:  # noqa: ANN001 - schema
         nonlocal calls
         calls += 1
         response = case.call(timeout=HANG_S)  # raises on a hang
-        try:
-            case.validate_response(response, checks=CHECKS)
-        except Exception as exc:  # a FailureGroup with every failed check, the curl line included
-            failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}): {exc}")
+        case.validate_response(response, checks=CHECKS)
 
     try:
         run()
@@ -81,12 +79,10 @@ def test_every_route_conforms_and_never_fails(fuzz_server: Server) -> None:
     # schemathesis' own pytest integration (schema.parametrize / from_fixture) does not run
     # under pytest 9, so the operations are driven through its Python API.
     api = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
-    failures: list[str] = []
     calls = 0
     operations = [result.ok() for result in api.get_all_operations()]
     assert len(operations) >= 14
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            calls += _fuzz(operation, mode, failures)
-    assert not failures, "\n\n".join(failures[:5])
+            calls += _fuzz(operation, mode)
     assert calls > 10 * len(operations)
