@@ -45,6 +45,14 @@ class ServerArgs:
     host: str = _f("127.0.0.1", "Host to bind the HTTP server to.")
     port: int = _f(30000, "Port of the HTTP server.")
     api_key: str | None = _f(None, "If set, requests must carry 'Authorization: Bearer <key>'.")
+    allowed_hosts: str | None = _f(
+        None,
+        "Comma-separated host names the Host header may carry besides the bind address (DNS-rebinding "
+        "protection); '*' accepts any. With --host 0.0.0.0 or :: any Host is accepted unless this is set.",
+    )
+    max_request_body_bytes: int = _f(
+        32 * 1024 * 1024, "Largest request body in bytes; a larger one is refused with 413 before it is read."
+    )
     enable_metrics: bool = _f(False, "Expose Prometheus metrics at /metrics.")
     log_level: str = _f("info", "Logging level.")
     log_requests: bool = _f(False, "Log every request's inputs and outputs.")

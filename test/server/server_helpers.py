@@ -23,17 +23,29 @@ BUILTIN_POOL_TOKENS = 8192
 class Server:
     """A server process on a free port: the fake-scheduler script or the real launch_server."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str] | None = None, log_path: str | None = None
+    ) -> None:
+        """`log_path`: write the server's output there (pass --log-level in argv to see more)."""
         self.port = get_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, *argv, "--port", str(self.port), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, env=dict(os.environ, **(env or {})))
+        self.log_path = log_path
+        level = [] if "--log-level" in argv else ["--log-level", "warning"]
+        cmd = [sys.executable, *argv, "--port", str(self.port), *level]
+        out = open(log_path, "w") if log_path else None  # noqa: SIM115 - the child writes it until stop()
+        self.proc = subprocess.Popen(
+            cmd, env=dict(os.environ, **(env or {})), stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+        if out is not None:
+            out.close()  # the child holds its own descriptor
 
     @classmethod
-    def fake(cls, tok_dir: str, *flags: str) -> Server:
+    def fake(cls, tok_dir: str, *flags: str, step_s: float = 0.01, log_path: str | None = None) -> Server:
         """The real HTTP server with test/server/fake_scheduler.py in place of the scheduler."""
         script = os.path.join(HERE, "fake_scheduler.py")
-        return cls([script, "--model-path", tok_dir, *flags], env={"FAKE_STEP_S": "0.01"})
+        return cls(
+            [script, "--model-path", tok_dir, *flags], env={"FAKE_STEP_S": str(step_s)}, log_path=log_path
+        )
 
     @classmethod
     def real(cls, model_path: str, *flags: str) -> Server:

@@ -19,6 +19,7 @@ from fake_scheduler import write_tiny_tokenizer  # noqa: E402
 from server_helpers import Server, assert_error, sse_events, start_servers  # noqa: E402
 
 API_KEY = "sk-test"
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_stop_token_and_no_stop_trim(url: str) -> None:
     ],
 )
 def test_generate_validation_is_400(url: str, body: bytes) -> None:
-    assert_error(httpx.post(f"{url}/generate", content=body), 400)
+    assert_error(httpx.post(f"{url}/generate", content=body, headers=JSON), 400)
 
 
 def test_queue_full_is_503(url: str) -> None:
@@ -289,26 +290,38 @@ def test_openai_errors(url: str) -> None:
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=-1)
     assert_error(httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"}), 400)
-    assert_error(httpx.post(f"{url}/v1/completions", content=b"[1,"), 400)
+    assert_error(httpx.post(f"{url}/v1/completions", content=b"[1,", headers=JSON), 400)
     assert assert_error(httpx.get(f"{url}/v1/models/nope"), 404)["code"] == "model_not_found"
     assert_error(httpx.get(f"{url}/no/such/route"), 404)
     assert_error(httpx.delete(f"{url}/generate"), 405)
 
 
-def test_json_bodies_need_no_json_content_type(url: str) -> None:
-    """`curl -d '{...}'` sends application/x-www-form-urlencoded; every POST route still reads JSON."""
+def test_only_read_only_routes_take_any_content_type(url: str) -> None:
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: the read-only routes still read
+    JSON; the routes that act need application/json (a cross-site page can send a form or
+    text/plain without a CORS preflight, never JSON)."""
     form = {"Content-Type": "application/x-www-form-urlencoded"}
-    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
-    r = httpx.post(f"{url}/v1/chat/completions", content=chat, headers=form)
-    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
-    r = httpx.post(
-        f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}', headers=form
-    )
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     r = httpx.post(f"{url}/v1/tokenize", content=b'{"prompt": "Hello world"}', headers=form)
     assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
-    assert httpx.post(f"{url}/abort_request", content=b'{"abort_all": true}', headers=form).status_code == 200
-    assert_error(httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny"}', headers=form), 400)
+    r = httpx.post(f"{url}/v1/detokenize", content=b'{"tokens": [67, 68]}', headers=form)
+    assert r.status_code == 200 and r.json()["text"]
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
+    completion = b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}'
+    for path, body in [
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", completion),
+        ("/generate", b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2}}'),
+        ("/abort_request", b'{"abort_all": true}'),
+    ]:
+        for headers in (form, {"Content-Type": "text/plain"}, {}):
+            assert_error(httpx.post(f"{url}{path}", content=body, headers=headers), 415)
+        assert httpx.post(f"{url}{path}", content=body, headers=JSON).status_code == 200
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=chat,
+        headers={"Content-Type": "application/json; charset=utf-8"},
+    )
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 
 def test_models_tokenize_metrics(url: str) -> None:

@@ -111,7 +111,8 @@ def test_flush_cache_and_cache_hit_counters(tiny: str) -> None:
     assert state["cache_hit_tokens"] >= second["meta_info"]["cached_tokens"]
     assert state["cache_query_tokens"] >= state["cache_hit_tokens"] and 0 < state["cache_hit_rate"] <= 1
     assert state["evictable_tokens"] > 0  # the prompt stays cached
-    assert httpx.get(f"{tiny}/flush_cache").status_code == 200
+    assert httpx.get(f"{tiny}/flush_cache").status_code == 405  # POST only: a GET must not act
+    assert httpx.post(f"{tiny}/flush_cache", json={}).status_code == 200
     state = internal_state(tiny)
     assert state["evictable_tokens"] == 0 and state["cache_hit_tokens"] == 0
 

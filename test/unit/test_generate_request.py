@@ -1,11 +1,13 @@
 """GenerateReqInput.expand: per-prompt fields (priority included) reach each item, and the
-TokenizedGenerateReqInput the scheduler gets carries the priority."""
+TokenizedGenerateReqInput the scheduler gets carries the priority; the per-request limits; the
+checks that need the token ids (input_validation.prepare_items)."""
 
 import asyncio
 
 import pytest
 
 from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.input_validation import ModelLimits, prepare_items
 from radixserve.managers.req_state import ReqState
 from radixserve.managers.tokenizer_manager import TokenizerManager
 
@@ -32,3 +34,55 @@ def test_priority_per_prompt_reaches_the_scheduler_message():
 def test_shape_errors(body, message):
     with pytest.raises(ValueError, match=message):
         GenerateReqInput(**body).expand()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"text": "a", "sampling_params": {"n": 129}}, r"n must be in \[1, 128\], got 129"),
+        ({"text": "a", "sampling_params": {"n": 0}}, r"n must be in \[1, 128\], got 0"),
+        ({"text": "a", "top_logprobs_num": 21}, r"top_logprobs_num must be in \[0, 20\], got 21"),
+        ({"text": "a", "top_logprobs_num": -1}, r"top_logprobs_num must be in \[0, 20\], got -1"),
+        ({"text": ["a", "b"], "top_logprobs_num": [1, 100000]}, "got 100000"),
+        ({"text": "a", "logprob_start_len": -7}, "logprob_start_len must be -1 or at least 0, got -7"),
+        ({"text": "a", "rid": "r" * 257}, "at most 256 characters, got 257"),
+        ({"text": ["a", "b"], "rid": ["x", "r" * 1_000_000]}, "at most 256 characters"),
+    ],
+)
+def test_limits_per_request(body, message):
+    with pytest.raises(ValueError, match=message):
+        GenerateReqInput(**body).expand()
+
+
+def test_limits_are_inclusive():
+    body = {"text": "a", "rid": "r" * 256, "top_logprobs_num": 20, "logprob_start_len": -1}
+    assert len(GenerateReqInput(**body, sampling_params={"n": 128}).expand()) == 128
+
+
+def _prepare(**fields):
+    items = GenerateReqInput(input_ids=[5, 6, 7], **fields).expand()
+    return prepare_items(None, ModelLimits(vocab_size=100, context_len=64, max_req_input_len=63), items)
+
+
+def test_logprob_start_len_must_be_inside_the_prompt():
+    """SGLang's rule: -1 (no prompt logprobs) or a position of the prompt; only checked when
+    logprobs are asked for (SGLang ignores the field otherwise)."""
+    for start in (-1, 0, 2):
+        assert _prepare(return_logprob=True, logprob_start_len=start) == [[5, 6, 7]]
+    for start in (3, 1000000):
+        with pytest.raises(ValueError, match=rf"logprob_start_len \({start}\) must be less than .* \(3\)"):
+            _prepare(return_logprob=True, logprob_start_len=start)
+    assert _prepare(logprob_start_len=1000000) == [[5, 6, 7]]
+
+
+def test_samples_of_a_prompt_share_one_tokenization():
+    calls = []
+
+    class Tok:
+        def encode(self, text):
+            calls.append(text)
+            return [1, 2]
+
+    items = GenerateReqInput(text=["a", "b"], sampling_params=[{"n": 3}, {}]).expand()
+    ids = prepare_items(Tok(), ModelLimits(vocab_size=10, context_len=64, max_req_input_len=63), items)
+    assert ids == [[1, 2]] * 4 and calls == ["a", "b"]

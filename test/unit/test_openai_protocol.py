@@ -30,7 +30,9 @@ class StubTokenizerManager:
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    return TestClient(create_app(ServerState(tm=StubTokenizerManager())))  # type: ignore[arg-type]
+    # The Host check accepts the loopback names of the default bind address (127.0.0.1).
+    app = create_app(ServerState(tm=StubTokenizerManager()))  # type: ignore[arg-type]
+    return TestClient(app, base_url="http://localhost")
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,9 @@ def _grammar_error(key: GrammarKey) -> str | None:
             return f"Invalid json_schema: not valid JSON ({exc})."
         if not isinstance(schema, (dict, bool)):
             return f"Invalid json_schema: a schema is a JSON object or boolean, got {type(schema).__name__}."
+        ref = _non_local_ref(schema)
+        if ref is not None:  # xgrammar only warns and leaves that part unconstrained
+            return f"Invalid json_schema: only local $ref ('#' or '#/...') is supported, got {ref!r}."
     try:
         xgr = import_xgrammar()
     except RuntimeError as exc:
@@ -57,6 +60,25 @@ def _grammar_error(key: GrammarKey) -> str | None:
             xgr.Grammar.from_ebnf(spec)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the reason
         return f"Invalid {kind} grammar: {clean_compiler_error(exc)}"
+    return None
+
+
+def _non_local_ref(node: object) -> str | None:
+    """The first `$ref` that does not point inside the schema itself (a URL, a file), if any."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+            return ref
+        # enum / const / default / examples hold data, where "$ref" is just a key
+        children = [v for k, v in node.items() if k not in ("enum", "const", "default", "examples")]
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    for child in children:
+        ref = _non_local_ref(child)
+        if ref is not None:
+            return ref
     return None
 
 

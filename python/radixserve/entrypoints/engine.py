@@ -123,7 +123,7 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _open_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
-        return self.tokenizer_manager.stream(obj)  # submits on the loop thread (ZMQ is single-threaded)
+        return await self.tokenizer_manager.stream(obj)  # submits on the loop thread (ZMQ is single-threaded)
 
     def _sync_stream(self, obj: GenerateReqInput) -> Iterator[dict]:
         agen = self._run(self._open_stream(obj))

@@ -1,8 +1,11 @@
 """The FastAPI app: native SGLang routes, the OpenAI-compatible routes, health and metrics.
 
 Every error leaves in OpenAI's envelope `{"error": {...}}`: 400 for validation (FastAPI's 422
-is overridden), 401 for a wrong API key, 404 for unknown routes and models, 503 when the
-server cannot take the request (starting, a child died, queue full).
+is overridden) and a Host that is not allowed, 401 for a wrong API key, 404 for unknown routes and
+models, 405 (with Allow) for a wrong method, 413 for a body over the size limit, 415 for a route
+that acts called without a JSON Content-Type, 503 when the server cannot take the request
+(starting, a child died, queue full). The guards are in http_guards.py; the OpenAPI document
+(/openapi.json) is completed in openapi_spec.py.
 """
 
 from __future__ import annotations
@@ -10,18 +13,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
+from radixserve.entrypoints.http_guards import (
+    GuardMiddleware,
+    allowed_host_names,
+    error_response,
+    json_body,
+    require_json_or_no_body,
+)
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,30 +42,32 @@ from radixserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    error_body,
-    error_type,
 )
 from radixserve.entrypoints.openai.serving_chat import ChatHandler
 from radixserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     ModelNotFoundError,
+    check_model,
+    first_output_checked,
     raise_if_failed,
     sse_errors,
 )
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
+from radixserve.entrypoints.openapi_spec import AbortRequestBody, install_openapi
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import (
+    ClientDisconnected,
     InvalidRequestError,
     RequestAbortedError,
     TokenizerManager,
 )
 
 logger = logging.getLogger(__name__)
-BodyT = TypeVar("BodyT", bound=BaseModel)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-_PUBLIC_PATHS = ("/health", "/metrics")
+# Status of a call whose client went away (nginx's "client closed request"); nobody reads it.
+CLIENT_CLOSED_STATUS = 499
 
 
 @dataclass
@@ -70,16 +83,18 @@ class ServerState:
         return (self.tm.served_model_name, self.tm.model_path)
 
 
-def error_response(status: int, message: str, code: str | int | None = None) -> JSONResponse:
-    return JSONResponse(
-        error_body(message, error_type(status), code if code is not None else status), status_code=status
-    )
+def _text(content: str = "") -> PlainTextResponse:
+    """Every answer names its Content-Type, the empty ones included."""
+    return PlainTextResponse(content, status_code=200)
 
 
-async def json_body(model: type[BodyT], request: Request) -> BodyT:
-    """The request body parsed as `model` whatever its Content-Type says: `curl -d` sends JSON as a
-    form, which FastAPI's body parameters reject. Bad JSON or fields raise ValidationError (400)."""
-    return model.model_validate_json(await request.body())
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route answers at this path."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, BaseRoute) and route.matches(request.scope)[0] == Match.PARTIAL:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def _validation_message(exc: RequestValidationError | ValidationError) -> str:
@@ -96,10 +111,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(400, _validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        resp = error_response(
             exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None
         )
+        resp.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names one route's methods; POST and PUT /generate are two
+            resp.headers["Allow"] = ", ".join(_allowed_methods(request))
+        return resp
 
     @app.exception_handler(ValidationError)
     async def on_pydantic(_: Request, exc: ValidationError) -> JSONResponse:
@@ -117,21 +136,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def on_aborted(_: Request, exc: RequestAbortedError) -> JSONResponse:
         return error_response(exc.status_code, str(exc))
 
-
-def _add_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
-
-    @app.middleware("http")
-    async def check_api_key(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if (
-            request.url.path not in _PUBLIC_PATHS
-            and request.headers.get("authorization") != f"Bearer {api_key}"
-        ):
-            return error_response(401, "Incorrect API key provided.", "invalid_api_key")
-        return await call_next(request)
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_STATUS)  # already logged and aborted; nobody reads it
 
 
 def _sse_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
@@ -152,7 +159,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, "A server process died.")
         if not state.ready:
             return error_response(503, "The server is starting.")
-        return Response(status_code=200)
+        return _text()
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -164,13 +171,15 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
             raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
         except (asyncio.TimeoutError, RequestAbortedError) as exc:
             return error_response(503, f"Generation failed: {exc!r}")
-        return Response(status_code=200)
+        return _text()
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
+    @app.post("/generate")
+    @app.put("/generate")  # as SGLang; PUT is never a simple cross-site request
     async def generate(request: Request) -> Response:
-        obj = await json_body(GenerateReqInput, request)
+        obj = await json_body(GenerateReqInput, request, acts=True)
         if obj.stream:
-            return _sse_stream(sse_errors(_native_chunks(tm.stream(obj, request))))
+            outputs = await first_output_checked(await tm.stream(obj, request))
+            return _sse_stream(sse_errors(_native_chunks(outputs)))
         result = await tm.generate(obj, request)
         for out in [result] if isinstance(result, dict) else result:
             raise_if_failed(out)  # an abort with an HTTP status (queue full, dead child) is an error
@@ -192,19 +201,21 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         info["ranks"] = tm.ranks
         return info
 
-    @app.api_route("/flush_cache", methods=["POST", "GET"])
-    async def flush_cache() -> Response:
+    # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        require_json_or_no_body(request)
         if tm.num_in_flight > 0 or not await tm.flush_cache():
             return error_response(400, "Cannot flush the cache while requests are running.")
-        return Response("Cache flushed.", status_code=200)
+        return _text("Cache flushed.")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await json_body(AbortRequestBody, request)
+        body = await json_body(AbortRequestBody, request, acts=True)
         if not body.rid and not body.abort_all:
             return error_response(400, "Give 'rid' or 'abort_all'.")
         tm.abort_request(body.rid or None, abort_all=body.abort_all)
-        return Response(status_code=200)
+        return _text()
 
     if tm.metrics is not None:
         metrics = tm.metrics
@@ -212,11 +223,6 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         @app.get("/metrics")
         async def get_metrics() -> Response:
             return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-class AbortRequestBody(BaseModel):
-    rid: str = ""
-    abort_all: bool = False
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
@@ -229,16 +235,16 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Response:
-        req = await json_body(CompletionRequest, request)
+        req = await json_body(CompletionRequest, request, acts=True)
         if req.stream:
-            return _sse_stream(completions.stream(req, request))
+            return _sse_stream(await completions.stream(req, request))
         return JSONResponse((await completions.create(req, request)).model_dump())
 
     @app.post("/v1/chat/completions")
     async def v1_chat(request: Request) -> Response:
-        req = await json_body(ChatCompletionRequest, request)
+        req = await json_body(ChatCompletionRequest, request, acts=True)
         if req.stream:
-            return _sse_stream(chat.stream(req, request))
+            return _sse_stream(await chat.stream(req, request))
         return JSONResponse((await chat.create(req, request)).model_dump())
 
     @app.get("/v1/models")
@@ -251,37 +257,55 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             raise ModelNotFoundError(f"The model `{model_id}` does not exist.")
         return card().model_dump()
 
+    # Read-only routes: JSON whatever the Content-Type (curl -d works); the work runs off the loop.
     @app.post("/v1/tokenize")
     async def v1_tokenize(request: Request) -> dict[str, Any]:
-        req = await json_body(TokenizeRequest, request)
-        if isinstance(req.prompt, str):
-            tokens: Any = tm.tokenize(req.prompt, req.add_special_tokens)
-            count: Any = len(tokens)
-        else:
-            tokens = [tm.tokenize(p, req.add_special_tokens) for p in req.prompt]
-            count = [len(t) for t in tokens]
-        return TokenizeResponse(tokens=tokens, count=count, max_model_len=tm.context_len).model_dump()
+        req = await json_body(TokenizeRequest, request, acts=False)
+        check_model(req.model, state.served_names)
+        return (await tm.run_blocking(_tokenize, tm, req)).model_dump()
 
     @app.post("/v1/detokenize")
     async def v1_detokenize(request: Request) -> dict[str, Any]:
-        req = await json_body(DetokenizeRequest, request)
-        tokens = req.tokens
-        flat = [t for seq in tokens for t in seq] if tokens and isinstance(tokens[0], list) else tokens
-        if any(not 0 <= t < tm.vocab_size for t in flat):  # type: ignore[operator]
-            raise InvalidRequestError(f"Token ids must be in [0, {tm.vocab_size}).")
-        if tokens and isinstance(tokens[0], list):
-            return DetokenizeResponse(text=[tm.detokenize(t) for t in tokens]).model_dump()  # type: ignore[arg-type]
-        return DetokenizeResponse(text=tm.detokenize(tokens)).model_dump()  # type: ignore[arg-type]
+        req = await json_body(DetokenizeRequest, request, acts=False)
+        check_model(req.model, state.served_names)
+        return (await tm.run_blocking(_detokenize, tm, req)).model_dump()
+
+
+def _tokenize(tm: TokenizerManager, req: TokenizeRequest) -> TokenizeResponse:
+    if isinstance(req.prompt, str):
+        tokens: Any = tm.tokenize(req.prompt, req.add_special_tokens)
+        count: Any = len(tokens)
+    else:
+        tokens = [tm.tokenize(p, req.add_special_tokens) for p in req.prompt]
+        count = [len(t) for t in tokens]
+    return TokenizeResponse(tokens=tokens, count=count, max_model_len=tm.context_len)
+
+
+def _detokenize(tm: TokenizerManager, req: DetokenizeRequest) -> DetokenizeResponse:
+    tokens = req.tokens
+    nested = bool(tokens) and isinstance(tokens[0], list)
+    flat = [t for seq in tokens for t in seq] if nested else tokens  # type: ignore[union-attr]
+    if any(not 0 <= t < tm.vocab_size for t in flat):  # type: ignore[operator]
+        raise InvalidRequestError(f"Token ids must be in [0, {tm.vocab_size}).")
+    if nested:
+        return DetokenizeResponse(text=[tm.detokenize(t) for t in tokens])  # type: ignore[arg-type]
+    return DetokenizeResponse(text=tm.detokenize(tokens))  # type: ignore[arg-type]
 
 
 def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     """The app; `lifespan` (start the TokenizerManager on the serving loop, ...) wraps serving."""
-    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    args = state.tm.server_args
+    # /openapi.json as SGLang serves it (no /docs: the Swagger page would load scripts from a CDN).
+    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     _add_error_handlers(app)
-    _add_auth(app, state.tm.server_args.api_key)
+    app.add_middleware(
+        GuardMiddleware, allowed_hosts=allowed_host_names(args.host, args.allowed_hosts), api_key=args.api_key
+    )
     _add_native_routes(app, state)
     _add_openai_routes(app, state)
+    install_openapi(app)
     app.state.server = state
+    app.state.max_body_bytes = args.max_request_body_bytes
     return app
 
 

@@ -16,11 +16,19 @@ from pydantic import BaseModel, ConfigDict
 
 from radixserve.sampling.sampling_params import SamplingParams
 
+# Per-request limits (docs/http_api.md, "Limits"): one call must not buy unbounded work.
+MAX_N = 128  # samples per prompt; OpenAI's cap on `n`
+MAX_TOP_LOGPROBS_NUM = 20  # alternatives per token; OpenAI's cap on `top_logprobs`
+MAX_RID_LEN = 256  # characters of a request id (a uuid4 hex is 32)
+
 
 class GenerateReqInput(BaseModel):
-    """SGLang's /generate body. Exactly one of `text` and `input_ids` is given."""
+    """SGLang's /generate body. Exactly one of `text` and `input_ids` is given.
 
-    model_config = ConfigDict(extra="ignore")
+    HTTP bodies are validated strictly (`model_validate_json(..., strict=True)`: "yes" is not a
+    bool, "10" not an int); NaN and Infinity are refused in any float field."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -71,6 +79,9 @@ class GenerateReqInput(BaseModel):
                 raise ValueError(f"'{name}' must not be a list for a single prompt.")
         if isinstance(self.rid, str) and not self.is_single:
             raise ValueError("'rid' must be a list with one id per prompt for a batch.")
+        for rid in self.rid if isinstance(self.rid, list) else [self.rid]:
+            if rid is not None and len(rid) > MAX_RID_LEN:
+                raise ValueError(f"A request id is at most {MAX_RID_LEN} characters, got {len(rid)}.")
 
     def _prompt(self, value: Any, i: int) -> Any:
         if value is None or self.is_single:
@@ -86,10 +97,16 @@ class GenerateReqInput(BaseModel):
             params = SamplingParams.from_dict(raw)
             base_rid = _pick(self.rid, i) or uuid.uuid4().hex
             n = params.n
-            if n < 1:  # no item would ever be verified: an empty answer instead of a 400
-                raise ValueError(f"n must be at least 1, got {n}.")
-            if int(_pick(self.top_logprobs_num, i)) < 0:
-                raise ValueError("top_logprobs_num must be at least 0.")
+            if not 1 <= n <= MAX_N:  # n < 1: no item would ever be verified (an empty answer)
+                raise ValueError(f"n must be in [1, {MAX_N}], got {n}.")
+            top_logprobs_num = int(_pick(self.top_logprobs_num, i))
+            if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS_NUM:
+                raise ValueError(
+                    f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {top_logprobs_num}."
+                )
+            logprob_start_len = int(_pick(self.logprob_start_len, i))
+            if logprob_start_len < -1:  # its upper bound, the prompt length, is checked once tokenized
+                raise ValueError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
             for j in range(n):
                 items.append(
                     RequestItem(
@@ -101,8 +118,8 @@ class GenerateReqInput(BaseModel):
                         max_new_tokens_set=raw.get("max_new_tokens") is not None,
                         return_logprob=bool(_pick(self.return_logprob, i)),
                         return_text_in_logprobs=self.return_text_in_logprobs,
-                        logprob_start_len=int(_pick(self.logprob_start_len, i)),
-                        top_logprobs_num=int(_pick(self.top_logprobs_num, i)),
+                        logprob_start_len=logprob_start_len,
+                        top_logprobs_num=top_logprobs_num,
                         priority=_pick(self.priority, i),
                         prompt_index=i,
                         sample_index=j,

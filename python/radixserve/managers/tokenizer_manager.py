@@ -2,7 +2,9 @@
 
 It tokenizes and validates requests, sends them to the scheduler, and turns the detokenizer's
 BatchStrOut messages into per-request state that HTTP handlers and the Engine await. All of its
-methods run on one event loop (uvicorn's, or the Engine's private loop thread).
+methods run on one event loop (uvicorn's, or the Engine's private loop thread); tokenization, chat
+templates and grammar checks run on a small thread pool (`run_blocking`) so a huge prompt never
+stalls that loop.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from radixserve.constrained.validation import prewarm as prewarm_grammar
-from radixserve.constrained.validation import validate_grammar
-from radixserve.managers.generate_request import GenerateReqInput, RequestItem
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.input_validation import InvalidRequestError, ModelLimits, prepare_items
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -39,6 +42,7 @@ from radixserve.utils.metrics import ServerMetrics
 from radixserve.utils.network import PortArgs, get_zmq_socket
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How often a waiting request checks whether its HTTP client went away.
 DISCONNECT_POLL_S = 0.5
@@ -46,10 +50,9 @@ DISCONNECT_POLL_S = 0.5
 # so far) arrives; this bounds the wait should that output never come.
 ABORT_GRACE_S = 10.0
 CONTROL_TIMEOUT_S = 30.0
-
-
-class InvalidRequestError(ValueError):
-    """A request the server refuses (HTTP 400)."""
+# Threads that tokenize off the event loop. HF fast tokenizers release the GIL while encoding, so
+# two prompts tokenize in parallel while the loop keeps serving.
+TOKENIZER_THREADS = 2
 
 
 class RequestAbortedError(RuntimeError):
@@ -58,6 +61,10 @@ class RequestAbortedError(RuntimeError):
     def __init__(self, message: str, status_code: int = 500) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client of a waiting call went away; its requests were aborted (logged once)."""
 
 
 class ClientRequest(Protocol):
@@ -91,6 +98,8 @@ class TokenizerManager:
         self.context_len = int(scheduler_info["context_len"])
         self.max_req_input_len = int(scheduler_info.get("max_req_input_len", self.context_len - 1))
         self.vocab_size = int(scheduler_info.get("vocab_size", len(tokenizer)))
+        self.limits = ModelLimits(self.vocab_size, self.context_len, self.max_req_input_len)
+        self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
         self.max_total_num_tokens = int(scheduler_info.get("max_total_num_tokens", self.context_len))
         # Every scheduler rank (tp/pp index, node, pid, cores) as rank 0 gathered them at start.
         self.ranks: list[dict[str, Any]] = scheduler_info.get("ranks") or [
@@ -129,19 +138,25 @@ class TokenizerManager:
             self._recv_task.cancel()
         for sock in (self._send, self._recv):
             sock.close(linger=0)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-heavy work (tokenizing, chat templates, grammar checks) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def fail_all(self, message: str, status_code: int = 503) -> None:
         """Finish every in-flight request with an error (a child process died)."""
         self.dead_reason = message
         for state in list(self.rid_to_state.values()):
             self._finish(state, {"type": "abort", "message": message, "status_code": status_code})
+        self._update_load_metrics()
 
     # ------------------------------------------------------------------ generation
     async def generate(
         self, obj: GenerateReqInput, request: ClientRequest | None = None
     ) -> dict | list[dict]:
         """Run to completion; a dict for a single prompt with n == 1, else a list in input order."""
-        states = self._submit(obj, stream=False)
+        states = await self._submit(obj, stream=False)
         try:
             while not all(s.finished for s in states):
                 await self._wait(states, request)
@@ -150,10 +165,12 @@ class TokenizerManager:
         outputs = [self._output(s) for s in states]
         return outputs[0] if obj.is_single and len(outputs) == 1 else outputs
 
-    def stream(self, obj: GenerateReqInput, request: ClientRequest | None = None) -> AsyncIterator[dict]:
+    async def stream(
+        self, obj: GenerateReqInput, request: ClientRequest | None = None
+    ) -> AsyncIterator[dict]:
         """Submit now (so validation errors raise before any response starts), then return an
         iterator yielding an output dict (cumulative text, with "index") on each item's progress."""
-        return self._stream_states(self._submit(obj, stream=True), request)
+        return self._stream_states(await self._submit(obj, stream=True), request)
 
     async def _stream_states(
         self, states: list[ReqState], request: ClientRequest | None
@@ -169,16 +186,23 @@ class TokenizerManager:
                 # (and become dirty) since it was last yielded, so leave only when none is unseen.
                 if all(s.finished and not s.dirty for s in states):
                     return
+        except asyncio.CancelledError:
+            # The HTTP server cancels a stream whose client went away (our own poll in _wait
+            # raises ClientDisconnected instead); either way one log line, then the abort.
+            if not all(s.finished for s in states):
+                logger.info("Client disconnected; aborting %s", [s.rid for s in states if not s.finished])
+            raise
         finally:
             self._abort_unfinished(states)
 
-    def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
+    async def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
-        if self.dead_reason is not None:
-            raise RequestAbortedError(self.dead_reason, 503)
+        self._raise_if_dead()
         items = obj.expand()
+        input_ids = await self.run_blocking(prepare_items, self.tokenizer, self.limits, items)
+        self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
-        states = [ReqState(item, self._input_ids(item), group_event) for item in items]
+        states = [ReqState(item, ids, group_event) for item, ids in zip(items, input_ids)]
         for state in states:
             if state.rid in self.rid_to_state:
                 raise InvalidRequestError(f"Duplicate request id {state.rid!r}.")
@@ -189,6 +213,10 @@ class TokenizerManager:
         self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs=reqs))
         self._update_load_metrics()
         return states
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_reason is not None:
+            raise RequestAbortedError(self.dead_reason, 503)
 
     @staticmethod
     def _tokenized(state: ReqState, stream: bool, received: float) -> TokenizedGenerateReqInput:
@@ -207,31 +235,6 @@ class TokenizerManager:
             received_time=received,
         )
 
-    def _input_ids(self, item: RequestItem) -> list[int]:
-        """Tokenize (or take) the prompt and check it against the model; raises ValueError."""
-        ids = list(item.input_ids) if item.input_ids is not None else self.tokenizer.encode(item.text or "")
-        if not ids:
-            raise InvalidRequestError("The input is empty.")
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequestError(f"Token ids must be in [0, {self.vocab_size}).")
-        if len(ids) > self.max_req_input_len:
-            raise InvalidRequestError(
-                f"The input ({len(ids)} tokens) is longer than the model's context length "
-                f"({self.context_len} tokens)."
-            )
-        params = item.sampling_params
-        params.verify(self.vocab_size)
-        validate_grammar(params)  # a bad json_schema / regex / ebnf is a 400 with the reason
-        if len(ids) + params.max_new_tokens > self.context_len:
-            if item.max_new_tokens_set:
-                raise InvalidRequestError(
-                    f"Requested token count exceeds the model's maximum context length of {self.context_len} "
-                    f"tokens: {len(ids)} tokens from the input and {params.max_new_tokens} for the completion."
-                )
-            params.max_new_tokens = self.context_len - len(ids)  # an unset budget fills the context
-        params.normalize()
-        return ids
-
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:
         """Wait for progress on any of `states`; abort them if the client disconnected."""
         event = states[0].group_event
@@ -240,9 +243,9 @@ class TokenizerManager:
                 await asyncio.wait_for(event.wait(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if request is not None and await request.is_disconnected():
-                    logger.info("Client disconnected; aborting %s", [s.rid for s in states])
+                    logger.info("Client disconnected; aborting %s", [s.rid for s in states if not s.finished])
                     self._abort_unfinished(states)
-                    raise asyncio.CancelledError("client disconnected") from None
+                    raise ClientDisconnected() from None
         event.clear()
 
     def _abort_unfinished(self, states: list[ReqState]) -> None:
@@ -284,6 +287,7 @@ class TokenizerManager:
         if self.rid_to_state.get(state.rid) is state:
             logger.warning("No final output for aborted request %s; finishing it locally", state.rid)
             self._finish(state, {"type": "abort", "message": "Aborted by request.", "status_code": None})
+            self._update_load_metrics()
 
     @property
     def num_in_flight(self) -> int:
@@ -336,6 +340,7 @@ class TokenizerManager:
             self._finish(
                 state, {"type": "abort", "message": "Aborted by the scheduler.", "status_code": None}
             )
+            self._update_load_metrics()  # the in-flight gauges must not keep a finished request
 
     def _on_control_output(self, msg: Any) -> None:
         waiters = self._control_waiters.get(type(msg))

@@ -8,6 +8,7 @@ per request before it reaches the scheduler.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,9 @@ GREEDY_EPS = 1e-6
 TOP_K_ALL = 1 << 30
 
 _PENALTY_RANGE = 2.0
+# Below this a seen token's logit is scaled more than 100x, which only makes the output degenerate;
+# near 1e-30 it overflows float32 into inf/NaN logits (docs/http_api.md, sampling parameters).
+MIN_REPETITION_PENALTY = 0.01
 
 # Accepted JSON types per field. bool is excluded from numbers explicitly (isinstance(True, int)).
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
@@ -96,6 +100,9 @@ class SamplingParams:
 
     def verify(self, vocab_size: int) -> None:
         """Raise ValueError describing the first invalid value."""
+        for name in _FLOAT_FIELDS:  # NaN passes every comparison below; inf breaks the sampler
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -108,8 +115,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -_PENALTY_RANGE <= value <= _PENALTY_RANGE:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], got {self.repetition_penalty}."
+            )
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if self.min_new_tokens < 0:

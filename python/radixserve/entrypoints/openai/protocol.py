@@ -2,7 +2,8 @@
 
 Requests accept the OpenAI fields plus the SGLang sampling extras (top_k, min_p, ignore_eos, ...)
 that clients pass through `extra_body`. Unknown fields are ignored, as OpenAI's server does, but
-a known field of the wrong type fails validation and becomes a 400 error envelope.
+a known field of the wrong type fails validation and becomes a 400 error envelope: HTTP bodies are
+validated strictly ("yes" is no bool, "10" no int) and NaN/Infinity are refused in float fields.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+from radixserve.managers.generate_request import MAX_N, MAX_RID_LEN, MAX_TOP_LOGPROBS_NUM
 
 PromptType = str | list[str] | list[int] | list[list[int]]
 StopType = str | list[str] | None
@@ -47,7 +50,13 @@ def error_type(status: int) -> str:
 
 
 # ----------------------------------------------------------------------------- shared pieces
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """Base of every request-side model: unknown fields ignored, no NaN/Infinity in floats."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -63,13 +72,11 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class SamplingExtras(BaseModel):
+class SamplingExtras(RequestModel):
     """Fields shared by completions and chat: OpenAI sampling options and SGLang extras."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopType = None
@@ -92,7 +99,7 @@ class SamplingExtras(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None
-    rid: str | None = None
+    rid: str | None = Field(default=None, max_length=MAX_RID_LEN)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -100,7 +107,7 @@ class CompletionRequest(SamplingExtras):
     prompt: PromptType
     max_tokens: NonNegativeInt | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
     suffix: str | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
@@ -131,7 +138,7 @@ class CompletionResponse(BaseModel):
 
 
 # ----------------------------------------------------------------------------- chat
-class TextContentPart(BaseModel):
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
@@ -150,26 +157,24 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: dict[str, str]  # {"name": ...}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -184,7 +189,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
@@ -194,7 +199,7 @@ class ChatCompletionRequest(SamplingExtras):
     max_tokens: NonNegativeInt | None = None
     max_completion_tokens: NonNegativeInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -282,7 +287,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | list[str]
     add_special_tokens: bool = True
@@ -294,7 +299,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int] | list[list[int]]
 

@@ -22,6 +22,7 @@ from radixserve.entrypoints.openai.protocol import (
 from radixserve.entrypoints.openai.serving_common import (
     check_model,
     finish_reason,
+    first_output_checked,
     raise_if_failed,
     sampling_params,
     sse,
@@ -29,7 +30,7 @@ from radixserve.entrypoints.openai.serving_common import (
     usage,
 )
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.tokenizer_manager import ClientRequest, TokenizerManager
+from radixserve.managers.tokenizer_manager import ClientRequest, InvalidRequestError, TokenizerManager
 
 
 class ChatHandler:
@@ -41,7 +42,10 @@ class ChatHandler:
         return self._plan(req, stream)[0]
 
     def _plan(self, req: ChatCompletionRequest, stream: bool) -> tuple[GenerateReqInput, ChatPlan]:
+        """Runs on the tokenizer threads (the template and the tokenizer are CPU work)."""
         check_model(req.model, self.served_names)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs is only allowed when logprobs is true.")
         # Tools (prompt + forcing grammar) and reasoning are decided in chat_tools.
         prompt, plan = plan_chat(req, self.tm.tokenizer, self.tm.server_args)
         # The template already holds BOS and friends; adding them again would duplicate them.
@@ -65,7 +69,7 @@ class ChatHandler:
     async def create(
         self, req: ChatCompletionRequest, request: ClientRequest | None
     ) -> ChatCompletionResponse:
-        native, plan = self._plan(req, stream=False)
+        native, plan = await self.tm.run_blocking(self._plan, req, False)
         result = await self.tm.generate(native, request)
         outputs = [result] if isinstance(result, dict) else result
         choices = []
@@ -93,9 +97,10 @@ class ChatHandler:
             id=random_id("chatcmpl"), model=model, choices=choices, usage=usage(outputs, req.n)
         )
 
-    def stream(self, req: ChatCompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
-        native, plan = self._plan(req, stream=True)
-        outputs = self.tm.stream(native, request)
+    async def stream(self, req: ChatCompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
+        native, plan = await self.tm.run_blocking(self._plan, req, True)
+        # Validates and waits for the first output: a 400 or a refusal (503) is answered as such.
+        outputs = await first_output_checked(await self.tm.stream(native, request))
         return sse_errors(self._stream_chunks(req, outputs, plan))
 
     async def _stream_chunks(

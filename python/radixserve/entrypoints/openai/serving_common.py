@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import orjson
@@ -17,7 +17,7 @@ from radixserve.entrypoints.openai.protocol import (
     error_body,
     error_type,
 )
-from radixserve.managers.tokenizer_manager import InvalidRequestError, RequestAbortedError
+from radixserve.managers.tokenizer_manager import ClientDisconnected, InvalidRequestError, RequestAbortedError
 
 # Fields copied verbatim (OpenAI name == SGLang name) when the client set them.
 _PASS_THROUGH = (
@@ -125,7 +125,41 @@ async def sse_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
             yield chunk
+    except ClientDisconnected:
+        return  # logged and aborted where it was noticed; nobody is left to read anything
     except (ValueError, RequestAbortedError) as exc:
         code = getattr(exc, "status_code", 400)
         yield b"data: " + orjson.dumps(error_body(str(exc), error_type(code), code)) + b"\n\n"
     yield SSE_DONE
+
+
+async def first_output_checked(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Wait for a stream's first output before any header is sent, so a request refused outright
+    (queue full, waiting timeout, a dead child) answers its HTTP status (503) as a non-streaming
+    call does, instead of a 200 stream with an in-band error. Failures later, or of another
+    item of a batch, still arrive in-band."""
+    try:
+        first = await anext(outputs)
+    except StopAsyncIteration:
+        return _chain([], outputs)
+    except BaseException:
+        await outputs.aclose()  # aborts the call's requests
+        raise
+    try:
+        raise_if_failed(first)
+    except RequestAbortedError:
+        await outputs.aclose()
+        raise
+    return _chain([first], outputs)
+
+
+async def _chain(
+    head: Iterable[dict[str, Any]], rest: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[dict[str, Any]]:
+    try:
+        for out in head:
+            yield out
+        async for out in rest:
+            yield out
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from radixserve.entrypoints.openai.protocol import (
 from radixserve.entrypoints.openai.serving_common import (
     check_model,
     finish_reason,
+    first_output_checked,
     raise_if_failed,
     sampling_params,
     sse,
@@ -86,9 +87,10 @@ class CompletionsHandler:
             id=random_id("cmpl"), model=model, choices=choices, usage=usage(outputs, req.n)
         )
 
-    def stream(self, req: CompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
+    async def stream(self, req: CompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
         obj = self.to_native(req, stream=True)
-        outputs = self.tm.stream(obj, request)  # validates now: errors become a 400, not a stream
+        # Validates and waits for the first output: a 400 or a refusal (503) is answered as such.
+        outputs = await first_output_checked(await self.tm.stream(obj, request))
         return sse_errors(self._stream_chunks(req, obj, outputs))
 
     async def _stream_chunks(

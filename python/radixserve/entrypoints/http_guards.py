@@ -1,0 +1,169 @@
+"""What every request passes before a route runs: the Host check, the API key, the body rules.
+
+A server on 127.0.0.1 without --api-key is reachable from any web page the user opens, so:
+
+- **Host** (DNS rebinding: a page on evil.example whose name resolves to 127.0.0.1 talks to us as
+  "same origin"): the Host header must name the bind address, unless --allowed-hosts widens it.
+- **Content-Type** on POST routes that act (/generate, the completions, /abort_request,
+  /flush_cache): only `application/json`. A cross-site page can send text/plain or a form without a
+  CORS preflight, but not JSON; the preflight (OPTIONS) is never approved here.
+- **Body size**: a body over --max-request-body-bytes is refused (413) before it is read.
+
+docs/http_api.md ("Security") states the rules for users.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixserve.entrypoints.openai.protocol import error_body, error_type
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+PUBLIC_PATHS = ("/health", "/metrics")  # no API key needed
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def error_response(status: int, message: str, code: str | int | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, error_type(status), code if code is not None else status), status_code=status
+    )
+
+
+# ----------------------------------------------------------------------------- Host
+def allowed_host_names(bind_host: str, allowed_hosts: str | None) -> frozenset[str] | None:
+    """The names (no port) the Host header may carry; None accepts any.
+
+    A specific bind address accepts itself (and the loopback names when it is a loopback address)
+    plus --allowed-hosts. A wildcard bind (0.0.0.0, ::) cannot know the names it is reached by:
+    any Host is accepted unless --allowed-hosts lists them (the bind address and the loopback
+    names, which the start-up warm-up and local probes use, stay allowed). "*" accepts any."""
+    extra = {_normalize(h) for h in (allowed_hosts or "").split(",") if h.strip()}
+    if "*" in extra:
+        return None
+    bind = _normalize(bind_host)
+    if bind in WILDCARD_BINDS:
+        return frozenset(extra | LOOPBACK_NAMES | {bind}) if extra else None
+    names = {bind} | extra
+    if bind == "localhost" or _is_loopback(bind):
+        names |= LOOPBACK_NAMES
+    return frozenset(names)
+
+
+def host_name(header: str) -> str:
+    """The name part of a Host header: "[::1]:30000" -> "::1", "Example.COM:80" -> "example.com"."""
+    header = header.strip()
+    if header.startswith("["):
+        return _normalize(header[1 : header.find("]")] if "]" in header else header[1:])
+    name, sep, port = header.rpartition(":")
+    return _normalize(name if sep and port.isdigit() else header)
+
+
+def _normalize(name: str) -> str:
+    name = name.strip().lower().rstrip(".")
+    return name[1:-1] if name.startswith("[") and name.endswith("]") else name
+
+
+def _is_loopback(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class GuardMiddleware:
+    """Pure ASGI (so streaming responses pass through untouched): Host check, then the API key."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None, api_key: str | None) -> None:
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        # No Host at all is an HTTP/1.0 client, never a browser: nothing to rebind.
+        if self.allowed_hosts is not None and host is not None and host_name(host) not in self.allowed_hosts:
+            return error_response(
+                400,
+                f"Host '{host}' is not allowed; start the server with --allowed-hosts to accept it.",
+            )
+        if (
+            self.api_key
+            and scope["path"] not in PUBLIC_PATHS
+            and headers.get("authorization") != f"Bearer {self.api_key}"
+        ):
+            return error_response(401, "Incorrect API key provided.", "invalid_api_key")
+        return None
+
+
+# ----------------------------------------------------------------------------- bodies
+def is_json_type(content_type: str | None) -> bool:
+    """application/json or application/<anything>+json, parameters (charset) ignored."""
+    if content_type is None:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def require_json_type(request: Request) -> None:
+    """Routes that act take JSON only (a cross-site page cannot send it without a preflight)."""
+    if not is_json_type(request.headers.get("content-type")):
+        got = request.headers.get("content-type", "none")
+        raise HTTPException(
+            415,
+            f"This route needs 'Content-Type: application/json' (got {got}); "
+            "with curl, add -H 'Content-Type: application/json' or use --json.",
+        )
+
+
+def require_json_or_no_body(request: Request) -> None:
+    """A route without a body (/flush_cache) also accepts a request with no Content-Type, from a
+    client that is not a browser: browsers send Origin on every POST, curl and SDKs never do."""
+    if "content-type" in request.headers or "origin" in request.headers:
+        require_json_type(request)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = HTTPException(
+        413, f"The request body is larger than {limit} bytes (--max-request-body-bytes)."
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large  # before reading a byte
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def json_body(model: type[BodyT], request: Request, *, acts: bool) -> BodyT:
+    """The body parsed strictly as `model`: a wrong JSON type ("yes" for a bool, "10" for an int)
+    or NaN/Infinity is a ValidationError (400). `acts`: the route changes state or runs the
+    model, so it takes JSON only; read-only routes (/v1/tokenize, ...) read JSON whatever the
+    Content-Type says, so plain `curl -d` works there."""
+    if acts:
+        require_json_type(request)
+    body = await read_body(request, request.app.state.max_body_bytes)
+    return model.model_validate_json(body, strict=True)

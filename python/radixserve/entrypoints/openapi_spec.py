@@ -1,0 +1,169 @@
+"""The OpenAPI document at /openapi.json: FastAPI's, completed with what the routes really exchange.
+
+The routes read their bodies themselves (strict JSON, a size limit, a Content-Type rule), so FastAPI
+cannot see their request models; this module declares them, every answer's Content-Type (JSON,
+text/plain, text/event-stream), the error envelope for each error status a route can answer, and
+the server-sent events of each streaming route. OpenAPI 3.1 (FastAPI's version) has the `schema`
+of text/event-stream describe one event, `{"event", "data", "id", "retry"}`; `data` is JSON (an
+output chunk, or an error envelope after the stream started) with `contentSchema`, except for
+the final `[DONE]`. Clients and test/server/test_http_fuzz.py (schemathesis) read the document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+from radixserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from radixserve.managers.generate_request import GenerateReqInput
+
+REF = "#/components/schemas/{model}"
+
+
+class AbortRequestBody(BaseModel):
+    """POST /abort_request: one request (and its n > 1 samples) or everything."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class GenerateMetaInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the logprob lists with return_logprob
+
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+
+
+class GenerateOutput(BaseModel):
+    """One output of /generate (also one streamed event: cumulative text and ids so far)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+    index: int
+
+
+# Request bodies (validation mode) and answers (serialization mode) by route.
+_BODIES: dict[str, type[BaseModel]] = {
+    "/generate": GenerateReqInput,
+    "/abort_request": AbortRequestBody,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
+}
+_JSON_ANSWERS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionResponse,
+    "/v1/chat/completions": ChatCompletionResponse,
+    "/v1/tokenize": TokenizeResponse,
+    "/v1/detokenize": DetokenizeResponse,
+    "/v1/models": ModelList,
+    "/v1/models/{model_id}": ModelCard,
+}
+_STREAM_EVENTS: dict[str, type[BaseModel]] = {
+    "/generate": GenerateOutput,
+    "/v1/completions": CompletionResponse,
+    "/v1/chat/completions": ChatCompletionStreamResponse,
+}
+_TEXT_ANSWERS = frozenset({"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics"})
+_OBJECT_ANSWERS = frozenset({"/get_model_info", "/get_server_info"})
+
+# Error statuses per route, beyond 400 (Host; bad bodies), which every route can answer.
+_GENERATING = (404, 413, 415, 503)
+_ERRORS: dict[str, tuple[int, ...]] = {
+    "/health": (503,),
+    "/health_generate": (503,),
+    "/generate": (413, 415, 503),
+    "/flush_cache": (415,),
+    "/abort_request": (413, 415),
+    "/v1/completions": _GENERATING,
+    "/v1/chat/completions": _GENERATING,
+    "/v1/tokenize": (404, 413),
+    "/v1/detokenize": (404, 413),
+    "/v1/models/{model_id}": (404,),
+}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make `app.openapi()` (served at /openapi.json) return the completed document."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build_openapi(app: FastAPI) -> dict[str, Any]:
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    refs, defs = models_json_schema(
+        [(m, "validation") for m in _BODIES.values()]
+        + [(m, "serialization") for m in {*_JSON_ANSWERS.values(), *_STREAM_EVENTS.values(), ErrorResponse}],
+        ref_template=REF,
+    )
+    doc.setdefault("components", {})["schemas"] = defs.get("$defs", {})
+    error = refs[(ErrorResponse, "serialization")]
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            if method in ("post", "put") and path in _BODIES:
+                schema = refs[(_BODIES[path], "validation")]
+                op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+            op["responses"] = _responses(path, refs, error)
+    return doc
+
+
+def sse_event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One event of a stream: `data: <chunk or error JSON>`, and last `data: [DONE]`."""
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [chunk, error]},
+    }
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+    }
+
+
+def _responses(path: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[str, Any]:
+    ok: dict[str, Any] = {}
+    if path in _TEXT_ANSWERS:
+        ok["text/plain"] = {"schema": {"type": "string"}}
+    elif path in _JSON_ANSWERS:
+        ok["application/json"] = {"schema": refs[(_JSON_ANSWERS[path], "serialization")]}
+    elif path == "/generate":
+        one = refs[(GenerateOutput, "serialization")]
+        ok["application/json"] = {"schema": {"anyOf": [one, {"type": "array", "items": one}]}}
+    elif path in _OBJECT_ANSWERS:
+        ok["application/json"] = {"schema": {"type": "object"}}
+    if path in _STREAM_EVENTS:
+        ok["text/event-stream"] = {
+            "schema": sse_event_schema(refs[(_STREAM_EVENTS[path], "serialization")], error)
+        }
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
+    for status in (400, *_ERRORS.get(path, ())):
+        responses[str(status)] = {"description": "Error", "content": {"application/json": {"schema": error}}}
+    return responses

@@ -1,0 +1,82 @@
+"""A generate call's items -> validated token ids: the TokenizerManager's CPU-heavy step.
+
+It runs on the TokenizerManager's tokenizer threads, never on the event loop: a prompt of a few
+megabytes takes about a second to tokenize (the tokenizer releases the GIL meanwhile), and /health
+and every other request must not wait for it. Nothing here touches the manager's per-request
+state or its sockets, which belong to the event loop's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.constrained.validation import validate_grammar
+from radixserve.managers.generate_request import RequestItem
+
+
+class InvalidRequestError(ValueError):
+    """A request the server refuses (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against (reported by the scheduler at start-up)."""
+
+    vocab_size: int
+    context_len: int
+    max_req_input_len: int
+
+
+def prepare_items(tokenizer: Any, limits: ModelLimits, items: Sequence[RequestItem]) -> list[list[int]]:
+    """Token ids per item (samples of one prompt share one tokenization); raises ValueError.
+
+    Also finishes each item's sampling params: verified, grammar checked, an unset max_new_tokens
+    shrunk to fit the context, normalized. The items are private to this call, so mutating their
+    params from a worker thread is safe."""
+    by_prompt: dict[int, list[int]] = {}
+    out = []
+    for item in items:
+        ids = by_prompt.get(item.prompt_index)
+        if ids is None:
+            ids = by_prompt[item.prompt_index] = prompt_ids(tokenizer, limits, item)
+        _check_item(limits, item, ids)
+        out.append(ids)
+    return out
+
+
+def prompt_ids(tokenizer: Any, limits: ModelLimits, item: RequestItem) -> list[int]:
+    """Tokenize (or take) the prompt and check it against the model."""
+    ids = list(item.input_ids) if item.input_ids is not None else tokenizer.encode(item.text or "")
+    if not ids:
+        raise InvalidRequestError("The input is empty.")
+    if any(not 0 <= t < limits.vocab_size for t in ids):
+        raise InvalidRequestError(f"Token ids must be in [0, {limits.vocab_size}).")
+    if len(ids) > limits.max_req_input_len:
+        raise InvalidRequestError(
+            f"The input ({len(ids)} tokens) is longer than the model's context length "
+            f"({limits.context_len} tokens)."
+        )
+    return ids
+
+
+def _check_item(limits: ModelLimits, item: RequestItem, ids: list[int]) -> None:
+    # SGLang's rule: prompt logprobs start inside the prompt (-1, the default, asks for none); it
+    # is only checked when logprobs are asked for, as SGLang ignores the field otherwise.
+    if item.return_logprob and item.logprob_start_len >= len(ids):
+        raise InvalidRequestError(
+            f"logprob_start_len ({item.logprob_start_len}) must be less than the number of input "
+            f"tokens ({len(ids)}); -1 returns no prompt logprobs."
+        )
+    params = item.sampling_params
+    params.verify(limits.vocab_size)
+    validate_grammar(params)  # a bad json_schema / regex / ebnf is a 400 with the reason
+    if len(ids) + params.max_new_tokens > limits.context_len:
+        if item.max_new_tokens_set:
+            raise InvalidRequestError(
+                f"Requested token count exceeds the model's maximum context length of {limits.context_len} "
+                f"tokens: {len(ids)} tokens from the input and {params.max_new_tokens} for the completion."
+            )
+        params.max_new_tokens = limits.context_len - len(ids)  # an unset budget fills the context
+    params.normalize()

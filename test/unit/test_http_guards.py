@@ -1,0 +1,157 @@
+"""The HTTP server's guards and protocol details, in-process (no model, no scheduler): the Host
+check, the body size limit, 405 with Allow, a Content-Type on every answer, /openapi.json."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from radixserve.entrypoints.http_guards import allowed_host_names, host_name, is_json_type
+from radixserve.entrypoints.http_server import ServerState, create_app
+from radixserve.server_args import ServerArgs
+
+
+class StubTokenizerManager:
+    """Just what create_app reads; no request here gets past validation to the scheduler."""
+
+    def __init__(self, **args: object) -> None:
+        self.server_args = ServerArgs(model_path="/models/tiny", **args)  # type: ignore[arg-type]
+        self.model_path = "/models/tiny"
+        self.served_model_name = "tiny"
+        self.context_len = 128
+        self.metrics = None
+
+
+def client(ready: bool = True, **args: object) -> TestClient:
+    app = create_app(ServerState(tm=StubTokenizerManager(**args), ready=ready))  # type: ignore[arg-type]
+    return TestClient(app, base_url="http://127.0.0.1:30000")
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [
+        ("127.0.0.1:30000", "127.0.0.1"),
+        ("LocalHost", "localhost"),
+        ("[::1]:30000", "::1"),
+        ("[::1]", "::1"),
+        ("example.com.:80", "example.com"),
+        ("evil.example:30000", "evil.example"),
+    ],
+)
+def test_host_name(header: str, name: str) -> None:
+    assert host_name(header) == name
+
+
+def test_allowed_host_names() -> None:
+    loopback = {"localhost", "127.0.0.1", "::1"}
+    assert allowed_host_names("127.0.0.1", None) == loopback
+    assert allowed_host_names("127.0.0.1", "a.example, B.example") == loopback | {"a.example", "b.example"}
+    assert allowed_host_names("10.0.0.5", None) == {"10.0.0.5"}
+    assert allowed_host_names("localhost", None) == loopback
+    assert allowed_host_names("0.0.0.0", None) is None  # a wildcard bind cannot know its names
+    assert allowed_host_names("::", "api.example") == loopback | {"api.example", "::"}
+    # launch_server's warm-up calls http://<bind host>:<port>: a 0.0.0.0 bind must accept it
+    assert "0.0.0.0" in allowed_host_names("0.0.0.0", "api.example")
+    assert allowed_host_names("127.0.0.1", "*") is None
+
+
+def test_host_check_and_api_key_order() -> None:
+    c = client(api_key="k")
+    resp = c.get("/v1/models", headers={"Host": "rebound.example"})
+    assert resp.status_code == 400 and "rebound.example" in resp.json()["error"]["message"]
+    assert c.get("/v1/models").status_code == 401
+    assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client(host="0.0.0.0").get("/v1/models", headers={"Host": "anything.example"}).status_code == 200
+    allowed = client(allowed_hosts="api.example")
+    assert allowed.get("/v1/models", headers={"Host": "api.example:443"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("application/json", True),
+        ("Application/JSON; charset=utf-8", True),
+        ("application/merge-patch+json", True),
+        ("text/plain", False),
+        ("application/x-www-form-urlencoded", False),
+        ("multipart/form-data; boundary=x", False),
+        (None, False),
+    ],
+)
+def test_is_json_type(value: str | None, ok: bool) -> None:
+    assert is_json_type(value) is ok
+
+
+def test_body_limit_is_413_with_or_without_content_length() -> None:
+    c = client(max_request_body_bytes=100)
+    body = b'{"prompt": "' + b"x" * 200 + b'"}'
+    for content in (body, iter([body[:60], body[60:]])):  # the second is sent chunked
+        resp = c.post("/v1/tokenize", content=content, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 413, resp.text
+        assert resp.json()["error"]["code"] == 413 and "100 bytes" in resp.json()["error"]["message"]
+    resp = c.post("/v1/tokenize", content=b'{"prompt": 5}', headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400  # under the limit: parsed (and refused for its type)
+
+
+def test_405_names_the_allowed_methods() -> None:
+    c = client()
+    for method, path, allow in [
+        ("DELETE", "/generate", {"POST", "PUT"}),
+        ("GET", "/flush_cache", {"POST"}),
+        ("GET", "/abort_request", {"POST"}),
+        ("POST", "/health", {"GET"}),
+        ("OPTIONS", "/v1/chat/completions", {"POST"}),  # a CORS preflight is never approved
+    ]:
+        resp = c.request(method, path)
+        assert resp.status_code == 405, (method, path)
+        assert {m.strip() for m in resp.headers["allow"].split(",")} == allow
+        assert resp.json()["error"]["code"] == 405
+
+
+def test_every_answer_has_a_content_type() -> None:
+    c = client()
+    for resp in (
+        c.get("/health"),
+        c.get("/get_model_info"),
+        c.get("/nope"),
+        client(ready=False).get("/health"),
+    ):
+        assert resp.headers.get("content-type"), resp
+    assert c.get("/health").headers["content-type"].startswith("text/plain")
+
+
+def test_openapi_declares_bodies_answers_and_errors() -> None:
+    doc = client().get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, model in [
+        ("/generate", "GenerateReqInput"),
+        ("/abort_request", "AbortRequestBody"),
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/v1/tokenize", "TokenizeRequest"),
+        ("/v1/detokenize", "DetokenizeRequest"),
+    ]:
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}" and model in schemas
+        assert "400" in op["responses"]
+    assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == 128
+    stream = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    data = stream["schema"]["properties"]["data"]["anyOf"]
+    assert data[0] == {"const": "[DONE]"} and data[1]["contentMediaType"] == "application/json"
+    assert data[1]["contentSchema"]["anyOf"][0]["$ref"].endswith("/ChatCompletionStreamResponse")
+    assert set(doc["paths"]["/health"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(doc["paths"]["/flush_cache"]) == {"post"}
+
+
+def test_every_path_answers_undeclared_methods_with_405_and_allow() -> None:
+    """schemathesis' unsupported_method check, for every path of the document."""
+    c = client()
+    doc = c.get("/openapi.json").json()
+    for path, item in doc["paths"].items():
+        declared = {m.upper() for m in item}
+        url = path.replace("{model_id}", "tiny")
+        for method in {"GET", "POST", "PUT", "DELETE", "PATCH"} - declared:
+            resp = c.request(method, url)
+            assert resp.status_code == 405, (method, path)
+            assert {m.strip() for m in resp.headers["allow"].split(",")} == declared, (method, path)
