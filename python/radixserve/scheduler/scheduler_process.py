@@ -129,11 +129,7 @@ def run_rank_process(
 ) -> None:
     """Process entry of one rank: join the world, load this rank's shard, report readiness, run
     the TP loop or the pipeline loop. `port_args` is None on nodes other than 0 (headless)."""
-    from radixserve.distributed.layout import ParallelLayout
-
-    layout = ParallelLayout(
-        server_args.tp_size, server_args.pp_size, server_args.nnodes, server_args.node_rank
-    )
+    layout = server_args.layout()
     info = layout.rank_info(rank)
     logging.basicConfig(
         level=server_args.log_level.upper(),
@@ -166,9 +162,19 @@ def run_rank_process(
             rank,
             type(exc).__name__,
             exc,
+            exc_info=not _is_peer_failure(exc),  # a bug gets its traceback; a lost peer one line
         )
         logging.shutdown()
         os._exit(1)  # skip the process-group teardown, which would wait on the dead peer
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        what in text for what in ("closed by peer", "Connection reset", "exited while", "timed out")
+    )
 
 
 def place_rank(
