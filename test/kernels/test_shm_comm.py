@@ -85,12 +85,12 @@ def _reduce_worker(comm, group, rank, world):
 
 
 def _large_reduce_worker(comm, group, rank, world):
-    """Default slots (4 MiB) and 2 threads: chunks big enough for the OpenMP copy and reduce."""
-    shape = (3 << 20,)  # 12 MiB of fp32: 3 chunks
+    """Default slots and 2 threads: chunks big enough for the OpenMP copy and reduce."""
+    shape = (3 << 20,)  # 12 MiB of fp32
     x = _input(7, rank, shape)
     seq = comm.handle.seq
     comm.all_reduce_(x)
-    assert comm.handle.seq - seq == 3
+    assert comm.handle.seq - seq == _chunks(x.numel(), 4, shm_comm.DEFAULT_SLOT_BYTES)
     assert torch.equal(x, _rank_order_sum(7, world, shape, torch.float32))
     gathered = comm.all_gather(_input(8, rank, (512, 3000)))
     assert torch.equal(gathered, torch.cat([_input(8, r, (512, 3000)) for r in range(world)], dim=-1))
@@ -227,7 +227,9 @@ def _create(group, rank, world, spoil):
     if rank == 1 and spoil == "not_built":
         os.environ["RADIXSERVE_DISABLE_CPU_KERNELS"] = "1"
     try:
-        made = ShmCommunicator.create(group, "create-test", slot_bytes=1000)
+        # "too_big": a 4 TiB region does not fit /dev/shm: reserving it fails (ENOSPC) on rank 0.
+        slot_bytes = 1 << 40 if spoil == "too_big" else 1000
+        made = ShmCommunicator.create(group, "create-test", slot_bytes=slot_bytes)
     finally:
         shm_comm._host_id = host_id
         if env is None:
@@ -250,14 +252,16 @@ def _create(group, rank, world, spoil):
 
 
 def _create_worker(comm, group, rank, world):
-    return [_create(group, rank, world, spoil) for spoil in ("other_host", "not_built", None)]
+    return [_create(group, rank, world, spoil) for spoil in ("other_host", "not_built", "too_big", None)]
 
 
 def test_create_agrees_on_every_rank_and_leaves_no_name_behind():
     got = run_ranks(2, _create_worker, with_comm=False)
-    # One rank on another host, or without the extension: both ranks fall back to gloo (None), and
-    # neither waits on the other. Otherwise the region's name is gone once both ranks attached.
-    assert got == {0: [None, None, []], 1: [None, None, []]}
+    # One rank on another host, or without the extension, or no room for the region: both ranks
+    # fall back to gloo (None), and neither waits on the other. Otherwise the region's name is gone
+    # once both ranks attached.
+    assert got == {0: [None, None, None, []], 1: [None, None, None, []]}
+    assert not any(n.startswith("radixserve-shm-create_test") for n in os.listdir("/dev/shm"))
 
 
 def test_stale_regions_of_dead_creators_are_swept(tmp_path, monkeypatch):

@@ -177,8 +177,14 @@ ShmComm::ShmComm(const std::string& path, int64_t rank, int64_t world_size, int6
   struct stat st {};
   bool ok = true;
   std::string error;
+  int err = 0;
   if (create && ::ftruncate(fd, static_cast<off_t>(map_bytes_)) != 0) {
     ok = false, error = errno_text("cannot size", path);
+  } else if (create && (err = ::posix_fallocate(fd, 0, static_cast<off_t>(map_bytes_))) != 0) {
+    // Reserve the pages now: a tmpfs too small for the region (a container's 64 MiB /dev/shm)
+    // fails here with ENOSPC instead of killing a rank with SIGBUS at its first large collective.
+    errno = err;
+    ok = false, error = errno_text("cannot reserve memory for", path);
   } else if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != map_bytes_) {
     ok = false, error = "ShmComm: " + path + " does not have the size world_size and slot_bytes imply";
   }
@@ -253,12 +259,14 @@ void ShmComm::wait_for_peers(uint64_t seq) {
   using Clock = std::chrono::steady_clock;
   Clock::time_point start{}, next_check{};
   uint64_t spins = 0;
+  enum class Backoff { kSpin, kYield, kSleep } backoff = Backoff::kSpin;
   for (int64_t r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     const std::atomic<uint64_t>& flag = flags_[r].seq;
     while (flag.load(std::memory_order_acquire) < seq) {
-      // The clock is read once every 64 spins: a pause is ~10-150 cycles, so checks stay cheap.
-      if ((++spins & 63) != 0) {
+      // Spinning reads the clock once every 64 pauses (a pause is ~10-150 cycles); once yielding
+      // or sleeping, a syscall per round costs more than the clock anyway.
+      if (backoff == Backoff::kSpin && (++spins & 63) != 0) {
         cpu_relax();
         continue;
       }
@@ -270,36 +278,47 @@ void ShmComm::wait_for_peers(uint64_t seq) {
       const auto waited = now - start;
       if (now >= next_check) {
         next_check = now + kCheckEvery;
-        for (int64_t p = 0; p < world_; ++p) {
-          if (p == rank_ || flags_[p].seq.load(std::memory_order_acquire) >= seq) continue;
-          const int32_t state = flags_[p].state.load(std::memory_order_acquire);
-          const int32_t pid = flags_[p].pid.load(std::memory_order_acquire);
-          std::ostringstream os;
-          os << "ShmComm: rank " << p << " (pid " << pid << ") ";
-          if (state == kClosed) {
-            os << "closed its communicator while rank " << rank_ << " waited in collective #" << seq;
-            fail(os.str());
-          }
-          if (state == kAttached && pid > 0 && !pid_alive(pid)) {
-            os << "exited while rank " << rank_ << " waited in collective #" << seq;
-            fail(os.str());
-          }
-        }
-        if (std::chrono::duration<double>(waited).count() > timeout_s_) {
-          std::ostringstream os;
-          os << "ShmComm: rank " << rank_ << " timed out after " << timeout_s_ << " s in collective #" << seq
-             << " waiting for rank " << r << " (pid " << flags_[r].pid.load() << ")";
-          fail(os.str());
-        }
+        check_peers(seq, waited);
       }
-      if (waited < kSpinFor) {
-        cpu_relax();
-      } else if (waited < kYieldFor) {
+      backoff = waited < kSpinFor ? Backoff::kSpin : waited < kYieldFor ? Backoff::kYield : Backoff::kSleep;
+      if (backoff == Backoff::kYield) {
         ::sched_yield();
-      } else {
+      } else if (backoff == Backoff::kSleep) {
         std::this_thread::sleep_for(kSleepStep);
+      } else {
+        cpu_relax();
       }
     }
+  }
+}
+
+// Raises when a peer that has not reached `seq` exited or closed, or the wait passed the timeout.
+void ShmComm::check_peers(uint64_t seq, std::chrono::steady_clock::duration waited) {
+  for (int64_t p = 0; p < world_; ++p) {
+    if (p == rank_ || flags_[p].seq.load(std::memory_order_acquire) >= seq) continue;
+    const int32_t state = flags_[p].state.load(std::memory_order_acquire);
+    const int32_t pid = flags_[p].pid.load(std::memory_order_acquire);
+    std::ostringstream os;
+    os << "ShmComm: rank " << p << " (pid " << pid << ") ";
+    if (state == kClosed) {
+      os << "closed its communicator while rank " << rank_ << " waited in collective #" << seq;
+      fail(os.str());
+    }
+    if (state == kAttached && pid > 0 && !pid_alive(pid)) {
+      os << "exited while rank " << rank_ << " waited in collective #" << seq;
+      fail(os.str());
+    }
+  }
+  if (std::chrono::duration<double>(waited).count() > timeout_s_) {
+    std::ostringstream os;
+    os << "ShmComm: rank " << rank_ << " timed out after " << timeout_s_ << " s in collective #" << seq
+       << " waiting for";
+    for (int64_t p = 0; p < world_; ++p) {
+      if (p != rank_ && flags_[p].seq.load(std::memory_order_acquire) < seq) {
+        os << " rank " << p << " (pid " << flags_[p].pid.load() << ")";
+      }
+    }
+    fail(os.str());
   }
 }
 

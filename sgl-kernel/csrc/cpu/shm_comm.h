@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -56,6 +57,7 @@ class ShmComm {
   // Publishes sequence number `seq` for this rank (its slot is written) and waits for every peer.
   void publish_and_wait(uint64_t seq);
   void wait_for_peers(uint64_t seq);
+  void check_peers(uint64_t seq, std::chrono::steady_clock::duration waited);
   void check_usable(const char* op) const;
   [[noreturn]] void fail(const std::string& message);
 
