@@ -240,6 +240,7 @@ def _create(group, rank, world, spoil):
         return None
     assert made.handle.slot_bytes == 1024  # rounded up to cache lines
     assert (made.rank, made.world_size) == (rank, world)
+    assert made.handle.peers_visible() and made.handle.check_peer_pids
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid(), group=group)
     names = pid_region_names(pids[0])

@@ -129,6 +129,14 @@ def _map_region(
         if handle is not None:
             handle.close()
         return None, f"rank {failed[0][0]} could not attach: {failed[0][1]}"
+    if not handle.peers_visible():  # every peer is attached and alive now, so it should be
+        handle.check_peer_pids = False
+        logger.warning(
+            "Rank %d cannot see its peers' processes (another PID namespace?): a dead peer is "
+            "noticed only by the %.0f s timeout",
+            rank,
+            timeout_s,
+        )
     return handle, None
 
 

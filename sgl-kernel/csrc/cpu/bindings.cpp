@@ -35,6 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "input [..., n] -> [..., world_size * n], rank r's input at columns [r*n, (r+1)*n)")
       .def("barrier", &ShmComm::barrier, nogil())
       .def("close", &ShmComm::close)
+      .def("peers_visible", &ShmComm::peers_visible,
+           "Every peer's process is visible here (same PID namespace): dead-peer checks can work")
+      .def_property("check_peer_pids", &ShmComm::check_peer_pids, &ShmComm::set_check_peer_pids)
       .def_property_readonly("rank", &ShmComm::rank)
       .def_property_readonly("world_size", &ShmComm::world_size)
       .def_property_readonly("slot_bytes", &ShmComm::slot_bytes)

@@ -66,26 +66,44 @@ inline void cpu_relax() {
 #endif
 }
 
-// A dead process, or a zombie nobody has reaped yet (kill(pid, 0) still succeeds on those: a
-// killed rank stays a zombie until its launcher waits on it), reads as not alive.
-bool pid_alive(int32_t pid) {
+// What /proc/<pid>/stat says of a process: whether it exists and runs (a zombie does not: kill(pid,
+// 0) still succeeds on one, and a killed rank stays a zombie until its launcher waits on it), and
+// when it started (clock ticks since boot: with the pid, an identity a reused pid does not share).
+struct ProcInfo {
+  bool alive;
+  uint64_t start_ticks;  // 0: unknown
+};
+
+ProcInfo proc_info(int32_t pid) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
   const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    if (errno == ENOENT) return false;
-    return ::kill(pid, 0) == 0 || errno == EPERM;  // no /proc: the signal probe is all there is
+    if (errno == ENOENT) return {false, 0};
+    return {::kill(pid, 0) == 0 || errno == EPERM, 0};  // no /proc: the signal probe is all there is
   }
-  char buf[512];
+  char buf[1024];
   const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
   ::close(fd);
-  if (n <= 0) return false;  // the process went away between open and read
+  if (n <= 0) return {false, 0};  // the process went away between open and read
   buf[n] = '\0';
-  // "pid (comm) S ...": comm may hold spaces and parentheses, so the state follows the last ')'.
-  const char* paren = std::strrchr(buf, ')');
-  if (paren == nullptr || paren[1] == '\0' || paren[2] == '\0') return true;
-  const char state = paren[2];
-  return state != 'Z' && state != 'X' && state != 'x';
+  // "pid (comm) S f4 f5 ...": comm may hold spaces and parentheses, so field 3 (the state) follows
+  // the last ')', and field 22 (the start time) comes 19 fields after it.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr || p[1] == '\0' || p[2] == '\0') return {true, 0};
+  p += 2;
+  const bool alive = *p != 'Z' && *p != 'X' && *p != 'x';
+  for (int field = 3; field < 22 && p != nullptr; ++field) {
+    p = std::strchr(p, ' ');
+    if (p != nullptr) ++p;
+  }
+  return {alive, p == nullptr ? 0 : std::strtoull(p, nullptr, 10)};
+}
+
+// Whether the process that attached as (pid, start_ticks) still runs.
+bool peer_alive(int32_t pid, uint64_t start_ticks) {
+  const ProcInfo info = proc_info(pid);
+  return info.alive && (start_ticks == 0 || info.start_ticks == 0 || info.start_ticks == start_ticks);
 }
 
 inline int64_t grain_for(int64_t unit_bytes) {
@@ -139,6 +157,7 @@ struct alignas(kLine) RankFlag {
   std::atomic<uint64_t> seq;   // the last collective this rank published
   std::atomic<int32_t> pid;    // who holds the rank (for the liveness checks)
   std::atomic<int32_t> state;  // RankState
+  std::atomic<uint64_t> start_ticks;  // the holder's start time (so a reused pid reads as dead)
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<int32_t>::is_always_lock_free,
@@ -157,6 +176,37 @@ std::string errno_text(const char* what, const std::string& path) {
   return os.str();
 }
 
+// Opens (or with create, makes and reserves) the region file and maps it shared; raises with the
+// reason, removing a file it made, on any failure.
+void* map_region(const std::string& path, size_t bytes, bool create) {
+  const int fd = create ? ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600)
+                        : ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, errno_text(create ? "cannot create" : "cannot open", path));
+  std::string error;
+  struct stat st {};
+  if (create && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    error = errno_text("cannot size", path);
+  } else if (const int err = create ? ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) : 0; err != 0) {
+    // Reserve the pages now: a tmpfs too small for the region (a container's 64 MiB /dev/shm)
+    // fails here with ENOSPC instead of killing a rank with SIGBUS at its first large collective.
+    errno = err;
+    error = errno_text("cannot reserve memory for", path);
+  } else if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    error = "ShmComm: " + path + " does not have the size world_size and slot_bytes imply";
+  }
+  void* mem = MAP_FAILED;
+  if (error.empty()) {
+    mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mem == MAP_FAILED) error = errno_text("cannot map", path);
+  }
+  ::close(fd);  // the mapping keeps the region alive; the file is unlinked once all ranks attach
+  if (!error.empty()) {
+    if (create) ::unlink(path.c_str());
+    TORCH_CHECK(false, error);
+  }
+  return mem;
+}
+
 }  // namespace
 
 int64_t ShmComm::region_bytes(int64_t world_size, int64_t slot_bytes) {
@@ -171,30 +221,7 @@ ShmComm::ShmComm(const std::string& path, int64_t rank, int64_t world_size, int6
   TORCH_CHECK(slot_bytes >= 64 && slot_bytes % 64 == 0, "ShmComm: slot_bytes must be a positive multiple of 64");
   set_timeout_s(timeout_s);
   map_bytes_ = static_cast<size_t>(region_bytes(world_size, slot_bytes));
-  const int fd = create ? ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600)
-                        : ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, errno_text(create ? "cannot create" : "cannot open", path));
-  struct stat st {};
-  bool ok = true;
-  std::string error;
-  int err = 0;
-  if (create && ::ftruncate(fd, static_cast<off_t>(map_bytes_)) != 0) {
-    ok = false, error = errno_text("cannot size", path);
-  } else if (create && (err = ::posix_fallocate(fd, 0, static_cast<off_t>(map_bytes_))) != 0) {
-    // Reserve the pages now: a tmpfs too small for the region (a container's 64 MiB /dev/shm)
-    // fails here with ENOSPC instead of killing a rank with SIGBUS at its first large collective.
-    errno = err;
-    ok = false, error = errno_text("cannot reserve memory for", path);
-  } else if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != map_bytes_) {
-    ok = false, error = "ShmComm: " + path + " does not have the size world_size and slot_bytes imply";
-  }
-  void* mem = ok ? ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-  if (ok && mem == MAP_FAILED) ok = false, error = errno_text("cannot map", path);
-  ::close(fd);  // the mapping keeps the region alive; the file is unlinked once all ranks attach
-  if (!ok) {
-    if (create) ::unlink(path.c_str());
-    TORCH_CHECK(false, error);
-  }
+  void* mem = map_region(path, map_bytes_, create);
   base_ = static_cast<char*>(mem);
   header_ = reinterpret_cast<RegionHeader*>(base_);
   flags_ = reinterpret_cast<RankFlag*>(base_ + sizeof(RegionHeader));
@@ -216,7 +243,19 @@ ShmComm::ShmComm(const std::string& path, int64_t rank, int64_t world_size, int6
     ::munmap(mem, map_bytes_);
     TORCH_CHECK(false, "ShmComm: rank ", rank, " of ", path, " is already attached");
   }
+  flags_[rank].start_ticks.store(proc_info(::getpid()).start_ticks, std::memory_order_relaxed);
   flags_[rank].pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
+}
+
+bool ShmComm::peers_visible() const {
+  TORCH_CHECK(base_ != nullptr, "ShmComm.peers_visible: the communicator is closed");
+  for (int64_t p = 0; p < world_; ++p) {
+    const int32_t pid = flags_[p].pid.load(std::memory_order_acquire);
+    if (p != rank_ && (pid <= 0 || !peer_alive(pid, flags_[p].start_ticks.load(std::memory_order_relaxed)))) {
+      return false;
+    }
+  }
+  return true;
 }
 
 ShmComm::~ShmComm() { close(); }
@@ -304,7 +343,8 @@ void ShmComm::check_peers(uint64_t seq, std::chrono::steady_clock::duration wait
       os << "closed its communicator while rank " << rank_ << " waited in collective #" << seq;
       fail(os.str());
     }
-    if (state == kAttached && pid > 0 && !pid_alive(pid)) {
+    if (check_peer_pids_ && state == kAttached && pid > 0 &&
+        !peer_alive(pid, flags_[p].start_ticks.load(std::memory_order_relaxed))) {
       os << "exited while rank " << rank_ << " waited in collective #" << seq;
       fail(os.str());
     }

@@ -42,6 +42,13 @@ class ShmComm {
   // call raises. Call it from the thread that runs the collectives.
   void close();
 
+  // Whether every peer's process can be seen from here (/proc/<pid> with the start time it
+  // attached with). Not when ranks run in different PID namespaces (containers that share
+  // /dev/shm): then set check_peer_pids(false), and a dead peer is noticed by the timeout alone.
+  bool peers_visible() const;
+  bool check_peer_pids() const { return check_peer_pids_; }
+  void set_check_peer_pids(bool check) { check_peer_pids_ = check; }
+
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_; }
   int64_t slot_bytes() const { return slot_bytes_; }
@@ -64,7 +71,8 @@ class ShmComm {
   int64_t rank_, world_, slot_bytes_;
   double timeout_s_;
   uint64_t seq_ = 0;
-  bool broken_ = false;  // a collective failed: the ranks' sequence numbers no longer agree
+  bool broken_ = false;
+  bool check_peer_pids_ = true;  // a collective failed: the ranks' sequence numbers no longer agree
   size_t map_bytes_ = 0;
   char* base_ = nullptr;
   RegionHeader* header_ = nullptr;
