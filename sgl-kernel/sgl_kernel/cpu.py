@@ -203,3 +203,20 @@ def decode_model(
     `set_final_norm(w)`; then `forward(hidden, positions, out_cache_loc, req_to_token,
     req_pool_indices, seq_lens)` returns the final normed hidden states."""
     return _lib().DecodeModel(num_heads, num_kv_heads, head_dim, rms_norm_eps, scaling, cos, sin)
+
+
+def shm_comm_available() -> bool:
+    """Whether this build has `ShmComm` (shared-memory collectives; radixserve.distributed.shm_comm)."""
+    return available() and hasattr(_ext, "ShmComm")
+
+
+def shm_comm(
+    path: str, rank: int, world_size: int, slot_bytes: int, create: bool, timeout_s: float
+) -> object:
+    """A `ShmComm` over the region file `path` (rank `rank` of `world_size`): with create, makes the
+    file (it must not exist), else attaches to the one another rank made with the same world_size
+    and slot_bytes (a positive multiple of 64). Methods: all_reduce_(t) (fp32/bf16, in place,
+    bit-identical on every rank), all_gather(t) ([..., n] -> [..., world_size * n]), barrier(),
+    close(); properties rank, world_size, slot_bytes, seq, closed, timeout_s (settable).
+    Collectives raise RuntimeError when a peer exits or closes, or a wait passes timeout_s."""
+    return _lib().ShmComm(path, rank, world_size, slot_bytes, create, timeout_s)

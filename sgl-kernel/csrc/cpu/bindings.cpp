@@ -4,6 +4,7 @@
 #include "common.h"
 #include "decode_model.h"
 #include "ops.h"
+#include "shm_comm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU kernels";
@@ -22,12 +23,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");
   m.def("silu_and_mul", &silu_and_mul, "x [M, 2d] -> silu(x[:, :d]) * x[:, d:]");
   m.def("store_kv", &store_kv, "k_buf[loc] = k; v_buf[loc] = v (fp32 pools)");
+  // Held by shared_ptr so a DecodeModel can keep the communicator it all-reduces with. The waits
+  // release the GIL: a peer may be milliseconds behind, and other Python threads should run.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm", "Collectives over a shared-memory region (one host)")
+      .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>(), py::arg("path"), py::arg("rank"),
+           py::arg("world_size"), py::arg("slot_bytes"), py::arg("create"), py::arg("timeout_s"))
+      .def("all_reduce_", &ShmComm::all_reduce_, py::arg("tensor"), nogil(),
+           "In place SUM of a contiguous fp32/bf16 tensor; bit-identical on every rank")
+      .def("all_gather", &ShmComm::all_gather, py::arg("input"), nogil(),
+           "input [..., n] -> [..., world_size * n], rank r's input at columns [r*n, (r+1)*n)")
+      .def("barrier", &ShmComm::barrier, nogil())
+      .def("close", &ShmComm::close)
+      .def("peers_visible", &ShmComm::peers_visible,
+           "Every peer's process is visible here (same PID namespace): dead-peer checks can work")
+      .def_property("check_peer_pids", &ShmComm::check_peer_pids, &ShmComm::set_check_peer_pids)
+      .def_property_readonly("rank", &ShmComm::rank)
+      .def_property_readonly("world_size", &ShmComm::world_size)
+      .def_property_readonly("slot_bytes", &ShmComm::slot_bytes)
+      .def_property_readonly("seq", &ShmComm::seq)
+      .def_property_readonly("closed", &ShmComm::closed)
+      .def_property("timeout_s", &ShmComm::timeout_s, &ShmComm::set_timeout_s)
+      .def_static("region_bytes", &ShmComm::region_bytes, py::arg("world_size"), py::arg("slot_bytes"));
   py::class_<DecodeModel>(m, "DecodeModel", "A Llama-family decoder stack run by one call per decode step")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scaling"),
            py::arg("cos"), py::arg("sin"))
       .def("add_layer", &DecodeModel::add_layer)
       .def("set_final_norm", &DecodeModel::set_final_norm)
+      .def("set_tp_comm", &DecodeModel::set_tp_comm, py::arg("comm"),
+           "All-reduce o_proj/down_proj outputs over this ShmComm (the layers hold the rank's shards); None: one rank")
       .def("forward", &DecodeModel::forward, py::arg("hidden"), py::arg("positions"), py::arg("out_cache_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"));
 }

@@ -51,6 +51,17 @@ void DecodeModel::add_layer(at::Tensor input_norm, at::Tensor qkv_w, c10::option
 
 void DecodeModel::set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
 
+void DecodeModel::set_tp_comm(std::shared_ptr<ShmComm> comm) { tp_comm_ = std::move(comm); }
+
+at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w,
+                                     const c10::optional<at::Tensor>& b) const {
+  if (!tp_comm_) return lin(x, w, b);
+  at::Tensor y = lin(x, w, c10::nullopt);  // [bs, hidden]: this rank's partial sum
+  tp_comm_->all_reduce_(y);
+  if (b.has_value()) y.add_(*b);
+  return y;
+}
+
 at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& positions,
                                 const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                                 const at::Tensor& req_pool_indices, const at::Tensor& seq_lens) const {
@@ -75,9 +86,9 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
     store_kv(k_buf, v_buf, out_cache_loc, k, v);
     decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_);
-    x = lin(attn_out.view({bs, H * D}), L.o_w, L.o_b);
+    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_b);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
-    x = lin(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_b)), L.down_w, L.down_b);
+    x = row_parallel(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_b)), L.down_w, L.down_b);
   }
   fused_add_rmsnorm_(x, residual, final_norm_, eps_);
   return x;

@@ -6,7 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <vector>
+
+#include "shm_comm.h"
 
 struct DecodeLayer {
   at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32 or fp16
@@ -25,6 +28,11 @@ class DecodeModel {
                  c10::optional<at::Tensor> gate_up_b, at::Tensor down_w, c10::optional<at::Tensor> down_b,
                  at::Tensor k_buf, at::Tensor v_buf);
   void set_final_norm(at::Tensor weight);
+  // Tensor parallelism: with a communicator the layers hold this rank's shards (the constructor's
+  // head counts are per rank, o_w/down_w are row shards [hidden, in / world]); the o_proj and
+  // down_proj outputs are all-reduced before the residual add and their biases added once after.
+  // nullptr (None) is the single-rank path.
+  void set_tp_comm(std::shared_ptr<ShmComm> comm);
 
   // hidden [bs, hidden_size] (the token embeddings) -> final normed hidden [bs, hidden_size]; writes
   // this step's K/V at out_cache_loc, attends over req_to_token[req_pool_indices, :seq_lens].
@@ -38,4 +46,8 @@ class DecodeModel {
   at::Tensor cos_, sin_;  // [max_position, head_dim / 2]
   std::vector<DecodeLayer> layers_;
   at::Tensor final_norm_;
+  std::shared_ptr<ShmComm> tp_comm_;
+
+  // x @ w.T summed over the ranks (+ b once): a row-parallel linear; plain lin() on one rank.
+  at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) const;
 };
