@@ -53,6 +53,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_final_norm", &DecodeModel::set_final_norm)
       .def("set_tp_comm", &DecodeModel::set_tp_comm, py::arg("comm"),
            "All-reduce o_proj/down_proj outputs over this ShmComm (the layers hold the rank's shards); None: one rank")
+      // Without the GIL: with a communicator the call may wait for a slower peer rank, and the
+      // overlap loop's scheduler thread should keep working meanwhile (the call touches no Python).
       .def("forward", &DecodeModel::forward, py::arg("hidden"), py::arg("positions"), py::arg("out_cache_loc"),
-           py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"));
+           py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
+           py::call_guard<py::gil_scoped_release>());
 }
