@@ -92,6 +92,8 @@ LAYOUTS = [
     pytest.param("llama_kv1", {"tp_size": 2}, id="llama_kv1-tp2"),
     pytest.param("qwen2", {"tp_size": 2}, id="qwen2-tp2"),
     pytest.param("qwen3", {"tp_size": 2}, id="qwen3-tp2"),
+    # gloo instead of the shared-memory all-reduce (the reference path and the multi-host one)
+    pytest.param("llama", {"tp_size": 2, "disable_custom_all_reduce": True}, id="llama-tp2-gloo"),
     pytest.param("llama", {"pp_size": 2}, id="llama-pp2"),
     pytest.param("qwen2", {"pp_size": 2}, id="qwen2-pp2"),  # tied embeddings: the head on stage 1
     pytest.param("qwen3", {"pp_size": 2}, id="qwen3-pp2"),
