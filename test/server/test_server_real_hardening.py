@@ -79,9 +79,15 @@ def test_disconnect_storm_leaves_nothing_running_and_the_pool_full(tiny: str) ->
                 next(lines)
 
     def plain(i: int, timeout: float) -> None:
+        # The client gives up after `timeout`; on a fast machine a request may finish first,
+        # which is fine too (it must then be a complete answer).
         body = {"text": f"Storm {i}", "sampling_params": TINY_LONG}
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{tiny}/generate", json=body, timeout=timeout)
+        try:
+            resp = httpx.post(f"{tiny}/generate", json=body, timeout=timeout)
+        except httpx.TimeoutException:
+            return
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["meta_info"]["completion_tokens"] == TINY_LONG["max_new_tokens"]
 
     def openai_stream(i: int, chunks: int) -> None:
         stream = client(tiny).completions.create(
