@@ -143,7 +143,7 @@ class Engine:
         weight_version: str | None = None,
     ) -> tuple[bool, str]:
         """Full (unsharded) tensors by checkpoint name; every TP rank takes its shard."""
-        data = serialize_named_tensors(named_tensors)
+        data = serialize_named_tensors(named_tensors, as_text=False)
         msg = io.UpdateWeightsFromTensorReqInput(
             [data], load_format, flush_cache, abort_all_requests, weight_version
         )
