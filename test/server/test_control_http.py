@@ -179,6 +179,18 @@ def test_operator_routes(server: Server, tmp_path) -> None:
     assert _generate(server).status_code == 200
 
 
+def test_openapi_documents_the_control_routes(server: Server) -> None:
+    doc = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    for path in ("/update_weights_from_disk", "/open_session", "/start_profile", "/set_internal_state"):
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.rsplit("/", 1)[1] in doc["components"]["schemas"]
+    props = doc["components"]["schemas"]["UpdateWeightFromDiskBody"]["properties"]
+    assert {"model_path", "load_format", "abort_all_requests", "flush_cache", "weight_version"} <= set(props)
+    for path in ("/stop_profile", "/continue_generation", "/freeze_gc", "/resume_memory_occupation"):
+        assert "post" in doc["paths"][path]
+
+
 def test_watchdog_ends_a_stuck_server(tiny_llama_path: str, tmp_path) -> None:
     log = str(tmp_path / "server.log")
     server = Server(

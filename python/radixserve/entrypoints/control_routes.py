@@ -102,6 +102,26 @@ class SetInternalStateBody(_Body):
     server_args: dict[str, Any]
 
 
+# Request bodies by route, for /openapi.json (openapi_spec.py).
+CONTROL_BODIES: dict[str, type[BaseModel]] = {
+    "/open_session": OpenSessionBody,
+    "/close_session": CloseSessionBody,
+    "/update_weights_from_disk": UpdateWeightFromDiskBody,
+    "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
+    "/init_weights_update_group": InitWeightsUpdateGroupBody,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
+    "/get_weights_by_name": GetWeightsByNameBody,
+    "/release_memory_occupation": MemoryTagsBody,
+    "/resume_memory_occupation": MemoryTagsBody,
+    "/pause_generation": PauseGenerationBody,
+    "/start_profile": ProfileBody,
+    "/slow_down": SlowDownBody,
+    "/set_internal_state": SetInternalStateBody,
+}
+CONTROL_TEXT_ANSWERS = frozenset({"/start_profile", "/stop_profile", "/freeze_gc", "/close_session"})
+
+
 def _json(content: Any, status: int = 200) -> Response:  # noqa: ANN401 - any JSON value
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
