@@ -32,6 +32,8 @@ def init_weights_group(
     """Join (rank 0: host) the group `group_name`; returns its ProcessGroup."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
