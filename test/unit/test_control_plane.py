@@ -12,6 +12,7 @@ import pytest
 
 from radixserve.managers.generate_request import parse_session_params
 from radixserve.managers.io_struct import (
+    AbortReq,
     ContinueGenerationReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
@@ -93,6 +94,17 @@ def test_pause_holds_new_requests_and_keeps_the_running_ones(make_harness, mode:
     h.run_until_idle()
     assert h.outputs["r"] == reference.outputs["r"]
     assert h.finished["new"]["type"] == "length"
+
+
+def test_an_abort_finishes_a_request_held_by_a_pause(make_harness) -> None:
+    h = make_harness()
+    h.step([PauseGenerationReqInput("in_place"), _req("held"), _req("other")])
+    h.step([AbortReq(rid="held")])
+    h.step()
+    assert h.finished["held"]["type"] == "abort" and "other" not in h.finished
+    h.step([ContinueGenerationReqInput()])
+    h.run_until_idle()
+    assert h.finished["other"]["type"] == "length"
 
 
 def test_abort_pause_aborts_running_requests(make_harness) -> None:

@@ -50,6 +50,7 @@ from radixserve.managers.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
+    rid_matches,
 )
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class ControlPlane:
         """Dispatch `msgs` (and whatever waits) in order, holding what must wait."""
         self.steps += 1
         for msg in msgs:
+            if isinstance(msg, AbortReq) and self.paused_inputs:
+                self._admit_aborted(msg, dispatch)
             if self.pause_mode is not None and isinstance(msg, GENERATE_TYPES):
                 self.paused_inputs.append(msg)
             elif self.held and isinstance(msg, BYPASS_TYPES):
@@ -107,6 +110,22 @@ class ControlPlane:
                 self.held.append(msg)
                 self._drain(dispatch)
         self._drain(dispatch)
+
+    def _admit_aborted(self, abort: AbortReq, dispatch: Callable[[object], None]) -> None:
+        """Requests held by a pause that `abort` targets are admitted now, so the abort finishes
+        them (and their callers get their final output) without waiting for continue."""
+
+        def targeted(msg: object) -> bool:
+            reqs = msg.reqs if isinstance(msg, BatchTokenizedGenerateReqInput) else [msg]
+            return any(abort.abort_all or rid_matches(r.rid, abort.rid) for r in reqs)  # type: ignore[attr-defined]
+
+        keep = []
+        for msg in self.paused_inputs:
+            if targeted(msg):
+                dispatch(msg)
+            else:
+                keep.append(msg)
+        self.paused_inputs = keep
 
     def _drain(self, dispatch: Callable[[object], None]) -> None:
         self.waiting_barrier = False
