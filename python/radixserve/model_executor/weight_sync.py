@@ -38,8 +38,11 @@ class WeightUpdateError(ValueError):
 
 
 def _trim_heap() -> None:
-    """Return freed heap pages to the OS (glibc keeps large freed blocks otherwise)."""
+    """Return freed heap pages to the OS (glibc keeps large freed blocks otherwise), and freed
+    CUDA blocks to the driver."""
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the allocator decides
@@ -56,6 +59,9 @@ class ModelWeights:
         self.source_format: str = runner.server_args.load_format
         self.released_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
         self.released_kv: tuple[torch.Size, torch.dtype] | None = None
+        # CUDA graphs read the weights' and the KV pool's storage: dropped on a release, captured
+        # again once both are back (in-place updates keep the storage, and the graphs valid).
+        self._had_graphs = getattr(runner, "graph_runner", None) is not None
 
     @property
     def model(self) -> nn.Module:
@@ -150,6 +156,10 @@ class ModelWeights:
         runner.cpu_decode_runner = create_cpu_decode_runner(
             runner.model, runner.token_to_kv_pool, runner.server_args, runner.parallel
         )
+        if self._had_graphs and runner.graph_runner is None:
+            from radixserve.model_executor.cuda_graph_runner import create_cuda_graph_runner
+
+            runner.graph_runner = create_cuda_graph_runner(runner, runner.server_args)
 
     def _linears(self) -> list[Linear]:
         roots = [m for m in (self.runner.model, self.runner.lm_head) if m is not None]
@@ -190,7 +200,7 @@ class ModelWeights:
     def release_weights(self) -> None:
         if self.released_shapes is not None:
             return
-        self.runner.cpu_decode_runner = None
+        self.runner.cpu_decode_runner = self.runner.graph_runner = None
         for layer in self._linears():
             layer.weight_f16 = layer.weight_packed = None
         shapes = {}
@@ -219,7 +229,7 @@ class ModelWeights:
         pool = self.runner.token_to_kv_pool
         if self.released_kv is not None:
             return
-        self.runner.cpu_decode_runner = None
+        self.runner.cpu_decode_runner = self.runner.graph_runner = None
         self.released_kv = (pool.k_buffer[0].shape, pool.dtype)
         empty = torch.empty(0, dtype=pool.dtype, device=pool.device)
         pool.k_buffer = [empty] * pool.num_layers
