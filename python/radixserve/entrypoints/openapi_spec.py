@@ -54,6 +54,7 @@ class GenerateMetaInfo(BaseModel):
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float
+    weight_version: str  # the weights that served it (--weight-version, then each update's)
 
 
 class GenerateOutput(BaseModel):
