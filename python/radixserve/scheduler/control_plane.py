@@ -6,7 +6,7 @@ forward reads (a weight update, a memory release or resume: `BARRIER_TYPES`) wai
 forward is in flight and no request is alive (or generation is paused), so in-flight requests
 finish on the old weights; with `abort_all_requests` they are aborted instead. Everything that
 arrives behind a waiting operation waits with it, except the requests in `BYPASS_TYPES` (aborts,
-queries, pause / continue, operator knobs), which take effect at once.
+queries, sessions, pause / continue, operator knobs), which take effect at once.
 
 Pause (SGLang's modes): new generate requests are held until /continue_generation in every mode;
 `abort` aborts the live requests (scheduling continues until they are reported), `retract` moves
@@ -32,11 +32,13 @@ from radixserve.managers.io_struct import (
     PAUSE_MODES,
     AbortReq,
     BatchTokenizedGenerateReqInput,
+    CloseSessionReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
     FreezeGCReq,
     GetInternalStateReq,
     GetWeightsByNameReqInput,
+    OpenSessionReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     ProfileReq,
@@ -67,6 +69,8 @@ BARRIER_TYPES = (
 )
 BYPASS_TYPES = (
     AbortReq,
+    OpenSessionReqInput,
+    CloseSessionReqInput,
     GetInternalStateReq,
     GetWeightsByNameReqInput,
     PauseGenerationReqInput,
