@@ -34,6 +34,7 @@ def _gen(engine: Engine, ids: list[int], req_id: str, **session: Any) -> dict:
 
 
 def test_three_turns_reuse_the_history(tiny_engine: Engine, hf: Any) -> None:
+    assert tiny_engine.flush_cache()  # the shared engine may hold these prompts from other tests
     sid = tiny_engine.open_session(4096)
     history: list[int] = []
     parent = None
@@ -74,6 +75,7 @@ def test_replace_offset_and_drop_previous_output(tiny_engine: Engine, hf: Any) -
 
 
 def test_session_refusals(tiny_engine: Engine) -> None:
+    sessions_before = tiny_engine.get_internal_state()["num_sessions"]
     sid = tiny_engine.open_session(100)
     with pytest.raises(ValueError, match="already exist"):
         tiny_engine.open_session(100, session_id=sid)
@@ -99,15 +101,17 @@ def test_session_refusals(tiny_engine: Engine) -> None:
             )
         )
     )
+    tiny_engine.slow_down(0.02)  # r-long surely still runs when r-early arrives, however loaded
     runner.start()
     _wait(lambda: tiny_engine.get_internal_state()["num_running_reqs"] > 0)
     early = _gen(tiny_engine, TURNS[1], "r-early", id=sid, rid="r-long")
+    tiny_engine.slow_down(None)
     assert "has not finished" in early["meta_info"]["finish_reason"]["message"]
     # Closing the session while r-long runs: closed once r-long ends.
     tiny_engine.close_session(sid)
     runner.join(120)
     assert results["long"]["meta_info"]["finish_reason"]["type"] == "length"
-    _wait(lambda: tiny_engine.get_internal_state()["num_sessions"] == 0)
+    _wait(lambda: tiny_engine.get_internal_state()["num_sessions"] == sessions_before)
     with pytest.raises(ValueError, match="does not exist"):
         tiny_engine.close_session(sid)
 

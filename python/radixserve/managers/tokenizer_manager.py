@@ -321,6 +321,11 @@ class TokenizerManager:
             self._send.send_pyobj(msg)
             try:
                 return [await asyncio.wait_for(future, timeout or CONTROL_TIMEOUT_S)]
+            except asyncio.TimeoutError:
+                raise RequestAbortedError(
+                    f"The scheduler did not answer {type(msg).__name__} within {timeout or CONTROL_TIMEOUT_S:.0f} s.",
+                    503,
+                ) from None
             finally:
                 if future in waiters:  # timed out or cancelled: drop the waiter
                     waiters.remove(future)
