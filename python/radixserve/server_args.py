@@ -134,6 +134,16 @@ class ServerArgs:
     )
     prefill_max_requests: int | None = _f(None, "Most requests admitted in one prefill batch.")
     waiting_timeout: float | None = _f(None, "Abort requests waiting longer than this many seconds.")
+    watchdog_timeout: float = _f(
+        300.0,
+        "Seconds a scheduler may spend in one step (a forward) while it has work before its watchdog "
+        "logs every thread's stack and ends the process; the server then reports unhealthy and exits.",
+    )
+    weight_version: str = _f(
+        "default",
+        "Version label of the loaded weights, reported in /get_model_info and each response's "
+        "meta_info; weight updates may set a new one.",
+    )
     running_timeout: float | None = _f(None, "Abort requests running longer than this many seconds.")
 
     # Kernels
@@ -224,6 +234,8 @@ class ServerArgs:
     def validate(self) -> None:
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
             raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

@@ -20,6 +20,7 @@ class StubTokenizerManager:
         self.served_model_name = "tiny"
         self.context_len = 128
         self.metrics = None
+        self.weight_version = "default"
 
 
 def client(ready: bool = True, **args: object) -> TestClient:

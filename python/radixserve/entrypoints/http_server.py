@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
+from radixserve.entrypoints.control_routes import add_control_routes
 from radixserve.entrypoints.http_guards import (
     GuardMiddleware,
     allowed_host_names,
@@ -188,7 +189,12 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         tokenizer_path = tm.server_args.tokenizer_path or tm.model_path
-        return {"model_path": tm.model_path, "tokenizer_path": tokenizer_path, "is_generation": True}
+        return {
+            "model_path": tm.model_path,
+            "tokenizer_path": tokenizer_path,
+            "is_generation": True,
+            "weight_version": tm.weight_version,
+        }
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
@@ -302,6 +308,7 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         GuardMiddleware, allowed_hosts=allowed_host_names(args.host, args.allowed_hosts), api_key=args.api_key
     )
     _add_native_routes(app, state)
+    add_control_routes(app, state.tm)
     _add_openai_routes(app, state)
     install_openapi(app)
     app.state.server = state

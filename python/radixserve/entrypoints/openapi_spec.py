@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from radixserve.entrypoints.control_routes import CONTROL_BODIES, CONTROL_TEXT_ANSWERS
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,6 +54,7 @@ class GenerateMetaInfo(BaseModel):
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float
+    weight_version: str  # the weights that served it (--weight-version, then each update's)
 
 
 class GenerateOutput(BaseModel):
@@ -72,6 +74,7 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/tokenize": TokenizeRequest,
     "/v1/detokenize": DetokenizeRequest,
+    **CONTROL_BODIES,
 }
 _JSON_ANSWERS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionResponse,
@@ -86,8 +89,11 @@ _STREAM_EVENTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionResponse,
     "/v1/chat/completions": ChatCompletionStreamResponse,
 }
-_TEXT_ANSWERS = frozenset({"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics"})
-_OBJECT_ANSWERS = frozenset({"/get_model_info", "/get_server_info"})
+_TEXT_ANSWERS = frozenset(
+    {"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics", *CONTROL_TEXT_ANSWERS}
+)
+# The other control routes answer JSON ({"success", "message"}, a session id, a weight's rows).
+_OBJECT_ANSWERS = frozenset({"/get_model_info", "/get_server_info", *CONTROL_BODIES, "/continue_generation"})
 
 # Error statuses per route, beyond 400 (Host; bad bodies), which every route can answer.
 _GENERATING = (404, 413, 415, 503)

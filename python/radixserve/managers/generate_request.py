@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from radixserve.managers.control_messages import SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
 # Per-request limits (docs/http_api.md, "Limits"): one call must not buy unbounded work.
@@ -40,6 +41,8 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | list[int] | None = None  # larger = sooner (with --enable-priority-scheduling)
+    # Continue a session: {id, rid, offset, replace, drop_previous_output} (scheduler/sessions.py).
+    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
 
     @property
     def is_single(self) -> bool:
@@ -71,6 +74,7 @@ class GenerateReqInput(BaseModel):
             "logprob_start_len",
             "top_logprobs_num",
             "priority",
+            "session_params",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -107,6 +111,7 @@ class GenerateReqInput(BaseModel):
             logprob_start_len = int(_pick(self.logprob_start_len, i))
             if logprob_start_len < -1:  # its upper bound, the prompt length, is checked once tokenized
                 raise ValueError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
+            session = parse_session_params(_pick(self.session_params, i))
             for j in range(n):
                 items.append(
                     RequestItem(
@@ -121,6 +126,7 @@ class GenerateReqInput(BaseModel):
                         logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num,
                         priority=_pick(self.priority, i),
+                        session_params=session,
                         prompt_index=i,
                         sample_index=j,
                     )
@@ -131,6 +137,33 @@ class GenerateReqInput(BaseModel):
                 raise ValueError(f"Duplicate request id {item.rid!r} in one request.")
             seen.add(item.rid)
         return items
+
+
+_SESSION_FIELDS = {
+    "id": str,
+    "rid": str,
+    "offset": int,
+    "replace": bool,
+    "drop_previous_output": bool,
+}
+
+
+def parse_session_params(raw: dict[str, Any] | None) -> SessionParams | None:
+    """SGLang's session_params dict as a SessionParams; ValueError (400) on unknown or mistyped keys."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError("'session_params' must be an object.")
+    unknown = sorted(set(raw) - set(_SESSION_FIELDS))
+    if unknown:
+        raise ValueError(f"Unknown session_params field(s) {unknown}; known: {sorted(_SESSION_FIELDS)}.")
+    for key, value in raw.items():
+        want = _SESSION_FIELDS[key]
+        if value is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+            raise ValueError(f"session_params.{key} must be a {want.__name__} or null, got {value!r}.")
+    if raw.get("offset") is not None and raw["offset"] < 0:
+        raise ValueError(f"session_params.offset must be >= 0, got {raw['offset']}.")
+    return SessionParams(**raw)
 
 
 def _pick(value: Any, i: int) -> Any:
@@ -163,3 +196,4 @@ class RequestItem:
     priority: int | None
     prompt_index: int
     sample_index: int
+    session_params: SessionParams | None = None

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from radixserve.managers.control_messages import *  # noqa: F403 - the control plane's messages
+from radixserve.managers.control_messages import SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
 FinishReasonDict = dict[str, Any]
@@ -40,6 +42,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     priority: int | None = None  # larger = more important (only with --enable-priority-scheduling)
     received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
+    session_params: SessionParams | None = None  # continue a session (scheduler/sessions.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.constrained.validation import prewarm as prewarm_grammar
+from radixserve.managers.control_client import CONTROL_OUTPUT_TYPES, ControlClient
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.input_validation import InvalidRequestError, ModelLimits, prepare_items
 from radixserve.managers.io_struct import (
@@ -108,7 +109,10 @@ class TokenizerManager:
         self.metrics = ServerMetrics(self.max_total_num_tokens) if server_args.enable_metrics else None
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
-        self._control_lock: asyncio.Lock | None = None
+        self._control_locks: dict[type, asyncio.Lock] = {}
+        self._started = False
+        self.weight_version = server_args.weight_version  # reported in every meta_info
+        self.control = ControlClient(self)
         self._recv_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
         self._dispatch = TypeBasedDispatcher(
@@ -117,6 +121,7 @@ class TokenizerManager:
                 (AbortReq, self._on_abort),
                 (FlushCacheReqOutput, self._on_control_output),
                 (GetInternalStateReqOutput, self._on_control_output),
+                *((t, self._on_control_output) for t in CONTROL_OUTPUT_TYPES),
             ]
         )
 
@@ -129,7 +134,7 @@ class TokenizerManager:
         )
         self._async_ctx = zmq.asyncio.Context(1)
         self._recv = get_zmq_socket(self._async_ctx, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True)
-        self._control_lock = asyncio.Lock()
+        self._started = True
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
         prewarm_grammar()
 
@@ -230,6 +235,7 @@ class TokenizerManager:
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
             priority=item.priority,
+            session_params=item.session_params,
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
@@ -260,7 +266,9 @@ class TokenizerManager:
             def decode(tok: int) -> str:
                 return self.tokenizer.decode([tok])
 
-        return build_output(state, decode)
+        out = build_output(state, decode)
+        out["meta_info"]["weight_version"] = self.weight_version
+        return out
 
     # ------------------------------------------------------------------ aborts and control
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -301,14 +309,26 @@ class TokenizerManager:
         outputs = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
         return [o.internal_state for o in outputs]
 
-    async def _control(self, msg: Any, out_type: type) -> list[Any]:
-        """Send a control request and await its reply (one at a time per kind of request)."""
-        assert self._control_lock is not None, "start() was not called"
-        async with self._control_lock:
+    async def _control(self, msg: Any, out_type: type, timeout: float | None = None) -> list[Any]:
+        """Send a control request and await its reply (one at a time per kind of request: replies
+        of one type come back in order, and different kinds never wait on each other)."""
+        assert self._started, "start() was not called"
+        lock = self._control_locks.setdefault(out_type, asyncio.Lock())
+        async with lock:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._control_waiters.setdefault(out_type, []).append(future)
+            waiters = self._control_waiters.setdefault(out_type, [])
+            waiters.append(future)
             self._send.send_pyobj(msg)
-            return [await asyncio.wait_for(future, CONTROL_TIMEOUT_S)]
+            try:
+                return [await asyncio.wait_for(future, timeout or CONTROL_TIMEOUT_S)]
+            except asyncio.TimeoutError:
+                raise RequestAbortedError(
+                    f"The scheduler did not answer {type(msg).__name__} within {timeout or CONTROL_TIMEOUT_S:.0f} s.",
+                    503,
+                ) from None
+            finally:
+                if future in waiters:  # timed out or cancelled: drop the waiter
+                    waiters.remove(future)
 
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:

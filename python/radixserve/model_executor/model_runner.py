@@ -21,6 +21,7 @@ from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_cpu_decode_runner
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch, PPProxyTensors
+from radixserve.model_executor.weight_sync import ModelWeights
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
 
@@ -96,6 +97,8 @@ class ModelRunner:
         self.cpu_decode_runner = create_cpu_decode_runner(
             self.model, self.token_to_kv_pool, server_args, self.parallel
         )
+        # Weight updates, reads and memory release / resume (model_executor/weight_sync.py).
+        self.weights = ModelWeights(self)
 
     def _prepare_cpu_linears(self) -> None:
         """fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for CPU fp32 models."""

@@ -104,6 +104,7 @@ class Req:
         tokenizer: Any = None,  # noqa: ANN401 - any HF-style tokenizer with decode()
     ) -> None:
         self.rid = rid
+        self.session_id: str | None = None  # set when the request continues a session
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params

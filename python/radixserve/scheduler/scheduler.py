@@ -13,8 +13,9 @@ timeouts), SchedulePolicy, BatchBuilder (next batch), OutputProcessor (results a
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from http import HTTPStatus
 from typing import Any, Protocol
 
 import torch
@@ -37,14 +38,19 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
+from radixserve.scheduler.control_plane import ControlPlane
+from radixserve.scheduler.control_table import control_handlers
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
+from radixserve.scheduler.loops import NormalLoop, OverlapLoop
+from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
-from radixserve.scheduler.overlap import FutureMap, PendingResult, create_overlap_executor
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
 from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.scheduler.sessions import SessionController
+from radixserve.scheduler.weight_control import WeightControl
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -101,9 +107,7 @@ class Scheduler:
         self.max_running_requests = min(args.max_running_requests or worker.max_req_num, worker.max_req_num)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
-        self.output = OutputProcessor(
-            self.mem, send_output, on_finished=lambda req: self.requests.forget(req)
-        )
+        self.output = OutputProcessor(self.mem, send_output, on_finished=self._on_finished)
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
         self.requests = RequestTable(
             self.state,
@@ -132,6 +136,14 @@ class Scheduler:
         )
         self.sync: RankSync = sync or LocalSync()
         self.input_blocker = SchedulerInputBlocker(sync=self.sync)
+        self.control = ControlPlane(self)
+        self.weight_control = WeightControl(self.control, args.weight_version)
+        self.operators = OperatorControls(self.control, _tp_rank(worker))
+        self.sessions = SessionController(
+            self._build_session_req,
+            lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),
+            getattr(tokenizer, "bos_token_id", None),
+        )
         self.dispatcher = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -139,6 +151,7 @@ class Scheduler:
                 (AbortReq, self.requests.abort),
                 (FlushCacheReqInput, self.flush_cache),
                 (GetInternalStateReq, self.get_internal_state),
+                *control_handlers(self),
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
@@ -169,15 +182,37 @@ class Scheduler:
 
     # ------------------------------------------------------------------ input
     def process_input_requests(self, recv_reqs: Iterable[object]) -> None:
-        # Flow control first (BLOCK / UNBLOCK): held requests reach the dispatcher later.
-        for msg in self.input_blocker.handle(list(recv_reqs)) or ():
-            reply = self.dispatcher(msg)
-            if reply is not None:
-                self.send_output(reply)
+        # Flow control first (BLOCK / UNBLOCK): held requests reach the dispatcher later. Then the
+        # control plane's order: weight updates and memory release wait for in-flight forwards.
+        self.operators.profiler.on_step()
+        self.control.process(self.input_blocker.handle(list(recv_reqs)) or [], self._dispatch)
+
+    def _dispatch(self, msg: object) -> None:
+        reply = self.dispatcher(msg)
+        if reply is not None:
+            self.send_output(reply)
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
+        error = None
+        if msg.session_params is not None and msg.session_params.id is not None:
+            req, error = self.sessions.create_req(msg)
+        else:
+            req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
+        released = self.control.released_message()
+        if error is not None or released is not None:
+            self.state.live[req.rid] = req
+            status = HTTPStatus.BAD_REQUEST if error is not None else HTTPStatus.SERVICE_UNAVAILABLE
+            self.output.finish_now(req, error or released or "", int(status))
+            return
         self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
+
+    def _build_session_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
+        return RequestTable.build_req(replace(msg, input_ids=input_ids), self.eos_token_ids, self.tokenizer)
+
+    def _on_finished(self, req: Req) -> None:
+        self.requests.forget(req)
+        if req.session_id is not None:
+            self.sessions.on_finished(req)
 
     def handle_batch_generate_request(self, msg: BatchTokenizedGenerateReqInput) -> None:
         for req in msg.reqs:
@@ -190,7 +225,15 @@ class Scheduler:
             and not self.state.waiting_queue
             and self.num_inflight_batches == 0
             and not self.input_blocker.at_barrier  # the UNBLOCK barrier is polled every step
+            and not self.control.has_waiting_work()
         )
+
+    def should_block_on_recv(self) -> bool:
+        """Whether the loop may wait for input: nothing to do until a request arrives (idle, or
+        paused with nothing in flight)."""
+        if self.is_idle():
+            return True
+        return self.control.stops_scheduling() and self.num_inflight_batches == 0
 
     def flush_cache(self, msg: FlushCacheReqInput | None = None) -> FlushCacheReqOutput:
         if not self.is_idle():
@@ -224,6 +267,12 @@ class Scheduler:
                 "last_gen_throughput": stats.last_gen_throughput,
                 "new_token_ratio": self.state.new_token_ratio,
                 "num_retracted_reqs": stats.num_retracted_reqs,
+                "weight_version": self.weight_control.weight_version,
+                "paused": self.control.pause_mode,
+                "memory_released": sorted(self.control.released),
+                "forward_sleep_time": self.control.forward_sleep_time,
+                "num_sessions": len(self.sessions.sessions),
+                **self.operators.live_state(),
                 # Each rank's own pool (they must agree), gathered from every rank: all ranks
                 # receive this request in the same step.
                 "ranks": self.sync.gather(self._pool_report()),
@@ -256,6 +305,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.control.stops_scheduling():
+            self.control.settle_while_stopped()
+            return None
         self.grammar.move_ready()
         batch = self.builder.get_next_batch_to_run()
         if batch is None and self.num_inflight_batches == 0 and self.grammar.has_pending():
@@ -275,6 +327,7 @@ class Scheduler:
         """Synchronous forward (the normal loop)."""
         mwb = self.get_model_worker_batch(batch)
         self._mark_launched(batch, None)
+        self.control.before_forward()
         with torch.inference_mode():
             return self.worker.forward_batch_generation(mwb)
 
@@ -324,84 +377,9 @@ class Scheduler:
             loop.close()
 
 
-class NormalLoop:
-    """event_loop_normal (seed 001 §2.1): build, run, process; the CPU waits for each forward."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
-    def step(self, recv_reqs: Iterable[object] = ()) -> None:
-        s = self.scheduler
-        s.process_input_requests(recv_reqs)
-        batch = s.get_next_batch_to_run()
-        if batch is not None:
-            s.process_batch_result(batch, s.run_batch(batch))
-        else:
-            s.self_check_during_idle()
-        s.state.last_batch = batch
-        s.output.flush()
-
-    def close(self) -> None:
-        return None
+def _tp_rank(worker: ModelWorker) -> int:
+    rank = getattr(worker, "rank", None)
+    return rank.groups.tp_rank if rank is not None else 0
 
 
-class OverlapLoop:
-    """event_loop_overlap (seed 001 §2.2): batch N's results are processed after batch N+1 has been
-    launched (on the forward thread on CPU, the forward stream on CUDA: scheduler/overlap.py), so
-    result processing hides behind the next forward."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.future_map = FutureMap(
-            scheduler.max_running_requests,
-            scheduler.chunked_prefill_size,
-            scheduler.worker.max_context_len,
-            scheduler.device,
-        )
-        self.worker = create_overlap_executor(scheduler.worker, self.future_map, scheduler.device)
-        self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()
-
-    def _pop_and_process(self) -> None:
-        batch, future = self.result_queue.popleft()
-        self.scheduler.process_batch_result(batch, future.result())
-
-    def _launch(self, batch: ScheduleBatch) -> None:
-        s = self.scheduler
-        mwb = s.get_model_worker_batch(batch)
-        future_indices = self.future_map.alloc_future_indices(batch.batch_size())
-        s._mark_launched(batch, future_indices)
-        self.result_queue.append((batch.copy(), self.worker.launch(mwb, future_indices)))
-
-    def step(self, recv_reqs: Iterable[object] = ()) -> None:
-        s = self.scheduler
-        s.process_input_requests(recv_reqs)
-        # Penalty counts are updated in place when results are processed; a batch that carries them
-        # is processed before the next batch is built so rows still line up (no overlap for it).
-        # Grammar masks likewise need the previous token accepted by each matcher first.
-        if self.result_queue and _needs_sync(self.result_queue[-1][0]):
-            self._pop_and_process()
-        batch = s.get_next_batch_to_run()
-        disable_overlap = s.is_disable_overlap_for_batch(batch)
-        if disable_overlap and self.result_queue:
-            self._pop_and_process()
-        if batch is not None:
-            self._launch(batch)
-        # Process the previous batch while the current one runs on the forward thread / stream.
-        if len(self.result_queue) > (1 if batch is not None else 0):
-            self._pop_and_process()
-        elif batch is None and s.state.last_batch is None:
-            s.self_check_during_idle()
-        s.state.last_batch = batch
-        s.output.flush()
-
-    def close(self) -> None:
-        while self.result_queue:
-            self._pop_and_process()
-        self.worker.shutdown()
-
-
-def _needs_sync(batch: ScheduleBatch) -> bool:
-    """Whether `batch`'s results must be processed before the next batch is built."""
-    if batch.sampling_info is not None and batch.sampling_info.penalizer is not None:
-        return True
-    return any(r.grammar is not None for r in batch.reqs)
+__all__ = ["NormalLoop", "OverlapLoop", "Scheduler"]

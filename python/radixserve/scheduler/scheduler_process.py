@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.managers.io_struct import BatchTokenIDOut, RpcReqOutput
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
 
@@ -45,20 +45,43 @@ class SchedulerIO:
             self.context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False
         )
         self.to_tokenizer = get_zmq_socket(self.context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        # The RPC channel (seed 002 §3.1): the Engine's calls that need a reply of their own.
+        self.recv_from_rpc = (
+            get_zmq_socket(self.context, zmq.DEALER, port_args.rpc_ipc_name, bind=True)
+            if port_args.rpc_ipc_name
+            else None
+        )
+        self.poller = zmq.Poller()
+        for sock in (self.recv, self.recv_from_rpc):
+            if sock is not None:
+                self.poller.register(sock, zmq.POLLIN)
 
     def recv_requests(self, block: bool) -> list[object]:
         msgs: list[object] = []
-        if block and not self.recv.poll(IDLE_POLL_MS):
+        if block and not self.poller.poll(IDLE_POLL_MS):
             return msgs
-        while True:
-            try:
-                msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
-            except zmq.Again:
-                return msgs
+        for sock in (self.recv, self.recv_from_rpc):
+            while sock is not None:
+                try:
+                    msgs.append(sock.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        return msgs
 
     def send_output(self, msg: object) -> None:
+        if isinstance(msg, RpcReqOutput) and self.recv_from_rpc is not None:
+            self.recv_from_rpc.send_pyobj(msg)
+            return
         sock = self.to_detokenizer if isinstance(msg, BatchTokenIDOut) else self.to_tokenizer
         sock.send_pyobj(msg)
+
+
+def _start_watchdog(server_args: ServerArgs, scheduler: Any) -> None:  # noqa: ANN401 - the Scheduler
+    from radixserve.scheduler.watchdog import SchedulerWatchdog
+
+    SchedulerWatchdog(
+        server_args.watchdog_timeout, lambda: scheduler.control.steps, lambda: not scheduler.is_idle()
+    ).start()
 
 
 def _configure_threads(server_args: ServerArgs) -> None:
@@ -116,7 +139,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
         info["context_len"],
         not server_args.disable_overlap_schedule,
     )
-    scheduler.event_loop(lambda: io.recv_requests(block=scheduler.is_idle()))
+    _start_watchdog(server_args, scheduler)
+    scheduler.event_loop(lambda: io.recv_requests(block=scheduler.should_block_on_recv()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,12 +252,13 @@ def _run_rank_loop(
 ) -> None:
     from radixserve.distributed.communication import broadcast_pyobj
 
+    _start_watchdog(server_args, scheduler)
     groups = runtime.groups
     tp_src = runtime.layout.rank_of(groups.pp_rank, 0)
 
     def recv_stage0() -> list[object]:
         """Rank 0 reads the socket; its TP peers get the same list over the CPU group."""
-        msgs = io.recv_requests(block=scheduler.is_idle()) if io is not None else None
+        msgs = io.recv_requests(block=scheduler.should_block_on_recv()) if io is not None else None
         if runtime.layout.tp_size == 1:
             return msgs or []
         return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)

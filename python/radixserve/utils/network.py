@@ -23,6 +23,7 @@ class PortArgs:
     tokenizer_ipc_name: str  # TokenizerManager PULL: BatchStrOut and control outputs
     scheduler_input_ipc_name: str  # scheduler (rank 0) PULL: requests from the TokenizerManager
     detokenizer_ipc_name: str  # detokenizer PULL: BatchTokenIDOut from the scheduler
+    rpc_ipc_name: str = ""  # scheduler (rank 0) DEALER: RpcReqInput in, RpcReqOutput back (Engine)
 
     @classmethod
     def create(cls) -> PortArgs:
@@ -32,6 +33,7 @@ class PortArgs:
             tokenizer_ipc_name=f"ipc://{os.path.join(ipc_dir, 'tokenizer')}",
             scheduler_input_ipc_name=f"ipc://{os.path.join(ipc_dir, 'scheduler')}",
             detokenizer_ipc_name=f"ipc://{os.path.join(ipc_dir, 'detokenizer')}",
+            rpc_ipc_name=f"ipc://{os.path.join(ipc_dir, 'rpc')}",
         )
 
     def cleanup(self) -> None:
