@@ -40,6 +40,18 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | list[int] | None = None  # larger = sooner (with --enable-priority-scheduling)
+    # With --dp-size > 1: the replica that must serve every prompt of this call. SGLang's name, and
+    # the alias the SGLang Model Gateway (--dp-aware) sends.
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The replica asked for (routed_dp_rank or its alias data_parallel_rank), if any."""
+        a, b = self.routed_dp_rank, self.data_parallel_rank
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"routed_dp_rank ({a}) and data_parallel_rank ({b}) disagree.")
+        return a if a is not None else b
 
     @property
     def is_single(self) -> bool:
@@ -91,6 +103,9 @@ class GenerateReqInput(BaseModel):
     def expand(self) -> list[RequestItem]:
         """One item per (prompt, sample), prompt-major; raises ValueError on bad input."""
         self.validate_shape()
+        routed = self.dp_rank
+        if routed is not None and routed < 0:
+            raise ValueError(f"routed_dp_rank must be >= 0, got {routed}.")
         items: list[RequestItem] = []
         for i in range(self.num_prompts):
             raw = dict(_pick(self.sampling_params, i) or {})
@@ -121,6 +136,7 @@ class GenerateReqInput(BaseModel):
                         logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num,
                         priority=_pick(self.priority, i),
+                        routed_dp_rank=routed,
                         prompt_index=i,
                         sample_index=j,
                     )
@@ -163,3 +179,4 @@ class RequestItem:
     priority: int | None
     prompt_index: int
     sample_index: int
+    routed_dp_rank: int | None = None

@@ -10,6 +10,7 @@ stalls that loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -31,6 +32,8 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
     rid_matches,
@@ -105,7 +108,12 @@ class TokenizerManager:
         self.ranks: list[dict[str, Any]] = scheduler_info.get("ranks") or [
             {"rank": 0, "tp_rank": 0, "pp_rank": 0, "node_rank": 0, "pid": scheduler_info.get("pid")}
         ]
-        self.metrics = ServerMetrics(self.max_total_num_tokens) if server_args.enable_metrics else None
+        self.dp_size = server_args.dp_size
+        self.metrics = (
+            ServerMetrics(self.max_total_num_tokens * self.dp_size, self.dp_size)
+            if server_args.enable_metrics
+            else None
+        )
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
         self._control_lock: asyncio.Lock | None = None
@@ -117,6 +125,7 @@ class TokenizerManager:
                 (AbortReq, self._on_abort),
                 (FlushCacheReqOutput, self._on_control_output),
                 (GetInternalStateReqOutput, self._on_control_output),
+                (GetLoadReqOutput, self._on_control_output),
             ]
         )
 
@@ -199,6 +208,7 @@ class TokenizerManager:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
         items = obj.expand()
+        self._check_dp_rank(items)
         input_ids = await self.run_blocking(prepare_items, self.tokenizer, self.limits, items)
         self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
@@ -213,6 +223,14 @@ class TokenizerManager:
         self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs=reqs))
         self._update_load_metrics()
         return states
+
+    def _check_dp_rank(self, items: list[Any]) -> None:
+        routed = items[0].routed_dp_rank if items else None
+        if routed is not None and routed >= self.dp_size:
+            raise InvalidRequestError(
+                f"routed_dp_rank {routed} is out of range: the server runs {self.dp_size} "
+                f"data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
+            )
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:
@@ -230,6 +248,7 @@ class TokenizerManager:
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
             priority=item.priority,
+            routed_dp_rank=item.routed_dp_rank,
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
@@ -298,17 +317,34 @@ class TokenizerManager:
         return all(o.success for o in outputs)
 
     async def get_internal_states(self) -> list[dict[str, Any]]:
+        """One state per data-parallel replica, in dp_rank order."""
         outputs = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
-        return [o.internal_state for o in outputs]
+        states = [{"dp_rank": 0, **o.internal_state} for o in outputs]
+        return sorted(states, key=lambda st: st["dp_rank"])
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's /get_load: one entry per replica (dp_rank, num_reqs, num_waiting_reqs,
+        num_tokens), in dp_rank order."""
+        outputs = await self._control(GetLoadReqInput(), GetLoadReqOutput)
+        return [dataclasses.asdict(o) for o in sorted(outputs, key=lambda o: o.dp_rank)]
 
     async def _control(self, msg: Any, out_type: type) -> list[Any]:
-        """Send a control request and await its reply (one at a time per kind of request)."""
+        """Send a control request and await every replica's reply (one request at a time).
+
+        With --dp-size > 1 the DataParallelController fans the request out; each replica answers."""
         assert self._control_lock is not None, "start() was not called"
         async with self._control_lock:
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._control_waiters.setdefault(out_type, []).append(future)
+            loop = asyncio.get_running_loop()
+            futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(self.dp_size)]
+            waiters = self._control_waiters.setdefault(out_type, [])
+            waiters.extend(futures)
             self._send.send_pyobj(msg)
-            return [await asyncio.wait_for(future, CONTROL_TIMEOUT_S)]
+            try:
+                return list(await asyncio.wait_for(asyncio.gather(*futures), CONTROL_TIMEOUT_S))
+            finally:  # a reply that never came must not be handed to the next caller's future
+                for future in futures:
+                    if future in waiters:
+                        waiters.remove(future)
 
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:
@@ -322,10 +358,13 @@ class TokenizerManager:
     def _on_batch_str_out(self, msg: BatchStrOut) -> None:
         now = time.perf_counter()
         for state, num_new, first, reason in apply_batch_str_out(msg, self.rid_to_state, now):
+            state.dp_rank = msg.dp_rank
             if self.metrics is not None:
                 if first:
                     self.metrics.on_first_token(now - state.created_time, state.queue_time)
-                self.metrics.on_tokens(num_new, None if first else now - (state.last_token_time or now))
+                self.metrics.on_tokens(
+                    num_new, None if first else now - (state.last_token_time or now), msg.dp_rank
+                )
             state.last_token_time = now
             if reason is not None:
                 self._finish(state, reason)
@@ -360,6 +399,7 @@ class TokenizerManager:
                 state.cached_tokens,
                 time.perf_counter() - state.created_time,
                 aborted=reason.get("type") == "abort",
+                dp_rank=state.dp_rank,
             )
 
     def _update_load_metrics(self) -> None:
