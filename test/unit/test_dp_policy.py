@@ -190,6 +190,7 @@ def wired():
         return deliver(*msgs)
 
     yield controller, send, load
+    controller.close()
     for sock in [*replicas, tm, load]:
         sock.close(linger=0)
     ctx.term()
@@ -198,13 +199,13 @@ def wired():
 
 def test_controller_dispatches_generation_and_fans_out_control(wired):
     controller, send, _ = wired
-    got = send(4, _req("a", [1]), _req("b", [2]), _req("c", [3], routed=0), AbortReq(rid="a"))
+    got = send(5, _req("a", [1]), _req("b", [2]), _req("c", [3], routed=0), AbortReq(rid="a"))
     # round robin: a -> 0, b -> 1; c names replica 0; the abort reaches both (each ignores rids
     # it does not hold).
     assert [m.rid for m in got[0] if isinstance(m, TokenizedGenerateReqInput)] == ["a", "c"]
     assert [m.rid for m in got[1] if isinstance(m, TokenizedGenerateReqInput)] == ["b"]
     assert all(any(isinstance(m, AbortReq) and m.rid == "a" for m in g) for g in got)
-    got = send(4, AbortReq(abort_all=True), FlushCacheReqInput(), GetInternalStateReq())
+    got = send(6, AbortReq(abort_all=True), FlushCacheReqInput(), GetInternalStateReq())
     assert [type(m) for m in got[0]] == [AbortReq, FlushCacheReqInput, GetInternalStateReq]
     assert [type(m) for m in got[1]] == [AbortReq, FlushCacheReqInput, GetInternalStateReq]
     assert controller.num_dispatched == [2, 1]
@@ -232,6 +233,7 @@ def test_controller_takes_load_reports_into_account():
         assert controller.dispatcher.budget.total_requests == [9, 0]
         assert controller.target_of(_req("x", [1])) == 1
     finally:
+        controller.close()
         load.close(linger=0)
         ctx.term()
         ports.cleanup()

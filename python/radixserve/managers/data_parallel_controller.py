@@ -127,6 +127,11 @@ class DataParallelController:
             _drain(self.recv_load, self.on_load)
             _drain(self.recv_from_tokenizer, self.handle)
 
+    def close(self) -> None:
+        for sock in (self.recv_from_tokenizer, self.recv_load, *self.workers):
+            sock.close(linger=0)
+        self.context.term()
+
     def run_forever(self) -> None:
         while True:
             self.poll_once()
