@@ -107,14 +107,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["dispatch", "scale"])
     p.add_argument("--model", default="default", help="Model folder (default: the built-in model).")
-    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16, help="dispatch: --max-concurrency")
     p.add_argument("--num-prompts", type=int, default=128, help="scale: prompts")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
-        "--server-flags", default="--max-total-tokens 6144", help="Extra launch_server flags (one string)."
+        "--server-flags", default="--max-total-tokens 3584", help="Extra launch_server flags (one string)."
     )
     args = p.parse_args()
     args.server_flags = args.server_flags.split()

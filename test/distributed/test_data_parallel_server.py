@@ -33,6 +33,7 @@ def start_servers(servers: dict[str, Server]) -> dict[str, Server]:
         raise
     return servers
 
+
 FLAGS = ["--max-total-tokens", "4096", "--page-size", "16", "--chunked-prefill-size", "64"]
 
 
@@ -156,7 +157,7 @@ def test_abort_all_after_a_mixed_load_leaves_both_pools_whole(tiny: dict[str, Se
     def long_request(i: int) -> None:
         body = {
             "text": f"request {i} " * (1 + i % 5),
-            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0.5},
+            "sampling_params": {"max_new_tokens": 800, "ignore_eos": True, "temperature": 0.5},
             "stream": i % 2 == 0,
         }
         if body["stream"]:
@@ -184,8 +185,18 @@ def test_abort_all_after_a_mixed_load_leaves_both_pools_whole(tiny: dict[str, Se
     wait_until(lambda: _pools_whole(url), 30, "both replicas' pools whole")
 
 
-def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir) -> None:
-    server = Server.real(tiny_model_dir("llama"), *FLAGS, "--dp-size", "2")
+def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir, tmp_path) -> None:
+    log = tmp_path / "server.log"
+    argv = [
+        "-m",
+        "radixserve.launch_server",
+        "--model-path",
+        tiny_model_dir("llama"),
+        *FLAGS,
+        "--dp-size",
+        "2",
+    ]
+    server = Server([*argv, "--log-level", "info"], log_path=str(log))
     start_servers({"dp2": server})
     try:
         info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
@@ -193,7 +204,7 @@ def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir) -> No
         results: list[int] = []
 
         def long_request(i: int) -> None:
-            body = {"text": f"x {i}", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+            body = {"text": f"x {i}", "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
             try:
                 results.append(_generate(server.url, body, timeout=60).status_code)
             except httpx.HTTPError as exc:  # the server may close the connection as it exits
@@ -205,19 +216,26 @@ def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir) -> No
         wait_until(
             lambda: all(x["num_reqs"] > 0 for x in httpx.get(f"{server.url}/get_load").json()), 60, "busy"
         )
+        exited: list[float] = []
+        waiter = threading.Thread(target=lambda: (server.proc.wait(60), exited.append(time.monotonic())))
+        waiter.start()
         os.kill(victim, signal.SIGKILL)
         killed, unhealthy = time.monotonic(), False
-        while server.proc.poll() is None and time.monotonic() - killed < 30:
+        while not exited and time.monotonic() - killed < 30:
             try:
-                unhealthy |= httpx.get(f"{server.url}/health", timeout=1).status_code == 503
+                unhealthy |= httpx.get(f"{server.url}/health", timeout=0.5).status_code == 503
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
-        took = time.monotonic() - killed
+            time.sleep(0.05)
+        waiter.join(60)
+        took = exited[0] - killed
         for t in threads:
             t.join(30)
-        assert server.proc.returncode == 1 and took < 5.0, took
-        assert unhealthy
+        # By design the server exits about 3 s after the death (docs/deploy.md; 1 s of 503s, then
+        # a hard exit); the bound here only proves it does not hang (the test machine is noisy).
+        print(f"killed replica -> server exit: {took:.1f} s")
+        assert server.proc.returncode == 1 and took < 20, took
+        assert unhealthy and "scheduler-DP1 died" in log.read_text()
         # Every request got an answer: 503 (the server failed it) or a closed connection as it
         # exited; none is still waiting.
         assert len(results) == 4 and not any(t.is_alive() for t in threads), results

@@ -37,6 +37,7 @@ def start_servers(servers: dict[str, Server]) -> dict[str, Server]:
         raise
     return servers
 
+
 if importlib.util.find_spec("sglang_router") is None:
     REASON = "sglang-router is not installed (pip install 'radixserve[router]'): the Gateway test cannot run"
     print(f"SKIPPED test_gateway: {REASON}")
@@ -53,7 +54,9 @@ class Router:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-            "--port", str(self.port), "--worker-urls", *worker_urls, *flags,
+            "--port", str(self.port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(get_free_port()),  # two routers must not share the default 29000
+            "--worker-urls", *worker_urls, *flags,
         ]  # fmt: skip
         self.log_path = log_path
         with open(log_path, "w") as log:
