@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 READY_LINE = "The server is fired up and ready to roll!"
 GRACEFUL_SHUTDOWN_S = 30
 DEATH_GRACE_S = 1.0  # /health reports 503 this long before the server begins to exit
-DEATH_HARD_EXIT_S = 4.0  # then exit no matter what in-flight work remains
+DEATH_HARD_EXIT_S = 3.0  # then exit no matter what in-flight work remains (all within 5 s)
 WARMUP_TIMEOUT_S = 600.0
 
 
@@ -86,7 +86,7 @@ class ServerRuntime:
 
     def _hard_exit(self) -> None:
         logger.error("Exiting after a child process died")
-        self.children.terminate(timeout=0.5)
+        self.children.terminate(timeout=0.2)  # they also get SIGKILL when we exit (PDEATHSIG)
         self.port_args.cleanup()
         os._exit(1)
 
@@ -125,9 +125,15 @@ class ServerRuntime:
         try:
             self.server.run()
         finally:
-            self.children.terminate()
+            # After a child died, the others are not worth waiting for (they may be blocked on it).
+            self.children.terminate(timeout=0.5 if self.state.dead else 3.0)
             self.port_args.cleanup()
-        return 1 if self.state.dead else 0
+        if self.state.dead:
+            # Children stopped, sockets removed, logs flushed: skip the interpreter's teardown
+            # (seconds on a loaded machine, and the hard-exit timer would wait for it anyway).
+            logging.shutdown()
+            os._exit(1)
+        return 0
 
 
 def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None) -> None:

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
+# The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -70,6 +72,37 @@ class ServerArgs:
         "Pipeline-parallel size: stages that each hold a contiguous block of layers; hidden states "
         "pass from stage to stage and micro-batches keep every stage busy.",
         aliases=("--pp", "--pipeline-parallel-size"),
+    )
+    dp_size: int = _f(
+        1,
+        "Data-parallel size: replicas of the whole model (each a full tp_size x pp_size group with "
+        "its own KV cache) behind one HTTP server; a DataParallelController dispatches requests "
+        "(docs/deploy.md).",
+        aliases=("--dp", "--data-parallel-size"),
+    )
+    load_balance_method: str = _f(
+        "round_robin",
+        "How the DataParallelController picks a replica: round_robin, shortest_queue (fewest running "
+        "+ waiting requests), minimum_tokens (fewest tokens in KV and queue) or cache_aware (the "
+        "SGLang Model Gateway's policy: longest cached prefix while the load is balanced).",
+        choices=LOAD_BALANCE_METHODS,
+    )
+    dp_cache_threshold: float = _f(
+        0.3,
+        "cache_aware: a replica that was sent at least this fraction of a prompt's prefix gets it "
+        "(the Gateway's --cache-threshold).",
+    )
+    dp_balance_abs_threshold: int = _f(
+        64,
+        "cache_aware: the load is imbalanced (least loaded replica wins) when the busiest replica has "
+        "more than this many requests over the idlest (the Gateway's --balance-abs-threshold) ...",
+    )
+    dp_balance_rel_threshold: float = _f(
+        1.5,
+        "... and more than this many times its requests (the Gateway's --balance-rel-threshold).",
+    )
+    load_watch_interval: float = _f(
+        0.1, "Seconds between two load reports of a replica to the DataParallelController (while it changes)."
     )
     pp_max_micro_batch_size: int | None = _f(
         None, "Most requests in one pipeline micro-batch; default max(max_running_requests // pp_size, 1)."
@@ -258,6 +291,7 @@ class ServerArgs:
             )
         if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        self._validate_dp()
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError("--pp-max-micro-batch-size must be >= 1")
         if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:
@@ -274,10 +308,29 @@ class ServerArgs:
                 f"({self.page_size}), or -1 to disable chunking"
             )
 
+    def _validate_dp(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}"
+            )
+        if not 0.0 <= self.dp_cache_threshold <= 1.0:
+            raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {self.dp_cache_threshold}")
+        if self.dp_balance_abs_threshold < 0 or self.dp_balance_rel_threshold < 1.0:
+            raise ValueError("--dp-balance-abs-threshold must be >= 0 and --dp-balance-rel-threshold >= 1")
+        if self.load_watch_interval <= 0:
+            raise ValueError(f"--load-watch-interval must be > 0, got {self.load_watch_interval}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError(
+                "--dp-size > 1 runs its replicas on one machine; across machines run one server per "
+                "machine behind the SGLang Model Gateway (docs/deploy.md)"
+            )
+
     def layout(self) -> ParallelLayout:
         from radixserve.distributed.layout import ParallelLayout
 
-        return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank)
+        return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank, self.dp_size)
 
     @property
     def chunked_prefill_enabled(self) -> bool:

@@ -187,6 +187,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         return Response(orjson.dumps(result), media_type="application/json")
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # the name the SGLang Model Gateway asks first
     async def get_model_info() -> dict[str, Any]:
         tokenizer_path = tm.server_args.tokenizer_path or tm.model_path
         return {
@@ -197,6 +198,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         }
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # the name the SGLang Model Gateway asks first
     async def get_server_info() -> dict[str, Any]:
         info: dict[str, Any] = dataclasses.asdict(tm.server_args)
         if info.get("api_key"):
@@ -206,6 +208,13 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         info["context_len"] = tm.context_len
         info["ranks"] = tm.ranks
         return info
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """SGLang's answer: one {dp_rank, num_reqs, num_waiting_reqs, num_tokens} per replica."""
+        if state.dead:
+            return error_response(503, "A server process died.")
+        return JSONResponse(await tm.get_load())
 
     # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
     @app.post("/flush_cache")

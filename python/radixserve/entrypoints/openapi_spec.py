@@ -93,13 +93,23 @@ _TEXT_ANSWERS = frozenset(
     {"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics", *CONTROL_TEXT_ANSWERS}
 )
 # The other control routes answer JSON ({"success", "message"}, a session id, a weight's rows).
-_OBJECT_ANSWERS = frozenset({"/get_model_info", "/get_server_info", *CONTROL_BODIES, "/continue_generation"})
+_OBJECT_ANSWERS = frozenset(
+    {
+        "/get_model_info",
+        "/get_server_info",
+        "/model_info",
+        "/server_info",
+        *CONTROL_BODIES,
+        "/continue_generation",
+    }
+)
 
 # Error statuses per route, beyond 400 (Host; bad bodies), which every route can answer.
 _GENERATING = (404, 413, 415, 503)
 _ERRORS: dict[str, tuple[int, ...]] = {
     "/health": (503,),
     "/health_generate": (503,),
+    "/get_load": (503,),
     "/generate": (413, 415, 503),
     "/flush_cache": (415,),
     "/abort_request": (413, 415),
@@ -165,6 +175,8 @@ def _responses(path: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[s
         ok["application/json"] = {"schema": {"anyOf": [one, {"type": "array", "items": one}]}}
     elif path in _OBJECT_ANSWERS:
         ok["application/json"] = {"schema": {"type": "object"}}
+    elif path == "/get_load":
+        ok["application/json"] = {"schema": {"type": "array", "items": {"type": "object"}}}
     if path in _STREAM_EVENTS:
         ok["text/event-stream"] = {
             "schema": sse_event_schema(refs[(_STREAM_EVENTS[path], "serialization")], error)

@@ -27,7 +27,10 @@ class ControlClient:
     async def _ask(self, msg: Any, out_type: type, long: bool = False) -> Any:  # noqa: ANN401
         self.tm._raise_if_dead()
         timeout = LONG_CONTROL_TIMEOUT_S if long else None
-        return (await self.tm._control(msg, out_type, timeout))[0]
+        replies = await self.tm._control(msg, out_type, timeout)  # one per data-parallel replica
+        # Every replica applied the request; a replica that refused it speaks for all of them.
+        failed = [r for r in replies if getattr(r, "success", True) is False]
+        return failed[0] if failed else replies[0]
 
     # ------------------------------------------------------------------ sessions
     async def open_session(self, obj: io.OpenSessionReqInput) -> str:

@@ -43,6 +43,18 @@ class GenerateReqInput(BaseModel):
     priority: int | list[int] | None = None  # larger = sooner (with --enable-priority-scheduling)
     # Continue a session: {id, rid, offset, replace, drop_previous_output} (scheduler/sessions.py).
     session_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    # With --dp-size > 1: the replica that must serve every prompt of this call. SGLang's name, and
+    # the alias the SGLang Model Gateway (--dp-aware) sends.
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The replica asked for (routed_dp_rank or its alias data_parallel_rank), if any."""
+        a, b = self.routed_dp_rank, self.data_parallel_rank
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"routed_dp_rank ({a}) and data_parallel_rank ({b}) disagree.")
+        return a if a is not None else b
 
     @property
     def is_single(self) -> bool:
@@ -95,6 +107,9 @@ class GenerateReqInput(BaseModel):
     def expand(self) -> list[RequestItem]:
         """One item per (prompt, sample), prompt-major; raises ValueError on bad input."""
         self.validate_shape()
+        routed = self.dp_rank
+        if routed is not None and routed < 0:
+            raise ValueError(f"routed_dp_rank must be >= 0, got {routed}.")
         items: list[RequestItem] = []
         for i in range(self.num_prompts):
             raw = dict(_pick(self.sampling_params, i) or {})
@@ -127,6 +142,7 @@ class GenerateReqInput(BaseModel):
                         top_logprobs_num=top_logprobs_num,
                         priority=_pick(self.priority, i),
                         session_params=session,
+                        routed_dp_rank=routed,
                         prompt_index=i,
                         sample_index=j,
                     )
@@ -197,3 +213,4 @@ class RequestItem:
     prompt_index: int
     sample_index: int
     session_params: SessionParams | None = None
+    routed_dp_rank: int | None = None

@@ -43,6 +43,7 @@ class TokenizedGenerateReqInput:
     priority: int | None = None  # larger = more important (only with --enable-priority-scheduling)
     received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
     session_params: SessionParams | None = None  # continue a session (scheduler/sessions.py)
+    routed_dp_rank: int | None = None  # with --dp-size > 1: the replica the client asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,22 @@ class GetInternalStateReqOutput:
     internal_state: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class GetLoadReqInput:
+    """Ask every replica for its load (/get_load)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GetLoadReqOutput:
+    """One replica's load, as SGLang's /get_load lists it. Replicas also send it, unasked, to the
+    DataParallelController whenever it changed (at most every --load-watch-interval s)."""
+
+    dp_rank: int
+    num_reqs: int  # running + waiting
+    num_waiting_reqs: int
+    num_tokens: int  # KV tokens held by requests + prompt tokens of waiting requests
+
+
 # ---------------------------------------------------------------------------------------- outputs
 class BlockReqType(Enum):
     BLOCK = 1
@@ -137,6 +154,7 @@ class BatchTokenIDOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None  # prompt logprobs, new since last time
     input_token_logprobs_idx: list[list[int]] | None = None
+    dp_rank: int = 0  # the data-parallel replica that sent it (metrics label)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +175,7 @@ class BatchStrOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None
     input_token_logprobs_idx: list[list[int]] | None = None
+    dp_rank: int = 0
 
 
 # ------------------------------------------------------------------------------------- dispatching

@@ -44,6 +44,7 @@ class ReqState:
     queue_time: float | None = None  # seconds in the scheduler's waiting queue (from the scheduler)
     last_token_time: float | None = None
     finished_time: float | None = None
+    dp_rank: int | None = None  # the data-parallel replica serving it (known from its first output)
     logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
 
     @property

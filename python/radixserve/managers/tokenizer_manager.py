@@ -10,6 +10,7 @@ stalls that loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -32,6 +33,8 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
     rid_matches,
@@ -106,7 +109,12 @@ class TokenizerManager:
         self.ranks: list[dict[str, Any]] = scheduler_info.get("ranks") or [
             {"rank": 0, "tp_rank": 0, "pp_rank": 0, "node_rank": 0, "pid": scheduler_info.get("pid")}
         ]
-        self.metrics = ServerMetrics(self.max_total_num_tokens) if server_args.enable_metrics else None
+        self.dp_size = server_args.dp_size
+        self.metrics = (
+            ServerMetrics(self.max_total_num_tokens * self.dp_size, self.dp_size)
+            if server_args.enable_metrics
+            else None
+        )
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
         self._control_locks: dict[type, asyncio.Lock] = {}
@@ -122,6 +130,7 @@ class TokenizerManager:
                 (FlushCacheReqOutput, self._on_control_output),
                 (GetInternalStateReqOutput, self._on_control_output),
                 *((t, self._on_control_output) for t in CONTROL_OUTPUT_TYPES),
+                (GetLoadReqOutput, self._on_control_output),
             ]
         )
 
@@ -204,6 +213,7 @@ class TokenizerManager:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
         items = obj.expand()
+        self._check_dp_rank(items)
         input_ids = await self.run_blocking(prepare_items, self.tokenizer, self.limits, items)
         self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
@@ -218,6 +228,14 @@ class TokenizerManager:
         self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs=reqs))
         self._update_load_metrics()
         return states
+
+    def _check_dp_rank(self, items: list[Any]) -> None:
+        routed = items[0].routed_dp_rank if items else None
+        if routed is not None and routed >= self.dp_size:
+            raise InvalidRequestError(
+                f"routed_dp_rank {routed} is out of range: the server runs {self.dp_size} "
+                f"data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
+            )
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:
@@ -236,6 +254,7 @@ class TokenizerManager:
             top_logprobs_num=item.top_logprobs_num,
             priority=item.priority,
             session_params=item.session_params,
+            routed_dp_rank=item.routed_dp_rank,
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
@@ -306,29 +325,41 @@ class TokenizerManager:
         return all(o.success for o in outputs)
 
     async def get_internal_states(self) -> list[dict[str, Any]]:
+        """One state per data-parallel replica, in dp_rank order."""
         outputs = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
-        return [o.internal_state for o in outputs]
+        states = [{"dp_rank": 0, **o.internal_state} for o in outputs]
+        return sorted(states, key=lambda st: st["dp_rank"])
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's /get_load: one entry per replica (dp_rank, num_reqs, num_waiting_reqs,
+        num_tokens), in dp_rank order."""
+        outputs = await self._control(GetLoadReqInput(), GetLoadReqOutput)
+        return [dataclasses.asdict(o) for o in sorted(outputs, key=lambda o: o.dp_rank)]
 
     async def _control(self, msg: Any, out_type: type, timeout: float | None = None) -> list[Any]:
-        """Send a control request and await its reply (one at a time per kind of request: replies
-        of one type come back in order, and different kinds never wait on each other)."""
+        """Send a control request and await every replica's reply (one per data-parallel replica:
+        with --dp-size > 1 the DataParallelController fans the request out). One call at a time
+        per kind of request (replies of one type come back in order; different kinds never wait
+        on each other)."""
         assert self._started, "start() was not called"
+        limit = timeout or CONTROL_TIMEOUT_S
         lock = self._control_locks.setdefault(out_type, asyncio.Lock())
         async with lock:
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(self.dp_size)]
             waiters = self._control_waiters.setdefault(out_type, [])
-            waiters.append(future)
+            waiters.extend(futures)
             self._send.send_pyobj(msg)
             try:
-                return [await asyncio.wait_for(future, timeout or CONTROL_TIMEOUT_S)]
+                return list(await asyncio.wait_for(asyncio.gather(*futures), limit))
             except asyncio.TimeoutError:
                 raise RequestAbortedError(
-                    f"The scheduler did not answer {type(msg).__name__} within {timeout or CONTROL_TIMEOUT_S:.0f} s.",
-                    503,
+                    f"The scheduler did not answer {type(msg).__name__} within {limit:.0f} s.", 503
                 ) from None
-            finally:
-                if future in waiters:  # timed out or cancelled: drop the waiter
-                    waiters.remove(future)
+            finally:  # a reply that never came must not be handed to the next caller's future
+                for future in futures:
+                    if future in waiters:
+                        waiters.remove(future)
 
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:
@@ -342,10 +373,13 @@ class TokenizerManager:
     def _on_batch_str_out(self, msg: BatchStrOut) -> None:
         now = time.perf_counter()
         for state, num_new, first, reason in apply_batch_str_out(msg, self.rid_to_state, now):
+            state.dp_rank = msg.dp_rank
             if self.metrics is not None:
                 if first:
                     self.metrics.on_first_token(now - state.created_time, state.queue_time)
-                self.metrics.on_tokens(num_new, None if first else now - (state.last_token_time or now))
+                self.metrics.on_tokens(
+                    num_new, None if first else now - (state.last_token_time or now), msg.dp_rank
+                )
             state.last_token_time = now
             if reason is not None:
                 self._finish(state, reason)
@@ -380,6 +414,7 @@ class TokenizerManager:
                 state.cached_tokens,
                 time.perf_counter() - state.created_time,
                 aborted=reason.get("type") == "abort",
+                dp_rank=state.dp_rank,
             )
 
     def _update_load_metrics(self) -> None:

@@ -31,6 +31,8 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
 )
@@ -152,6 +154,7 @@ class Scheduler:
                 (FlushCacheReqInput, self.flush_cache),
                 (GetInternalStateReq, self.get_internal_state),
                 *control_handlers(self),
+                (GetLoadReqInput, self.get_load),
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
@@ -249,10 +252,22 @@ class Scheduler:
         logger.info("Cache flushed successfully.")
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
 
+    def get_load(self, msg: GetLoadReqInput | None = None) -> GetLoadReqOutput:
+        """SGLang's load: requests alive, and tokens (KV held by requests + waiting prompts)."""
+        waiting = self.state.waiting_queue
+        running = len(self.state.running_batch.reqs) + len(self.state.other_running_reqs)
+        return GetLoadReqOutput(
+            dp_rank=0,  # the process's SchedulerIO names its replica
+            num_reqs=running + len(waiting),
+            num_waiting_reqs=len(waiting),
+            num_tokens=self.mem.num_used_tokens() + sum(len(r.origin_input_ids) for r in waiting),
+        )
+
     def get_internal_state(self, msg: GetInternalStateReq | None = None) -> GetInternalStateReqOutput:
         stats = self.output.stats
         return GetInternalStateReqOutput(
             internal_state={
+                "load": self.get_load().num_tokens,
                 # Pipeline stages decode several micro-batches: the others' requests count too.
                 "num_running_reqs": len(self.state.running_batch.reqs) + len(self.state.other_running_reqs),
                 "num_waiting_reqs": len(self.state.waiting_queue),

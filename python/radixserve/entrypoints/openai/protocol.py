@@ -100,6 +100,9 @@ class SamplingExtras(RequestModel):
     ebnf: str | None = None
     json_schema: str | None = None
     rid: str | None = Field(default=None, max_length=MAX_RID_LEN)
+    # With --dp-size > 1: the replica to serve the request (the Gateway's --dp-aware sends it).
+    routed_dp_rank: NonNegativeInt | None = None
+    data_parallel_rank: NonNegativeInt | None = None
 
 
 # ----------------------------------------------------------------------------- completions
