@@ -40,6 +40,10 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | list[int] | None = None  # larger = sooner (with --enable-priority-scheduling)
+    # Prefill/decode disaggregation (set by the load balancer; lists for a batch, one per prompt).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     @property
     def is_single(self) -> bool:
@@ -71,6 +75,9 @@ class GenerateReqInput(BaseModel):
             "logprob_start_len",
             "top_logprobs_num",
             "priority",
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -104,6 +111,9 @@ class GenerateReqInput(BaseModel):
                 raise ValueError(
                     f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {top_logprobs_num}."
                 )
+            room = _pick(self.bootstrap_room, i)
+            if room is not None and not 0 <= room < 2**63:
+                raise ValueError(f"bootstrap_room must be in [0, 2**63), got {room}.")
             logprob_start_len = int(_pick(self.logprob_start_len, i))
             if logprob_start_len < -1:  # its upper bound, the prompt length, is checked once tokenized
                 raise ValueError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
@@ -123,6 +133,10 @@ class GenerateReqInput(BaseModel):
                         priority=_pick(self.priority, i),
                         prompt_index=i,
                         sample_index=j,
+                        bootstrap_host=_pick(self.bootstrap_host, i),
+                        bootstrap_port=_pick(self.bootstrap_port, i),
+                        # Each sample is its own transfer: both servers derive the same rooms.
+                        bootstrap_room=None if room is None else (room + j) % 2**63,
                     )
                 )
         seen: set[str] = set()
@@ -163,3 +177,6 @@ class RequestItem:
     priority: int | None
     prompt_index: int
     sample_index: int
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None

@@ -40,6 +40,11 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     priority: int | None = None  # larger = more important (only with --enable-priority-scheduling)
     received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
+    # Prefill/decode disaggregation: where the prefill server's bootstrap server is and the room
+    # (a number the load balancer draws) that pairs this request's two halves.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

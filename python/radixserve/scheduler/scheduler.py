@@ -142,6 +142,10 @@ class Scheduler:
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
+        # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
+        from radixserve.disaggregation.common import create_disaggregation
+
+        self.disagg = create_disaggregation(self)
 
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
@@ -177,6 +181,9 @@ class Scheduler:
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
+        if self.disagg is not None:
+            self.disagg.add_request(msg, req)  # bootstrap first: PrefillBootstrapQueue / DecodePreallocQueue
+            return
         self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
 
     def handle_batch_generate_request(self, msg: BatchTokenizedGenerateReqInput) -> None:
@@ -227,6 +234,7 @@ class Scheduler:
                 # Each rank's own pool (they must agree), gathered from every rank: all ranks
                 # receive this request in the same step.
                 "ranks": self.sync.gather(self._pool_report()),
+                **(self.disagg.internal_state() if self.disagg is not None else {}),
             }
         )
 
@@ -300,11 +308,17 @@ class Scheduler:
             and last.forward_mode.is_extend()
         )
 
-    def make_loop(self) -> NormalLoop | OverlapLoop:
+    def make_loop(self) -> Any:  # noqa: ANN401 - NormalLoop, OverlapLoop, or a disaggregated side's loop
+        if self.disagg is not None:
+            return self.disagg.make_loop()  # PrefillLoop / DecodeLoop (normal, not overlapped)
         return NormalLoop(self) if self.server_args.disable_overlap_schedule else OverlapLoop(self)
 
     def event_loop(self, recv_requests: Callable[[], list[object]]) -> None:
         """The scheduler process's main loop (never returns): overlap unless disabled."""
+        if self.disagg is not None:
+            loop = self.make_loop()
+            while True:
+                loop.step(recv_requests())
         if self.server_args.disable_overlap_schedule:
             self.event_loop_normal(recv_requests)
         else:

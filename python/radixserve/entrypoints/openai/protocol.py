@@ -100,6 +100,10 @@ class SamplingExtras(RequestModel):
     ebnf: str | None = None
     json_schema: str | None = None
     rid: str | None = Field(default=None, max_length=MAX_RID_LEN)
+    # Prefill/decode disaggregation: set by the load balancer (docs/disaggregation.md).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 # ----------------------------------------------------------------------------- completions

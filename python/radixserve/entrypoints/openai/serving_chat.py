@@ -63,6 +63,9 @@ class ChatHandler:
             return_text_in_logprobs=True,  # the OpenAI logprobs name each token
             rid=req.rid,
             stream=stream,
+            bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room,
         )
         return native, plan
 

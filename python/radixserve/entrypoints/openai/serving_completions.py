@@ -51,6 +51,9 @@ class CompletionsHandler:
             return_text_in_logprobs=True,  # the OpenAI logprobs name each token
             rid=req.rid,
             stream=stream,
+            bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room,
         )
 
     def _prompt_texts(self, obj: GenerateReqInput) -> list[str]:
