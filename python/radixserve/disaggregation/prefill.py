@@ -42,6 +42,7 @@ class PrefillBootstrapQueue:
 
     def add(self, req: Req) -> None:
         self.side.senders[id(req)] = self.side.create_sender(req)
+        self.side.owners[id(req)] = req
         self.queue.append(req)
 
     def pop_bootstrapped(self) -> None:
@@ -75,6 +76,7 @@ class PrefillDisaggregation:
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         self.manager.register(local, self.bootstrap_server.port)
         self.senders: dict[int, KVSender] = {}
+        self.owners: dict[int, Req] = {}  # id(req) -> req, for every sender
         self.bootstrap_queue = PrefillBootstrapQueue(self)
         self.inflight_queue: list[Req] = []
 
@@ -170,7 +172,17 @@ class PrefillDisaggregation:
         self.scheduler.output.finish_now(req, message or "KV transfer failed", code)
         self._forget(req)
 
+    def sweep_finished(self) -> None:
+        """Requests finished outside these queues (an abort or timeout in the waiting queue or
+        mid-prompt) still tell their decode side, which would otherwise wait for their KV."""
+        for key, req in list(self.owners.items()):
+            if req.finished():
+                reason = req.finished_reason.to_json() if req.finished_reason else {}
+                self.senders[key].abort(f"Aborted on the prefill server: {reason.get('message', 'finished')}")
+                self._forget(req)
+
     def _forget(self, req: Req) -> None:
+        self.owners.pop(id(req), None)
         sender = self.senders.pop(id(req), None)
         if sender is not None:
             sender.close()
@@ -212,6 +224,7 @@ class PrefillLoop:
             s.num_inflight_batches -= 1
             side.process_batch_result(batch, result)
         side.process_inflight_queue()
+        side.sweep_finished()
         s.state.last_batch = None
         s.output.flush()
         if batch is None:

@@ -45,6 +45,7 @@ class _Peer:
     dealer: zmq.Socket | None = None
     monitor: zmq.Socket | None = None
     problem: str | None = None  # a layout mismatch: every room on this peer fails
+    pending_aborts: list[tuple[int, str, float]] = field(default_factory=list)  # sent once connected
     next_try: float = 0.0
 
 
@@ -125,24 +126,34 @@ class DecodeTcpManager:
             peer.rooms.add(room)
             if peer.problem is not None:
                 state.status.fail(peer.problem, 500)
+                if peer.dealer is not None:
+                    self._send_init(peer, room, 0)  # the prefill side sees the mismatch too
             elif peer.dealer is not None:
                 state.status.advance(KVPoll.WaitingForInput)
         elif kind == "init" and peer is not None and peer.dealer is not None:
-            msg = {
-                "type": "init",
-                "room": room,
-                "page_size": self.page_size,
-                "kv_cache_dtype": self.kv_cache_dtype,
-                "num_tokens": cmd[2],
-            }
-            peer.dealer.send_multipart(wire.encode(msg))
-        elif kind == "abort":
-            if peer is not None and peer.dealer is not None:
+            self._send_init(peer, room, cmd[2])
+        elif kind == "abort" and peer is not None:
+            # Not connected yet: the prefill server must still hear it, or its request would
+            # wait for us until the bootstrap timeout.
+            if peer.dealer is None:
+                peer.pending_aborts.append((room, cmd[2], time.monotonic() + self.timeout_s))
+            else:
                 peer.dealer.send_multipart(wire.encode({"type": "abort", "room": room, "reason": cmd[2]}))
         elif kind == "forget":
             del self.rooms[room]
             if peer is not None:
                 peer.rooms.discard(room)
+
+    def _send_init(self, peer: _Peer, room: int, num_tokens: int) -> None:
+        assert peer.dealer is not None
+        msg = {
+            "type": "init",
+            "room": room,
+            "page_size": self.page_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "num_tokens": num_tokens,
+        }
+        peer.dealer.send_multipart(wire.encode(msg))
 
     def _on_message(self, peer: _Peer, msg: dict[str, Any], payload: bytes | None) -> None:
         kind, room = msg.get("type"), msg.get("room")
@@ -184,9 +195,10 @@ class DecodeTcpManager:
         for peer in list(self.peers.values()):
             if peer.dealer is not None or peer.problem is not None or now < peer.next_try:
                 continue
-            if not any(
-                self.rooms[r].status.poll() == KVPoll.Bootstrapping for r in peer.rooms if r in self.rooms
-            ):
+            peer.pending_aborts = [a for a in peer.pending_aborts if a[2] > now]
+            rooms = [self.rooms[r] for r in peer.rooms if r in self.rooms]
+            waiting = any(state.status.poll() == KVPoll.Bootstrapping for state in rooms)
+            if not waiting and not peer.pending_aborts:
                 if not peer.rooms:
                     self.peers.pop(peer.key, None)
                 continue
@@ -208,18 +220,22 @@ class DecodeTcpManager:
                 f"page_size {self.page_size} and {self.kv_cache_dtype}; they must match"
             )
             logger.error("%s", peer.problem)
-            for room in peer.rooms:
-                if room in self.rooms:
-                    self.rooms[room].status.fail(peer.problem, 500)
-            return
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         peer.monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
         peer.dealer = dealer
+        for room, reason, _ in peer.pending_aborts:
+            dealer.send_multipart(wire.encode({"type": "abort", "room": room, "reason": reason}))
+        peer.pending_aborts.clear()
         for room in peer.rooms:
-            if room in self.rooms:
+            if room not in self.rooms:
+                continue
+            if peer.problem is None:
                 self.rooms[room].status.advance(KVPoll.WaitingForInput)
+            else:  # fail here, and let the prefill side see the mismatch from our init
+                self.rooms[room].status.fail(peer.problem, 500)
+                self._send_init(peer, room, 0)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()

@@ -36,6 +36,8 @@ class _Room:
     identity: bytes | None = None  # the decode DEALER that asked for this room
     send_started: float = 0.0
     num_bytes: int = 0
+    # A failed room nobody owns is kept this long, so a late init or request still learns why.
+    tombstone_until: float = 0.0
 
 
 @dataclass
@@ -167,7 +169,10 @@ class PrefillTcpManager:
         state = self.rooms.get(room)
         if kind == "forget":
             with self._rooms_lock:
-                self.rooms.pop(room, None)
+                if state is not None and state.status.poll() == KVPoll.Failed:
+                    state.claimed = False  # a tombstone: the decode side may still ask for it
+                else:
+                    self.rooms.pop(room, None)
             return
         if state is None:
             return
@@ -187,6 +192,11 @@ class PrefillTcpManager:
         if kind == "init":
             self._on_init(identity, room, msg)
             return
+        if kind == "abort":
+            with self._rooms_lock:  # the decode side may abort before our request arrived
+                state = self.rooms.setdefault(room, _Room(TransferStatus(self.timeout_s)))
+            state.status.fail(f"Aborted on the decode server: {msg.get('reason', '')}", 499)
+            return
         state = self.rooms.get(room)
         if state is None:
             return
@@ -197,8 +207,6 @@ class PrefillTcpManager:
             stats.bytes += state.num_bytes
             stats.seconds += seconds
             stats.per_transfer = [*stats.per_transfer[-999:], (state.num_bytes, seconds)]
-        elif kind == "abort":
-            state.status.fail(f"Aborted on the decode server: {msg.get('reason', '')}", 499)
 
     def _on_init(self, identity: bytes, room: int, msg: dict[str, Any]) -> None:
         with self._rooms_lock:
@@ -240,7 +248,11 @@ class PrefillTcpManager:
             status = state.status.poll()
             if status in (KVPoll.Success, KVPoll.Failed):
                 if not state.claimed and status == KVPoll.Failed:
-                    self.rooms.pop(room, None)  # nobody will forget it
+                    if not state.tombstone_until:
+                        state.tombstone_until = now + self.timeout_s
+                    elif now > state.tombstone_until:
+                        with self._rooms_lock:
+                            self.rooms.pop(room, None)
                 continue
             if state.status.expired(now):
                 self._expire(room, state, status)
