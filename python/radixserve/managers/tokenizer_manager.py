@@ -10,6 +10,7 @@ stalls that loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -199,6 +200,10 @@ class TokenizerManager:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
         items = obj.expand()
+        if self.server_args.disaggregation_mode == "decode":
+            # Prompt logprobs come from the prefill server (a PD router merges them); this side
+            # reports none, so the merged list has each prompt position once.
+            items = [dataclasses.replace(item, logprob_start_len=-1) for item in items]
         input_ids = await self.run_blocking(prepare_items, self.tokenizer, self.limits, items)
         self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
