@@ -11,7 +11,7 @@ MODEL=${MODEL:-default}
 POOL=${POOL:-24000}
 mkdir -p "$OUT"
 PIDS=()
-cleanup() { for p in "${PIDS[@]:-}"; do kill "$p" 2>/dev/null || true; done; sleep 2;
+cleanup() { for p in "${PIDS[@]:-}"; do kill "$p" 2>/dev/null || true; done; sleep 10;
             for p in "${PIDS[@]:-}"; do kill -9 "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 wait_health() {  # url timeout_s

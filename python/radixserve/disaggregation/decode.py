@@ -141,7 +141,7 @@ class DecodeDisaggregation:
         req.last_node = None
         self.transfer_queue.queue.append(req)
 
-    def commit(self, req: Req, meta: dict[str, Any], data: bytes | None) -> None:
+    def commit(self, req: Req, meta: dict[str, Any], data: memoryview | None) -> None:
         """The KV arrived: write it into the request's pages and take the first token."""
         num_tokens = len(req.origin_input_ids)
         if data is not None:

@@ -35,7 +35,7 @@ BOOTSTRAP_RETRY_S = 0.25
 class _DRoom:
     status: TransferStatus
     peer: tuple[str, int]
-    payload: tuple[dict[str, Any], bytes | None] | None = None
+    payload: tuple[dict[str, Any], memoryview | None] | None = None
 
 
 @dataclass
@@ -80,7 +80,7 @@ class DecodeTcpManager:
 
     def command(self, *cmd: Any) -> None:  # noqa: ANN401
         with self._cmd_lock:
-            self._cmd_out.send_pyobj(cmd)
+            self._cmd_out.send_multipart(wire.encode({"cmd": cmd}))
 
     def close(self) -> None:
         self._stop = True
@@ -100,13 +100,13 @@ class DecodeTcpManager:
                 ready = dict(poller.poll(wire.IO_TICK_MS))
                 if self._cmd_in in ready:
                     while self._cmd_in.poll(0):
-                        self._on_command(self._cmd_in.recv_pyobj())
+                        self._on_command(wire.decode(self._cmd_in.recv_multipart())[0]["cmd"])
                 for peer in list(self.peers.values()):
                     if peer.monitor is not None and peer.monitor in ready:
                         self._on_monitor(peer)
                     if peer.dealer is not None and peer.dealer in ready:
                         while peer.dealer is not None and peer.dealer.poll(0):
-                            self._on_message(peer, *wire.decode(peer.dealer.recv_multipart()))
+                            self._on_message(peer, *wire.decode(peer.dealer.recv_multipart(copy=False)))
                 self._connect_pending()
                 self._check_timeouts()
             except zmq.ContextTerminated:
@@ -155,7 +155,7 @@ class DecodeTcpManager:
         }
         peer.dealer.send_multipart(wire.encode(msg))
 
-    def _on_message(self, peer: _Peer, msg: dict[str, Any], payload: bytes | None) -> None:
+    def _on_message(self, peer: _Peer, msg: dict[str, Any], payload: memoryview | None) -> None:
         kind, room = msg.get("type"), msg.get("room")
         state = self.rooms.get(room) if room is not None else None
         if kind == "kv":
@@ -163,7 +163,7 @@ class DecodeTcpManager:
             peer.dealer.send_multipart(wire.encode({"type": "ack", "room": room}))
             if state is not None and state.status.poll() == KVPoll.Transferring:
                 state.payload = (msg, payload)
-                self.bytes_received += len(payload or b"")
+                self.bytes_received += len(payload) if payload is not None else 0
                 state.status.advance(KVPoll.Success)
         elif kind == "fail" and state is not None:
             state.status.fail(
@@ -283,7 +283,7 @@ class TcpReceiver:
         if self.status.advance(KVPoll.Transferring):
             self.manager.command("init", self.room, num_tokens)
 
-    def result(self) -> tuple[dict[str, Any], bytes | None]:
+    def result(self) -> tuple[dict[str, Any], memoryview | None]:
         assert self.state.payload is not None, "result() before Success"
         return self.state.payload
 

@@ -125,9 +125,10 @@ class PrefillTcpManager:
             state.claimed = True
         return TcpSender(self, room, state, owner=True)
 
-    def command(self, *cmd: Any) -> None:  # noqa: ANN401
+    def command(self, *cmd: Any, payload: memoryview | None = None) -> None:  # noqa: ANN401
+        """Queue a command for the I/O thread; a KV payload travels as its own frame, uncopied."""
         with self._cmd_lock:
-            self._cmd_out.send_pyobj(cmd)
+            self._cmd_out.send_multipart(wire.encode({"cmd": cmd}, payload), copy=payload is None)
 
     def close(self) -> None:
         self._stop = True
@@ -144,7 +145,8 @@ class PrefillTcpManager:
                 ready = dict(poller.poll(wire.IO_TICK_MS))
                 if self._cmd_in in ready:
                     while self._cmd_in.poll(0):
-                        self._on_command(self._cmd_in.recv_pyobj())
+                        msg, payload = wire.decode(self._cmd_in.recv_multipart(copy=False))
+                        self._on_command(msg["cmd"], payload)
                 if self.router in ready:
                     while self.router.poll(0):
                         identity, *frames = self.router.recv_multipart()
@@ -157,14 +159,14 @@ class PrefillTcpManager:
 
     def _send(self, identity: bytes, frames: wire.MsgFrames) -> bool:
         try:
-            self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+            self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EAGAIN:
                 return True  # the peer is slow, not gone: ZMQ keeps the message queued
             return False
 
-    def _on_command(self, cmd: tuple[Any, ...]) -> None:
+    def _on_command(self, cmd: tuple[Any, ...], payload: Any = None) -> None:  # noqa: ANN401 - a zmq.Frame
         kind, room = cmd[0], cmd[1]
         state = self.rooms.get(room)
         if kind == "forget":
@@ -177,8 +179,8 @@ class PrefillTcpManager:
         if state is None:
             return
         if kind == "send":
-            meta, kv = cmd[2], cmd[3]
-            state.send_started, state.num_bytes = time.monotonic(), len(kv)
+            meta, kv = cmd[2], payload
+            state.send_started, state.num_bytes = time.monotonic(), kv.nbytes
             if state.identity is None or not self._send(state.identity, wire.encode(meta, kv)):
                 state.status.fail("KV transfer failed: the decode server disconnected before it began")
         elif kind == "abort":
@@ -294,7 +296,7 @@ class TcpSender:
     def send(self, kv: torch.Tensor, meta: dict[str, Any]) -> None:
         self.status.advance(KVPoll.Transferring)
         msg = {"type": "kv", "room": self.room, **meta}
-        self.manager.command("send", self.room, msg, bytes(wire.kv_to_bytes(kv)))
+        self.manager.command("send", self.room, msg, payload=wire.kv_to_bytes(kv))
 
     def abort(self, reason: str) -> None:
         if self.owner:

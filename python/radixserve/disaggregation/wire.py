@@ -34,11 +34,17 @@ def encode(msg: dict[str, Any], payload: bytes | memoryview | None = None) -> Ms
     return frames
 
 
-def decode(frames: list[bytes]) -> tuple[dict[str, Any], bytes | None]:
+def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
+    """(message, payload): frames are bytes, or zmq.Frames when received with copy=False (the
+    payload is then returned as a memoryview of the frame, uncopied)."""
+    head = frames[0].bytes if hasattr(frames[0], "bytes") else frames[0]
     # Peers are the servers of one deployment (the bootstrap port and the rank ports must not be
     # exposed to untrusted networks: docs/disaggregation.md), as for SGLang's own ZMQ messages.
-    msg = pickle.loads(frames[0])  # noqa: S301 - see above
-    return msg, (frames[1] if len(frames) > 1 else None)
+    msg = pickle.loads(head)  # noqa: S301 - see above
+    if len(frames) < 2:
+        return msg, None
+    payload = frames[1]
+    return msg, (payload.buffer if hasattr(payload, "buffer") else memoryview(payload))
 
 
 def gather_kv(pool: MHATokenToKVPool, slots: torch.Tensor) -> torch.Tensor:
@@ -58,7 +64,10 @@ def scatter_kv(
 ) -> None:
     """Write received K and V (as made by gather_kv) into this pool's `slots`."""
     torch_dtype = getattr(torch, dtype)
-    kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype).view(*shape)
+    buf = data if isinstance(data, memoryview) else memoryview(data)
+    if buf.readonly:  # torch.frombuffer wants a writable buffer; ZMQ frames are read-only
+        buf = memoryview(bytearray(buf))
+    kv = torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype).view(*shape)
     if kv.shape[0] != 2 or kv.shape[1] != pool.num_layers or kv.shape[2] != slots.numel():
         raise ValueError(f"KV of shape {list(kv.shape)} does not fit {slots.numel()} slots here")
     slots = slots.to(device=pool.device, dtype=torch.int64)
