@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
+from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
@@ -104,6 +105,9 @@ class ServerRuntime:
             "text": "The capital city of France is",
             "sampling_params": {"max_new_tokens": 8, "temperature": 0},
         }
+        if args.disaggregation_mode != "null":
+            # Half of a PD pair warms up alone: the fake bootstrap host moves no KV (as SGLang).
+            body.update(bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=0)
         try:
             req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), headers, method="POST")
             with urllib.request.urlopen(req, timeout=WARMUP_TIMEOUT_S) as resp:

@@ -23,6 +23,8 @@ RADIX_EVICTION_POLICIES = ("lru", "lfu")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -234,6 +236,28 @@ class ServerArgs:
         choices=["qwen3", "deepseek-r1"],
     )
 
+    # Prefill/decode disaggregation (docs/disaggregation.md)
+    disaggregation_mode: str = _f(
+        "null",
+        "'prefill' or 'decode' to run one half of a disaggregated pair (a load balancer such as "
+        "sglang-router --pd-disaggregation sends each request to both); 'null' serves both phases.",
+        choices=DISAGGREGATION_MODES,
+    )
+    disaggregation_bootstrap_port: int = _f(
+        8998, "Prefill server: port of its bootstrap server, where decode servers look up its KV sender."
+    )
+    disaggregation_transfer_backend: str = _f(
+        "tcp",
+        "How KV moves from prefill to decode: 'tcp' (built in: ZMQ over TCP, CPU or GPU, across "
+        "machines) or 'fake' (moves nothing: warm-up and health probes only).",
+        choices=DISAGGREGATION_TRANSFER_BACKENDS,
+    )
+    disaggregation_bootstrap_timeout: float = _f(
+        300.0,
+        "Seconds a disaggregated request may wait for its peer (to bootstrap, then to deliver or "
+        "acknowledge its KV) before it fails with an error and its KV is freed.",
+    )
+
     def resolve(self) -> ServerArgs:
         """Decide every automatic value once; the result is frozen and passed to constructors."""
         import torch
@@ -292,6 +316,7 @@ class ServerArgs:
         if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         self._validate_dp()
+        self._validate_disaggregation()
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError("--pp-max-micro-batch-size must be >= 1")
         if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:
@@ -325,6 +350,27 @@ class ServerArgs:
             raise ValueError(
                 "--dp-size > 1 runs its replicas on one machine; across machines run one server per "
                 "machine behind the SGLang Model Gateway (docs/deploy.md)"
+            )
+
+    def _validate_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"--disaggregation-mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend not in DISAGGREGATION_TRANSFER_BACKENDS:
+            raise ValueError(
+                f"--disaggregation-transfer-backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "
+                f"got {self.disaggregation_transfer_backend!r}"
+            )
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(
+                f"--disaggregation-bootstrap-port must be a TCP port, got {self.disaggregation_bootstrap_port}"
+            )
+        if self.disaggregation_bootstrap_timeout <= 0:
+            raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
+        if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.pp_size > 1 or self.dp_size > 1):
+            raise ValueError(
+                "--disaggregation-mode runs with --tp-size 1, --pp-size 1 and --dp-size 1 for now (docs/disaggregation.md)"
             )
 
     def layout(self) -> ParallelLayout:

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
+from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.control_routes import add_control_routes
 from radixserve.entrypoints.http_guards import (
     GuardMiddleware,
@@ -167,6 +168,9 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         if state.dead or not state.ready:
             return error_response(503, "The server is not ready.")
         probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        if tm.server_args.disaggregation_mode != "null":
+            # One half of a PD pair has no peer for a probe: the fake host moves no KV (as SGLang).
+            probe.bootstrap_host, probe.bootstrap_room = FAKE_BOOTSTRAP_HOST, 0
         try:
             out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
             raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either

@@ -56,6 +56,11 @@ class GenerateReqInput(BaseModel):
             raise ValueError(f"routed_dp_rank ({a}) and data_parallel_rank ({b}) disagree.")
         return a if a is not None else b
 
+    # Prefill/decode disaggregation (set by the load balancer; lists for a batch, one per prompt).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
+
     @property
     def is_single(self) -> bool:
         if self.text is not None:
@@ -87,6 +92,9 @@ class GenerateReqInput(BaseModel):
             "top_logprobs_num",
             "priority",
             "session_params",
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -123,6 +131,9 @@ class GenerateReqInput(BaseModel):
                 raise ValueError(
                     f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {top_logprobs_num}."
                 )
+            room = _pick(self.bootstrap_room, i)
+            if room is not None and not 0 <= room < 2**63:
+                raise ValueError(f"bootstrap_room must be in [0, 2**63), got {room}.")
             logprob_start_len = int(_pick(self.logprob_start_len, i))
             if logprob_start_len < -1:  # its upper bound, the prompt length, is checked once tokenized
                 raise ValueError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
@@ -145,6 +156,10 @@ class GenerateReqInput(BaseModel):
                         routed_dp_rank=routed,
                         prompt_index=i,
                         sample_index=j,
+                        bootstrap_host=_pick(self.bootstrap_host, i),
+                        bootstrap_port=_pick(self.bootstrap_port, i),
+                        # Each sample is its own transfer: both servers derive the same rooms.
+                        bootstrap_room=None if room is None else (room + j) % 2**63,
                     )
                 )
         seen: set[str] = set()
@@ -214,3 +229,6 @@ class RequestItem:
     sample_index: int
     session_params: SessionParams | None = None
     routed_dp_rank: int | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None

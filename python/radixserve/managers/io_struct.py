@@ -44,6 +44,11 @@ class TokenizedGenerateReqInput:
     received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
     session_params: SessionParams | None = None  # continue a session (scheduler/sessions.py)
     routed_dp_rank: int | None = None  # with --dp-size > 1: the replica the client asked for
+    # Prefill/decode disaggregation: where the prefill server's bootstrap server is and the room
+    # (a number the load balancer draws) that pairs this request's two halves.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

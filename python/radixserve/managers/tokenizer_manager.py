@@ -214,6 +214,10 @@ class TokenizerManager:
         self._raise_if_dead()
         items = obj.expand()
         self._check_dp_rank(items)
+        if self.server_args.disaggregation_mode == "decode":
+            # Prompt logprobs come from the prefill server (a PD router merges them); this side
+            # reports none, so the merged list has each prompt position once.
+            items = [dataclasses.replace(item, logprob_start_len=-1) for item in items]
         input_ids = await self.run_blocking(prepare_items, self.tokenizer, self.limits, items)
         self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
@@ -258,6 +262,9 @@ class TokenizerManager:
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
+            bootstrap_host=item.bootstrap_host,
+            bootstrap_port=item.bootstrap_port,
+            bootstrap_room=item.bootstrap_room,
         )
 
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:

@@ -23,6 +23,7 @@ class ForwardMode(IntEnum):
     DECODE = 2  # exactly one new token per request
     MIXED = 3  # a chunked prefill and decodes in one forward
     IDLE = 4  # nothing to run (kept for data-parallel symmetry)
+    PREBUILT = 5  # disaggregated decode: KV and first token came from a prefill server, no forward
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -35,6 +36,9 @@ class ForwardMode(IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+    def is_prebuilt(self) -> bool:
+        return self == ForwardMode.PREBUILT
 
 
 @dataclass

@@ -146,6 +146,10 @@ class Req:
         # (kind, spec) key of its compiled grammar.
         self.grammar: Any = None
         self.grammar_key: tuple[str, str] | None = None
+        # Prefill/decode disaggregation: the peer's bootstrap address and the pairing room.
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+        self.bootstrap_room: int | None = None
 
         self.times = ReqTimes(received=received_time if received_time else time.time())
         self.logprobs = ReqLogprobs()

@@ -158,6 +158,10 @@ class Scheduler:
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
+        # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
+        from radixserve.disaggregation.common import create_disaggregation
+
+        self.disagg = create_disaggregation(self)
 
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
@@ -206,6 +210,9 @@ class Scheduler:
             self.state.live[req.rid] = req
             status = HTTPStatus.BAD_REQUEST if error is not None else HTTPStatus.SERVICE_UNAVAILABLE
             self.output.finish_now(req, error or released or "", int(status))
+            return
+        if self.disagg is not None:
+            self.disagg.add_request(msg, req)  # bootstrap first: PrefillBootstrapQueue / DecodePreallocQueue
             return
         self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
 
@@ -291,6 +298,7 @@ class Scheduler:
                 # Each rank's own pool (they must agree), gathered from every rank: all ranks
                 # receive this request in the same step.
                 "ranks": self.sync.gather(self._pool_report()),
+                **(self.disagg.internal_state() if self.disagg is not None else {}),
             }
         )
 
@@ -368,11 +376,17 @@ class Scheduler:
             and last.forward_mode.is_extend()
         )
 
-    def make_loop(self) -> NormalLoop | OverlapLoop:
+    def make_loop(self) -> Any:  # noqa: ANN401 - NormalLoop, OverlapLoop, or a disaggregated side's loop
+        if self.disagg is not None:
+            return self.disagg.make_loop()  # PrefillLoop / DecodeLoop (normal, not overlapped)
         return NormalLoop(self) if self.server_args.disable_overlap_schedule else OverlapLoop(self)
 
     def event_loop(self, recv_requests: Callable[[], list[object]]) -> None:
         """The scheduler process's main loop (never returns): overlap unless disabled."""
+        if self.disagg is not None:
+            loop = self.make_loop()
+            while True:
+                loop.step(recv_requests())
         if self.server_args.disable_overlap_schedule:
             self.event_loop_normal(recv_requests)
         else:

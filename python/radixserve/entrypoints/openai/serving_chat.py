@@ -65,6 +65,9 @@ class ChatHandler:
             stream=stream,
             routed_dp_rank=req.routed_dp_rank,
             data_parallel_rank=req.data_parallel_rank,
+            bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room,
         )
         return native, plan
 

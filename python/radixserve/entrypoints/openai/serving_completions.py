@@ -53,6 +53,9 @@ class CompletionsHandler:
             stream=stream,
             routed_dp_rank=req.routed_dp_rank,
             data_parallel_rank=req.data_parallel_rank,
+            bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room,
         )
 
     def _prompt_texts(self, obj: GenerateReqInput) -> list[str]:
