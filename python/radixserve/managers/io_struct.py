@@ -134,6 +134,12 @@ class BatchTokenIDOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None  # prompt logprobs, new since last time
     input_token_logprobs_idx: list[list[int]] | None = None
+    # Speculative decoding (None when it is off), per request since it started: verify forwards
+    # it took part in, the tokens they produced, drafts proposed, drafts accepted.
+    spec_verify_ct: list[int] | None = None
+    spec_verify_tokens: list[int] | None = None
+    spec_draft_token_num: list[int] | None = None
+    spec_accept_token_num: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +160,12 @@ class BatchStrOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None
     input_token_logprobs_idx: list[list[int]] | None = None
+    # Speculative decoding (None when it is off), per request since it started: verify forwards
+    # it took part in, the tokens they produced, drafts proposed, drafts accepted.
+    spec_verify_ct: list[int] | None = None
+    spec_verify_tokens: list[int] | None = None
+    spec_draft_token_num: list[int] | None = None
+    spec_accept_token_num: list[int] | None = None
 
 
 # ------------------------------------------------------------------------------------- dispatching

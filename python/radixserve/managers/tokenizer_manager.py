@@ -105,7 +105,11 @@ class TokenizerManager:
         self.ranks: list[dict[str, Any]] = scheduler_info.get("ranks") or [
             {"rank": 0, "tp_rank": 0, "pp_rank": 0, "node_rank": 0, "pid": scheduler_info.get("pid")}
         ]
-        self.metrics = ServerMetrics(self.max_total_num_tokens) if server_args.enable_metrics else None
+        self.metrics = (
+            ServerMetrics(self.max_total_num_tokens, server_args.speculative_algorithm is not None)
+            if server_args.enable_metrics
+            else None
+        )
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
         self._control_lock: asyncio.Lock | None = None
@@ -361,6 +365,8 @@ class TokenizerManager:
                 time.perf_counter() - state.created_time,
                 aborted=reason.get("type") == "abort",
             )
+            if state.spec is not None:
+                self.metrics.on_spec(*state.spec)
 
     def _update_load_metrics(self) -> None:
         if self.metrics is None:

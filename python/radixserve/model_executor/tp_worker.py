@@ -7,6 +7,7 @@ from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.verify import greedy_accept
 
 
 class TpModelWorker:
@@ -45,6 +46,12 @@ class TpModelWorker:
             self.stage_link.send_hidden(out)
             return None
         sample = self.model_runner.sample(out, fb)
+        spec_output_ids = spec_num_accepted = None
+        if fb.forward_mode.is_target_verify():
+            assert out.all_logits is not None and batch.extend_seq_lens is not None
+            spec_output_ids, spec_num_accepted = greedy_accept(
+                out.all_logits, batch.input_ids, batch.extend_seq_lens, sample.next_token_ids
+            )
         return GenerationBatchResult(
             next_token_ids=sample.next_token_ids,
             next_token_logprobs=sample.next_token_logprobs,
@@ -53,4 +60,6 @@ class TpModelWorker:
             input_token_logprobs=out.input_token_logprobs,
             input_top_logprobs_val=out.input_top_logprobs_val,
             input_top_logprobs_idx=out.input_top_logprobs_idx,
+            spec_output_ids=spec_output_ids,
+            spec_num_accepted=spec_num_accepted,
         )

@@ -46,6 +46,7 @@ from radixserve.scheduler.req import Req
 from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.decode_step import SpeculativeDecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,10 @@ class Scheduler:
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.output = OutputProcessor(
-            self.mem, send_output, on_finished=lambda req: self.requests.forget(req)
+            self.mem,
+            send_output,
+            on_finished=lambda req: self.requests.forget(req),
+            report_spec=args.speculative_algorithm is not None,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
         self.requests = RequestTable(
@@ -129,6 +133,7 @@ class Scheduler:
             self.policy,
             self._batch_limits(),
             self.make_batch,
+            SpeculativeDecodeStep.from_server_args(args, self.mem),
         )
         self.sync: RankSync = sync or LocalSync()
         self.input_blocker = SchedulerInputBlocker(sync=self.sync)
@@ -295,9 +300,9 @@ class Scheduler:
         last = self.state.last_batch
         return (
             batch is not None
-            and batch.forward_mode.is_extend()
+            and batch.forward_mode.is_prefill()
             and last is not None
-            and last.forward_mode.is_extend()
+            and last.forward_mode.is_prefill()
         )
 
     def make_loop(self) -> NormalLoop | OverlapLoop:
