@@ -180,11 +180,19 @@ class ServerArgs:
     speculative_algorithm: str | None = _f(
         None,
         "Speculative decoding: NGRAM drafts from n-grams of each request's own prompt and output (no "
-        "draft model). STANDALONE / EAGLE / EAGLE3 are accepted for SGLang compatibility but refused "
-        "at start: not implemented yet.",
+        "draft model); STANDALONE drafts with a draft model (here: the target's first "
+        "--speculative-draft-layers layers, self-speculation). EAGLE / EAGLE3 and separate draft "
+        "models are refused at start: not implemented yet.",
         choices=SPECULATIVE_ALGORITHMS,
     )
-    speculative_draft_model_path: str | None = _f(None, "Draft model folder (STANDALONE / EAGLE).")
+    speculative_draft_model_path: str | None = _f(
+        None, "Draft model folder (STANDALONE / EAGLE). Not implemented yet: refused at start."
+    )
+    speculative_draft_layers: int | None = _f(
+        None,
+        "STANDALONE without a draft model path: the draft is the target's own first N layers with "
+        "its final norm and LM head (self-speculation; shares the target's KV pool).",
+    )
     speculative_num_steps: int | None = _f(
         None, "Draft steps per round (draft-model algorithms). NGRAM: num_draft_tokens - 1."
     )
@@ -294,6 +302,8 @@ class ServerArgs:
             # A CPU verify forward costs more per extra token than a GPU one (docs/benchmarks.md).
             if self.speculative_num_steps is not None:
                 updates["speculative_num_draft_tokens"] = self.speculative_num_steps + 1
+            elif self.speculative_algorithm == "STANDALONE":
+                updates["speculative_num_draft_tokens"] = 4  # SGLang's choice for STANDALONE: 3 steps
             elif device == "cpu":
                 updates["speculative_num_draft_tokens"] = 8
             else:
@@ -350,11 +360,19 @@ class ServerArgs:
             return
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
-        if algo != "NGRAM":
+        if algo in ("EAGLE", "EAGLE3"):
             raise ValueError(
-                f"--speculative-algorithm {algo} is not implemented yet (draft models and EAGLE heads); "
-                "use NGRAM (docs/speculative_decoding.md)"
+                f"--speculative-algorithm {algo} is not implemented yet (EAGLE heads); use NGRAM or "
+                "STANDALONE with --speculative-draft-layers (docs/speculative_decoding.md)"
             )
+        if algo == "STANDALONE" and (self.speculative_draft_model_path or not self.speculative_draft_layers):
+            raise ValueError(
+                "--speculative-algorithm STANDALONE: a separate draft model (--speculative-draft-model-path) "
+                "is not implemented yet; use --speculative-draft-layers N (the target's first N layers "
+                "as the draft)"
+            )
+        if algo == "NGRAM" and self.speculative_draft_layers:
+            raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
         if self.speculative_eagle_topk not in (None, 1):
             raise ValueError(
                 "--speculative-eagle-topk > 1 (tree drafts) is not implemented yet; use 1 (chain drafts)"

@@ -235,3 +235,33 @@ def test_meta_counters_reach_the_message(make_run):
     # Each round gives its accepted drafts + 1, except a last one cut short by a stop token.
     assert tokens - verify_ct <= last.spec_accept_token_num[0] <= tokens - verify_ct + 1
     run.close()
+
+
+STANDALONE = {
+    "speculative_algorithm": "STANDALONE",
+    "speculative_draft_layers": 1,
+    "speculative_num_draft_tokens": 4,
+    "speculative_eagle_topk": 1,
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_self_speculation_is_exact(backend, page_size, workers, make_run):
+    """STANDALONE with the target's first layer as the draft (it shares the target's KV pool)."""
+    from radixserve.speculative.layer_skip_draft import LayerSkipDraft
+
+    reference = _plain(make_run, backend, page_size)
+    worker, _ = workers.get("llama", backend, page_size)
+    worker.draft = LayerSkipDraft(worker.model_runner, STANDALONE["speculative_draft_layers"])
+    try:
+        run = make_run(backend, page_size, **STANDALONE)
+        for rid, prompt, n in WORKLOAD:
+            run.submit(rid, prompt, n)
+        run.run_until_idle()
+        assert run.outputs == reference
+        stats = run.scheduler.output.stats
+        assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
+        run.close()
+    finally:
+        worker.draft = None

@@ -186,6 +186,14 @@ def test_flags_resolve_and_refuse():
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", enable_overlap_schedule=True).resolve()
     with pytest.raises(ValueError, match="not implemented yet"):
         ServerArgs(device="cpu", speculative_algorithm="EAGLE").resolve()
+    with pytest.raises(ValueError, match="speculative-draft-layers"):
+        ServerArgs(
+            device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path="/x"
+        ).resolve()
+    standalone = ServerArgs(
+        device="cpu", speculative_algorithm="STANDALONE", speculative_draft_layers=6
+    ).resolve()
+    assert standalone.speculative_num_draft_tokens == 4 and standalone.speculative_num_steps == 3
     with pytest.raises(ValueError, match="tree drafts"):
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", speculative_eagle_topk=4).resolve()
     with pytest.raises(ValueError, match="branch-length"):

@@ -7,6 +7,7 @@ from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.layer_skip_draft import LayerSkipDraft
 from radixserve.speculative.verify import greedy_accept
 
 
@@ -26,6 +27,10 @@ class TpModelWorker:
         self.max_context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
         self.device = runner.device
+        # Self-speculation (STANDALONE with --speculative-draft-layers): drafts for verify steps.
+        self.draft = None
+        if server_args.speculative_algorithm == "STANDALONE" and server_args.speculative_draft_layers:
+            self.draft = LayerSkipDraft(runner, server_args.speculative_draft_layers)
         self.stage_link = None
         if rank is not None and rank.layout.pp_size > 1:
             from radixserve.distributed.pipeline import StageLink
@@ -40,6 +45,8 @@ class TpModelWorker:
         proxy = None
         if self.stage_link is not None and self.stage_link.prev is not None:
             proxy = self.stage_link.recv_hidden(int(batch.input_ids.shape[0]))
+        if self.draft is not None and batch.forward_mode.is_target_verify():
+            self.draft.fill_drafts(batch)
         fb, out = self.model_runner.forward(batch, proxy)
         if isinstance(out, PPProxyTensors):
             assert self.stage_link is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from radixserve.speculative.model_drafter import ModelDrafter
 from radixserve.speculative.ngram_drafter import NgramConfig, NgramDrafter
 from radixserve.speculative.verify_batch import prepare_for_verify, verify_tokens_needed
 
@@ -34,7 +35,10 @@ class SpeculativeDecodeStep:
     def from_server_args(cls, args: ServerArgs, mem: KVMemory) -> SpeculativeDecodeStep | None:
         if args.speculative_algorithm is None:
             return None
-        return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem)
+        if args.speculative_algorithm == "NGRAM":
+            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem)
+        assert args.speculative_num_draft_tokens is not None, "ServerArgs.resolve() sets it"
+        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem)
 
     def prepare(self, batch: ScheduleBatch, context_limit: int) -> None:
         drafts = [self.drafter.draft(r, context_limit - r.kv_committed_len - 1) for r in batch.reqs]

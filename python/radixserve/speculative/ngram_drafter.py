@@ -51,13 +51,14 @@ class NgramConfig:
 class SpecReqState:
     """Per-request speculation state (lives on Req.spec; survives retraction)."""
 
-    trie: NgramTrie
+    trie: NgramTrie | None  # None for drafters that need no index (a draft model)
     cooldown: int = 0  # decode steps left without drafting
     next_cooldown: int = 1
 
     def on_token(self, token_id: int) -> None:
         """Every token appended to the request's output (any batch mode) is indexed."""
-        self.trie.extend([token_id])
+        if self.trie is not None:
+            self.trie.extend([token_id])
 
     def on_verified(self, num_drafts: int, num_accepted: int) -> None:
         """The back-off rule, after a verify round in which the request drafted."""
@@ -84,6 +85,16 @@ def can_speculate(req: Req) -> bool:
     )
 
 
+def num_drafts_allowed(req: Req, st: SpecReqState, most: int, max_tokens: int) -> int:
+    """How many drafts `req` may have this step: 0 while cooling down (the back-off rule), and
+    never past max_new_tokens (tokens beyond it would be dropped anyway)."""
+    if st.cooldown > 0:
+        st.cooldown -= 1
+        return 0
+    room = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+    return min(most, max_tokens, room)
+
+
 class NgramDrafter:
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
@@ -100,14 +111,10 @@ class NgramDrafter:
         if not can_speculate(req):
             return []
         st = self._state(req)
-        if st.cooldown > 0:
-            st.cooldown -= 1
-            return []
-        # Never draft past max_new_tokens: tokens beyond it would be dropped anyway.
-        room = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
-        n = min(self.config.num_draft_tokens - 1, max_tokens, room)
+        n = num_drafts_allowed(req, st, self.config.num_draft_tokens - 1, max_tokens)
         if n <= 0:
             return []
+        assert st.trie is not None
         cfg = self.config
         tail = (req.origin_input_ids + req.output_ids)[-cfg.max_window :]
         return st.trie.draft(tail, n, cfg.min_window, cfg.max_window)
