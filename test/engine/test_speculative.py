@@ -265,3 +265,16 @@ def test_self_speculation_is_exact(backend, page_size, workers, make_run):
         run.close()
     finally:
         worker.draft = None
+
+
+def test_sampled_requests_speculate_by_rejection(make_run):
+    """Unseeded sampling drafts too (rejection sampling): the run finishes every request with its
+    full length or a stop, drafts were verified, and no KV leaked."""
+    run = make_run("cpu", 16, **SPEC)
+    for rid, prompt, n in copy_workload(seed=11):
+        submit(run, rid, prompt, max_new_tokens=n, temperature=0.3, top_p=0.95, ignore_eos=True)
+    run.run_until_idle()
+    assert all(len(run.outputs[rid]) == n for rid, _, n in copy_workload(seed=11))
+    stats = run.scheduler.output.stats
+    assert stats.spec_num_rounds > 0 and stats.spec_num_accepted > 0
+    run.close()

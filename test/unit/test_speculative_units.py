@@ -18,7 +18,7 @@ from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.ngram_drafter import MAX_COOLDOWN, NgramConfig, NgramDrafter, can_speculate
 from radixserve.speculative.ngram_trie import NgramTrie
-from radixserve.speculative.verify import greedy_accept
+from radixserve.speculative.verify import greedy_accept, rejection_accept
 from radixserve.speculative.verify_batch import prepare_for_verify, release_rejected, verify_tokens_needed
 
 
@@ -135,8 +135,9 @@ def _drafter(num_draft_tokens: int = 4) -> NgramDrafter:
 def test_who_speculates():
     base = Req("r", [1, 2], SamplingParams(temperature=0.0))
     assert can_speculate(base)
+    assert can_speculate(Req("r", [1, 2], SamplingParams(temperature=0.7)))  # rejection sampling
     for params in (
-        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, seed=3),
         SamplingParams(temperature=0.0, frequency_penalty=0.1),
         SamplingParams(temperature=0.0, repetition_penalty=1.1),
         SamplingParams(temperature=0.0, min_new_tokens=3),
@@ -199,3 +200,62 @@ def test_flags_resolve_and_refuse():
     with pytest.raises(ValueError, match="branch-length"):
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", speculative_ngram_branch_length=12).resolve()
     assert ServerArgs(device="cpu").resolve().speculative_num_draft_tokens is None
+
+
+# ------------------------------------------------------------------------- rejection sampling
+# Chi-square critical values at p = 0.001 (df = 5 and 15): a correct sampler fails one seed in 1000;
+# the seeds are fixed, so the test is deterministic.
+CHI2_CRIT = {5: 20.52, 15: 37.70}
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("draft", [0, 3, 5])  # a likely, a middling and an unlikely draft
+def test_rejection_sampling_keeps_the_target_distribution(draft):
+    gen = torch.Generator().manual_seed(1234 + draft)
+    p = torch.tensor([0.35, 0.05, 0.2, 0.15, 0.2, 0.05])  # vocab 6
+    probs = torch.stack([p, torch.full((6,), 1 / 6)])  # row 1 only matters after an acceptance
+    counts = torch.zeros(6)
+    n = 30_000
+    u = torch.rand(n, 2, generator=gen)
+    for i in range(n):
+        tokens, _ = rejection_accept(probs, [draft], [float(u[i, 0])], u[i, 1:2])
+        counts[tokens[0]] += 1
+    assert _chi2(counts, p) < CHI2_CRIT[5], counts.tolist()
+
+
+def test_rejection_sampling_chain_keeps_the_joint_distribution():
+    """Two drafted positions over a Markov target: the first two output tokens are distributed
+    p1(t1) T(t1 -> t2). A round that stops after t1 continues with the target's next row, as the
+    next verify round would (its first token again follows the target: the test above)."""
+    gen = torch.Generator().manual_seed(7)
+    p1 = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    trans = torch.tensor(
+        [[0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1], [0.2, 0.2, 0.3, 0.3]]
+    )
+    drafts = [1, 0]  # d1 = 1 (p1 = 0.3), then d2 = 0 (T[1, 0] = 0.25)
+    probs = torch.stack([p1, trans[drafts[0]], trans[drafts[1]]])
+    counts = torch.zeros(16)
+    n = 40_000
+    u = torch.rand(n, 4, generator=gen)
+    for i in range(n):
+        tokens, _ = rejection_accept(probs, drafts, u[i, :2].tolist(), u[i, 2:3])
+        if len(tokens) < 2:
+            nxt = int(
+                torch.searchsorted(trans[tokens[0]].cumsum(0), u[i, 3:4] * trans[tokens[0]].sum(), right=True)
+            )
+            tokens.append(min(nxt, 3))
+        counts[tokens[0] * 4 + tokens[1]] += 1
+    joint = (p1[:, None] * trans).reshape(-1)
+    assert _chi2(counts, joint) < CHI2_CRIT[15], counts.tolist()
+
+
+def test_rejection_never_returns_the_rejected_draft_from_the_residual():
+    probs = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    tokens, accepted = rejection_accept(probs, [0], [0.99], torch.tensor([0.1]))
+    assert accepted == 0 and tokens == [1]
+    tokens, accepted = rejection_accept(probs, [0], [0.2], torch.tensor([0.1]))
+    assert accepted == 1 and tokens == [0, 2]

@@ -8,7 +8,7 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.layer_skip_draft import LayerSkipDraft
-from radixserve.speculative.verify import greedy_accept
+from radixserve.speculative.verify import accept_drafts
 
 
 class TpModelWorker:
@@ -56,8 +56,14 @@ class TpModelWorker:
         spec_output_ids = spec_num_accepted = None
         if fb.forward_mode.is_target_verify():
             assert out.all_logits is not None and batch.extend_seq_lens is not None
-            spec_output_ids, spec_num_accepted = greedy_accept(
-                out.all_logits, batch.input_ids, batch.extend_seq_lens, sample.next_token_ids
+            assert fb.sampling_info is not None
+            spec_output_ids, spec_num_accepted = accept_drafts(
+                out.all_logits,
+                batch.input_ids,
+                batch.extend_seq_lens,
+                sample.next_token_ids,
+                fb.sampling_info,
+                self.model_runner.sampler.generator,
             )
         return GenerationBatchResult(
             next_token_ids=sample.next_token_ids,

@@ -1,9 +1,10 @@
 """NGRAM drafting for the requests of a decode step, and the back-off rule.
 
-Who drafts: greedy requests (temperature 0 or top_k 1) without a grammar, penalties, logprobs or a
-pending min_new_tokens. For them the target's argmax at each position decides acceptance and the
-output is exactly what plain greedy decoding gives. Every other request rides in the same verify
-forward with no drafts (one token, sampled by the ordinary sampler): correct, just not sped up.
+Who drafts: requests without a grammar, penalties, logprobs, a seed or a pending min_new_tokens.
+Greedy ones (temperature 0 or top_k 1) accept while the target's argmax agrees, so the output is
+exactly what plain greedy decoding gives; sampled ones are verified by rejection sampling, which
+keeps the target's distribution (speculative/verify.py). Every other request rides in the same
+verify forward with no drafts (one token, sampled by the ordinary sampler): correct, not sped up.
 
 Back-off: drafting costs a wider forward. A request whose drafts were all rejected stops drafting
 for `cooldown` decode steps; the cooldown doubles on each further all-rejected round (1, 2, 4 ..
@@ -74,8 +75,10 @@ class SpecReqState:
 def can_speculate(req: Req) -> bool:
     p = req.sampling_params
     greedy = p.temperature < 1e-6 or p.top_k == 1
+    # Sampled requests are verified by rejection sampling (same distribution, other draws): a
+    # seeded one would no longer reproduce its non-speculative output, so it does not draft.
     return (
-        greedy
+        (greedy or p.seed is None)
         and req.grammar is None
         and not req.return_logprob
         and p.frequency_penalty == 0.0
