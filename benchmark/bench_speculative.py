@@ -116,6 +116,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--random-prompt-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=8192,
+        help="KV pool per engine (several engines are up at once)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="passes per cell; the median is reported")
     args = parser.parse_args()
 
     from radixserve import Engine
@@ -137,31 +144,44 @@ def main() -> None:
         )
         for n in args.draft_layers
     ]
+    # Every engine is up at once and the cells run round-robin (each mode in turn for each workload
+    # and concurrency, --repeats passes, median wall time): on a shared, noisy machine the modes
+    # then see the same load.
+    engines = {
+        mode: Engine(
+            model_path=args.model_path, log_level="warning", max_total_tokens=args.max_total_tokens, **extra
+        )
+        for mode, extra in modes
+    }
     results: dict[tuple[str, int, str], dict[str, Any]] = {}
-    workloads: dict[str, tuple[list[list[int]], dict]] = {}
-    for mode, extra in modes:
-        engine = Engine(model_path=args.model_path, log_level="warning", **extra)
-        try:
-            if not workloads:
-                tok = load_tokenizer(engine.server_args)
-                n = max(args.concurrency)
-                copy = copy_prompts(tok)
-                workloads["copy"] = (
-                    (copy * n)[: max(n, len(copy))],
-                    {"temperature": 0.0, "max_new_tokens": args.max_new_tokens},
-                )
-                rand = random_prompts(len(tok), max(n, 4), args.random_prompt_len)
-                workloads["random"] = (
-                    rand,
-                    {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True},
-                )
-            engine.generate(
-                input_ids=[workloads["copy"][0][0]], sampling_params={"max_new_tokens": 8}
-            )  # warm up
-            for name, (prompts, params) in workloads.items():
-                for c in args.concurrency:
-                    results[(name, c, mode)] = run_cell(engine, prompts, c, params)
-        finally:
+    try:
+        tok = load_tokenizer(engines["plain"].server_args)
+        n = max(args.concurrency)
+        copy = copy_prompts(tok)
+        workloads: dict[str, tuple[list[list[int]], dict]] = {
+            "copy": (
+                (copy * n)[: max(n, len(copy))],
+                {"temperature": 0.0, "max_new_tokens": args.max_new_tokens},
+            ),
+            "random": (
+                random_prompts(len(tok), max(n, 4), args.random_prompt_len),
+                {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True},
+            ),
+        }
+        for engine in engines.values():  # warm up
+            engine.generate(input_ids=[copy[0]], sampling_params={"max_new_tokens": 8})
+        for name, (prompts, params) in workloads.items():
+            for c in args.concurrency:
+                runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, _ in modes}
+                for _ in range(args.repeats):
+                    for mode, _ in modes:
+                        runs[mode].append(run_cell(engines[mode], prompts, c, params))
+                for mode, cells in runs.items():
+                    cells.sort(key=lambda r: r["wall"])
+                    results[(name, c, mode)] = cells[len(cells) // 2]
+                print(f"done: {name} concurrency {c}", flush=True)
+    finally:
+        for engine in engines.values():
             engine.shutdown()
 
     print(
