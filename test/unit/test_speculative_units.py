@@ -259,3 +259,56 @@ def test_rejection_never_returns_the_rejected_draft_from_the_residual():
     assert accepted == 0 and tokens == [1]
     tokens, accepted = rejection_accept(probs, [0], [0.2], torch.tensor([0.1]))
     assert accepted == 1 and tokens == [0, 2]
+
+
+# -------------------------------------------------------------------------------------- reporting
+def test_meta_info_and_metrics_from_the_scheduler_counters():
+    import asyncio
+
+    from radixserve.managers.generate_request import RequestItem
+    from radixserve.managers.io_struct import BatchStrOut
+    from radixserve.managers.output_applier import apply_batch_str_out
+    from radixserve.managers.req_state import ReqState, build_output
+    from radixserve.utils.metrics import ServerMetrics
+
+    msg = BatchStrOut(
+        rids=["a"],
+        finished_reasons=[{"type": "length", "length": 9}],
+        output_strs=["x"],
+        output_ids=[[5] * 9],
+        prompt_tokens=[3],
+        completion_tokens=[9],
+        cached_tokens=[0],
+        spec_verify_ct=[2],
+        spec_verify_tokens=[8],
+        spec_draft_token_num=[10],
+        spec_accept_token_num=[6],
+    )
+    item = RequestItem(
+        index=0,
+        rid="a",
+        text=None,
+        input_ids=[1, 2, 3],
+        sampling_params=SamplingParams(),
+        max_new_tokens_set=True,
+        return_logprob=False,
+        return_text_in_logprobs=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        priority=None,
+        prompt_index=0,
+        sample_index=0,
+    )
+    state = ReqState(item=item, input_ids=[1, 2, 3], group_event=asyncio.Event())
+    list(apply_batch_str_out(msg, {"a": state}, now=0.0))
+    meta = build_output(state, None)["meta_info"]
+    assert meta["spec_verify_ct"] == 2 and meta["spec_accept_length"] == 4.0
+    assert meta["spec_draft_token_num"] == 10 and meta["spec_accept_token_num"] == 6
+    assert meta["spec_accept_rate"] == pytest.approx(0.6)
+    metrics = ServerMetrics(100, speculative=True)
+    metrics.on_spec(*state.spec)
+    metrics.on_spec(1, 1, 3, 0)
+    text = metrics.render()
+    assert "radixserve:spec_accept_length 3\n" in text  # (8 + 1) / (2 + 1)
+    assert "radixserve:spec_verify_ct_total 3" in text
+    assert "spec_accept_length" not in ServerMetrics(100).render()
