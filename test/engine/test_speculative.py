@@ -278,3 +278,8 @@ def test_sampled_requests_speculate_by_rejection(make_run):
     stats = run.scheduler.output.stats
     assert stats.spec_num_rounds > 0 and stats.spec_num_accepted > 0
     run.close()
+
+
+def test_overlap_loop_refuses_speculation(make_run):
+    with pytest.raises(ValueError, match="normal loop only"):
+        make_run("cpu", 1, **{**SPEC, "disable_overlap_schedule": False})  # builds its loop

@@ -306,7 +306,9 @@ class Scheduler:
         )
 
     def make_loop(self) -> NormalLoop | OverlapLoop:
-        return NormalLoop(self) if self.server_args.disable_overlap_schedule else OverlapLoop(self)
+        if self.server_args.disable_overlap_schedule:
+            return NormalLoop(self)
+        return OverlapLoop(self)
 
     def event_loop(self, recv_requests: Callable[[], list[object]]) -> None:
         """The scheduler process's main loop (never returns): overlap unless disabled."""
@@ -321,7 +323,7 @@ class Scheduler:
             loop.step(recv_requests())
 
     def event_loop_overlap(self, recv_requests: Callable[[], list[object]]) -> None:
-        loop = OverlapLoop(self)
+        loop = OverlapLoop(self)  # refuses speculative decoding
         try:
             while True:
                 loop.step(recv_requests())
@@ -356,6 +358,9 @@ class OverlapLoop:
     result processing hides behind the next forward."""
 
     def __init__(self, scheduler: Scheduler) -> None:
+        if scheduler.builder.spec_step is not None:
+            # ServerArgs.resolve() refuses the combination; a hand-built ServerArgs must not slip by.
+            raise ValueError("speculative decoding runs in the normal loop only (disable_overlap_schedule)")
         self.scheduler = scheduler
         self.future_map = FutureMap(
             scheduler.max_running_requests,
