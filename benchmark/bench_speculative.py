@@ -122,6 +122,9 @@ def main() -> None:
         default=8192,
         help="KV pool per engine (several engines are up at once)",
     )
+    parser.add_argument(
+        "--cpu-threads", type=int, default=None, help="torch threads per engine (default: all)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="passes per cell; the median is reported")
     args = parser.parse_args()
 
@@ -149,7 +152,11 @@ def main() -> None:
     # then see the same load.
     engines = {
         mode: Engine(
-            model_path=args.model_path, log_level="warning", max_total_tokens=args.max_total_tokens, **extra
+            model_path=args.model_path,
+            log_level="warning",
+            max_total_tokens=args.max_total_tokens,
+            cpu_threads=args.cpu_threads,
+            **extra,
         )
         for mode, extra in modes
     }

@@ -300,7 +300,8 @@ class ServerArgs:
         if self.speculative_eagle_topk is None:
             updates["speculative_eagle_topk"] = 1
         if self.speculative_num_draft_tokens is None:
-            # A CPU verify forward costs more per extra token than a GPU one (docs/benchmarks.md).
+            # A CPU verify forward costs more per extra token than a GPU one, so fewer drafts than
+            # SGLang's 12 (not tuned by a sweep: docs/speculative_decoding.md).
             if self.speculative_num_steps is not None:
                 updates["speculative_num_draft_tokens"] = self.speculative_num_steps + 1
             elif self.speculative_algorithm == "STANDALONE":
