@@ -1,6 +1,7 @@
 """Speculative decoding side by side: the same prompts through an Engine without speculation and
 one with NGRAM (one or more --speculative-num-draft-tokens), at concurrency 1 and 4, on a copy-heavy
-workload (rewrite / summarise a given passage, edit a code file) and on random prompts.
+workload (rewrite / summarise a given passage, edit a code file), on open-ended questions ("novel")
+and on random token prompts.
 
     python benchmark/bench_speculative.py                    # built-in model, draft tokens 8
     python benchmark/bench_speculative.py --draft-tokens 4 8 12 --max-new-tokens 160
@@ -60,6 +61,24 @@ COPY_TASKS = [
     f"Rename the function compute_total to sum_prices in this code and output the whole file:\n\n{CODE}",
     f"Summarise the following passage, quoting its key sentences:\n\n{PASSAGE_1}",
 ]
+
+
+NOVEL_TASKS = [
+    "Write a short story about a dragon who is afraid of the dark.",
+    "Explain how a bicycle gear system works to a ten-year-old.",
+    "Give me five ideas for a weekend trip in the mountains, with one sentence each.",
+    "What are the pros and cons of working from home?",
+]
+
+
+def chat_prompts(tokenizer: Any, tasks: list[str]) -> list[list[int]]:  # noqa: ANN401 - an HF tokenizer
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+        )
+        for t in tasks
+    ]
+    return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
 
 def copy_prompts(tokenizer: Any) -> list[list[int]]:  # noqa: ANN401 - an HF tokenizer
@@ -168,6 +187,11 @@ def main() -> None:
         workloads: dict[str, tuple[list[list[int]], dict]] = {
             "copy": (
                 (copy * n)[: max(n, len(copy))],
+                {"temperature": 0.0, "max_new_tokens": args.max_new_tokens},
+            ),
+            # Open-ended questions: the answer is new text, little of it is in the prompt.
+            "novel": (
+                (chat_prompts(tok, NOVEL_TASKS) * n)[: max(n, len(NOVEL_TASKS))],
                 {"temperature": 0.0, "max_new_tokens": args.max_new_tokens},
             ),
             "random": (
