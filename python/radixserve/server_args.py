@@ -25,6 +25,8 @@ ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -219,6 +221,57 @@ class ServerArgs:
         "size, and larger batches run eagerly.",
     )
 
+    # Speculative decoding (docs/speculative_decoding.md)
+    speculative_algorithm: str | None = _f(
+        None,
+        "Speculative decoding: NGRAM drafts from n-grams of each request's own prompt and output (no "
+        "draft model); STANDALONE drafts with a draft model (here: the target's first "
+        "--speculative-draft-layers layers, self-speculation). EAGLE / EAGLE3 and separate draft "
+        "models are refused at start: not implemented yet.",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model_path: str | None = _f(
+        None, "Draft model folder (STANDALONE / EAGLE). Not implemented yet: refused at start."
+    )
+    speculative_draft_layers: int | None = _f(
+        None,
+        "STANDALONE without a draft model path: the draft is the target's own first N layers with "
+        "its final norm and LM head (self-speculation; shares the target's KV pool).",
+    )
+    speculative_num_steps: int | None = _f(
+        None, "Draft steps per round (draft-model algorithms). NGRAM: num_draft_tokens - 1."
+    )
+    speculative_eagle_topk: int | None = _f(
+        None, "Branching factor of the draft tree. Only 1 (a chain) is implemented; default 1."
+    )
+    speculative_num_draft_tokens: int | None = _f(
+        None,
+        "Tokens per request in one verify forward: the last accepted token plus up to this many "
+        "minus one drafted ones. Default: --speculative-num-steps + 1 when set; else NGRAM: 8 on CPU, "
+        "--speculative-ngram-max-match-window-size on CUDA; STANDALONE: 4.",
+    )
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "NGRAM: shortest suffix of the context that must match an earlier n-gram to draft."
+    )
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "NGRAM: longest suffix of the context tried first when matching."
+    )
+    speculative_ngram_min_bfs_breadth: int = _f(1, "NGRAM: accepted for SGLang compatibility (tree drafts).")
+    speculative_ngram_max_bfs_breadth: int = _f(10, "NGRAM: accepted for SGLang compatibility (tree drafts).")
+    speculative_ngram_match_type: str = _f(
+        "BFS",
+        "NGRAM: how the continuation is chosen among earlier ones. Both follow the most frequent "
+        "continuation (ties: the most recent) since only chains are drafted.",
+        choices=NGRAM_MATCH_TYPES,
+    )
+    speculative_ngram_branch_length: int = _f(
+        18, "NGRAM: longest n-gram stored in a request's trie (its depth)."
+    )
+    speculative_ngram_capacity: int = _f(
+        10 * 1000 * 1000,
+        "NGRAM: most trie nodes per request; past it new n-grams are no longer stored.",
+    )
+
     # Structured output
     grammar_backend: str = _f("xgrammar", "Grammar backend for constrained decoding.")
     grammar_compile_timeout: float = _f(300.0, "Seconds before a grammar compilation is given up.")
@@ -275,6 +328,8 @@ class ServerArgs:
             updates["mem_fraction_static"] = 0.85
         if self.cpu_threads is None and device == "cpu":
             updates["cpu_threads"] = os.cpu_count() or 1
+        if self.speculative_algorithm is not None:
+            updates.update(self._speculative_updates(device))
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
@@ -286,7 +341,45 @@ class ServerArgs:
             resolved.page_size,
             not resolved.disable_overlap_schedule,
         )
+        if resolved.speculative_algorithm is not None:
+            logger.info(
+                "Speculative decoding: algorithm=%s num_draft_tokens=%d eagle_topk=%d "
+                "ngram_match_window=%d..%d ngram_branch_length=%d (overlap loop and mixed chunk off)",
+                resolved.speculative_algorithm,
+                resolved.speculative_num_draft_tokens,
+                resolved.speculative_eagle_topk,
+                resolved.speculative_ngram_min_match_window_size,
+                resolved.speculative_ngram_max_match_window_size,
+                resolved.speculative_ngram_branch_length,
+            )
         return resolved
+
+    def _speculative_updates(self, device: str) -> dict[str, Any]:
+        """Speculation's defaults. The verify forward runs in the normal loop only (SGLang also turns
+        the overlap loop off for NGRAM), and a verify batch cannot carry a prefill chunk."""
+        if self.enable_overlap_schedule:
+            raise ValueError(
+                "--speculative-algorithm does not run with the overlap loop: the next step's drafts "
+                "depend on how many tokens this step accepted, which the overlap loop does not know "
+                "when it builds the next batch. Drop --enable-overlap-schedule."
+            )
+        updates: dict[str, Any] = {"disable_overlap_schedule": True, "enable_mixed_chunk": False}
+        if self.speculative_eagle_topk is None:
+            updates["speculative_eagle_topk"] = 1
+        if self.speculative_num_draft_tokens is None:
+            # A CPU verify forward costs more per extra token than a GPU one, so fewer drafts than
+            # SGLang's 12 (not tuned by a sweep: docs/speculative_decoding.md).
+            if self.speculative_num_steps is not None:
+                updates["speculative_num_draft_tokens"] = self.speculative_num_steps + 1
+            elif self.speculative_algorithm == "STANDALONE":
+                updates["speculative_num_draft_tokens"] = 4  # SGLang's choice for STANDALONE: 3 steps
+            elif device == "cpu":
+                updates["speculative_num_draft_tokens"] = 8
+            else:
+                updates["speculative_num_draft_tokens"] = self.speculative_ngram_max_match_window_size
+        num_draft = updates.get("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
+        updates["speculative_num_steps"] = num_draft - 1
+        return updates
 
     def validate(self) -> None:
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
@@ -308,6 +401,7 @@ class ServerArgs:
             raise ValueError(
                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        self._validate_speculative()
         self.layout().check()  # LayoutError (a ValueError) says which flag to change
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(
@@ -372,6 +466,49 @@ class ServerArgs:
             raise ValueError(
                 "--disaggregation-mode runs with --tp-size 1, --pp-size 1 and --dp-size 1 for now (docs/disaggregation.md)"
             )
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+        if algo in ("EAGLE", "EAGLE3"):
+            raise ValueError(
+                f"--speculative-algorithm {algo} is not implemented yet (EAGLE heads); use NGRAM or "
+                "STANDALONE with --speculative-draft-layers (docs/speculative_decoding.md)"
+            )
+        if algo == "STANDALONE" and (self.speculative_draft_model_path or not self.speculative_draft_layers):
+            raise ValueError(
+                "--speculative-algorithm STANDALONE: a separate draft model (--speculative-draft-model-path) "
+                "is not implemented yet; use --speculative-draft-layers N (the target's first N layers "
+                "as the draft)"
+            )
+        if algo == "NGRAM" and self.speculative_draft_layers:
+            raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(
+                "--speculative-eagle-topk > 1 (tree drafts) is not implemented yet; use 1 (chain drafts)"
+            )
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token plus one draft)")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                f"--speculative-ngram-max-match-window-size (got {lo} and {hi})"
+            )
+        if self.speculative_ngram_branch_length <= hi:
+            raise ValueError(
+                "--speculative-ngram-branch-length must exceed --speculative-ngram-max-match-window-size "
+                "(a match needs at least one stored token after it)"
+            )
+        if self.speculative_ngram_capacity < 1:
+            raise ValueError("--speculative-ngram-capacity must be >= 1")
+        if self.pp_size > 1:
+            raise ValueError("--speculative-algorithm is not supported with --pp-size > 1")
+        if self.disaggregation_mode != "null":
+            raise ValueError("--speculative-algorithm is not supported with --disaggregation-mode yet")
 
     def layout(self) -> ParallelLayout:
         from radixserve.distributed.layout import ParallelLayout

@@ -160,6 +160,12 @@ class BatchTokenIDOut:
     input_token_logprobs_val: list[list[float]] | None = None  # prompt logprobs, new since last time
     input_token_logprobs_idx: list[list[int]] | None = None
     dp_rank: int = 0  # the data-parallel replica that sent it (metrics label)
+    # Speculative decoding (None when it is off), per request since it started: verify forwards
+    # it took part in, the tokens they produced, drafts proposed, drafts accepted.
+    spec_verify_ct: list[int] | None = None
+    spec_verify_tokens: list[int] | None = None
+    spec_draft_token_num: list[int] | None = None
+    spec_accept_token_num: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +187,12 @@ class BatchStrOut:
     input_token_logprobs_val: list[list[float]] | None = None
     input_token_logprobs_idx: list[list[int]] | None = None
     dp_rank: int = 0
+    # Speculative decoding (None when it is off), per request since it started: verify forwards
+    # it took part in, the tokens they produced, drafts proposed, drafts accepted.
+    spec_verify_ct: list[int] | None = None
+    spec_verify_tokens: list[int] | None = None
+    spec_draft_token_num: list[int] | None = None
+    spec_accept_token_num: list[int] | None = None
 
 
 # ------------------------------------------------------------------------------------- dispatching

@@ -46,6 +46,9 @@ class ReqState:
     finished_time: float | None = None
     dp_rank: int | None = None  # the data-parallel replica serving it (known from its first output)
     logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
+    # Speculative decoding (None when off): (verify forwards, tokens they produced, drafts
+    # proposed, drafts accepted), as last reported by the scheduler.
+    spec: tuple[int, int, int, int] | None = None
 
     @property
     def rid(self) -> str:
@@ -76,6 +79,8 @@ def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> di
         "cached_tokens": state.cached_tokens,
         "e2e_latency": (end or time.perf_counter()) - state.created_time,
     }
+    if state.spec is not None:
+        meta.update(spec_meta(*state.spec))
     if state.item.return_logprob:
         meta.update(_logprob_meta(state.logprobs, token_text))
     return {
@@ -83,6 +88,18 @@ def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> di
         "output_ids": list(state.output_ids),
         "meta_info": meta,
         "index": state.item.index,
+    }
+
+
+def spec_meta(verify_ct: int, verify_tokens: int, num_drafts: int, num_accepted: int) -> dict[str, Any]:
+    """SGLang's speculative-decoding meta_info fields. spec_accept_length: tokens per verify
+    forward (accepted drafts + the target's own token), 0 before the first one."""
+    return {
+        "spec_verify_ct": verify_ct,
+        "spec_accept_length": verify_tokens / verify_ct if verify_ct else 0.0,
+        "spec_draft_token_num": num_drafts,
+        "spec_accept_token_num": num_accepted,
+        "spec_accept_rate": num_accepted / num_drafts if num_drafts else 0.0,
     }
 
 

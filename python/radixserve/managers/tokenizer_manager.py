@@ -111,7 +111,11 @@ class TokenizerManager:
         ]
         self.dp_size = server_args.dp_size
         self.metrics = (
-            ServerMetrics(self.max_total_num_tokens * self.dp_size, self.dp_size)
+            ServerMetrics(
+                self.max_total_num_tokens * self.dp_size,
+                self.dp_size,
+                speculative=server_args.speculative_algorithm is not None,
+            )
             if server_args.enable_metrics
             else None
         )
@@ -423,6 +427,8 @@ class TokenizerManager:
                 aborted=reason.get("type") == "abort",
                 dp_rank=state.dp_rank,
             )
+            if state.spec is not None:
+                self.metrics.on_spec(*state.spec)
 
     def _update_load_metrics(self) -> None:
         if self.metrics is None:

@@ -24,9 +24,28 @@ class ForwardMode(IntEnum):
     MIXED = 3  # a chunked prefill and decodes in one forward
     IDLE = 4  # nothing to run (kept for data-parallel symmetry)
     PREBUILT = 5  # disaggregated decode: KV and first token came from a prefill server, no forward
+    # Speculative decoding: each request's last accepted token plus its drafts, over its cached KV
+    # (an extend whose logits are needed at every position).
+    TARGET_VERIFY = 6
+    # A draft model catching up on tokens the target accepted (same shape as an extend).
+    DRAFT_EXTEND = 7
 
     def is_extend(self) -> bool:
+        """Every mode whose requests add several tokens over a prefix: the extend attention path."""
+        return self in (
+            ForwardMode.EXTEND,
+            ForwardMode.MIXED,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND,
+        )
+
+    def is_prefill(self) -> bool:
+        """A batch of prompt tokens (possibly with decodes riding along): its requests join the
+        running batch afterwards. Unlike is_extend(), not a verify or draft step."""
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
@@ -80,6 +99,10 @@ class GenerationBatchResult:
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
     copy_done: Any | None = None  # a CUDA event on GPU; None on CPU
+    # TARGET_VERIFY: per request, the tokens this round produced (accepted drafts + one from the
+    # target), and how many of its drafts were accepted. None for every other mode.
+    spec_output_ids: list[list[int]] | None = None
+    spec_num_accepted: list[int] | None = None
 
 
 @dataclass

@@ -7,6 +7,8 @@ from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.layer_skip_draft import LayerSkipDraft
+from radixserve.speculative.verify import accept_drafts
 
 
 class TpModelWorker:
@@ -25,6 +27,10 @@ class TpModelWorker:
         self.max_context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
         self.device = runner.device
+        # Self-speculation (STANDALONE with --speculative-draft-layers): drafts for verify steps.
+        self.draft = None
+        if server_args.speculative_algorithm == "STANDALONE" and server_args.speculative_draft_layers:
+            self.draft = LayerSkipDraft(runner, server_args.speculative_draft_layers)
         self.stage_link = None
         if rank is not None and rank.layout.pp_size > 1:
             from radixserve.distributed.pipeline import StageLink
@@ -39,12 +45,26 @@ class TpModelWorker:
         proxy = None
         if self.stage_link is not None and self.stage_link.prev is not None:
             proxy = self.stage_link.recv_hidden(int(batch.input_ids.shape[0]))
+        if self.draft is not None and batch.forward_mode.is_target_verify():
+            self.draft.fill_drafts(batch)
         fb, out = self.model_runner.forward(batch, proxy)
         if isinstance(out, PPProxyTensors):
             assert self.stage_link is not None
             self.stage_link.send_hidden(out)
             return None
         sample = self.model_runner.sample(out, fb)
+        spec_output_ids = spec_num_accepted = None
+        if fb.forward_mode.is_target_verify():
+            assert out.all_logits is not None and batch.extend_seq_lens is not None
+            assert fb.sampling_info is not None
+            spec_output_ids, spec_num_accepted = accept_drafts(
+                out.all_logits,
+                batch.input_ids,
+                batch.extend_seq_lens,
+                sample.next_token_ids,
+                fb.sampling_info,
+                self.model_runner.sampler.generator,
+            )
         return GenerationBatchResult(
             next_token_ids=sample.next_token_ids,
             next_token_logprobs=sample.next_token_logprobs,
@@ -53,4 +73,6 @@ class TpModelWorker:
             input_token_logprobs=out.input_token_logprobs,
             input_top_logprobs_val=out.input_top_logprobs_val,
             input_top_logprobs_idx=out.input_top_logprobs_idx,
+            spec_output_ids=spec_output_ids,
+            spec_num_accepted=spec_num_accepted,
         )

@@ -44,6 +44,9 @@ class OverlapLoop:
     result processing hides behind the next forward."""
 
     def __init__(self, scheduler: Scheduler) -> None:
+        if scheduler.builder.spec_step is not None:
+            # ServerArgs.resolve() refuses the combination; a hand-built ServerArgs must not slip by.
+            raise ValueError("speculative decoding runs in the normal loop only (disable_overlap_schedule)")
         self.scheduler = scheduler
         self.future_map = FutureMap(
             scheduler.max_running_requests,

@@ -151,6 +151,14 @@ class Req:
         self.bootstrap_port: int | None = None
         self.bootstrap_room: int | None = None
 
+        # Speculative decoding: the drafter's per-request state (None: never drafted), verify
+        # forwards this request took part in, and the tokens those forwards produced.
+        self.spec: Any = None
+        self.spec_verify_ct = 0
+        self.spec_verify_tokens = 0
+        self.spec_num_drafts = 0  # drafts proposed for it
+        self.spec_num_accepted_drafts = 0  # of which accepted (and kept)
+
         self.times = ReqTimes(received=received_time if received_time else time.time())
         self.logprobs = ReqLogprobs()
         self.sent_output_len = 0  # output_ids already sent to the detokenizer

@@ -52,6 +52,7 @@ class ScheduleBatch:
         self.extend_num_tokens = 0
         self.extend_logprob_start_lens: list[int] | None = None
         self.future_indices: list[int] | None = None  # overlap: FutureMap slot of each row's token
+        self.spec_drafts: list[list[int]] | None = None  # TARGET_VERIFY: each request's drafts
 
     @classmethod
     def init_new(
@@ -273,6 +274,7 @@ class ScheduleBatch:
         other.seq_lens = list(self.seq_lens)
         other.extend_logprob_start_lens = self.extend_logprob_start_lens
         other.future_indices = self.future_indices
+        other.spec_drafts = self.spec_drafts
         return other
 
     def __repr__(self) -> str:

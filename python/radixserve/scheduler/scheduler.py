@@ -54,6 +54,7 @@ from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.scheduler.sessions import SessionController
 from radixserve.scheduler.weight_control import WeightControl
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.decode_step import SpeculativeDecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,12 @@ class Scheduler:
         self.max_running_requests = min(args.max_running_requests or worker.max_req_num, worker.max_req_num)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
-        self.output = OutputProcessor(self.mem, send_output, on_finished=self._on_finished)
+        self.output = OutputProcessor(
+            self.mem,
+            send_output,
+            on_finished=self._on_finished,
+            report_spec=args.speculative_algorithm is not None,
+        )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
         self.requests = RequestTable(
             self.state,
@@ -135,6 +141,7 @@ class Scheduler:
             self.policy,
             self._batch_limits(),
             self.make_batch,
+            SpeculativeDecodeStep.from_server_args(args, self.mem),
         )
         self.sync: RankSync = sync or LocalSync()
         self.input_blocker = SchedulerInputBlocker(sync=self.sync)
@@ -371,9 +378,9 @@ class Scheduler:
         last = self.state.last_batch
         return (
             batch is not None
-            and batch.forward_mode.is_extend()
+            and batch.forward_mode.is_prefill()
             and last is not None
-            and last.forward_mode.is_extend()
+            and last.forward_mode.is_prefill()
         )
 
     def make_loop(self) -> Any:  # noqa: ANN401 - NormalLoop, OverlapLoop, or a disaggregated side's loop
@@ -398,7 +405,7 @@ class Scheduler:
             loop.step(recv_requests())
 
     def event_loop_overlap(self, recv_requests: Callable[[], list[object]]) -> None:
-        loop = OverlapLoop(self)
+        loop = OverlapLoop(self)  # refuses speculative decoding
         try:
             while True:
                 loop.step(recv_requests())

@@ -98,10 +98,28 @@ def _fmt(value: float) -> str:
 class ServerMetrics:
     """Request-level metrics as seen by the TokenizerManager."""
 
-    def __init__(self, max_total_num_tokens: int, dp_size: int = 1) -> None:
+    def __init__(self, max_total_num_tokens: int, dp_size: int = 1, speculative: bool = False) -> None:
         """`max_total_num_tokens`: the KV tokens of every replica together. With `dp_size` > 1 the
-        counters carry a `dp_rank` label (the replica that served the request)."""
+        counters carry a `dp_rank` label (the replica that served the request). `speculative`: render
+        the speculative-decoding series."""
         self.max_total_num_tokens = max(1, max_total_num_tokens)
+        self.speculative = speculative  # render the speculative-decoding series
+        self.spec_verify_ct = Scalar(
+            "spec_verify_ct_total", "Verify forwards of finished requests (speculative decoding).", "counter"
+        )
+        self.spec_verify_tokens = Scalar(
+            "spec_verify_tokens_total", "Tokens those verify forwards produced.", "counter"
+        )
+        self.spec_draft_tokens = Scalar("spec_draft_tokens_total", "Draft tokens proposed.", "counter")
+        self.spec_accepted_tokens = Scalar("spec_accepted_tokens_total", "Draft tokens accepted.", "counter")
+        self.spec_accept_length = Scalar(
+            "spec_accept_length",
+            "Mean tokens per verify forward (accepted drafts + 1): spec_verify_tokens_total / spec_verify_ct_total.",
+            "gauge",
+        )
+        self.spec_accept_rate = Scalar(
+            "spec_accept_rate", "spec_accepted_tokens_total / spec_draft_tokens_total.", "gauge"
+        )
         self.num_requests = PerReplicaCounter("num_requests_total", "Finished requests.", dp_size)
         self.num_aborted = PerReplicaCounter("num_aborted_requests_total", "Aborted requests.", dp_size)
         self.prompt_tokens = PerReplicaCounter(
@@ -151,6 +169,17 @@ class ServerMetrics:
         if self.prompt_tokens.value:
             self.cache_hit_rate.value = self.cached_tokens.value / self.prompt_tokens.value
 
+    def on_spec(self, verify_ct: int, verify_tokens: int, num_drafts: int, num_accepted: int) -> None:
+        """A finished request's speculative-decoding counters."""
+        self.spec_verify_ct.value += verify_ct
+        self.spec_verify_tokens.value += verify_tokens
+        self.spec_draft_tokens.value += num_drafts
+        self.spec_accepted_tokens.value += num_accepted
+        if self.spec_verify_ct.value:
+            self.spec_accept_length.value = self.spec_verify_tokens.value / self.spec_verify_ct.value
+        if self.spec_draft_tokens.value:
+            self.spec_accept_rate.value = self.spec_accepted_tokens.value / self.spec_draft_tokens.value
+
     def set_load(self, num_running: int, num_queued: int, tokens_in_flight: int) -> None:
         self.num_running.value = num_running
         self.num_queued.value = num_queued
@@ -172,4 +201,13 @@ class ServerMetrics:
             self.e2e,
             self.queue_time,
         ]
+        if self.speculative:
+            parts += [
+                self.spec_verify_ct,
+                self.spec_verify_tokens,
+                self.spec_draft_tokens,
+                self.spec_accepted_tokens,
+                self.spec_accept_length,
+                self.spec_accept_rate,
+            ]
         return "\n".join(line for p in parts for line in p.render()) + "\n"
