@@ -40,6 +40,13 @@ class ServerArgs:
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
     chat_template: str | None = _f(None, "A Jinja chat template file or string overriding the tokenizer's.")
     trust_remote_code: bool = _f(False, "Unused; kept for SGLang command-line compatibility.")
+    is_embedding: bool = _f(
+        False,
+        "Serve the model as an embedding model (/v1/embeddings, /encode) instead of a generation "
+        "model: needed for decoders trained for embeddings (Qwen3-Embedding ships as "
+        "Qwen3ForCausalLM); *ForSequenceClassification and BertModel checkpoints are detected from "
+        "config.json without it.",
+    )
 
     # HTTP server
     host: str = _f("127.0.0.1", "Host to bind the HTTP server to.")

@@ -102,7 +102,11 @@ def build_scheduler(
     from radixserve.scheduler.scheduler import Scheduler
 
     model_config = ModelConfig.from_path(
-        server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
+        server_args.model_path,
+        server_args.context_length,
+        server_args.dtype,
+        server_args.device,
+        is_embedding=server_args.is_embedding,
     )
     worker = TpModelWorker(server_args, model_config, rank)
     tokenizer = load_tokenizer(server_args)

@@ -10,7 +10,8 @@ the paged pool, causal among the new tokens and full over a cached prefix, with 
 a GQA group sharing each K/V tile. torch-native instead gathers each request's K/V into a copy and
 runs SDPA per request, with an explicit mask when there is a prefix (its slow path). Where the
 kernel cannot run (fp16/bf16 pools, a head_dim it does not take, a build without AVX2) extend
-falls back to torch-native.
+falls back to torch-native. So do encoder (bidirectional) models: the compiled extend kernel is
+causal only.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pool = forward_batch.token_to_kv_pool
-        if pool.dtype == torch.float32:
+        if pool.dtype == torch.float32 and forward_batch.attn_causal:
             if forward_batch.forward_mode.is_decode():
                 forward_batch.attn_metadata = None  # the kernel reads req_to_token directly
                 return
