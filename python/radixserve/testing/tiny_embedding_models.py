@@ -87,6 +87,8 @@ def _decoder_config(kind: str) -> Any:  # noqa: ANN401 - an HF PretrainedConfig
         cfg["num_labels"] = 1
     elif kind == "qwen3_reranker":
         cfg["vocab_size"] = RERANKER_VOCAB
+    elif kind == "qwen3_last":
+        cfg["matryoshka_dimensions"] = [16, 32, 64]  # trained so (pretend): `dimensions` is allowed
     model_type = cfg.pop("model_type")
     return AutoConfig.for_model(model_type, **cfg)
 
