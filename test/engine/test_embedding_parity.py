@@ -200,3 +200,32 @@ def test_generate_on_embedding_model_is_refused(tiny_embedding_dir):
         assert sched.check_memory_leak() is None
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_encoder_attention_backends_equal_and_match_hf(tiny_embedding_dir, backend):
+    """The cpu backend attends an encoder's own K/V in place (one call for equal lengths, one per
+    request otherwise); torch_native, the reference, goes through the paged pool. Both match HF."""
+    from radixserve.layers.attention import cpu_backend
+
+    if backend == "cpu" and not cpu_backend.cpu_kernels_available():
+        pytest.skip("sgl-kernel's CPU extension is not built")
+    path = tiny_embedding_dir("bert")
+    uniform = [[(11 * i + 7 * j) % 300 + 3 for j in range(24)] for i in range(4)]
+    ragged = tokenize(path)
+    refs = hf_outputs("bert", path, uniform + ragged)
+    sched = make_scheduler(path, "bert", attention_backend=backend, page_size=16)
+    try:
+        for i, ids in enumerate(uniform):
+            sched.submit_embedding(f"u{i}", ids)
+        sched.run_until_idle()
+        for i, ids in enumerate(ragged):
+            sched.submit_embedding(f"r{i}", ids)
+        res = sched.run_until_idle()
+        got = [res[f"u{i}"].embedding for i in range(4)] + [
+            res[f"r{i}"].embedding for i in range(len(ragged))
+        ]
+        for g, ref in zip(got, refs):
+            assert_close(g, ref)
+    finally:
+        sched.close()
