@@ -47,8 +47,8 @@ class BertEmbeddings(nn.Module):
     ) -> torch.Tensor:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(x + self.position_embeddings(positions))  # [num_tokens, hidden_size]
+        x = self.word_embeddings(input_ids).add_(self.token_type_embeddings(token_type_ids))
+        return self.LayerNorm(x.add_(self.position_embeddings(positions)))  # [num_tokens, hidden_size]
 
 
 class BertSelfAttention(nn.Module):
@@ -79,7 +79,9 @@ class BertDenseLayerNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        # In place: the projection's output is a fresh tensor, and a second [num_tokens, hidden]
+        # buffer per block is measurable at prefill sizes.
+        return self.LayerNorm(self.dense(x).add_(residual))
 
 
 class BertAttention(nn.Module):
