@@ -239,6 +239,10 @@ class Scheduler:
     def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
         """A prefill-only request (seed 000 §17): queued like any other, finished at its prefill."""
         req = RequestTable.build_embedding_req(msg, self.embedding_needs_all_tokens)
+        if self.server_args.pp_size > 1:  # the pipeline loop only samples
+            self.requests.state.live[req.rid] = req
+            self.output.finish_now(req, "Prefill-only requests do not run with --pp-size > 1.", 400)
+            return
         self.requests.add(req)
 
     def handle_batch_embedding_request(self, msg: BatchTokenizedEmbeddingReqInput) -> None:
