@@ -101,15 +101,18 @@ class ServerRuntime:
         deadline = time.monotonic() + WARMUP_TIMEOUT_S
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        body = {
+        body: dict[str, object] = {
             "text": "The capital city of France is",
             "sampling_params": {"max_new_tokens": 8, "temperature": 0},
         }
+        route = "/generate"
+        if not self.state.tm.is_generation:  # embedding/classification models cannot generate
+            body, route = {"text": "The capital city of France is"}, "/encode"
         if args.disaggregation_mode != "null":
             # Half of a PD pair warms up alone: the fake bootstrap host moves no KV (as SGLang).
             body.update(bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=0)
         try:
-            req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), headers, method="POST")
+            req = urllib.request.Request(f"{url}{route}", json.dumps(body).encode(), headers, method="POST")
             with urllib.request.urlopen(req, timeout=WARMUP_TIMEOUT_S) as resp:
                 resp.read()
         except Exception as exc:

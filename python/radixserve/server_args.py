@@ -46,6 +46,13 @@ class ServerArgs:
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
     chat_template: str | None = _f(None, "A Jinja chat template file or string overriding the tokenizer's.")
     trust_remote_code: bool = _f(False, "Unused; kept for SGLang command-line compatibility.")
+    is_embedding: bool = _f(
+        False,
+        "Serve the model as an embedding model (/v1/embeddings, /encode) instead of a generation "
+        "model: needed for decoders trained for embeddings (Qwen3-Embedding ships as "
+        "Qwen3ForCausalLM); *ForSequenceClassification and BertModel checkpoints are detected from "
+        "config.json without it.",
+    )
 
     # HTTP server
     host: str = _f("127.0.0.1", "Host to bind the HTTP server to.")
@@ -462,6 +469,8 @@ class ServerArgs:
             )
         if self.disaggregation_bootstrap_timeout <= 0:
             raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
+        if self.disaggregation_mode != "null" and self.is_embedding:
+            raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
         if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.pp_size > 1 or self.dp_size > 1):
             raise ValueError(
                 "--disaggregation-mode runs with --tp-size 1, --pp-size 1 and --dp-size 1 for now (docs/disaggregation.md)"
@@ -509,6 +518,8 @@ class ServerArgs:
             raise ValueError("--speculative-algorithm is not supported with --pp-size > 1")
         if self.disaggregation_mode != "null":
             raise ValueError("--speculative-algorithm is not supported with --disaggregation-mode yet")
+        if self.is_embedding:
+            raise ValueError("--speculative-algorithm applies to generation; drop it with --is-embedding")
 
     def layout(self) -> ParallelLayout:
         from radixserve.distributed.layout import ParallelLayout

@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 from radixserve.entrypoints.rpc_client import RpcClient
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
 from radixserve.managers import io_struct as io
+from radixserve.managers import scoring
 from radixserve.managers.control_client import ControlClient
+from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
 from radixserve.sampling.sampling_params import SamplingParams
@@ -242,6 +244,41 @@ class Engine:
     @property
     def _ctl(self) -> ControlClient:
         return self.tokenizer_manager.control
+
+    # ------------------------------------------------------------------ models that do not generate
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> dict | list[dict]:
+        """Embeddings (or a classifier's logits): {"embedding", "meta_info"}, a list for a batch."""
+        obj = EmbeddingReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            dimensions=dimensions,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        outputs = self._run(scoring.embed(self.tokenizer_manager, obj.items(), dimensions))
+        return outputs[0] if obj.is_single else outputs
+
+    def score(
+        self,
+        query: str | list[int] | None,
+        items: str | list[str] | list[list[int]],
+        label_token_ids: list[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """/v1/score offline: per item, the probabilities of `label_token_ids` as the next token."""
+        coro = scoring.score(self.tokenizer_manager, query, items, label_token_ids, apply_softmax, item_first)
+        return self._run(coro)[0]
+
+    def rerank(self, query: str, documents: list[str], instruct: str | None = None) -> list[float]:
+        """One relevance score per document, in the documents' order (higher is more relevant)."""
+        scored = self._run(scoring.rerank(self.tokenizer_manager, query, documents, instruct))
+        return [s for s, _ in scored]
 
     def shutdown(self) -> None:
         """Stop the children and the loop thread; idempotent."""

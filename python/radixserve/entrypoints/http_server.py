@@ -28,6 +28,7 @@ from starlette.routing import BaseRoute, Match
 
 from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.control_routes import add_control_routes
+from radixserve.entrypoints.embedding_routes import add_embedding_routes
 from radixserve.entrypoints.http_guards import (
     GuardMiddleware,
     allowed_host_names,
@@ -56,6 +57,8 @@ from radixserve.entrypoints.openai.serving_common import (
 )
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
 from radixserve.entrypoints.openapi_spec import AbortRequestBody, install_openapi
+from radixserve.managers import scoring
+from radixserve.managers.embedding_request import make_item
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import (
     ClientDisconnected,
@@ -172,8 +175,11 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
             # One half of a PD pair has no peer for a probe: the fake host moves no KV (as SGLang).
             probe.bootstrap_host, probe.bootstrap_room = FAKE_BOOTSTRAP_HOST, 0
         try:
-            out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
-            raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
+            if tm.is_generation:
+                out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
+                raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
+            else:  # a model that cannot generate is probed with one embedding
+                await asyncio.wait_for(scoring.run(tm, [make_item([0])], None), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, RequestAbortedError) as exc:
             return error_response(503, f"Generation failed: {exc!r}")
         return _text()
@@ -197,7 +203,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         return {
             "model_path": tm.model_path,
             "tokenizer_path": tokenizer_path,
-            "is_generation": True,
+            "is_generation": tm.is_generation,
             "weight_version": tm.weight_version,
         }
 
@@ -323,6 +329,7 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     _add_native_routes(app, state)
     add_control_routes(app, state.tm)
     _add_openai_routes(app, state)
+    add_embedding_routes(app, state)
     install_openapi(app)
     app.state.server = state
     app.state.max_body_bytes = args.max_request_body_bytes

@@ -3,6 +3,8 @@
 Flow (DESIGN.md): TokenizerManager --TokenizedGenerateReqInput / AbortReq / FlushCacheReqInput /
 GetInternalStateReq--> Scheduler --BatchTokenIDOut--> Detokenizer --BatchStrOut--> TokenizerManager;
 the scheduler answers control requests with their *Output message straight to the TokenizerManager.
+Embedding requests (TokenizedEmbeddingReqInput, seed 000 §17) finish at prefill and never stream:
+their vectors go straight back to the TokenizerManager in a BatchEmbeddingOut (nothing to detokenize).
 
 All messages are frozen dataclasses with slots: cheap to build, safe to share between threads, and
 picklable (ZMQ `send_pyobj`). Batch messages are columnar: `rids[i]` and every other list's `[i]`
@@ -56,6 +58,26 @@ class BatchTokenizedGenerateReqInput:
     """Several generation requests sent in one message (e.g. a batched /generate call or n > 1)."""
 
     reqs: list[TokenizedGenerateReqInput]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedEmbeddingReqInput:
+    """One request that finishes at prefill (seed 002 §5.2): an embedding, a classifier's logits,
+    or (with `label_token_ids`) the next-token logprobs of a few tokens after the prompt (/v1/score,
+    yes/no rerankers; these need a generation model's LM head)."""
+
+    rid: str
+    input_text: str  # for logs only
+    input_ids: list[int]
+    token_type_ids: list[int] | None = None  # segment ids of a (query, document) pair (BERT-style)
+    label_token_ids: list[int] | None = None
+    priority: int | None = None
+    received_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTokenizedEmbeddingReqInput:
+    reqs: list[TokenizedEmbeddingReqInput]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +188,27 @@ class BatchTokenIDOut:
     spec_verify_tokens: list[int] | None = None
     spec_draft_token_num: list[int] | None = None
     spec_accept_token_num: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingBatchResult:
+    """The outcome of one prefill-only forward (seed 001 §2.2): one vector per request of the batch
+    (a chunk that is not its request's last one gets an empty list). Nothing is sampled."""
+
+    embeddings: list[list[float]]
+    copy_done: Any | None = None  # kept for symmetry with GenerationBatchResult; None on CPU
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEmbeddingOut:
+    """Scheduler -> TokenizerManager: embedding requests that finished this step (or were refused)."""
+
+    rids: list[str]
+    finished_reasons: list[FinishReasonDict]
+    embeddings: list[list[float] | None]  # None when the request was aborted
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    queue_times: list[float | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

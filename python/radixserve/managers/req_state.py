@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.managers.generate_request import RequestItem
+from radixserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ReqState:
     # Speculative decoding (None when off): (verify forwards, tokens they produced, drafts
     # proposed, drafts accepted), as last reported by the scheduler.
     spec: tuple[int, int, int, int] | None = None
+    embedding: list[float] | None = None  # prefill-only requests: the scheduler's vector
 
     @property
     def rid(self) -> str:
@@ -114,4 +116,40 @@ def _logprob_meta(acc: LogprobAccumulator, token_text: Callable[[int], str] | No
         "input_token_logprobs": [triple(lp, tok) for lp, tok in acc.input_token],
         "output_token_logprobs": [triple(lp, tok) for lp, tok in acc.output_token],
         "output_top_logprobs": [top(t) for t in acc.output_top],
+    }
+
+
+def embedding_item(index: int, rid: str, text: str | None, priority: int | None) -> RequestItem:
+    """The RequestItem a prefill-only request is tracked by (nothing is sampled)."""
+    return RequestItem(
+        index=index,
+        rid=rid,
+        text=text,
+        input_ids=None,
+        sampling_params=SamplingParams(max_new_tokens=0),
+        max_new_tokens_set=True,
+        return_logprob=False,
+        return_text_in_logprobs=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        priority=priority,
+        prompt_index=index,
+        sample_index=0,
+    )
+
+
+def build_embedding_output(state: ReqState) -> dict[str, Any]:
+    """SGLang's /encode output: the vector and meta_info (no text, no output tokens)."""
+    end = state.finished_time or time.perf_counter()
+    return {
+        "embedding": state.embedding,
+        "meta_info": {
+            "id": state.rid,
+            "finish_reason": state.finished_reason,
+            "prompt_tokens": state.prompt_tokens or len(state.input_ids),
+            "completion_tokens": 0,
+            "cached_tokens": state.cached_tokens,
+            "e2e_latency": end - state.created_time,
+        },
+        "index": state.item.index,
     }

@@ -23,11 +23,14 @@ import zmq.asyncio
 
 from radixserve.constrained.validation import prewarm as prewarm_grammar
 from radixserve.managers.control_client import CONTROL_OUTPUT_TYPES, ControlClient
+from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.input_validation import InvalidRequestError, ModelLimits, prepare_items
 from radixserve.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOut,
     BatchStrOut,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
@@ -35,12 +38,13 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
     rid_matches,
 )
 from radixserve.managers.output_applier import apply_batch_str_out
-from radixserve.managers.req_state import ReqState, build_output
+from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.server_args import ServerArgs
 from radixserve.utils.metrics import ServerMetrics
 from radixserve.utils.network import PortArgs, get_zmq_socket
@@ -103,6 +107,10 @@ class TokenizerManager:
         self.max_req_input_len = int(scheduler_info.get("max_req_input_len", self.context_len - 1))
         self.vocab_size = int(scheduler_info.get("vocab_size", len(tokenizer)))
         self.limits = ModelLimits(self.vocab_size, self.context_len, self.max_req_input_len)
+        # Embedding / classification models (seed 000 §17): what they return, as the scheduler
+        # reported it (configs/pooling.py); None for generation models.
+        self.is_generation = bool(scheduler_info.get("is_generation", True))
+        self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
         self.max_total_num_tokens = int(scheduler_info.get("max_total_num_tokens", self.context_len))
         # Every scheduler rank (tp/pp index, node, pid, cores) as rank 0 gathered them at start.
@@ -130,6 +138,7 @@ class TokenizerManager:
         self._dispatch = TypeBasedDispatcher(
             [
                 (BatchStrOut, self._on_batch_str_out),
+                (BatchEmbeddingOut, self._on_batch_embedding_out),
                 (AbortReq, self._on_abort),
                 (FlushCacheReqOutput, self._on_control_output),
                 (GetInternalStateReqOutput, self._on_control_output),
@@ -216,6 +225,11 @@ class TokenizerManager:
     async def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
+        if not self.is_generation:
+            raise InvalidRequestError(
+                "This model is an embedding/classification model and cannot generate: use "
+                "/v1/embeddings, /encode or /classify."
+            )
         items = obj.expand()
         self._check_dp_rank(items)
         if self.server_args.disaggregation_mode == "decode":
@@ -244,6 +258,64 @@ class TokenizerManager:
                 f"routed_dp_rank {routed} is out of range: the server runs {self.dp_size} "
                 f"data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
             )
+
+    # ------------------------------------------------------------------ prefill-only requests
+    async def encode_items(self, items: list[EmbedItem], request: ClientRequest | None = None) -> list[dict]:
+        """Run embedding / classification / label-scoring items to completion; outputs in order.
+
+        Plain embeddings need an embedding model, label scores a generation model (its LM head):
+        the other asks are 400s. An item that fails (queue full, server error) fails the call."""
+        self._raise_if_dead()
+        scoring = [i.label_token_ids is not None for i in items]
+        if any(scoring) and not self.is_generation:
+            raise InvalidRequestError(
+                "Scoring label tokens needs a generation model (its next-token logits); this server "
+                "runs an embedding/classification model."
+            )
+        if not all(scoring) and self.is_generation:
+            raise InvalidRequestError(
+                "This model is a generation model and does not serve embeddings: start the server "
+                "with --is-embedding (decoders trained for embeddings) or serve an embedding model."
+            )
+        tokenized = await self.run_blocking(prepare_embedding_items, self.tokenizer, self.limits, items)
+        self._raise_if_dead()
+        group_event = asyncio.Event()
+        states = [
+            ReqState(embedding_item(i, item.rid, item.text, item.priority), ids, group_event)
+            for i, (item, (ids, _)) in enumerate(zip(items, tokenized))
+        ]
+        if any(s.rid in self.rid_to_state for s in states):
+            raise InvalidRequestError("Duplicate request id.")
+        received = time.time()
+        reqs = [
+            TokenizedEmbeddingReqInput(
+                item.rid, item.text or "", ids, types, item.label_token_ids, item.priority, received
+            )
+            for item, (ids, types) in zip(items, tokenized)
+        ]
+        for state in states:
+            self.rid_to_state[state.rid] = state
+        self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs=reqs))
+        self._update_load_metrics()
+        try:
+            while not all(s.finished for s in states):
+                await self._wait(states, request)
+        finally:
+            self._abort_unfinished(states)
+        return [build_embedding_output(s) for s in states]
+
+    def _on_batch_embedding_out(self, msg: BatchEmbeddingOut) -> None:
+        for i, rid in enumerate(msg.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue
+            state.embedding = msg.embeddings[i]
+            state.prompt_tokens = msg.prompt_tokens[i]
+            state.cached_tokens = msg.cached_tokens[i]
+            if msg.queue_times is not None:
+                state.queue_time = msg.queue_times[i]
+            self._finish(state, msg.finished_reasons[i])
+        self._update_load_metrics()
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:

@@ -80,6 +80,11 @@ class ModelWorkerBatch:
     # [bs] the prompt token right after each request's chunk (-1: the chunk ends the prompt): the
     # chunk's last position predicts it, so its logprob is reported with this chunk (or None).
     extend_logprob_next_token_ids: list[int] | None = None
+    # Prefill-only (embedding) batches: pooled outputs, no sampling (seed 000 §17).
+    is_embedding: bool = False
+    token_type_ids: torch.Tensor | None = None  # [num_tokens] int64 segment ids (BERT-style)
+    # [bs] per request: score these next-token ids at the last position instead of pooling.
+    label_token_ids: list[list[int] | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -137,6 +142,9 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens: list[int] | None = None
     extend_logprob_next_token_ids: list[int] | None = None
+    token_type_ids: torch.Tensor | None = None  # [num_tokens] int64
+    # False for encoder models: every token attends to every token of its request.
+    attn_causal: bool = True
     attn_metadata: Any = field(default=None)
 
     @classmethod
@@ -148,6 +156,7 @@ class ForwardBatch:
         attn_backend: AttentionBackend,
         device: torch.device,
         init_attn_metadata: bool = True,  # False when a CUDA graph replays: its hook fills them
+        attn_causal: bool = True,
     ) -> ForwardBatch:
         seq_lens_cpu = batch.seq_lens.tolist()
         if batch.forward_mode.is_extend():
@@ -175,6 +184,12 @@ class ForwardBatch:
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
             extend_logprob_next_token_ids=batch.extend_logprob_next_token_ids,
+            token_type_ids=(
+                batch.token_type_ids.to(device, non_blocking=True)
+                if batch.token_type_ids is not None
+                else None
+            ),
+            attn_causal=attn_causal,
         )
         if init_attn_metadata:
             attn_backend.init_forward_metadata(fb)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 
 if TYPE_CHECKING:
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
 class LaunchedBatch:
     """A forward already enqueued: its result's host tensors are valid once copy_done fires."""
 
-    batch_result: GenerationBatchResult
+    batch_result: GenerationBatchResult | EmbeddingBatchResult
 
-    def result(self) -> GenerationBatchResult:
+    def result(self) -> GenerationBatchResult | EmbeddingBatchResult:
         return self.batch_result
 
 
@@ -69,6 +70,8 @@ class CudaStreamOverlapExecutor:
         with torch.cuda.stream(self.forward_stream):
             self.forward_stream.wait_stream(self.schedule_stream)
             self.future_map.resolve_future(mwb)
+            if mwb.is_embedding:  # prefill-only: its vectors are already host lists, no token
+                return LaunchedBatch(self.worker.forward_batch_embedding(mwb))
             result = self.worker.forward_batch_generation(mwb)
             self.future_map.store_to_map(future_indices, result.next_token_ids)
             copy_to_cpu(result)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.rank_runtime import RankRuntime
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
@@ -15,6 +16,8 @@ class TpModelWorker:
     def __init__(
         self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
     ) -> None:
+        if not model_config.is_generation and rank is not None and rank.layout.pp_size > 1:
+            raise ValueError("embedding and classification models do not run with --pp-size > 1")
         self.model_runner = ModelRunner(server_args, model_config, rank)
         runner = self.model_runner
         self.model_config = model_config
@@ -31,6 +34,10 @@ class TpModelWorker:
         self.draft = None
         if server_args.speculative_algorithm == "STANDALONE" and server_args.speculative_draft_layers:
             self.draft = LayerSkipDraft(runner, server_args.speculative_draft_layers)
+        self.is_generation = model_config.is_generation
+        self.embedding_config = runner.embedding_config
+        # Encoders attend bidirectionally: a token's KV depends on later tokens, so none is shared.
+        self.is_causal = runner.embedding_config.is_causal
         self.stage_link = None
         if rank is not None and rank.layout.pp_size > 1:
             from radixserve.distributed.pipeline import StageLink
@@ -76,3 +83,7 @@ class TpModelWorker:
             spec_output_ids=spec_output_ids,
             spec_num_accepted=spec_num_accepted,
         )
+
+    def forward_batch_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
+        """Forward a prefill-only batch: one vector per request, nothing sampled."""
+        return self.model_runner.forward_embedding(batch)

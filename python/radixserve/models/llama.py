@@ -45,6 +45,7 @@ STACKED_PARAMS = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_TOP_LEVEL_PREFIXES = ("model.", "lm_head.", "score.")
 
 
 class LlamaAttention(nn.Module):
@@ -193,6 +194,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    # Embedding variants (--is-embedding) and classifiers build no LM head: their checkpoints
+    # (Qwen3-Embedding, *ForSequenceClassification) ship none.
+    has_lm_head = True
 
     def __init__(
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
@@ -205,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position, parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: VocabParallelEmbedding | None
-        if not parallel.is_last_stage:
+        if not parallel.is_last_stage or not self.has_lm_head:
             self.lm_head = None
         elif self.tie_word_embeddings and self.model.embed_tokens is not None:
             self.lm_head = self.model.embed_tokens
@@ -239,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, value in weights:
+            if not name.startswith(_TOP_LEVEL_PREFIXES):
+                name = "model." + name  # embedding checkpoints saved from the bare model (Qwen3-Embedding)
             targets = self.param_targets(name)
             if not targets:
                 continue

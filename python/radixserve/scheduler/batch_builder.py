@@ -151,6 +151,8 @@ class BatchBuilder:
                 break
             if id(req) in self.policy.deprioritized:
                 continue  # in-batch prefix caching: a sibling caches the shared prefix first
+            if adder.can_run_list and req.is_embedding != adder.can_run_list[0].is_embedding:
+                continue  # a batch either samples or pools: the other kind runs in the next one
             req.init_next_round_input(tree)
             if self._num_allocatable(len(adder.can_run_list), num_new) <= 0 and not self._preempt_for(
                 req, adder, need_slot=True
@@ -236,7 +238,7 @@ class BatchBuilder:
         """Mixed chunk (seed 001 §9.3): the running decodes ride along in the prefill forward."""
         st = self.state
         running = st.running_batch
-        if not self.limits.is_mixed_chunk or running.is_empty():
+        if not self.limits.is_mixed_chunk or running.is_empty() or batch.is_embedding:
             return
         if batch.return_logprob or running.return_logprob:
             return

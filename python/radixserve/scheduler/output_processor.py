@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut, EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult
 from radixserve.scheduler.kv_memory import KVMemory
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.req import FinishAbort, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.speculative.verify_batch import release_rejected
 
@@ -61,7 +61,12 @@ class OutputProcessor:
         self._step_reqs: dict[int, Req] = {}  # requests to report this step, in order
 
     # ------------------------------------------------------------------ results
-    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult
+    ) -> None:
+        if isinstance(result, EmbeddingBatchResult):
+            self._process_embedding(batch, result)
+            return
         if result.copy_done is not None:
             # Overlap on CUDA: the tokens are still being copied to the host (seed 001 §5.1).
             result.copy_done.synchronize()
@@ -112,6 +117,22 @@ class OutputProcessor:
                 self.release_if_idle(req)
             elif id(req) not in decoding:
                 self.mem.tree_cache.cache_unfinished_req(req)
+            self.collect(req)
+
+    def _process_embedding(self, batch: ScheduleBatch, result: EmbeddingBatchResult) -> None:
+        """Prefill-only requests finish with their prompt's last chunk (seed 000 §17); their KV
+        goes to the prefix cache like a finished generation's."""
+        for i, req in enumerate(batch.reqs):
+            if self._begin(batch, i, req):
+                continue
+            if req.is_chunked > 0:  # a middle chunk of a last-token-pooled prompt
+                req.is_chunked -= 1
+                continue
+            req.embedding = result.embeddings[i]
+            req.check_finished()  # an abort that arrived meanwhile wins; else length 0
+            if req.times.first_token is None:
+                req.times.first_token = time.monotonic()
+            self.release_if_idle(req)
             self.collect(req)
 
     def _process_decode(
@@ -234,11 +255,28 @@ class OutputProcessor:
             return
         reqs = list(self._step_reqs.values())
         self._step_reqs.clear()
-        self.send_output(self._build_message(reqs, self.report_spec))
+        generated = [r for r in reqs if not r.is_embedding]
+        embedded = [r for r in reqs if r.is_embedding]
+        if generated:
+            self.send_output(self._build_message(generated, self.report_spec))
+        if embedded:
+            self.send_output(self._build_embedding_message(embedded))
         for req in reqs:
             if req.finished():
                 req.times.finished = time.monotonic()
                 self.on_finished(req)
+
+    @staticmethod
+    def _build_embedding_message(reqs: list[Req]) -> BatchEmbeddingOut:
+        aborted = [isinstance(r.finished_reason, FinishAbort) for r in reqs]
+        return BatchEmbeddingOut(
+            rids=[r.rid for r in reqs],
+            finished_reasons=[r.finished_reason.to_json() if r.finished_reason else {} for r in reqs],
+            embeddings=[None if a else r.embedding for r, a in zip(reqs, aborted)],
+            prompt_tokens=[len(r.origin_input_ids) for r in reqs],
+            cached_tokens=[r.cached_tokens for r in reqs],
+            queue_times=[r.times.queue_time for r in reqs],
+        )
 
     @staticmethod
     def _build_message(reqs: list[Req], report_spec: bool = False) -> BatchTokenIDOut:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.scheduler.overlap import ForwardWorker, FutureMap
 
@@ -16,11 +17,17 @@ class ThreadOverlapExecutor:
         self.future_map = future_map
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-forward")
 
-    def launch(self, mwb: ModelWorkerBatch, future_indices: list[int]) -> Future[GenerationBatchResult]:
+    def launch(
+        self, mwb: ModelWorkerBatch, future_indices: list[int]
+    ) -> Future[GenerationBatchResult | EmbeddingBatchResult]:
         return self._executor.submit(self._run, mwb, future_indices)
 
-    def _run(self, mwb: ModelWorkerBatch, future_indices: list[int]) -> GenerationBatchResult:
+    def _run(
+        self, mwb: ModelWorkerBatch, future_indices: list[int]
+    ) -> GenerationBatchResult | EmbeddingBatchResult:
         self.future_map.resolve_future(mwb)
+        if mwb.is_embedding:  # prefill-only: no token for a later batch to read
+            return self.worker.forward_batch_embedding(mwb)
         result = self.worker.forward_batch_generation(mwb)
         self.future_map.store_to_map(future_indices, result.next_token_ids)
         return result

@@ -102,6 +102,10 @@ class Req:
         received_time: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,  # noqa: ANN401 - any HF-style tokenizer with decode()
+        is_embedding: bool = False,
+        token_type_ids: list[int] | None = None,
+        label_token_ids: list[int] | None = None,
+        needs_all_tokens: bool = False,
     ) -> None:
         self.rid = rid
         self.session_id: str | None = None  # set when the request continues a session
@@ -116,6 +120,14 @@ class Req:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.tokenizer = tokenizer
+        # Prefill-only requests (seed 000 §17): they finish when their prompt is computed.
+        self.is_embedding = is_embedding
+        self.token_type_ids = list(token_type_ids) if token_type_ids is not None else None
+        self.label_token_ids = list(label_token_ids) if label_token_ids is not None else None
+        # Mean/CLS pooling reads every prompt token's hidden state in one forward: no cached
+        # prefix (its states are not kept) and no chunking.
+        self.needs_all_tokens = needs_all_tokens
+        self.embedding: list[float] | None = None
         stops = sampling_params.stop or []
         self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
         self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
@@ -186,7 +198,7 @@ class Req:
         self.fill_ids = self.origin_input_ids + self.output_ids
         input_len = len(self.fill_ids)
         # At least one token must be computed: its logits give the next token.
-        max_prefix_len = input_len - 1
+        max_prefix_len = 0 if self.needs_all_tokens else input_len - 1
         if self.return_logprob and self.logprob_start_len >= 0:
             # Prompt logprobs need the logits of every position from logprob_start_len.
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)

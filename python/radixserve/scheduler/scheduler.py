@@ -26,13 +26,16 @@ from radixserve.constrained.grammar_backend import GrammarBackend
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    EmbeddingBatchResult,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     GetLoadReqInput,
     GetLoadReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
 )
@@ -79,6 +82,8 @@ class ModelWorker(Protocol):
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult: ...
 
+    def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult: ...
+
 
 class Scheduler:
     def __init__(
@@ -99,7 +104,14 @@ class Scheduler:
         self.send_output = send_output
         self.device = getattr(worker, "device", "cpu")
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
-        if args.disable_radix_cache:
+        # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
+        # prefix can be shared and the radix cache would only hold KV nobody may reuse.
+        self.is_generation = getattr(worker, "is_generation", True)
+        embedding_config = getattr(worker, "embedding_config", None)
+        self.embedding_needs_all_tokens = (
+            embedding_config is not None and embedding_config.pooling.needs_all_tokens
+        )
+        if args.disable_radix_cache or not getattr(worker, "is_causal", True):
             cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
@@ -157,6 +169,8 @@ class Scheduler:
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
                 (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
+                (TokenizedEmbeddingReqInput, self.handle_embedding_request),
+                (BatchTokenizedEmbeddingReqInput, self.handle_batch_embedding_request),
                 (AbortReq, self.requests.abort),
                 (FlushCacheReqInput, self.flush_cache),
                 (GetInternalStateReq, self.get_internal_state),
@@ -218,6 +232,10 @@ class Scheduler:
             status = HTTPStatus.BAD_REQUEST if error is not None else HTTPStatus.SERVICE_UNAVAILABLE
             self.output.finish_now(req, error or released or "", int(status))
             return
+        if not self.is_generation:  # the TokenizerManager refuses these first; never crash on one
+            self.state.live[req.rid] = req
+            self.output.finish_now(req, "This model is an embedding model and cannot generate.", 400)
+            return
         if self.disagg is not None:
             self.disagg.add_request(msg, req)  # bootstrap first: PrefillBootstrapQueue / DecodePreallocQueue
             return
@@ -234,6 +252,20 @@ class Scheduler:
     def handle_batch_generate_request(self, msg: BatchTokenizedGenerateReqInput) -> None:
         for req in msg.reqs:
             self.handle_generate_request(req)
+
+    def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
+        """A prefill-only request (seed 000 §17): queued like any other, finished at its prefill."""
+        req = RequestTable.build_embedding_req(msg, self.embedding_needs_all_tokens)
+        if self.server_args.pp_size > 1:  # the pipeline loop only samples
+            self.requests.state.live[req.rid] = req
+            self.output.finish_now(req, "Prefill-only requests do not run with --pp-size > 1.", 400)
+            return
+        self.requests.add(req)
+
+    def handle_batch_embedding_request(self, msg: BatchTokenizedEmbeddingReqInput) -> None:
+        logger.debug("Processing batch embedding request with %d requests", len(msg.reqs))
+        for req in msg.reqs:
+            self.handle_embedding_request(req)
 
     # ------------------------------------------------------------------ control requests
     def is_idle(self) -> bool:
@@ -353,12 +385,14 @@ class Scheduler:
             mwb.sampling_info.vocab_mask = self.grammar.vocab_mask(batch.reqs, self.worker.vocab_size)
         return mwb
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        """Synchronous forward (the normal loop)."""
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
+        """Synchronous forward (the normal loop); a prefill-only batch samples nothing."""
         mwb = self.get_model_worker_batch(batch)
         self._mark_launched(batch, None)
         self.control.before_forward()
         with torch.inference_mode():
+            if mwb.is_embedding:
+                return self.worker.forward_batch_embedding(mwb)
             return self.worker.forward_batch_generation(mwb)
 
     def _mark_launched(self, batch: ScheduleBatch, future_indices: list[int] | None) -> None:
@@ -369,7 +403,9 @@ class Scheduler:
             if future_indices is not None:
                 req.pending_future = future_indices[i]
 
-    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult
+    ) -> None:
         self.num_inflight_batches -= 1
         self.output.process_batch_result(batch, result)
 

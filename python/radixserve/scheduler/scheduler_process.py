@@ -163,7 +163,11 @@ def build_scheduler(
     from radixserve.scheduler.scheduler import Scheduler
 
     model_config = ModelConfig.from_path(
-        server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
+        server_args.model_path,
+        server_args.context_length,
+        server_args.dtype,
+        server_args.device,
+        is_embedding=server_args.is_embedding,
     )
     worker = TpModelWorker(server_args, model_config, rank)
     tokenizer = load_tokenizer(server_args)
@@ -176,8 +180,29 @@ def build_scheduler(
         "context_len": model_config.context_len,
         "vocab_size": model_config.vocab_size,
         "pid": os.getpid(),
+        "is_generation": model_config.is_generation,
+        "embedding": embedding_info(model_config),
     }
     return scheduler, info
+
+
+def embedding_info(model_config: Any) -> dict[str, Any] | None:  # noqa: ANN401 - a ModelConfig
+    """What the TokenizerManager needs to know about a model that does not generate."""
+    cfg = model_config.embedding
+    if cfg is None:
+        return None
+    return {
+        "pooling": cfg.pooling.value,
+        "normalize": cfg.normalize,
+        "is_classifier": cfg.is_classifier,
+        "is_causal": cfg.is_causal,
+        "num_labels": cfg.num_labels,
+        "id2label": dict(cfg.id2label),
+        "matryoshka_dimensions": (
+            list(cfg.matryoshka_dimensions) if cfg.matryoshka_dimensions is not None else None
+        ),
+        "hidden_size": model_config.hidden_size,
+    }
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection) -> None:
