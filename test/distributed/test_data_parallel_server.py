@@ -236,10 +236,12 @@ def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir, tmp_p
         print(f"killed replica -> server exit: {took:.1f} s")
         assert server.proc.returncode == 1 and took < 20, took
         assert unhealthy and "scheduler-DP1 died" in log.read_text()
-        # Every request got an answer: 503 (the server failed it) or a closed connection as it
-        # exited; none is still waiting.
+        # Every request got an answer, none is still waiting: 503 (the server failed it), a closed
+        # connection as it exited, or, on a fast machine, a 200 from the surviving replica that
+        # finished first. The killed replica's request (it was busy) cannot have succeeded.
         assert len(results) == 4 and not any(t.is_alive() for t in threads), results
-        assert all(r in (503, "RemoteProtocolError", "ReadError", "ConnectError") for r in results), results
+        ended = (200, 503, "RemoteProtocolError", "ReadError", "ConnectError")
+        assert all(r in ended for r in results) and any(r != 200 for r in results), results
     finally:
         server.stop()
 
