@@ -28,6 +28,8 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     rid_matches,
@@ -104,6 +106,10 @@ class FakeScheduler:
                 "num_received": self.num_received,
             }
             self.to_tm.send_pyobj(GetInternalStateReqOutput(internal_state=state))
+        elif isinstance(msg, GetLoadReqInput):
+            self.to_tm.send_pyobj(
+                GetLoadReqOutput(dp_rank=0, num_reqs=len(self.running), num_waiting_reqs=0, num_tokens=0)
+            )
 
     def embed(self, reqs: list[TokenizedEmbeddingReqInput]) -> None:
         """Prefill-only requests finish at once: a fixed logprob per label (-1.0), or a unit vector."""

@@ -154,6 +154,9 @@ def test_in_flight_requests_finish_on_the_old_weights_or_are_aborted(
     def run(key: str) -> None:
         results[key] = engine.generate(input_ids=PROMPT, sampling_params=long)
 
+    # Each forward sleeps 20 ms: the request is still running when the update arrives, however
+    # fast the machine (120 tiny-model tokens otherwise finish between two polls).
+    engine.slow_down(0.02)
     thread = threading.Thread(target=run, args=("old",))
     thread.start()
     _wait_running(engine)
@@ -168,6 +171,7 @@ def test_in_flight_requests_finish_on_the_old_weights_or_are_aborted(
     _wait_running(engine)
     ok, _ = engine.update_weights_from_disk(ckpts["paths"]["a"], abort_all_requests=True)
     thread.join()
+    engine.slow_down(None)
     assert ok
     meta = results["aborted"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 120
