@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
+# SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
+GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -55,7 +57,16 @@ class ServerArgs:
     )
     enable_metrics: bool = _f(False, "Expose Prometheus metrics at /metrics.")
     log_level: str = _f("info", "Logging level.")
-    log_requests: bool = _f(False, "Log every request's inputs and outputs.")
+    log_requests: bool = _f(
+        False, "Log every request when received and when finished; --log-requests-level sets the detail."
+    )
+    log_requests_level: int = _f(
+        2,
+        "0: metadata (rid, token counts, finish reason, latency); 1: metadata and sampling "
+        "parameters; 2: metadata, sampling parameters and the input/output cut to 2048 characters; "
+        "3: metadata, sampling parameters and the whole input/output.",
+        choices=[0, 1, 2, 3],
+    )
 
     # Device and parallelism
     device: str | None = _f(None, "Device: cpu or cuda; defaults to cuda when available.")
@@ -175,7 +186,13 @@ class ServerArgs:
     )
 
     # Structured output
-    grammar_backend: str = _f("xgrammar", "Grammar backend for constrained decoding.")
+    grammar_backend: str = _f(
+        "xgrammar",
+        "Grammar backend for constrained decoding (json_schema / regex / ebnf): 'xgrammar', or 'none' to "
+        "turn constrained decoding off (such requests are answered 400). SGLang's 'outlines' and "
+        "'llguidance' are not implemented and refused at start, as is xgrammar when not installed.",
+        choices=GRAMMAR_BACKENDS,
+    )
     grammar_compile_timeout: float = _f(300.0, "Seconds before a grammar compilation is given up.")
     tool_call_parser: str | None = _f(
         None,
@@ -239,6 +256,9 @@ class ServerArgs:
             raise ValueError(
                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        _check_grammar_backend(self.grammar_backend)
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
         self.layout().check()  # LayoutError (a ValueError) says which flag to change
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(
@@ -266,10 +286,6 @@ class ServerArgs:
         from radixserve.distributed.layout import ParallelLayout
 
         return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank)
-
-    @property
-    def chunked_prefill_enabled(self) -> bool:
-        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -308,6 +324,26 @@ def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="python -m radixserve.launch_server")
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def _check_grammar_backend(name: str) -> None:
+    """Refuse at start a grammar backend that is unknown, not implemented or not installed (rather
+    than failing every constrained request later)."""
+    if name not in GRAMMAR_BACKENDS:
+        raise ValueError(f"--grammar-backend must be one of {GRAMMAR_BACKENDS}, got {name!r}")
+    if name in ("outlines", "llguidance"):
+        raise ValueError(
+            f"--grammar-backend {name} is not supported by radixserve: use xgrammar, or none to turn "
+            "constrained decoding off"
+        )
+    if name == "xgrammar":
+        import importlib.util
+
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ValueError(
+                "--grammar-backend xgrammar needs the 'xgrammar' package, which is not installed: "
+                "pip install xgrammar, or pass --grammar-backend none to run without constrained decoding"
+            )
 
 
 def _default_attention_backend(device: str) -> str:

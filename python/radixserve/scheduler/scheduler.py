@@ -117,6 +117,9 @@ class Scheduler:
             self.requests.enqueue,
             self.output.finish_now,
             sync,
+            unavailable_reason=constrained.TURNED_OFF
+            if args.grammar_backend == "none"
+            else constrained.NO_TOKENIZER,
         )
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
