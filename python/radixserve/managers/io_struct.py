@@ -134,6 +134,9 @@ class BatchTokenIDOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None  # prompt logprobs, new since last time
     input_token_logprobs_idx: list[list[int]] | None = None
+    # Per new prompt position, its top-k logprobs ([] per position without top_logprobs_num).
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,8 @@ class BatchStrOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None
     input_token_logprobs_idx: list[list[int]] | None = None
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
 
 
 # ------------------------------------------------------------------------------------- dispatching

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
@@ -35,7 +37,9 @@ class TpModelWorker:
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult | None:
         """Forward and sample; on a pipeline stage before the last, forward this stage's layers,
-        hand the states to the next stage and return None (the last stage samples)."""
+        hand the states to the next stage and return None (the last stage samples). With
+        batch.delay_sample_launch only the forward runs: the sample is left to the returned
+        result's delay_sample_func (see GenerationBatchResult)."""
         proxy = None
         if self.stage_link is not None and self.stage_link.prev is not None:
             proxy = self.stage_link.recv_hidden(int(batch.input_ids.shape[0]))
@@ -44,13 +48,24 @@ class TpModelWorker:
             assert self.stage_link is not None
             self.stage_link.send_hidden(out)
             return None
-        sample = self.model_runner.sample(out, fb)
-        return GenerationBatchResult(
-            next_token_ids=sample.next_token_ids,
-            next_token_logprobs=sample.next_token_logprobs,
-            top_logprobs_val=sample.top_logprobs_val,
-            top_logprobs_idx=sample.top_logprobs_idx,
-            input_token_logprobs=out.input_token_logprobs,
-            input_top_logprobs_val=out.input_top_logprobs_val,
-            input_top_logprobs_idx=out.input_top_logprobs_idx,
+        logits_output = out
+        result = GenerationBatchResult(
+            next_token_ids=torch.empty(0, dtype=torch.int64),
+            input_token_logprobs=logits_output.input_token_logprobs,
+            input_top_logprobs_val=logits_output.input_top_logprobs_val,
+            input_top_logprobs_idx=logits_output.input_top_logprobs_idx,
         )
+
+        def sample() -> None:
+            drawn = self.model_runner.sample(logits_output, fb)
+            result.next_token_ids = drawn.next_token_ids
+            result.next_token_logprobs = drawn.next_token_logprobs
+            result.top_logprobs_val = drawn.top_logprobs_val
+            result.top_logprobs_idx = drawn.top_logprobs_idx
+            result.invalid_rows = drawn.invalid_rows
+
+        if batch.delay_sample_launch:
+            result.delay_sample_func = sample
+        else:
+            sample()
+        return result
