@@ -157,6 +157,10 @@ class GrammarManager:
     def has_pending(self) -> bool:
         return bool(self.grammar_queue)
 
+    def queued_reqs(self) -> list[Req]:
+        """Requests waiting for their grammar (they count against --max-queued-requests)."""
+        return [p.req for p in self.grammar_queue]
+
     def wait_for_any(self, timeout_s: float) -> None:
         """Block up to timeout_s for a compilation to finish: with nothing else to do the loop
         would otherwise spin and steal the CPU the compiler threads need."""

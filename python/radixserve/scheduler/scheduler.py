@@ -261,6 +261,7 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         self.grammar.move_ready()
         batch = self.builder.get_next_batch_to_run()
+        self.requests.enforce_queue_cap(self.grammar.queued_reqs())
         if batch is None and self.num_inflight_batches == 0 and self.grammar.has_pending():
             self.grammar.wait_for_any(GRAMMAR_WAIT_S)
         return batch
