@@ -60,6 +60,7 @@ class FakeWorker:
         self.num_forwards = 0
         self.unwritten_reads = 0
         self.forward_modes: list[str] = []
+        self.batch_sizes: list[int] = []  # requests per forward, with forward_modes
         self.thread_ids: set[int] = set()
         self.favourites = favourites
         self.nan_at_seq_len = nan_at_seq_len
@@ -69,6 +70,7 @@ class FakeWorker:
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         self.num_forwards += 1
         self.forward_modes.append(mwb.forward_mode.name)
+        self.batch_sizes.append(mwb.batch_size)
         self.thread_ids.add(threading.get_ident())
         ids = mwb.input_ids  # [num_tokens]
         assert bool((ids >= 0).all()), f"unresolved future token in input_ids: {ids.tolist()}"
