@@ -9,12 +9,14 @@ from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
+from radixserve.utils.process import bound_onednn_caches
 
 
 class TpModelWorker:
     def __init__(
         self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
     ) -> None:
+        bound_onednn_caches()  # before the first oneDNN primitive (the weight prepack)
         self.model_runner = ModelRunner(server_args, model_config, rank)
         runner = self.model_runner
         self.model_config = model_config

@@ -46,6 +46,7 @@ from radixserve.scheduler.req import Req
 from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.server_args import ServerArgs
+from radixserve.utils.process import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class Scheduler:
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
+        self.busy_since_trim = False  # a batch ran since the heap was last trimmed
 
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
@@ -206,6 +208,7 @@ class Scheduler:
         self.mem.flush()
         self.state.new_token_ratio = self.init_new_token_ratio
         self.output.stats.cache_hit_tokens = self.output.stats.cache_query_tokens = 0
+        release_free_memory()
         logger.info("Cache flushed successfully.")
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
 
@@ -249,13 +252,17 @@ class Scheduler:
         return self.mem.check_leak()
 
     def self_check_during_idle(self) -> None:
-        """When idle, verify no KV slot or row leaked and re-init the admission ratio."""
+        """When idle, verify no KV slot or row leaked, re-init the admission ratio and, once per
+        idle period, return the heap memory the busy period freed to the OS."""
         if not self.is_idle():
             return
         problem = self.mem.check_leak()
         if problem is not None:
             logger.error("KV MEMORY LEAK DETECTED while idle: %s", problem)
         self.state.new_token_ratio = self.init_new_token_ratio
+        if self.busy_since_trim:
+            self.busy_since_trim = False
+            release_free_memory()
 
     # ------------------------------------------------------------------ running batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
@@ -303,6 +310,7 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         self.num_inflight_batches -= 1
+        self.busy_since_trim = True
         self.output.process_batch_result(batch, result)
 
     def is_disable_overlap_for_batch(self, batch: ScheduleBatch | None) -> bool:
