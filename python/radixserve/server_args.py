@@ -118,7 +118,10 @@ class ServerArgs:
     max_total_tokens: int | None = _f(None, "Size of the KV pool in tokens; computed from memory when unset.")
     max_running_requests: int | None = _f(None, "Most requests decoding at once.")
     max_queued_requests: int | None = _f(
-        None, "Most requests waiting; beyond it requests are rejected (503)."
+        None,
+        "Most requests left waiting (in the waiting queue, or compiling their grammar) once each "
+        "step's batch is built; that step's arrivals beyond it are refused (503), lowest priority "
+        "then newest first. Requests the step admits do not count.",
     )
     max_prefill_tokens: int = _f(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _f(None, "Chunk size for long prompts; -1 disables chunking.")
