@@ -156,16 +156,19 @@ def test_non_finite_sampling_values_are_refused_and_the_engine_serves_on(tiny_en
 
 
 def test_extreme_repetition_penalty_is_served(tiny_engine: Engine) -> None:
-    """repetition_penalty 1e-40 is valid ((0, 2]) but overflowed a logit to +inf (NaN softmax, a
-    token id == vocab, then the scheduler died on it); now it generates, and so does the next one."""
+    """Issue 22: repetition_penalty 1e-30 overflowed a logit to +inf (NaN softmax, a token id ==
+    vocab, then the scheduler died on it). Values below 0.01 are refused; the smallest accepted
+    one generates valid ids, and the next request is served."""
     prompt = [9, 10, 11, 9, 10, 11]
+    with pytest.raises(ValueError, match="repetition_penalty must be in"):
+        tiny_engine.generate(input_ids=prompt, sampling_params={**GREEDY, "repetition_penalty": 1e-40})
     for params in (
         {"temperature": 0.8, "seed": 7},
         {"temperature": 0},
         {"temperature": 0.5, "top_p": 0.9, "top_k": 20},
     ):
         out = tiny_engine.generate(
-            input_ids=prompt, sampling_params={**GREEDY, **params, "repetition_penalty": 1e-40}
+            input_ids=prompt, sampling_params={**GREEDY, **params, "repetition_penalty": 0.01}
         )
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}, params
         assert all(0 <= t < TINY_VOCAB for t in out["output_ids"])

@@ -44,9 +44,11 @@ def test_non_finite_sampling_params_fail_only_their_request(make_harness, overla
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_tiny_repetition_penalty_keeps_logits_finite(make_harness, overlap):
-    """repetition_penalty 1e-40 is inside the documented (0, 2] but divides a positive logit past
-    float32's range: +inf made the softmax NaN and the draw land on id == vocab, which crashed the
-    penalty update (seen_mask.scatter_) and then the embedding. Capped logits keep it a valid draw."""
+    """repetition_penalty 1e-40 divides a positive logit past float32's range: +inf made the
+    softmax NaN and the draw land on id == vocab, which crashed the penalty update
+    (seen_mask.scatter_) and then the embedding. verify() now refuses values below 0.01; the
+    scheduler must survive such a value anyway (it never validates), and capped logits keep it a
+    valid draw."""
     worker = FakeWorker(favourites=FAVOURITES)
     h = make_harness(worker=worker, disable_overlap_schedule=not overlap)
     h.submit("rp", PROMPT, 16, temperature=0.7, seed=3, repetition_penalty=1e-40)
