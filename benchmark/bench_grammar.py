@@ -95,32 +95,43 @@ MIXES = {
 def bench_decode(
     model: str, batch: int, max_new_tokens: int, loops: list[str], mixes: list[str], repeats: int
 ) -> None:
-    """Decode of `batch` requests per mix and loop: one untimed pass of every mix first (it warms
-    the grammar cache and every batch shape the runs go through), then the best of `repeats` timed
-    runs (the least disturbed by other load on the machine). In the overlap loop a batch with
-    grammars or penalties samples delayed (its forward overlaps with processing the previous
-    batch); before delayed sampling it ran without any overlap."""
-    print(f"\ndecode: batch {batch}, {max_new_tokens} new tokens, best of {repeats}")
-    print("| loop | mix (grammar, penalty) | tokens | seconds | tokens/s |")
-    print("|---|---|---|---|---|")
-    for loop in loops:
-        sched = InProcessScheduler(
+    """Decode of `batch` requests per mix and loop: one untimed pass of every mix in every loop
+    first (it warms the grammar cache and every batch shape the runs go through), then `repeats`
+    rounds, each running every (loop, mix) once in turn, so drifting load from other processes
+    hits every row alike; the best run of each row counts (the least disturbed). In the overlap
+    loop a batch with grammars or penalties samples delayed (its forward overlaps with processing
+    the previous batch); before delayed sampling it ran without any overlap."""
+    print(f"\ndecode: batch {batch}, {max_new_tokens} new tokens, best of {repeats} interleaved rounds")
+    scheds = {
+        loop: InProcessScheduler(
             model,
             max_total_tokens=16384,
             max_running_requests=batch,
             disable_overlap_schedule=loop == "normal",
         )
+        for loop in loops
+    }
+    runs: dict[tuple[str, str], list[tuple[int, float]]] = {
+        (loop, mix): [] for loop in loops for mix in mixes
+    }
+    for round_ in range(repeats + 1):  # round 0 warms up
         for mix in mixes:
-            _run_mix(sched, mix, batch, max_new_tokens)  # warm-up
-        for mix in mixes:
-            runs = [_run_mix(sched, mix, batch, max_new_tokens) for _ in range(repeats)]
-            tokens, elapsed = min(runs, key=lambda r: r[1])
-            grammar_share, penalty_share = MIXES[mix]
-            shares = f"{int(grammar_share * 100)}%, {int(penalty_share * 100)}%"
+            for loop, sched in scheds.items():
+                run = _run_mix(sched, mix, batch, max_new_tokens)
+                if round_:
+                    runs[(loop, mix)].append(run)
+    print("| mix (grammar, penalty) | loop | tokens | best (s) | tokens/s | median (s) |")
+    print("|---|---|---|---|---|---|")
+    for mix in mixes:
+        grammar_share, penalty_share = MIXES[mix]
+        shares = f"{int(grammar_share * 100)}%, {int(penalty_share * 100)}%"
+        for loop in loops:
+            tokens, best = min(runs[(loop, mix)], key=lambda r: r[1])
+            median = sorted(r[1] for r in runs[(loop, mix)])[len(runs[(loop, mix)]) // 2]
             print(
-                f"| {loop} | {mix} ({shares}) | {tokens} | {elapsed:.2f} | {tokens / elapsed:.1f} |",
-                flush=True,
+                f"| {mix} ({shares}) | {loop} | {tokens} | {best:.2f} | {tokens / best:.1f} | {median:.2f} |"
             )
+    for sched in scheds.values():
         sched.close()
 
 
@@ -152,7 +163,9 @@ def main() -> None:
     parser.add_argument("--loops", default="overlap", help="comma-separated: normal, overlap")
     parser.add_argument("--mixes", default="free,json50", help=f"comma-separated, of {', '.join(MIXES)}")
     parser.add_argument("--decode-only", action="store_true", help="skip the per-step mask timings")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per mix (the best counts)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed rounds (the best run of each row counts)"
+    )
     args = parser.parse_args()
     model = args.model
     if model is None:

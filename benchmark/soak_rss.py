@@ -12,10 +12,13 @@ so their lengths (prefill shapes) vary as in real traffic.
     python benchmark/soak_rss.py --model /path/to/model --duration 120 --concurrency 6
     python benchmark/soak_rss.py --url http://127.0.0.1:30000 --duration 60
 
-The report gives each process's RSS at start (after warm-up), at the end, after the flush, and the
-growth rate (least-squares slope over the second half of the run) per minute and per 1000
-completed requests (comparable between runs on a machine whose speed varies): a leak keeps a
-positive slope however long the run, a cache that fills up levels off.
+The report gives, for each process, its RSS and its anonymous RSS ("anon": private heap and
+tensors, Linux's RssAnon) at start (after warm-up), at the end, after the flush, and the growth
+rate (least-squares slope over the second half of the run) per minute and per 1000 completed
+requests (comparable between runs on a machine whose speed varies): a leak keeps a positive slope
+however long the run, a cache that fills up levels off. RSS also counts shared file pages (torch's
+libraries, ~100 MiB), which the kernel drops and reloads under memory pressure from other
+processes; anon does not move with them, so judge growth by anon.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ MIB = 1 << 20
 class Sample:
     t: float  # seconds since the load started
     rss: dict[str, float]  # process label -> RSS in MiB
+    anon: dict[str, float]  # process label -> anonymous RSS in MiB (no shared file pages)
     done: int = 0  # requests completed (ok or not) so far
 
 
@@ -73,24 +77,39 @@ def server_processes(root_pid: int) -> dict[str, psutil.Process]:
     return {"http": root, **dict(zip(names, spawned))}
 
 
+def anon_rss(proc: psutil.Process) -> float:
+    """Anonymous resident memory in MiB: RssAnon on Linux, else RSS minus shared pages."""
+    try:
+        with open(f"/proc/{proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    info = proc.memory_info()
+    return (info.rss - getattr(info, "shared", 0)) / MIB
+
+
 def sample_rss(procs: dict[str, psutil.Process], t: float, done: int) -> Sample:
-    rss = {}
+    rss, anon = {}, {}
     for name, proc in procs.items():
         try:
             rss[name] = proc.memory_info().rss / MIB
+            anon[name] = anon_rss(proc)
         except psutil.Error:
-            rss[name] = float("nan")
-    return Sample(t, rss, done)
+            rss[name] = anon[name] = float("nan")
+    return Sample(t, rss, anon, done)
 
 
-def second_half_slope(samples: list[Sample], name: str, per_request: bool) -> float:
-    """Least-squares slope of RSS over the second half of the samples: MiB per minute, or MiB per
-    1000 completed requests (comparable across runs on a machine whose speed varies)."""
+def second_half_slope(samples: list[Sample], name: str, per_request: bool, metric: str = "rss") -> float:
+    """Least-squares slope of `metric` (rss or anon) over the second half of the samples: MiB per
+    minute, or MiB per 1000 completed requests (comparable across runs on a machine whose speed
+    varies)."""
     half = samples[len(samples) // 2 :]
     if len(half) < 2:
         return float("nan")
     xs = [s.done / 1000 if per_request else s.t / 60 for s in half]
-    ys = [s.rss[name] for s in half]
+    ys = [getattr(s, metric)[name] for s in half]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else float("nan")
@@ -305,15 +324,12 @@ def main() -> None:
         samples = [sample_rss(procs, 0.0, 0)]
         for t in threads:
             t.start()
-        print(f"{'t (s)':>7} {'requests':>8} " + " ".join(f"{name:>12}" for name in procs), flush=True)
-        print(f"{0:7.0f} {0:8d} " + " ".join(f"{samples[0].rss[n]:12.1f}" for n in procs), flush=True)
+        print(f"{'t (s)':>7} {'requests':>8} " + " ".join(f"{name + ' rss/anon':>22}" for name in procs))
+        print_sample(samples[0], procs)
         while time.monotonic() - start < args.duration:
             time.sleep(args.interval)
             samples.append(sample_rss(procs, time.monotonic() - start, stats.total()))
-            last = samples[-1]
-            print(
-                f"{last.t:7.0f} {last.done:8d} " + " ".join(f"{last.rss[n]:12.1f}" for n in procs), flush=True
-            )
+            print_sample(samples[-1], procs)
         stop.set()
         for t in threads:
             t.join(timeout=120)
@@ -328,8 +344,11 @@ def main() -> None:
             with open(args.json_path, "w") as f:
                 json.dump(
                     {
-                        "samples": [{"t": s.t, "done": s.done, "rss_mib": s.rss} for s in samples],
+                        "samples": [
+                            {"t": s.t, "done": s.done, "rss_mib": s.rss, "anon_mib": s.anon} for s in samples
+                        ],
                         "after_flush": after_flush.rss,
+                        "after_flush_anon": after_flush.anon,
                         "requests": stats.counts,
                         "errors": stats.errors,
                     },
@@ -345,6 +364,11 @@ def main() -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+def print_sample(s: Sample, procs: dict[str, psutil.Process]) -> None:
+    cells = " ".join(f"{f'{s.rss[n]:.1f}/{s.anon[n]:.1f}':>22}" for n in procs)
+    print(f"{s.t:7.0f} {s.done:8d} {cells}", flush=True)
+
+
 def report(samples: list[Sample], after_flush: Sample, stats: LoadStats, flush_status: int) -> None:
     total = sum(stats.counts.values())
     print(
@@ -352,16 +376,18 @@ def report(samples: list[Sample], after_flush: Sample, stats: LoadStats, flush_s
     )
     print(f"/flush_cache: HTTP {flush_status}")
     print(
-        "| process | RSS start (MiB) | RSS end (MiB) | after flush (MiB) | "
+        "| process | memory | start (MiB) | end (MiB) | after flush (MiB) | "
         "growth 2nd half (MiB/min) | growth 2nd half (MiB / 1000 requests) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name in samples[0].rss:
-        print(
-            f"| {name} | {samples[0].rss[name]:.1f} | {samples[-1].rss[name]:.1f} | "
-            f"{after_flush.rss[name]:.1f} | {second_half_slope(samples, name, False):+.2f} | "
-            f"{second_half_slope(samples, name, True):+.1f} |"
-        )
+        for metric in ("rss", "anon"):
+            first, last, flushed = (getattr(s, metric)[name] for s in (samples[0], samples[-1], after_flush))
+            print(
+                f"| {name} | {metric} | {first:.1f} | {last:.1f} | {flushed:.1f} | "
+                f"{second_half_slope(samples, name, False, metric):+.2f} | "
+                f"{second_half_slope(samples, name, True, metric):+.1f} |"
+            )
 
 
 if __name__ == "__main__":
