@@ -133,3 +133,29 @@ def test_consecutive_prefills_process_the_first_before_launching_the_second(make
         "process EXTEND",
     ]
     h.run_until_idle()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_heap_is_trimmed_once_per_idle_period_and_on_flush(make_harness, monkeypatch, overlap):
+    """Issue 23: freed tensor memory stayed in glibc's arenas and /flush_cache released nothing.
+    The scheduler hands it back (malloc_trim) once when it goes idle after work, and on a flush;
+    idle steps with nothing run in between do not trim again."""
+    import radixserve.scheduler.scheduler as scheduler_module
+
+    trims: list[int] = []
+    monkeypatch.setattr(scheduler_module, "release_free_memory", lambda: trims.append(1))
+    h = make_harness(disable_overlap_schedule=not overlap)
+    h.step()
+    h.step()
+    assert trims == []  # idle from the start: nothing ran, nothing to trim
+    h.submit("a", [1, 2, 3], 4)
+    h.run_until_idle()
+    assert len(trims) == 1
+    for _ in range(3):
+        h.step()
+    assert len(trims) == 1
+    h.step([FlushCacheReqInput()])
+    assert len(trims) == 2
+    h.submit("b", [4, 5, 6], 4)
+    h.run_until_idle()
+    assert len(trims) == 3
