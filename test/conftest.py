@@ -20,3 +20,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
         return made[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_embedding_dir('bert') -> a tiny embedding/classifier/reranker checkpoint."""
+    from radixserve.testing.tiny_embedding_models import make_tiny_embedding_model
+
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(make_tiny_embedding_model(kind, tmp_path_factory.mktemp(f"tiny_emb_{kind}")))
+        return made[kind]
+
+    return get

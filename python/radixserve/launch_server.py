@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
+from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 READY_LINE = "The server is fired up and ready to roll!"
 GRACEFUL_SHUTDOWN_S = 30
 DEATH_GRACE_S = 1.0  # /health reports 503 this long before the server begins to exit
-DEATH_HARD_EXIT_S = 4.0  # then exit no matter what in-flight work remains
+DEATH_HARD_EXIT_S = 3.0  # then exit no matter what in-flight work remains (all within 5 s)
 WARMUP_TIMEOUT_S = 600.0
 
 
@@ -86,7 +87,7 @@ class ServerRuntime:
 
     def _hard_exit(self) -> None:
         logger.error("Exiting after a child process died")
-        self.children.terminate(timeout=0.5)
+        self.children.terminate(timeout=0.2)  # they also get SIGKILL when we exit (PDEATHSIG)
         self.port_args.cleanup()
         os._exit(1)
 
@@ -100,12 +101,18 @@ class ServerRuntime:
         deadline = time.monotonic() + WARMUP_TIMEOUT_S
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        body = {
+        body: dict[str, object] = {
             "text": "The capital city of France is",
             "sampling_params": {"max_new_tokens": 8, "temperature": 0},
         }
+        route = "/generate"
+        if not self.state.tm.is_generation:  # embedding/classification models cannot generate
+            body, route = {"text": "The capital city of France is"}, "/encode"
+        if args.disaggregation_mode != "null":
+            # Half of a PD pair warms up alone: the fake bootstrap host moves no KV (as SGLang).
+            body.update(bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=0)
         try:
-            req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), headers, method="POST")
+            req = urllib.request.Request(f"{url}{route}", json.dumps(body).encode(), headers, method="POST")
             with urllib.request.urlopen(req, timeout=WARMUP_TIMEOUT_S) as resp:
                 resp.read()
         except Exception as exc:
@@ -125,9 +132,15 @@ class ServerRuntime:
         try:
             self.server.run()
         finally:
-            self.children.terminate()
+            # After a child died, the others are not worth waiting for (they may be blocked on it).
+            self.children.terminate(timeout=0.5 if self.state.dead else 3.0)
             self.port_args.cleanup()
-        return 1 if self.state.dead else 0
+        if self.state.dead:
+            # Children stopped, sockets removed, logs flushed: skip the interpreter's teardown
+            # (seconds on a loaded machine, and the hard-exit timer would wait for it anyway).
+            logging.shutdown()
+            os._exit(1)
+        return 0
 
 
 def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None) -> None:

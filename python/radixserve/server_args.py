@@ -23,6 +23,12 @@ RADIX_EVICTION_POLICIES = ("lru", "lfu")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
+# The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -42,6 +48,13 @@ class ServerArgs:
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
     chat_template: str | None = _f(None, "A Jinja chat template file or string overriding the tokenizer's.")
     trust_remote_code: bool = _f(False, "Unused; kept for SGLang command-line compatibility.")
+    is_embedding: bool = _f(
+        False,
+        "Serve the model as an embedding model (/v1/embeddings, /encode) instead of a generation "
+        "model: needed for decoders trained for embeddings (Qwen3-Embedding ships as "
+        "Qwen3ForCausalLM); *ForSequenceClassification and BertModel checkpoints are detected from "
+        "config.json without it.",
+    )
 
     # HTTP server
     host: str = _f("127.0.0.1", "Host to bind the HTTP server to.")
@@ -81,6 +94,37 @@ class ServerArgs:
         "Pipeline-parallel size: stages that each hold a contiguous block of layers; hidden states "
         "pass from stage to stage and micro-batches keep every stage busy.",
         aliases=("--pp", "--pipeline-parallel-size"),
+    )
+    dp_size: int = _f(
+        1,
+        "Data-parallel size: replicas of the whole model (each a full tp_size x pp_size group with "
+        "its own KV cache) behind one HTTP server; a DataParallelController dispatches requests "
+        "(docs/deploy.md).",
+        aliases=("--dp", "--data-parallel-size"),
+    )
+    load_balance_method: str = _f(
+        "round_robin",
+        "How the DataParallelController picks a replica: round_robin, shortest_queue (fewest running "
+        "+ waiting requests), minimum_tokens (fewest tokens in KV and queue) or cache_aware (the "
+        "SGLang Model Gateway's policy: longest cached prefix while the load is balanced).",
+        choices=LOAD_BALANCE_METHODS,
+    )
+    dp_cache_threshold: float = _f(
+        0.3,
+        "cache_aware: a replica that was sent at least this fraction of a prompt's prefix gets it "
+        "(the Gateway's --cache-threshold).",
+    )
+    dp_balance_abs_threshold: int = _f(
+        64,
+        "cache_aware: the load is imbalanced (least loaded replica wins) when the busiest replica has "
+        "more than this many requests over the idlest (the Gateway's --balance-abs-threshold) ...",
+    )
+    dp_balance_rel_threshold: float = _f(
+        1.5,
+        "... and more than this many times its requests (the Gateway's --balance-rel-threshold).",
+    )
+    load_watch_interval: float = _f(
+        0.1, "Seconds between two load reports of a replica to the DataParallelController (while it changes)."
     )
     pp_max_micro_batch_size: int | None = _f(
         None, "Most requests in one pipeline micro-batch; default max(max_running_requests // pp_size, 1)."
@@ -148,6 +192,16 @@ class ServerArgs:
     )
     prefill_max_requests: int | None = _f(None, "Most requests admitted in one prefill batch.")
     waiting_timeout: float | None = _f(None, "Abort requests waiting longer than this many seconds.")
+    watchdog_timeout: float = _f(
+        300.0,
+        "Seconds a scheduler may spend in one step (a forward) while it has work before its watchdog "
+        "logs every thread's stack and ends the process; the server then reports unhealthy and exits.",
+    )
+    weight_version: str = _f(
+        "default",
+        "Version label of the loaded weights, reported in /get_model_info and each response's "
+        "meta_info; weight updates may set a new one.",
+    )
     running_timeout: float | None = _f(None, "Abort requests running longer than this many seconds.")
 
     # Kernels
@@ -188,6 +242,57 @@ class ServerArgs:
         "size, and larger batches run eagerly.",
     )
 
+    # Speculative decoding (docs/speculative_decoding.md)
+    speculative_algorithm: str | None = _f(
+        None,
+        "Speculative decoding: NGRAM drafts from n-grams of each request's own prompt and output (no "
+        "draft model); STANDALONE drafts with a draft model (here: the target's first "
+        "--speculative-draft-layers layers, self-speculation). EAGLE / EAGLE3 and separate draft "
+        "models are refused at start: not implemented yet.",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model_path: str | None = _f(
+        None, "Draft model folder (STANDALONE / EAGLE). Not implemented yet: refused at start."
+    )
+    speculative_draft_layers: int | None = _f(
+        None,
+        "STANDALONE without a draft model path: the draft is the target's own first N layers with "
+        "its final norm and LM head (self-speculation; shares the target's KV pool).",
+    )
+    speculative_num_steps: int | None = _f(
+        None, "Draft steps per round (draft-model algorithms). NGRAM: num_draft_tokens - 1."
+    )
+    speculative_eagle_topk: int | None = _f(
+        None, "Branching factor of the draft tree. Only 1 (a chain) is implemented; default 1."
+    )
+    speculative_num_draft_tokens: int | None = _f(
+        None,
+        "Tokens per request in one verify forward: the last accepted token plus up to this many "
+        "minus one drafted ones. Default: --speculative-num-steps + 1 when set; else NGRAM: 8 on CPU, "
+        "--speculative-ngram-max-match-window-size on CUDA; STANDALONE: 4.",
+    )
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "NGRAM: shortest suffix of the context that must match an earlier n-gram to draft."
+    )
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "NGRAM: longest suffix of the context tried first when matching."
+    )
+    speculative_ngram_min_bfs_breadth: int = _f(1, "NGRAM: accepted for SGLang compatibility (tree drafts).")
+    speculative_ngram_max_bfs_breadth: int = _f(10, "NGRAM: accepted for SGLang compatibility (tree drafts).")
+    speculative_ngram_match_type: str = _f(
+        "BFS",
+        "NGRAM: how the continuation is chosen among earlier ones. Both follow the most frequent "
+        "continuation (ties: the most recent) since only chains are drafted.",
+        choices=NGRAM_MATCH_TYPES,
+    )
+    speculative_ngram_branch_length: int = _f(
+        18, "NGRAM: longest n-gram stored in a request's trie (its depth)."
+    )
+    speculative_ngram_capacity: int = _f(
+        10 * 1000 * 1000,
+        "NGRAM: most trie nodes per request; past it new n-grams are no longer stored.",
+    )
+
     # Structured output
     grammar_backend: str = _f(
         "xgrammar",
@@ -211,6 +316,28 @@ class ServerArgs:
         choices=["qwen3", "deepseek-r1"],
     )
 
+    # Prefill/decode disaggregation (docs/disaggregation.md)
+    disaggregation_mode: str = _f(
+        "null",
+        "'prefill' or 'decode' to run one half of a disaggregated pair (a load balancer such as "
+        "sglang-router --pd-disaggregation sends each request to both); 'null' serves both phases.",
+        choices=DISAGGREGATION_MODES,
+    )
+    disaggregation_bootstrap_port: int = _f(
+        8998, "Prefill server: port of its bootstrap server, where decode servers look up its KV sender."
+    )
+    disaggregation_transfer_backend: str = _f(
+        "tcp",
+        "How KV moves from prefill to decode: 'tcp' (built in: ZMQ over TCP, CPU or GPU, across "
+        "machines) or 'fake' (moves nothing: warm-up and health probes only).",
+        choices=DISAGGREGATION_TRANSFER_BACKENDS,
+    )
+    disaggregation_bootstrap_timeout: float = _f(
+        300.0,
+        "Seconds a disaggregated request may wait for its peer (to bootstrap, then to deliver or "
+        "acknowledge its KV) before it fails with an error and its KV is freed.",
+    )
+
     def resolve(self) -> ServerArgs:
         """Decide every automatic value once; the result is frozen and passed to constructors."""
         import torch
@@ -228,6 +355,8 @@ class ServerArgs:
             updates["mem_fraction_static"] = 0.85
         if self.cpu_threads is None and device == "cpu":
             updates["cpu_threads"] = os.cpu_count() or 1
+        if self.speculative_algorithm is not None:
+            updates.update(self._speculative_updates(device))
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
@@ -239,11 +368,51 @@ class ServerArgs:
             resolved.page_size,
             not resolved.disable_overlap_schedule,
         )
+        if resolved.speculative_algorithm is not None:
+            logger.info(
+                "Speculative decoding: algorithm=%s num_draft_tokens=%d eagle_topk=%d "
+                "ngram_match_window=%d..%d ngram_branch_length=%d (overlap loop and mixed chunk off)",
+                resolved.speculative_algorithm,
+                resolved.speculative_num_draft_tokens,
+                resolved.speculative_eagle_topk,
+                resolved.speculative_ngram_min_match_window_size,
+                resolved.speculative_ngram_max_match_window_size,
+                resolved.speculative_ngram_branch_length,
+            )
         return resolved
+
+    def _speculative_updates(self, device: str) -> dict[str, Any]:
+        """Speculation's defaults. The verify forward runs in the normal loop only (SGLang also turns
+        the overlap loop off for NGRAM), and a verify batch cannot carry a prefill chunk."""
+        if self.enable_overlap_schedule:
+            raise ValueError(
+                "--speculative-algorithm does not run with the overlap loop: the next step's drafts "
+                "depend on how many tokens this step accepted, which the overlap loop does not know "
+                "when it builds the next batch. Drop --enable-overlap-schedule."
+            )
+        updates: dict[str, Any] = {"disable_overlap_schedule": True, "enable_mixed_chunk": False}
+        if self.speculative_eagle_topk is None:
+            updates["speculative_eagle_topk"] = 1
+        if self.speculative_num_draft_tokens is None:
+            # A CPU verify forward costs more per extra token than a GPU one, so fewer drafts than
+            # SGLang's 12 (not tuned by a sweep: docs/speculative_decoding.md).
+            if self.speculative_num_steps is not None:
+                updates["speculative_num_draft_tokens"] = self.speculative_num_steps + 1
+            elif self.speculative_algorithm == "STANDALONE":
+                updates["speculative_num_draft_tokens"] = 4  # SGLang's choice for STANDALONE: 3 steps
+            elif device == "cpu":
+                updates["speculative_num_draft_tokens"] = 8
+            else:
+                updates["speculative_num_draft_tokens"] = self.speculative_ngram_max_match_window_size
+        num_draft = updates.get("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
+        updates["speculative_num_steps"] = num_draft - 1
+        return updates
 
     def validate(self) -> None:
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
             raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -262,6 +431,7 @@ class ServerArgs:
         _check_grammar_backend(self.grammar_backend)
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
+        self._validate_speculative()
         self.layout().check()  # LayoutError (a ValueError) says which flag to change
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(
@@ -269,6 +439,8 @@ class ServerArgs:
             )
         if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        self._validate_dp()
+        self._validate_disaggregation()
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError("--pp-max-micro-batch-size must be >= 1")
         if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:
@@ -285,10 +457,97 @@ class ServerArgs:
                 f"({self.page_size}), or -1 to disable chunking"
             )
 
+    def _validate_dp(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}"
+            )
+        if not 0.0 <= self.dp_cache_threshold <= 1.0:
+            raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {self.dp_cache_threshold}")
+        if self.dp_balance_abs_threshold < 0 or self.dp_balance_rel_threshold < 1.0:
+            raise ValueError("--dp-balance-abs-threshold must be >= 0 and --dp-balance-rel-threshold >= 1")
+        if self.load_watch_interval <= 0:
+            raise ValueError(f"--load-watch-interval must be > 0, got {self.load_watch_interval}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError(
+                "--dp-size > 1 runs its replicas on one machine; across machines run one server per "
+                "machine behind the SGLang Model Gateway (docs/deploy.md)"
+            )
+
+    def _validate_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"--disaggregation-mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend not in DISAGGREGATION_TRANSFER_BACKENDS:
+            raise ValueError(
+                f"--disaggregation-transfer-backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "
+                f"got {self.disaggregation_transfer_backend!r}"
+            )
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(
+                f"--disaggregation-bootstrap-port must be a TCP port, got {self.disaggregation_bootstrap_port}"
+            )
+        if self.disaggregation_bootstrap_timeout <= 0:
+            raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
+        if self.disaggregation_mode != "null" and self.is_embedding:
+            raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
+        if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.pp_size > 1 or self.dp_size > 1):
+            raise ValueError(
+                "--disaggregation-mode runs with --tp-size 1, --pp-size 1 and --dp-size 1 for now (docs/disaggregation.md)"
+            )
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+        if algo in ("EAGLE", "EAGLE3"):
+            raise ValueError(
+                f"--speculative-algorithm {algo} is not implemented yet (EAGLE heads); use NGRAM or "
+                "STANDALONE with --speculative-draft-layers (docs/speculative_decoding.md)"
+            )
+        if algo == "STANDALONE" and (self.speculative_draft_model_path or not self.speculative_draft_layers):
+            raise ValueError(
+                "--speculative-algorithm STANDALONE: a separate draft model (--speculative-draft-model-path) "
+                "is not implemented yet; use --speculative-draft-layers N (the target's first N layers "
+                "as the draft)"
+            )
+        if algo == "NGRAM" and self.speculative_draft_layers:
+            raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(
+                "--speculative-eagle-topk > 1 (tree drafts) is not implemented yet; use 1 (chain drafts)"
+            )
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token plus one draft)")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                f"--speculative-ngram-max-match-window-size (got {lo} and {hi})"
+            )
+        if self.speculative_ngram_branch_length <= hi:
+            raise ValueError(
+                "--speculative-ngram-branch-length must exceed --speculative-ngram-max-match-window-size "
+                "(a match needs at least one stored token after it)"
+            )
+        if self.speculative_ngram_capacity < 1:
+            raise ValueError("--speculative-ngram-capacity must be >= 1")
+        if self.pp_size > 1:
+            raise ValueError("--speculative-algorithm is not supported with --pp-size > 1")
+        if self.disaggregation_mode != "null":
+            raise ValueError("--speculative-algorithm is not supported with --disaggregation-mode yet")
+        if self.is_embedding:
+            raise ValueError("--speculative-algorithm applies to generation; drop it with --is-embedding")
+
     def layout(self) -> ParallelLayout:
         from radixserve.distributed.layout import ParallelLayout
 
-        return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank)
+        return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank, self.dp_size)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -20,12 +20,15 @@ import zmq
 
 from radixserve.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOut,
     BatchTokenIDOut,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     rid_matches,
 )
@@ -83,6 +86,8 @@ class FakeScheduler:
                 self.add(req)
         elif isinstance(msg, TokenizedGenerateReqInput):
             self.add(msg)
+        elif isinstance(msg, (TokenizedEmbeddingReqInput, BatchTokenizedEmbeddingReqInput)):
+            self.embed(msg.reqs if isinstance(msg, BatchTokenizedEmbeddingReqInput) else [msg])
         elif isinstance(msg, AbortReq):
             for rid, r in self.running.items():
                 if msg.abort_all or rid_matches(rid, msg.rid):
@@ -99,6 +104,21 @@ class FakeScheduler:
                 "num_received": self.num_received,
             }
             self.to_tm.send_pyobj(GetInternalStateReqOutput(internal_state=state))
+
+    def embed(self, reqs: list[TokenizedEmbeddingReqInput]) -> None:
+        """Prefill-only requests finish at once: a fixed logprob per label (-1.0), or a unit vector."""
+        self.num_received += len(reqs)
+        self.to_tm.send_pyobj(
+            BatchEmbeddingOut(
+                rids=[r.rid for r in reqs],
+                finished_reasons=[{"type": "length", "length": 0} for _ in reqs],
+                embeddings=[
+                    [-1.0] * len(r.label_token_ids) if r.label_token_ids else [1.0, 0.0] for r in reqs
+                ],
+                prompt_tokens=[len(r.input_ids) for r in reqs],
+                cached_tokens=[0 for _ in reqs],
+            )
+        )
 
     def add(self, req: TokenizedGenerateReqInput) -> None:
         self.num_received += 1

@@ -20,6 +20,9 @@ class StubTokenizerManager:
         self.served_model_name = "tiny"
         self.context_len = 128
         self.metrics = None
+        self.weight_version = "default"
+        self.is_generation = True
+        self.embedding_info = None
 
 
 def client(ready: bool = True, **args: object) -> TestClient:

@@ -10,7 +10,7 @@ from test_scheduler_core import run_workload
 
 from radixserve.model_executor.forward_batch import ForwardMode, GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.overlap_cuda import LaunchedBatch
-from radixserve.scheduler import scheduler as scheduler_module
+from radixserve.scheduler import loops as scheduler_module  # the event loops build the executor
 from radixserve.scheduler.overlap import FutureMap, create_overlap_executor
 from radixserve.scheduler.overlap_thread import ThreadOverlapExecutor
 

@@ -100,3 +100,12 @@ def test_cores_are_split_between_the_ranks_of_a_node(monkeypatch):
     assert layout.cpu_cores(1, 2) == (1, [1])  # --cpu-threads caps the total
     four = ParallelLayout(tp_size=2, pp_size=4)  # more ranks than cores: 1 thread each, unpinned
     assert four.cpu_cores(5, None) == (1, [])
+
+
+def test_data_parallel_replicas_take_consecutive_blocks_of_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    single = ParallelLayout(dp_size=2)  # dp=2 of one rank: two cores each
+    assert [single.cpu_cores(0, None, d) for d in (0, 1)] == [(2, [0, 1]), (2, [2, 3])]
+    tp2 = ParallelLayout(tp_size=2, dp_size=2)  # dp=2 x tp=2: one core per rank
+    assert [tp2.cpu_cores(r, None, d) for d in (0, 1) for r in (0, 1)] == [(1, [c]) for c in range(4)]
+    assert ParallelLayout(tp_size=2, dp_size=4).cpu_cores(1, None, 3) == (1, [])  # 8 ranks, 4 cores

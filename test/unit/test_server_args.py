@@ -34,6 +34,12 @@ def test_cli_round_trip_and_resolve():
         ({"dist_init_addr": "nohost"}, "--dist-init-addr"),
         ({"pp_max_micro_batch_size": 0}, "--pp-max-micro-batch-size"),
         ({"radix_eviction_policy": "fifo"}, "--radix-eviction-policy"),
+        ({"dp_size": 0}, "--dp-size"),
+        ({"load_balance_method": "random"}, "--load-balance-method"),
+        ({"dp_cache_threshold": 1.5}, "--dp-cache-threshold"),
+        ({"dp_balance_rel_threshold": 0.5}, "--dp-balance-rel-threshold"),
+        ({"load_watch_interval": 0}, "--load-watch-interval"),
+        ({"dp_size": 2, "tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:5000"}, "Gateway"),
     ],
 )
 def test_validation_messages(kwargs, message):

@@ -10,13 +10,24 @@ from typing import Any
 
 import torch
 
+from radixserve.configs.pooling import (
+    NON_GENERATION_ARCHITECTURES,
+    EmbeddingConfig,
+    is_generation_model,
+    resolve_embedding_config,
+)
 from radixserve.model_loader.errors import ModelLoadError, unsupported_architecture_error
 
 logger = logging.getLogger(__name__)
 
 # HF `architectures` names that radixserve/models implements. The registry there is the source of
 # truth for classes; this list lets config validation fail before any model code is imported.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    *NON_GENERATION_ARCHITECTURES,
+)
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -49,6 +60,9 @@ class ModelConfig:
     context_len: int
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    # False for embedding / classification models (--is-embedding or a non-generating architecture).
+    is_generation: bool = True
+    embedding: EmbeddingConfig | None = None  # how such a model pools (None for generation models)
 
     @classmethod
     def from_path(
@@ -57,6 +71,7 @@ class ModelConfig:
         context_length: int | None = None,
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
+        is_embedding: bool = False,
     ) -> ModelConfig:
         """Read `path`/config.json (never the hub) and derive every shape the engine sizes from."""
         path = _check_model_dir(path)
@@ -64,6 +79,8 @@ class ModelConfig:
         architecture = _get_architecture(hf_config, path)
         num_heads = int(hf_config.num_attention_heads)
         hidden_size = int(hf_config.hidden_size)
+        is_generation = is_generation_model(architecture, is_embedding)
+        embedding = None if is_generation else resolve_embedding_config(path, architecture, hf_config)
         return cls(
             path=path,
             hf_config=hf_config,
@@ -77,6 +94,8 @@ class ModelConfig:
             context_len=_get_context_len(hf_config, context_length),
             dtype=resolve_dtype(dtype, device, _config_dtype(hf_config)),
             eos_token_ids=_get_eos_token_ids(hf_config, path),
+            is_generation=is_generation,
+            embedding=embedding,
         )
 
 

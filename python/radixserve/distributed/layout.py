@@ -47,6 +47,7 @@ class ParallelLayout:
     pp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
+    dp_size: int = 1  # data-parallel replicas of this layout on this machine (they share its cores)
 
     @property
     def world_size(self) -> int:
@@ -153,13 +154,16 @@ class ParallelLayout:
         return HeadShard(tp_rank * q_count, q_count, tp_rank * num_kv_heads // self.tp_size, 1)
 
     # ------------------------------------------------------------------ cores
-    def cpu_cores(self, local_rank: int, threads: int | None) -> tuple[int, list[int]]:
+    def cpu_cores(self, local_rank: int, threads: int | None, dp_rank: int = 0) -> tuple[int, list[int]]:
         """(torch threads, cores to pin to) of one rank: this process's cores split evenly between
-        the node's ranks, so no two ranks contend for a core. `threads` caps the total."""
+        the node's ranks of every data-parallel replica, so no two ranks contend for a core.
+        `threads` caps the total."""
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         total = min(threads or len(cores) or 1, len(cores) or (threads or 1))
-        per_rank = max(1, total // self.ranks_per_node)
-        if len(cores) < self.ranks_per_node:
+        slots = self.ranks_per_node * self.dp_size
+        per_rank = max(1, total // slots)
+        if len(cores) < slots:
             return per_rank, []  # fewer cores than ranks: pinning would stack ranks anyway
-        share = cores[local_rank * per_rank : (local_rank + 1) * per_rank]
+        slot = dp_rank * self.ranks_per_node + local_rank
+        share = cores[slot * per_rank : (slot + 1) * per_rank]
         return per_rank, share

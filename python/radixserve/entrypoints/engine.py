@@ -12,10 +12,16 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
+from radixserve.entrypoints.rpc_client import RpcClient
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
+from radixserve.managers import io_struct as io
+from radixserve.managers import scoring
+from radixserve.managers.control_client import ControlClient
+from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.scheduler.weight_control import serialize_named_tensors
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs
 
@@ -47,6 +53,7 @@ class Engine:
         )
         self._run(self.tokenizer_manager.start())
         self._children.start_watchdog(self._on_child_death)
+        self._rpc = RpcClient(self._port_args.rpc_ipc_name)
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -60,6 +67,8 @@ class Engine:
         top_logprobs_num: int | None = None,
         stream: bool = False,
         return_text_in_logprobs: bool = False,
+        session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        rid: str | list[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         obj = _request(
             prompt,
@@ -70,6 +79,7 @@ class Engine:
             top_logprobs_num,
             return_text_in_logprobs,
         )
+        obj.session_params, obj.rid = session_params, rid
         if stream:
             return self._sync_stream(obj)
         return self._run(self.tokenizer_manager.generate(obj))
@@ -84,6 +94,8 @@ class Engine:
         top_logprobs_num: int | None = None,
         stream: bool = False,
         return_text_in_logprobs: bool = False,
+        session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        rid: str | list[str] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         obj = _request(
             prompt,
@@ -94,10 +106,179 @@ class Engine:
             top_logprobs_num,
             return_text_in_logprobs,
         )
+        obj.session_params, obj.rid = session_params, rid
         if stream:
             return self._async_stream(obj)
         future = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate(obj), self._loop)
         return await asyncio.wrap_future(future)
+
+    # ------------------------------------------------------------------ control plane
+    # SGLang's Engine methods of the same names; the HTTP routes call the same coroutines.
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
+        return self._run(self._ctl.open_session(io.OpenSessionReqInput(capacity_of_str_len, session_id)))
+
+    def close_session(self, session_id: str) -> None:
+        out = self._run(self._ctl.close_session(io.CloseSessionReqInput(session_id)))
+        if not out.success:
+            raise ValueError(out.message)
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
+        msg = io.UpdateWeightFromDiskReqInput(
+            model_path, load_format, abort_all_requests, flush_cache, weight_version
+        )
+        out = self._run(self._ctl.update_weights_from_disk(msg))
+        return out.success, out.message
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, Any]],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
+        """Full (unsharded) tensors by checkpoint name; every TP rank takes its shard."""
+        data = serialize_named_tensors(named_tensors, as_text=False)
+        msg = io.UpdateWeightsFromTensorReqInput(
+            [data], load_format, flush_cache, abort_all_requests, weight_version
+        )
+        out = self._run(self._ctl.update_weights_from_tensor(msg))
+        return out.success, out.message
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = io.DEFAULT_WEIGHT_GROUP,
+        backend: str = "nccl",
+    ) -> tuple[bool, str]:
+        msg = io.InitWeightsUpdateGroupReqInput(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+        out = self._run(self._ctl.init_weights_update_group(msg))
+        return out.success, out.message
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = io.DEFAULT_WEIGHT_GROUP,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
+        msg = io.UpdateWeightsFromDistributedReqInput(
+            names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version
+        )
+        out = self._run(self._ctl.update_weights_from_distributed(msg))
+        return out.success, out.message
+
+    def destroy_weights_update_group(self, group_name: str = io.DEFAULT_WEIGHT_GROUP) -> tuple[bool, str]:
+        out = self._run(
+            self._ctl.destroy_weights_update_group(io.DestroyWeightsUpdateGroupReqInput(group_name))
+        )
+        return out.success, out.message
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        out = self._run(self._ctl.get_weights_by_name(io.GetWeightsByNameReqInput(name, truncate_size)))
+        if not out.success:
+            raise ValueError(out.message)
+        return out.parameter
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        out = self._run(self._ctl.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags)))
+        return out.success, out.message
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        out = self._run(self._ctl.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(tags)))
+        return out.success, out.message
+
+    def pause_generation(self, mode: str = "abort") -> tuple[bool, str]:
+        out = self._run(self._ctl.pause_generation(io.PauseGenerationReqInput(mode)))
+        return out.success, out.message
+
+    def continue_generation(self) -> tuple[bool, str]:
+        out = self._run(self._ctl.continue_generation())
+        return out.success, out.message
+
+    def start_profile(self, **kwargs: Any) -> tuple[bool, str]:
+        """kwargs: output_dir, num_steps, activities, with_stack, record_shapes, profile_id."""
+        out = self._run(self._ctl.start_profile(io.ProfileReq(io.ProfileReqType.START_PROFILE, **kwargs)))
+        return out.success, out.message
+
+    def stop_profile(self) -> tuple[bool, str]:
+        out = self._run(self._ctl.stop_profile())
+        return out.success, out.message
+
+    def slow_down(self, forward_sleep_time: float | None) -> tuple[bool, str]:
+        out = self._run(self._ctl.slow_down(io.SlowDownReqInput(forward_sleep_time)))
+        return out.success, out.message
+
+    def freeze_gc(self) -> None:
+        self._run(self._ctl.freeze_gc())
+
+    def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
+        out = self._run(self._ctl.set_internal_state(io.SetInternalStateReq(server_args)))
+        return {"updated": out.updated, "server_args": out.server_args, "message": out.message}
+
+    def get_internal_state(self) -> dict[str, Any]:
+        return self._run(self.tokenizer_manager.get_internal_states())[0]
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache())
+
+    def collective_rpc(self, method: str, **kwargs: Any) -> Any:  # noqa: ANN401 - the method's result
+        """Call scheduler method `method` over the RPC channel (control_table.RPC_METHODS)."""
+        return self._rpc.call(method, kwargs)
+
+    @property
+    def _ctl(self) -> ControlClient:
+        return self.tokenizer_manager.control
+
+    # ------------------------------------------------------------------ models that do not generate
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> dict | list[dict]:
+        """Embeddings (or a classifier's logits): {"embedding", "meta_info"}, a list for a batch."""
+        obj = EmbeddingReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            dimensions=dimensions,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        outputs = self._run(scoring.embed(self.tokenizer_manager, obj.items(), dimensions))
+        return outputs[0] if obj.is_single else outputs
+
+    def score(
+        self,
+        query: str | list[int] | None,
+        items: str | list[str] | list[list[int]],
+        label_token_ids: list[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """/v1/score offline: per item, the probabilities of `label_token_ids` as the next token."""
+        coro = scoring.score(self.tokenizer_manager, query, items, label_token_ids, apply_softmax, item_first)
+        return self._run(coro)[0]
+
+    def rerank(self, query: str, documents: list[str], instruct: str | None = None) -> list[float]:
+        """One relevance score per document, in the documents' order (higher is more relevant)."""
+        scored = self._run(scoring.rerank(self.tokenizer_manager, query, documents, instruct))
+        return [s for s, _ in scored]
 
     def shutdown(self) -> None:
         """Stop the children and the loop thread; idempotent."""
@@ -109,6 +290,7 @@ class Engine:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
+            self._rpc.close()
             self._children.terminate()
             self._port_args.cleanup()
 

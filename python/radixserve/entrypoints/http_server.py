@@ -26,6 +26,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
+from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+from radixserve.entrypoints.control_routes import add_control_routes
+from radixserve.entrypoints.embedding_routes import add_embedding_routes
 from radixserve.entrypoints.http_guards import (
     GuardMiddleware,
     allowed_host_names,
@@ -54,6 +57,8 @@ from radixserve.entrypoints.openai.serving_common import (
 )
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
 from radixserve.entrypoints.openapi_spec import AbortRequestBody, install_openapi
+from radixserve.managers import scoring
+from radixserve.managers.embedding_request import make_item
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import (
     ClientDisconnected,
@@ -166,9 +171,15 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         if state.dead or not state.ready:
             return error_response(503, "The server is not ready.")
         probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        if tm.server_args.disaggregation_mode != "null":
+            # One half of a PD pair has no peer for a probe: the fake host moves no KV (as SGLang).
+            probe.bootstrap_host, probe.bootstrap_room = FAKE_BOOTSTRAP_HOST, 0
         try:
-            out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
-            raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
+            if tm.is_generation:
+                out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
+                raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
+            else:  # a model that cannot generate is probed with one embedding
+                await asyncio.wait_for(scoring.run(tm, [make_item([0])], None), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, RequestAbortedError) as exc:
             return error_response(503, f"Generation failed: {exc!r}")
         return _text()
@@ -186,11 +197,18 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         return Response(orjson.dumps(result), media_type="application/json")
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # the name the SGLang Model Gateway asks first
     async def get_model_info() -> dict[str, Any]:
         tokenizer_path = tm.server_args.tokenizer_path or tm.model_path
-        return {"model_path": tm.model_path, "tokenizer_path": tokenizer_path, "is_generation": True}
+        return {
+            "model_path": tm.model_path,
+            "tokenizer_path": tokenizer_path,
+            "is_generation": tm.is_generation,
+            "weight_version": tm.weight_version,
+        }
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # the name the SGLang Model Gateway asks first
     async def get_server_info() -> dict[str, Any]:
         info: dict[str, Any] = dataclasses.asdict(tm.server_args)
         if info.get("api_key"):
@@ -200,6 +218,13 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         info["context_len"] = tm.context_len
         info["ranks"] = tm.ranks
         return info
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """SGLang's answer: one {dp_rank, num_reqs, num_waiting_reqs, num_tokens} per replica."""
+        if state.dead:
+            return error_response(503, "A server process died.")
+        return JSONResponse(await tm.get_load())
 
     # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
     @app.post("/flush_cache")
@@ -302,7 +327,9 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         GuardMiddleware, allowed_hosts=allowed_host_names(args.host, args.allowed_hosts), api_key=args.api_key
     )
     _add_native_routes(app, state)
+    add_control_routes(app, state.tm)
     _add_openai_routes(app, state)
+    add_embedding_routes(app, state)
     install_openapi(app)
     app.state.server = state
     app.state.max_body_bytes = args.max_request_body_bytes

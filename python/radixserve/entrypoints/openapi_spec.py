@@ -18,6 +18,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from radixserve.entrypoints.control_routes import CONTROL_BODIES, CONTROL_TEXT_ANSWERS
+from radixserve.entrypoints.openai.embedding_protocol import (
+    ClassifyRequest,
+    ClassifyResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResult,
+    ScoringRequest,
+    ScoringResponse,
+)
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,6 +43,7 @@ from radixserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
 
 REF = "#/components/schemas/{model}"
@@ -53,6 +65,7 @@ class GenerateMetaInfo(BaseModel):
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float
+    weight_version: str  # the weights that served it (--weight-version, then each update's)
 
 
 class GenerateOutput(BaseModel):
@@ -64,6 +77,23 @@ class GenerateOutput(BaseModel):
     index: int
 
 
+class EncodeMetaInfo(BaseModel):
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+
+
+class EncodeOutput(BaseModel):
+    """One output of /encode or /classify: the vector (a classifier's logits) and meta_info."""
+
+    embedding: list[float]
+    meta_info: EncodeMetaInfo
+    index: int
+
+
 # Request bodies (validation mode) and answers (serialization mode) by route.
 _BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateReqInput,
@@ -72,6 +102,13 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/tokenize": TokenizeRequest,
     "/v1/detokenize": DetokenizeRequest,
+    **CONTROL_BODIES,
+    "/encode": EmbeddingReqInput,
+    "/classify": EmbeddingReqInput,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/rerank": RerankRequest,
+    "/v1/score": ScoringRequest,
+    "/v1/classify": ClassifyRequest,
 }
 _JSON_ANSWERS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionResponse,
@@ -80,20 +117,43 @@ _JSON_ANSWERS: dict[str, type[BaseModel]] = {
     "/v1/detokenize": DetokenizeResponse,
     "/v1/models": ModelList,
     "/v1/models/{model_id}": ModelCard,
+    "/v1/embeddings": EmbeddingResponse,
+    "/v1/score": ScoringResponse,
+    "/v1/classify": ClassifyResponse,
 }
+# Answers that are one object for a single input and an array for a batch, and plain arrays.
+_ONE_OR_MANY: dict[str, type[BaseModel]] = {
+    "/generate": GenerateOutput,
+    "/encode": EncodeOutput,
+    "/classify": EncodeOutput,
+}
+_ARRAY_ANSWERS: dict[str, type[BaseModel]] = {"/v1/rerank": RerankResult}
 _STREAM_EVENTS: dict[str, type[BaseModel]] = {
     "/generate": GenerateOutput,
     "/v1/completions": CompletionResponse,
     "/v1/chat/completions": ChatCompletionStreamResponse,
 }
-_TEXT_ANSWERS = frozenset({"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics"})
-_OBJECT_ANSWERS = frozenset({"/get_model_info", "/get_server_info"})
+_TEXT_ANSWERS = frozenset(
+    {"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics", *CONTROL_TEXT_ANSWERS}
+)
+# The other control routes answer JSON ({"success", "message"}, a session id, a weight's rows).
+_OBJECT_ANSWERS = frozenset(
+    {
+        "/get_model_info",
+        "/get_server_info",
+        "/model_info",
+        "/server_info",
+        *CONTROL_BODIES,
+        "/continue_generation",
+    }
+)
 
 # Error statuses per route, beyond 400 (Host; bad bodies), which every route can answer.
 _GENERATING = (404, 413, 415, 503)
 _ERRORS: dict[str, tuple[int, ...]] = {
     "/health": (503,),
     "/health_generate": (503,),
+    "/get_load": (503,),
     "/generate": (413, 415, 503),
     "/flush_cache": (415,),
     "/abort_request": (413, 415),
@@ -102,6 +162,12 @@ _ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/tokenize": (404, 413),
     "/v1/detokenize": (404, 413),
     "/v1/models/{model_id}": (404,),
+    "/encode": (413, 415, 503),
+    "/classify": (413, 415, 503),
+    "/v1/embeddings": _GENERATING,
+    "/v1/rerank": _GENERATING,
+    "/v1/score": _GENERATING,
+    "/v1/classify": _GENERATING,
 }
 
 
@@ -120,7 +186,16 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     refs, defs = models_json_schema(
         [(m, "validation") for m in _BODIES.values()]
-        + [(m, "serialization") for m in {*_JSON_ANSWERS.values(), *_STREAM_EVENTS.values(), ErrorResponse}],
+        + [
+            (m, "serialization")
+            for m in {
+                *_JSON_ANSWERS.values(),
+                *_STREAM_EVENTS.values(),
+                *_ONE_OR_MANY.values(),
+                *_ARRAY_ANSWERS.values(),
+                ErrorResponse,
+            }
+        ],
         ref_template=REF,
     )
     doc.setdefault("components", {})["schemas"] = defs.get("$defs", {})
@@ -154,11 +229,17 @@ def _responses(path: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[s
         ok["text/plain"] = {"schema": {"type": "string"}}
     elif path in _JSON_ANSWERS:
         ok["application/json"] = {"schema": refs[(_JSON_ANSWERS[path], "serialization")]}
-    elif path == "/generate":
-        one = refs[(GenerateOutput, "serialization")]
+    elif path in _ONE_OR_MANY:
+        one = refs[(_ONE_OR_MANY[path], "serialization")]
         ok["application/json"] = {"schema": {"anyOf": [one, {"type": "array", "items": one}]}}
+    elif path in _ARRAY_ANSWERS:
+        ok["application/json"] = {
+            "schema": {"type": "array", "items": refs[(_ARRAY_ANSWERS[path], "serialization")]}
+        }
     elif path in _OBJECT_ANSWERS:
         ok["application/json"] = {"schema": {"type": "object"}}
+    elif path == "/get_load":
+        ok["application/json"] = {"schema": {"type": "array", "items": {"type": "object"}}}
     if path in _STREAM_EVENTS:
         ok["text/event-stream"] = {
             "schema": sse_event_schema(refs[(_STREAM_EVENTS[path], "serialization")], error)

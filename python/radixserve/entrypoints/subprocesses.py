@@ -45,7 +45,9 @@ def launch_subprocesses(
 
     children = ChildProcesses()
     try:
-        if server_args.layout().is_single:
+        if server_args.dp_size > 1:
+            start_dp_replicas(children, server_args, port_args, scheduler_entry)
+        elif server_args.layout().is_single:
             entry = scheduler_entry or default_scheduler_entry()
             children.start("scheduler", entry, (server_args, port_args))
         else:
@@ -55,7 +57,7 @@ def launch_subprocesses(
     except BaseException:
         children.terminate()
         raise
-    info = infos[0]
+    info = merge_replica_infos(infos, server_args) if server_args.dp_size > 1 else infos[0]
     for key in ("context_len", "max_total_num_tokens"):
         if key not in info:
             children.terminate()
@@ -67,14 +69,21 @@ def launch_subprocesses(
 def start_rank_processes(
     children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs | None
 ) -> None:
-    """One scheduler process per rank of this node (`port_args` None: a headless node)."""
+    """One scheduler process per rank of this node (`port_args` None: a headless node). A
+    data-parallel replica (port_args.dp_rank) gets a torch.distributed world of its own."""
     from radixserve.scheduler.scheduler_process import run_rank_process
 
     layout = server_args.layout()
     check_model_layout(server_args)
-    init_addr = server_args.dist_init_addr or f"127.0.0.1:{get_free_port()}"
+    dp_rank = port_args.dp_rank if port_args is not None else 0
+    if server_args.dist_init_addr and server_args.dp_size == 1:
+        init_addr = server_args.dist_init_addr
+    else:  # each replica's world meets on its own port
+        init_addr = f"127.0.0.1:{get_free_port()}"
+    dp = f"DP{dp_rank}-" if server_args.dp_size > 1 else ""
     logger.info(
-        "Starting ranks %s of %d (tp %d x pp %d over %d node(s)); rendezvous at %s",
+        "Starting %sranks %s of %d (tp %d x pp %d over %d node(s)); rendezvous at %s",
+        dp.replace("-", " "),
         list(layout.local_ranks()),
         layout.world_size,
         layout.tp_size,
@@ -84,8 +93,54 @@ def start_rank_processes(
     )
     for rank in layout.local_ranks():
         info = layout.rank_info(rank)
-        name = f"scheduler-TP{info.tp_rank}-PP{info.pp_rank}"
+        name = f"scheduler-{dp}TP{info.tp_rank}-PP{info.pp_rank}"
         children.start(name, run_rank_process, (server_args, port_args, rank, init_addr))
+
+
+def start_dp_replicas(
+    children: ChildProcesses,
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    scheduler_entry: SchedulerEntry | None = None,
+) -> None:
+    """--dp-size replicas (each a full TP x PP group, or one scheduler) and their controller.
+
+    Replicas start first, so the readiness reports come back replica by replica; each one's rank 0
+    reads its own socket (`PortArgs.for_dp_rank`) and reports its load to the controller."""
+    from radixserve.managers.data_parallel_controller import run_data_parallel_controller
+
+    port_args = port_args.with_dp_controller()
+    logger.info(
+        "Starting %d data-parallel replicas (--load-balance-method %s)",
+        server_args.dp_size,
+        server_args.load_balance_method,
+    )
+    for dp_rank in range(server_args.dp_size):
+        replica_ports = port_args.for_dp_rank(dp_rank)
+        if server_args.layout().is_single:
+            entry = scheduler_entry or default_scheduler_entry()
+            children.start(f"scheduler-DP{dp_rank}", entry, (server_args, replica_ports))
+        else:
+            start_rank_processes(children, server_args, replica_ports)
+    children.start("dp-controller", run_data_parallel_controller, (server_args, port_args))
+
+
+def merge_replica_infos(infos: list[dict[str, Any]], server_args: ServerArgs) -> dict[str, Any]:
+    """One readiness report for the TokenizerManager: the tightest limits of any replica, and
+    every replica's ranks (with their dp_rank) in /get_server_info's `ranks`."""
+    per_replica = server_args.layout().ranks_per_node
+    replicas = [infos[d * per_replica] for d in range(server_args.dp_size)]
+    merged = dict(replicas[0])
+    for key in ("max_total_num_tokens", "max_req_input_len", "context_len"):
+        merged[key] = min(int(r[key]) for r in replicas if key in r)
+    ranks: list[dict[str, Any]] = []
+    for dp_rank, info in enumerate(replicas):
+        own = info.get("ranks") or [
+            {"rank": 0, "tp_rank": 0, "pp_rank": 0, "node_rank": 0, "pid": info.get("pid")}
+        ]
+        ranks.extend({**r, "dp_rank": dp_rank} for r in own)
+    merged["ranks"] = ranks
+    return merged
 
 
 def check_model_layout(server_args: ServerArgs) -> None:

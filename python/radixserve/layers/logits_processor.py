@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 @dataclass
 class LogitsOutput:
     next_token_logits: torch.Tensor  # [bs, vocab_size] fp32, at each request's last token
+    # TARGET_VERIFY only: logits at every position (the target's prediction after each draft).
+    all_logits: torch.Tensor | None = None  # [num_tokens, vocab_size] fp32
     # Per request, logprobs of its prompt tokens after extend_logprob_start_lens (see below).
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
@@ -37,6 +39,10 @@ class LogitsProcessor:
         lm_head: Callable[[torch.Tensor], torch.Tensor],  # [n, hidden_size] -> [n, vocab_size]
         forward_batch: ForwardBatch,
     ) -> LogitsOutput:
+        if forward_batch.forward_mode.is_target_verify():
+            all_logits = lm_head(hidden).float()  # [num_tokens, vocab_size]
+            ends = torch.cumsum(torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden.device), 0)
+            return LogitsOutput(next_token_logits=all_logits[ends - 1], all_logits=all_logits)
         if forward_batch.forward_mode.is_decode():
             last_hidden = hidden  # [bs, hidden_size]
         else:

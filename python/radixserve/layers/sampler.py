@@ -117,6 +117,21 @@ def _sample(
     return next_ids, drawn
 
 
+def target_probs(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """[n, vocab] logits -> the distribution `_sample` draws from (temperature, then the top-k /
+    top-p / min-p cuts), normalized; one SamplingBatchInfo row per logits row, no greedy rows."""
+    probs = torch.softmax(logits.float() / info.temperatures, dim=-1)  # [n, vocab]
+    if info.need_top_k or info.need_top_p or info.need_min_p:
+        probs = probs.masked_fill(probs < _keep_thresholds(probs, info), 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(weights: Tensor, u: Tensor) -> Tensor:
+    """One token per row from unnormalized weights [n, vocab] with uniforms u [n] (inverse CDF in
+    token-id order, as the sampler draws)."""
+    return _inverse_cdf(weights, u)
+
+
 def _keep_thresholds(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
     """[bs, 1] smallest kept probability per row after top-k, then top-p, then min-p.
 

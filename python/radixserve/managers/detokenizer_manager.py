@@ -109,6 +109,7 @@ def _batch_str_out(
         prompt_tokens=[msg.prompt_tokens[i] for i in keep],
         completion_tokens=[msg.completion_tokens[i] for i in keep],
         cached_tokens=[msg.cached_tokens[i] for i in keep],
+        dp_rank=msg.dp_rank,
         **optional,
     )
 

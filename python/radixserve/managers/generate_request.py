@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from radixserve.managers.control_messages import SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
 # Per-request limits (docs/http_api.md, "Limits"): one call must not buy unbounded work.
@@ -40,6 +41,25 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | list[int] | None = None  # larger = sooner (with --enable-priority-scheduling)
+    # Continue a session: {id, rid, offset, replace, drop_previous_output} (scheduler/sessions.py).
+    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    # With --dp-size > 1: the replica that must serve every prompt of this call. SGLang's name, and
+    # the alias the SGLang Model Gateway (--dp-aware) sends.
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The replica asked for (routed_dp_rank or its alias data_parallel_rank), if any."""
+        a, b = self.routed_dp_rank, self.data_parallel_rank
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"routed_dp_rank ({a}) and data_parallel_rank ({b}) disagree.")
+        return a if a is not None else b
+
+    # Prefill/decode disaggregation (set by the load balancer; lists for a batch, one per prompt).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     @property
     def is_single(self) -> bool:
@@ -71,6 +91,10 @@ class GenerateReqInput(BaseModel):
             "logprob_start_len",
             "top_logprobs_num",
             "priority",
+            "session_params",
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -91,6 +115,9 @@ class GenerateReqInput(BaseModel):
     def expand(self) -> list[RequestItem]:
         """One item per (prompt, sample), prompt-major; raises ValueError on bad input."""
         self.validate_shape()
+        routed = self.dp_rank
+        if routed is not None and routed < 0:
+            raise ValueError(f"routed_dp_rank must be >= 0, got {routed}.")
         items: list[RequestItem] = []
         for i in range(self.num_prompts):
             raw = dict(_pick(self.sampling_params, i) or {})
@@ -104,9 +131,13 @@ class GenerateReqInput(BaseModel):
                 raise ValueError(
                     f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {top_logprobs_num}."
                 )
+            room = _pick(self.bootstrap_room, i)
+            if room is not None and not 0 <= room < 2**63:
+                raise ValueError(f"bootstrap_room must be in [0, 2**63), got {room}.")
             logprob_start_len = int(_pick(self.logprob_start_len, i))
             if logprob_start_len < -1:  # its upper bound, the prompt length, is checked once tokenized
                 raise ValueError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
+            session = parse_session_params(_pick(self.session_params, i))
             for j in range(n):
                 items.append(
                     RequestItem(
@@ -121,8 +152,14 @@ class GenerateReqInput(BaseModel):
                         logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num,
                         priority=_pick(self.priority, i),
+                        session_params=session,
+                        routed_dp_rank=routed,
                         prompt_index=i,
                         sample_index=j,
+                        bootstrap_host=_pick(self.bootstrap_host, i),
+                        bootstrap_port=_pick(self.bootstrap_port, i),
+                        # Each sample is its own transfer: both servers derive the same rooms.
+                        bootstrap_room=None if room is None else (room + j) % 2**63,
                     )
                 )
         seen: set[str] = set()
@@ -131,6 +168,33 @@ class GenerateReqInput(BaseModel):
                 raise ValueError(f"Duplicate request id {item.rid!r} in one request.")
             seen.add(item.rid)
         return items
+
+
+_SESSION_FIELDS = {
+    "id": str,
+    "rid": str,
+    "offset": int,
+    "replace": bool,
+    "drop_previous_output": bool,
+}
+
+
+def parse_session_params(raw: dict[str, Any] | None) -> SessionParams | None:
+    """SGLang's session_params dict as a SessionParams; ValueError (400) on unknown or mistyped keys."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError("'session_params' must be an object.")
+    unknown = sorted(set(raw) - set(_SESSION_FIELDS))
+    if unknown:
+        raise ValueError(f"Unknown session_params field(s) {unknown}; known: {sorted(_SESSION_FIELDS)}.")
+    for key, value in raw.items():
+        want = _SESSION_FIELDS[key]
+        if value is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+            raise ValueError(f"session_params.{key} must be a {want.__name__} or null, got {value!r}.")
+    if raw.get("offset") is not None and raw["offset"] < 0:
+        raise ValueError(f"session_params.offset must be >= 0, got {raw['offset']}.")
+    return SessionParams(**raw)
 
 
 def _pick(value: Any, i: int) -> Any:
@@ -163,3 +227,8 @@ class RequestItem:
     priority: int | None
     prompt_index: int
     sample_index: int
+    session_params: SessionParams | None = None
+    routed_dp_rank: int | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None

@@ -3,6 +3,8 @@
 Flow (DESIGN.md): TokenizerManager --TokenizedGenerateReqInput / AbortReq / FlushCacheReqInput /
 GetInternalStateReq--> Scheduler --BatchTokenIDOut--> Detokenizer --BatchStrOut--> TokenizerManager;
 the scheduler answers control requests with their *Output message straight to the TokenizerManager.
+Embedding requests (TokenizedEmbeddingReqInput, seed 000 §17) finish at prefill and never stream:
+their vectors go straight back to the TokenizerManager in a BatchEmbeddingOut (nothing to detokenize).
 
 All messages are frozen dataclasses with slots: cheap to build, safe to share between threads, and
 picklable (ZMQ `send_pyobj`). Batch messages are columnar: `rids[i]` and every other list's `[i]`
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from radixserve.managers.control_messages import *  # noqa: F403 - the control plane's messages
+from radixserve.managers.control_messages import SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
 FinishReasonDict = dict[str, Any]
@@ -40,6 +44,13 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     priority: int | None = None  # larger = more important (only with --enable-priority-scheduling)
     received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
+    session_params: SessionParams | None = None  # continue a session (scheduler/sessions.py)
+    routed_dp_rank: int | None = None  # with --dp-size > 1: the replica the client asked for
+    # Prefill/decode disaggregation: where the prefill server's bootstrap server is and the room
+    # (a number the load balancer draws) that pairs this request's two halves.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +58,26 @@ class BatchTokenizedGenerateReqInput:
     """Several generation requests sent in one message (e.g. a batched /generate call or n > 1)."""
 
     reqs: list[TokenizedGenerateReqInput]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedEmbeddingReqInput:
+    """One request that finishes at prefill (seed 002 §5.2): an embedding, a classifier's logits,
+    or (with `label_token_ids`) the next-token logprobs of a few tokens after the prompt (/v1/score,
+    yes/no rerankers; these need a generation model's LM head)."""
+
+    rid: str
+    input_text: str  # for logs only
+    input_ids: list[int]
+    token_type_ids: list[int] | None = None  # segment ids of a (query, document) pair (BERT-style)
+    label_token_ids: list[int] | None = None
+    priority: int | None = None
+    received_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTokenizedEmbeddingReqInput:
+    reqs: list[TokenizedEmbeddingReqInput]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +117,22 @@ class GetInternalStateReq:
 @dataclass(frozen=True, slots=True)
 class GetInternalStateReqOutput:
     internal_state: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class GetLoadReqInput:
+    """Ask every replica for its load (/get_load)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GetLoadReqOutput:
+    """One replica's load, as SGLang's /get_load lists it. Replicas also send it, unasked, to the
+    DataParallelController whenever it changed (at most every --load-watch-interval s)."""
+
+    dp_rank: int
+    num_reqs: int  # running + waiting
+    num_waiting_reqs: int
+    num_tokens: int  # KV tokens held by requests + prompt tokens of waiting requests
 
 
 # ---------------------------------------------------------------------------------------- outputs
@@ -137,6 +184,34 @@ class BatchTokenIDOut:
     # Per new prompt position, its top-k logprobs ([] per position without top_logprobs_num).
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    dp_rank: int = 0  # the data-parallel replica that sent it (metrics label)
+    # Speculative decoding (None when it is off), per request since it started: verify forwards
+    # it took part in, the tokens they produced, drafts proposed, drafts accepted.
+    spec_verify_ct: list[int] | None = None
+    spec_verify_tokens: list[int] | None = None
+    spec_draft_token_num: list[int] | None = None
+    spec_accept_token_num: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingBatchResult:
+    """The outcome of one prefill-only forward (seed 001 §2.2): one vector per request of the batch
+    (a chunk that is not its request's last one gets an empty list). Nothing is sampled."""
+
+    embeddings: list[list[float]]
+    copy_done: Any | None = None  # kept for symmetry with GenerationBatchResult; None on CPU
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEmbeddingOut:
+    """Scheduler -> TokenizerManager: embedding requests that finished this step (or were refused)."""
+
+    rids: list[str]
+    finished_reasons: list[FinishReasonDict]
+    embeddings: list[list[float] | None]  # None when the request was aborted
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    queue_times: list[float | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +234,13 @@ class BatchStrOut:
     input_token_logprobs_idx: list[list[int]] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    dp_rank: int = 0
+    # Speculative decoding (None when it is off), per request since it started: verify forwards
+    # it took part in, the tokens they produced, drafts proposed, drafts accepted.
+    spec_verify_ct: list[int] | None = None
+    spec_verify_tokens: list[int] | None = None
+    spec_draft_token_num: list[int] | None = None
+    spec_accept_token_num: list[int] | None = None
 
 
 # ------------------------------------------------------------------------------------- dispatching

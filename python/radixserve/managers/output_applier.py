@@ -29,6 +29,13 @@ def apply_batch_str_out(msg: BatchStrOut, rid_to_state: dict[str, ReqState], now
         state.prompt_tokens = msg.prompt_tokens[i]
         state.completion_tokens = msg.completion_tokens[i]
         state.cached_tokens = msg.cached_tokens[i]
+        if msg.spec_verify_ct is not None:
+            state.spec = (
+                msg.spec_verify_ct[i],
+                msg.spec_verify_tokens[i] if msg.spec_verify_tokens is not None else 0,
+                msg.spec_draft_token_num[i] if msg.spec_draft_token_num is not None else 0,
+                msg.spec_accept_token_num[i] if msg.spec_accept_token_num is not None else 0,
+            )
         if state.item.return_logprob:
             _add_logprobs(state.logprobs, msg, i, new_ids, state.input_ids, state.item.logprob_start_len)
             if state.item.top_logprobs_num > 0:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.managers.generate_request import RequestItem
+from radixserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -45,7 +46,12 @@ class ReqState:
     queue_time: float | None = None  # seconds in the scheduler's waiting queue (from the scheduler)
     last_token_time: float | None = None
     finished_time: float | None = None
+    dp_rank: int | None = None  # the data-parallel replica serving it (known from its first output)
     logprobs: LogprobAccumulator = field(default_factory=LogprobAccumulator)
+    # Speculative decoding (None when off): (verify forwards, tokens they produced, drafts
+    # proposed, drafts accepted), as last reported by the scheduler.
+    spec: tuple[int, int, int, int] | None = None
+    embedding: list[float] | None = None  # prefill-only requests: the scheduler's vector
 
     @property
     def rid(self) -> str:
@@ -76,6 +82,8 @@ def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> di
         "cached_tokens": state.cached_tokens,
         "e2e_latency": (end or time.perf_counter()) - state.created_time,
     }
+    if state.spec is not None:
+        meta.update(spec_meta(*state.spec))
     if state.item.return_logprob:
         meta.update(_logprob_meta(state.logprobs, token_text))
     return {
@@ -83,6 +91,18 @@ def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> di
         "output_ids": list(state.output_ids),
         "meta_info": meta,
         "index": state.item.index,
+    }
+
+
+def spec_meta(verify_ct: int, verify_tokens: int, num_drafts: int, num_accepted: int) -> dict[str, Any]:
+    """SGLang's speculative-decoding meta_info fields. spec_accept_length: tokens per verify
+    forward (accepted drafts + the target's own token), 0 before the first one."""
+    return {
+        "spec_verify_ct": verify_ct,
+        "spec_accept_length": verify_tokens / verify_ct if verify_ct else 0.0,
+        "spec_draft_token_num": num_drafts,
+        "spec_accept_token_num": num_accepted,
+        "spec_accept_rate": num_accepted / num_drafts if num_drafts else 0.0,
     }
 
 
@@ -98,4 +118,40 @@ def _logprob_meta(acc: LogprobAccumulator, token_text: Callable[[int], str] | No
         "output_token_logprobs": [triple(lp, tok) for lp, tok in acc.output_token],
         "output_top_logprobs": [top(t) for t in acc.output_top],
         "input_top_logprobs": [top(t) for t in acc.input_top],
+    }
+
+
+def embedding_item(index: int, rid: str, text: str | None, priority: int | None) -> RequestItem:
+    """The RequestItem a prefill-only request is tracked by (nothing is sampled)."""
+    return RequestItem(
+        index=index,
+        rid=rid,
+        text=text,
+        input_ids=None,
+        sampling_params=SamplingParams(max_new_tokens=0),
+        max_new_tokens_set=True,
+        return_logprob=False,
+        return_text_in_logprobs=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        priority=priority,
+        prompt_index=index,
+        sample_index=0,
+    )
+
+
+def build_embedding_output(state: ReqState) -> dict[str, Any]:
+    """SGLang's /encode output: the vector and meta_info (no text, no output tokens)."""
+    end = state.finished_time or time.perf_counter()
+    return {
+        "embedding": state.embedding,
+        "meta_info": {
+            "id": state.rid,
+            "finish_reason": state.finished_reason,
+            "prompt_tokens": state.prompt_tokens or len(state.input_ids),
+            "completion_tokens": 0,
+            "cached_tokens": state.cached_tokens,
+            "e2e_latency": end - state.created_time,
+        },
+        "index": state.item.index,
     }

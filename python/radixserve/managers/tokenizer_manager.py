@@ -10,6 +10,7 @@ stalls that loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -21,22 +22,29 @@ import zmq
 import zmq.asyncio
 
 from radixserve.constrained.validation import prewarm as prewarm_grammar
+from radixserve.managers.control_client import CONTROL_OUTPUT_TYPES, ControlClient
+from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.input_validation import InvalidRequestError, ModelLimits, prepare_items
 from radixserve.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOut,
     BatchStrOut,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
     rid_matches,
 )
 from radixserve.managers.output_applier import apply_batch_str_out
-from radixserve.managers.req_state import ReqState, build_output
+from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.managers.request_logger import RequestLogger
 from radixserve.server_args import ServerArgs
 from radixserve.utils.metrics import ServerMetrics
@@ -100,25 +108,44 @@ class TokenizerManager:
         self.max_req_input_len = int(scheduler_info.get("max_req_input_len", self.context_len - 1))
         self.vocab_size = int(scheduler_info.get("vocab_size", len(tokenizer)))
         self.limits = ModelLimits(self.vocab_size, self.context_len, self.max_req_input_len)
+        # Embedding / classification models (seed 000 §17): what they return, as the scheduler
+        # reported it (configs/pooling.py); None for generation models.
+        self.is_generation = bool(scheduler_info.get("is_generation", True))
+        self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
         self.max_total_num_tokens = int(scheduler_info.get("max_total_num_tokens", self.context_len))
         # Every scheduler rank (tp/pp index, node, pid, cores) as rank 0 gathered them at start.
         self.ranks: list[dict[str, Any]] = scheduler_info.get("ranks") or [
             {"rank": 0, "tp_rank": 0, "pp_rank": 0, "node_rank": 0, "pid": scheduler_info.get("pid")}
         ]
-        self.metrics = ServerMetrics(self.max_total_num_tokens) if server_args.enable_metrics else None
+        self.dp_size = server_args.dp_size
+        self.metrics = (
+            ServerMetrics(
+                self.max_total_num_tokens * self.dp_size,
+                self.dp_size,
+                speculative=server_args.speculative_algorithm is not None,
+            )
+            if server_args.enable_metrics
+            else None
+        )
         self.request_logger = RequestLogger(server_args.log_requests, server_args.log_requests_level)
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
-        self._control_lock: asyncio.Lock | None = None
+        self._control_locks: dict[type, asyncio.Lock] = {}
+        self._started = False
+        self.weight_version = server_args.weight_version  # reported in every meta_info
+        self.control = ControlClient(self)
         self._recv_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
         self._dispatch = TypeBasedDispatcher(
             [
                 (BatchStrOut, self._on_batch_str_out),
+                (BatchEmbeddingOut, self._on_batch_embedding_out),
                 (AbortReq, self._on_abort),
                 (FlushCacheReqOutput, self._on_control_output),
                 (GetInternalStateReqOutput, self._on_control_output),
+                *((t, self._on_control_output) for t in CONTROL_OUTPUT_TYPES),
+                (GetLoadReqOutput, self._on_control_output),
             ]
         )
 
@@ -131,7 +158,7 @@ class TokenizerManager:
         )
         self._async_ctx = zmq.asyncio.Context(1)
         self._recv = get_zmq_socket(self._async_ctx, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True)
-        self._control_lock = asyncio.Lock()
+        self._started = True
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
         prewarm_grammar()
 
@@ -200,7 +227,17 @@ class TokenizerManager:
     async def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
+        if not self.is_generation:
+            raise InvalidRequestError(
+                "This model is an embedding/classification model and cannot generate: use "
+                "/v1/embeddings, /encode or /classify."
+            )
         items = obj.expand()
+        self._check_dp_rank(items)
+        if self.server_args.disaggregation_mode == "decode":
+            # Prompt logprobs come from the prefill server (a PD router merges them); this side
+            # reports none, so the merged list has each prompt position once.
+            items = [dataclasses.replace(item, logprob_start_len=-1) for item in items]
         input_ids = await self.run_blocking(prepare_items, self.tokenizer, self.limits, items)
         self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
@@ -216,6 +253,72 @@ class TokenizerManager:
         self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs=reqs))
         self._update_load_metrics()
         return states
+
+    def _check_dp_rank(self, items: list[Any]) -> None:
+        routed = items[0].routed_dp_rank if items else None
+        if routed is not None and routed >= self.dp_size:
+            raise InvalidRequestError(
+                f"routed_dp_rank {routed} is out of range: the server runs {self.dp_size} "
+                f"data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
+            )
+
+    # ------------------------------------------------------------------ prefill-only requests
+    async def encode_items(self, items: list[EmbedItem], request: ClientRequest | None = None) -> list[dict]:
+        """Run embedding / classification / label-scoring items to completion; outputs in order.
+
+        Plain embeddings need an embedding model, label scores a generation model (its LM head):
+        the other asks are 400s. An item that fails (queue full, server error) fails the call."""
+        self._raise_if_dead()
+        scoring = [i.label_token_ids is not None for i in items]
+        if any(scoring) and not self.is_generation:
+            raise InvalidRequestError(
+                "Scoring label tokens needs a generation model (its next-token logits); this server "
+                "runs an embedding/classification model."
+            )
+        if not all(scoring) and self.is_generation:
+            raise InvalidRequestError(
+                "This model is a generation model and does not serve embeddings: start the server "
+                "with --is-embedding (decoders trained for embeddings) or serve an embedding model."
+            )
+        tokenized = await self.run_blocking(prepare_embedding_items, self.tokenizer, self.limits, items)
+        self._raise_if_dead()
+        group_event = asyncio.Event()
+        states = [
+            ReqState(embedding_item(i, item.rid, item.text, item.priority), ids, group_event)
+            for i, (item, (ids, _)) in enumerate(zip(items, tokenized))
+        ]
+        if any(s.rid in self.rid_to_state for s in states):
+            raise InvalidRequestError("Duplicate request id.")
+        received = time.time()
+        reqs = [
+            TokenizedEmbeddingReqInput(
+                item.rid, item.text or "", ids, types, item.label_token_ids, item.priority, received
+            )
+            for item, (ids, types) in zip(items, tokenized)
+        ]
+        for state in states:
+            self.rid_to_state[state.rid] = state
+        self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs=reqs))
+        self._update_load_metrics()
+        try:
+            while not all(s.finished for s in states):
+                await self._wait(states, request)
+        finally:
+            self._abort_unfinished(states)
+        return [build_embedding_output(s) for s in states]
+
+    def _on_batch_embedding_out(self, msg: BatchEmbeddingOut) -> None:
+        for i, rid in enumerate(msg.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue
+            state.embedding = msg.embeddings[i]
+            state.prompt_tokens = msg.prompt_tokens[i]
+            state.cached_tokens = msg.cached_tokens[i]
+            if msg.queue_times is not None:
+                state.queue_time = msg.queue_times[i]
+            self._finish(state, msg.finished_reasons[i])
+        self._update_load_metrics()
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:
@@ -233,9 +336,14 @@ class TokenizerManager:
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
             priority=item.priority,
+            session_params=item.session_params,
+            routed_dp_rank=item.routed_dp_rank,
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
+            bootstrap_host=item.bootstrap_host,
+            bootstrap_port=item.bootstrap_port,
+            bootstrap_room=item.bootstrap_room,
         )
 
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:
@@ -263,7 +371,9 @@ class TokenizerManager:
             def decode(tok: int) -> str:
                 return self.tokenizer.decode([tok])
 
-        return build_output(state, decode)
+        out = build_output(state, decode)
+        out["meta_info"]["weight_version"] = self.weight_version
+        return out
 
     # ------------------------------------------------------------------ aborts and control
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -301,17 +411,41 @@ class TokenizerManager:
         return all(o.success for o in outputs)
 
     async def get_internal_states(self) -> list[dict[str, Any]]:
+        """One state per data-parallel replica, in dp_rank order."""
         outputs = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
-        return [o.internal_state for o in outputs]
+        states = [{"dp_rank": 0, **o.internal_state} for o in outputs]
+        return sorted(states, key=lambda st: st["dp_rank"])
 
-    async def _control(self, msg: Any, out_type: type) -> list[Any]:
-        """Send a control request and await its reply (one at a time per kind of request)."""
-        assert self._control_lock is not None, "start() was not called"
-        async with self._control_lock:
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._control_waiters.setdefault(out_type, []).append(future)
+    async def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's /get_load: one entry per replica (dp_rank, num_reqs, num_waiting_reqs,
+        num_tokens), in dp_rank order."""
+        outputs = await self._control(GetLoadReqInput(), GetLoadReqOutput)
+        return [dataclasses.asdict(o) for o in sorted(outputs, key=lambda o: o.dp_rank)]
+
+    async def _control(self, msg: Any, out_type: type, timeout: float | None = None) -> list[Any]:
+        """Send a control request and await every replica's reply (one per data-parallel replica:
+        with --dp-size > 1 the DataParallelController fans the request out). One call at a time
+        per kind of request (replies of one type come back in order; different kinds never wait
+        on each other)."""
+        assert self._started, "start() was not called"
+        limit = timeout or CONTROL_TIMEOUT_S
+        lock = self._control_locks.setdefault(out_type, asyncio.Lock())
+        async with lock:
+            loop = asyncio.get_running_loop()
+            futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(self.dp_size)]
+            waiters = self._control_waiters.setdefault(out_type, [])
+            waiters.extend(futures)
             self._send.send_pyobj(msg)
-            return [await asyncio.wait_for(future, CONTROL_TIMEOUT_S)]
+            try:
+                return list(await asyncio.wait_for(asyncio.gather(*futures), limit))
+            except asyncio.TimeoutError:
+                raise RequestAbortedError(
+                    f"The scheduler did not answer {type(msg).__name__} within {limit:.0f} s.", 503
+                ) from None
+            finally:  # a reply that never came must not be handed to the next caller's future
+                for future in futures:
+                    if future in waiters:
+                        waiters.remove(future)
 
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:
@@ -325,10 +459,13 @@ class TokenizerManager:
     def _on_batch_str_out(self, msg: BatchStrOut) -> None:
         now = time.perf_counter()
         for state, num_new, first, reason in apply_batch_str_out(msg, self.rid_to_state, now):
+            state.dp_rank = msg.dp_rank
             if self.metrics is not None:
                 if first:
                     self.metrics.on_first_token(now - state.created_time, state.queue_time)
-                self.metrics.on_tokens(num_new, None if first else now - (state.last_token_time or now))
+                self.metrics.on_tokens(
+                    num_new, None if first else now - (state.last_token_time or now), msg.dp_rank
+                )
             state.last_token_time = now
             if reason is not None:
                 self._finish(state, reason)
@@ -364,7 +501,10 @@ class TokenizerManager:
                 state.cached_tokens,
                 time.perf_counter() - state.created_time,
                 aborted=reason.get("type") == "abort",
+                dp_rank=state.dp_rank,
             )
+            if state.spec is not None:
+                self.metrics.on_spec(*state.spec)
 
     def _update_load_metrics(self) -> None:
         if self.metrics is None:

@@ -24,9 +24,29 @@ class ForwardMode(IntEnum):
     DECODE = 2  # exactly one new token per request
     MIXED = 3  # a chunked prefill and decodes in one forward
     IDLE = 4  # nothing to run (kept for data-parallel symmetry)
+    PREBUILT = 5  # disaggregated decode: KV and first token came from a prefill server, no forward
+    # Speculative decoding: each request's last accepted token plus its drafts, over its cached KV
+    # (an extend whose logits are needed at every position).
+    TARGET_VERIFY = 6
+    # A draft model catching up on tokens the target accepted (same shape as an extend).
+    DRAFT_EXTEND = 7
 
     def is_extend(self) -> bool:
+        """Every mode whose requests add several tokens over a prefix: the extend attention path."""
+        return self in (
+            ForwardMode.EXTEND,
+            ForwardMode.MIXED,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND,
+        )
+
+    def is_prefill(self) -> bool:
+        """A batch of prompt tokens (possibly with decodes riding along): its requests join the
+        running batch afterwards. Unlike is_extend(), not a verify or draft step."""
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
@@ -36,6 +56,9 @@ class ForwardMode(IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+    def is_prebuilt(self) -> bool:
+        return self == ForwardMode.PREBUILT
 
 
 @dataclass
@@ -62,6 +85,11 @@ class ModelWorkerBatch:
     # delay_sample_func, called once the scheduler has set this batch's sampling state (grammar
     # mask, penalty counts), which depends on the previous batch's tokens.
     delay_sample_launch: bool = False
+    # Prefill-only (embedding) batches: pooled outputs, no sampling (seed 000 §17).
+    is_embedding: bool = False
+    token_type_ids: torch.Tensor | None = None  # [num_tokens] int64 segment ids (BERT-style)
+    # [bs] per request: score these next-token ids at the last position instead of pooling.
+    label_token_ids: list[list[int] | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +118,10 @@ class GenerationBatchResult:
     invalid_rows: torch.Tensor | None = None
     copy_done: Any | None = None  # a CUDA event on GPU; None on CPU
     delay_sample_func: Callable[[], None] | None = None  # set only before a delayed sample ran
+    # TARGET_VERIFY: per request, the tokens this round produced (accepted drafts + one from the
+    # target), and how many of its drafts were accepted. None for every other mode.
+    spec_output_ids: list[list[int]] | None = None
+    spec_num_accepted: list[int] | None = None
 
 
 @dataclass
@@ -124,6 +156,9 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens: list[int] | None = None
     extend_logprob_next_token_ids: list[int] | None = None
+    token_type_ids: torch.Tensor | None = None  # [num_tokens] int64
+    # False for encoder models: every token attends to every token of its request.
+    attn_causal: bool = True
     attn_metadata: Any = field(default=None)
 
     @classmethod
@@ -135,6 +170,7 @@ class ForwardBatch:
         attn_backend: AttentionBackend,
         device: torch.device,
         init_attn_metadata: bool = True,  # False when a CUDA graph replays: its hook fills them
+        attn_causal: bool = True,
     ) -> ForwardBatch:
         seq_lens_cpu = batch.seq_lens.tolist()
         if batch.forward_mode.is_extend():
@@ -162,6 +198,12 @@ class ForwardBatch:
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
             extend_logprob_next_token_ids=batch.extend_logprob_next_token_ids,
+            token_type_ids=(
+                batch.token_type_ids.to(device, non_blocking=True)
+                if batch.token_type_ids is not None
+                else None
+            ),
+            attn_causal=attn_causal,
         )
         if init_attn_metadata:
             attn_backend.init_forward_metadata(fb)

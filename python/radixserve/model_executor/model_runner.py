@@ -9,6 +9,7 @@ import psutil
 import torch
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.configs.pooling import EmbeddingConfig, PoolingType
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
@@ -16,15 +17,22 @@ from radixserve.layers.linear import prepare_cpu_linears
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.layers.vocab_parallel import make_lm_head
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_cpu_decode_runner
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
+from radixserve.model_executor.embedding_outputs import embedding_outputs
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch, PPProxyTensors
+from radixserve.model_executor.weight_sync import ModelWeights
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+# How a generation model pools when a prefill-only request reaches it (scheduler-level tests; the
+# HTTP layer refuses plain embeddings from generation models): its last token, normalised.
+DECODER_EMBEDDING = EmbeddingConfig(PoolingType.LAST, normalize=True, is_classifier=False, is_causal=True)
 
 # On CPU without --max-total-tokens, the KV pool takes this share of available RAM.
 CPU_KV_RAM_FRACTION = 0.2
@@ -74,28 +82,39 @@ class ModelRunner:
         )
         # The LM head as a Linear over the (possibly tied) weight, so it gets the CPU fast paths
         # too; gathered over the TP ranks' vocab blocks. Only the last pipeline stage has one.
+        self.embedding_config = model_config.embedding or DECODER_EMBEDDING
+        # Embedding and classifier models have no LM head.
         self.lm_head = (
             make_lm_head(self.model.lm_head_weight, model_config.vocab_size, self.parallel.tp)
-            if self.parallel.is_last_stage
+            if self.parallel.is_last_stage and getattr(self.model, "lm_head", None) is not None
             else None
         )
         self._prepare_cpu_linears()
         self._init_memory_pools()
-        self.attn_backend = create_attention_backend(
-            server_args.attention_backend or "torch_native", self.device
-        )
+        backend = server_args.attention_backend or "torch_native"
+        if not self.embedding_config.is_causal and backend not in ("cpu", "torch_native"):
+            raise ValueError(
+                f"{model_config.architecture} attends bidirectionally, which only the cpu and "
+                f"torch_native attention backends implement (got --attention-backend {backend})"
+            )
+        self.attn_backend = create_attention_backend(backend, self.device)
         self.logits_processor = LogitsProcessor()
         # Its own generator, seeded alike on every rank: ranks draw the same tokens from the same
         # (gathered) logits whatever else consumed torch's global RNG while they loaded.
         self.sampler = Sampler(server_args.random_seed, self.device)
         pipelined = self.parallel.pp_size > 1
-        # Decode CUDA graphs (None on CPU, with --disable-cuda-graph, or a backend without hooks;
-        # not across pipeline stages, whose forward ends in a send).
-        self.graph_runner = None if pipelined else create_cuda_graph_runner(self, server_args)
-        # Small CPU decode batches as one compiled call (None off CPU, or where it does not apply).
-        self.cpu_decode_runner = create_cpu_decode_runner(
-            self.model, self.token_to_kv_pool, server_args, self.parallel
-        )
+        self.graph_runner: CudaGraphRunner | None = None
+        self.cpu_decode_runner: CpuDecodeRunner | None = None
+        if model_config.is_generation:  # models that never decode need no decode fast paths
+            # Decode CUDA graphs (None on CPU, with --disable-cuda-graph, or a backend without
+            # hooks; not across pipeline stages, whose forward ends in a send).
+            self.graph_runner = None if pipelined else create_cuda_graph_runner(self, server_args)
+            # Small CPU decode batches as one compiled call (None off CPU, or where it does not apply).
+            self.cpu_decode_runner = create_cpu_decode_runner(
+                self.model, self.token_to_kv_pool, server_args, self.parallel
+            )
+        # Weight updates, reads and memory release / resume (model_executor/weight_sync.py).
+        self.weights = ModelWeights(self)
 
     def _prepare_cpu_linears(self) -> None:
         """fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for CPU fp32 models."""
@@ -205,6 +224,30 @@ class ModelRunner:
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
         return fb, self.logits_processor(hidden, self.lm_head, fb)
+
+    @torch.inference_mode()
+    def forward_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
+        """A prefill-only forward: one pooled output per request, nothing sampled (seed 000 §17)."""
+        fb = ForwardBatch.init_new(
+            batch,
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            self.attn_backend,
+            self.device,
+            attn_causal=self.embedding_config.is_causal,
+        )
+        hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+        assert fb.extend_seq_lens_cpu is not None
+        return EmbeddingBatchResult(
+            embedding_outputs(
+                self.model,
+                self.lm_head,
+                self.embedding_config,
+                hidden,
+                fb.extend_seq_lens_cpu,
+                batch.label_token_ids,
+            )
+        )
 
     def _forward_stage(
         self, batch: ModelWorkerBatch, pp_proxy: PPProxyTensors | None

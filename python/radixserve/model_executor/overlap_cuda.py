@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 
 if TYPE_CHECKING:
@@ -34,11 +35,12 @@ class LaunchedBatch:
     """A forward already enqueued: its result's host tensors are valid once copy_done fires (for a
     delayed sample, once launch_sample has enqueued the sample too)."""
 
-    batch_result: GenerationBatchResult
+    batch_result: GenerationBatchResult | EmbeddingBatchResult
     future_indices: list[int] | None = None
 
-    def result(self) -> GenerationBatchResult:
-        assert self.batch_result.delay_sample_func is None, "launch_sample was not called for this batch"
+    def result(self) -> GenerationBatchResult | EmbeddingBatchResult:
+        pending = getattr(self.batch_result, "delay_sample_func", None)
+        assert pending is None, "launch_sample was not called for this batch"
         return self.batch_result
 
 
@@ -75,6 +77,8 @@ class CudaStreamOverlapExecutor:
         with torch.cuda.stream(self.forward_stream):
             self.forward_stream.wait_stream(self.schedule_stream)
             self.future_map.resolve_future(mwb)
+            if mwb.is_embedding:  # prefill-only: its vectors are already host lists, no token
+                return LaunchedBatch(self.worker.forward_batch_embedding(mwb))
             result = self.worker.forward_batch_generation(mwb)
             if result.delay_sample_func is None:
                 self._finish(result, future_indices)

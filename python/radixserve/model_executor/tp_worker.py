@@ -6,9 +6,12 @@ import torch
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.rank_runtime import RankRuntime
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.layer_skip_draft import LayerSkipDraft
+from radixserve.speculative.verify import accept_drafts
 from radixserve.utils.process import bound_onednn_caches
 
 
@@ -17,6 +20,8 @@ class TpModelWorker:
         self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
     ) -> None:
         bound_onednn_caches()  # before the first oneDNN primitive (the weight prepack)
+        if not model_config.is_generation and rank is not None and rank.layout.pp_size > 1:
+            raise ValueError("embedding and classification models do not run with --pp-size > 1")
         self.model_runner = ModelRunner(server_args, model_config, rank)
         runner = self.model_runner
         self.model_config = model_config
@@ -29,6 +34,14 @@ class TpModelWorker:
         self.max_context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
         self.device = runner.device
+        # Self-speculation (STANDALONE with --speculative-draft-layers): drafts for verify steps.
+        self.draft = None
+        if server_args.speculative_algorithm == "STANDALONE" and server_args.speculative_draft_layers:
+            self.draft = LayerSkipDraft(runner, server_args.speculative_draft_layers)
+        self.is_generation = model_config.is_generation
+        self.embedding_config = runner.embedding_config
+        # Encoders attend bidirectionally: a token's KV depends on later tokens, so none is shared.
+        self.is_causal = runner.embedding_config.is_causal
         self.stage_link = None
         if rank is not None and rank.layout.pp_size > 1:
             from radixserve.distributed.pipeline import StageLink
@@ -45,6 +58,8 @@ class TpModelWorker:
         proxy = None
         if self.stage_link is not None and self.stage_link.prev is not None:
             proxy = self.stage_link.recv_hidden(int(batch.input_ids.shape[0]))
+        if self.draft is not None and batch.forward_mode.is_target_verify():
+            self.draft.fill_drafts(batch)
         fb, out = self.model_runner.forward(batch, proxy)
         if isinstance(out, PPProxyTensors):
             assert self.stage_link is not None
@@ -65,9 +80,24 @@ class TpModelWorker:
             result.top_logprobs_val = drawn.top_logprobs_val
             result.top_logprobs_idx = drawn.top_logprobs_idx
             result.invalid_rows = drawn.invalid_rows
+            if fb.forward_mode.is_target_verify():  # never delayed: speculation runs the normal loop
+                assert logits_output.all_logits is not None and batch.extend_seq_lens is not None
+                assert fb.sampling_info is not None
+                result.spec_output_ids, result.spec_num_accepted = accept_drafts(
+                    logits_output.all_logits,
+                    batch.input_ids,
+                    batch.extend_seq_lens,
+                    drawn.next_token_ids,
+                    fb.sampling_info,
+                    self.model_runner.sampler.generator,
+                )
 
         if batch.delay_sample_launch:
             result.delay_sample_func = sample
         else:
             sample()
         return result
+
+    def forward_batch_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
+        """Forward a prefill-only batch: one vector per request, nothing sampled."""
+        return self.model_runner.forward_embedding(batch)

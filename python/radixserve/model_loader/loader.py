@@ -42,6 +42,10 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"Unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}.")
     cls = model_cls or get_model_class(model_config.architecture)
+    if model_cls is None and not model_config.is_generation:
+        from radixserve.models.sequence_classification import embedding_variant
+
+        cls = embedding_variant(cls)  # a decoder served by --is-embedding: no LM head
     start = time.perf_counter()
     if load_format == "dummy":
         model = _build_dummy(cls, model_config, torch.device(device), seed, parallel)

@@ -45,6 +45,7 @@ STACKED_PARAMS = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_TOP_LEVEL_PREFIXES = ("model.", "lm_head.", "score.")
 
 
 class LlamaAttention(nn.Module):
@@ -193,6 +194,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    # Embedding variants (--is-embedding) and classifiers build no LM head: their checkpoints
+    # (Qwen3-Embedding, *ForSequenceClassification) ship none.
+    has_lm_head = True
 
     def __init__(
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
@@ -205,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position, parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: VocabParallelEmbedding | None
-        if not parallel.is_last_stage:
+        if not parallel.is_last_stage or not self.has_lm_head:
             self.lm_head = None
         elif self.tie_word_embeddings and self.model.embed_tokens is not None:
             self.lm_head = self.model.embed_tokens
@@ -230,25 +234,22 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight  # [vocab rows of this rank, hidden_size]
 
     # ------------------------------------------------------------------ loading
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
+    ) -> None:
         """Copy this rank's part of each checkpoint tensor into its parameter; tensors of other
-        pipeline stages are skipped without being read."""
+        pipeline stages are skipped without being read. `require_all=False` (weight updates) loads
+        a subset of the weights."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, value in weights:
-            if "rotary_emb.inv_freq" in name or not self._on_this_stage(name):
+            if not name.startswith(_TOP_LEVEL_PREFIXES):
+                name = "model." + name  # embedding checkpoints saved from the bare model (Qwen3-Embedding)
+            targets = self.param_targets(name)
+            if not targets:
                 continue
             tensor = CheckpointTensor.of(name, value)
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # tied: the embedding is the head
-            target, shard = _fused_target(name)
-            targets = [target]
-            if (
-                self.tie_word_embeddings
-                and target == "model.embed_tokens.weight"
-                and self.lm_head is not None
-            ):
-                targets = [t for t in (target, "lm_head.weight") if t in params]
+            shard = _fused_target(name)[1]
             for t in targets:
                 if t not in params:
                     raise ModelLoadError(
@@ -257,8 +258,21 @@ class LlamaForCausalLM(nn.Module):
                 self._load_one(params[t], t, shard, tensor)
                 loaded.add(t)
         missing = sorted(set(params) - loaded)
-        if missing:
+        if missing and require_all:
             raise ModelLoadError(f"Checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+
+    def param_targets(self, name: str) -> list[str]:
+        """The parameters a checkpoint tensor `name` loads into on this rank ([] when it belongs
+        to another pipeline stage or is not a weight, e.g. rotary inv_freq)."""
+        if "rotary_emb.inv_freq" in name or not self._on_this_stage(name):
+            return []
+        if self.tie_word_embeddings and name.startswith("lm_head."):
+            return []  # tied: the embedding is the head
+        target, _ = _fused_target(name)
+        if self.tie_word_embeddings and target == "model.embed_tokens.weight" and self.lm_head is not None:
+            params = dict(self.named_parameters())
+            return [t for t in (target, "lm_head.weight") if t in params]
+        return [target]
 
     def _on_this_stage(self, name: str) -> bool:
         inner = self.model

@@ -5,14 +5,25 @@ from __future__ import annotations
 from torch import nn
 
 from radixserve.model_loader.errors import ModelLoadError
+from radixserve.models.bert import BertForSequenceClassification, BertModel
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
+from radixserve.models.sequence_classification import (
+    LlamaForSequenceClassification,
+    Qwen2ForSequenceClassification,
+    Qwen3ForSequenceClassification,
+)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
 }
 
 

@@ -20,6 +20,7 @@ from radixserve.scheduler.prefill_adder import AddReqResult, PrefillAdder, remai
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.requests import RequestTable, SchedulerState
 from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.speculative.decode_step import SpeculativeDecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class BatchBuilder:
         policy: SchedulePolicy,
         limits: BatchLimits,
         make_batch: Callable[[list[Req]], ScheduleBatch],
+        spec_step: SpeculativeDecodeStep | None = None,  # speculative decoding on
     ) -> None:
         self.state = state
         self.requests = requests
@@ -57,6 +59,7 @@ class BatchBuilder:
         self.policy = policy
         self.limits = limits
         self.make_batch = make_batch
+        self.spec_step = spec_step
         self.num_decode_batches = 0
 
     # ------------------------------------------------------------------ entry point
@@ -66,7 +69,7 @@ class BatchBuilder:
         chunked_to_exclude = [st.chunked_req] if st.chunked_req is not None else []
         if st.chunked_req is not None:
             self._cache_chunked_req(st.chunked_req)
-        if st.last_batch is not None and st.last_batch.forward_mode.is_extend():
+        if st.last_batch is not None and st.last_batch.forward_mode.is_prefill():
             # Finished requests, the still-chunking one and prompt-only requests (max_new_tokens 0:
             # in the overlap loop not yet finished here, as their prefill is still in flight) do
             # not join the decode batch.
@@ -148,6 +151,8 @@ class BatchBuilder:
                 break
             if id(req) in self.policy.deprioritized:
                 continue  # in-batch prefix caching: a sibling caches the shared prefix first
+            if adder.can_run_list and req.is_embedding != adder.can_run_list[0].is_embedding:
+                continue  # a batch either samples or pools: the other kind runs in the next one
             req.init_next_round_input(tree)
             if self._num_allocatable(len(adder.can_run_list), num_new) <= 0 and not self._preempt_for(
                 req, adder, need_slot=True
@@ -233,7 +238,7 @@ class BatchBuilder:
         """Mixed chunk (seed 001 §9.3): the running decodes ride along in the prefill forward."""
         st = self.state
         running = st.running_batch
-        if not self.limits.is_mixed_chunk or running.is_empty():
+        if not self.limits.is_mixed_chunk or running.is_empty() or batch.is_embedding:
             return
         if batch.return_logprob or running.return_logprob:
             return
@@ -273,7 +278,11 @@ class BatchBuilder:
             st.new_token_ratio = max(
                 st.new_token_ratio - self.limits.new_token_ratio_decay, self.limits.min_new_token_ratio
             )
-        batch.prepare_for_decode()
+        if self.spec_step is not None:
+            # A verify step when drafts exist and fit; the decode step's KV fits either way.
+            self.spec_step.prepare(batch, self.mem.req_to_token_pool.req_to_token.shape[1])
+        else:
+            batch.prepare_for_decode()
         self.num_decode_batches += 1
         if self.num_decode_batches % DECODE_LOG_INTERVAL == 0:
             self._log_decode(batch)

@@ -92,6 +92,11 @@ class KVMemory:
             return len(seq_lens)
         return sum(1 for s in seq_lens if (s - 1) % self.page_size == 0) * self.page_size
 
+    def can_alloc(self, num_tokens: int) -> bool:
+        """Evict as needed; True when `num_tokens` slots are free."""
+        self._ensure_available(num_tokens)
+        return self.available_size() >= num_tokens
+
     def can_decode(self, seq_lens: list[int]) -> bool:
         """Evict as needed; True when the next decode step of these sequences fits."""
         need = self.decode_tokens_needed(seq_lens)

@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from http import HTTPStatus
 
-from radixserve.managers.io_struct import BatchTokenIDOut
+import torch
+
+from radixserve.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut, EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult
 from radixserve.scheduler.kv_memory import KVMemory
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.req import FinishAbort, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.speculative.verify_batch import release_rejected
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +42,40 @@ class StepStats:
         self.cache_hit_tokens = 0
         self.cache_query_tokens = 0
         self.num_retracted_reqs = 0  # since start: decodes retracted because the KV pool was full
+        # Speculative decoding, since start: verify rounds in which a request drafted, drafts
+        # proposed and accepted in them.
+        self.spec_num_rounds = 0
+        self.spec_num_drafts = 0
+        self.spec_num_accepted = 0
+
+    def record_verify(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_rounds += 1
+        self.spec_num_drafts += num_drafts
+        self.spec_num_accepted += num_accepted
 
 
 class OutputProcessor:
     def __init__(
-        self, mem: KVMemory, send_output: Callable[[object], None], on_finished: Callable[[Req], None]
+        self,
+        mem: KVMemory,
+        send_output: Callable[[object], None],
+        on_finished: Callable[[Req], None],
+        report_spec: bool = False,  # speculative decoding on: report its counters per request
     ) -> None:
         self.mem = mem
+        self.report_spec = report_spec
         self.send_output = send_output
         self.on_finished = on_finished
         self.stats = StepStats()
         self._step_reqs: dict[int, Req] = {}  # requests to report this step, in order
 
     # ------------------------------------------------------------------ results
-    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult
+    ) -> None:
+        if isinstance(result, EmbeddingBatchResult):
+            self._process_embedding(batch, result)
+            return
         if result.copy_done is not None:
             # Overlap on CUDA: the tokens are still being copied to the host (seed 001 §5.1).
             result.copy_done.synchronize()
@@ -64,6 +87,8 @@ class OutputProcessor:
             next_token_ids = [None if bad else t for t, bad in zip(next_token_ids, invalid)]
         if batch.forward_mode.is_decode():
             self._process_decode(batch, result, next_token_ids, logprobs)
+        elif batch.forward_mode.is_target_verify():
+            self._process_verify(batch, result, logprobs)
         else:
             self._process_prefill(batch, result, next_token_ids, logprobs)
 
@@ -105,6 +130,22 @@ class OutputProcessor:
                 self.mem.tree_cache.cache_unfinished_req(req)
             self.collect(req)
 
+    def _process_embedding(self, batch: ScheduleBatch, result: EmbeddingBatchResult) -> None:
+        """Prefill-only requests finish with their prompt's last chunk (seed 000 §17); their KV
+        goes to the prefix cache like a finished generation's."""
+        for i, req in enumerate(batch.reqs):
+            if self._begin(batch, i, req):
+                continue
+            if req.is_chunked > 0:  # a middle chunk of a last-token-pooled prompt
+                req.is_chunked -= 1
+                continue
+            req.embedding = result.embeddings[i]
+            req.check_finished()  # an abort that arrived meanwhile wins; else length 0
+            if req.times.first_token is None:
+                req.times.first_token = time.monotonic()
+            self.release_if_idle(req)
+            self.collect(req)
+
     def _process_decode(
         self,
         batch: ScheduleBatch,
@@ -121,6 +162,50 @@ class OutputProcessor:
                 self.release_if_idle(req)
             self.collect(req)
 
+    def _process_verify(
+        self, batch: ScheduleBatch, result: GenerationBatchResult, logprobs: list[float] | None
+    ) -> None:
+        """Append each request's accepted tokens one at a time (a stop, length or abort ends the
+        round early), then give back the KV of every position past the last accepted token."""
+        assert result.spec_output_ids is not None and result.spec_num_accepted is not None
+        assert batch.spec_drafts is not None
+        self.stats.num_decode_steps += 1
+        for i, req in enumerate(batch.reqs):
+            start, end = batch.prefix_lens[i], batch.seq_lens[i]  # positions computed this round
+            req.num_inflight -= 1
+            if req.is_retracted:
+                continue  # its KV (drafts included) is gone already
+            if req.finished():  # finished while in flight: keep only the already accepted token
+                release_rejected(self.mem, req, start + 1, end)
+                self.release_if_idle(req)
+                continue
+            num_drafts = len(batch.spec_drafts[i])
+            appended = 0
+            for token_id in result.spec_output_ids[i]:
+                # Logprobs are only asked by requests that do not draft: one token, row i.
+                self._append_token(req, token_id, result, logprobs, i)
+                appended += 1
+                if req.finished():
+                    break
+            # The newest appended token has no KV yet; x0 and the accepted drafts before it do.
+            release_rejected(self.mem, req, start + appended, end)
+            req.spec_verify_ct += 1
+            req.spec_verify_tokens += appended
+            req.spec_num_drafts += num_drafts
+            req.spec_num_accepted_drafts += min(result.spec_num_accepted[i], appended)
+            if num_drafts:
+                self.stats.record_verify(num_drafts, result.spec_num_accepted[i])
+                req.spec.on_verified(num_drafts, result.spec_num_accepted[i])
+            if req.finished():
+                self.release_if_idle(req)
+            self.collect(req)
+        penalizer = batch.sampling_info.penalizer if batch.sampling_info is not None else None
+        if penalizer is not None:
+            # cumulate() below counts one token per row; the output length counts them all.
+            extra = [len(t) - 1 for t in result.spec_output_ids]
+            lens = penalizer.output_lens
+            lens.add_(torch.tensor(extra, dtype=lens.dtype, device=lens.device))
+
     def _append_token(
         self,
         req: Req,
@@ -135,6 +220,8 @@ class OutputProcessor:
             req.to_finish = None
             return
         req.output_ids.append(token_id)
+        if req.spec is not None:
+            req.spec.on_token(token_id)
         self.stats.num_generated_tokens += 1
         if req.times.first_token is None:
             req.times.first_token = time.monotonic()
@@ -191,14 +278,31 @@ class OutputProcessor:
             return
         reqs = list(self._step_reqs.values())
         self._step_reqs.clear()
-        self.send_output(self._build_message(reqs))
+        generated = [r for r in reqs if not r.is_embedding]
+        embedded = [r for r in reqs if r.is_embedding]
+        if generated:
+            self.send_output(self._build_message(generated, self.report_spec))
+        if embedded:
+            self.send_output(self._build_embedding_message(embedded))
         for req in reqs:
             if req.finished():
                 req.times.finished = time.monotonic()
                 self.on_finished(req)
 
     @staticmethod
-    def _build_message(reqs: list[Req]) -> BatchTokenIDOut:
+    def _build_embedding_message(reqs: list[Req]) -> BatchEmbeddingOut:
+        aborted = [isinstance(r.finished_reason, FinishAbort) for r in reqs]
+        return BatchEmbeddingOut(
+            rids=[r.rid for r in reqs],
+            finished_reasons=[r.finished_reason.to_json() if r.finished_reason else {} for r in reqs],
+            embeddings=[None if a else r.embedding for r, a in zip(reqs, aborted)],
+            prompt_tokens=[len(r.origin_input_ids) for r in reqs],
+            cached_tokens=[r.cached_tokens for r in reqs],
+            queue_times=[r.times.queue_time for r in reqs],
+        )
+
+    @staticmethod
+    def _build_message(reqs: list[Req], report_spec: bool = False) -> BatchTokenIDOut:
         output_ids, out_val, out_idx, top_val, top_idx, in_val, in_idx = [], [], [], [], [], [], []
         in_top_val, in_top_idx = [], []
         for req in reqs:
@@ -237,4 +341,8 @@ class OutputProcessor:
             input_token_logprobs_idx=in_idx if any_logprob else None,
             input_top_logprobs_val=in_top_val if any_logprob else None,
             input_top_logprobs_idx=in_top_idx if any_logprob else None,
+            spec_verify_ct=[r.spec_verify_ct for r in reqs] if report_spec else None,
+            spec_verify_tokens=[r.spec_verify_tokens for r in reqs] if report_spec else None,
+            spec_draft_token_num=[r.spec_num_drafts for r in reqs] if report_spec else None,
+            spec_accept_token_num=[r.spec_num_accepted_drafts for r in reqs] if report_spec else None,
         )

@@ -25,15 +25,18 @@ from typing import Protocol
 
 import torch
 
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 
 
 class ForwardWorker(Protocol):
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult: ...
 
+    def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult: ...
+
 
 class PendingResult(Protocol):
-    def result(self) -> GenerationBatchResult: ...
+    def result(self) -> GenerationBatchResult | EmbeddingBatchResult: ...
 
 
 class OverlapExecutor(Protocol):

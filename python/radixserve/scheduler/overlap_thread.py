@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.scheduler.overlap import ForwardWorker, FutureMap
 
@@ -31,12 +32,16 @@ class ThreadOverlapExecutor:
 
     def launch(
         self, mwb: ModelWorkerBatch, future_indices: list[int]
-    ) -> Future[GenerationBatchResult] | DelayedSample:
+    ) -> Future[GenerationBatchResult | EmbeddingBatchResult] | DelayedSample:
         forward = self._executor.submit(self._run, mwb, future_indices)
         return DelayedSample(forward, future_indices) if mwb.delay_sample_launch else forward
 
-    def _run(self, mwb: ModelWorkerBatch, future_indices: list[int]) -> GenerationBatchResult:
+    def _run(
+        self, mwb: ModelWorkerBatch, future_indices: list[int]
+    ) -> GenerationBatchResult | EmbeddingBatchResult:
         self.future_map.resolve_future(mwb)
+        if mwb.is_embedding:  # prefill-only: no token for a later batch to read
+            return self.worker.forward_batch_embedding(mwb)
         result = self.worker.forward_batch_generation(mwb)
         if result.delay_sample_func is None:
             self.future_map.store_to_map(future_indices, result.next_token_ids)

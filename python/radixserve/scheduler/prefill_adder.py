@@ -134,11 +134,17 @@ class PrefillAdder:
         # The first request may exceed rem_input_tokens: otherwise a long prompt would never run.
         if input_tokens >= self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
+        # Mean/CLS pooling needs the whole prompt in one forward: never chunked; alone in its
+        # batch if it is longer than a chunk.
+        whole = req.needs_all_tokens
+        if whole and self.rem_chunk_tokens is not None and input_tokens > self.rem_chunk_tokens:
+            if self.can_run_list:
+                return AddReqResult.OTHER
         with self._lock_node(req.last_node):
             # Locking made the matched prefix unevictable, which can shrink the budget.
             if total_tokens >= self.rem_total_tokens:
                 return AddReqResult.NO_TOKEN
-            if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+            if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens or whole:
                 self.can_run_list.append(req)
                 self.tree_cache.inc_lock_ref(req.last_node)
                 self._update_prefill_budget(prefix_len, input_tokens, remaining_new_tokens(req))

@@ -105,8 +105,13 @@ class Req:
         received_time: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,  # noqa: ANN401 - any HF-style tokenizer with decode()
+        is_embedding: bool = False,
+        token_type_ids: list[int] | None = None,
+        label_token_ids: list[int] | None = None,
+        needs_all_tokens: bool = False,
     ) -> None:
         self.rid = rid
+        self.session_id: str | None = None  # set when the request continues a session
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
@@ -118,6 +123,14 @@ class Req:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.tokenizer = tokenizer
+        # Prefill-only requests (seed 000 §17): they finish when their prompt is computed.
+        self.is_embedding = is_embedding
+        self.token_type_ids = list(token_type_ids) if token_type_ids is not None else None
+        self.label_token_ids = list(label_token_ids) if label_token_ids is not None else None
+        # Mean/CLS pooling reads every prompt token's hidden state in one forward: no cached
+        # prefix (its states are not kept) and no chunking.
+        self.needs_all_tokens = needs_all_tokens
+        self.embedding: list[float] | None = None
         stops = sampling_params.stop or []
         self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
         self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
@@ -148,6 +161,18 @@ class Req:
         # (kind, spec) key of its compiled grammar.
         self.grammar: Any = None
         self.grammar_key: tuple[str, str] | None = None
+        # Prefill/decode disaggregation: the peer's bootstrap address and the pairing room.
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+        self.bootstrap_room: int | None = None
+
+        # Speculative decoding: the drafter's per-request state (None: never drafted), verify
+        # forwards this request took part in, and the tokens those forwards produced.
+        self.spec: Any = None
+        self.spec_verify_ct = 0
+        self.spec_verify_tokens = 0
+        self.spec_num_drafts = 0  # drafts proposed for it
+        self.spec_num_accepted_drafts = 0  # of which accepted (and kept)
 
         self.times = ReqTimes(received=received_time if received_time else time.time())
         self.logprobs = ReqLogprobs()
@@ -176,7 +201,7 @@ class Req:
         self.fill_ids = self.origin_input_ids + self.output_ids
         input_len = len(self.fill_ids)
         # At least one token must be computed: its logits give the next token.
-        max_prefix_len = input_len - 1
+        max_prefix_len = 0 if self.needs_all_tokens else input_len - 1
         if self.return_logprob and self.logprob_start_len >= 0:
             # Prompt logprobs need the logits of every position from logprob_start_len.
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
-from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput, rid_matches
+from radixserve.managers.io_struct import (
+    AbortReq,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+    rid_matches,
+)
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.req import FinishAbort, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -108,6 +114,8 @@ class RequestTable:
         input_len, max_len = len(req.origin_input_ids), self.limits.max_req_len
         if input_len == 0:
             return "The input is empty: at least one token is needed."
+        if req.is_embedding and input_len <= max_len:
+            return None  # nothing is generated: the whole context is the prompt's
         if input_len >= max_len:
             return (
                 f"The input ({input_len} tokens) is longer than the model's context length or the KV "
@@ -203,4 +211,22 @@ class RequestTable:
             received_time=msg.received_time,
             eos_token_ids=eos_token_ids,
             tokenizer=tokenizer,
+        )
+
+    @staticmethod
+    def build_embedding_req(msg: TokenizedEmbeddingReqInput, needs_all_tokens: bool) -> Req:
+        params = SamplingParams(max_new_tokens=0)
+        params.normalize()
+        return Req(
+            msg.rid,
+            msg.input_ids,
+            params,
+            origin_input_text=msg.input_text,
+            priority=msg.priority,
+            received_time=msg.received_time,
+            is_embedding=True,
+            token_type_ids=msg.token_type_ids,
+            label_token_ids=msg.label_token_ids,
+            # Scoring reads the last position only, whatever the model's pooling.
+            needs_all_tokens=needs_all_tokens and msg.label_token_ids is None,
         )

@@ -52,6 +52,8 @@ class ScheduleBatch:
         self.extend_num_tokens = 0
         self.extend_logprob_start_lens: list[int] | None = None
         self.future_indices: list[int] | None = None  # overlap: FutureMap slot of each row's token
+        self.spec_drafts: list[list[int]] | None = None  # TARGET_VERIFY: each request's drafts
+        self.token_type_ids: torch.Tensor | None = None  # [num_tokens], extend only (BERT segments)
 
     @classmethod
     def init_new(
@@ -72,6 +74,11 @@ class ScheduleBatch:
 
     def is_empty(self) -> bool:
         return not self.reqs
+
+    @property
+    def is_embedding(self) -> bool:
+        """A prefill-only batch: pooled outputs instead of sampled tokens (batches never mix)."""
+        return bool(self.reqs) and self.reqs[0].is_embedding
 
     @property
     def return_logprob(self) -> bool:
@@ -97,12 +104,22 @@ class ScheduleBatch:
             self.prefix_lens, self.seq_lens, last_loc, self.extend_num_tokens
         )
         self._write_req_to_token(reqs)
+        self.token_type_ids = self._token_type_ids()
         for r, p, s in zip(reqs, self.prefix_lens, self.seq_lens):
             r.cached_tokens += max(p - r.already_computed, 0)
             r.already_computed = s
             r.kv_committed_len = s
             r.is_retracted = False
         self.extend_logprob_start_lens = self._logprob_start_lens() if self.return_logprob else None
+
+    def _token_type_ids(self) -> torch.Tensor | None:
+        """[num_tokens] segment ids of this step's tokens (0 where a request has none), or None."""
+        if not any(r.token_type_ids for r in self.reqs):
+            return None
+        ids: list[int] = []
+        for r, p, s in zip(self.reqs, self.prefix_lens, self.seq_lens):
+            ids.extend(r.token_type_ids[p:s] if r.token_type_ids else [0] * (s - p))
+        return _i64(ids)
 
     def _write_req_to_token(self, reqs: list[Req]) -> None:
         """req_to_token[row, :seq_len] = prefix slots ++ new slots, as one scatter for the batch."""
@@ -151,6 +168,7 @@ class ScheduleBatch:
         self.extend_lens = [1] * len(reqs)
         self.extend_num_tokens = len(reqs)
         self.extend_logprob_start_lens = None
+        self.token_type_ids = None
         rows = [r.req_pool_idx for r in reqs]
         table = self.mem.req_to_token_pool.req_to_token
         rows_t, pos_t = _i64(rows), _i64(self.prefix_lens)
@@ -260,6 +278,9 @@ class ScheduleBatch:
                 if is_extend and self.extend_logprob_start_lens is not None
                 else None
             ),
+            is_embedding=self.is_embedding,
+            token_type_ids=self.token_type_ids if is_extend else None,
+            label_token_ids=[r.label_token_ids for r in self.reqs] if self.is_embedding else None,
         )
 
     def copy(self) -> ScheduleBatch:
@@ -273,6 +294,7 @@ class ScheduleBatch:
         other.seq_lens = list(self.seq_lens)
         other.extend_logprob_start_lens = self.extend_logprob_start_lens
         other.future_indices = self.future_indices
+        other.spec_drafts = self.spec_drafts
         return other
 
     def __repr__(self) -> str:

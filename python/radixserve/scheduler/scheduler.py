@@ -13,8 +13,9 @@ timeouts), SchedulePolicy, BatchBuilder (next batch), OutputProcessor (results a
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from http import HTTPStatus
 from typing import Any, Protocol
 
 import torch
@@ -25,11 +26,16 @@ from radixserve.constrained.grammar_backend import GrammarBackend
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    EmbeddingBatchResult,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
 )
@@ -37,15 +43,21 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
+from radixserve.scheduler.control_plane import ControlPlane
+from radixserve.scheduler.control_table import control_handlers
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
+from radixserve.scheduler.loops import NormalLoop, OverlapLoop
+from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
-from radixserve.scheduler.overlap import FutureMap, PendingResult, create_overlap_executor
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
 from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.scheduler.sessions import SessionController
+from radixserve.scheduler.weight_control import WeightControl
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.decode_step import SpeculativeDecodeStep
 from radixserve.utils.process import release_free_memory
 
 logger = logging.getLogger(__name__)
@@ -71,6 +83,8 @@ class ModelWorker(Protocol):
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult: ...
 
+    def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult: ...
+
 
 class Scheduler:
     def __init__(
@@ -91,7 +105,14 @@ class Scheduler:
         self.send_output = send_output
         self.device = getattr(worker, "device", "cpu")
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
-        if args.disable_radix_cache:
+        # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
+        # prefix can be shared and the radix cache would only hold KV nobody may reuse.
+        self.is_generation = getattr(worker, "is_generation", True)
+        embedding_config = getattr(worker, "embedding_config", None)
+        self.embedding_needs_all_tokens = (
+            embedding_config is not None and embedding_config.pooling.needs_all_tokens
+        )
+        if args.disable_radix_cache or not getattr(worker, "is_causal", True):
             cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
@@ -103,7 +124,10 @@ class Scheduler:
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.output = OutputProcessor(
-            self.mem, send_output, on_finished=lambda req: self.requests.forget(req)
+            self.mem,
+            send_output,
+            on_finished=self._on_finished,
+            report_spec=args.speculative_algorithm is not None,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
         self.requests = RequestTable(
@@ -133,20 +157,37 @@ class Scheduler:
             self.policy,
             self._batch_limits(),
             self.make_batch,
+            SpeculativeDecodeStep.from_server_args(args, self.mem),
         )
         self.sync: RankSync = sync or LocalSync()
         self.input_blocker = SchedulerInputBlocker(sync=self.sync)
+        self.control = ControlPlane(self)
+        self.weight_control = WeightControl(self.control, args.weight_version)
+        self.operators = OperatorControls(self.control, _tp_rank(worker))
+        self.sessions = SessionController(
+            self._build_session_req,
+            lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),
+            getattr(tokenizer, "bos_token_id", None),
+        )
         self.dispatcher = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
                 (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
+                (TokenizedEmbeddingReqInput, self.handle_embedding_request),
+                (BatchTokenizedEmbeddingReqInput, self.handle_batch_embedding_request),
                 (AbortReq, self.requests.abort),
                 (FlushCacheReqInput, self.flush_cache),
                 (GetInternalStateReq, self.get_internal_state),
+                *control_handlers(self),
+                (GetLoadReqInput, self.get_load),
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
         self.busy_since_trim = False  # a batch ran since the heap was last trimmed
+        # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
+        from radixserve.disaggregation.common import create_disaggregation
+
+        self.disagg = create_disaggregation(self)
 
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
@@ -174,19 +215,62 @@ class Scheduler:
 
     # ------------------------------------------------------------------ input
     def process_input_requests(self, recv_reqs: Iterable[object]) -> None:
-        # Flow control first (BLOCK / UNBLOCK): held requests reach the dispatcher later.
-        for msg in self.input_blocker.handle(list(recv_reqs)) or ():
-            reply = self.dispatcher(msg)
-            if reply is not None:
-                self.send_output(reply)
+        # Flow control first (BLOCK / UNBLOCK): held requests reach the dispatcher later. Then the
+        # control plane's order: weight updates and memory release wait for in-flight forwards.
+        self.operators.profiler.on_step()
+        self.control.process(self.input_blocker.handle(list(recv_reqs)) or [], self._dispatch)
+
+    def _dispatch(self, msg: object) -> None:
+        reply = self.dispatcher(msg)
+        if reply is not None:
+            self.send_output(reply)
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
+        error = None
+        if msg.session_params is not None and msg.session_params.id is not None:
+            req, error = self.sessions.create_req(msg)
+        else:
+            req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
+        released = self.control.released_message()
+        if error is not None or released is not None:
+            self.state.live[req.rid] = req
+            status = HTTPStatus.BAD_REQUEST if error is not None else HTTPStatus.SERVICE_UNAVAILABLE
+            self.output.finish_now(req, error or released or "", int(status))
+            return
+        if not self.is_generation:  # the TokenizerManager refuses these first; never crash on one
+            self.state.live[req.rid] = req
+            self.output.finish_now(req, "This model is an embedding model and cannot generate.", 400)
+            return
+        if self.disagg is not None:
+            self.disagg.add_request(msg, req)  # bootstrap first: PrefillBootstrapQueue / DecodePreallocQueue
+            return
         self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
+
+    def _build_session_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
+        return RequestTable.build_req(replace(msg, input_ids=input_ids), self.eos_token_ids, self.tokenizer)
+
+    def _on_finished(self, req: Req) -> None:
+        self.requests.forget(req)
+        if req.session_id is not None:
+            self.sessions.on_finished(req)
 
     def handle_batch_generate_request(self, msg: BatchTokenizedGenerateReqInput) -> None:
         for req in msg.reqs:
             self.handle_generate_request(req)
+
+    def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
+        """A prefill-only request (seed 000 §17): queued like any other, finished at its prefill."""
+        req = RequestTable.build_embedding_req(msg, self.embedding_needs_all_tokens)
+        if self.server_args.pp_size > 1:  # the pipeline loop only samples
+            self.requests.state.live[req.rid] = req
+            self.output.finish_now(req, "Prefill-only requests do not run with --pp-size > 1.", 400)
+            return
+        self.requests.add(req)
+
+    def handle_batch_embedding_request(self, msg: BatchTokenizedEmbeddingReqInput) -> None:
+        logger.debug("Processing batch embedding request with %d requests", len(msg.reqs))
+        for req in msg.reqs:
+            self.handle_embedding_request(req)
 
     # ------------------------------------------------------------------ control requests
     def is_idle(self) -> bool:
@@ -195,7 +279,15 @@ class Scheduler:
             and not self.state.waiting_queue
             and self.num_inflight_batches == 0
             and not self.input_blocker.at_barrier  # the UNBLOCK barrier is polled every step
+            and not self.control.has_waiting_work()
         )
+
+    def should_block_on_recv(self) -> bool:
+        """Whether the loop may wait for input: nothing to do until a request arrives (idle, or
+        paused with nothing in flight)."""
+        if self.is_idle():
+            return True
+        return self.control.stops_scheduling() and self.num_inflight_batches == 0
 
     def flush_cache(self, msg: FlushCacheReqInput | None = None) -> FlushCacheReqOutput:
         if not self.is_idle():
@@ -212,10 +304,22 @@ class Scheduler:
         logger.info("Cache flushed successfully.")
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
 
+    def get_load(self, msg: GetLoadReqInput | None = None) -> GetLoadReqOutput:
+        """SGLang's load: requests alive, and tokens (KV held by requests + waiting prompts)."""
+        waiting = self.state.waiting_queue
+        running = len(self.state.running_batch.reqs) + len(self.state.other_running_reqs)
+        return GetLoadReqOutput(
+            dp_rank=0,  # the process's SchedulerIO names its replica
+            num_reqs=running + len(waiting),
+            num_waiting_reqs=len(waiting),
+            num_tokens=self.mem.num_used_tokens() + sum(len(r.origin_input_ids) for r in waiting),
+        )
+
     def get_internal_state(self, msg: GetInternalStateReq | None = None) -> GetInternalStateReqOutput:
         stats = self.output.stats
         return GetInternalStateReqOutput(
             internal_state={
+                "load": self.get_load().num_tokens,
                 # Pipeline stages decode several micro-batches: the others' requests count too.
                 "num_running_reqs": len(self.state.running_batch.reqs) + len(self.state.other_running_reqs),
                 "num_waiting_reqs": len(self.state.waiting_queue),
@@ -230,9 +334,16 @@ class Scheduler:
                 "last_gen_throughput": stats.last_gen_throughput,
                 "new_token_ratio": self.state.new_token_ratio,
                 "num_retracted_reqs": stats.num_retracted_reqs,
+                "weight_version": self.weight_control.weight_version,
+                "paused": self.control.pause_mode,
+                "memory_released": sorted(self.control.released),
+                "forward_sleep_time": self.control.forward_sleep_time,
+                "num_sessions": len(self.sessions.sessions),
+                **self.operators.live_state(),
                 # Each rank's own pool (they must agree), gathered from every rank: all ranks
                 # receive this request in the same step.
                 "ranks": self.sync.gather(self._pool_report()),
+                **(self.disagg.internal_state() if self.disagg is not None else {}),
             }
         )
 
@@ -266,6 +377,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.control.stops_scheduling():
+            self.control.settle_while_stopped()
+            return None
         self.grammar.move_ready()
         batch = self.builder.get_next_batch_to_run()
         self.requests.enforce_queue_cap(self.grammar.queued_reqs())
@@ -293,11 +407,14 @@ class Scheduler:
         info.vocab_mask = self.grammar.vocab_mask(reqs, self.worker.vocab_size)
         info.sync_output_tokens([r.output_ids for r in reqs])
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        """Synchronous forward (the normal loop)."""
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
+        """Synchronous forward (the normal loop); a prefill-only batch samples nothing."""
         mwb = self.get_model_worker_batch(batch)
         self._mark_launched(batch, None)
+        self.control.before_forward()
         with torch.inference_mode():
+            if mwb.is_embedding:
+                return self.worker.forward_batch_embedding(mwb)
             return self.worker.forward_batch_generation(mwb)
 
     def _mark_launched(self, batch: ScheduleBatch, future_indices: list[int] | None) -> None:
@@ -308,7 +425,9 @@ class Scheduler:
             if future_indices is not None:
                 req.pending_future = future_indices[i]
 
-    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult
+    ) -> None:
         self.num_inflight_batches -= 1
         self.busy_since_trim = True
         self.output.process_batch_result(batch, result)
@@ -318,16 +437,22 @@ class Scheduler:
         last = self.state.last_batch
         return (
             batch is not None
-            and batch.forward_mode.is_extend()
+            and batch.forward_mode.is_prefill()
             and last is not None
-            and last.forward_mode.is_extend()
+            and last.forward_mode.is_prefill()
         )
 
-    def make_loop(self) -> NormalLoop | OverlapLoop:
+    def make_loop(self) -> Any:  # noqa: ANN401 - NormalLoop, OverlapLoop, or a disaggregated side's loop
+        if self.disagg is not None:
+            return self.disagg.make_loop()  # PrefillLoop / DecodeLoop (normal, not overlapped)
         return NormalLoop(self) if self.server_args.disable_overlap_schedule else OverlapLoop(self)
 
     def event_loop(self, recv_requests: Callable[[], list[object]]) -> None:
         """The scheduler process's main loop (never returns): overlap unless disabled."""
+        if self.disagg is not None:
+            loop = self.make_loop()
+            while True:
+                loop.step(recv_requests())
         if self.server_args.disable_overlap_schedule:
             self.event_loop_normal(recv_requests)
         else:
@@ -339,7 +464,7 @@ class Scheduler:
             loop.step(recv_requests())
 
     def event_loop_overlap(self, recv_requests: Callable[[], list[object]]) -> None:
-        loop = OverlapLoop(self)
+        loop = OverlapLoop(self)  # refuses speculative decoding
         try:
             while True:
                 loop.step(recv_requests())
@@ -347,99 +472,9 @@ class Scheduler:
             loop.close()
 
 
-class NormalLoop:
-    """event_loop_normal (seed 001 §2.1): build, run, process; the CPU waits for each forward."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
-    def step(self, recv_reqs: Iterable[object] = ()) -> None:
-        s = self.scheduler
-        s.process_input_requests(recv_reqs)
-        batch = s.get_next_batch_to_run()
-        if batch is not None:
-            s.process_batch_result(batch, s.run_batch(batch))
-        else:
-            s.self_check_during_idle()
-        s.state.last_batch = batch
-        s.output.flush()
-
-    def close(self) -> None:
-        return None
+def _tp_rank(worker: ModelWorker) -> int:
+    rank = getattr(worker, "rank", None)
+    return rank.groups.tp_rank if rank is not None else 0
 
 
-class OverlapLoop:
-    """event_loop_overlap (seed 001 §2.2): batch N's results are processed after batch N+1 has been
-    launched (on the forward thread on CPU, the forward stream on CUDA: scheduler/overlap.py), so
-    result processing hides behind the next forward. A batch with grammars or penalties keeps that
-    overlap: only its sample waits for batch N's results (delayed sampling)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.future_map = FutureMap(
-            scheduler.max_running_requests,
-            scheduler.chunked_prefill_size,
-            scheduler.worker.max_context_len,
-            scheduler.device,
-        )
-        self.worker = create_overlap_executor(scheduler.worker, self.future_map, scheduler.device)
-        self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()
-        # The batch launched this step with a delayed sample: (its requests, its mwb, its handle).
-        self.delayed_sample: tuple[list[Req], ModelWorkerBatch, PendingResult] | None = None
-
-    def _pop_and_process(self) -> None:
-        batch, future = self.result_queue.popleft()
-        self.scheduler.process_batch_result(batch, future.result())
-
-    def _launch(self, batch: ScheduleBatch) -> None:
-        s = self.scheduler
-        delay = needs_delayed_sample(batch)
-        mwb = s.get_model_worker_batch(batch, delay_sample=delay)
-        future_indices = self.future_map.alloc_future_indices(batch.batch_size())
-        s._mark_launched(batch, future_indices)
-        pending = self.worker.launch(mwb, future_indices)
-        self.result_queue.append((batch.copy(), pending))
-        if delay:
-            self.delayed_sample = (list(batch.reqs), mwb, pending)
-
-    def launch_batch_sample_if_needed(self) -> None:
-        """Seed 001 §2.2: the batch launched this step samples only now, after the previous
-        batch's results updated its requests' grammar matchers and output_ids."""
-        if self.delayed_sample is None:
-            return
-        reqs, mwb, pending = self.delayed_sample
-        self.delayed_sample = None
-        self.scheduler.prepare_sample(reqs, mwb)
-        self.worker.launch_sample(pending)
-
-    def step(self, recv_reqs: Iterable[object] = ()) -> None:
-        s = self.scheduler
-        s.process_input_requests(recv_reqs)
-        batch = s.get_next_batch_to_run()
-        disable_overlap = s.is_disable_overlap_for_batch(batch)
-        if disable_overlap and self.result_queue:
-            self._pop_and_process()
-        if batch is not None:
-            self._launch(batch)
-        # Process the previous batch while the current one runs on the forward thread / stream.
-        if len(self.result_queue) > (1 if batch is not None else 0):
-            self._pop_and_process()
-        elif batch is None and s.state.last_batch is None:
-            s.self_check_during_idle()
-        # Every earlier batch is processed now: the current one may sample.
-        self.launch_batch_sample_if_needed()
-        s.state.last_batch = batch
-        s.output.flush()
-
-    def close(self) -> None:
-        while self.result_queue:
-            self._pop_and_process()
-        self.worker.shutdown()
-
-
-def needs_delayed_sample(batch: ScheduleBatch) -> bool:
-    """Whether sampling `batch` depends on the previous batch's tokens: a grammar mask (the
-    matcher must accept the previous token first) or penalty / min_new_tokens counts."""
-    if batch.sampling_info is not None and batch.sampling_info.penalizer is not None:
-        return True
-    return any(r.grammar is not None for r in batch.reqs)
+__all__ = ["NormalLoop", "OverlapLoop", "Scheduler"]

@@ -15,13 +15,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.managers.io_struct import (
+    BatchTokenIDOut,
+    GetInternalStateReqOutput,
+    GetLoadReqOutput,
+    RpcReqOutput,
+)
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
 
@@ -36,37 +42,115 @@ IDLE_POLL_MS = 1000
 
 
 class SchedulerIO:
-    """Receives requests without blocking while there is work, and routes outputs by type."""
+    """Receives requests without blocking while there is work, and routes outputs by type.
 
-    def __init__(self, port_args: PortArgs) -> None:
+    A data-parallel replica's rank 0 (port_args.dp_controller_ipc_name set) also stamps its
+    dp_rank on what it sends and reports its load to the DataParallelController."""
+
+    def __init__(self, port_args: PortArgs, load_watch_interval: float = 0.1) -> None:
         self.context = zmq.Context(2)
         self.recv = get_zmq_socket(self.context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
         self.to_detokenizer = get_zmq_socket(
             self.context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False
         )
         self.to_tokenizer = get_zmq_socket(self.context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        # The RPC channel (seed 002 §3.1): the Engine's calls that need a reply of their own.
+        self.recv_from_rpc = (
+            get_zmq_socket(self.context, zmq.DEALER, port_args.rpc_ipc_name, bind=True)
+            if port_args.rpc_ipc_name
+            else None
+        )
+        self.poller = zmq.Poller()
+        for sock in (self.recv, self.recv_from_rpc):
+            if sock is not None:
+                self.poller.register(sock, zmq.POLLIN)
+        self.dp_rank = port_args.dp_rank
+        self.to_controller = (
+            get_zmq_socket(self.context, zmq.PUSH, port_args.dp_controller_ipc_name, bind=False)
+            if port_args.dp_controller_ipc_name
+            else None
+        )
+        self.load_watch_interval = load_watch_interval
+        self._last_report: tuple[int, int, int] | None = None
+        self._last_report_time = 0.0
 
     def recv_requests(self, block: bool) -> list[object]:
         msgs: list[object] = []
-        if block and not self.recv.poll(IDLE_POLL_MS):
+        if block and not self.poller.poll(IDLE_POLL_MS):
             return msgs
-        while True:
-            try:
-                msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
-            except zmq.Again:
-                return msgs
+        for sock in (self.recv, self.recv_from_rpc):
+            while sock is not None:
+                try:
+                    msgs.append(sock.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        return msgs
 
     def send_output(self, msg: object) -> None:
+        if isinstance(msg, RpcReqOutput) and self.recv_from_rpc is not None:
+            self.recv_from_rpc.send_pyobj(msg)
+            return
+        if self.dp_rank:
+            msg = _stamp_dp_rank(msg, self.dp_rank)
         sock = self.to_detokenizer if isinstance(msg, BatchTokenIDOut) else self.to_tokenizer
         sock.send_pyobj(msg)
 
+    def report_load(self, scheduler: Any) -> None:  # noqa: ANN401 - the Scheduler (imported lazily)
+        """Send this replica's load to the controller when it changed, at most every interval s."""
+        if self.to_controller is None:
+            return
+        now = time.monotonic()
+        if now - self._last_report_time < self.load_watch_interval:
+            return
+        load = scheduler.get_load()
+        key = (load.num_reqs, load.num_waiting_reqs, load.num_tokens)
+        if key == self._last_report:
+            return
+        self._last_report, self._last_report_time = key, now
+        self.to_controller.send_pyobj(dataclasses.replace(load, dp_rank=self.dp_rank))
 
-def _configure_threads(server_args: ServerArgs) -> None:
-    """The scheduler process does the math: it gets the cores (other processes get one thread)."""
+
+def _start_watchdog(server_args: ServerArgs, scheduler: Any) -> None:  # noqa: ANN401 - the Scheduler
+    from radixserve.scheduler.watchdog import SchedulerWatchdog
+
+    SchedulerWatchdog(
+        server_args.watchdog_timeout, lambda: scheduler.control.steps, lambda: not scheduler.is_idle()
+    ).start()
+
+
+def _stamp_dp_rank(msg: object, dp_rank: int) -> object:
+    """Name the replica in what leaves it (the scheduler itself does not know it is one)."""
+    if isinstance(msg, BatchTokenIDOut | GetLoadReqOutput):
+        return dataclasses.replace(msg, dp_rank=dp_rank)
+    if isinstance(msg, GetInternalStateReqOutput):
+        return GetInternalStateReqOutput(internal_state={**msg.internal_state, "dp_rank": dp_rank})
+    return msg
+
+
+def recv_and_report(io: SchedulerIO, scheduler: Any) -> Callable[[], list[object]]:  # noqa: ANN401
+    """The event loop's receive step: report the load (replicas only), then read the socket."""
+
+    def recv() -> list[object]:
+        io.report_load(scheduler)
+        return io.recv_requests(block=scheduler.should_block_on_recv())
+
+    return recv
+
+
+def _configure_threads(server_args: ServerArgs, dp_rank: int = 0) -> None:
+    """The scheduler process does the math: it gets the cores (other processes get one thread);
+    data-parallel replicas split them and are pinned to their share."""
     import torch
 
     if server_args.device == "cpu" and server_args.cpu_threads:
-        torch.set_num_threads(server_args.cpu_threads)
+        if server_args.dp_size == 1:
+            torch.set_num_threads(server_args.cpu_threads)
+            return
+        threads, cores = server_args.layout().cpu_cores(0, server_args.cpu_threads, dp_rank)
+        if cores:
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+        logger.info("Replica %d: %d threads on cores %s", dp_rank, threads, cores or "any")
 
 
 def build_scheduler(
@@ -79,7 +163,11 @@ def build_scheduler(
     from radixserve.scheduler.scheduler import Scheduler
 
     model_config = ModelConfig.from_path(
-        server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
+        server_args.model_path,
+        server_args.context_length,
+        server_args.dtype,
+        server_args.device,
+        is_embedding=server_args.is_embedding,
     )
     worker = TpModelWorker(server_args, model_config, rank)
     tokenizer = load_tokenizer(server_args)
@@ -92,18 +180,42 @@ def build_scheduler(
         "context_len": model_config.context_len,
         "vocab_size": model_config.vocab_size,
         "pid": os.getpid(),
+        "is_generation": model_config.is_generation,
+        "embedding": embedding_info(model_config),
     }
     return scheduler, info
 
 
+def embedding_info(model_config: Any) -> dict[str, Any] | None:  # noqa: ANN401 - a ModelConfig
+    """What the TokenizerManager needs to know about a model that does not generate."""
+    cfg = model_config.embedding
+    if cfg is None:
+        return None
+    return {
+        "pooling": cfg.pooling.value,
+        "normalize": cfg.normalize,
+        "is_classifier": cfg.is_classifier,
+        "is_causal": cfg.is_causal,
+        "num_labels": cfg.num_labels,
+        "id2label": dict(cfg.id2label),
+        "matryoshka_dimensions": (
+            list(cfg.matryoshka_dimensions) if cfg.matryoshka_dimensions is not None else None
+        ),
+        "hidden_size": model_config.hidden_size,
+    }
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection) -> None:
     """Process entry: build everything, report readiness over `pipe`, then run the event loop."""
+    name = f"scheduler DP{port_args.dp_rank}" if server_args.dp_size > 1 else "scheduler"
     logging.basicConfig(
-        level=server_args.log_level.upper(), format="[%(asctime)s scheduler] %(levelname)s %(message)s"
+        level=server_args.log_level.upper(), format=f"[%(asctime)s {name}] %(levelname)s %(message)s"
     )
     try:
-        _configure_threads(server_args)
-        io = SchedulerIO(port_args)
+        if server_args.dp_size > 1 and server_args.device == "cuda":
+            server_args = dataclasses.replace(server_args, device=f"cuda:{port_args.dp_rank}")
+        _configure_threads(server_args, port_args.dp_rank)
+        io = SchedulerIO(port_args, server_args.load_watch_interval)
         scheduler, info = build_scheduler(server_args, io.send_output)
     except Exception as exc:
         logger.exception("Scheduler failed to start")
@@ -116,7 +228,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
         info["context_len"],
         not server_args.disable_overlap_schedule,
     )
-    scheduler.event_loop(lambda: io.recv_requests(block=scheduler.is_idle()))
+    _start_watchdog(server_args, scheduler)
+    scheduler.event_loop(recv_and_report(io, scheduler))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,12 +244,14 @@ def run_rank_process(
     the TP loop or the pipeline loop. `port_args` is None on nodes other than 0 (headless)."""
     layout = server_args.layout()
     info = layout.rank_info(rank)
+    dp_rank = port_args.dp_rank if port_args is not None else 0
+    dp = f"DP{dp_rank} " if server_args.dp_size > 1 else ""
     logging.basicConfig(
         level=server_args.log_level.upper(),
-        format=f"[%(asctime)s scheduler TP{info.tp_rank} PP{info.pp_rank}] %(levelname)s %(message)s",
+        format=f"[%(asctime)s scheduler {dp}TP{info.tp_rank} PP{info.pp_rank}] %(levelname)s %(message)s",
     )
     try:
-        server_args, threads, cores = place_rank(server_args, layout, info.local_rank)
+        server_args, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
         runtime, scheduler, io, ready = _build_rank(server_args, port_args, layout, rank, init_addr)
         ready["rank_info"] = {
             **dataclasses.asdict(info),
@@ -178,15 +293,16 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 
 def place_rank(
-    server_args: ServerArgs, layout: ParallelLayout, local_rank: int
+    server_args: ServerArgs, layout: ParallelLayout, local_rank: int, dp_rank: int = 0
 ) -> tuple[ServerArgs, int, list[int]]:
-    """This rank's device and its share of the node's cores (pinned, so ranks never contend)."""
+    """This rank's device and its share of the node's cores (pinned, so ranks never contend);
+    data-parallel replicas take consecutive blocks of devices and cores."""
     import torch
 
     if server_args.device == "cuda":
-        server_args = dataclasses.replace(server_args, device=f"cuda:{local_rank}")
-        return server_args, torch.get_num_threads(), []
-    threads, cores = layout.cpu_cores(local_rank, server_args.cpu_threads)
+        device = f"cuda:{dp_rank * layout.ranks_per_node + local_rank}"
+        return dataclasses.replace(server_args, device=device), torch.get_num_threads(), []
+    threads, cores = layout.cpu_cores(local_rank, server_args.cpu_threads, dp_rank)
     if cores:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
@@ -206,7 +322,11 @@ def _build_rank(
         server_args.dist_timeout,
         use_shm=not server_args.disable_custom_all_reduce,
     )
-    io = SchedulerIO(port_args) if runtime.is_entry_rank and port_args is not None else None
+    io = (
+        SchedulerIO(port_args, server_args.load_watch_interval)
+        if runtime.is_entry_rank and port_args is not None
+        else None
+    )
     send_output = io.send_output if io is not None else (lambda msg: None)
     scheduler, ready = build_scheduler(server_args, send_output, runtime)
     return runtime, scheduler, io, ready
@@ -228,12 +348,15 @@ def _run_rank_loop(
 ) -> None:
     from radixserve.distributed.communication import broadcast_pyobj
 
+    _start_watchdog(server_args, scheduler)
     groups = runtime.groups
     tp_src = runtime.layout.rank_of(groups.pp_rank, 0)
 
+    recv_io = recv_and_report(io, scheduler) if io is not None else None
+
     def recv_stage0() -> list[object]:
         """Rank 0 reads the socket; its TP peers get the same list over the CPU group."""
-        msgs = io.recv_requests(block=scheduler.is_idle()) if io is not None else None
+        msgs = recv_io() if recv_io is not None else None
         if runtime.layout.tp_size == 1:
             return msgs or []
         return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)

@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import (
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -22,6 +27,8 @@ class Result:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     text: str = ""
+    embedding: list[float] | None = None  # embedding requests
+    cached_tokens: int = 0
 
 
 class InProcessScheduler:
@@ -43,7 +50,7 @@ class InProcessScheduler:
             "enable_overlap_schedule", not server_args.get("disable_overlap_schedule", False)
         )
         self.args = ServerArgs(model_path=model_path, **server_args).resolve()
-        self.model_config = ModelConfig.from_path(model_path)
+        self.model_config = ModelConfig.from_path(model_path, is_embedding=self.args.is_embedding)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.worker = worker if worker is not None else TpModelWorker(self.args, self.model_config)
         self.sent: list[object] = []
@@ -67,6 +74,18 @@ class InProcessScheduler:
         sp.verify(self.worker.vocab_size)
         self.scheduler.process_input_requests([TokenizedGenerateReqInput(rid, "", list(input_ids), sp)])
 
+    def submit_embedding(
+        self,
+        rid: str,
+        input_ids: list[int],
+        token_type_ids: list[int] | None = None,
+        label_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue one prefill-only request (an embedding, or label scores with label_token_ids)."""
+        self.scheduler.process_input_requests(
+            [TokenizedEmbeddingReqInput(rid, "", list(input_ids), token_type_ids, label_token_ids)]
+        )
+
     def abort(self, rid: str) -> None:
         from radixserve.managers.io_struct import AbortReq
 
@@ -89,11 +108,18 @@ class InProcessScheduler:
 
     def _absorb(self) -> None:
         for msg in self.sent[self._seen :]:
+            if isinstance(msg, BatchEmbeddingOut):
+                for i, rid in enumerate(msg.rids):
+                    res = self.results.setdefault(rid, Result())
+                    res.embedding, res.finish_reason = msg.embeddings[i], msg.finished_reasons[i]
+                    res.cached_tokens = msg.cached_tokens[i]
+                continue
             if not isinstance(msg, BatchTokenIDOut):
                 continue
             for i, rid in enumerate(msg.rids):
                 res = self.results.setdefault(rid, Result())
                 res.output_ids.extend(msg.output_ids[i])
+                res.cached_tokens = msg.cached_tokens[i]
                 if msg.finished_reasons[i] is not None:
                     res.finish_reason = msg.finished_reasons[i]
         self._seen = len(self.sent)

@@ -61,6 +61,34 @@ class Scalar:
         return [f"# HELP {name} {self.help}", f"# TYPE {name} {self.kind}", f"{name} {_fmt(self.value)}"]
 
 
+@dataclass
+class PerReplicaCounter:
+    """A counter with one series per data-parallel replica (label `dp_rank`), as SGLang labels
+    its scheduler metrics with --dp-size > 1."""
+
+    name: str
+    help: str
+    dp_size: int
+    values: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.values = [0.0] * self.dp_size
+
+    @property
+    def value(self) -> float:
+        return sum(self.values)
+
+    def add(self, amount: float, dp_rank: int | None) -> None:
+        self.values[dp_rank if dp_rank is not None and 0 <= dp_rank < self.dp_size else 0] += amount
+
+    def render(self) -> list[str]:
+        name = f"{PREFIX}:{self.name}"
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} counter"]
+        if self.dp_size == 1:
+            return [*lines, f"{name} {_fmt(self.values[0])}"]
+        return lines + [f'{name}{{dp_rank="{d}"}} {_fmt(v)}' for d, v in enumerate(self.values)]
+
+
 def _fmt(value: float) -> str:
     if math.isinf(value):
         return "+Inf"
@@ -70,14 +98,36 @@ def _fmt(value: float) -> str:
 class ServerMetrics:
     """Request-level metrics as seen by the TokenizerManager."""
 
-    def __init__(self, max_total_num_tokens: int) -> None:
+    def __init__(self, max_total_num_tokens: int, dp_size: int = 1, speculative: bool = False) -> None:
+        """`max_total_num_tokens`: the KV tokens of every replica together. With `dp_size` > 1 the
+        counters carry a `dp_rank` label (the replica that served the request). `speculative`: render
+        the speculative-decoding series."""
         self.max_total_num_tokens = max(1, max_total_num_tokens)
-        self.num_requests = Scalar("num_requests_total", "Finished requests.", "counter")
-        self.num_aborted = Scalar("num_aborted_requests_total", "Aborted requests.", "counter")
-        self.prompt_tokens = Scalar("prompt_tokens_total", "Prompt tokens of finished requests.", "counter")
-        self.generation_tokens = Scalar("generation_tokens_total", "Generated tokens.", "counter")
-        self.cached_tokens = Scalar(
-            "cached_tokens_total", "Prompt tokens served by the prefix cache.", "counter"
+        self.speculative = speculative  # render the speculative-decoding series
+        self.spec_verify_ct = Scalar(
+            "spec_verify_ct_total", "Verify forwards of finished requests (speculative decoding).", "counter"
+        )
+        self.spec_verify_tokens = Scalar(
+            "spec_verify_tokens_total", "Tokens those verify forwards produced.", "counter"
+        )
+        self.spec_draft_tokens = Scalar("spec_draft_tokens_total", "Draft tokens proposed.", "counter")
+        self.spec_accepted_tokens = Scalar("spec_accepted_tokens_total", "Draft tokens accepted.", "counter")
+        self.spec_accept_length = Scalar(
+            "spec_accept_length",
+            "Mean tokens per verify forward (accepted drafts + 1): spec_verify_tokens_total / spec_verify_ct_total.",
+            "gauge",
+        )
+        self.spec_accept_rate = Scalar(
+            "spec_accept_rate", "spec_accepted_tokens_total / spec_draft_tokens_total.", "gauge"
+        )
+        self.num_requests = PerReplicaCounter("num_requests_total", "Finished requests.", dp_size)
+        self.num_aborted = PerReplicaCounter("num_aborted_requests_total", "Aborted requests.", dp_size)
+        self.prompt_tokens = PerReplicaCounter(
+            "prompt_tokens_total", "Prompt tokens of finished requests.", dp_size
+        )
+        self.generation_tokens = PerReplicaCounter("generation_tokens_total", "Generated tokens.", dp_size)
+        self.cached_tokens = PerReplicaCounter(
+            "cached_tokens_total", "Prompt tokens served by the prefix cache.", dp_size
         )
         self.num_running = Scalar("num_running_reqs", "Requests that produced a first token.", "gauge")
         self.num_queued = Scalar("num_queue_reqs", "Requests waiting for their first token.", "gauge")
@@ -101,21 +151,34 @@ class ServerMetrics:
         if queue_time is not None:
             self.queue_time.observe(queue_time)
 
-    def on_tokens(self, num_new_tokens: int, interval: float | None) -> None:
-        self.generation_tokens.value += num_new_tokens
+    def on_tokens(self, num_new_tokens: int, interval: float | None, dp_rank: int | None = None) -> None:
+        self.generation_tokens.add(num_new_tokens, dp_rank)
         if interval is not None and num_new_tokens > 0:
             per_token = interval / num_new_tokens
             for _ in range(num_new_tokens):
                 self.itl.observe(per_token)
 
-    def on_finish(self, prompt_tokens: int, cached_tokens: int, e2e: float, aborted: bool) -> None:
-        self.num_requests.value += 1
-        self.num_aborted.value += int(aborted)
-        self.prompt_tokens.value += prompt_tokens
-        self.cached_tokens.value += cached_tokens
+    def on_finish(
+        self, prompt_tokens: int, cached_tokens: int, e2e: float, aborted: bool, dp_rank: int | None = None
+    ) -> None:
+        self.num_requests.add(1, dp_rank)
+        self.num_aborted.add(int(aborted), dp_rank)
+        self.prompt_tokens.add(prompt_tokens, dp_rank)
+        self.cached_tokens.add(cached_tokens, dp_rank)
         self.e2e.observe(e2e)
         if self.prompt_tokens.value:
             self.cache_hit_rate.value = self.cached_tokens.value / self.prompt_tokens.value
+
+    def on_spec(self, verify_ct: int, verify_tokens: int, num_drafts: int, num_accepted: int) -> None:
+        """A finished request's speculative-decoding counters."""
+        self.spec_verify_ct.value += verify_ct
+        self.spec_verify_tokens.value += verify_tokens
+        self.spec_draft_tokens.value += num_drafts
+        self.spec_accepted_tokens.value += num_accepted
+        if self.spec_verify_ct.value:
+            self.spec_accept_length.value = self.spec_verify_tokens.value / self.spec_verify_ct.value
+        if self.spec_draft_tokens.value:
+            self.spec_accept_rate.value = self.spec_accepted_tokens.value / self.spec_draft_tokens.value
 
     def set_load(self, num_running: int, num_queued: int, tokens_in_flight: int) -> None:
         self.num_running.value = num_running
@@ -123,7 +186,7 @@ class ServerMetrics:
         self.token_usage.value = min(1.0, tokens_in_flight / self.max_total_num_tokens)
 
     def render(self) -> str:
-        parts: list[Scalar | Histogram] = [
+        parts: list[Scalar | PerReplicaCounter | Histogram] = [
             self.num_requests,
             self.num_aborted,
             self.prompt_tokens,
@@ -138,4 +201,13 @@ class ServerMetrics:
             self.e2e,
             self.queue_time,
         ]
+        if self.speculative:
+            parts += [
+                self.spec_verify_ct,
+                self.spec_verify_tokens,
+                self.spec_draft_tokens,
+                self.spec_accepted_tokens,
+                self.spec_accept_length,
+                self.spec_accept_rate,
+            ]
         return "\n".join(line for p in parts for line in p.render()) + "\n"

@@ -6,7 +6,7 @@ import os
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -23,6 +23,12 @@ class PortArgs:
     tokenizer_ipc_name: str  # TokenizerManager PULL: BatchStrOut and control outputs
     scheduler_input_ipc_name: str  # scheduler (rank 0) PULL: requests from the TokenizerManager
     detokenizer_ipc_name: str  # detokenizer PULL: BatchTokenIDOut from the scheduler
+    rpc_ipc_name: str = ""  # scheduler (rank 0) DEALER: RpcReqInput in, RpcReqOutput back (Engine)
+    # With --dp-size > 1 the DataParallelController binds scheduler_input_ipc_name and each
+    # replica's rank 0 its own `replica_input(dp_rank)`; replicas report their load to the
+    # controller's `dp_controller_ipc_name`. A replica's PortArgs (`for_dp_rank`) carries its rank.
+    dp_rank: int = 0
+    dp_controller_ipc_name: str | None = None
 
     @classmethod
     def create(cls) -> PortArgs:
@@ -32,6 +38,23 @@ class PortArgs:
             tokenizer_ipc_name=f"ipc://{os.path.join(ipc_dir, 'tokenizer')}",
             scheduler_input_ipc_name=f"ipc://{os.path.join(ipc_dir, 'scheduler')}",
             detokenizer_ipc_name=f"ipc://{os.path.join(ipc_dir, 'detokenizer')}",
+            rpc_ipc_name=f"ipc://{os.path.join(ipc_dir, 'rpc')}",
+        )
+
+    def replica_input(self, dp_rank: int) -> str:
+        return f"ipc://{os.path.join(self.ipc_dir, f'scheduler-dp{dp_rank}')}"
+
+    def with_dp_controller(self) -> PortArgs:
+        return replace(
+            self, dp_controller_ipc_name=f"ipc://{os.path.join(self.ipc_dir, 'dp-controller-load')}"
+        )
+
+    def for_dp_rank(self, dp_rank: int) -> PortArgs:
+        """The endpoints replica `dp_rank`'s rank 0 uses: its own input, the shared outputs."""
+        # The RPC channel (the Engine's collective_rpc) reaches replica 0 only: one socket binds it.
+        rpc = self.rpc_ipc_name if dp_rank == 0 else ""
+        return replace(
+            self, scheduler_input_ipc_name=self.replica_input(dp_rank), dp_rank=dp_rank, rpc_ipc_name=rpc
         )
 
     def cleanup(self) -> None:

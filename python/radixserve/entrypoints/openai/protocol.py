@@ -100,6 +100,13 @@ class SamplingExtras(RequestModel):
     ebnf: str | None = None
     json_schema: str | None = None
     rid: str | None = Field(default=None, max_length=MAX_RID_LEN)
+    # With --dp-size > 1: the replica to serve the request (the Gateway's --dp-aware sends it).
+    routed_dp_rank: NonNegativeInt | None = None
+    data_parallel_rank: NonNegativeInt | None = None
+    # Prefill/decode disaggregation: set by the load balancer (docs/disaggregation.md).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 # ----------------------------------------------------------------------------- completions

@@ -63,6 +63,11 @@ class ChatHandler:
             return_text_in_logprobs=True,  # the OpenAI logprobs name each token
             rid=req.rid,
             stream=stream,
+            routed_dp_rank=req.routed_dp_rank,
+            data_parallel_rank=req.data_parallel_rank,
+            bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room,
         )
         return native, plan
 

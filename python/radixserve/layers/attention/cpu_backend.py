@@ -10,7 +10,9 @@ the paged pool, causal among the new tokens and full over a cached prefix, with 
 a GQA group sharing each K/V tile. torch-native instead gathers each request's K/V into a copy and
 runs SDPA per request, with an explicit mask when there is a prefix (its slow path). Where the
 kernel cannot run (fp16/bf16 pools, a head_dim it does not take, a build without AVX2) extend
-falls back to torch-native.
+falls back to torch-native. Encoder (bidirectional) prefills never have a cached prefix: they
+attend the step's own K/V in place (layers/attention/encoder.py); the compiled extend kernel is
+causal only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.attention.encoder import bidirectional_attention
 from radixserve.layers.attention.torch_native import TorchNativeAttnBackend
 from sgl_kernel import cpu as cpu_kernels
 
@@ -33,6 +36,13 @@ class CpuExtendMetadata:
     """An extend step on the compiled kernel: it reads req_to_token and seq_lens itself."""
 
     extend_lens: torch.Tensor  # [bs] int64 new tokens per request
+
+
+@dataclass(frozen=True)
+class EncoderMetadata:
+    """A bidirectional prefill with no cached prefix: attention over the step's own K/V."""
+
+    extend_lens: list[int]
 
 
 def cpu_kernels_available() -> bool:
@@ -51,7 +61,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         pool = forward_batch.token_to_kv_pool
-        if pool.dtype == torch.float32:
+        extend_lens = forward_batch.extend_seq_lens_cpu
+        if not forward_batch.attn_causal and extend_lens == forward_batch.seq_lens_cpu:
+            forward_batch.attn_metadata = EncoderMetadata(list(extend_lens))
+            return
+        if pool.dtype == torch.float32 and forward_batch.attn_causal:
             if forward_batch.forward_mode.is_decode():
                 forward_batch.attn_metadata = None  # the kernel reads req_to_token directly
                 return
@@ -81,6 +95,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         meta = forward_batch.attn_metadata
+        if isinstance(meta, EncoderMetadata):
+            return bidirectional_attention(q, k, v, meta.extend_lens, layer)
         if not isinstance(meta, CpuExtendMetadata):
             return super().forward_extend(q, k, v, layer, forward_batch)
         k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)

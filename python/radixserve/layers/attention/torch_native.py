@@ -6,7 +6,8 @@ Extend runs one SDPA call per request: requests in a prefill batch are ragged (a
 prompt beside 64-token questions over a cached prefix), and padding every request to the longest
 one multiplied the attention work by up to the batch size. A request without a cached prefix uses
 SDPA's causal mode (its kernel skips the upper triangle); one with a prefix gets an explicit mask
-(query i sees keys up to prefix_len + i).
+(query i sees keys up to prefix_len + i). Encoder models (ForwardBatch.attn_causal False) attend
+bidirectionally: no mask at all, every query sees every key of its request.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class ExtendSegment:
     q_start: int  # first row of this request in q / the output
     q_len: int  # extend_len
     kv_indices: torch.Tensor  # [seq_len] int64 pool slots (prefix + new tokens)
-    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend) with a prefix; None: causal
+    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend) with a prefix; None: see causal
+    causal: bool = True  # with no mask: causal (decoders) or full (encoders)
 
 
 @dataclass
@@ -70,11 +72,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         for row, seq_len, q_len in zip(rows, forward_batch.seq_lens_cpu, extend_lens):
             prefix_len = seq_len - q_len
             mask = None
-            if prefix_len > 0:
+            if prefix_len > 0 and forward_batch.attn_causal:
                 q_pos = torch.arange(prefix_len, seq_len, device=self.device)  # [q_len]
                 mask = torch.arange(seq_len, device=self.device)[None, :] <= q_pos[:, None]
             kv_indices = req_to_token[row, :seq_len].long()  # [seq_len]
-            segments.append(ExtendSegment(q_start, q_len, kv_indices, mask))
+            segments.append(ExtendSegment(q_start, q_len, kv_indices, mask, forward_batch.attn_causal))
             q_start += q_len
         return segments
 
@@ -85,16 +87,17 @@ class TorchNativeAttnBackend(AttentionBackend):
         v: torch.Tensor,
         mask: torch.Tensor | None,
         layer: RadixAttention,
+        causal: bool = True,
     ) -> torch.Tensor:
         """q [bs, num_heads, q_len, head_dim]; k, v [bs, num_kv_heads, kv_len, head_dim];
-        mask None means causal with q_len == kv_len."""
+        mask None means causal with q_len == kv_len (or, with causal False, no mask at all)."""
         # enable_gqa lets query-head groups share a KV head without materializing repeated K/V.
         out = F.scaled_dot_product_attention(
             q,
             k.to(q.dtype),
             v.to(q.dtype),
             attn_mask=mask,
-            is_causal=mask is None,
+            is_causal=mask is None and causal,
             scale=layer.scaling,
             enable_gqa=layer.num_kv_heads != layer.num_heads,
         )
@@ -119,7 +122,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             q_b = q[rows].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
             k_b = k_buf.index_select(0, seg.kv_indices).transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
             v_b = v_buf.index_select(0, seg.kv_indices).transpose(0, 1)[None]
-            o_b = self._attend(q_b, k_b, v_b, seg.mask, layer)  # [1, num_heads, q_len, head_dim]
+            o_b = self._attend(q_b, k_b, v_b, seg.mask, layer, seg.causal)  # [1, H, q_len, D]
             out[rows] = o_b[0].transpose(0, 1).reshape(seg.q_len, -1)
         return out
 

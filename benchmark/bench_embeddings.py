@@ -1,0 +1,139 @@
+"""Embedding throughput: radixserve's Engine.encode vs sentence-transformers' encode, same inputs,
+one run (docs/benchmarks.md, "Embeddings").
+
+A random-weight BERT of bge-small's shape (384 hidden, 12 layers, 12 heads, 1536 intermediate,
+CLS pooling, normalised) is written to a temp folder with the tiny test tokenizer; every input is
+cut to exactly --tokens tokens by the tokenizer, and radixserve gets those very token ids.
+sentence-transformers runs in this process (torch's default threads); the Engine's scheduler
+process does its math while this process waits. After one warm-up pass each, the two alternate
+for --repeats rounds (the shared machine's speed drifts) and the median of each is reported.
+
+    python benchmark/bench_embeddings.py                 # 64 x 256 tokens, 3 repeats
+    python benchmark/bench_embeddings.py --inputs 128 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHAPE = {  # BAAI/bge-small-en-v1.5's shape
+    "hidden_size": 384,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 512,
+}
+WORDS = "the quick brown fox jumps over lazy dog capital of France is Paris one two three four five".split()
+
+
+def make_model(path: Path) -> None:
+    from transformers import BertConfig, BertModel
+
+    from radixserve.testing.tiny_embedding_models import _write_sentence_transformers, _write_tokenizer
+
+    config = BertConfig(architectures=["BertModel"], vocab_size=384, type_vocab_size=2, **SHAPE)
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path, "bert")
+    _write_sentence_transformers(path, "bert")
+    pooling = json.loads((path / "1_Pooling" / "config.json").read_text())
+    pooling["word_embedding_dimension"] = SHAPE["hidden_size"]
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+
+
+def make_inputs(path: Path, n: int, tokens: int) -> tuple[list[str], list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(tokens * 2)) for _ in range(n)]
+    ids = [tok(t, truncation=True, max_length=tokens)["input_ids"] for t in texts]
+    assert all(len(x) == tokens for x in ids), "every input must be exactly --tokens tokens"
+    return texts, ids
+
+
+def round_robin(runners: list[Any], repeats: int) -> tuple[list[float], list[Any]]:
+    """One warm-up pass each, then `repeats` rounds running each once in turn: the machine is
+    shared and its speed drifts, and interleaving exposes every runner to the same drift.
+    Median seconds per runner, and each runner's last output."""
+    outs = [run() for run in runners]
+    times: list[list[float]] = [[] for _ in runners]
+    for _ in range(repeats):
+        for i, run in enumerate(runners):
+            start = time.perf_counter()
+            outs[i] = run()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times], outs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--inputs", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
+    parser.add_argument(
+        "--engine-args",
+        default="{}",
+        help="extra Engine (server) arguments as JSON, e.g. '{\"chunked_prefill_size\": -1}'",
+    )
+    parser.add_argument(
+        "--bf16-gemm", action="store_true", help="also time the Engine with --cpu-bf16-gemm (a separate row)"
+    )
+    args = parser.parse_args()
+    from sentence_transformers import SentenceTransformer
+
+    from radixserve import Engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bert-small"
+        make_model(path)
+        texts, ids = make_inputs(path, args.inputs, args.tokens)
+        total = args.inputs * args.tokens
+        st = SentenceTransformer(str(path), device="cpu")
+        st.max_seq_length = args.tokens
+        variants = [("radixserve Engine.encode", {})]
+        if args.bf16_gemm:
+            variants.append(("radixserve, --cpu-bf16-gemm", {"cpu_bf16_gemm": True}))
+        base = {
+            "max_total_tokens": max(4 * total, 8192),
+            "log_level": "warning",
+            **json.loads(args.engine_args),
+        }
+        engines = [Engine(model_path=str(path), **base, **extra) for _, extra in variants]
+        try:
+            runners = [lambda: st.encode(texts, batch_size=args.batch_size)]
+            runners += [lambda e=e: [o["embedding"] for o in e.encode(input_ids=ids)] for e in engines]
+            times, outs = round_robin(runners, args.repeats)
+        finally:
+            for engine in engines:
+                engine.shutdown()
+        ref = torch.tensor(outs[0])
+        rows = [("sentence-transformers encode", times[0], 1.0)]
+        for (name, _), t, out in zip(variants, times[1:], outs[1:]):
+            cos = torch.nn.functional.cosine_similarity(torch.tensor(out), ref, dim=-1).min().item()
+            rows.append((name, t, cos))
+        st_s = times[0]
+        print(
+            f"{args.inputs} inputs x {args.tokens} tokens, bge-small shape (BERT, CLS), torch threads {torch.get_num_threads()}"
+        )
+        print(f"{'':32s} {'seconds':>8s} {'inputs/s':>9s} {'tokens/s':>9s} {'vs ST':>6s} {'min cos':>9s}")
+        for name, sec, cos in rows:
+            print(
+                f"{name:32s} {sec:8.3f} {args.inputs / sec:9.1f} {total / sec:9.0f} {st_s / sec:5.2f}x {cos:9.6f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

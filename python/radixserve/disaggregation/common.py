@@ -1,0 +1,83 @@
+"""What the prefill and decode sides share: request admission and the per-mode entry point."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from radixserve.constrained.grammar_backend import grammar_key
+from radixserve.disaggregation.utils import DisaggregationMode, is_fake
+from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# When a loop step ran nothing but transfers are pending, it sleeps this long instead of spinning.
+PENDING_POLL_S = 0.001
+
+
+def create_disaggregation(scheduler: Scheduler) -> Any:  # noqa: ANN401 - Prefill/DecodeDisaggregation
+    """None for --disaggregation-mode null; else the side that owns the queues and the loop."""
+    mode = DisaggregationMode(scheduler.server_args.disaggregation_mode)
+    if mode == DisaggregationMode.PREFILL:
+        from radixserve.disaggregation.prefill import PrefillDisaggregation
+
+        return PrefillDisaggregation(scheduler)
+    if mode == DisaggregationMode.DECODE:
+        from radixserve.disaggregation.decode import DecodeDisaggregation
+
+        return DecodeDisaggregation(scheduler)
+    return None
+
+
+def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> str | None:
+    """Why a request cannot run on this side of a pair (None: it can)."""
+    if grammar_key(msg.sampling_params) is not None:
+        return (
+            "Structured outputs (json_schema, regex, ebnf) are not supported with --disaggregation-mode yet."
+        )
+    if is_fake(msg.bootstrap_host, backend):
+        return None
+    if msg.bootstrap_room is None:
+        return (
+            f"This is a --disaggregation-mode {mode} server: a request needs bootstrap_room (and "
+            "bootstrap_host / bootstrap_port), which a PD load balancer such as sglang-router "
+            "--pd-disaggregation adds."
+        )
+    if mode == "decode" and not msg.bootstrap_host:
+        return "A disaggregated decode server needs bootstrap_host (the prefill server's host)."
+    return None
+
+
+def admit(scheduler: Scheduler, msg: TokenizedGenerateReqInput, req: Req, enqueue: Any) -> None:  # noqa: ANN401
+    """Copy the bootstrap fields, refuse what cannot run here, else validate and enqueue."""
+    args = scheduler.server_args
+    req.bootstrap_host = msg.bootstrap_host
+    req.bootstrap_port = msg.bootstrap_port or args.disaggregation_bootstrap_port
+    req.bootstrap_room = msg.bootstrap_room if msg.bootstrap_room is not None else 0
+    error = admission_error(msg, args.disaggregation_transfer_backend, args.disaggregation_mode)
+    if error is not None:
+        scheduler.requests.state.live[req.rid] = req
+        scheduler.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
+        return
+    scheduler.requests.add(req, enqueue)
+
+
+def advertised_host(host: str) -> str:
+    """The address peers can reach us at: the bind address, or this machine's for a wildcard."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def mark_scheduled(req: Req) -> None:
+    now = time.monotonic()
+    if req.times.first_scheduled is None:
+        req.times.first_scheduled = now
+        req.times.queue_time = now - req.times.queued

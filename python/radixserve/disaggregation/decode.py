@@ -1,0 +1,257 @@
+"""The decode side of a disaggregated pair (seed INVENTORY §33).
+
+A request bootstraps with its prefill server in the DecodePreallocQueue, gets a request row and
+KV pages there when the pool has room (back-pressure: it waits otherwise), then waits in the
+DecodeTransferQueue until its KV and first token arrived. Those requests join the running batch
+as a PREBUILT batch: no forward, the prompt is never recomputed. Decoding is the usual loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.disaggregation import wire
+from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
+from radixserve.disaggregation.common import PENDING_POLL_S, admit, mark_scheduled
+from radixserve.disaggregation.tcp_decode import DecodeTcpManager
+from radixserve.disaggregation.utils import KVPoll, is_fake
+from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.model_executor.forward_batch import ForwardMode
+from radixserve.scheduler.prefill_adder import remaining_new_tokens
+from radixserve.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class DecodePreallocQueue:
+    """Requests bootstrapping with their prefill server; they get KV pages here, in order."""
+
+    def __init__(self, side: DecodeDisaggregation) -> None:
+        self.side = side
+        self.queue: list[Req] = []
+
+    def add(self, req: Req) -> None:
+        self.side.receivers[id(req)] = self.side.create_receiver(req)
+        req.times.queued = time.monotonic()
+        self.queue.append(req)
+
+    def pop_preallocated(self) -> list[Req]:
+        side, keep, out = self.side, [], []
+        blocked = False
+        for req in self.queue:
+            receiver = side.receivers[id(req)]
+            if req.to_finish is not None:
+                side.abort(req)
+            elif receiver.poll() == KVPoll.Failed:
+                side.finish_failed(req)
+            elif receiver.poll() == KVPoll.WaitingForInput and not blocked and side.fits(req, len(out)):
+                side.preallocate(req)
+                receiver.init(len(req.origin_input_ids))
+                out.append(req)
+            else:
+                # Back-pressure keeps arrival order: once one request does not fit, later ones wait.
+                blocked = blocked or receiver.poll() == KVPoll.WaitingForInput
+                keep.append(req)
+        self.queue = keep
+        return out
+
+
+class DecodeTransferQueue:
+    """Requests whose pages are allocated and whose KV is on its way."""
+
+    def __init__(self, side: DecodeDisaggregation) -> None:
+        self.side = side
+        self.queue: list[Req] = []
+
+    def pop_transferred(self) -> list[Req]:
+        side, keep, ready = self.side, [], []
+        for req in self.queue:
+            receiver = side.receivers[id(req)]
+            status = receiver.poll()
+            if req.to_finish is not None and status != KVPoll.Success:
+                side.abort(req)
+            elif status == KVPoll.Failed:
+                side.finish_failed(req)
+            elif status == KVPoll.Success:
+                side.commit(req, *receiver.result())
+                ready.append(req)
+            else:
+                keep.append(req)
+        self.queue = keep
+        return ready
+
+
+class DecodeDisaggregation:
+    def __init__(self, scheduler: Scheduler) -> None:
+        args = scheduler.server_args
+        self.scheduler = scheduler
+        self.backend = args.disaggregation_transfer_backend
+        self.timeout_s = args.disaggregation_bootstrap_timeout
+        self.pool = scheduler.worker.token_to_kv_pool
+        self.manager = DecodeTcpManager(
+            scheduler.mem.page_size, wire.dtype_name(self.pool.dtype), self.timeout_s
+        )
+        self.receivers: dict[int, KVReceiver] = {}
+        self.prealloc_queue = DecodePreallocQueue(self)
+        self.transfer_queue = DecodeTransferQueue(self)
+
+    # ------------------------------------------------------------------ arrival
+    def add_request(self, msg: TokenizedGenerateReqInput, req: Req) -> None:
+        admit(self.scheduler, msg, req, self.prealloc_queue.add)
+
+    def create_receiver(self, req: Req) -> KVReceiver:
+        room = req.bootstrap_room or 0
+        if is_fake(req.bootstrap_host, self.backend):
+            return FakeReceiver(room, self.timeout_s)
+        assert req.bootstrap_host is not None and req.bootstrap_port is not None
+        return self.manager.create_receiver(room, req.bootstrap_host, req.bootstrap_port)
+
+    # ------------------------------------------------------------------ memory
+    def fits(self, req: Req, num_new: int) -> bool:
+        """Whether a row and the prompt's pages are free, keeping room for the running requests'
+        future tokens (scaled by new_token_ratio, as admission does) and the running cap."""
+        s = self.scheduler
+        mem, st = s.mem, s.state
+        active = st.running_batch.reqs + self.transfer_queue.queue
+        if len(active) + num_new + 1 > s.max_running_requests:
+            return False
+        if mem.req_to_token_pool.available_size() < 1:
+            return False
+        reserved = sum(remaining_new_tokens(r) for r in active) * st.new_token_ratio
+        need = mem.ceil_paged(len(req.origin_input_ids)) + mem.page_size
+        return mem.available_size() + mem.evictable_size() - reserved >= need
+
+    def preallocate(self, req: Req) -> None:
+        mem = self.scheduler.mem
+        num_tokens = len(req.origin_input_ids)
+        req.req_pool_idx = mem.alloc_rows(1)[0]
+        slots = mem.alloc_extend([0], [num_tokens], [-1], num_tokens)
+        table = mem.req_to_token_pool.req_to_token
+        table[req.req_pool_idx, :num_tokens] = slots.to(table.device, table.dtype)
+        req.fill_ids = list(req.origin_input_ids)
+        req.kv_committed_len = num_tokens  # the transfer writes every prompt position
+        req.last_node = None
+        self.transfer_queue.queue.append(req)
+
+    def commit(self, req: Req, meta: dict[str, Any], data: memoryview | None) -> None:
+        """The KV arrived: write it into the request's pages and take the first token."""
+        num_tokens = len(req.origin_input_ids)
+        if data is not None:
+            wire.scatter_kv(
+                self.pool,
+                self.scheduler.mem.row_slots(req, 0, num_tokens),
+                data,
+                meta["shape"],
+                meta["dtype"],
+            )
+        # The fake backend sends no token: the probe's output is meaningless, as in SGLang.
+        token = meta["first_token"] if meta.get("first_token") is not None else req.origin_input_ids[-1]
+        if req.sampling_params.max_new_tokens > 0:
+            req.output_ids.append(token)
+            req.append_output_logprob(token, meta.get("logprob"), meta.get("top_val"), meta.get("top_idx"))
+        req.cached_tokens = int(meta.get("cached_tokens") or 0)
+        mark_scheduled(req)
+        req.times.first_token = time.monotonic()
+        self._forget(req)
+
+    # ------------------------------------------------------------------ PREBUILT
+    def process_prebuilt(self, reqs: list[Req]) -> None:
+        """process_batch_result_prebuilt: report the first tokens, finish what is done, and merge
+        the rest into the running batch (their next step is an ordinary decode)."""
+        s = self.scheduler
+        batch = s.make_batch(reqs)
+        batch.forward_mode = ForwardMode.PREBUILT
+        if batch.sampling_info is not None and all(r.output_ids for r in reqs):
+            batch.sampling_info.cumulate_output_tokens(torch.tensor([r.output_ids[-1] for r in reqs]))
+        for req in reqs:
+            req.check_finished()
+            if req.finished():
+                s.output.release_if_idle(req)
+            s.output.collect(req)
+        batch.filter_batch()
+        if batch.is_empty():
+            return
+        if s.state.running_batch.is_empty():
+            s.state.running_batch = batch
+        else:
+            s.state.running_batch.merge_batch(batch)
+
+    # ------------------------------------------------------------------ failures
+    def abort(self, req: Req) -> None:
+        message = getattr(req.to_finish, "message", "Aborted.")
+        status_code = getattr(req.to_finish, "status_code", None)
+        req.to_finish = None
+        self.receivers[id(req)].abort(f"Aborted on the decode server: {message}")
+        self._finish(req, message, status_code)
+
+    def finish_failed(self, req: Req) -> None:
+        status = self.receivers[id(req)].status
+        code = status.error_status_code if status.error_status_code != 499 else None
+        self._finish(req, status.error or "KV transfer failed", code)
+
+    def _finish(self, req: Req, message: str, status_code: int | None) -> None:
+        logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
+        if req.holds_kv():  # pages allocated, KV never (completely) arrived: free, cache nothing
+            self.scheduler.mem.release_retracted(req)
+        self.scheduler.output.finish_now(req, message, status_code)
+        self._forget(req)
+
+    def _forget(self, req: Req) -> None:
+        receiver = self.receivers.pop(id(req), None)
+        if receiver is not None:
+            receiver.close()
+
+    # ------------------------------------------------------------------ loop
+    def has_pending(self) -> bool:
+        return bool(self.prealloc_queue.queue or self.transfer_queue.queue)
+
+    def internal_state(self) -> dict[str, Any]:
+        return {
+            "disaggregation_mode": "decode",
+            "num_prealloc_queue_reqs": len(self.prealloc_queue.queue),
+            "num_transfer_queue_reqs": len(self.transfer_queue.queue),
+            "kv_transfer_bytes_received": self.manager.bytes_received,
+        }
+
+    def make_loop(self) -> DecodeLoop:
+        return DecodeLoop(self)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+class DecodeLoop:
+    """event_loop_normal_disagg_decode: preallocate, collect transferred KV into a PREBUILT batch,
+    then the usual step (decode the running batch; re-prefill locally only what was retracted)."""
+
+    def __init__(self, side: DecodeDisaggregation) -> None:
+        self.side = side
+
+    def step(self, recv_reqs: Iterable[object] = ()) -> None:
+        s, side = self.side.scheduler, self.side
+        s.process_input_requests(recv_reqs)
+        side.prealloc_queue.pop_preallocated()
+        ready = side.transfer_queue.pop_transferred()
+        if ready:
+            side.process_prebuilt(ready)
+        batch = s.get_next_batch_to_run()
+        if batch is not None:
+            s.process_batch_result(batch, s.run_batch(batch))
+        s.state.last_batch = batch
+        s.output.flush()
+        if batch is None and not ready:
+            if side.has_pending():
+                time.sleep(PENDING_POLL_S)
+            else:
+                s.self_check_during_idle()
+
+    def close(self) -> None:
+        self.side.close()

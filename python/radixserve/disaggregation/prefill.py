@@ -1,0 +1,237 @@
+"""The prefill side of a disaggregated pair (seed INVENTORY §33).
+
+A request waits in the PrefillBootstrapQueue until its decode server has bootstrapped and
+allocated its pages (KVPoll.WaitingForInput), is prefilled by the usual batch builder (radix
+cache, chunking, admission), then waits in the inflight queue while its KV and first token go
+out; on the decode side's acknowledgement its KV is released (the prompt stays in the radix tree)
+and the request finishes here with that one token. Nothing here ever decodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from radixserve.disaggregation import wire
+from radixserve.disaggregation.backend import FakeSender, KVSender
+from radixserve.disaggregation.bootstrap_server import BootstrapServer
+from radixserve.disaggregation.common import PENDING_POLL_S, admit, advertised_host
+from radixserve.disaggregation.tcp_prefill import PrefillTcpManager
+from radixserve.disaggregation.utils import KVPoll, is_fake
+from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.model_executor.forward_batch import GenerationBatchResult
+from radixserve.scheduler.output_processor import OutputProcessor
+from radixserve.scheduler.req import FinishLength, Req
+from radixserve.scheduler.schedule_batch import ScheduleBatch
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillBootstrapQueue:
+    """Requests whose decode side has not bootstrapped yet; they hold no KV."""
+
+    def __init__(self, side: PrefillDisaggregation) -> None:
+        self.side = side
+        self.queue: list[Req] = []
+
+    def add(self, req: Req) -> None:
+        self.side.senders[id(req)] = self.side.create_sender(req)
+        self.side.owners[id(req)] = req
+        self.queue.append(req)
+
+    def pop_bootstrapped(self) -> None:
+        """Bootstrapped requests join the waiting queue; failed or aborted ones finish."""
+        s, keep = self.side.scheduler, []
+        for req in self.queue:
+            sender = self.side.senders[id(req)]
+            if req.to_finish is not None:
+                self.side.abort(req)
+            elif sender.poll() == KVPoll.Failed:
+                self.side.finish_failed(req, sender.status.error, sender.status.error_status_code)
+            elif sender.poll() >= KVPoll.WaitingForInput:
+                s.requests.enqueue(req)
+            else:
+                keep.append(req)
+        self.queue = keep
+
+
+class PrefillDisaggregation:
+    def __init__(self, scheduler: Scheduler) -> None:
+        args = scheduler.server_args
+        self.scheduler = scheduler
+        self.backend = args.disaggregation_transfer_backend
+        self.timeout_s = args.disaggregation_bootstrap_timeout
+        self.pool = scheduler.worker.token_to_kv_pool
+        host = advertised_host(args.host)
+        self.bootstrap_server = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+        self.manager = PrefillTcpManager(
+            host, scheduler.mem.page_size, wire.dtype_name(self.pool.dtype), self.timeout_s
+        )
+        local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        self.manager.register(local, self.bootstrap_server.port)
+        self.senders: dict[int, KVSender] = {}
+        self.owners: dict[int, Req] = {}  # id(req) -> req, for every sender
+        self.bootstrap_queue = PrefillBootstrapQueue(self)
+        self.inflight_queue: list[Req] = []
+
+    # ------------------------------------------------------------------ arrival
+    def add_request(self, msg: TokenizedGenerateReqInput, req: Req) -> None:
+        # The prefill side samples one token: admission need not reserve room for a whole output.
+        if req.sampling_params.max_new_tokens > 1:
+            req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
+        admit(self.scheduler, msg, req, self.bootstrap_queue.add)
+
+    def create_sender(self, req: Req) -> KVSender:
+        room = req.bootstrap_room or 0
+        if is_fake(req.bootstrap_host, self.backend):
+            return FakeSender(room, self.timeout_s)
+        return self.manager.create_sender(room)
+
+    # ------------------------------------------------------------------ results
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        """process_batch_result_disagg_prefill: a finished prompt's KV and first token go to its
+        decode server; the request moves to the inflight queue (it keeps its KV until acked)."""
+        next_ids = result.next_token_ids.tolist()
+        logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
+        for i, req in enumerate(batch.reqs):
+            req.num_inflight -= 1
+            OutputProcessor._record_input_logprobs(batch, result, i, req)  # noqa: SLF001 - shared rule
+            if req.is_chunked > 0:
+                req.is_chunked -= 1  # a middle chunk: the builder caches it before the next one
+                continue
+            if req.to_finish is not None:  # aborted while its prefill ran
+                self.abort(req)
+                continue
+            self._send(req, next_ids[i], logprobs[i] if logprobs is not None else None, result, i)
+
+    def _send(
+        self, req: Req, token: int, logprob: float | None, result: GenerationBatchResult, i: int
+    ) -> None:
+        req.output_ids.append(token)
+        top_val = result.top_logprobs_val[i] if result.top_logprobs_val is not None else None
+        top_idx = result.top_logprobs_idx[i] if result.top_logprobs_idx is not None else None
+        req.append_output_logprob(token, logprob, top_val, top_idx)
+        req.times.first_token = time.monotonic()
+        self.scheduler.mem.tree_cache.cache_unfinished_req(req)  # the prompt becomes shareable now
+        sender = self.senders[id(req)]
+        meta: dict[str, Any] = {
+            "first_token": token,
+            "logprob": logprob,
+            "top_val": top_val,
+            "top_idx": top_idx,
+            "cached_tokens": req.cached_tokens,
+        }
+        if isinstance(sender, FakeSender):
+            sender.send(None, meta)  # type: ignore[arg-type] - the fake moves nothing
+        else:
+            num_tokens = len(req.origin_input_ids)
+            kv = wire.gather_kv(self.pool, self.scheduler.mem.row_slots(req, 0, num_tokens))
+            meta.update(num_tokens=num_tokens, shape=list(kv.shape), dtype=wire.dtype_name(kv.dtype))
+            sender.send(kv, meta)
+        self.inflight_queue.append(req)
+
+    def process_inflight_queue(self) -> None:
+        """Release the KV of requests whose transfer ended (the prompt stays in the radix tree)."""
+        keep = []
+        for req in self.inflight_queue:
+            sender = self.senders[id(req)]
+            if req.to_finish is not None and sender.poll() != KVPoll.Success:
+                self.abort(req)
+            elif sender.poll() == KVPoll.Success:
+                req.check_finished()
+                if not req.finished():
+                    req.finished_reason = FinishLength(len(req.output_ids))
+                req.to_finish = None
+                self.scheduler.output.release_if_idle(req)
+                self.scheduler.output.collect(req)
+                self._forget(req)
+            elif sender.poll() == KVPoll.Failed:
+                self.finish_failed(req, sender.status.error, sender.status.error_status_code)
+            else:
+                keep.append(req)
+        self.inflight_queue = keep
+
+    def abort(self, req: Req) -> None:
+        """An abort (client, timeout) that arrived while the request was queued here: tell the
+        decode side, then finish it (its KV, if any, is released)."""
+        message = getattr(req.to_finish, "message", "Aborted.")
+        status_code = getattr(req.to_finish, "status_code", None)
+        self.senders[id(req)].abort(f"Aborted on the prefill server: {message}")
+        req.to_finish = None
+        self.finish_failed(req, message, status_code)
+
+    def finish_failed(self, req: Req, message: str | None, status_code: int | None) -> None:
+        code = status_code if status_code != 499 else None  # an abort is not a server error
+        logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
+        self.scheduler.output.finish_now(req, message or "KV transfer failed", code)
+        self._forget(req)
+
+    def sweep_finished(self) -> None:
+        """Requests finished outside these queues (an abort or timeout in the waiting queue or
+        mid-prompt) still tell their decode side, which would otherwise wait for their KV."""
+        for key, req in list(self.owners.items()):
+            if req.finished():
+                reason = req.finished_reason.to_json() if req.finished_reason else {}
+                self.senders[key].abort(f"Aborted on the prefill server: {reason.get('message', 'finished')}")
+                self._forget(req)
+
+    def _forget(self, req: Req) -> None:
+        self.owners.pop(id(req), None)
+        sender = self.senders.pop(id(req), None)
+        if sender is not None:
+            sender.close()
+
+    # ------------------------------------------------------------------ loop
+    def has_pending(self) -> bool:
+        return bool(self.bootstrap_queue.queue or self.inflight_queue)
+
+    def internal_state(self) -> dict[str, Any]:
+        return {
+            "disaggregation_mode": "prefill",
+            "num_bootstrap_queue_reqs": len(self.bootstrap_queue.queue),
+            "num_inflight_queue_reqs": len(self.inflight_queue),
+            **self.manager.stats.as_dict(),
+        }
+
+    def make_loop(self) -> PrefillLoop:
+        return PrefillLoop(self)
+
+    def close(self) -> None:
+        self.manager.close()
+        self.bootstrap_server.close()
+
+
+class PrefillLoop:
+    """event_loop_normal_disagg_prefill: bootstrap, prefill, send, release. Never decodes: the last
+    batch is never merged into a running batch."""
+
+    def __init__(self, side: PrefillDisaggregation) -> None:
+        self.side = side
+
+    def step(self, recv_reqs: Iterable[object] = ()) -> None:
+        s, side = self.side.scheduler, self.side
+        s.process_input_requests(recv_reqs)
+        side.bootstrap_queue.pop_bootstrapped()
+        batch = s.get_next_batch_to_run()
+        if batch is not None:
+            result = s.run_batch(batch)
+            s.num_inflight_batches -= 1
+            side.process_batch_result(batch, result)
+        side.process_inflight_queue()
+        side.sweep_finished()
+        s.state.last_batch = None
+        s.output.flush()
+        if batch is None:
+            if side.has_pending():
+                time.sleep(PENDING_POLL_S)
+            else:
+                s.self_check_during_idle()
+
+    def close(self) -> None:
+        self.side.close()

@@ -1,0 +1,296 @@
+"""The built-in `tcp` backend, decode side: one DEALER socket per prefill server, all served by
+one I/O thread.
+
+A room bootstraps by asking the prefill server's bootstrap server for its layout (GET /route with
+engine_rank=-1: the page size and KV dtype must match ours) and its rank's address, then connects.
+A prefill server that dies is noticed from the socket monitor (EVENT_DISCONNECTED): every room
+still waiting on it fails at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from radixserve.disaggregation import wire
+from radixserve.disaggregation.utils import KVPoll, TransferStatus
+
+logger = logging.getLogger(__name__)
+
+_ids = itertools.count()
+BOOTSTRAP_RETRY_S = 0.25
+
+
+@dataclass
+class _DRoom:
+    status: TransferStatus
+    peer: tuple[str, int]
+    payload: tuple[dict[str, Any], memoryview | None] | None = None
+
+
+@dataclass
+class _Peer:
+    key: tuple[str, int]
+    rooms: set[int] = field(default_factory=set)
+    dealer: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None
+    problem: str | None = None  # a layout mismatch: every room on this peer fails
+    pending_aborts: list[tuple[int, str, float]] = field(default_factory=list)  # sent once connected
+    next_try: float = 0.0
+
+
+class DecodeTcpManager:
+    def __init__(self, page_size: int, kv_cache_dtype: str, timeout_s: float) -> None:
+        self.page_size = page_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.timeout_s = timeout_s
+        self.ctx = zmq.Context()
+        cmd_addr = f"inproc://pd-decode-{next(_ids)}"
+        self._cmd_in = self.ctx.socket(zmq.PULL)
+        self._cmd_in.bind(cmd_addr)
+        self._cmd_out = self.ctx.socket(zmq.PUSH)
+        self._cmd_out.connect(cmd_addr)
+        self._cmd_lock = threading.Lock()
+        self.rooms: dict[int, _DRoom] = {}
+        self.peers: dict[tuple[str, int], _Peer] = {}
+        self.bytes_received = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="pd-decode-io", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ scheduler thread
+    def create_receiver(self, room: int, host: str, port: int) -> TcpReceiver:
+        state = _DRoom(TransferStatus(self.timeout_s), (host, port))
+        if room in self.rooms:
+            state.status.fail(f"bootstrap_room {room} is already in use on this decode server", 400)
+            return TcpReceiver(self, room, state, owner=False)
+        self.rooms[room] = state
+        self.command("bootstrap", room)
+        return TcpReceiver(self, room, state, owner=True)
+
+    def command(self, *cmd: Any) -> None:  # noqa: ANN401
+        with self._cmd_lock:
+            self._cmd_out.send_multipart(wire.encode({"cmd": cmd}))
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(timeout=2)
+        self.ctx.destroy(linger=0)
+
+    # ------------------------------------------------------------------ I/O thread
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                poller = zmq.Poller()
+                poller.register(self._cmd_in, zmq.POLLIN)
+                for peer in self.peers.values():
+                    if peer.dealer is not None:
+                        poller.register(peer.dealer, zmq.POLLIN)
+                        poller.register(peer.monitor, zmq.POLLIN)
+                ready = dict(poller.poll(wire.IO_TICK_MS))
+                if self._cmd_in in ready:
+                    while self._cmd_in.poll(0):
+                        self._on_command(wire.decode(self._cmd_in.recv_multipart())[0]["cmd"])
+                for peer in list(self.peers.values()):
+                    if peer.monitor is not None and peer.monitor in ready:
+                        self._on_monitor(peer)
+                    if peer.dealer is not None and peer.dealer in ready:
+                        while peer.dealer is not None and peer.dealer.poll(0):
+                            self._on_message(peer, *wire.decode(peer.dealer.recv_multipart(copy=False)))
+                self._connect_pending()
+                self._check_timeouts()
+            except zmq.ContextTerminated:
+                return
+            except Exception:
+                logger.exception("Decode KV I/O thread error")
+
+    def _on_command(self, cmd: tuple[Any, ...]) -> None:
+        kind, room = cmd[0], cmd[1]
+        state = self.rooms.get(room)
+        if state is None:
+            return
+        peer = self.peers.get(state.peer)
+        if kind == "bootstrap":
+            if peer is None:
+                peer = self.peers[state.peer] = _Peer(state.peer)
+            peer.rooms.add(room)
+            if peer.problem is not None:
+                state.status.fail(peer.problem, 500)
+                if peer.dealer is not None:
+                    self._send_init(peer, room, 0)  # the prefill side sees the mismatch too
+            elif peer.dealer is not None:
+                state.status.advance(KVPoll.WaitingForInput)
+        elif kind == "init" and peer is not None and peer.dealer is not None:
+            self._send_init(peer, room, cmd[2])
+        elif kind == "abort" and peer is not None:
+            # Not connected yet: the prefill server must still hear it, or its request would
+            # wait for us until the bootstrap timeout.
+            if peer.dealer is None:
+                peer.pending_aborts.append((room, cmd[2], time.monotonic() + self.timeout_s))
+            else:
+                peer.dealer.send_multipart(wire.encode({"type": "abort", "room": room, "reason": cmd[2]}))
+        elif kind == "forget":
+            del self.rooms[room]
+            if peer is not None:
+                peer.rooms.discard(room)
+
+    def _send_init(self, peer: _Peer, room: int, num_tokens: int) -> None:
+        assert peer.dealer is not None
+        msg = {
+            "type": "init",
+            "room": room,
+            "page_size": self.page_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "num_tokens": num_tokens,
+        }
+        peer.dealer.send_multipart(wire.encode(msg))
+
+    def _on_message(self, peer: _Peer, msg: dict[str, Any], payload: memoryview | None) -> None:
+        kind, room = msg.get("type"), msg.get("room")
+        state = self.rooms.get(room) if room is not None else None
+        if kind == "kv":
+            assert peer.dealer is not None
+            peer.dealer.send_multipart(wire.encode({"type": "ack", "room": room}))
+            if state is not None and state.status.poll() == KVPoll.Transferring:
+                state.payload = (msg, payload)
+                self.bytes_received += len(payload) if payload is not None else 0
+                state.status.advance(KVPoll.Success)
+        elif kind == "fail" and state is not None:
+            state.status.fail(
+                f"Failed on the prefill server: {msg.get('reason')}", msg.get("status_code", 503)
+            )
+
+    def _on_monitor(self, peer: _Peer) -> None:
+        assert peer.monitor is not None
+        while peer.monitor is not None and peer.monitor.poll(0):
+            event = recv_monitor_message(peer.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                host, port = peer.key
+                message = f"The prefill server (bootstrap {host}:{port}) disconnected during the KV transfer"
+                logger.warning("%s; failing %d request(s)", message, len(peer.rooms))
+                for room in peer.rooms:
+                    if room in self.rooms:
+                        self.rooms[room].status.fail(message)
+                self._drop_peer(peer)
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        for sock in (peer.monitor, peer.dealer):
+            if sock is not None:
+                sock.close(linger=0)
+        peer.dealer = peer.monitor = None
+        self.peers.pop(peer.key, None)
+
+    def _connect_pending(self) -> None:
+        now = time.monotonic()
+        for peer in list(self.peers.values()):
+            if peer.dealer is not None or peer.problem is not None or now < peer.next_try:
+                continue
+            peer.pending_aborts = [a for a in peer.pending_aborts if a[2] > now]
+            rooms = [self.rooms[r] for r in peer.rooms if r in self.rooms]
+            waiting = any(state.status.poll() == KVPoll.Bootstrapping for state in rooms)
+            if not waiting and not peer.pending_aborts:
+                if not peer.rooms:
+                    self.peers.pop(peer.key, None)
+                continue
+            peer.next_try = now + BOOTSTRAP_RETRY_S
+            self._bootstrap(peer)
+
+    def _bootstrap(self, peer: _Peer) -> None:
+        host, port = peer.key
+        try:
+            info = _get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
+            rank = _get_json(f"http://{host}:{port}/route?engine_rank=0&target_dp_group=0")
+        except (OSError, ValueError) as exc:
+            logger.debug("Bootstrap %s:%d not ready: %s", host, port, exc)
+            return
+        if info.get("page_size") != self.page_size or info.get("kv_cache_dtype") != self.kv_cache_dtype:
+            peer.problem = (
+                f"KV layout mismatch: the prefill server (bootstrap {host}:{port}) has page_size "
+                f"{info.get('page_size')} and KV dtype {info.get('kv_cache_dtype')}, this decode server "
+                f"page_size {self.page_size} and {self.kv_cache_dtype}; they must match"
+            )
+            logger.error("%s", peer.problem)
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        peer.monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
+        peer.dealer = dealer
+        for room, reason, _ in peer.pending_aborts:
+            dealer.send_multipart(wire.encode({"type": "abort", "room": room, "reason": reason}))
+        peer.pending_aborts.clear()
+        for room in peer.rooms:
+            if room not in self.rooms:
+                continue
+            if peer.problem is None:
+                self.rooms[room].status.advance(KVPoll.WaitingForInput)
+            else:  # fail here, and let the prefill side see the mismatch from our init
+                self.rooms[room].status.fail(peer.problem, 500)
+                self._send_init(peer, room, 0)
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        for room, state in list(self.rooms.items()):
+            status = state.status.poll()
+            if not state.status.expired(now):
+                continue
+            host, port = state.peer
+            if status == KVPoll.Bootstrapping:
+                what = f"the prefill server's bootstrap server at {host}:{port} did not answer"
+            elif status == KVPoll.WaitingForInput:
+                what = "no KV pages were free on this decode server"
+            else:
+                what = f"no KV arrived from the prefill server (bootstrap {host}:{port})"
+            message = f"Disaggregation bootstrap timeout ({self.timeout_s:g} s): {what}"
+            if state.status.fail(message):
+                logger.warning("Room %d: %s", room, message)
+                peer = self.peers.get(state.peer)
+                if peer is not None and peer.dealer is not None:
+                    peer.dealer.send_multipart(
+                        wire.encode({"type": "abort", "room": room, "reason": message})
+                    )
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"{url}: HTTP {exc.code}") from exc
+
+
+class TcpReceiver:
+    def __init__(self, manager: DecodeTcpManager, room: int, state: _DRoom, owner: bool) -> None:
+        self.manager = manager
+        self.room = room
+        self.state = state
+        self.status = state.status
+        self.owner = owner
+
+    def poll(self) -> KVPoll:
+        return self.status.poll()
+
+    def init(self, num_tokens: int) -> None:
+        if self.status.advance(KVPoll.Transferring):
+            self.manager.command("init", self.room, num_tokens)
+
+    def result(self) -> tuple[dict[str, Any], memoryview | None]:
+        assert self.state.payload is not None, "result() before Success"
+        return self.state.payload
+
+    def abort(self, reason: str) -> None:
+        if self.owner and self.status.fail(reason, 499):
+            self.manager.command("abort", self.room, reason)
+
+    def close(self) -> None:
+        if self.owner:
+            self.manager.command("forget", self.room)

@@ -1,0 +1,271 @@
+"""The control plane's HTTP routes (SGLang's names, bodies and answers; docs/http_api.md).
+
+Bodies are validated strictly (a wrong type is a 400 in the error envelope). Weight routes answer
+SGLang's {"success", "message"} object: 200 when applied, 400 when refused (the old weights are
+kept). Every route is POST: they change state, and a browser can be made to send a GET.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixserve.entrypoints.http_guards import error_response, json_body, read_body, require_json_or_no_body
+from radixserve.managers import io_struct as io
+from radixserve.managers.tokenizer_manager import TokenizerManager
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class OpenSessionBody(_Body):
+    capacity_of_str_len: int = Field(ge=0)
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class CloseSessionBody(_Body):
+    session_id: str
+
+
+class UpdateWeightFromDiskBody(_Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+class UpdateWeightsFromTensorBody(_Body):
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupBody(_Body):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    group_name: str = io.DEFAULT_WEIGHT_GROUP
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedBody(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = io.DEFAULT_WEIGHT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyWeightsUpdateGroupBody(_Body):
+    group_name: str = io.DEFAULT_WEIGHT_GROUP
+
+
+class GetWeightsByNameBody(_Body):
+    name: str
+    truncate_size: int = Field(default=100, ge=0)
+
+
+class MemoryTagsBody(_Body):
+    tags: list[str] | None = None
+
+
+class PauseGenerationBody(_Body):
+    mode: str = "abort"
+
+
+class ProfileBody(_Body):
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = Field(default=None, ge=1)
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None
+
+
+class SlowDownBody(_Body):
+    forward_sleep_time: float | None = None
+
+
+class SetInternalStateBody(_Body):
+    server_args: dict[str, Any]
+
+
+# Request bodies by route, for /openapi.json (openapi_spec.py).
+CONTROL_BODIES: dict[str, type[BaseModel]] = {
+    "/open_session": OpenSessionBody,
+    "/close_session": CloseSessionBody,
+    "/update_weights_from_disk": UpdateWeightFromDiskBody,
+    "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
+    "/init_weights_update_group": InitWeightsUpdateGroupBody,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
+    "/get_weights_by_name": GetWeightsByNameBody,
+    "/release_memory_occupation": MemoryTagsBody,
+    "/resume_memory_occupation": MemoryTagsBody,
+    "/pause_generation": PauseGenerationBody,
+    "/start_profile": ProfileBody,
+    "/slow_down": SlowDownBody,
+    "/set_internal_state": SetInternalStateBody,
+}
+CONTROL_TEXT_ANSWERS = frozenset({"/start_profile", "/stop_profile", "/freeze_gc", "/close_session"})
+
+
+def _json(content: Any, status: int = 200) -> Response:  # noqa: ANN401 - any JSON value
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+
+
+def _outcome(out: Any) -> Response:  # noqa: ANN401 - an *Output message with success/message
+    content = {"success": out.success, "message": out.message}
+    if getattr(out, "num_paused_requests", None) is not None:
+        content["num_paused_requests"] = out.num_paused_requests
+    return _json(content, 200 if out.success else 400)
+
+
+async def _optional_body(model: type[_Body], request: Request) -> _Body:
+    """Routes whose body may be omitted (`curl -X POST url`)."""
+    require_json_or_no_body(request)
+    raw = await read_body(request, request.app.state.max_body_bytes)
+    return model.model_validate_json(raw or b"{}", strict=True)
+
+
+def add_control_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    _add_session_routes(app, tm)
+    _add_weight_routes(app, tm)
+    _add_memory_routes(app, tm)
+    _add_operator_routes(app, tm)
+
+
+def _add_session_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/open_session")
+    async def open_session(request: Request) -> Response:
+        body = await json_body(OpenSessionBody, request, acts=True)
+        return _json(await tm.control.open_session(io.OpenSessionReqInput(**body.model_dump())))
+
+    @app.post("/close_session")
+    async def close_session(request: Request) -> Response:
+        body = await json_body(CloseSessionBody, request, acts=True)
+        out = await tm.control.close_session(io.CloseSessionReqInput(body.session_id))
+        if not out.success:
+            return error_response(400, out.message)
+        return Response(status_code=200)
+
+
+def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await json_body(UpdateWeightFromDiskBody, request, acts=True)
+        return _outcome(
+            await tm.control.update_weights_from_disk(io.UpdateWeightFromDiskReqInput(**body.model_dump()))
+        )
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> Response:
+        body = await json_body(UpdateWeightsFromTensorBody, request, acts=True)
+        msg = io.UpdateWeightsFromTensorReqInput(**body.model_dump())
+        return _outcome(await tm.control.update_weights_from_tensor(msg))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> Response:
+        body = await json_body(InitWeightsUpdateGroupBody, request, acts=True)
+        msg = io.InitWeightsUpdateGroupReqInput(**body.model_dump())
+        return _outcome(await tm.control.init_weights_update_group(msg))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> Response:
+        body = await json_body(UpdateWeightsFromDistributedBody, request, acts=True)
+        msg = io.UpdateWeightsFromDistributedReqInput(**body.model_dump())
+        return _outcome(await tm.control.update_weights_from_distributed(msg))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> Response:
+        body = await _optional_body(DestroyWeightsUpdateGroupBody, request)
+        msg = io.DestroyWeightsUpdateGroupReqInput(**body.model_dump())
+        return _outcome(await tm.control.destroy_weights_update_group(msg))
+
+    @app.post("/get_weights_by_name")
+    async def get_weights_by_name(request: Request) -> Response:
+        body = await json_body(GetWeightsByNameBody, request, acts=False)
+        out = await tm.control.get_weights_by_name(io.GetWeightsByNameReqInput(body.name, body.truncate_size))
+        if not out.success:
+            return error_response(400, f"Get parameter by name failed: {out.message}")
+        return _json(out.parameter)
+
+
+def _add_memory_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> Response:
+        body = await _optional_body(MemoryTagsBody, request)
+        return _outcome(
+            await tm.control.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(body.tags))
+        )
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> Response:
+        body = await _optional_body(MemoryTagsBody, request)
+        return _outcome(
+            await tm.control.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(body.tags))
+        )
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = await _optional_body(PauseGenerationBody, request)
+        if body.mode not in io.PAUSE_MODES:
+            return error_response(400, f"mode must be one of {list(io.PAUSE_MODES)}, got {body.mode!r}.")
+        return _outcome(await tm.control.pause_generation(io.PauseGenerationReqInput(body.mode)))
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Response:
+        require_json_or_no_body(request)
+        return _outcome(await tm.control.continue_generation())
+
+
+def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/start_profile")
+    async def start_profile(request: Request) -> Response:
+        body = await _optional_body(ProfileBody, request)
+        out = await tm.control.start_profile(
+            io.ProfileReq(io.ProfileReqType.START_PROFILE, **body.model_dump())
+        )
+        if not out.success:
+            return error_response(400, out.message)
+        return PlainTextResponse("Start profiling.\n")
+
+    @app.post("/stop_profile")
+    async def stop_profile(request: Request) -> Response:
+        require_json_or_no_body(request)
+        out = await tm.control.stop_profile()
+        if not out.success:
+            return error_response(400, out.message)
+        return PlainTextResponse(f"Stop profiling. {out.message}\n")
+
+    @app.post("/slow_down")
+    async def slow_down(request: Request) -> Response:
+        body = await json_body(SlowDownBody, request, acts=True)
+        return _outcome(await tm.control.slow_down(io.SlowDownReqInput(body.forward_sleep_time)))
+
+    @app.post("/freeze_gc")
+    async def freeze_gc(request: Request) -> Response:
+        require_json_or_no_body(request)
+        out = await tm.control.freeze_gc()
+        return PlainTextResponse(f"Garbage collection frozen. {out.message}\n")
+
+    @app.post("/set_internal_state")
+    async def set_internal_state(request: Request) -> Response:
+        body = await json_body(SetInternalStateBody, request, acts=True)
+        out = await tm.control.set_internal_state(io.SetInternalStateReq(body.server_args))
+        content = {"updated": out.updated, "server_args": out.server_args}
+        if out.message:
+            content["message"] = out.message
+        return _json(content, 200 if out.updated else 400)

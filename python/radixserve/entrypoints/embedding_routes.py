@@ -1,0 +1,139 @@
+"""Routes of models that do not generate (docs/embeddings.md): /encode and /classify (SGLang's
+native shapes), /v1/embeddings (OpenAI's), /v1/rerank and /v1/score (SGLang's), /v1/classify.
+
+All of them run prefill-only requests (TokenizerManager.encode_items). Asking a generation model
+for embeddings, or an embedding model for label scores, is a 400 with the reason."""
+
+from __future__ import annotations
+
+import base64
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from radixserve.entrypoints.http_guards import json_body
+from radixserve.entrypoints.openai.embedding_protocol import (
+    ClassifyData,
+    ClassifyRequest,
+    ClassifyResponse,
+    EmbeddingInput,
+    EmbeddingObject,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResult,
+    ScoringRequest,
+    ScoringResponse,
+)
+from radixserve.entrypoints.openai.protocol import UsageInfo
+from radixserve.entrypoints.openai.serving_common import check_model
+from radixserve.managers import scoring
+from radixserve.managers.embedding_request import EmbeddingReqInput, EmbedItem, make_item
+from radixserve.managers.input_validation import InvalidRequestError
+
+if TYPE_CHECKING:
+    from radixserve.entrypoints.http_server import ServerState
+
+
+def _json(payload: Any) -> Response:  # noqa: ANN401 - any JSON-able value
+    return Response(orjson.dumps(payload), media_type="application/json")
+
+
+def _items(value: EmbeddingInput, truncate: int | None = None) -> list[EmbedItem]:
+    """OpenAI's `input`: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        return [make_item(value, truncate=truncate)]
+    if value and all(isinstance(v, int) for v in value):
+        return [make_item(list(value), truncate=truncate)]  # one input of token ids
+    return [make_item(v, truncate=truncate) for v in value]
+
+
+def _usage(outputs: list[dict[str, Any]]) -> UsageInfo:
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, total_tokens=prompt)
+
+
+def _encode_vector(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "base64":  # what OpenAI's client asks for by default: little-endian float32 bytes
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
+
+
+def _require_classifier(state: ServerState) -> dict[str, Any]:
+    info = state.tm.embedding_info or {}
+    if not info.get("is_classifier"):
+        raise InvalidRequestError("Classification needs a sequence-classification model.")
+    return info
+
+
+def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
+    tm = state.tm
+
+    @app.post("/encode")
+    async def encode(request: Request) -> Response:
+        obj = await json_body(EmbeddingReqInput, request, acts=True)
+        outputs = await scoring.embed(tm, obj.items(), obj.dimensions, request)
+        return _json(outputs[0] if obj.is_single else outputs)
+
+    @app.post("/classify")
+    async def classify_native(request: Request) -> Response:
+        obj = await json_body(EmbeddingReqInput, request, acts=True)
+        _require_classifier(state)
+        outputs = await scoring.embed(tm, obj.items(), None, request)
+        return _json(outputs[0] if obj.is_single else outputs)
+
+    @app.post("/v1/embeddings")
+    async def v1_embeddings(request: Request) -> Response:
+        req = await json_body(EmbeddingRequest, request, acts=True)
+        check_model(req.model, state.served_names)
+        outputs = await scoring.embed(
+            tm, _items(req.input, req.truncate_prompt_tokens), req.dimensions, request
+        )
+        data = [
+            EmbeddingObject(embedding=_encode_vector(o["embedding"], req.encoding_format), index=i)
+            for i, o in enumerate(outputs)
+        ]
+        body = EmbeddingResponse(data=data, model=req.model or tm.served_model_name, usage=_usage(outputs))
+        return _json(body.model_dump())
+
+    @app.post("/v1/rerank")
+    async def v1_rerank(request: Request) -> Response:
+        req = await json_body(RerankRequest, request, acts=True)
+        check_model(req.model, state.served_names)
+        scored = await scoring.rerank(tm, req.query, req.documents, req.instruct, request)
+        results = [
+            RerankResult(
+                score=s, document=req.documents[i] if req.return_documents else None, index=i, meta_info=m
+            )
+            for i, (s, m) in enumerate(scored)
+        ]
+        results.sort(key=lambda r: -r.score)
+        return _json([r.model_dump() for r in results[: req.top_n or len(results)]])
+
+    @app.post("/v1/score")
+    async def v1_score(request: Request) -> Response:
+        req = await json_body(ScoringRequest, request, acts=True)
+        check_model(req.model, state.served_names)
+        scores, prompt_tokens = await scoring.score(
+            tm, req.query, req.items, req.label_token_ids, req.apply_softmax, req.item_first, request
+        )
+        usage = UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+        body = ScoringResponse(scores=scores, model=req.model or tm.served_model_name, usage=usage)
+        return _json(body.model_dump())
+
+    @app.post("/v1/classify")
+    async def v1_classify(request: Request) -> Response:
+        req = await json_body(ClassifyRequest, request, acts=True)
+        check_model(req.model, state.served_names)
+        info = _require_classifier(state)
+        outputs = await scoring.run(tm, _items(req.input), request)
+        labels = {int(k): v for k, v in (info.get("id2label") or {}).items()}
+        data = [
+            ClassifyData(index=i, **scoring.classification(o["embedding"], labels))
+            for i, o in enumerate(outputs)
+        ]
+        body = ClassifyResponse(model=req.model or tm.served_model_name, data=data, usage=_usage(outputs))
+        return _json(body.model_dump())

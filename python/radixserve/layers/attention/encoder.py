@@ -1,0 +1,56 @@
+"""Bidirectional attention of encoder prefills (BERT-style) straight from the step's K/V.
+
+An encoder request never has a cached prefix (its KV depends on every token of the input, so none
+is shared) and is never chunked: the K/V a paged read would gather back from the pool for it are
+exactly this step's k and v, and nothing reads them later. The cpu backend therefore attends them
+in place, skipping the pool write and the per-layer gather; the torch-native backend (the
+reference) keeps the paged path, and the tests compare the two.
+
+Requests of equal length (the usual embedding batch) run as one SDPA call over a [bs, heads, len,
+head_dim] view; ragged batches run one call per request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.radix_attention import RadixAttention
+
+
+def bidirectional_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    extend_lens: list[int],
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """[num_tokens, num_heads * head_dim]: every token attends to every token of its request."""
+    gqa = layer.num_kv_heads != layer.num_heads
+    if len(set(extend_lens)) == 1:
+        bs, seq = len(extend_lens), extend_lens[0]
+        out = F.scaled_dot_product_attention(
+            q.view(bs, seq, layer.num_heads, layer.head_dim).transpose(1, 2),
+            k.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
+            v.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
+            scale=layer.scaling,
+            enable_gqa=gqa,
+        )  # [bs, num_heads, seq, head_dim]
+        return out.transpose(1, 2).reshape(bs * seq, layer.num_heads * layer.head_dim)
+    out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
+    start = 0
+    for length in extend_lens:
+        rows = slice(start, start + length)
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None],
+            k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None],
+            scale=layer.scaling,
+            enable_gqa=gqa,
+        )  # [1, num_heads, length, head_dim]
+        out[rows] = o[0].transpose(0, 1).reshape(length, -1)
+        start += length
+    return out

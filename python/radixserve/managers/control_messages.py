@@ -1,0 +1,277 @@
+"""The scheduler's control-plane messages (seed 002 §4.5): sessions, weight updates, memory
+release, pause, profiling, live knobs, RPC. Re-exported by io_struct, where every message lives.
+
+Names and fields are SGLang's (its io_struct), so RL frameworks that drive SGLang over HTTP or
+its Engine find the same ones. Each request that needs an answer has its own *Output type: the
+TokenizerManager matches replies to waiters by that type. Every output carries `success` and a
+`message` saying what happened (or why nothing did).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+DEFAULT_WEIGHT_GROUP = "weight_update_group"
+
+
+# ---------------------------------------------------------------------------------------- sessions
+@dataclass(frozen=True, slots=True)
+class SessionParams:
+    """`session_params` of a generate request: continue session `id` from its request `rid`."""
+
+    id: str | None = None
+    rid: str | None = None  # the finished request to continue from; None: start of the session
+    offset: int | None = None  # keep only the first `offset` tokens of rid's input + output
+    replace: bool | None = None  # branch: abort rid's continuations and replace them
+    drop_previous_output: bool | None = None  # continue from rid's input only
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSessionReqInput:
+    capacity_of_str_len: int
+    session_id: str | None = None  # generated when absent
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSessionReqOutput:
+    session_id: str | None
+    success: bool
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSessionReqInput:
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSessionReqOutput:
+    success: bool
+    message: str = ""
+
+
+# ---------------------------------------------------------------------------------------- weights
+@dataclass(frozen=True, slots=True)
+class UpdateWeightFromDiskReqInput:
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False  # False: in-flight requests finish on the old weights first
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightFromDiskReqOutput:
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+    weight_version: str | None = None  # the version now loaded (on success)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromTensorReqInput:
+    """Tensors as SGLang's RL frameworks send them: one serialized list of (name, tensor) per TP
+    rank (`serialized_named_tensors[tp_rank]`), bytes or base64 text (docs/rl.md)."""
+
+    serialized_named_tensors: list[bytes | str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromTensorReqOutput:
+    success: bool
+    message: str
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InitWeightsUpdateGroupReqInput:
+    master_address: str
+    master_port: int
+    rank_offset: int  # this server's TP rank r joins the group as rank rank_offset + r
+    world_size: int
+    group_name: str = DEFAULT_WEIGHT_GROUP
+    backend: str = "nccl"
+
+
+@dataclass(frozen=True, slots=True)
+class InitWeightsUpdateGroupReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromDistributedReqInput:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_WEIGHT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromDistributedReqOutput:
+    success: bool
+    message: str
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str = DEFAULT_WEIGHT_GROUP
+
+
+@dataclass(frozen=True, slots=True)
+class DestroyWeightsUpdateGroupReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetWeightsByNameReqInput:
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass(frozen=True, slots=True)
+class GetWeightsByNameReqOutput:
+    parameter: list[Any] | None  # the tensor as nested lists, first `truncate_size` rows
+    success: bool = True
+    message: str = ""
+
+
+# ---------------------------------------------------------------------------------------- memory
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseMemoryOccupationReqInput:
+    tags: list[str] | None = None  # None: every tag in MEMORY_TAGS
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseMemoryOccupationReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeMemoryOccupationReqOutput:
+    success: bool
+    message: str
+    weight_version: str | None = None  # the version of the reloaded weights (when they were resumed)
+
+
+# ---------------------------------------------------------------------------------------- pause
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(frozen=True, slots=True)
+class PauseGenerationReqInput:
+    mode: str = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class PauseGenerationReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ContinueGenerationReqInput:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ContinueGenerationReqOutput:
+    success: bool
+    message: str
+
+
+# ---------------------------------------------------------------------------------------- operators
+class ProfileReqType(Enum):
+    START_PROFILE = 1
+    STOP_PROFILE = 2
+
+
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReq:
+    type: ProfileReqType
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlowDownReqInput:
+    forward_sleep_time: float | None  # seconds slept before each forward; None: back to normal
+
+
+@dataclass(frozen=True, slots=True)
+class SlowDownReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class FreezeGCReq:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class FreezeGCReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetInternalStateReq:
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SetInternalStateReqOutput:
+    updated: bool
+    server_args: dict[str, Any]
+    message: str = ""
+
+
+# ---------------------------------------------------------------------------------------- RPC
+@dataclass(frozen=True, slots=True)
+class RpcReqInput:
+    """Call the scheduler's control method `method` with `parameters` (Engine.collective_rpc)."""
+
+    method: str
+    parameters: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RpcReqOutput:
+    success: bool
+    message: str
+    result: Any = None

@@ -1,0 +1,247 @@
+"""Changing a loaded model's weights in place: updates for RL (from disk, from tensors, from a
+trainer's broadcast), reading one back, and releasing / restoring weights and the KV pool.
+
+Updates are transactional: every parameter an update touches is copied aside first, and any
+failure (an unknown name, a shape the config does not imply, an unreadable file) puts the copies
+back before the error is reported, so the server keeps serving the old weights. The price is a
+second copy of the touched parameters while the update runs (all of them for a full checkpoint).
+
+Parameters are updated with copy_ into their existing storage, so every view of them (the tied LM
+head, the fused decode path's tensors) sees the new values; the CPU linears' derived forms (fp16
+copies, oneDNN-packed weights) are rebuilt and the fused decode runner recreated afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixserve.layers.linear import Linear
+from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
+from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.loader import _init_dummy_weights
+from radixserve.model_loader.weights import CheckpointTensor, iterate_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that was refused; the old weights are still loaded."""
+
+
+def _trim_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps large freed blocks otherwise), and freed
+    CUDA blocks to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator decides
+        pass
+
+
+class ModelWeights:
+    """The weight operations of one rank's ModelRunner (`runner`)."""
+
+    def __init__(self, runner: Any) -> None:  # noqa: ANN401 - ModelRunner (imports this module)
+        self.runner = runner
+        # Where the weights come back from after a release: the last checkpoint loaded from disk.
+        self.source_path: str = runner.model_config.path
+        self.source_format: str = runner.server_args.load_format
+        self.released_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self.released_kv: tuple[torch.Size, torch.dtype] | None = None
+        # CUDA graphs read the weights' and the KV pool's storage: dropped on a release, captured
+        # again once both are back (in-place updates keep the storage, and the graphs valid).
+        self._had_graphs = getattr(runner, "graph_runner", None) is not None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.runner.model
+
+    # ------------------------------------------------------------------ updates
+    def update_from_disk(self, model_path: str, load_format: str | None) -> None:
+        """Load every weight of the checkpoint at `model_path` (same architecture and shapes)."""
+        fmt = load_format or "auto"
+        if fmt not in ("auto", "safetensors"):
+            raise WeightUpdateError(
+                f"load_format {fmt!r} cannot update weights (use 'auto' or 'safetensors')."
+            )
+        self._check_architecture(model_path)
+        try:
+            weights = list(iterate_checkpoint(model_path, show_progress=False))
+        except ModelLoadError as exc:
+            raise WeightUpdateError(str(exc)) from exc
+        self._load(weights, require_all=True)
+        self.source_path, self.source_format = model_path, "auto"
+
+    def update_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a subset of the weights from in-memory tensors (checkpoint names)."""
+        named = list(named)
+        for name, tensor in named:
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightUpdateError(f"Weight {name!r} is a {type(tensor).__name__}, not a tensor.")
+            if not tensor.is_floating_point():
+                raise WeightUpdateError(
+                    f"Weight {name!r} has dtype {tensor.dtype}; the model's weights are floating point."
+                )
+        self._load([(n, CheckpointTensor.of(n, t.detach().cpu())) for n, t in named], require_all=False)
+
+    def _check_architecture(self, model_path: str) -> None:
+        config_file = os.path.join(model_path, "config.json")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                archs = json.load(f).get("architectures") or []
+        except (OSError, ValueError) as exc:
+            raise WeightUpdateError(f"Cannot read {config_file}: {exc}") from exc
+        mine = self.runner.model_config.architecture
+        if mine not in archs:
+            raise WeightUpdateError(
+                f"The checkpoint at {model_path} is a {', '.join(archs) or 'model of unknown architecture'}; "
+                f"the server runs {mine}. Weight updates keep the architecture."
+            )
+
+    def _load(self, weights: list[tuple[str, CheckpointTensor]], require_all: bool) -> None:
+        model = self.model
+        params = dict(model.named_parameters())
+        touched: set[str] = set()
+        for name, _ in weights:
+            targets = model.param_targets(name)
+            unknown = [t for t in targets if t not in params]
+            if unknown or (not targets and not self._other_stage_or_skipped(name)):
+                raise WeightUpdateError(f"The model has no weight named {name!r}.")
+            touched.update(targets)
+        if not touched and weights and self.runner.parallel.pp_size == 1:
+            raise WeightUpdateError("None of the given weights belongs to the model.")
+        backup = {n: params[n].detach().clone() for n in touched}
+        try:
+            model.load_weights(weights, require_all=require_all)
+        except (ModelLoadError, RuntimeError, ValueError) as exc:
+            with torch.no_grad():
+                for n, saved in backup.items():
+                    params[n].data.copy_(saved)
+            raise WeightUpdateError(f"{exc} (the previous weights are kept)") from exc
+        finally:
+            del backup
+        self.rebuild_derived()
+        _trim_heap()
+
+    def _other_stage_or_skipped(self, name: str) -> bool:
+        """A checkpoint name this rank skips on purpose (another pipeline stage, a tied head)."""
+        if "rotary_emb.inv_freq" in name:
+            return True
+        if name.startswith("lm_head.") and getattr(self.model, "tie_word_embeddings", False):
+            return True
+        return self.runner.parallel.pp_size > 1
+
+    def rebuild_derived(self) -> None:
+        """Recompute every form derived from the weights (CPU linears, fused decode runner)."""
+        runner = self.runner
+        runner.cpu_decode_runner = None
+        if self.released_shapes is not None:
+            return  # nothing to derive from until the weights are back
+        for layer in self._linears():
+            layer.weight_f16 = layer.weight_packed = None
+        runner._prepare_cpu_linears()
+        if self.released_kv is not None:
+            return  # the fused decode path reads the KV pool: recreated when it is back
+        runner.cpu_decode_runner = create_cpu_decode_runner(
+            runner.model, runner.token_to_kv_pool, runner.server_args, runner.parallel
+        )
+        if self._had_graphs and runner.graph_runner is None:
+            from radixserve.model_executor.cuda_graph_runner import create_cuda_graph_runner
+
+            runner.graph_runner = create_cuda_graph_runner(runner, runner.server_args)
+
+    def _linears(self) -> list[Linear]:
+        roots = [m for m in (self.runner.model, self.runner.lm_head) if m is not None]
+        return [m for root in roots for m in root.modules() if isinstance(m, Linear)]
+
+    # ------------------------------------------------------------------ reading
+    def get_by_name(self, name: str, truncate_size: int) -> torch.Tensor:
+        """This rank's copy of checkpoint weight `name` (its part of a fused parameter), the first
+        `truncate_size` rows."""
+        params = dict(self.model.named_parameters())
+        if name in params:
+            tensor = params[name].detach()
+        else:
+            targets = self.model.param_targets(name)
+            if not targets or targets[0] not in params:
+                raise WeightUpdateError(f"The model has no weight named {name!r}.")
+            tensor = self._unfuse(name, targets[0], params[targets[0]].detach())
+        if tensor.numel() == 0:
+            raise WeightUpdateError("The weights are released (/resume_memory_occupation restores them).")
+        return tensor[: max(truncate_size, 0)] if tensor.dim() else tensor
+
+    def _unfuse(self, name: str, target: str, fused: torch.Tensor) -> torch.Tensor:
+        from radixserve.models.llama import _fused_target
+
+        owner = self.model.get_submodule(target.rpartition(".")[0])
+        shard = _fused_target(name)[1]
+        if shard in ("q", "k", "v"):
+            q, kv = owner.q_size, owner.kv_size
+            start = {"q": 0, "k": q, "v": q + kv}[shard]
+            return fused[start : start + (q if shard == "q" else kv)]
+        if isinstance(shard, int):
+            half = fused.shape[0] // 2
+            return fused[shard * half : (shard + 1) * half]
+        vocab = getattr(owner, "num_valid_rows", None)
+        return fused[:vocab] if vocab is not None else fused
+
+    # ------------------------------------------------------------------ release / resume
+    def release_weights(self) -> None:
+        if self.released_shapes is not None:
+            return
+        self.runner.cpu_decode_runner = self.runner.graph_runner = None
+        for layer in self._linears():
+            layer.weight_f16 = layer.weight_packed = None
+        shapes = {}
+        for name, param in self.model.named_parameters():
+            shapes[name] = (param.shape, param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.released_shapes = shapes
+        _trim_heap()
+
+    def resume_weights(self) -> None:
+        """Reallocate and reload from the last checkpoint loaded from disk (`source_path`), or
+        re-draw the random weights of load_format 'dummy'."""
+        if self.released_shapes is None:
+            return
+        params = dict(self.model.named_parameters())
+        for name, (shape, dtype) in self.released_shapes.items():
+            params[name].data = torch.empty(shape, dtype=dtype, device=self.runner.device)
+        if self.source_format == "dummy":
+            _init_dummy_weights(self.model, self.runner.device, 0)
+        else:
+            self.model.load_weights(iterate_checkpoint(self.source_path, show_progress=False))
+        self.released_shapes = None
+        self.rebuild_derived()
+
+    def release_kv_cache(self) -> None:
+        pool = self.runner.token_to_kv_pool
+        if self.released_kv is not None:
+            return
+        self.runner.cpu_decode_runner = self.runner.graph_runner = None
+        self.released_kv = (pool.k_buffer[0].shape, pool.dtype)
+        empty = torch.empty(0, dtype=pool.dtype, device=pool.device)
+        pool.k_buffer = [empty] * pool.num_layers
+        pool.v_buffer = [empty] * pool.num_layers
+        _trim_heap()
+
+    def resume_kv_cache(self) -> None:
+        if self.released_kv is None:
+            return
+        pool = self.runner.token_to_kv_pool
+        shape, dtype = self.released_kv
+        pool.k_buffer = [torch.zeros(shape, dtype=dtype, device=pool.device) for _ in range(pool.num_layers)]
+        pool.v_buffer = [torch.zeros(shape, dtype=dtype, device=pool.device) for _ in range(pool.num_layers)]
+        self.released_kv = None
+        self.rebuild_derived()

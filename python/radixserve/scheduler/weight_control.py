@@ -1,0 +1,249 @@
+"""Weight updates for RL (seed 002 §4.5, INVENTORY §36): the scheduler's side of
+/update_weights_from_disk, /update_weights_from_tensor, the trainer's weight group
+(/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group)
+and /get_weights_by_name.
+
+The ControlPlane runs the updates only when no forward is in flight and no request is alive (or
+generation is paused), so a request never mixes old and new weights. Each rank updates its own
+shard; the outcome is agreed over the ranks (all applied, or all kept the old weights) before
+rank 0 answers. After a successful update the prefix cache is flushed (`flush_cache`, default
+true): its KV was computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.managers.io_struct import (
+    DestroyWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromDistributedReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
+)
+from radixserve.model_executor.weight_sync import WeightUpdateError
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.control_plane import ControlPlane
+
+logger = logging.getLogger(__name__)
+
+# Largest tensor a trainer may announce for one broadcast (elements), so a typo in `shapes`
+# cannot make the server allocate terabytes.
+MAX_BROADCAST_NUMEL = 1 << 34
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise WeightUpdateError(f"Unsupported dtype {name!r}: use one of {sorted(_DTYPES)}.")
+    return _DTYPES[key]
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], as_text: bool = True) -> str | bytes:
+    """One rank's entry of `serialized_named_tensors`: torch.save'd (name, tensor) pairs, as
+    base64 text (HTTP: safe for JSON) or raw bytes (the Engine: a third less to copy)."""
+    buf = io.BytesIO()
+    torch.save([(n, t.detach().cpu().contiguous()) for n, t in named], buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii") if as_text else buf.getvalue()
+
+
+def deserialize_named_tensors(data: bytes | str) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of serialize_named_tensors; tensors and plain containers only (weights_only)."""
+    try:
+        raw = base64.b64decode(data, validate=True) if isinstance(data, str) else data
+        named = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a malformed payload, whatever the decoder's complaint
+        raise WeightUpdateError(f"serialized_named_tensors cannot be decoded: {exc}") from exc
+    if not isinstance(named, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in named
+    ):
+        raise WeightUpdateError("serialized_named_tensors must hold a list of (name, tensor) pairs.")
+    return [(str(n), t) for n, t in named]
+
+
+class WeightControl:
+    def __init__(self, control: ControlPlane, weight_version: str) -> None:
+        self.control = control
+        self.weight_version = weight_version
+        self.groups: dict[str, Any] = {}  # group_name -> torch ProcessGroup with the trainer
+        # The version of the last checkpoint loaded from disk: what a memory resume reloads.
+        self.disk_version = weight_version
+
+    def on_weights_reloaded(self) -> str:
+        """The weights came back from the last checkpoint on disk: so does their version."""
+        self.weight_version = self.disk_version
+        return self.weight_version
+
+    @property
+    def s(self) -> Any:  # noqa: ANN401 - the Scheduler
+        return self.control.s
+
+    def _weights(self) -> Any:  # noqa: ANN401 - ModelWeights
+        weights = self.control._weights()
+        if weights is None:
+            raise WeightUpdateError("This worker cannot update weights.")
+        if weights.released_shapes is not None:
+            raise WeightUpdateError("The weights are released: call /resume_memory_occupation first.")
+        return weights
+
+    def _tp_rank(self) -> int:
+        runner = getattr(self.s.worker, "model_runner", None)
+        parallel = getattr(runner, "parallel", None)
+        return parallel.tp.rank if parallel is not None else 0
+
+    # ------------------------------------------------------------------ updates
+    def _run_update(self, what: str, update: Any, flush_cache: bool, version: str | None) -> tuple[bool, str]:  # noqa: ANN401
+        try:
+            update()
+            ok, message = True, ""
+        except WeightUpdateError as exc:
+            ok, message = False, str(exc)
+        except Exception as exc:  # never leave the scheduler: report the failure
+            logger.exception("Weight update (%s) failed", what)
+            ok, message = False, f"{type(exc).__name__}: {exc}"
+        ok, message = self.control.agree(ok, message)
+        if not ok:
+            logger.warning("Weight update (%s) refused: %s", what, message)
+            return False, f"Failed to update weights: {message}"
+        if version is not None:
+            self.weight_version = version
+        message = f"Succeeded to update model weights ({what}); weight_version {self.weight_version}."
+        if flush_cache:
+            message += " " + self._flush()
+        logger.info(message)
+        return True, message
+
+    def _flush(self) -> str:
+        s = self.s
+        if self.control.quiescent():
+            s.flush_cache()
+            return "Cache flushed."
+        # Paused requests still hold their prefixes: drop every cached entry nobody holds.
+        freed = s.mem.tree_cache.evict(s.mem.evictable_size())
+        return f"Paused requests keep their KV; {freed} cached token(s) evicted."
+
+    def update_from_disk(self, msg: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+        ok, message = self._run_update(
+            f"from {msg.model_path}",
+            lambda: self._weights().update_from_disk(msg.model_path, msg.load_format),
+            msg.flush_cache,
+            msg.weight_version,
+        )
+        if ok:
+            self.disk_version = self.weight_version
+        return UpdateWeightFromDiskReqOutput(ok, message, 0, self.weight_version if ok else None)
+
+    def update_from_tensor(self, msg: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
+        def update() -> None:
+            rank = self._tp_rank()
+            entries = msg.serialized_named_tensors
+            if not entries:
+                raise WeightUpdateError("serialized_named_tensors is empty.")
+            # One entry per TP rank; a single entry serves every rank (full tensors, each rank
+            # takes its shard).
+            data = entries[rank] if len(entries) > rank else entries[0]
+            self._weights().update_from_tensors(deserialize_named_tensors(data))
+
+        ok, message = self._run_update("from tensors", update, msg.flush_cache, msg.weight_version)
+        return UpdateWeightsFromTensorReqOutput(ok, message, self.weight_version if ok else None)
+
+    # ------------------------------------------------------------------ the trainer's group
+    def init_group(self, msg: InitWeightsUpdateGroupReqInput) -> InitWeightsUpdateGroupReqOutput:
+        from radixserve.model_executor.weight_group import init_weights_group
+
+        created = False
+        try:
+            if msg.group_name in self.groups:
+                raise WeightUpdateError(f"Weight update group {msg.group_name!r} already exists.")
+            rank = msg.rank_offset + self._tp_rank()
+            self.groups[msg.group_name] = init_weights_group(
+                msg.master_address, msg.master_port, rank, msg.world_size, msg.group_name, msg.backend
+            )
+            created = True
+            ok, message = True, ""
+        except Exception as exc:  # bad address, timeout, bad rank: report, keep serving
+            ok, message = False, f"{type(exc).__name__}: {exc}"
+        ok, message = self.control.agree(ok, message)
+        if not ok:
+            if created:  # another rank failed: this rank leaves the group too
+                self.groups.pop(msg.group_name, None)
+            return InitWeightsUpdateGroupReqOutput(
+                False, f"Failed to init the weight update group: {message}"
+            )
+        logger.info("Joined weight update group %s", msg.group_name)
+        return InitWeightsUpdateGroupReqOutput(True, "Succeeded to initialize the weight update group.")
+
+    def update_from_distributed(
+        self, msg: UpdateWeightsFromDistributedReqInput
+    ) -> UpdateWeightsFromDistributedReqOutput:
+        from radixserve.model_executor.weight_group import broadcast_from_trainer
+
+        def update() -> None:
+            group = self.groups.get(msg.group_name)
+            if group is None:
+                raise WeightUpdateError(
+                    f"No weight update group {msg.group_name!r}: call /init_weights_update_group."
+                )
+            if not len(msg.names) == len(msg.dtypes) == len(msg.shapes):
+                raise WeightUpdateError("names, dtypes and shapes must have the same length.")
+            specs = []  # everything checked before the first broadcast is received
+            for name, dtype, shape in zip(msg.names, msg.dtypes, msg.shapes):
+                numel = 1
+                for d in shape:
+                    numel *= int(d)
+                if any(int(d) < 0 for d in shape) or numel > MAX_BROADCAST_NUMEL:
+                    raise WeightUpdateError(f"Bad shape {shape} for {name!r}.")
+                specs.append((name, parse_dtype(dtype), [int(d) for d in shape]))
+            received = []
+            for name, dtype, shape in specs:
+                tensor = torch.empty(shape, dtype=dtype)
+                broadcast_from_trainer(group, tensor)
+                received.append((name, tensor))
+            self._weights().update_from_tensors(received)
+
+        ok, message = self._run_update("from distributed", update, msg.flush_cache, msg.weight_version)
+        return UpdateWeightsFromDistributedReqOutput(ok, message, self.weight_version if ok else None)
+
+    def destroy_group(self, msg: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:
+        group = self.groups.pop(msg.group_name, None)
+        ok, message = self.control.agree(group is not None, f"No weight update group {msg.group_name!r}.")
+        if not ok:
+            return DestroyWeightsUpdateGroupReqOutput(False, message)
+        del group  # the ProcessGroup closes its connections when collected
+        return DestroyWeightsUpdateGroupReqOutput(True, "Succeeded to destroy the weight update group.")
+
+    # ------------------------------------------------------------------ reading
+    def get_weights_by_name(self, msg: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        try:
+            weights = self.control._weights()
+            if weights is None:
+                raise WeightUpdateError("This worker cannot read weights.")
+            rank = getattr(self.s.worker, "rank", None)
+            if rank is not None and rank.layout.world_size > 1:
+                raise WeightUpdateError(
+                    "get_weights_by_name reads one rank's shard: not supported with several ranks."
+                )
+            tensor = weights.get_by_name(msg.name, msg.truncate_size)
+            return GetWeightsByNameReqOutput(tensor.float().tolist())
+        except WeightUpdateError as exc:
+            return GetWeightsByNameReqOutput(None, False, str(exc))

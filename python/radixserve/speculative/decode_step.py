@@ -1,0 +1,53 @@
+"""How a decode step becomes a verify step: the BatchBuilder hands its running batch here instead of
+calling prepare_for_decode() directly."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from radixserve.speculative.model_drafter import ModelDrafter
+from radixserve.speculative.ngram_drafter import NgramConfig, NgramDrafter
+from radixserve.speculative.verify_batch import prepare_for_verify, verify_tokens_needed
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.kv_memory import KVMemory
+    from radixserve.scheduler.req import Req
+    from radixserve.scheduler.schedule_batch import ScheduleBatch
+    from radixserve.server_args import ServerArgs
+
+
+class Drafter(Protocol):
+    """Proposes drafts. It keeps its per-request state on req.spec, an object with
+    on_token(token_id) (every appended token) and on_verified(num_drafts, num_accepted)."""
+
+    def draft(self, req: Req, max_tokens: int) -> list[int]: ...
+
+
+class SpeculativeDecodeStep:
+    """Drafts for every request of a decode batch; a TARGET_VERIFY batch when any request drafted
+    and the drafts' KV fits (else, or with no drafts, the ordinary DECODE batch)."""
+
+    def __init__(self, drafter: Drafter, mem: KVMemory) -> None:
+        self.drafter = drafter
+        self.mem = mem
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs, mem: KVMemory) -> SpeculativeDecodeStep | None:
+        if args.speculative_algorithm is None:
+            return None
+        if args.speculative_algorithm == "NGRAM":
+            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem)
+        assert args.speculative_num_draft_tokens is not None, "ServerArgs.resolve() sets it"
+        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem)
+
+    def prepare(self, batch: ScheduleBatch, context_limit: int) -> None:
+        drafts = [self.drafter.draft(r, context_limit - r.kv_committed_len - 1) for r in batch.reqs]
+        if any(drafts):
+            committed = [r.kv_committed_len for r in batch.reqs]
+            need = verify_tokens_needed(self.mem, committed, [len(d) for d in drafts])
+            if self.mem.can_alloc(need):
+                prepare_for_verify(batch, drafts)
+                return
+        # No drafts, or no room for them this step: a plain decode (the back-off rule only counts
+        # rounds that were verified).
+        batch.prepare_for_decode()

@@ -1,0 +1,69 @@
+"""Self-speculation: the target's own first layers, its final norm and its LM head as the draft
+model (an early exit, as in LayerSkip), for models with no separate draft. Runs in the model worker.
+
+It needs no KV pool of its own: layer l's K/V of a token depends only on layers below l, so the
+draft's layers 0..L-1 and the target's compute the same K/V for the same tokens, and the draft
+reads the target's pool for every accepted position. For its own draft positions the draft writes
+layers 0..L-1 into the slots the verify step allocated; the verify forward then overwrites every
+layer of them.
+
+Per verify step with k drafts: k single-token forwards through L layers (a decode of 1 + the
+previous drafts over the cached KV), then the usual verify forward of the target.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.model_runner import ModelRunner
+
+
+class LayerSkipDraft:
+    def __init__(self, runner: ModelRunner, num_layers: int) -> None:
+        inner = runner.model.model  # LlamaModel (Llama, Qwen2, Qwen3 share it)
+        if not 0 < num_layers < len(inner.layers):
+            raise ValueError(
+                f"--speculative-draft-layers must be between 1 and {len(inner.layers) - 1} "
+                f"(the target has {len(inner.layers)} layers), got {num_layers}"
+            )
+        self.runner = runner
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers[:num_layers]
+        self.norm = inner.norm
+        self.lm_head = runner.lm_head
+
+    @torch.inference_mode()
+    def fill_drafts(self, batch: ModelWorkerBatch) -> None:
+        """Replace the placeholder drafts of a TARGET_VERIFY batch (rows 1..k of each request) by
+        the draft model's greedy tokens, in place on batch.input_ids."""
+        assert batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None
+        lens, prefix = batch.extend_seq_lens, batch.extend_prefix_lens
+        starts = [sum(lens[:b]) for b in range(len(lens))]
+        input_ids = batch.input_ids.clone()  # [num_tokens]
+        for step in range(max(lens) - 1):
+            rows = [b for b, n in enumerate(lens) if n - 1 > step]  # requests with a draft here
+            at = [starts[b] + step for b in rows]  # this step's input token and KV slot per request
+            step_batch = ModelWorkerBatch(
+                forward_mode=ForwardMode.DECODE,
+                input_ids=input_ids[at],
+                req_pool_indices=batch.req_pool_indices[rows],
+                seq_lens=torch.tensor([prefix[b] + step + 1 for b in rows], dtype=torch.int64),
+                out_cache_loc=batch.out_cache_loc[at],
+                sampling_info=None,
+            )
+            input_ids[[i + 1 for i in at]] = self._next_tokens(step_batch)
+        batch.input_ids = input_ids
+
+    def _next_tokens(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        r = self.runner
+        fb = ForwardBatch.init_new(batch, r.req_to_token_pool, r.token_to_kv_pool, r.attn_backend, r.device)
+        hidden, residual = self.embed(fb.input_ids), None  # [bs, hidden_size]
+        for layer in self.layers:
+            hidden, residual = layer(fb.positions, hidden, residual, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return self.lm_head(hidden).float().argmax(dim=-1).cpu()  # [bs]

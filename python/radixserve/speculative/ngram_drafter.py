@@ -1,0 +1,123 @@
+"""NGRAM drafting for the requests of a decode step, and the back-off rule.
+
+Who drafts: requests without a grammar, penalties, logprobs, a seed or a pending min_new_tokens.
+Greedy ones (temperature 0 or top_k 1) accept while the target's argmax agrees, so the output is
+exactly what plain greedy decoding gives; sampled ones are verified by rejection sampling, which
+keeps the target's distribution (speculative/verify.py). Every other request rides in the same
+verify forward with no drafts (one token, sampled by the ordinary sampler): correct, not sped up.
+
+Back-off: drafting costs a wider forward. A request whose drafts were all rejected stops drafting
+for `cooldown` decode steps; the cooldown doubles on each further all-rejected round (1, 2, 4 ..
+MAX_COOLDOWN) and goes back to 0 on any accepted draft. On random text most rounds are rejected,
+so a request there drafts on only about one step in MAX_COOLDOWN; on copy-heavy text it keeps
+drafting. When no request of a step drafts, the step is an ordinary DECODE batch (with its fast
+paths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from radixserve.speculative.ngram_trie import NgramTrie
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.req import Req
+    from radixserve.server_args import ServerArgs
+
+MAX_COOLDOWN = 16
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    num_draft_tokens: int  # tokens per request in a verify forward (1 + drafts)
+    min_window: int
+    max_window: int
+    branch_length: int
+    capacity: int
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> NgramConfig:
+        assert args.speculative_num_draft_tokens is not None, "ServerArgs.resolve() sets it"
+        return cls(
+            num_draft_tokens=args.speculative_num_draft_tokens,
+            min_window=args.speculative_ngram_min_match_window_size,
+            max_window=args.speculative_ngram_max_match_window_size,
+            branch_length=args.speculative_ngram_branch_length,
+            capacity=args.speculative_ngram_capacity,
+        )
+
+
+@dataclass
+class SpecReqState:
+    """Per-request speculation state (lives on Req.spec; survives retraction)."""
+
+    trie: NgramTrie | None  # None for drafters that need no index (a draft model)
+    cooldown: int = 0  # decode steps left without drafting
+    next_cooldown: int = 1
+
+    def on_token(self, token_id: int) -> None:
+        """Every token appended to the request's output (any batch mode) is indexed."""
+        if self.trie is not None:
+            self.trie.extend([token_id])
+
+    def on_verified(self, num_drafts: int, num_accepted: int) -> None:
+        """The back-off rule, after a verify round in which the request drafted."""
+        if num_drafts == 0:
+            return
+        if num_accepted == 0:
+            self.cooldown = self.next_cooldown
+            self.next_cooldown = min(self.next_cooldown * 2, MAX_COOLDOWN)
+        else:
+            self.cooldown, self.next_cooldown = 0, 1
+
+
+def can_speculate(req: Req) -> bool:
+    p = req.sampling_params
+    greedy = p.temperature < 1e-6 or p.top_k == 1
+    # Sampled requests are verified by rejection sampling (same distribution, other draws): a
+    # seeded one would no longer reproduce its non-speculative output, so it does not draft.
+    return (
+        (greedy or p.seed is None)
+        and req.grammar is None
+        and not req.return_logprob
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and len(req.output_ids) >= p.min_new_tokens
+    )
+
+
+def num_drafts_allowed(req: Req, st: SpecReqState, most: int, max_tokens: int) -> int:
+    """How many drafts `req` may have this step: 0 while cooling down (the back-off rule), and
+    never past max_new_tokens (tokens beyond it would be dropped anyway)."""
+    if st.cooldown > 0:
+        st.cooldown -= 1
+        return 0
+    room = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+    return min(most, max_tokens, room)
+
+
+class NgramDrafter:
+    def __init__(self, config: NgramConfig) -> None:
+        self.config = config
+
+    def _state(self, req: Req) -> SpecReqState:
+        if req.spec is None:
+            trie = NgramTrie(self.config.branch_length, self.config.capacity)
+            trie.extend(req.origin_input_ids + req.output_ids)
+            req.spec = SpecReqState(trie)
+        return req.spec
+
+    def draft(self, req: Req, max_tokens: int) -> list[int]:
+        """This step's drafts for `req` (possibly none)."""
+        if not can_speculate(req):
+            return []
+        st = self._state(req)
+        n = num_drafts_allowed(req, st, self.config.num_draft_tokens - 1, max_tokens)
+        if n <= 0:
+            return []
+        assert st.trie is not None
+        cfg = self.config
+        tail = (req.origin_input_ids + req.output_ids)[-cfg.max_window :]
+        return st.trie.draft(tail, n, cfg.min_window, cfg.max_window)

@@ -1,0 +1,86 @@
+"""A trie of the n-grams of one token sequence, for NGRAM drafting (prompt-lookup decoding).
+
+Every n-gram of up to `branch_length` tokens of the sequence is a path from the root; each node
+counts how often its n-gram occurred and remembers when it last did. Drafting looks up the longest
+suffix of the context (max_window down to min_window tokens) that occurred before *and was followed
+by something*, then follows the most frequent continuation (ties: the most recent one).
+
+Appending a token costs O(branch_length): the trie keeps the nodes of the suffixes that end at the
+newest token ("open" nodes) and extends each by the new token.
+"""
+
+from __future__ import annotations
+
+
+class _Node:
+    __slots__ = ("children", "count", "last")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+        self.last = -1  # position (in the sequence) of the latest occurrence's last token
+
+
+class NgramTrie:
+    def __init__(self, branch_length: int, capacity: int) -> None:
+        self.branch_length = branch_length
+        self.capacity = capacity  # most nodes; past it nothing new is stored (lookups still work)
+        self.root = _Node()
+        self.num_nodes = 0
+        self.length = 0  # tokens appended so far
+        self._open: list[_Node] = []  # nodes of the suffixes (1 .. branch_length-1 tokens) ending now
+
+    def extend(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            self._append(tok)
+
+    def _append(self, tok: int) -> None:
+        pos = self.length
+        self.length += 1
+        nxt: list[_Node] = []
+        for node in [self.root, *self._open]:
+            child = node.children.get(tok)
+            if child is None:
+                if self.num_nodes >= self.capacity:
+                    continue
+                child = node.children[tok] = _Node()
+                self.num_nodes += 1
+            child.count += 1
+            child.last = pos
+            nxt.append(child)
+        # A suffix of branch_length tokens cannot grow further: stored n-grams stop at that depth.
+        self._open = nxt[: self.branch_length - 1]
+
+    def _walk(self, key: list[int]) -> _Node | None:
+        node = self.root
+        for tok in key:
+            node = node.children.get(tok)
+            if node is None:
+                return None
+        return node
+
+    def match(self, context: list[int], min_window: int, max_window: int) -> _Node | None:
+        """The node of the longest suffix of `context` (max_window .. min_window tokens) that has a
+        continuation, or None."""
+        for w in range(min(max_window, len(context)), min_window - 1, -1):
+            node = self._walk(context[-w:])
+            if node is not None and node.children:
+                return node
+        return None
+
+    def draft(self, context: list[int], num_tokens: int, min_window: int, max_window: int) -> list[int]:
+        """Up to `num_tokens` tokens likely to follow `context` (the sequence this trie indexes, or a
+        continuation of it). A chain that reaches the trie's depth is continued by matching again on
+        the context extended with what was drafted."""
+        out: list[int] = []
+        while len(out) < num_tokens:
+            node = self.match(context + out if out else context, min_window, max_window)
+            if node is None:
+                break
+            start = len(out)
+            while node.children and len(out) < num_tokens:
+                tok, node = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].last))
+                out.append(tok)
+            if len(out) == start:
+                break
+        return out

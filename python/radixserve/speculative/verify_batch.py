@@ -1,0 +1,75 @@
+"""The scheduler side of a verify step: KV slots for [x0, drafts] per request, and giving back the
+slots of rejected drafts once the result is known (page_size 1 or more).
+
+KV invariant kept: positions < req.kv_committed_len hold KV of the request's accepted tokens only;
+the radix cache is only ever handed positions below it, so it never sees a rejected draft.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.model_executor.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.kv_memory import KVMemory
+    from radixserve.scheduler.req import Req
+    from radixserve.scheduler.schedule_batch import ScheduleBatch
+
+
+def verify_tokens_needed(mem: KVMemory, committed: list[int], num_drafts: list[int]) -> int:
+    """KV slots a verify step takes: positions committed .. committed + k per request, in pages."""
+    ps = mem.page_size
+    if ps == 1:
+        return sum(1 + k for k in num_drafts)
+    # Pages that start at or after the first new position (the page holding it may be partly free).
+    total = 0
+    for c, k in zip(committed, num_drafts):
+        first_new_page = -(-c // ps)  # pages fully below c are already the request's
+        last_page = (c + k) // ps
+        total += max(last_page - first_new_page + 1, 0) * ps
+    return total
+
+
+def prepare_for_verify(batch: ScheduleBatch, drafts: list[list[int]]) -> None:
+    """Lay out a TARGET_VERIFY step: request b computes [newest token, drafts_b] at positions
+    kv_committed_len .. kv_committed_len + k_b, over its cached KV (like an extend)."""
+    batch.forward_mode = ForwardMode.TARGET_VERIFY
+    reqs = batch.reqs
+    mem = batch.mem
+    batch.prefix_lens = [r.kv_committed_len for r in reqs]
+    batch.extend_lens = [1 + len(d) for d in drafts]
+    batch.seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+    batch.extend_num_tokens = sum(batch.extend_lens)
+    batch.extend_logprob_start_lens = None
+    batch.input_ids = torch.tensor(
+        list(itertools.chain.from_iterable([r.output_ids[-1], *d] for r, d in zip(reqs, drafts))),
+        dtype=torch.int64,
+    )
+    table = mem.req_to_token_pool.req_to_token
+    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    last_loc = table[rows, torch.tensor(batch.prefix_lens, dtype=torch.int64) - 1].tolist()
+    batch.out_cache_loc = mem.alloc_extend(
+        batch.prefix_lens, batch.seq_lens, last_loc, batch.extend_num_tokens
+    )
+    offset = 0
+    for r, p, e in zip(reqs, batch.prefix_lens, batch.extend_lens):
+        table[r.req_pool_idx, p : p + e] = batch.out_cache_loc[offset : offset + e].to(
+            table.device, table.dtype
+        )
+        offset += e
+        r.kv_committed_len = p + e  # being written by the launched forward
+    batch.spec_drafts = drafts
+
+
+def release_rejected(mem: KVMemory, req: Req, keep_len: int, end_len: int) -> None:
+    """Positions keep_len .. end_len - 1 of `req` were computed but not accepted: give back every
+    page that holds only such positions (the page holding position keep_len - 1 stays: the
+    request keeps filling it) and commit keep_len."""
+    req.kv_committed_len = keep_len
+    start = mem.ceil_paged(keep_len)
+    if start < end_len:
+        mem.allocator.free(mem.row_slots(req, start, end_len))

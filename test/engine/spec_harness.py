@@ -1,0 +1,111 @@
+"""Helpers for the speculative-decoding tests: workers per (attention backend, page size), an
+oracle drafter that proposes a known continuation with chosen mistakes, and runners that compare a
+speculative scheduler with a plain one on the same worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+from scheduler_harness import SchedulerRun, pools_are_empty
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.scheduler.req import Req
+from radixserve.server_args import ServerArgs
+from radixserve.speculative.decode_step import SpeculativeDecodeStep
+from radixserve.testing.tiny_models import TINY_VOCAB
+
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6, "speculative_eagle_topk": 1}
+
+
+class Workers:
+    """One TpModelWorker per (kind, backend, page_size, pool size)."""
+
+    def __init__(self, model_dir: Any) -> None:  # noqa: ANN401 - the tiny_model_dir factory
+        self.model_dir = model_dir
+        self.cache: dict[tuple, tuple[TpModelWorker, ServerArgs]] = {}
+
+    def get(
+        self, kind: str, backend: str, page_size: int, pool: int = 4096
+    ) -> tuple[TpModelWorker, ServerArgs]:
+        key = (kind, backend, page_size, pool)
+        if key not in self.cache:
+            path = self.model_dir(kind)
+            args = ServerArgs(
+                model_path=path,
+                max_total_tokens=pool,
+                page_size=page_size,
+                device="cpu",
+                attention_backend=backend,
+            ).resolve()
+            self.cache[key] = (TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")), args)
+        worker, args = self.cache[key]
+        assert pools_are_empty(worker)
+        return worker, args
+
+
+@dataclasses.dataclass
+class OracleState:
+    """What the oracle drafter keeps per request (the Drafter protocol's req.spec)."""
+
+    num_tokens: int = 0
+    num_rounds: int = 0
+
+    def on_token(self, token_id: int) -> None:
+        self.num_tokens += 1
+
+    def on_verified(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_rounds += 1
+
+
+class OracleDrafter:
+    """Drafts the reference continuation of each request, each token replaced by a wrong one with
+    probability `error_rate`: exercises full, partial and zero acceptance at will."""
+
+    def __init__(
+        self, reference: dict[str, list[int]], max_drafts: int, error_rate: float, seed: int = 0
+    ) -> None:
+        self.reference = reference
+        self.max_drafts = max_drafts
+        self.error_rate = error_rate
+        self.rng = random.Random(seed)
+
+    def draft(self, req: Req, max_tokens: int) -> list[int]:
+        if req.spec is None:
+            req.spec = OracleState()
+        ref = self.reference.get(req.rid, [])
+        n = len(req.output_ids)
+        out = list(ref[n : n + min(self.max_drafts, max_tokens)])
+        for j, tok in enumerate(out):
+            if self.rng.random() < self.error_rate:
+                out[j] = (tok + 1 + self.rng.randrange(TINY_VOCAB - 2)) % TINY_VOCAB
+        return out
+
+
+def submit(run: SchedulerRun, rid: str, prompt: list[int], **params: Any) -> None:
+    """Any sampling parameters (the harness's submit is greedy only)."""
+    logprob = params.pop("return_logprob", False)
+    sp = SamplingParams(**params)
+    sp.normalize()
+    run.scheduler.process_input_requests(
+        [TokenizedGenerateReqInput(rid, "", list(prompt), sp, return_logprob=logprob)]
+    )
+
+
+def use_oracle(run: SchedulerRun, drafter: OracleDrafter) -> None:
+    run.scheduler.builder.spec_step = SpeculativeDecodeStep(drafter, run.scheduler.mem)
+
+
+def copy_workload(seed: int, n: int = 8, vocab: int = TINY_VOCAB) -> list[tuple[str, list[int], int]]:
+    """Prompts that repeat a segment (so n-grams of the prompt recur), 40-60 new tokens."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        seg = [rng.randrange(3, vocab) for _ in range(rng.randint(10, 30))]
+        prompt = seg + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 8))] + seg[: rng.randint(3, 10)]
+        out.append((f"c{i}", prompt, rng.randint(40, 60)))
+    return out

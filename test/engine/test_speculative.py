@@ -1,0 +1,285 @@
+"""Speculative decoding over the real TpModelWorker (tiny models): greedy output is token-identical
+to plain decoding with NGRAM drafts and with an oracle drafter whose drafts are right or wrong at
+will (full, partial and zero acceptance), on both CPU attention backends, page_size 1 and 16, with
+radix hits, retraction, aborts, stop tokens and strings, and requests that do not speculate riding
+along. Every run ends with no KV slot or row leaked and a radix cache holding only accepted tokens."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_harness import SchedulerRun, shared_prefix_workload
+from spec_harness import SPEC, OracleDrafter, Workers, copy_workload, submit, use_oracle
+
+from radixserve.managers.io_struct import AbortReq
+
+WORKLOAD = shared_prefix_workload(seed=3, groups=2, per_group=4) + copy_workload(seed=3)
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir):
+    return Workers(tiny_model_dir)
+
+
+@pytest.fixture
+def make_run(workers):
+    runs: list[SchedulerRun] = []
+
+    def factory(
+        backend: str, page_size: int, pool: int = 4096, kind: str = "llama", **overrides
+    ) -> SchedulerRun:
+        worker, args = workers.get(kind, backend, page_size, pool)
+        run = SchedulerRun(worker, args, **overrides)
+        runs.append(run)
+        return run
+
+    yield factory
+    for run in runs:
+        if not run.closed:
+            run.force_clean()
+
+
+def _plain(make_run, backend: str, page_size: int, workload=WORKLOAD, **kw) -> dict[str, list[int]]:
+    run = make_run(backend, page_size, **kw)
+    for rid, prompt, n in workload:
+        run.submit(rid, prompt, n)
+    run.run_until_idle()
+    outputs = dict(run.outputs)
+    run.close()
+    return outputs
+
+
+def _cached_sequences_are_accepted(run: SchedulerRun, sequences: list[list[int]]) -> None:
+    """Every token path in the radix tree is a prefix of some request's prompt + output."""
+    cache = run.scheduler.mem.tree_cache
+    stack = [(cache.root, [])]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            key = path + list(child.key)
+            assert any(s[: len(key)] == key for s in sequences), f"cached path {key} was never accepted"
+            stack.append((child, key))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "noradix"])
+def test_oracle_drafts_are_exact(backend, page_size, radix, make_run):
+    reference = _plain(make_run, backend, page_size, disable_radix_cache=not radix)
+    run = make_run(backend, page_size, disable_radix_cache=not radix, **SPEC)
+    use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.15))
+    for rid, prompt, n in WORKLOAD:
+        run.submit(rid, prompt, n)
+    run.run_until_idle()
+    assert run.outputs == reference
+    stats = run.scheduler.output.stats
+    assert stats.spec_num_accepted > 0 and stats.spec_num_accepted < stats.spec_num_drafts
+    # Radix hits happened (shared prefixes), and the tree holds only accepted tokens.
+    if radix:
+        assert sum(1 for c in run.cached_tokens.values() if c > 0) >= 2
+        _cached_sequences_are_accepted(run, [p + reference[rid] for rid, p, _ in WORKLOAD])
+    run.close()  # asserts no KV slot or row leaked
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_ngram_is_exact(page_size, make_run):
+    reference = _plain(make_run, "cpu", page_size)
+    run = make_run("cpu", page_size, **SPEC)
+    for rid, prompt, n in WORKLOAD:
+        run.submit(rid, prompt, n)
+    run.run_until_idle()
+    assert run.outputs == reference
+    assert run.scheduler.output.stats.spec_num_rounds > 0
+    run.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_oracle_exact_other_models(kind, make_run):
+    reference = _plain(make_run, "cpu", 16, kind=kind)
+    run = make_run("cpu", 16, kind=kind, **SPEC)
+    use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.2))
+    for rid, prompt, n in WORKLOAD:
+        run.submit(rid, prompt, n)
+    run.run_until_idle()
+    assert run.outputs == reference
+    run.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_retraction_mid_speculation(page_size, make_run):
+    """A pool just above one request's need: decodes are retracted and re-admitted; drafts shrink
+    to a plain decode when their KV does not fit. Output unchanged."""
+    workload = shared_prefix_workload(seed=1)
+    largest = max(len(p) + n for _, p, n in workload)
+    pool = -(-(largest + 8) // page_size) * page_size
+    reference = _plain(make_run, "cpu", page_size, workload=workload)
+    run = make_run("cpu", page_size, pool=pool, chunked_prefill_size=64, **SPEC)
+    use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.1))
+    for rid, prompt, n in workload:
+        run.submit(rid, prompt, n)
+    run.run_until_idle()
+    assert run.outputs == reference
+    assert run.scheduler.output.stats.num_retracted_reqs > 0
+    assert run.scheduler.output.stats.spec_num_accepted > 0
+    run.close()
+
+
+def test_abort_mid_speculation(make_run):
+    reference = _plain(make_run, "cpu", 16)
+    run = make_run("cpu", 16, **SPEC)
+    use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.1))
+    for rid, prompt, n in WORKLOAD:
+        run.submit(rid, prompt, n)
+    for _ in range(6):  # prefills, then a few verify rounds
+        run.step()
+    aborted = {rid for rid, _, _ in WORKLOAD[::3]}
+    run.scheduler.process_input_requests([AbortReq(rid=rid) for rid in aborted])
+    run.run_until_idle()
+    for rid, _, _ in WORKLOAD:
+        if rid in aborted:
+            assert run.finished[rid]["type"] == "abort"
+            assert run.outputs.get(rid, []) == reference[rid][: len(run.outputs.get(rid, []))]
+        else:
+            assert run.outputs[rid] == reference[rid]
+    run.close()
+
+
+def test_stop_tokens_inside_an_accepted_run(make_run):
+    """A stop token in the middle of a round's accepted drafts ends the request there."""
+    reference = _plain(make_run, "cpu", 1)
+    run = make_run("cpu", 1, **SPEC)
+    use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.0))
+    expected = {}
+    for rid, prompt, n in WORKLOAD:
+        ref = reference[rid]
+        stop = ref[len(ref) // 2]
+        expected[rid] = ref[: ref.index(stop) + 1]
+        submit(run, rid, prompt, max_new_tokens=n, temperature=0.0, stop_token_ids=[stop])
+    run.run_until_idle()
+    assert run.outputs == expected
+    run.close()
+
+
+def test_stop_strings_mid_speculation(make_run, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    reference = _plain(make_run, "cpu", 1)
+
+    def run_with(spec: bool) -> tuple[dict, dict]:
+        run = make_run("cpu", 1, **(SPEC if spec else {}))
+        run.scheduler.tokenizer = tok
+        if spec:
+            use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.0))
+        for rid, prompt, n in WORKLOAD:
+            text = tok.decode(reference[rid])
+            stop = text[len(text) // 2 : len(text) // 2 + 2]
+            submit(run, rid, prompt, max_new_tokens=n, temperature=0.0, stop=[stop] if stop.strip() else None)
+            run.scheduler.requests.state.live[rid].tokenizer = tok
+        run.run_until_idle()
+        result = dict(run.outputs), dict(run.finished)
+        run.close()
+        return result
+
+    plain_out, plain_fin = run_with(False)
+    spec_out, spec_fin = run_with(True)
+    assert spec_out == plain_out
+    assert spec_fin == plain_fin
+    assert any(f.get("type") == "stop" for f in spec_fin.values())
+
+
+def test_requests_that_do_not_speculate_ride_along(make_run):
+    """Seeded sampling, penalties, min_new_tokens and logprobs beside drafting requests: each gets
+    what it gets without speculation."""
+    params = [
+        dict(temperature=0.8, top_p=0.9, seed=7),
+        dict(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
+        dict(temperature=0.0, repetition_penalty=1.3),
+        dict(temperature=0.0, min_new_tokens=30),
+        dict(temperature=0.0, return_logprob=True),
+        dict(temperature=0.0),
+    ]
+    workload = copy_workload(seed=9, n=len(params) * 2)
+
+    def run_all(spec: bool) -> tuple[dict, dict, int]:
+        run = make_run("cpu", 16, **(SPEC if spec else {}))
+        for (rid, prompt, n), p in zip(workload, params * 2):
+            submit(run, rid, prompt, max_new_tokens=n, **dict(p))
+        run.run_until_idle()
+        result = dict(run.outputs), dict(run.output_logprobs), run.scheduler.output.stats.spec_num_rounds
+        run.close()
+        return result
+
+    plain_out, plain_lp, _ = run_all(False)
+    spec_out, spec_lp, rounds = run_all(True)
+    assert spec_out == plain_out
+    asked = [rid for (rid, _, _), p in zip(workload, params * 2) if p.get("return_logprob")]
+    for rid in asked:
+        assert len(spec_lp[rid]) == len(spec_out[rid])
+        assert spec_lp[rid] == pytest.approx(plain_lp[rid], abs=1e-4)
+    assert rounds > 0
+
+
+def test_meta_counters_reach_the_message(make_run):
+    reference = _plain(make_run, "cpu", 1)
+    run = make_run("cpu", 1, **SPEC)
+    use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.0))
+    rid, prompt, n = WORKLOAD[-1]
+    run.submit(rid, prompt, n)
+    run.run_until_idle()
+    last = [m for m in run.sent if getattr(m, "spec_verify_ct", None) is not None][-1]
+    verify_ct, tokens = last.spec_verify_ct[0], last.spec_verify_tokens[0]
+    # All drafts right: 6 tokens per round, so about n / 6 rounds, and every token but the
+    # prefill's came from a verify round.
+    assert tokens == len(reference[rid]) - 1
+    assert verify_ct <= -(-tokens // 6) + 1
+    # Each round gives its accepted drafts + 1, except a last one cut short by a stop token.
+    assert tokens - verify_ct <= last.spec_accept_token_num[0] <= tokens - verify_ct + 1
+    run.close()
+
+
+STANDALONE = {
+    "speculative_algorithm": "STANDALONE",
+    "speculative_draft_layers": 1,
+    "speculative_num_draft_tokens": 4,
+    "speculative_eagle_topk": 1,
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_self_speculation_is_exact(backend, page_size, workers, make_run):
+    """STANDALONE with the target's first layer as the draft (it shares the target's KV pool)."""
+    from radixserve.speculative.layer_skip_draft import LayerSkipDraft
+
+    reference = _plain(make_run, backend, page_size)
+    worker, _ = workers.get("llama", backend, page_size)
+    worker.draft = LayerSkipDraft(worker.model_runner, STANDALONE["speculative_draft_layers"])
+    try:
+        run = make_run(backend, page_size, **STANDALONE)
+        for rid, prompt, n in WORKLOAD:
+            run.submit(rid, prompt, n)
+        run.run_until_idle()
+        assert run.outputs == reference
+        stats = run.scheduler.output.stats
+        assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
+        run.close()
+    finally:
+        worker.draft = None
+
+
+def test_sampled_requests_speculate_by_rejection(make_run):
+    """Unseeded sampling drafts too (rejection sampling): the run finishes every request with its
+    full length or a stop, drafts were verified, and no KV leaked."""
+    run = make_run("cpu", 16, **SPEC)
+    for rid, prompt, n in copy_workload(seed=11):
+        submit(run, rid, prompt, max_new_tokens=n, temperature=0.3, top_p=0.95, ignore_eos=True)
+    run.run_until_idle()
+    assert all(len(run.outputs[rid]) == n for rid, _, n in copy_workload(seed=11))
+    stats = run.scheduler.output.stats
+    assert stats.spec_num_rounds > 0 and stats.spec_num_accepted > 0
+    run.close()
+
+
+def test_overlap_loop_refuses_speculation(make_run):
+    with pytest.raises(ValueError, match="normal loop only"):
+        make_run("cpu", 1, **{**SPEC, "disable_overlap_schedule": False})  # builds its loop
