@@ -90,7 +90,14 @@ def test_parallel_flags_and_sglang_aliases():
 
 
 # Accepted for SGLang command-line compatibility and documented as having no effect.
-COMPAT_ONLY_ARGS = {"trust_remote_code"}
+# Accepted so SGLang command lines start, documented as such in their help: trust_remote_code, and
+# the NGRAM tree-draft knobs (radixserve drafts chains; docs/speculative_decoding.md).
+COMPAT_ONLY_ARGS = {
+    "trust_remote_code",
+    "speculative_ngram_min_bfs_breadth",
+    "speculative_ngram_max_bfs_breadth",
+    "speculative_ngram_match_type",
+}
 
 
 def test_every_server_arg_is_read():

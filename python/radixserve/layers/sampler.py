@@ -128,8 +128,9 @@ def target_probs(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
 
 def draw(weights: Tensor, u: Tensor) -> Tensor:
     """One token per row from unnormalized weights [n, vocab] with uniforms u [n] (inverse CDF in
-    token-id order, as the sampler draws)."""
-    return _inverse_cdf(weights, u)
+    token-id order, as the sampler draws). Rows need positive finite mass (speculative
+    verification draws only from the target's own distribution or a residual of it)."""
+    return _inverse_cdf(weights, u)[0]
 
 
 def _keep_thresholds(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
