@@ -30,7 +30,7 @@ def render() -> str:
         default = "auto" if f.default is None else repr(f.default)
         help_text = f.metadata.get("help", "")
         if "choices" in f.metadata:
-            help_text += " Choices: " + ", ".join(f.metadata["choices"]) + "."
+            help_text += " Choices: " + ", ".join(map(str, f.metadata["choices"])) + "."
         if f.metadata.get("aliases"):
             help_text += " Also: " + ", ".join(f"`{a}`" for a in f.metadata["aliases"]) + "."
         lines.append(f"| `{flag}` | `{default}` | {help_text} |")

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
+# SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
+GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -68,7 +70,16 @@ class ServerArgs:
     )
     enable_metrics: bool = _f(False, "Expose Prometheus metrics at /metrics.")
     log_level: str = _f("info", "Logging level.")
-    log_requests: bool = _f(False, "Log every request's inputs and outputs.")
+    log_requests: bool = _f(
+        False, "Log every request when received and when finished; --log-requests-level sets the detail."
+    )
+    log_requests_level: int = _f(
+        2,
+        "0: metadata (rid, token counts, finish reason, latency); 1: metadata and sampling "
+        "parameters; 2: metadata, sampling parameters and the input/output cut to 2048 characters; "
+        "3: metadata, sampling parameters and the whole input/output.",
+        choices=[0, 1, 2, 3],
+    )
 
     # Device and parallelism
     device: str | None = _f(None, "Device: cpu or cuda; defaults to cuda when available.")
@@ -151,7 +162,10 @@ class ServerArgs:
     max_total_tokens: int | None = _f(None, "Size of the KV pool in tokens; computed from memory when unset.")
     max_running_requests: int | None = _f(None, "Most requests decoding at once.")
     max_queued_requests: int | None = _f(
-        None, "Most requests waiting; beyond it requests are rejected (503)."
+        None,
+        "Most requests left waiting (in the waiting queue, or compiling their grammar) once each "
+        "step's batch is built; that step's arrivals beyond it are refused (503), lowest priority "
+        "then newest first. Requests the step admits do not count.",
     )
     max_prefill_tokens: int = _f(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _f(None, "Chunk size for long prompts; -1 disables chunking.")
@@ -280,7 +294,13 @@ class ServerArgs:
     )
 
     # Structured output
-    grammar_backend: str = _f("xgrammar", "Grammar backend for constrained decoding.")
+    grammar_backend: str = _f(
+        "xgrammar",
+        "Grammar backend for constrained decoding (json_schema / regex / ebnf): 'xgrammar', or 'none' to "
+        "turn constrained decoding off (such requests are answered 400). SGLang's 'outlines' and "
+        "'llguidance' are not implemented and refused at start, as is xgrammar when not installed.",
+        choices=GRAMMAR_BACKENDS,
+    )
     grammar_compile_timeout: float = _f(300.0, "Seconds before a grammar compilation is given up.")
     tool_call_parser: str | None = _f(
         None,
@@ -408,6 +428,9 @@ class ServerArgs:
             raise ValueError(
                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        _check_grammar_backend(self.grammar_backend)
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
         self._validate_speculative()
         self.layout().check()  # LayoutError (a ValueError) says which flag to change
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -526,10 +549,6 @@ class ServerArgs:
 
         return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank, self.dp_size)
 
-    @property
-    def chunked_prefill_enabled(self) -> bool:
-        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
-
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
@@ -567,6 +586,26 @@ def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="python -m radixserve.launch_server")
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def _check_grammar_backend(name: str) -> None:
+    """Refuse at start a grammar backend that is unknown, not implemented or not installed (rather
+    than failing every constrained request later)."""
+    if name not in GRAMMAR_BACKENDS:
+        raise ValueError(f"--grammar-backend must be one of {GRAMMAR_BACKENDS}, got {name!r}")
+    if name in ("outlines", "llguidance"):
+        raise ValueError(
+            f"--grammar-backend {name} is not supported by radixserve: use xgrammar, or none to turn "
+            "constrained decoding off"
+        )
+    if name == "xgrammar":
+        import importlib.util
+
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ValueError(
+                "--grammar-backend xgrammar needs the 'xgrammar' package, which is not installed: "
+                "pip install xgrammar, or pass --grammar-backend none to run without constrained decoding"
+            )
 
 
 def _default_attention_backend(device: str) -> str:

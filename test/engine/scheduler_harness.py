@@ -76,6 +76,7 @@ class SchedulerRun:
         self.output_logprobs: dict[str, list[float]] = {}
         self.input_logprobs: dict[str, list[float]] = {}
         self.input_logprob_ids: dict[str, list[int]] = {}
+        self.input_top: dict[str, list[list[tuple[float, int]]]] = {}
         self._seen = 0
 
     def submit(
@@ -102,6 +103,8 @@ class SchedulerRun:
                     self.output_logprobs.setdefault(rid, []).extend(msg.output_token_logprobs_val[i])
                     self.input_logprobs.setdefault(rid, []).extend(msg.input_token_logprobs_val[i])
                     self.input_logprob_ids.setdefault(rid, []).extend(msg.input_token_logprobs_idx[i])
+                    top = zip(msg.input_top_logprobs_val[i], msg.input_top_logprobs_idx[i])
+                    self.input_top.setdefault(rid, []).extend(list(zip(v, t)) for v, t in top)
                 if msg.finished_reasons[i] is not None:
                     self.finished[rid] = msg.finished_reasons[i]
         self._seen = len(self.sent)
@@ -180,3 +183,13 @@ def hf_prompt_logprobs(model: Any, prompt: list[int]) -> list[float]:
         logits = model(torch.tensor([prompt])).logits[0, :-1].float()  # [len - 1, vocab]
     lp = torch.log_softmax(logits, dim=-1)
     return lp.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1).tolist()
+
+
+def hf_prompt_top_logprobs(
+    model: Any, prompt: list[int], k: int
+) -> tuple[list[list[float]], list[list[int]]]:
+    """The top-k of log P(. | prompt[:i]) for i = 1 .. len(prompt) - 1 (values, token ids)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()  # [len - 1, vocab]
+    vals, idx = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    return vals.tolist(), idx.tolist()

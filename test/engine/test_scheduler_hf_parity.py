@@ -11,6 +11,7 @@ from scheduler_harness import (
     SchedulerRun,
     WorkerCache,
     hf_prompt_logprobs,
+    hf_prompt_top_logprobs,
     prefix_tree_workload,
     shared_prefix_workload,
     until_eos,
@@ -238,7 +239,8 @@ LOGPROB_PROMPTS = [
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 def test_prompt_logprobs_match_hf(overlap, page_size, chunked, make_run, hf_model):
     """input_token_logprobs cover prompt positions logprob_start_len + 1 .. len - 1 (position 0 has
-    no logprob), each log P(token | prefix) as HF computes it, whatever the chunking."""
+    no logprob), each log P(token | prefix) as HF computes it, whatever the chunking; with
+    top_logprobs_num, each position's top-k (input_top_logprobs) is HF's log_softmax top-k."""
     model = hf_model("llama")
     run = make_run("llama", page_size, disable_overlap_schedule=not overlap, chunked_prefill_size=chunked)
     # The logprob requests share batches with plain requests that share their first 60 tokens, so
@@ -246,7 +248,9 @@ def test_prompt_logprobs_match_hf(overlap, page_size, chunked, make_run, hf_mode
     starts = [0, 0, 31]  # 31: the first wanted position is the first token of the second chunk of 32
     for i, prompt in enumerate(LOGPROB_PROMPTS):
         run.submit(f"plain{i}", prompt[:60] + [7, 8, 9], 4)
-        run.submit(f"lp{i}", prompt, 6, return_logprob=True, logprob_start_len=starts[i])
+        run.submit(
+            f"lp{i}", prompt, 6, return_logprob=True, logprob_start_len=starts[i], top_logprobs_num=i + 2
+        )
     run.run_until_idle()
     for i, prompt in enumerate(LOGPROB_PROMPTS):
         rid, start = f"lp{i}", starts[i]
@@ -257,6 +261,11 @@ def test_prompt_logprobs_match_hf(overlap, page_size, chunked, make_run, hf_mode
         assert run.input_logprob_ids[rid] == prompt[start + 1 :], f"{rid}: prompt positions missing or extra"
         expected = hf_prompt_logprobs(model, prompt)[start:]
         assert run.input_logprobs[rid] == pytest.approx(expected, abs=1e-4), rid
+        top_val, top_idx = hf_prompt_top_logprobs(model, prompt, i + 2)
+        got = run.input_top[rid]
+        assert [[t for _, t in row] for row in got] == top_idx[start:], f"{rid}: top-k token ids"
+        flat = [v for row in got for v, _ in row]
+        assert flat == pytest.approx([v for row in top_val[start:] for v in row], abs=1e-4), rid
         assert run.outputs[f"plain{i}"] == until_eos(hf_greedy(model, prompt[:60] + [7, 8, 9], 4)[0])
     run.close()
 

@@ -84,3 +84,39 @@ def test_sampling_params_object_budget_shrinks_to_fit_like_a_dict(engine: Engine
     assert as_object["meta_info"]["completion_tokens"] == as_dict["meta_info"]["completion_tokens"] == 56
     with pytest.raises(ValueError, match="maximum context length"):
         engine.generate(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=100))
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_log_requests(tmp_path: object, caplog: pytest.LogCaptureFixture, level: int) -> None:
+    """--log-requests logs each request when received and when finished, with the detail of
+    --log-requests-level (0: metadata only; 3: also sampling params, whole input and output)."""
+    import logging
+
+    tok_dir = str(tmp_path)
+    write_tiny_tokenizer(tok_dir)
+    with caplog.at_level(logging.INFO, logger="radixserve.requests"):
+        with Engine(
+            model_path=tok_dir,
+            scheduler_entry=run_fake_scheduler,
+            log_requests=True,
+            log_requests_level=level,
+        ) as eng:
+            out = eng.generate("Hello world", {"max_new_tokens": 3, "temperature": 0.5})
+    lines = [r.getMessage() for r in caplog.records if r.name == "radixserve.requests"]
+    received = [m for m in lines if m.startswith("Receive:")]
+    finished = [m for m in lines if m.startswith("Finish:")]
+    assert len(received) == 1 and len(finished) == 1, lines
+    assert "completion_tokens=3" in finished[0] and "'type': 'length'" in finished[0]
+    assert ("temperature" in received[0]) == (level >= 1)
+    assert ("Hello world" in received[0]) == (level >= 2)
+    assert (repr(out["text"]) in finished[0]) == (level >= 2)
+
+
+def test_request_logger_cuts_long_text_at_level_2() -> None:
+    from radixserve.managers.request_logger import MAX_PARTIAL_CHARS, RequestLogger
+
+    text = "x" * (MAX_PARTIAL_CHARS + 10)
+    assert RequestLogger(True, 3)._cut(text) == text
+    cut = RequestLogger(True, 2)._cut(text)
+    assert cut.startswith("x" * MAX_PARTIAL_CHARS) and cut.endswith("(10 more characters)")
+    assert RequestLogger(True, 2)._cut([1, 2]) == [1, 2]

@@ -135,6 +135,47 @@ def _descendants() -> dict[int, psutil.Process]:
     return {p.pid: p for p in psutil.Process().children(recursive=True)}
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+        {"min_p": float("nan")},
+        {"frequency_penalty": float("-inf")},
+        {"repetition_penalty": float("nan")},
+    ],
+)
+def test_non_finite_sampling_values_are_refused_and_the_engine_serves_on(tiny_engine: Engine, bad) -> None:
+    """Issue 22: "temperature": NaN crashed the scheduler and the server exited. verify() refuses
+    every non-finite float (the HTTP layer answers 400); the next request is served."""
+    with pytest.raises(ValueError, match="must be a finite number"):
+        tiny_engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, **bad})
+    out = tiny_engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+def test_extreme_repetition_penalty_is_served(tiny_engine: Engine) -> None:
+    """Issue 22: repetition_penalty 1e-30 overflowed a logit to +inf (NaN softmax, a token id ==
+    vocab, then the scheduler died on it). Values below 0.01 are refused; the smallest accepted
+    one generates valid ids, and the next request is served."""
+    prompt = [9, 10, 11, 9, 10, 11]
+    with pytest.raises(ValueError, match="repetition_penalty must be in"):
+        tiny_engine.generate(input_ids=prompt, sampling_params={**GREEDY, "repetition_penalty": 1e-40})
+    for params in (
+        {"temperature": 0.8, "seed": 7},
+        {"temperature": 0},
+        {"temperature": 0.5, "top_p": 0.9, "top_k": 20},
+    ):
+        out = tiny_engine.generate(
+            input_ids=prompt, sampling_params={**GREEDY, **params, "repetition_penalty": 0.01}
+        )
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}, params
+        assert all(0 <= t < TINY_VOCAB for t in out["output_ids"])
+    out = tiny_engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
 def test_context_manager_and_shutdown_leave_no_children(tiny_llama_path: str) -> None:
     before = set(_descendants())
     with Engine(model_path=tiny_llama_path, max_total_tokens=4096) as engine:

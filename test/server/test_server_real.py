@@ -348,6 +348,42 @@ def test_echo_prompt_logprobs_match_hf(builtin: str, builtin_tokenizer: Any, hf_
         assert abs(lp["token_logprobs"][-1] - float(torch.log_softmax(logits[-1], -1).max())) < 1e-3
 
 
+def test_prompt_top_logprobs_match_hf(tiny: str, hf_tiny: Any) -> None:
+    """/generate's meta_info.input_top_logprobs (SGLang's name and shape: one entry per prompt
+    position from logprob_start_len, None for the first, which nothing predicts) and the prompt
+    top_logprobs of /v1/completions with echo are HF's log_softmax top-k."""
+    ids = random_ids(31, 40)
+    k = 4
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_tiny(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    ref_val, ref_idx = logprobs.topk(k, -1)  # [len - 1, k]: position i + 1's top-k
+    for start in (0, 25):
+        out = generate(
+            tiny,
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 2, "temperature": 0},
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=k,
+        )
+        tops = out["meta_info"]["input_top_logprobs"]
+        assert len(tops) == len(out["meta_info"]["input_token_logprobs"]) == len(ids) - start
+        assert tops[0] is None
+        for pos, top in enumerate(tops[1:], start=start):
+            assert [t[1] for t in top] == ref_idx[pos].tolist(), pos
+            assert torch.allclose(torch.tensor([t[0] for t in top]), ref_val[pos], atol=1e-4), pos
+    body = {"model": "default", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": k, "temperature": 0}
+    resp = httpx.post(f"{tiny}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    top = resp.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(top) == len(ids) + 1 and top[0] is None
+    for pos in range(1, len(ids)):
+        # Keyed by token text: tokens that decode alike collapse into one entry.
+        values = sorted(top[pos].values(), reverse=True)
+        assert 1 <= len(values) <= k and abs(values[0] - float(ref_val[pos - 1, 0])) < 1e-4, pos
+        assert all(torch.isclose(ref_val[pos - 1], torch.tensor(v), atol=1e-4).any() for v in values), pos
+
+
 def test_echo_with_max_tokens_0_returns_only_the_prompt(builtin: str, builtin_tokenizer: Any) -> None:
     text = "The capital of France is"
     body = {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}

@@ -41,7 +41,8 @@ class Harness:
 
     def submit(self, rid: str, input_ids: list[int], max_new_tokens: int = 8, **kw: Any) -> None:
         params = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(SamplingParams)}}
-        sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **params)
+        params.setdefault("temperature", 0.0)
+        sp = SamplingParams(max_new_tokens=max_new_tokens, **params)
         sp.normalize()
         self.scheduler.process_input_requests([TokenizedGenerateReqInput(rid, "", input_ids, sp, **kw)])
 

@@ -65,3 +65,28 @@ def test_validation_messages() -> None:
     ]:
         with pytest.raises(ValueError, match=needle):
             validate_grammar(params)
+
+
+def test_compile_cache_is_bounded_in_entries_and_bytes(tiny_model_dir) -> None:
+    """Issue 23's memory growth: the compile cache kept up to 1024 grammars whatever their size.
+    It is an LRU bounded in entries and in the compiled grammars' own bytes."""
+    from transformers import AutoTokenizer
+
+    from radixserve.constrained.grammar_backend import GrammarBackend
+    from radixserve.testing.tiny_models import TINY_VOCAB
+
+    class Compiled:
+        memory_size_bytes = 3000
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    by_bytes = GrammarBackend(tokenizer, TINY_VOCAB, (2,), cache_size=100, cache_bytes=10_000)
+    by_count = GrammarBackend(tokenizer, TINY_VOCAB, (2,), cache_size=4, cache_bytes=1 << 30)
+    for backend in (by_bytes, by_count):
+        backend.compile = lambda key: Compiled()  # the cache logic, not xgrammar, is under test
+        for k in range(10):
+            backend.get_cached_or_future_value(("regex", f"a{k}"))[0].result()
+        backend._executor.shutdown(wait=True)  # every done-callback (size accounting) has run
+    assert by_bytes.cache_stats() == (3, 9000)
+    assert by_count.cache_stats() == (4, 12000)
+    for backend, kept in ((by_bytes, 3), (by_count, 4)):
+        assert list(backend._cache) == [("regex", f"a{k}") for k in range(10 - kept, 10)]  # the newest

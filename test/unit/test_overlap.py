@@ -124,3 +124,4 @@ def test_results_wait_for_copy_done(make_harness, monkeypatch, args):
     assert overlap.finished == normal.finished
     (executor,) = executors
     assert executor.events and all(e.synced for e in executor.events)
+    assert ("MIXED" in overlap.worker.forward_modes) == bool(args.get("enable_mixed_chunk"))

@@ -30,7 +30,7 @@ def test_no_penalty_means_no_state():
     reqs = [Req(SamplingParams(temperature=0.5), [1, 2], [3]), Req(SamplingParams(top_k=2))]
     info = SamplingBatchInfo.from_reqs(reqs, V, "cpu", eos_token_ids=[EOS])
     assert info.penalizer is None
-    info.cumulate_output_tokens(torch.tensor([1, 2]))  # a no-op, must not fail
+    info.sync_output_tokens([[3, 1], [2]])  # a no-op, must not fail
 
 
 def test_frequency_and_presence_exact():
@@ -48,8 +48,11 @@ def test_frequency_and_presence_exact():
     expected[1, 6] -= 1.5
     torch.testing.assert_close(penalized(info, logits), expected, rtol=0, atol=1e-6)
 
-    # cumulate: row 0 emits 5 again, row 1 emits 3 (new) -> counts follow.
-    info.cumulate_output_tokens(torch.tensor([5, 3]))
+    # sync: row 0 emits 5 again, row 1 emits 3 (new) -> counts follow; a second sync adds nothing.
+    reqs[0].output_ids.append(5)
+    reqs[1].output_ids.append(3)
+    info.sync_output_tokens([r.output_ids for r in reqs])
+    info.sync_output_tokens([r.output_ids for r in reqs])
     expected[0, 5] -= 0.5
     expected[1, 3] -= 1.5
     torch.testing.assert_close(penalized(info, logits), expected, rtol=0, atol=1e-6)
@@ -67,8 +70,10 @@ def test_repetition_matches_hf():
         hf = RepetitionPenaltyLogitsProcessor(rp)(torch.tensor([prompt + out]), logits[i : i + 1].clone())
         torch.testing.assert_close(ours[i : i + 1], hf, rtol=0, atol=1e-6)
 
-    # After cumulate the new token counts as seen for repetition too.
-    info.cumulate_output_tokens(torch.tensor([4, 4, 4]))
+    # After sync the new token counts as seen for repetition too.
+    for r in reqs:
+        r.output_ids.append(4)
+    info.sync_output_tokens([r.output_ids for r in reqs])
     ours = penalized(info, logits)
     for i, (rp, (prompt, out)) in enumerate(zip(rps, rows)):
         ids = torch.tensor([prompt + out + [4]])
@@ -103,7 +108,8 @@ def test_min_new_tokens_suppresses_eos_and_stop_ids():
     out = []
     for step in range(5):
         tok = sampler(logits, info, torch.tensor([2 + step]), False, None).next_token_ids
-        info.cumulate_output_tokens(tok)
+        req.output_ids.append(int(tok))
+        info.sync_output_tokens([req.output_ids])
         out.append(int(tok))
     assert out == [1, 1, 1, EOS, EOS]
 
@@ -116,10 +122,12 @@ def test_min_new_tokens_counts_existing_output_and_req_eos():
     logits[0, 6] = 5.0
     p = SamplingParams(temperature=0.0, min_new_tokens=3)
     p.normalize()
-    info = SamplingBatchInfo.from_reqs([ReqWithEos(p, [0], [2, 2])], V, "cpu")
+    req = ReqWithEos(p, [0], [2, 2])
+    info = SamplingBatchInfo.from_reqs([req], V, "cpu")
     sampler = Sampler()
     assert int(sampler(logits, info, torch.tensor([3]), False, None).next_token_ids) != 6
-    info.cumulate_output_tokens(torch.tensor([0]))
+    req.output_ids.append(0)
+    info.sync_output_tokens([req.output_ids])
     assert int(sampler(logits, info, torch.tensor([4]), False, None).next_token_ids) == 6
 
 

@@ -42,7 +42,15 @@ def test_normalize_greedy_stop_and_top_k():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"temperature": -0.1}, "temperature must be non-negative, got -0.1."),
+        ({"temperature": -0.1}, "temperature must be in [0, 10000], got -0.1."),
+        ({"temperature": 1e5}, "temperature must be in [0, 10000], got 100000.0."),
+        ({"temperature": float("nan")}, "temperature must be a finite number, got nan."),
+        ({"temperature": float("inf")}, "temperature must be a finite number, got inf."),
+        ({"top_p": float("nan")}, "top_p must be a finite number, got nan."),
+        ({"min_p": float("-inf")}, "min_p must be a finite number, got -inf."),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be a finite number, got nan."),
+        ({"presence_penalty": float("inf")}, "presence_penalty must be a finite number, got inf."),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number, got nan."),
         ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0."),
         ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5."),
         ({"top_k": 0}, "top_k must be -1 (disable) or at least 1, got 0."),

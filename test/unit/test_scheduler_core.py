@@ -45,6 +45,8 @@ def test_variants_match_reference(make_harness, args):
     h = run_workload(make_harness, workload, **args)
     for rid, ids, max_new in workload:
         assert h.outputs[rid] == reference_output(ids, max_new), rid
+    # The variant ran as claimed: mixed chunk did mix decodes into chunk forwards.
+    assert ("MIXED" in h.worker.forward_modes) == bool(args.get("enable_mixed_chunk"))
 
 
 @pytest.mark.parametrize("chunk", [None, 12])
@@ -134,6 +136,9 @@ def test_overlap_equals_normal(make_harness, args):
     assert overlap.outputs == normal.outputs
     assert overlap.finished == normal.finished
     assert len(overlap_worker.thread_ids) == 1 and overlap_worker.thread_ids != normal.worker.thread_ids
+    mixed = bool(args.get("enable_mixed_chunk"))
+    assert ("MIXED" in normal.worker.forward_modes) == mixed
+    assert ("MIXED" in overlap_worker.forward_modes) == mixed
 
 
 def test_eos_stop_token_and_min_new_tokens(make_harness):
@@ -253,10 +258,14 @@ def test_mixed_chunk_fits_chunks_and_riding_decodes_in_a_tight_pool(make_harness
     assert h.outputs["R"] == reference_output(list(range(1, 5)), 20)
     assert h.outputs["C"] == reference_output(list(range(300, 330)), 1)
     assert h.scheduler.check_memory_leak() is None
+    # R decoded inside C's chunk forwards (the situation under test), not only between them.
+    assert h.worker.forward_modes.count("MIXED") >= 2, h.worker.forward_modes
 
 
 def test_mixed_chunk_counts_a_page_per_decode_that_starts_one(make_harness):
-    worker = FakeWorker(max_total_num_tokens=16 * 12, max_context_len=512, page_size=16)
+    # 16 pages: N (8 pages) is admitted while R decodes, so R's decodes (each starting a page) ride
+    # in N's chunk forwards.
+    worker = FakeWorker(max_total_num_tokens=16 * 16, max_context_len=512, page_size=16)
     h = make_harness(worker=worker, page_size=16, chunked_prefill_size=64, enable_mixed_chunk=True)
     prompts = {f"R{i}": [(i * 50 + j) % 997 + 1 for j in range(16)] for i in range(3)}
     for rid, prompt in prompts.items():
@@ -268,6 +277,26 @@ def test_mixed_chunk_counts_a_page_per_decode_that_starts_one(make_harness):
     for rid, prompt in prompts.items():
         assert h.outputs[rid] == reference_output(prompt, 2 if rid == "N" else 4)
     assert h.scheduler.check_memory_leak() is None
+    assert "MIXED" in h.worker.forward_modes, h.worker.forward_modes
+
+
+def test_mixed_chunk_admission_reserves_a_page_per_decode(make_harness, caplog):
+    """Admission beside riding decodes reserves a whole page for each decode that starts one: in
+    a 6-page pool with R0-R2 on full pages, N must wait. Counting one token per decode admitted N,
+    whose prefill then left the decodes 1 page for 3 and forced a retraction."""
+    worker = FakeWorker(max_total_num_tokens=16 * 6, max_context_len=512, page_size=16)
+    h = make_harness(worker=worker, page_size=16, chunked_prefill_size=64, enable_mixed_chunk=True)
+    prompts = {f"R{i}": [(i * 50 + j) % 997 + 1 for j in range(16)] for i in range(3)}
+    for rid, prompt in prompts.items():
+        h.submit(rid, prompt, 4)
+    h.step()
+    prompts["N"] = [(900 + j) % 997 for j in range(20)]
+    h.submit("N", prompts["N"], 2)
+    with caplog.at_level(logging.WARNING):
+        h.run_until_idle()
+    assert "Retract" not in caplog.text
+    for rid, prompt in prompts.items():
+        assert h.outputs[rid] == reference_output(prompt, 2 if rid == "N" else 4)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -335,26 +364,3 @@ def test_decode_log_line(make_harness, caplog):
         h.run_until_idle()
     assert "Decode batch. #running-req: 1" in caplog.text
     assert "Prefill batch. #new-seq: 1, #new-token: 3, #cached-token: 0" in caplog.text
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_penalties_stay_row_aligned(make_harness, overlap):
-    """Penalty counts are cumulated in place; with overlap such batches are processed before the
-    next one is built, so every row's count still matches its request's output length."""
-    workload = random_workload(7, 20)
-    h = make_harness(disable_overlap_schedule=not overlap)
-    for i, (rid, ids, max_new) in enumerate(workload):
-        h.submit(rid, ids, max_new, frequency_penalty=0.5 if i % 3 == 0 else 0.0)
-    for _ in range(6):
-        h.step()
-        if not overlap:
-            batch = h.scheduler.state.running_batch
-            pen = batch.sampling_info.penalizer if batch.sampling_info else None
-            if pen is not None:
-                lens = pen.output_lens.tolist()
-                for row, req in enumerate(batch.reqs):
-                    if req.sampling_params.frequency_penalty:  # neutral rows start from 0 on merge
-                        assert lens[row] == len(req.output_ids), req.rid
-    h.run_until_idle()
-    for rid, ids, max_new in workload:
-        assert h.outputs[rid] == reference_output(ids, max_new)

@@ -63,14 +63,78 @@ def test_abort_running_by_prefix_and_all(make_harness, overlap):
 
 
 def test_queue_full_rejected(make_harness):
-    h = make_harness(max_queued_requests=2)
+    """Only what the running batch cannot take counts: q0 runs, q1-q2 wait (the cap), q3 is refused;
+    a later arrival beyond the cap is refused too, never a request accepted earlier."""
+    h = make_harness(max_queued_requests=2, max_running_requests=1)
     for i in range(4):
         h.submit(f"q{i}", [1, 2, 3, i], 3)
     h.step()
-    assert h.finished["q2"] == {"type": "abort", "message": "The request queue is full.", "status_code": 503}
-    assert h.finished["q3"]["status_code"] == 503
+    assert h.finished == {
+        "q3": {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+    }
+    h.submit("q4", [1, 2, 3, 4], 3)
+    h.step()
+    assert h.finished["q4"]["status_code"] == 503 and "q1" not in h.finished and "q2" not in h.finished
     h.run_until_idle()
-    assert h.finished["q0"]["type"] == "length" and h.finished["q1"]["type"] == "length"
+    assert all(h.finished[f"q{i}"]["type"] == "length" for i in range(3))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_burst_to_an_idle_server_is_not_refused(make_harness, overlap):
+    """Issue 23: with --max-queued-requests 8 a burst of 100 to an idle server refused 91 although
+    the running batch could take them all at once: what the step admits does not count."""
+    h = make_harness(max_queued_requests=8, disable_overlap_schedule=not overlap)
+    for i in range(40):
+        h.submit(f"b{i}", [7, i % 50 + 1, 3], 4)
+    h.step()
+    assert not h.finished, h.finished
+    assert len(h.scheduler.state.waiting_queue) == 0
+    h.run_until_idle()
+    assert all(h.finished[f"b{i}"]["type"] == "length" for i in range(40))
+    # With the running batch full, the same burst leaves exactly the cap waiting.
+    h = make_harness(max_queued_requests=8, max_running_requests=16, disable_overlap_schedule=not overlap)
+    for i in range(40):
+        h.submit(f"c{i}", [7, i % 50 + 1, 3], 4)
+    h.step()
+    refused = sorted(int(r[1:]) for r, f in h.finished.items() if f["status_code"] == 503)
+    assert refused == list(range(24, 40)) and len(h.scheduler.state.waiting_queue) == 8
+    h.run_until_idle()
+
+
+class _NeverCompiles:
+    """A grammar backend whose compilations never finish: requests stay in the grammar queue."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self.future: Future = Future()
+
+    def get_cached_or_future_value(self, key):
+        return self.future, False
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_grammar_queue_counts_against_the_cap(make_harness):
+    """Issue 22: constrained requests waiting for their grammar bypassed the cap entirely."""
+    h = make_harness(max_queued_requests=3)
+    h.scheduler.grammar._backend_factory = _NeverCompiles
+    schema = '{"type": "object"}'
+    for i in range(6):
+        h.submit(f"j{i}", [1, 2, i], 4, json_schema=schema)
+    h.submit("plain", [4, 5, 6], 4)  # admitted this step: does not count
+    h.step()
+    h.step()  # refused constrained requests are finished by the grammar queue's next check
+    refused = sorted(r for r, f in h.finished.items() if f["status_code"] == 503)
+    assert refused == ["j3", "j4", "j5"] and len(h.scheduler.grammar.grammar_queue) == 3
+    h.submit("j6", [1, 2, 6], 4, json_schema=schema)
+    h.step()
+    h.step()
+    assert h.finished["j6"]["status_code"] == 503
+    h.step([AbortReq(abort_all=True)])
+    h.run_until_idle()
+    assert h.finished["plain"]["type"] == "length"
 
 
 def test_waiting_timeout(make_harness):

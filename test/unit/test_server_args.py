@@ -87,3 +87,74 @@ def test_parallel_flags_and_sglang_aliases():
     assert args.dist_init_addr == "10.0.0.1:5000" and args.disable_custom_all_reduce
     assert prepare_server_args(["--tensor-parallel-size", "4"]).tp_size == 4
     assert prepare_server_args(["--tp-size", "3", "--pp", "2"]).layout().world_size == 6
+
+
+# Accepted for SGLang command-line compatibility and documented as having no effect.
+# Accepted so SGLang command lines start, documented as such in their help: trust_remote_code, and
+# the NGRAM tree-draft knobs (radixserve drafts chains; docs/speculative_decoding.md).
+COMPAT_ONLY_ARGS = {
+    "trust_remote_code",
+    "speculative_ngram_min_bfs_breadth",
+    "speculative_ngram_max_bfs_breadth",
+    "speculative_ngram_match_type",
+}
+
+
+def test_every_server_arg_is_read():
+    """A flag nothing reads is a lie in --help and docs/server_args.md (--log-requests was one; the
+    unused chunked_prefill_enabled property another): every field and property of ServerArgs must
+    be read as `.name` somewhere in the package."""
+    import ast
+    import re
+
+    source = (ROOT / "python" / "radixserve" / "server_args.py").read_text()
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == "ServerArgs":
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.append(item.target.id)
+                elif isinstance(item, ast.FunctionDef) and any(
+                    isinstance(d, ast.Name) and d.id == "property" for d in item.decorator_list
+                ):
+                    names.append(item.name)
+    package = "\n".join(p.read_text() for p in (ROOT / "python" / "radixserve").rglob("*.py"))
+    unused = [n for n in names if n not in COMPAT_ONLY_ARGS and not re.search(rf"\.{n}\b", package)]
+    assert not unused, f"ServerArgs fields nothing reads: {unused}"
+
+
+@pytest.mark.parametrize(
+    "backend, message",
+    [
+        ("bogus", "must be one of"),
+        ("outlines", "not supported by radixserve"),
+        ("llguidance", "not supported by radixserve"),
+    ],
+)
+def test_grammar_backend_is_checked_at_start(backend, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(grammar_backend=backend).resolve()
+    ServerArgs(grammar_backend="none").resolve()  # no constrained decoding: always fine
+
+
+def test_grammar_backend_cli_choices_and_missing_package(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--grammar-backend", "regex-magic"])
+    assert "invalid choice" in capsys.readouterr().err
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "xgrammar" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ValueError, match="not installed"):
+        prepare_server_args(["--grammar-backend", "xgrammar"]).resolve()
+
+
+def test_grammar_backend_none_refuses_constrained_requests(make_harness):
+    h = make_harness(grammar_backend="none")
+    h.submit("j", [1, 2, 3], 4, json_schema='{"type": "object"}')
+    h.submit("free", [1, 2, 3], 4)
+    h.run_until_idle()
+    assert h.finished["j"]["status_code"] == 400 and "--grammar-backend none" in h.finished["j"]["message"]
+    assert h.finished["free"]["type"] == "length"

@@ -34,8 +34,14 @@ GRAMMAR_KINDS = ("json", "regex", "ebnf")
 # SGLang's json_schema value meaning "any JSON value" (xgrammar's built-in JSON grammar).
 ANY_JSON = "$$ANY$$"
 
-# Compiled grammars kept; a compiled grammar is a few KB to a few MB, an LRU bounds the total.
+# The compile cache is an LRU bounded both in entries and in the compiled grammars' own size
+# (xgrammar's memory_size_bytes): ~80 KB for a small JSON schema on a 49k vocabulary, MBs for big
+# ones, so a count alone let a stream of distinct large schemas hold GBs.
 DEFAULT_CACHE_SIZE = 1024
+DEFAULT_CACHE_BYTES = 64 << 20
+
+# What a cached compile failure counts for (its message only).
+_INVALID_ENTRY_BYTES = 1024
 
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "; users need only the reason.
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -120,6 +126,7 @@ class GrammarBackend:
         max_workers: int = 2,
         any_whitespace: bool = False,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         xgr = import_xgrammar()
         self._xgr = xgr
@@ -131,8 +138,12 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.any_whitespace = any_whitespace
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._sizes: dict[GrammarKey, int] = {}  # compiled entries only
+        self.cached_bytes = 0
+        # Reentrant: a future that is already done runs its done-callback in the adding thread.
+        self._lock = threading.RLock()
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="radixserve-grammar")
 
     # ------------------------------------------------------------------ compilation
@@ -145,9 +156,35 @@ class GrammarBackend:
                 return future, True
             future = self._executor.submit(self._compile_or_invalid, key)
             self._cache[key] = future
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            return future, False
+            self._evict()
+        future.add_done_callback(lambda done: self._account(key, done))
+        return future, False
+
+    def _account(self, key: GrammarKey, future: Future[Any]) -> None:
+        """Count a finished compilation's size (while it is still the cached entry for key)."""
+        if future.cancelled():
+            return
+        value = future.result()
+        size = int(getattr(value, "memory_size_bytes", 0)) or _INVALID_ENTRY_BYTES
+        with self._lock:
+            if self._cache.get(key) is future and key not in self._sizes:
+                self._sizes[key] = size
+                self.cached_bytes += size
+                self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used entries beyond the limits (lock held). Requests already
+        holding an evicted grammar keep it; the next request for that key compiles again."""
+        while len(self._cache) > self.cache_size or (
+            self.cached_bytes > self.cache_bytes and len(self._cache) > 1
+        ):
+            key, _ = self._cache.popitem(last=False)
+            self.cached_bytes -= self._sizes.pop(key, 0)
+
+    def cache_stats(self) -> tuple[int, int]:
+        """(entries, bytes of the compiled ones)."""
+        with self._lock:
+            return len(self._cache), self.cached_bytes
 
     def _compile_or_invalid(self, key: GrammarKey) -> Any:  # noqa: ANN401 - CompiledGrammar | InvalidGrammar
         try:

@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[[], GrammarBackend]
 
+# Why constrained requests are refused (HTTP 400) when there is no backend factory.
+NO_TOKENIZER = "Constrained decoding is unavailable: the server has no tokenizer."
+TURNED_OFF = (
+    "Constrained decoding (json_schema / regex / ebnf) is turned off on this server (--grammar-backend none)."
+)
+
 
 @dataclass
 class _Pending:
@@ -54,11 +60,14 @@ class GrammarManager:
         enqueue: Callable[[Req], None],
         finish_now: Callable[[Req, str, int | None], None],
         sync: RankSync | None = None,
+        unavailable_reason: str = NO_TOKENIZER,
     ) -> None:
+        """`unavailable_reason`: the 400 message for constrained requests when there is no factory."""
         self._backend_factory = backend_factory
         # Ranks compile on their own threads; whether a compilation is done (or timed out) is
         # agreed over all ranks so every rank's scheduler moves the same requests in the same step.
         self._sync: RankSync = sync or LocalSync()
+        self._unavailable_reason = unavailable_reason
         self._backend: GrammarBackend | None = None
         self._backend_error: str | None = None
         self.compile_timeout_s = compile_timeout_s
@@ -74,7 +83,7 @@ class GrammarManager:
         """Built on the first constrained request: importing xgrammar takes seconds."""
         if self._backend is None and self._backend_error is None:
             if self._backend_factory is None:
-                self._backend_error = "Constrained decoding is unavailable: the server has no tokenizer."
+                self._backend_error = self._unavailable_reason
             else:
                 try:
                     self._backend = self._backend_factory()
@@ -147,6 +156,10 @@ class GrammarManager:
 
     def has_pending(self) -> bool:
         return bool(self.grammar_queue)
+
+    def queued_reqs(self) -> list[Req]:
+        """Requests waiting for their grammar (they count against --max-queued-requests)."""
+        return [p.req for p in self.grammar_queue]
 
     def wait_for_any(self, timeout_s: float) -> None:
         """Block up to timeout_s for a compilation to finish: with nothing else to do the loop

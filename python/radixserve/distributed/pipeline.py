@@ -59,11 +59,12 @@ class StageLink:
     def publish_result(self, result: GenerationBatchResult) -> GenerationBatchResult:
         """Last stage: send a sampled result (on the host) to the same TP index of every earlier
         stage, which needs its tokens to go on; returns the host copy."""
-        logprobs = result.next_token_logprobs
+        logprobs, invalid = result.next_token_logprobs, result.invalid_rows
         host = dataclasses.replace(
             result,
             next_token_ids=result.next_token_ids.cpu(),
             next_token_logprobs=None if logprobs is None else logprobs.cpu(),
+            invalid_rows=None if invalid is None else invalid.cpu(),  # every stage fails the same rows
             copy_done=None,
         )
         for dst in self.earlier:

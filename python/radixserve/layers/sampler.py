@@ -28,10 +28,13 @@ from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 @dataclass
 class SampleOutput:
-    next_token_ids: Tensor  # [bs] int64
+    next_token_ids: Tensor  # [bs] int64, always in [0, vocab)
     next_token_logprobs: Tensor | None  # [bs] fp32, logprob of the chosen token (raw distribution)
     top_logprobs_val: list[list[float]] | None  # per row, top_logprobs_nums[i] values
     top_logprobs_idx: list[list[int]] | None  # per row, matching token ids
+    # [bs] bool: rows with no valid draw (NaN logits, nothing allowed, an id outside the vocab);
+    # their next_token_ids hold a placeholder in range, never to be kept (see _guard).
+    invalid_rows: Tensor | None = None
 
 
 class Sampler:
@@ -51,14 +54,35 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None  # [bs, vocab]
         logits = _constrain(logits, info)
         if info.is_all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids, drawn = logits.argmax(dim=-1), None
         else:
-            next_ids = _sample(logits, info, positions, self.generator)
+            next_ids, drawn = _sample(logits, info, positions, self.generator)
+        next_ids, invalid = _guard(next_ids, logits, drawn)
         if raw_logprobs is None:
-            return SampleOutput(next_ids, None, None, None)
+            return SampleOutput(next_ids, None, None, None, invalid)
         chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [bs]
         top_val, top_idx = _top_logprobs(raw_logprobs, top_logprobs_nums)
-        return SampleOutput(next_ids, chosen, top_val, top_idx)
+        return SampleOutput(next_ids, chosen, top_val, top_idx, invalid)
+
+
+def _guard(next_ids: Tensor, logits: Tensor, drawn: Tensor | None) -> tuple[Tensor, Tensor]:
+    """([bs] ids all in [0, vocab), [bs] bool invalid): a row is invalid when its id is outside the
+    vocabulary, its chosen (constrained) logit is not finite (a NaN row, or every token masked), or
+    its inverse-CDF draw had no finite positive mass (`drawn` False). Invalid rows get id 0: an id
+    out of range would crash the embedding of the next forward, which may already reference it.
+    O(bs): no pass over the vocabulary."""
+    vocab = logits.shape[1]
+    in_range = (next_ids >= 0) & (next_ids < vocab)
+    safe = torch.where(in_range, next_ids, torch.zeros_like(next_ids))
+    chosen = logits.gather(1, safe.unsqueeze(1)).squeeze(1)  # [bs]
+    invalid = ~in_range | ~torch.isfinite(chosen)
+    if drawn is not None:
+        invalid |= ~drawn
+    return safe, invalid
+
+
+# 1e30 / GREEDY_EPS (1e-6) = 1e36 < float32's max (3.4e38).
+_LOGIT_MAX = 1e30
 
 
 def _constrain(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -68,22 +92,29 @@ def _constrain(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     logits = logits.clone()
     if info.penalizer is not None:
         info.penalizer.apply(logits)
+        # An extreme but valid penalty (repetition_penalty 1e-30) can push a logit to +inf, and
+        # +inf turns softmax into NaN. Capped at _LOGIT_MAX, it stays finite even divided by the
+        # smallest sampled temperature (GREEDY_EPS); -inf (suppressed tokens) is kept.
+        logits.clamp_(max=_LOGIT_MAX)
     if info.vocab_mask is not None:
         info.vocab_mask.apply_(logits)  # touches the constrained rows only
     return logits
 
 
-def _sample(logits: Tensor, info: SamplingBatchInfo, positions: Tensor, generator: torch.Generator) -> Tensor:
-    """[bs, vocab] constrained logits -> [bs] int64 token ids."""
+def _sample(
+    logits: Tensor, info: SamplingBatchInfo, positions: Tensor, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """[bs, vocab] constrained logits -> ([bs] int64 token ids, [bs] bool: the draw had mass)."""
     probs = torch.softmax(logits / info.temperatures, dim=-1)  # [bs, vocab]
     if info.need_top_k or info.need_top_p or info.need_min_p:
         # Cut tokens below the row's threshold; zeros never win the inverse-CDF draw below.
         probs = probs.masked_fill(probs < _keep_thresholds(probs, info), 0.0)
-    next_ids = _inverse_cdf(probs, _uniforms(info.seeds, positions, probs, generator))
+    next_ids, drawn = _inverse_cdf(probs, _uniforms(info.seeds, positions, probs, generator))
     greedy_rows = info.top_ks == 1  # [bs]
     if bool(greedy_rows.any()):
         next_ids = torch.where(greedy_rows, logits.argmax(dim=-1), next_ids)
-    return next_ids
+        drawn = drawn | greedy_rows  # greedy rows are judged by their chosen logit (_guard)
+    return next_ids, drawn
 
 
 def target_probs(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -97,8 +128,9 @@ def target_probs(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
 
 def draw(weights: Tensor, u: Tensor) -> Tensor:
     """One token per row from unnormalized weights [n, vocab] with uniforms u [n] (inverse CDF in
-    token-id order, as the sampler draws)."""
-    return _inverse_cdf(weights, u)
+    token-id order, as the sampler draws). Rows need positive finite mass (speculative
+    verification draws only from the target's own distribution or a residual of it)."""
+    return _inverse_cdf(weights, u)[0]
 
 
 def _keep_thresholds(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -163,8 +195,9 @@ def _prefix_thresholds(sorted_p: Tensor, probs: Tensor, info: SamplingBatchInfo)
     return thresholds
 
 
-def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
-    """Sample one token per row from unnormalized weights [bs, vocab] with uniforms u [bs].
+def _inverse_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Sample one token per row from unnormalized weights [bs, vocab] with uniforms u [bs];
+    returns ([bs] ids, [bs] bool: the row had finite positive mass, so its id is a real draw).
 
     Token-id order (not sorted order) keeps the draw independent of sort tie-breaking. The chosen
     index i satisfies cum[i] > cum[i-1], so a zero-weight token can never be drawn.
@@ -174,7 +207,8 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     ids = torch.searchsorted(cum, u.unsqueeze(1) * total, right=True)
     # u * total can round up to total; the last index where cum rises is the last positive token.
     last = torch.searchsorted(cum, total, right=False)
-    return torch.minimum(ids, last).squeeze(1)
+    total = total.squeeze(1)
+    return torch.minimum(ids, last).squeeze(1), torch.isfinite(total) & (total > 0)
 
 
 def _uniforms(seeds: Tensor | None, positions: Tensor, like: Tensor, generator: torch.Generator) -> Tensor:

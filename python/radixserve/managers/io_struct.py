@@ -181,6 +181,9 @@ class BatchTokenIDOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None  # prompt logprobs, new since last time
     input_token_logprobs_idx: list[list[int]] | None = None
+    # Per new prompt position, its top-k logprobs ([] per position without top_logprobs_num).
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
     dp_rank: int = 0  # the data-parallel replica that sent it (metrics label)
     # Speculative decoding (None when it is off), per request since it started: verify forwards
     # it took part in, the tokens they produced, drafts proposed, drafts accepted.
@@ -229,6 +232,8 @@ class BatchStrOut:
     output_top_logprobs_idx: list[list[list[int]]] | None = None
     input_token_logprobs_val: list[list[float]] | None = None
     input_token_logprobs_idx: list[list[int]] | None = None
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
     dp_rank: int = 0
     # Speculative decoding (None when it is off), per request since it started: verify forwards
     # it took part in, the tokens they produced, drafts proposed, drafts accepted.

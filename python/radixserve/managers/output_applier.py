@@ -38,6 +38,8 @@ def apply_batch_str_out(msg: BatchStrOut, rid_to_state: dict[str, ReqState], now
             )
         if state.item.return_logprob:
             _add_logprobs(state.logprobs, msg, i, new_ids, state.input_ids, state.item.logprob_start_len)
+            if state.item.top_logprobs_num > 0:
+                _add_input_top(state.logprobs, msg, i)
         yield state, len(new_ids), first, msg.finished_reasons[i]
 
 
@@ -66,3 +68,14 @@ def _add_logprobs(
         offset = start + len(acc.input_token)
         ids = input_ids[offset : offset + len(values)]
     acc.input_token.extend(zip(values, ids))
+
+
+def _add_input_top(acc: LogprobAccumulator, msg: BatchStrOut, i: int) -> None:
+    """Top-k of each prompt position, aligned with acc.input_token (whose first entry, the
+    position at logprob_start_len, has no logprob: None here too, as in SGLang)."""
+    if msg.input_top_logprobs_val is None or msg.input_top_logprobs_idx is None or not acc.input_token:
+        return
+    if acc.input_token and not acc.input_top:
+        acc.input_top.append(None)
+    for vals, idxs in zip(msg.input_top_logprobs_val[i], msg.input_top_logprobs_idx[i]):
+        acc.input_top.append(list(zip(vals, idxs)))

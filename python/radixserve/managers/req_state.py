@@ -19,6 +19,7 @@ class LogprobAccumulator:
     output_token: list[tuple[float, int]] = field(default_factory=list)
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)  # per input_token
 
 
 @dataclass
@@ -116,6 +117,7 @@ def _logprob_meta(acc: LogprobAccumulator, token_text: Callable[[int], str] | No
         "input_token_logprobs": [triple(lp, tok) for lp, tok in acc.input_token],
         "output_token_logprobs": [triple(lp, tok) for lp, tok in acc.output_token],
         "output_top_logprobs": [top(t) for t in acc.output_top],
+        "input_top_logprobs": [top(t) for t in acc.input_top],
     }
 
 

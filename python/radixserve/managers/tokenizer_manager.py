@@ -45,6 +45,7 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.managers.output_applier import apply_batch_str_out
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
+from radixserve.managers.request_logger import RequestLogger
 from radixserve.server_args import ServerArgs
 from radixserve.utils.metrics import ServerMetrics
 from radixserve.utils.network import PortArgs, get_zmq_socket
@@ -127,6 +128,7 @@ class TokenizerManager:
             if server_args.enable_metrics
             else None
         )
+        self.request_logger = RequestLogger(server_args.log_requests, server_args.log_requests_level)
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
         self._control_locks: dict[type, asyncio.Lock] = {}
@@ -247,6 +249,7 @@ class TokenizerManager:
         reqs = [self._tokenized(state, stream, received) for state in states]
         for state in states:
             self.rid_to_state[state.rid] = state
+            self.request_logger.log_received(state)
         self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs=reqs))
         self._update_load_metrics()
         return states
@@ -491,6 +494,7 @@ class TokenizerManager:
             return  # already finished (the rid may since belong to a new request)
         del self.rid_to_state[state.rid]
         state.finish(reason)
+        self.request_logger.log_finished(state)
         if self.metrics is not None:
             self.metrics.on_finish(
                 state.prompt_tokens or len(state.input_ids),

@@ -6,6 +6,7 @@ ScheduleBatch (scheduler-owned) -> ModelWorkerBatch (plain CPU data the forward 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,10 @@ class ModelWorkerBatch:
     # [bs] the prompt token right after each request's chunk (-1: the chunk ends the prompt): the
     # chunk's last position predicts it, so its logprob is reported with this chunk (or None).
     extend_logprob_next_token_ids: list[int] | None = None
+    # Delayed sampling (seed 001 §2.2, overlap loop): run only the forward now; the result carries
+    # delay_sample_func, called once the scheduler has set this batch's sampling state (grammar
+    # mask, penalty counts), which depends on the previous batch's tokens.
+    delay_sample_launch: bool = False
     # Prefill-only (embedding) batches: pooled outputs, no sampling (seed 000 §17).
     is_embedding: bool = False
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64 segment ids (BERT-style)
@@ -93,7 +98,12 @@ class ModelWorkerBatch:
 
 @dataclass
 class GenerationBatchResult:
-    """The outcome of one forward + sample, as the scheduler consumes it."""
+    """The outcome of one forward + sample, as the scheduler consumes it.
+
+    With delay_sample_launch the forward returns it before sampling: next_token_ids and the other
+    sampling outputs are set by `delay_sample_func()`, which the overlap executor calls in forward
+    order (then clears), after the scheduler prepared the batch's sampling state.
+    """
 
     next_token_ids: torch.Tensor  # [bs] int64
     next_token_logprobs: torch.Tensor | None = None  # [bs] fp32
@@ -103,7 +113,11 @@ class GenerationBatchResult:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    # [bs] bool: rows the sampler could not draw a valid token for (see layers/sampler.py); their
+    # requests are finished with an error and the placeholder token is never kept.
+    invalid_rows: torch.Tensor | None = None
     copy_done: Any | None = None  # a CUDA event on GPU; None on CPU
+    delay_sample_func: Callable[[], None] | None = None  # set only before a delayed sample ran
     # TARGET_VERIFY: per request, the tokens this round produced (accepted drafts + one from the
     # target), and how many of its drafts were accepted. None for every other mode.
     spec_output_ids: list[list[int]] | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.managers.io_struct import EmbeddingBatchResult
@@ -10,12 +12,14 @@ from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.layer_skip_draft import LayerSkipDraft
 from radixserve.speculative.verify import accept_drafts
+from radixserve.utils.process import bound_onednn_caches
 
 
 class TpModelWorker:
     def __init__(
         self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
     ) -> None:
+        bound_onednn_caches()  # before the first oneDNN primitive (the weight prepack)
         if not model_config.is_generation and rank is not None and rank.layout.pp_size > 1:
             raise ValueError("embedding and classification models do not run with --pp-size > 1")
         self.model_runner = ModelRunner(server_args, model_config, rank)
@@ -48,7 +52,9 @@ class TpModelWorker:
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult | None:
         """Forward and sample; on a pipeline stage before the last, forward this stage's layers,
-        hand the states to the next stage and return None (the last stage samples)."""
+        hand the states to the next stage and return None (the last stage samples). With
+        batch.delay_sample_launch only the forward runs: the sample is left to the returned
+        result's delay_sample_func (see GenerationBatchResult)."""
         proxy = None
         if self.stage_link is not None and self.stage_link.prev is not None:
             proxy = self.stage_link.recv_hidden(int(batch.input_ids.shape[0]))
@@ -59,30 +65,38 @@ class TpModelWorker:
             assert self.stage_link is not None
             self.stage_link.send_hidden(out)
             return None
-        sample = self.model_runner.sample(out, fb)
-        spec_output_ids = spec_num_accepted = None
-        if fb.forward_mode.is_target_verify():
-            assert out.all_logits is not None and batch.extend_seq_lens is not None
-            assert fb.sampling_info is not None
-            spec_output_ids, spec_num_accepted = accept_drafts(
-                out.all_logits,
-                batch.input_ids,
-                batch.extend_seq_lens,
-                sample.next_token_ids,
-                fb.sampling_info,
-                self.model_runner.sampler.generator,
-            )
-        return GenerationBatchResult(
-            next_token_ids=sample.next_token_ids,
-            next_token_logprobs=sample.next_token_logprobs,
-            top_logprobs_val=sample.top_logprobs_val,
-            top_logprobs_idx=sample.top_logprobs_idx,
-            input_token_logprobs=out.input_token_logprobs,
-            input_top_logprobs_val=out.input_top_logprobs_val,
-            input_top_logprobs_idx=out.input_top_logprobs_idx,
-            spec_output_ids=spec_output_ids,
-            spec_num_accepted=spec_num_accepted,
+        logits_output = out
+        result = GenerationBatchResult(
+            next_token_ids=torch.empty(0, dtype=torch.int64),
+            input_token_logprobs=logits_output.input_token_logprobs,
+            input_top_logprobs_val=logits_output.input_top_logprobs_val,
+            input_top_logprobs_idx=logits_output.input_top_logprobs_idx,
         )
+
+        def sample() -> None:
+            drawn = self.model_runner.sample(logits_output, fb)
+            result.next_token_ids = drawn.next_token_ids
+            result.next_token_logprobs = drawn.next_token_logprobs
+            result.top_logprobs_val = drawn.top_logprobs_val
+            result.top_logprobs_idx = drawn.top_logprobs_idx
+            result.invalid_rows = drawn.invalid_rows
+            if fb.forward_mode.is_target_verify():  # never delayed: speculation runs the normal loop
+                assert logits_output.all_logits is not None and batch.extend_seq_lens is not None
+                assert fb.sampling_info is not None
+                result.spec_output_ids, result.spec_num_accepted = accept_drafts(
+                    logits_output.all_logits,
+                    batch.input_ids,
+                    batch.extend_seq_lens,
+                    drawn.next_token_ids,
+                    fb.sampling_info,
+                    self.model_runner.sampler.generator,
+                )
+
+        if batch.delay_sample_launch:
+            result.delay_sample_func = sample
+        else:
+            sample()
+        return result
 
     def forward_batch_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         """Forward a prefill-only batch: one vector per request, nothing sampled."""

@@ -34,6 +34,9 @@ class PenaltyState:
     seen_mask: Tensor | None  # [bs, vocab] bool, prompt ∪ output; only if a row has repetition
     suppress_mask: Tensor | None  # [bs, vocab] bool, eos ∪ stop ids; only if a row has min_new_tokens
     vocab_size: int
+    # Per row, how many of the request's output tokens the counts above include (host-side, so
+    # `sync` finds the new ones without reading the device).
+    counted: list[int]
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -77,6 +80,7 @@ class PenaltyState:
             seen_mask=seen,
             suppress_mask=suppress,
             vocab_size=vocab_size,
+            counted=[len(o) for o in outputs],
         )
 
     @classmethod
@@ -94,6 +98,7 @@ class PenaltyState:
             seen_mask=None,
             suppress_mask=None,
             vocab_size=vocab_size,
+            counted=[0] * bs,
         )
 
     @property
@@ -115,22 +120,47 @@ class PenaltyState:
             active = self.output_lens < self.min_new_tokens  # [bs]
             logits.masked_fill_(self.suppress_mask & active.unsqueeze(1), float("-inf"))
 
-    def cumulate(self, next_token_ids: Tensor) -> None:
-        """Record one new token per row. next_token_ids [bs] int64."""
-        self.output_lens.add_(1)
-        ids = next_token_ids.to(self.output_lens.device, torch.int64).unsqueeze(1)  # [bs, 1]
+    def sync(self, outputs: Sequence[Sequence[int]]) -> None:
+        """Count the output tokens of each row not counted yet (`outputs[i]`: row i's request's
+        whole output so far, every id in [0, vocab)).
+
+        The state follows the requests' output lists rather than each forward's sampled ids: it
+        does not matter how many batches ran, or were filtered or merged, since the last call, so
+        the overlap loop can build the next batch before the previous one's tokens are known and
+        sync right before sampling it (delayed sampling), exactly like the normal loop.
+        """
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, ids in enumerate(outputs):
+            done = self.counted[i]
+            if len(ids) > done:
+                new = ids[done:]
+                rows.extend([i] * len(new))
+                toks.extend(new)
+                self.counted[i] = len(ids)
+        if not rows:
+            return
+        device = self.output_lens.device
+        r = torch.tensor(rows, dtype=torch.int64, device=device)
+        t = torch.tensor(toks, dtype=torch.int64, device=device)
+        self.output_lens.index_add_(0, r, torch.ones_like(r))
         if self.output_counts is not None:
-            self.output_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+            self.output_counts.index_put_((r, t), torch.ones_like(t, dtype=torch.float32), accumulate=True)
         if self.seen_mask is not None:
-            self.seen_mask.scatter_(1, ids, True)
+            self.seen_mask.index_put_((r, t), torch.ones_like(t, dtype=torch.bool))
 
     # ------------------------------------------------------------------ batch bookkeeping
-    def filter(self, keep: Tensor) -> PenaltyState | None:
-        """New state with rows `keep` ([k] int64); None when no kept row needs penalties.
+    def filter(self, keep: Tensor, keep_indices: Sequence[int]) -> PenaltyState | None:
+        """New state with rows `keep` ([k] int64, the same rows as `keep_indices`); None when no
+        kept row needs penalties.
 
         Returns a new object (never mutates) so a forward-time copy of the batch stays valid.
         """
-        kept = replace(self, **{f: _index(getattr(self, f), keep) for f in _TENSOR_FIELDS})
+        kept = replace(
+            self,
+            **{f: _index(getattr(self, f), keep) for f in _TENSOR_FIELDS},
+            counted=[self.counted[i] for i in keep_indices],
+        )
         return kept if kept._any_active() else None
 
     def merge(self, other: PenaltyState) -> PenaltyState:
@@ -146,7 +176,7 @@ class PenaltyState:
             a = a if a is not None else _zeros_like_rows(b, self.batch_size)
             b = b if b is not None else _zeros_like_rows(a, other.batch_size)
             merged[name] = torch.cat([a, b], dim=0)
-        return replace(self, **merged)
+        return replace(self, **merged, counted=self.counted + other.counted)
 
     def _any_active(self) -> bool:
         if self.output_counts is not None and bool(
@@ -158,7 +188,7 @@ class PenaltyState:
         return self.suppress_mask is not None and bool((self.min_new_tokens > 0).any())
 
 
-_TENSOR_FIELDS = tuple(f.name for f in fields(PenaltyState) if f.name != "vocab_size")
+_TENSOR_FIELDS = tuple(f.name for f in fields(PenaltyState) if f.name not in ("vocab_size", "counted"))
 
 
 def merge_optional(

@@ -2,6 +2,7 @@
 
 The scheduler builds one with `from_reqs`, calls `filter` as requests finish and `merge` when a
 prefill batch joins the running batch; every tensor and the penalty state follow the same row order.
+Penalty counts catch up with the requests' outputs through `sync_output_tokens` before each sample.
 `filter`/`merge` rebind attributes to new tensors instead of writing in place, so a shallow
 `copy_for_forward()` handed to an in-flight forward pass is not disturbed by them.
 """
@@ -110,7 +111,7 @@ class SamplingBatchInfo:
         if self.seeds is not None:
             self.seeds = self.seeds.index_select(0, keep)
         if self.penalizer is not None:
-            self.penalizer = self.penalizer.filter(keep)
+            self.penalizer = self.penalizer.filter(keep, keep_indices)
         self._update_flags()
 
     def merge(self, other: SamplingBatchInfo) -> None:
@@ -129,10 +130,11 @@ class SamplingBatchInfo:
         self.min_ps = torch.cat([self.min_ps, other.min_ps])
         self._update_flags()
 
-    def cumulate_output_tokens(self, next_token_ids: Tensor) -> None:
-        """Count the tokens just sampled (next_token_ids [bs] int64) for penalties/min_new_tokens."""
+    def sync_output_tokens(self, outputs: Sequence[Sequence[int]]) -> None:
+        """Bring penalty / min_new_tokens state up to date with each row's output so far
+        (`outputs[i]` = row i's request's output_ids); called right before sampling."""
         if self.penalizer is not None:
-            self.penalizer.cumulate(next_token_ids)
+            self.penalizer.sync(outputs)
 
     def copy_for_forward(self) -> SamplingBatchInfo:
         """Shallow copy for an overlapped forward pass (filter/merge rebind, never mutate)."""

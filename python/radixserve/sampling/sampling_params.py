@@ -24,6 +24,9 @@ _PENALTY_RANGE = 2.0
 # near 1e-30 it overflows float32 into inf/NaN logits (docs/http_api.md, sampling parameters).
 MIN_REPETITION_PENALTY = 0.01
 
+# Largest temperature accepted (see verify).
+TEMPERATURE_MAX = 1e4
+
 # Accepted JSON types per field. bool is excluded from numbers explicitly (isinstance(True, int)).
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
 _FLOAT_FIELDS = (
@@ -99,12 +102,28 @@ class SamplingParams:
             self.top_k = TOP_K_ALL
 
     def verify(self, vocab_size: int) -> None:
-        """Raise ValueError describing the first invalid value."""
-        for name in _FLOAT_FIELDS:  # NaN passes every comparison below; inf breaks the sampler
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        """Raise ValueError describing the first invalid value. This is the authoritative check
+        (the HTTP layer may refuse earlier); the accepted ranges are:
+
+        - every float is finite (NaN and +-Infinity, which JSON parsers accept, are refused);
+        - temperature in [0, TEMPERATURE_MAX] (0 = greedy; beyond ~100 sampling is already uniform
+          over the kept tokens, the cap keeps the value far inside float32);
+        - top_p in (0, 1]; min_p in [0, 1]; top_k -1 (off) or >= 1;
+        - frequency_penalty and presence_penalty in [-2, 2];
+          repetition_penalty in [MIN_REPETITION_PENALTY, 2];
+        - max_new_tokens >= 0; min_new_tokens in [0, max_new_tokens]; n >= 1;
+        - stop_token_ids in [0, vocab_size); at most one of json_schema, regex, ebnf.
+
+        Values inside these ranges can still be numerically extreme: the sampler keeps them finite
+        and finishes a request whose logits still end up non-finite with an error instead of
+        sampling from them.
+        """
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}.")
+        if not 0.0 <= self.temperature <= TEMPERATURE_MAX:
+            raise ValueError(f"temperature must be in [0, {TEMPERATURE_MAX:g}], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1 or self.top_k == 0:

@@ -10,7 +10,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.scheduler.overlap import FutureMap, PendingResult, create_overlap_executor
+from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
@@ -41,7 +43,8 @@ class NormalLoop:
 class OverlapLoop:
     """event_loop_overlap (seed 001 §2.2): batch N's results are processed after batch N+1 has been
     launched (on the forward thread on CPU, the forward stream on CUDA: scheduler/overlap.py), so
-    result processing hides behind the next forward."""
+    result processing hides behind the next forward. A batch with grammars or penalties keeps that
+    overlap: only its sample waits for batch N's results (delayed sampling)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         if scheduler.builder.spec_step is not None:
@@ -56,6 +59,8 @@ class OverlapLoop:
         )
         self.worker = create_overlap_executor(scheduler.worker, self.future_map, scheduler.device)
         self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()
+        # The batch launched this step with a delayed sample: (its requests, its mwb, its handle).
+        self.delayed_sample: tuple[list[Req], ModelWorkerBatch, PendingResult] | None = None
 
     def _pop_and_process(self) -> None:
         batch, future = self.result_queue.popleft()
@@ -63,20 +68,29 @@ class OverlapLoop:
 
     def _launch(self, batch: ScheduleBatch) -> None:
         s = self.scheduler
-        mwb = s.get_model_worker_batch(batch)
+        delay = needs_delayed_sample(batch)
+        mwb = s.get_model_worker_batch(batch, delay_sample=delay)
         future_indices = self.future_map.alloc_future_indices(batch.batch_size())
         s._mark_launched(batch, future_indices)
         s.control.before_forward()
-        self.result_queue.append((batch.copy(), self.worker.launch(mwb, future_indices)))
+        pending = self.worker.launch(mwb, future_indices)
+        self.result_queue.append((batch.copy(), pending))
+        if delay:
+            self.delayed_sample = (list(batch.reqs), mwb, pending)
+
+    def launch_batch_sample_if_needed(self) -> None:
+        """Seed 001 §2.2: the batch launched this step samples only now, after the previous
+        batch's results updated its requests' grammar matchers and output_ids."""
+        if self.delayed_sample is None:
+            return
+        reqs, mwb, pending = self.delayed_sample
+        self.delayed_sample = None
+        self.scheduler.prepare_sample(reqs, mwb)
+        self.worker.launch_sample(pending)
 
     def step(self, recv_reqs: Iterable[object] = ()) -> None:
         s = self.scheduler
         s.process_input_requests(recv_reqs)
-        # Penalty counts are updated in place when results are processed; a batch that carries them
-        # is processed before the next batch is built so rows still line up (no overlap for it).
-        # Grammar masks likewise need the previous token accepted by each matcher first.
-        if self.result_queue and _needs_sync(self.result_queue[-1][0]):
-            self._pop_and_process()
         batch = s.get_next_batch_to_run()
         disable_overlap = s.is_disable_overlap_for_batch(batch)
         if disable_overlap and self.result_queue:
@@ -88,6 +102,8 @@ class OverlapLoop:
             self._pop_and_process()
         elif batch is None and s.state.last_batch is None:
             s.self_check_during_idle()
+        # Every earlier batch is processed now: the current one may sample.
+        self.launch_batch_sample_if_needed()
         s.state.last_batch = batch
         s.output.flush()
 
@@ -97,8 +113,9 @@ class OverlapLoop:
         self.worker.shutdown()
 
 
-def _needs_sync(batch: ScheduleBatch) -> bool:
-    """Whether `batch`'s results must be processed before the next batch is built."""
+def needs_delayed_sample(batch: ScheduleBatch) -> bool:
+    """Whether sampling `batch` depends on the previous batch's tokens: a grammar mask (the
+    matcher must accept the previous token first) or penalty / min_new_tokens counts."""
     if batch.sampling_info is not None and batch.sampling_info.penalizer is not None:
         return True
     return any(r.grammar is not None for r in batch.reqs)

@@ -9,8 +9,10 @@ token is then dropped. An unfinished request's prompt is cached right after its 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from http import HTTPStatus
 
 import torch
 
@@ -20,6 +22,13 @@ from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import FinishAbort, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.speculative.verify_batch import release_rejected
+
+logger = logging.getLogger(__name__)
+
+INVALID_TOKEN_MESSAGE = (
+    "The sampler found no valid next token for this request: its logits were not finite after "
+    "penalties, grammar mask and temperature. The request was stopped; the server goes on."
+)
 
 
 class StepStats:
@@ -72,14 +81,16 @@ class OutputProcessor:
             result.copy_done.synchronize()
         next_token_ids = result.next_token_ids.tolist()  # [bs]
         logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
+        # A row the sampler could not draw for gets None: its request is failed, not fed the token.
+        if result.invalid_rows is not None and bool(result.invalid_rows.any()):
+            invalid = result.invalid_rows.tolist()
+            next_token_ids = [None if bad else t for t, bad in zip(next_token_ids, invalid)]
         if batch.forward_mode.is_decode():
             self._process_decode(batch, result, next_token_ids, logprobs)
         elif batch.forward_mode.is_target_verify():
             self._process_verify(batch, result, logprobs)
         else:
             self._process_prefill(batch, result, next_token_ids, logprobs)
-        if batch.sampling_info is not None:
-            batch.sampling_info.cumulate_output_tokens(result.next_token_ids)
 
     def _begin(self, batch: ScheduleBatch, i: int, req: Req) -> bool:
         """Bookkeeping every row needs; True when this row's token must be dropped."""
@@ -97,7 +108,7 @@ class OutputProcessor:
         self,
         batch: ScheduleBatch,
         result: GenerationBatchResult,
-        next_token_ids: list[int],
+        next_token_ids: list[int | None],
         logprobs: list[float] | None,
     ) -> None:
         decoding = {id(r) for r in batch.decoding_reqs}
@@ -139,7 +150,7 @@ class OutputProcessor:
         self,
         batch: ScheduleBatch,
         result: GenerationBatchResult,
-        next_token_ids: list[int],
+        next_token_ids: list[int | None],
         logprobs: list[float] | None,
     ) -> None:
         self.stats.num_decode_steps += 1
@@ -196,8 +207,18 @@ class OutputProcessor:
             lens.add_(torch.tensor(extra, dtype=lens.dtype, device=lens.device))
 
     def _append_token(
-        self, req: Req, token_id: int, result: GenerationBatchResult, logprobs: list[float] | None, i: int
+        self,
+        req: Req,
+        token_id: int | None,
+        result: GenerationBatchResult,
+        logprobs: list[float] | None,
+        i: int,
     ) -> None:
+        if token_id is None:  # the sampler had no valid token for this row
+            logger.error("Request %s stopped: no valid token (non-finite logits)", req.rid)
+            req.set_finish_with_abort(INVALID_TOKEN_MESSAGE, int(HTTPStatus.INTERNAL_SERVER_ERROR))
+            req.to_finish = None
+            return
         req.output_ids.append(token_id)
         if req.spec is not None:
             req.spec.on_token(token_id)
@@ -228,7 +249,9 @@ class OutputProcessor:
             return
         # The forward returns logprobs of chunk-local tokens start+1 .. extend_len-1.
         start = batch.prefix_lens[i] + batch.extend_logprob_start_lens[i] + 1
-        req.append_input_logprobs(result.input_token_logprobs[i], start)
+        top_val = result.input_top_logprobs_val[i] if result.input_top_logprobs_val is not None else None
+        top_idx = result.input_top_logprobs_idx[i] if result.input_top_logprobs_idx is not None else None
+        req.append_input_logprobs(result.input_token_logprobs[i], start, top_val, top_idx)
 
     # ------------------------------------------------------------------ finishing
     def release_if_idle(self, req: Req) -> None:
@@ -281,6 +304,7 @@ class OutputProcessor:
     @staticmethod
     def _build_message(reqs: list[Req], report_spec: bool = False) -> BatchTokenIDOut:
         output_ids, out_val, out_idx, top_val, top_idx, in_val, in_idx = [], [], [], [], [], [], []
+        in_top_val, in_top_idx = [], []
         for req in reqs:
             output_ids.append(req.output_ids[req.sent_output_len :])
             req.sent_output_len = len(req.output_ids)
@@ -292,6 +316,8 @@ class OutputProcessor:
             lp.sent_output = len(lp.output_val)
             in_val.append(lp.input_val[lp.sent_input :])
             in_idx.append(lp.input_idx[lp.sent_input :])
+            in_top_val.append(lp.input_top_val[lp.sent_input :])
+            in_top_idx.append(lp.input_top_idx[lp.sent_input :])
             lp.sent_input = len(lp.input_val)
         any_logprob = any(r.return_logprob for r in reqs)
         return BatchTokenIDOut(
@@ -313,6 +339,8 @@ class OutputProcessor:
             output_top_logprobs_idx=top_idx if any_logprob else None,
             input_token_logprobs_val=in_val if any_logprob else None,
             input_token_logprobs_idx=in_idx if any_logprob else None,
+            input_top_logprobs_val=in_top_val if any_logprob else None,
+            input_top_logprobs_idx=in_top_idx if any_logprob else None,
             spec_verify_ct=[r.spec_verify_ct for r in reqs] if report_spec else None,
             spec_verify_tokens=[r.spec_verify_tokens for r in reqs] if report_spec else None,
             spec_draft_token_num=[r.spec_num_drafts for r in reqs] if report_spec else None,

@@ -12,6 +12,11 @@ How a forward is launched depends on the device (`create_overlap_executor`):
   non-blocking copy guarded by a copy-done event. No host synchronisation inside a step.
 Both return a handle whose `result()` gives the GenerationBatchResult; when its `copy_done` is set,
 result processing waits on that event before it reads the tokens.
+
+Delayed sampling (seed 001 §2.2, `launch_batch_sample_if_needed`): a batch whose sampling depends on
+the previous batch's tokens (a grammar mask, penalty counts) is launched with delay_sample_launch:
+its forward overlaps with the processing of the previous batch's results as any other, and only
+its sample is launched afterwards (`launch_sample`), once that state is up to date.
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ class OverlapExecutor(Protocol):
 
     def launch(self, mwb: ModelWorkerBatch, future_indices: list[int]) -> PendingResult:
         """Start the forward of `mwb` (its negative input ids resolved first) and store its tokens
-        at `future_indices`; returns without waiting for the forward."""
+        at `future_indices`; returns without waiting for the forward. With
+        mwb.delay_sample_launch only the forward starts: the handle's result() is valid once
+        launch_sample(handle) has been called too."""
+        ...
+
+    def launch_sample(self, pending: PendingResult) -> None:
+        """Start the delayed sample of a launched batch (after every forward launched before it),
+        then store its tokens at the batch's future indices; returns without waiting."""
         ...
 
     def shutdown(self) -> None:

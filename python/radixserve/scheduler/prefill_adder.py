@@ -124,7 +124,7 @@ class PrefillAdder:
         self._update_prefill_budget(0, req.extend_input_len, 0 if truncated else remaining_new_tokens(req))
         return req if truncated else None
 
-    def add_one_req(self, req: Req, truncation_align_size: int | None = None) -> AddReqResult:
+    def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` whole, or its first chunk, if the budgets allow (seed 001 L389-416)."""
         total_tokens = req.extend_input_len + remaining_new_tokens(req)
         input_tokens = self.mem.ceil_paged(req.extend_input_len)
@@ -150,8 +150,6 @@ class PrefillAdder:
                 self._update_prefill_budget(prefix_len, input_tokens, remaining_new_tokens(req))
             else:
                 trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
-                if truncation_align_size is not None:  # deterministic inference: fixed chunk grid
-                    trunc_len = truncation_align_size * (trunc_len // truncation_align_size)
                 if trunc_len <= 0:
                     return AddReqResult.OTHER
                 req.set_extend_input_len(trunc_len)

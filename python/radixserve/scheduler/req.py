@@ -80,6 +80,9 @@ class ReqLogprobs:
     top_idx: list[list[int]] = field(default_factory=list)
     input_val: list[float] = field(default_factory=list)
     input_idx: list[int] = field(default_factory=list)
+    # Per prompt position in input_val, its top-k (only with top_logprobs_num > 0).
+    input_top_val: list[list[float]] = field(default_factory=list)
+    input_top_idx: list[list[int]] = field(default_factory=list)
     sent_output: int = 0
     sent_input: int = 0
 
@@ -260,9 +263,16 @@ class Req:
             lp.top_val.append(list(top_val or []))
             lp.top_idx.append(list(top_idx or []))
 
-    def append_input_logprobs(self, values: list[float], start_pos: int) -> None:
-        """Prompt logprobs for positions start_pos .. start_pos + len(values) - 1, keeping only
-        prompt positions not reported yet: a re-prefill after retraction or preemption recomputes
+    def append_input_logprobs(
+        self,
+        values: list[float],
+        start_pos: int,
+        top_val: list[list[float]] | None = None,
+        top_idx: list[list[int]] | None = None,
+    ) -> None:
+        """Prompt logprobs for positions start_pos .. start_pos + len(values) - 1 (and, with
+        top_logprobs_num, each position's top-k in top_val / top_idx), keeping only prompt
+        positions not reported yet: a re-prefill after retraction or preemption recomputes
         positions whose logprobs went out already (even with no output token yet, when the chunks
         before an in-flight last chunk were processed), and covers output tokens past the prompt."""
         if not self.return_logprob or not values:
@@ -275,6 +285,12 @@ class Req:
             return
         lp.input_val.extend(values[lo - start_pos : hi - start_pos])
         lp.input_idx.extend(self.origin_input_ids[lo:hi])
+        if self.top_logprobs_num > 0:
+            n = hi - lo
+            vals = (top_val or [])[lo - start_pos : hi - start_pos]
+            idxs = (top_idx or [])[lo - start_pos : hi - start_pos]
+            lp.input_top_val.extend([list(v) for v in vals] + [[] for _ in range(n - len(vals))])
+            lp.input_top_idx.extend([list(v) for v in idxs] + [[] for _ in range(n - len(idxs))])
 
     def __repr__(self) -> str:
         return (

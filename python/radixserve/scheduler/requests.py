@@ -23,6 +23,8 @@ from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
+QUEUE_FULL = "The request queue is full."
+
 
 @dataclass
 class SchedulerState:
@@ -63,24 +65,50 @@ class RequestTable:
         self.limits = limits
         # Timeouts read each rank's clock: ranks agree on which expired (any rank's view wins).
         self.sync: RankSync = sync or LocalSync()
+        self.arrived: list[Req] = []  # accepted since the last enforce_queue_cap, in arrival order
 
     # ------------------------------------------------------------------ arrival
-    def queue_is_full(self) -> bool:
-        cap = self.limits.max_queued_requests
-        return cap is not None and len(self.state.waiting_queue) + 1 > cap
-
     def add(self, req: Req, enqueue: Callable[[Req], None] | None = None) -> None:
         """Validate and enqueue (through `enqueue` when given, e.g. the grammar queue's router); a
-        request that can never run is finished at once with the reason."""
+        request that can never run is finished at once with the reason. The queue cap is applied
+        once this step's batch is built (enforce_queue_cap)."""
         self.state.live[req.rid] = req
-        if self.queue_is_full():
-            self.output.finish_now(req, "The request queue is full.", int(HTTPStatus.SERVICE_UNAVAILABLE))
-            return
         error = self._validate(req)
         if error is not None:
             self.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
             return
+        self.arrived.append(req)
         (enqueue or self.enqueue)(req)
+
+    def enforce_queue_cap(self, grammar_queue: list[Req]) -> None:
+        """--max-queued-requests, right after the step's batch was built: requests still waiting,
+        in the waiting queue or in the grammar queue (compiling), count against the cap; those the
+        batch admitted do not. Beyond the cap, this step's arrivals are refused (503): the lowest
+        priority first, then the newest; requests accepted in an earlier step never are.
+        So a burst to an idle server is refused only for what the running batch cannot take now,
+        and a flood of constrained requests cannot pile up while their grammars compile."""
+        arrived, self.arrived = self.arrived, []
+        cap = self.limits.max_queued_requests
+        if cap is None or not arrived:
+            return
+        waiting = self.state.waiting_queue
+        excess = len(waiting) + len(grammar_queue) - cap
+        if excess <= 0:
+            return
+        queued = {id(r) for r in waiting} | {id(r) for r in grammar_queue}
+        candidates = [r for r in arrived if id(r) in queued and not r.finished()]
+        # Last in the list = first refused: the lowest priority, then the newest arrival (stable).
+        candidates.sort(key=lambda r: -r.priority)
+        refused = candidates[len(candidates) - min(excess, len(candidates)) :]
+        refused_ids = {id(r) for r in refused}
+        waiting[:] = [r for r in waiting if id(r) not in refused_ids]
+        compiling = {id(r) for r in grammar_queue}
+        for req in refused:
+            if id(req) in compiling:
+                # Finished by the grammar queue at its next check, like an abort while compiling.
+                req.to_finish = FinishAbort(QUEUE_FULL, int(HTTPStatus.SERVICE_UNAVAILABLE))
+            else:
+                self.output.finish_now(req, QUEUE_FULL, int(HTTPStatus.SERVICE_UNAVAILABLE))
 
     def _validate(self, req: Req) -> str | None:
         input_len, max_len = len(req.origin_input_ids), self.limits.max_req_len

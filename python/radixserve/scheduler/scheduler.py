@@ -58,6 +58,7 @@ from radixserve.scheduler.sessions import SessionController
 from radixserve.scheduler.weight_control import WeightControl
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
+from radixserve.utils.process import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,9 @@ class Scheduler:
             self.requests.enqueue,
             self.output.finish_now,
             sync,
+            unavailable_reason=constrained.TURNED_OFF
+            if args.grammar_backend == "none"
+            else constrained.NO_TOKENIZER,
         )
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
@@ -179,6 +183,7 @@ class Scheduler:
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
+        self.busy_since_trim = False  # a batch ran since the heap was last trimmed
         # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
         from radixserve.disaggregation.common import create_disaggregation
 
@@ -295,6 +300,7 @@ class Scheduler:
         self.mem.flush()
         self.state.new_token_ratio = self.init_new_token_ratio
         self.output.stats.cache_hit_tokens = self.output.stats.cache_query_tokens = 0
+        release_free_memory()
         logger.info("Cache flushed successfully.")
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
 
@@ -357,13 +363,17 @@ class Scheduler:
         return self.mem.check_leak()
 
     def self_check_during_idle(self) -> None:
-        """When idle, verify no KV slot or row leaked and re-init the admission ratio."""
+        """When idle, verify no KV slot or row leaked, re-init the admission ratio and, once per
+        idle period, return the heap memory the busy period freed to the OS."""
         if not self.is_idle():
             return
         problem = self.mem.check_leak()
         if problem is not None:
             logger.error("KV MEMORY LEAK DETECTED while idle: %s", problem)
         self.state.new_token_ratio = self.init_new_token_ratio
+        if self.busy_since_trim:
+            self.busy_since_trim = False
+            release_free_memory()
 
     # ------------------------------------------------------------------ running batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
@@ -372,18 +382,30 @@ class Scheduler:
             return None
         self.grammar.move_ready()
         batch = self.builder.get_next_batch_to_run()
+        self.requests.enforce_queue_cap(self.grammar.queued_reqs())
         if batch is None and self.num_inflight_batches == 0 and self.grammar.has_pending():
             self.grammar.wait_for_any(GRAMMAR_WAIT_S)
         return batch
 
-    def get_model_worker_batch(self, batch: ScheduleBatch) -> ModelWorkerBatch:
-        """The forward's view of `batch`, with this step's grammar mask when it has constrained
-        requests (their matchers must already hold every earlier token: see OverlapLoop.step)."""
+    def get_model_worker_batch(self, batch: ScheduleBatch, delay_sample: bool = False) -> ModelWorkerBatch:
+        """The forward's view of `batch`. Its sampling state is prepared now, or, with
+        `delay_sample`, left to prepare_sample right before the delayed sample is launched."""
         mwb = batch.get_model_worker_batch()
-        if mwb.sampling_info is not None:
-            # Set on the forward's shallow copy only: the live batch never carries a stale mask.
-            mwb.sampling_info.vocab_mask = self.grammar.vocab_mask(batch.reqs, self.worker.vocab_size)
+        mwb.delay_sample_launch = delay_sample
+        if not delay_sample:
+            self.prepare_sample(batch.reqs, mwb)
         return mwb
+
+    def prepare_sample(self, reqs: list[Req], mwb: ModelWorkerBatch) -> None:
+        """The sampling state that depends on earlier tokens: the grammar mask of this step and
+        the penalty / min_new_tokens counts. Every earlier result of `reqs` must be processed (their
+        matchers and output_ids hold every earlier token)."""
+        info = mwb.sampling_info
+        if info is None:
+            return
+        # Set on the forward's shallow copy only: the live batch never carries a stale mask.
+        info.vocab_mask = self.grammar.vocab_mask(reqs, self.worker.vocab_size)
+        info.sync_output_tokens([r.output_ids for r in reqs])
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
         """Synchronous forward (the normal loop); a prefill-only batch samples nothing."""
@@ -407,6 +429,7 @@ class Scheduler:
         self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult
     ) -> None:
         self.num_inflight_batches -= 1
+        self.busy_since_trim = True
         self.output.process_batch_result(batch, result)
 
     def is_disable_overlap_for_batch(self, batch: ScheduleBatch | None) -> bool:

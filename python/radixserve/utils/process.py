@@ -45,6 +45,39 @@ def limit_threads() -> None:
         sys.modules["torch"].set_num_threads(1)
 
 
+# oneDNN keeps a compiled primitive per GEMM shape: its primitive cache and ideep's computation
+# cache (torch's mkldnn ops over prepacked CPU weights) hold 1024 entries each by default, ~0.3-0.6
+# MiB apiece. Every distinct prefill token count is a new shape, so under a varied load the
+# scheduler's RSS grew by ~2 MiB per new shape for hundreds of MiB (issue 23). 64 entries keep the
+# hot shapes (16 token counts of the built-in model's four linear shapes); a miss
+# re-creates the primitive, ~0.25-0.6 ms each on the development machine (0.3 ms at 4 tokens, 0.6 ms
+# at 512), i.e. a few ms for a forward at a token count not seen lately.
+ONEDNN_CACHE_CAPACITY = 64
+_ONEDNN_CACHE_ENV_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap oneDNN's per-shape caches in this process (unless the user set the variables). Must run
+    before the process creates its first oneDNN primitive: both caches read them once. Called by
+    TpModelWorker before it loads (and prepacks) the model."""
+    for var in _ONEDNN_CACHE_ENV_VARS:
+        os.environ.setdefault(var, str(capacity))
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc malloc_trim; a no-op elsewhere).
+
+    Tensors of many sizes come and go every step (logits, prompt logprobs, penalty state); glibc
+    keeps what they freed in its arenas, so RSS stays at the high-water mark of past load even
+    when the memory is free. Cheap when there is nothing to trim."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def use_thread_lock_for_tqdm() -> None:
     """Give tqdm a thread lock before its first bar (the weight loader's) in this process.
 

@@ -126,9 +126,8 @@ class CompletionsHandler:
         entries = (meta.get("input_token_logprobs", []) if echo else []) + meta.get(
             "output_token_logprobs", []
         )
-        tops = ([None] * len(meta.get("input_token_logprobs", [])) if echo else []) + meta.get(
-            "output_top_logprobs", []
-        )
+        prompt_tops = meta.get("input_top_logprobs") or [None] * len(meta.get("input_token_logprobs", []))
+        tops = (prompt_tops if echo else []) + meta.get("output_top_logprobs", [])
         result = CompletionLogprobs()
         offset = 0
         for i, (lp, tok, text) in enumerate(entries):
@@ -143,4 +142,9 @@ class CompletionsHandler:
 
 
 def _top_dict(top: list[list[Any]], tm: TokenizerManager) -> dict[str, float]:
-    return {(text if text is not None else tm.detokenize([tok])): lp for lp, tok, text in top}
+    """Keyed by token text (OpenAI's shape). Tokens that decode alike (partial UTF-8 bytes) share
+    a key: the most likely one keeps it (`top` is sorted by logprob, descending)."""
+    out: dict[str, float] = {}
+    for lp, tok, text in top:
+        out.setdefault(text if text is not None else tm.detokenize([tok]), lp)
+    return out
