@@ -34,7 +34,7 @@ serve: setup
 	$(BIN)/python -m radixserve.launch_server $(ARGS)
 
 test: setup lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest test $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest test --durations=25 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check python test benchmark scripts sgl-kernel
