@@ -13,8 +13,6 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
 from radixserve.disaggregation.common import PENDING_POLL_S, admit, mark_scheduled
@@ -169,8 +167,7 @@ class DecodeDisaggregation:
         s = self.scheduler
         batch = s.make_batch(reqs)
         batch.forward_mode = ForwardMode.PREBUILT
-        if batch.sampling_info is not None and all(r.output_ids for r in reqs):
-            batch.sampling_info.cumulate_output_tokens(torch.tensor([r.output_ids[-1] for r in reqs]))
+        # Penalty counts need no update here: they are synced from output_ids before each sample.
         for req in reqs:
             req.check_finished()
             if req.finished():
