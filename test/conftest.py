@@ -4,7 +4,24 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def _made_once(
+    tmp_path_factory: pytest.TempPathFactory, make: Callable[[str, Path], object], prefix: str
+) -> Callable[[str], str]:
+    """Factory over `make(kind, folder)`: each kind's checkpoint is written once per session."""
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(make(kind, tmp_path_factory.mktemp(f"{prefix}{kind}")))
+        return made[kind]
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -12,14 +29,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """Factory: tiny_model_dir('llama') -> folder with a random tiny checkpoint (made once)."""
     from radixserve.testing.tiny_models import make_tiny_model
 
-    made: dict[str, str] = {}
-
-    def get(kind: str) -> str:
-        if kind not in made:
-            made[kind] = str(make_tiny_model(kind, tmp_path_factory.mktemp(f"tiny_{kind}")))
-        return made[kind]
-
-    return get
+    return _made_once(tmp_path_factory, make_tiny_model, "tiny_")
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +37,4 @@ def tiny_embedding_dir(tmp_path_factory: pytest.TempPathFactory):
     """Factory: tiny_embedding_dir('bert') -> a tiny embedding/classifier/reranker checkpoint."""
     from radixserve.testing.tiny_embedding_models import make_tiny_embedding_model
 
-    made: dict[str, str] = {}
-
-    def get(kind: str) -> str:
-        if kind not in made:
-            made[kind] = str(make_tiny_embedding_model(kind, tmp_path_factory.mktemp(f"tiny_emb_{kind}")))
-        return made[kind]
-
-    return get
+    return _made_once(tmp_path_factory, make_tiny_embedding_model, "tiny_emb_")
