@@ -199,14 +199,7 @@ def _bench_rank(server_args: ServerArgs, args: argparse.Namespace, rank: int, in
 
     layout = server_args.layout()
     server_args, threads, cores = place_rank(server_args, layout, layout.rank_info(rank).local_rank)
-    runtime = RankRuntime.start(
-        layout,
-        rank,
-        init_addr,
-        server_args.device or "cpu",
-        server_args.dist_timeout,
-        use_shm=not server_args.disable_custom_all_reduce,
-    )
+    runtime = RankRuntime.for_server(server_args, rank, init_addr)
     worker = TpModelWorker(server_args, _model_config(server_args), runtime)
     if rank == 0:
         print(

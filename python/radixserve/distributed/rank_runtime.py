@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
@@ -20,6 +20,9 @@ from radixserve.distributed.communication import TensorParallelComm, all_reduce_
 from radixserve.distributed.layout import ParallelLayout
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.distributed.parallel_state import RankGroups, init_rank_groups
+
+if TYPE_CHECKING:
+    from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +98,19 @@ class RankRuntime:
             fast = _shm_communicator(groups, timeout_s)
         tp = TensorParallelComm(groups.tp_rank, layout.tp_size, groups.tp_device, fast)
         return cls(groups, ModelParallelism(tp, groups.pp_rank, layout.pp_size))
+
+    @classmethod
+    def for_server(cls, server_args: ServerArgs, rank: int, init_addr: str) -> RankRuntime:
+        """`start` with what the server's flags say: layout, device, --dist-timeout, and the
+        shared-memory all-reduce unless --disable-custom-all-reduce."""
+        return cls.start(
+            server_args.layout(),
+            rank,
+            init_addr,
+            server_args.device or "cpu",
+            server_args.dist_timeout,
+            use_shm=not server_args.disable_custom_all_reduce,
+        )
 
     # ------------------------------------------------------------------ agreements
     def min_over_world(self, value: int) -> int:

@@ -252,7 +252,7 @@ def run_rank_process(
     )
     try:
         server_args, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
-        runtime, scheduler, io, ready = _build_rank(server_args, port_args, layout, rank, init_addr)
+        runtime, scheduler, io, ready = _build_rank(server_args, port_args, rank, init_addr)
         ready["rank_info"] = {
             **dataclasses.asdict(info),
             "pid": os.getpid(),
@@ -310,18 +310,11 @@ def place_rank(
 
 
 def _build_rank(
-    server_args: ServerArgs, port_args: PortArgs | None, layout: ParallelLayout, rank: int, init_addr: str
+    server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str
 ) -> tuple[RankRuntime, Any, SchedulerIO | None, dict[str, Any]]:
     from radixserve.distributed.rank_runtime import RankRuntime
 
-    runtime = RankRuntime.start(
-        layout,
-        rank,
-        init_addr,
-        server_args.device or "cpu",
-        server_args.dist_timeout,
-        use_shm=not server_args.disable_custom_all_reduce,
-    )
+    runtime = RankRuntime.for_server(server_args, rank, init_addr)
     io = (
         SchedulerIO(port_args, server_args.load_watch_interval)
         if runtime.is_entry_rank and port_args is not None
