@@ -5,26 +5,16 @@ communicator tests. Every rank process is killed and reaped when the run ends, h
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
-import queue
-import socket
-import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 
+from radixserve.testing.ranks import collect_from_ranks
+
 # Slots of 4 KiB: 1024 fp32 per chunk, so modest sizes already cross several chunks.
 SMALL_SLOT = 4096
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def digest(t: torch.Tensor) -> str:
@@ -32,37 +22,14 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    comm_kwargs: dict | None,
-    threads: int,
-    results: mp.Queue,
-) -> None:
+def _with_comm(rank: int, world: int, fn: Callable[..., Any], comm_kwargs: dict | None, *args: Any) -> Any:  # noqa: ANN401
     import torch.distributed as dist
 
     from radixserve.distributed.shm_comm import ShmCommunicator
 
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=60),
-        )
-        group = dist.group.WORLD
-        comm = None if comm_kwargs is None else ShmCommunicator.create(group, "test", **comm_kwargs)
-        results.put((rank, "ok", fn(comm, group, rank, world, *args)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    group = dist.group.WORLD
+    comm = None if comm_kwargs is None else ShmCommunicator.create(group, "test", **comm_kwargs)
+    return fn(comm, group, rank, world, *args)
 
 
 def run_ranks(
@@ -83,45 +50,9 @@ def run_ranks(
         comm_kwargs = None
     elif comm_kwargs is None:
         comm_kwargs = {"slot_bytes": SMALL_SLOT, "timeout_s": 30.0}
-    expect = set(range(world)) if expect is None else expect
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main, args=(r, world, port, fn, args, comm_kwargs, threads, results), daemon=True
-        )
-        for r in range(world)
-    ]
-    got: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        while not expect <= got.keys() and time.monotonic() < deadline:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-                continue
-            if status == "ok":
-                got[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                got[rank] = None
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        results.close()
-    assert not errors, "\n".join(errors)
-    missing = expect - got.keys()
-    assert not missing, f"ranks {sorted(missing)} did not answer within {timeout_s} s"
-    return got
+    return collect_from_ranks(
+        _with_comm, world, (fn, comm_kwargs, *args), timeout_s=timeout_s, threads=threads, expect=expect
+    )
 
 
 def pid_region_names(pid: int) -> list[str]:
