@@ -16,17 +16,15 @@ percentile in microseconds.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from radixserve.testing.ranks import collect_from_ranks
 
 HIDDEN, HALF_VOCAB = 576, 24576
 REDUCE_SHAPES = [(1, HIDDEN), (2, HIDDEN), (16, HIDDEN), (64, HIDDEN), (256, HIDDEN), (2048, HIDDEN)]
@@ -56,20 +54,11 @@ def gloo_all_gather(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def rank_main(
-    rank: int, world: int, cpus: list[int], port: int, fixed_iters: int | None, out: mp.Queue
-) -> None:
+def rank_main(rank: int, world: int, cpus: list[int], fixed_iters: int | None) -> list:
+    """One rank's timings (run by collect_from_ranks in a gloo world, one torch thread)."""
     from radixserve.distributed.shm_comm import ShmCommunicator
 
     os.sched_setaffinity(0, {cpus[rank]})
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
     comm = ShmCommunicator.create(dist.group.WORLD, "bench")
     if comm is None:
         raise SystemExit("the shared-memory communicator is not available (is sgl_kernel._cpu built?)")
@@ -87,9 +76,7 @@ def rank_main(
             rows.append((op, shape, iters, gloo, shm))
     dist.barrier()
     comm.close()
-    dist.destroy_process_group()
-    if rank == 0:
-        out.put(rows)
+    return rows
 
 
 def p90(times: list[float]) -> float:
@@ -127,30 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     cpus = args.cpus or sorted(os.sched_getaffinity(0))[: args.world]
     if len(cpus) < args.world:
         raise SystemExit(f"--world {args.world} needs {args.world} CPUs, have {cpus}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, args.world, cpus, port, args.iters, out))
-        for r in range(args.world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        rows = None
-        while rows is None:
-            try:
-                rows = out.get(timeout=1.0)
-            except queue.Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    raise SystemExit("a rank failed (its traceback is above)") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
+    timeout_s = 3600.0  # a full run on a loaded box takes minutes; this bounds a hang
+    rows = collect_from_ranks(rank_main, args.world, (cpus, args.iters), timeout_s=timeout_s)[0]  # rank 0 times
     print_table(rows, args.world, cpus)
 
 
