@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(cpus) < args.world:
         raise SystemExit(f"--world {args.world} needs {args.world} CPUs, have {cpus}")
     timeout_s = 3600.0  # a full run on a loaded box takes minutes; this bounds a hang
-    rows = collect_from_ranks(rank_main, args.world, (cpus, args.iters), timeout_s=timeout_s)[0]  # rank 0 times
+    rows = collect_from_ranks(rank_main, args.world, (cpus, args.iters), timeout_s=timeout_s)[
+        0
+    ]  # rank 0 times
     print_table(rows, args.world, cpus)
 
 
