@@ -261,7 +261,9 @@ def _kill_and_watch(victim_pid: int, server: subprocess.Popen, port: int) -> tup
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
-    return unhealthy, time.monotonic() - killed
+    took = time.monotonic() - killed
+    print(f"killed rank -> server exit: {took:.1f} s")  # docs/parallelism.md quotes it (pytest -s)
+    return unhealthy, took
 
 
 def test_two_nodes_on_one_machine_and_a_killed_rank(tiny_model_dir, tmp_path) -> None:
