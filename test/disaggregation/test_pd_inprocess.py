@@ -49,16 +49,6 @@ def assert_clean(pair: PDPair) -> None:
     assert not pair.decode.scheduler.disagg.receivers
 
 
-@pytest.fixture(scope="session")
-def builtin_model_path() -> str:
-    from radixserve.model_loader.default_model import ensure_default_model
-
-    try:
-        return str(ensure_default_model(show_progress=False))
-    except Exception as exc:  # `make setup` converts it; say why when it is missing
-        pytest.skip(f"built-in model unavailable: {exc}")
-
-
 @pytest.fixture
 def make_pair(tiny_llama_path):
     made: list[PDPair] = []
