@@ -4,14 +4,19 @@ aborts, back-pressure and every failure, each ending with both pools back to ful
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 
 from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+from radixserve.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.testing.inprocess import InProcessScheduler
 from radixserve.testing.pd_pair import PDPair
+from radixserve.utils.network import get_free_port
 
 POOL = 8192
 
@@ -39,6 +44,23 @@ def prefill_finish(pair: PDPair, rid: str) -> dict:
     return pair.prefill.results[rid].finish_reason or {}
 
 
+def step_until(step: Callable[[], None], done: Callable[[], bool], timeout_s: float) -> None:
+    """Call `step` until `done()`; fail after `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline
+        step()
+
+
+def transferring(pair: PDPair) -> bool:
+    """The decode side has bootstrapped and allocated pages: it waits for the KV."""
+    return bool(pair.decode.scheduler.disagg.transfer_queue.queue)
+
+
+def has_finished(side: InProcessScheduler, rid: str) -> bool:
+    return rid in side.results and side.results[rid].finish_reason is not None
+
+
 def assert_clean(pair: PDPair) -> None:
     assert pair.idle()
     assert pair.check_memory_leak() is None
@@ -47,16 +69,6 @@ def assert_clean(pair: PDPair) -> None:
         assert s.mem.available_size() + s.mem.evictable_size() == s.mem.total_tokens
     assert not pair.prefill.scheduler.disagg.senders
     assert not pair.decode.scheduler.disagg.receivers
-
-
-@pytest.fixture(scope="session")
-def builtin_model_path() -> str:
-    from radixserve.model_loader.default_model import ensure_default_model
-
-    try:
-        return str(ensure_default_model(show_progress=False))
-    except Exception as exc:  # `make setup` converts it; say why when it is missing
-        pytest.skip(f"built-in model unavailable: {exc}")
 
 
 @pytest.fixture
@@ -159,7 +171,6 @@ def test_greedy_parity_builtin_model(builtin_model_path):
 def test_first_token_logprob_travels_with_the_kv(tiny_llama_path, make_pair):
     ids = prompts(4, [20])[0]
     ref = InProcessScheduler(tiny_llama_path, disable_overlap_schedule=True, max_total_tokens=POOL)
-    from radixserve.managers.io_struct import BatchTokenIDOut
 
     def logprobs(sent: list) -> list[float]:
         out: list[float] = []
@@ -167,9 +178,6 @@ def test_first_token_logprob_travels_with_the_kv(tiny_llama_path, make_pair):
             if isinstance(msg, BatchTokenIDOut) and msg.output_token_logprobs_val:
                 out.extend(msg.output_token_logprobs_val[0])
         return out
-
-    from radixserve.managers.io_struct import TokenizedGenerateReqInput
-    from radixserve.sampling.sampling_params import SamplingParams
 
     sp = SamplingParams(max_new_tokens=6, temperature=0.0)
     sp.normalize()
@@ -203,7 +211,7 @@ def test_fake_bootstrap_host_probe_on_a_tcp_pair(make_pair):
     """SGLang's health probe: bootstrap_host 2.2.2.2 needs no peer on either side."""
     pair = make_pair()
     msg = pair.message("probe", [5], 0, max_new_tokens=1)
-    msg = type(msg)(**{**{f: getattr(msg, f) for f in msg.__slots__}, "bootstrap_host": FAKE_BOOTSTRAP_HOST})
+    msg = dataclasses.replace(msg, bootstrap_host=FAKE_BOOTSTRAP_HOST)
     pair.prefill.scheduler.process_input_requests([msg])
     pair.decode.scheduler.process_input_requests([msg])
     pair.run_until_idle(timeout_s=30)
@@ -294,10 +302,9 @@ def test_bootstrap_timeout_on_both_sides(make_pair):
 
 def test_unreachable_bootstrap_server_times_out(make_pair):
     pair = make_pair(disaggregation_bootstrap_timeout=0.5)
-    msg = pair.message("u", [4, 5, 6], 13, max_new_tokens=4)
-    from radixserve.utils.network import get_free_port
-
-    msg = type(msg)(**{**{f: getattr(msg, f) for f in msg.__slots__}, "bootstrap_port": get_free_port()})
+    msg = dataclasses.replace(
+        pair.message("u", [4, 5, 6], 13, max_new_tokens=4), bootstrap_port=get_free_port()
+    )
     pair.decode.scheduler.process_input_requests([msg])
     pair.run_until_idle(timeout_s=30)
     reason = finish(pair, "u")
@@ -322,16 +329,10 @@ def test_abort_at_either_side_at_any_stage(make_pair, side, stage):
     ids = prompts(10, [60])[0]
     pair.submit("a", ids, room=15, max_new_tokens=60, ignore_eos=True)
     if stage == "transfer":  # decode has bootstrapped and allocated; prefill not run yet
-        deadline = time.monotonic() + 10
-        while not pair.decode.scheduler.disagg.transfer_queue.queue:
-            assert time.monotonic() < deadline
-            pair.decode.step()
+        step_until(pair.decode.step, lambda: transferring(pair), 10)
     elif stage == "decoding":
-        deadline = time.monotonic() + 10
         live = pair.decode.scheduler.state.live
-        while "a" not in live or len(live["a"].output_ids) < 3:
-            assert time.monotonic() < deadline
-            pair.step()
+        step_until(pair.step, lambda: "a" in live and len(live["a"].output_ids) >= 3, 10)
     pair.abort("a", side)
     pair.run_until_idle(timeout_s=30)
     reason = finish(pair, "a")
@@ -345,15 +346,9 @@ def test_abort_at_either_side_at_any_stage(make_pair, side, stage):
 def test_prefill_dies_mid_transfer(make_pair):
     pair = make_pair()
     pair.submit("k", prompts(11, [40])[0], room=16, max_new_tokens=8)
-    deadline = time.monotonic() + 10
-    while not pair.decode.scheduler.disagg.transfer_queue.queue:  # pages allocated, KV expected
-        assert time.monotonic() < deadline
-        pair.decode.step()
+    step_until(pair.decode.step, lambda: transferring(pair), 10)  # pages allocated, KV expected
     pair.prefill.scheduler.disagg.close()  # its sockets close as a killed process's do
-    deadline = time.monotonic() + 20
-    while "k" not in pair.decode.results or pair.decode.results["k"].finish_reason is None:
-        assert time.monotonic() < deadline
-        pair.decode.step()
+    step_until(pair.decode.step, lambda: has_finished(pair.decode, "k"), 20)
     reason = finish(pair, "k")
     assert (
         reason["type"] == "abort"
@@ -366,16 +361,10 @@ def test_prefill_dies_mid_transfer(make_pair):
 def test_decode_dies_before_its_kv_is_acknowledged(make_pair):
     pair = make_pair()
     pair.submit("k", prompts(12, [40])[0], room=17, max_new_tokens=8)
-    deadline = time.monotonic() + 10
-    while not pair.decode.scheduler.disagg.transfer_queue.queue:
-        assert time.monotonic() < deadline
-        pair.decode.step()
+    step_until(pair.decode.step, lambda: transferring(pair), 10)
     time.sleep(0.2)  # the init reaches the prefill side
     pair.decode.scheduler.disagg.close()
-    deadline = time.monotonic() + 20
-    while "k" not in pair.prefill.results or pair.prefill.results["k"].finish_reason is None:
-        assert time.monotonic() < deadline
-        pair.prefill.step()
+    step_until(pair.prefill.step, lambda: has_finished(pair.prefill, "k"), 20)
     reason = prefill_finish(pair, "k")
     assert (
         reason["type"] == "abort"

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
+from real_helpers import internal_state, state_is_full  # noqa: E402
 from server_helpers import Server, wait_until  # noqa: E402
 
 from radixserve.utils.network import get_free_port  # noqa: E402
@@ -34,30 +35,16 @@ pytestmark = pytest.mark.skipif(ROUTER_MISSING is not None, reason=ROUTER_MISSIN
 POOL = "8192"
 
 
-class Router:
+class Router(Server):
+    """`sglang_router.launch_router --pd-disaggregation` over one prefill and one decode server
+    (Server gives it a free port on 127.0.0.1 and stops it)."""
+
     def __init__(self, prefill: Server, bootstrap_port: int, decode: Server) -> None:
-        self.port = get_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill.url,
-            str(bootstrap_port),
-            "--decode",
-            decode.url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--prometheus-port",
-            str(get_free_port()),
-            "--log-level",
-            "warn",
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.bootstrap_port = bootstrap_port
+        argv = ["-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        argv += ["--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
+        argv += ["--host", "127.0.0.1", "--prometheus-port", str(get_free_port()), "--log-level", "warn"]
+        super().__init__(argv)
 
     def wait_ready(self, timeout: float = 120) -> None:
         def serves() -> bool:
@@ -69,15 +56,6 @@ class Router:
                 return False
 
         wait_until(serves, timeout, "the router to serve through its PD pair", interval=1.0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +95,14 @@ def post(url: str, path: str, body: dict, timeout: float = 120) -> dict:
 
 
 def state(server: Server) -> dict:
-    return httpx.get(f"{server.url}/get_server_info", timeout=30).json()["internal_states"][0]
+    return internal_state(server.url)
 
 
 def idle_and_full(server: Server) -> bool:
+    """The pool is full, no rank leaked, and nothing is left in either side's PD queues."""
     s = state(server)
     return (
-        s["num_running_reqs"] == 0
-        and s["num_waiting_reqs"] == 0
-        and s["available_tokens"] + s["evictable_tokens"] == s["max_total_num_tokens"]
+        state_is_full(s)
         and all(r["memory_leak"] is None for r in s["ranks"])
         and s.get("num_bootstrap_queue_reqs", 0) + s.get("num_inflight_queue_reqs", 0) == 0
         and s.get("num_prealloc_queue_reqs", 0) + s.get("num_transfer_queue_reqs", 0) == 0
@@ -235,7 +212,7 @@ def test_client_disconnect_frees_both_sides(stack):
 def test_prefill_dies_mid_transfer_last(stack):
     """Runs last: kills the prefill server while the decode server waits for KV."""
     decode, prefill = stack["decode"], stack["prefill"]
-    bootstrap_port = int(stack["router"].proc.args[stack["router"].proc.args.index("--prefill") + 2])
+    bootstrap_port = stack["router"].bootstrap_port
     body = {
         "input_ids": list(range(3, 380)) * 2,
         "sampling_params": {"max_new_tokens": 8},
@@ -247,7 +224,6 @@ def test_prefill_dies_mid_transfer_last(stack):
     with httpx.Client(timeout=120) as client:
         t0 = time.monotonic()
         wait_until(lambda: state(decode)["num_transfer_queue_reqs"] == 0, 10, "decode idle")
-        import threading
 
         result: dict = {}
         thread = threading.Thread(

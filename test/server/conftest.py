@@ -1,4 +1,5 @@
-"""Fixtures of the real-model server and Engine tests: model folders and shared Engines.
+"""Fixtures of the real-model server and Engine tests: shared Engines and servers (the model
+folders, tiny_llama_path and builtin_model_path, are test/conftest.py's).
 
 The Engines are session-scoped so that test_engine_real.py and test_server_real.py (which
 compares the HTTP server against the Engine) share one start-up per model.
@@ -15,21 +16,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from real_helpers import BUILTIN_SERVER_POOL_TOKENS  # noqa: E402
 from server_helpers import BUILTIN_POOL_TOKENS, TINY_POOL_TOKENS, Server, start_servers  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def builtin_model_path() -> str:
-    from radixserve.model_loader.default_model import ensure_default_model
-
-    try:
-        return str(ensure_default_model(show_progress=False))
-    except Exception as exc:  # `make setup` converts it; say why when it is missing
-        pytest.skip(f"built-in model unavailable: {exc}")
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_path(tiny_model_dir) -> str:
-    return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,11 @@ def internal_state(url: str) -> dict[str, Any]:
 
 def pool_is_full(url: str) -> bool:
     """No request left and every KV slot free or merely cached (evictable)."""
-    s = internal_state(url)
+    return state_is_full(internal_state(url))
+
+
+def state_is_full(s: dict[str, Any]) -> bool:
+    """pool_is_full on an internal state already read."""
     return (
         s["num_running_reqs"] == 0
         and s["num_waiting_reqs"] == 0

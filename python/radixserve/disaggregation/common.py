@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 # When a loop step ran nothing but transfers are pending, it sleeps this long instead of spinning.
 PENDING_POLL_S = 0.001
+# Bind addresses that mean "every interface": not an address a peer can reach.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def create_disaggregation(scheduler: Scheduler) -> Any:  # noqa: ANN401 - Prefill/DecodeDisaggregation
@@ -71,7 +73,7 @@ def admit(scheduler: Scheduler, msg: TokenizedGenerateReqInput, req: Req, enqueu
 
 def advertised_host(host: str) -> str:
     """The address peers can reach us at: the bind address, or this machine's for a wildcard."""
-    if host in ("0.0.0.0", "::", ""):
+    if host in WILDCARD_HOSTS:
         return socket.gethostbyname(socket.gethostname())
     return host
 

@@ -17,7 +17,7 @@ from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
 from radixserve.disaggregation.common import PENDING_POLL_S, admit, mark_scheduled
 from radixserve.disaggregation.tcp_decode import DecodeTcpManager
-from radixserve.disaggregation.utils import KVPoll, is_fake
+from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.scheduler.prefill_adder import remaining_new_tokens
@@ -191,8 +191,7 @@ class DecodeDisaggregation:
 
     def finish_failed(self, req: Req) -> None:
         status = self.receivers[id(req)].status
-        code = status.error_status_code if status.error_status_code != 499 else None
-        self._finish(req, status.error or "KV transfer failed", code)
+        self._finish(req, status.error or "KV transfer failed", error_status(status.error_status_code))
 
     def _finish(self, req: Req, message: str, status_code: int | None) -> None:
         logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeSender, KVSender
 from radixserve.disaggregation.bootstrap_server import BootstrapServer
-from radixserve.disaggregation.common import PENDING_POLL_S, admit, advertised_host
+from radixserve.disaggregation.common import PENDING_POLL_S, WILDCARD_HOSTS, admit, advertised_host
 from radixserve.disaggregation.tcp_prefill import PrefillTcpManager
-from radixserve.disaggregation.utils import KVPoll, is_fake
+from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import GenerationBatchResult
 from radixserve.scheduler.output_processor import OutputProcessor
@@ -73,7 +73,7 @@ class PrefillDisaggregation:
         self.manager = PrefillTcpManager(
             host, scheduler.mem.page_size, wire.dtype_name(self.pool.dtype), self.timeout_s
         )
-        local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        local = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
         self.manager.register(local, self.bootstrap_server.port)
         self.senders: dict[int, KVSender] = {}
         self.owners: dict[int, Req] = {}  # id(req) -> req, for every sender
@@ -167,9 +167,8 @@ class PrefillDisaggregation:
         self.finish_failed(req, message, status_code)
 
     def finish_failed(self, req: Req, message: str | None, status_code: int | None) -> None:
-        code = status_code if status_code != 499 else None  # an abort is not a server error
         logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
-        self.scheduler.output.finish_now(req, message or "KV transfer failed", code)
+        self.scheduler.output.finish_now(req, message or "KV transfer failed", error_status(status_code))
         self._forget(req)
 
     def sweep_finished(self) -> None:

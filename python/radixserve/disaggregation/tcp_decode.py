@@ -23,7 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.disaggregation import wire
-from radixserve.disaggregation.utils import KVPoll, TransferStatus
+from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class DecodeTcpManager:
             if peer.dealer is None:
                 peer.pending_aborts.append((room, cmd[2], time.monotonic() + self.timeout_s))
             else:
-                peer.dealer.send_multipart(wire.encode({"type": "abort", "room": room, "reason": cmd[2]}))
+                peer.dealer.send_multipart(_abort(room, cmd[2]))
         elif kind == "forget":
             del self.rooms[room]
             if peer is not None:
@@ -226,7 +226,7 @@ class DecodeTcpManager:
         dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
         peer.dealer = dealer
         for room, reason, _ in peer.pending_aborts:
-            dealer.send_multipart(wire.encode({"type": "abort", "room": room, "reason": reason}))
+            dealer.send_multipart(_abort(room, reason))
         peer.pending_aborts.clear()
         for room in peer.rooms:
             if room not in self.rooms:
@@ -255,9 +255,12 @@ class DecodeTcpManager:
                 logger.warning("Room %d: %s", room, message)
                 peer = self.peers.get(state.peer)
                 if peer is not None and peer.dealer is not None:
-                    peer.dealer.send_multipart(
-                        wire.encode({"type": "abort", "room": room, "reason": message})
-                    )
+                    peer.dealer.send_multipart(_abort(room, message))
+
+
+def _abort(room: int, reason: str) -> wire.MsgFrames:
+    """The abort message: the prefill server drops the room and fails its request with `reason`."""
+    return wire.encode({"type": "abort", "room": room, "reason": reason})
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -288,7 +291,7 @@ class TcpReceiver:
         return self.state.payload
 
     def abort(self, reason: str) -> None:
-        if self.owner and self.status.fail(reason, 499):
+        if self.owner and self.status.fail(reason, ABORTED_STATUS):
             self.manager.command("abort", self.room, reason)
 
     def close(self) -> None:

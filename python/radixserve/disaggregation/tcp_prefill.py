@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from radixserve.disaggregation import wire
-from radixserve.disaggregation.utils import KVPoll, TransferStatus
+from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class PrefillTcpManager:
                 state.status.fail("KV transfer failed: the decode server disconnected before it began")
         elif kind == "abort":
             reason = cmd[2]
-            state.status.fail(reason, 499)
+            state.status.fail(reason, ABORTED_STATUS)
             if state.identity is not None:
                 self._send(state.identity, wire.encode({"type": "fail", "room": room, "reason": reason}))
 
@@ -197,7 +197,7 @@ class PrefillTcpManager:
         if kind == "abort":
             with self._rooms_lock:  # the decode side may abort before our request arrived
                 state = self.rooms.setdefault(room, _Room(TransferStatus(self.timeout_s)))
-            state.status.fail(f"Aborted on the decode server: {msg.get('reason', '')}", 499)
+            state.status.fail(f"Aborted on the decode server: {msg.get('reason', '')}", ABORTED_STATUS)
             return
         state = self.rooms.get(room)
         if state is None:
@@ -301,7 +301,7 @@ class TcpSender:
     def abort(self, reason: str) -> None:
         if self.owner:
             self.manager.command("abort", self.room, reason)
-        self.status.fail(reason, 499)
+        self.status.fail(reason, ABORTED_STATUS)
 
     def close(self) -> None:
         if self.owner:

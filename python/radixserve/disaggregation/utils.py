@@ -10,6 +10,10 @@ from enum import Enum, IntEnum
 # health-probe convention): both sides finish it on their own.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
+# The status code of a transfer failed by an abort (either side's): the request ends as an abort,
+# not as a server error.
+ABORTED_STATUS = 499
+
 
 class DisaggregationMode(str, Enum):
     NULL = "null"
@@ -71,6 +75,11 @@ class TransferStatus:
 
     def expired(self, now: float) -> bool:
         return self._status not in TERMINAL and now - self.phase_started > self.timeout_s
+
+
+def error_status(code: int | None) -> int | None:
+    """The status code a failed transfer's request finishes with (None: a plain abort)."""
+    return None if code == ABORTED_STATUS else code
 
 
 def is_fake(bootstrap_host: str | None, backend: str) -> bool:

@@ -14,6 +14,7 @@ Every message is a multipart ZMQ message: a pickled dict (frame 0) and, for "kv"
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Any
 
 import torch
@@ -48,11 +49,19 @@ def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
 
 
 def gather_kv(pool: MHATokenToKVPool, slots: torch.Tensor) -> torch.Tensor:
-    """[2, num_layers, n, heads, head_dim] copy of the K and V of `slots` (contiguous, on CPU)."""
+    """[2, num_layers, n, heads, head_dim] copy of the K and V of `slots` (contiguous, on CPU).
+
+    Each layer's rows are selected straight into their place in one buffer: a prompt's KV is
+    copied once (then moved to the host if the pool is not there), not once per stack."""
     slots = slots.to(device=pool.device, dtype=torch.int64)
-    k = torch.stack([buf.index_select(0, slots) for buf in pool.k_buffer])
-    v = torch.stack([buf.index_select(0, slots) for buf in pool.v_buffer])
-    return torch.stack([k, v]).to("cpu").contiguous()
+    first = pool.k_buffer[0]
+    out = torch.empty(
+        (2, pool.num_layers, slots.numel(), *first.shape[1:]), dtype=first.dtype, device=first.device
+    )
+    for layer in range(pool.num_layers):
+        torch.index_select(pool.k_buffer[layer], 0, slots, out=out[0, layer])
+        torch.index_select(pool.v_buffer[layer], 0, slots, out=out[1, layer])
+    return out.to("cpu")
 
 
 def kv_to_bytes(kv: torch.Tensor) -> memoryview:
@@ -64,10 +73,11 @@ def scatter_kv(
 ) -> None:
     """Write received K and V (as made by gather_kv) into this pool's `slots`."""
     torch_dtype = getattr(torch, dtype)
-    buf = data if isinstance(data, memoryview) else memoryview(data)
-    if buf.readonly:  # torch.frombuffer wants a writable buffer; ZMQ frames are read-only
-        buf = memoryview(bytearray(buf))
-    kv = torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype).view(*shape)
+    with warnings.catch_warnings():
+        # A ZMQ frame is read-only and torch warns about it; this tensor is only read from, so
+        # it wraps the frame as it is rather than copying the whole payload to make it writable.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        kv = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype).view(*shape)
     if kv.shape[0] != 2 or kv.shape[1] != pool.num_layers or kv.shape[2] != slots.numel():
         raise ValueError(f"KV of shape {list(kv.shape)} does not fit {slots.numel()} slots here")
     slots = slots.to(device=pool.device, dtype=torch.int64)
