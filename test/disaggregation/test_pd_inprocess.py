@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
@@ -372,3 +373,27 @@ def test_decode_dies_before_its_kv_is_acknowledged(make_pair):
         and "disconnected" in reason["message"]
     )
     assert pair.prefill.check_memory_leak() is None
+
+
+def test_no_valid_first_token_fails_the_request_on_both_sides(make_pair, monkeypatch):
+    """The prefill side's sampler finds no valid token (non-finite logits): the request fails with
+    the colocated server's 500 on both sides, instead of the placeholder id travelling to decode."""
+    pair = make_pair()
+    sched = pair.prefill.scheduler
+    run_batch = sched.run_batch
+
+    def invalid_rows(batch):  # noqa: ANN001, ANN202 - wraps Scheduler.run_batch
+        result = run_batch(batch)
+        result.invalid_rows = torch.ones(batch.batch_size(), dtype=torch.bool)
+        return result
+
+    monkeypatch.setattr(sched, "run_batch", invalid_rows)
+    pair.submit("nan", prompts(12, [20])[0], room=17, max_new_tokens=8)
+    pair.run_until_idle(timeout_s=30)
+    for reason in (prefill_finish(pair, "nan"), finish(pair, "nan")):
+        assert reason["type"] == "abort", reason
+    assert prefill_finish(pair, "nan")["status_code"] == 500
+    assert "no valid next token" in finish(pair, "nan")["message"]
+    assert not pair.decode.results["nan"].output_ids
+    assert sched.num_inflight_batches == 0
+    assert_clean(pair)

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from radixserve.disaggregation import wire
@@ -23,7 +24,7 @@ from radixserve.disaggregation.tcp_prefill import PrefillTcpManager
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import GenerationBatchResult
-from radixserve.scheduler.output_processor import OutputProcessor
+from radixserve.scheduler.output_processor import INVALID_TOKEN_MESSAGE, OutputProcessor
 from radixserve.scheduler.req import FinishLength, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
@@ -97,8 +98,7 @@ class PrefillDisaggregation:
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         """process_batch_result_disagg_prefill: a finished prompt's KV and first token go to its
         decode server; the request moves to the inflight queue (it keeps its KV until acked)."""
-        next_ids = result.next_token_ids.tolist()
-        logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
+        next_ids, logprobs = OutputProcessor.sampled_tokens(result)
         for i, req in enumerate(batch.reqs):
             req.num_inflight -= 1
             OutputProcessor._record_input_logprobs(batch, result, i, req)  # noqa: SLF001 - shared rule
@@ -108,7 +108,13 @@ class PrefillDisaggregation:
             if req.to_finish is not None:  # aborted while its prefill ran
                 self.abort(req)
                 continue
-            self._send(req, next_ids[i], logprobs[i] if logprobs is not None else None, result, i)
+            token = next_ids[i]
+            if token is None:  # no valid first token: fail it on both sides, as a colocated server does
+                logger.error("Request %s stopped: no valid token (non-finite logits)", req.rid)
+                self.senders[id(req)].abort(f"Failed on the prefill server: {INVALID_TOKEN_MESSAGE}")
+                self.finish_failed(req, INVALID_TOKEN_MESSAGE, int(HTTPStatus.INTERNAL_SERVER_ERROR))
+                continue
+            self._send(req, token, logprobs[i] if logprobs is not None else None, result, i)
 
     def _send(
         self, req: Req, token: int, logprob: float | None, result: GenerationBatchResult, i: int
@@ -220,7 +226,7 @@ class PrefillLoop:
         batch = s.get_next_batch_to_run()
         if batch is not None:
             result = s.run_batch(batch)
-            s.num_inflight_batches -= 1
+            s.note_batch_done()
             side.process_batch_result(batch, result)
         side.process_inflight_queue()
         side.sweep_finished()

@@ -76,21 +76,27 @@ class OutputProcessor:
         if isinstance(result, EmbeddingBatchResult):
             self._process_embedding(batch, result)
             return
-        if result.copy_done is not None:
-            # Overlap on CUDA: the tokens are still being copied to the host (seed 001 §5.1).
-            result.copy_done.synchronize()
-        next_token_ids = result.next_token_ids.tolist()  # [bs]
-        logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
-        # A row the sampler could not draw for gets None: its request is failed, not fed the token.
-        if result.invalid_rows is not None and bool(result.invalid_rows.any()):
-            invalid = result.invalid_rows.tolist()
-            next_token_ids = [None if bad else t for t, bad in zip(next_token_ids, invalid)]
+        next_token_ids, logprobs = self.sampled_tokens(result)
         if batch.forward_mode.is_decode():
             self._process_decode(batch, result, next_token_ids, logprobs)
         elif batch.forward_mode.is_target_verify():
             self._process_verify(batch, result, logprobs)
         else:
             self._process_prefill(batch, result, next_token_ids, logprobs)
+
+    @staticmethod
+    def sampled_tokens(result: GenerationBatchResult) -> tuple[list[int | None], list[float] | None]:
+        """The batch's sampled ids and their logprobs on the host. A row the sampler could not
+        draw for gets None: its request is failed, never fed the token."""
+        if result.copy_done is not None:
+            # Overlap on CUDA: the tokens are still being copied to the host (seed 001 §5.1).
+            result.copy_done.synchronize()
+        next_token_ids: list[int | None] = result.next_token_ids.tolist()  # [bs]
+        logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
+        if result.invalid_rows is not None and bool(result.invalid_rows.any()):
+            invalid = result.invalid_rows.tolist()
+            next_token_ids = [None if bad else t for t, bad in zip(next_token_ids, invalid)]
+        return next_token_ids, logprobs
 
     def _begin(self, batch: ScheduleBatch, i: int, req: Req) -> bool:
         """Bookkeeping every row needs; True when this row's token must be dropped."""

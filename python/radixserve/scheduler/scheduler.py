@@ -428,9 +428,14 @@ class Scheduler:
     def process_batch_result(
         self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult
     ) -> None:
-        self.num_inflight_batches -= 1
-        self.busy_since_trim = True
+        self.note_batch_done()
         self.output.process_batch_result(batch, result)
+
+    def note_batch_done(self) -> None:
+        """Bookkeeping of every batch whose result comes back, whoever processes it (the output
+        processor, or a disaggregated prefill side)."""
+        self.num_inflight_batches -= 1
+        self.busy_since_trim = True  # heap trimmed at the next idle step
 
     def is_disable_overlap_for_batch(self, batch: ScheduleBatch | None) -> bool:
         """Two consecutive prefills do not overlap: the first one's tokens come out sooner (TTFT)."""
