@@ -56,15 +56,19 @@ class AbortRequestBody(BaseModel):
     abort_all: bool = False
 
 
-class GenerateMetaInfo(BaseModel):
-    model_config = ConfigDict(extra="allow")  # the logprob lists with return_logprob
-
+# meta_info of every output (managers/req_state.request_meta); a generation's adds to it.
+class EncodeMetaInfo(BaseModel):
     id: str
     finish_reason: dict[str, Any] | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float
+
+
+class GenerateMetaInfo(EncodeMetaInfo):
+    model_config = ConfigDict(extra="allow")  # the logprob lists with return_logprob
+
     weight_version: str  # the weights that served it (--weight-version, then each update's)
 
 
@@ -75,15 +79,6 @@ class GenerateOutput(BaseModel):
     output_ids: list[int]
     meta_info: GenerateMetaInfo
     index: int
-
-
-class EncodeMetaInfo(BaseModel):
-    id: str
-    finish_reason: dict[str, Any] | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    e2e_latency: float
 
 
 class EncodeOutput(BaseModel):

@@ -105,10 +105,7 @@ def _sample(
     logits: Tensor, info: SamplingBatchInfo, positions: Tensor, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
     """[bs, vocab] constrained logits -> ([bs] int64 token ids, [bs] bool: the draw had mass)."""
-    probs = torch.softmax(logits / info.temperatures, dim=-1)  # [bs, vocab]
-    if info.need_top_k or info.need_top_p or info.need_min_p:
-        # Cut tokens below the row's threshold; zeros never win the inverse-CDF draw below.
-        probs = probs.masked_fill(probs < _keep_thresholds(probs, info), 0.0)
+    probs = _cut_probs(logits, info)  # [bs, vocab]
     next_ids, drawn = _inverse_cdf(probs, _uniforms(info.seeds, positions, probs, generator))
     greedy_rows = info.top_ks == 1  # [bs]
     if bool(greedy_rows.any()):
@@ -120,10 +117,17 @@ def _sample(
 def target_probs(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     """[n, vocab] logits -> the distribution `_sample` draws from (temperature, then the top-k /
     top-p / min-p cuts), normalized; one SamplingBatchInfo row per logits row, no greedy rows."""
-    probs = torch.softmax(logits.float() / info.temperatures, dim=-1)  # [n, vocab]
+    probs = _cut_probs(logits.float(), info)  # [n, vocab]
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _cut_probs(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """[bs, vocab] fp32 logits -> softmax at each row's temperature with the tokens below the row's
+    top-k / top-p / min-p threshold zeroed (zeros never win the inverse-CDF draw)."""
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
     if info.need_top_k or info.need_top_p or info.need_min_p:
         probs = probs.masked_fill(probs < _keep_thresholds(probs, info), 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def draw(weights: Tensor, u: Tensor) -> Tensor:

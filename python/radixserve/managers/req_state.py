@@ -68,20 +68,26 @@ class ReqState:
         self.group_event.set()
 
 
-def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> dict[str, Any]:
-    """SGLang's output shape: text, output_ids, meta_info (and the item's index in the batch).
-
-    `token_text` adds each logprob token's text (return_text_in_logprobs); None leaves it out.
-    """
-    end = state.finished_time if state.finished else time.perf_counter()
-    meta: dict[str, Any] = {
+def request_meta(state: ReqState) -> dict[str, Any]:
+    """The meta_info fields every output (and the --log-requests finish line) carries; the
+    latency runs to the finish, or to now while the request runs."""
+    end = state.finished_time or time.perf_counter()  # set by finish(), exactly when finished
+    return {
         "id": state.rid,
         "finish_reason": state.finished_reason,
         "prompt_tokens": state.prompt_tokens or len(state.input_ids),
         "completion_tokens": state.completion_tokens or len(state.output_ids),
         "cached_tokens": state.cached_tokens,
-        "e2e_latency": (end or time.perf_counter()) - state.created_time,
+        "e2e_latency": end - state.created_time,
     }
+
+
+def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> dict[str, Any]:
+    """SGLang's output shape: text, output_ids, meta_info (and the item's index in the batch).
+
+    `token_text` adds each logprob token's text (return_text_in_logprobs); None leaves it out.
+    """
+    meta = request_meta(state)
     if state.spec is not None:
         meta.update(spec_meta(*state.spec))
     if state.item.return_logprob:
@@ -142,16 +148,8 @@ def embedding_item(index: int, rid: str, text: str | None, priority: int | None)
 
 def build_embedding_output(state: ReqState) -> dict[str, Any]:
     """SGLang's /encode output: the vector and meta_info (no text, no output tokens)."""
-    end = state.finished_time or time.perf_counter()
     return {
         "embedding": state.embedding,
-        "meta_info": {
-            "id": state.rid,
-            "finish_reason": state.finished_reason,
-            "prompt_tokens": state.prompt_tokens or len(state.input_ids),
-            "completion_tokens": 0,
-            "cached_tokens": state.cached_tokens,
-            "e2e_latency": end - state.created_time,
-        },
+        "meta_info": {**request_meta(state), "completion_tokens": 0},
         "index": state.item.index,
     }

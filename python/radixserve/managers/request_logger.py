@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
-from radixserve.managers.req_state import ReqState
+from radixserve.managers.req_state import ReqState, request_meta
 
 logger = logging.getLogger("radixserve.requests")
 
@@ -46,14 +45,11 @@ class RequestLogger:
     def log_finished(self, state: ReqState) -> None:
         if not self.enabled:
             return
-        end = state.finished_time or time.perf_counter()
+        meta = request_meta(state)
         fields: dict[str, Any] = {
-            "rid": state.rid,
-            "finish_reason": state.finished_reason,
-            "prompt_tokens": state.prompt_tokens or len(state.input_ids),
-            "completion_tokens": state.completion_tokens or len(state.output_ids),
-            "cached_tokens": state.cached_tokens,
-            "e2e_latency": round(end - state.created_time, 4),
+            "rid": meta.pop("id"),
+            **meta,
+            "e2e_latency": round(meta["e2e_latency"], 4),
         }
         if self.level >= 2:
             fields["text"] = self._cut(state.text)

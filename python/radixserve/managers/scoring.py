@@ -109,9 +109,7 @@ async def score(
     for out in outputs:
         logprobs = out["embedding"]
         if apply_softmax:
-            top = max(logprobs)
-            exps = [math.exp(lp - top) for lp in logprobs]
-            scores.append([e / sum(exps) for e in exps])
+            scores.append(_softmax(logprobs))
         else:
             scores.append([math.exp(lp) for lp in logprobs])
     return scores, sum(o["meta_info"]["prompt_tokens"] for o in outputs)
@@ -169,8 +167,13 @@ def _yes_no_ids(tm: TokenizerManager) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------ classify
 def classification(logits: list[float], id2label: dict[int, str]) -> dict[str, Any]:
-    top = max(logits)
-    exps = [math.exp(x - top) for x in logits]
-    probs = [e / sum(exps) for e in exps]
+    probs = _softmax(logits)
     best = max(range(len(probs)), key=probs.__getitem__)
     return {"label": id2label.get(best, f"LABEL_{best}"), "probs": probs, "num_classes": len(probs)}
+
+
+def _softmax(values: list[float]) -> list[float]:
+    top = max(values)
+    exps = [math.exp(x - top) for x in values]
+    total = sum(exps)  # once, not once per element
+    return [e / total for e in exps]

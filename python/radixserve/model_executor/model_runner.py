@@ -202,6 +202,20 @@ class ModelRunner:
             self.max_req_num,
         )
 
+    def init_forward_batch(
+        self, batch: ModelWorkerBatch, *, init_attn_metadata: bool = True, attn_causal: bool = True
+    ) -> ForwardBatch:
+        """The ForwardBatch of `batch` on this runner's pools, attention backend and device."""
+        return ForwardBatch.init_new(
+            batch,
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            self.attn_backend,
+            self.device,
+            init_attn_metadata=init_attn_metadata,
+            attn_causal=attn_causal,
+        )
+
     @torch.inference_mode()
     def forward(
         self, batch: ModelWorkerBatch, pp_proxy: PPProxyTensors | None = None
@@ -211,14 +225,8 @@ class ModelRunner:
         if self.parallel.pp_size > 1:
             return self._forward_stage(batch, pp_proxy)
         fast_path = self._decode_fast_path(batch)
-        fb = ForwardBatch.init_new(
-            batch,
-            self.req_to_token_pool,
-            self.token_to_kv_pool,
-            self.attn_backend,
-            self.device,
-            init_attn_metadata=fast_path is None,  # the fast paths read the pools themselves
-        )
+        # The fast paths read the pools themselves.
+        fb = self.init_forward_batch(batch, init_attn_metadata=fast_path is None)
         if fast_path is not None:
             hidden = fast_path.replay(fb)  # [bs, hidden_size]
         else:
@@ -228,14 +236,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         """A prefill-only forward: one pooled output per request, nothing sampled (seed 000 §17)."""
-        fb = ForwardBatch.init_new(
-            batch,
-            self.req_to_token_pool,
-            self.token_to_kv_pool,
-            self.attn_backend,
-            self.device,
-            attn_causal=self.embedding_config.is_causal,
-        )
+        fb = self.init_forward_batch(batch, attn_causal=self.embedding_config.is_causal)
         hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
         assert fb.extend_seq_lens_cpu is not None
         return EmbeddingBatchResult(
@@ -252,9 +253,7 @@ class ModelRunner:
     def _forward_stage(
         self, batch: ModelWorkerBatch, pp_proxy: PPProxyTensors | None
     ) -> tuple[ForwardBatch, LogitsOutput | PPProxyTensors]:
-        fb = ForwardBatch.init_new(
-            batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend, self.device
-        )
+        fb = self.init_forward_batch(batch)
         out = self.model(fb.input_ids, fb.positions, fb, pp_proxy)
         if isinstance(out, PPProxyTensors):
             return fb, out
