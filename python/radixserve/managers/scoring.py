@@ -142,9 +142,7 @@ async def rerank(
         prompts = [f"{_QWEN3_RERANK_PREFIX}{body}{doc}{_QWEN3_RERANK_SUFFIX}" for doc in documents]
         outputs = await run(tm, [make_item(p, label_token_ids=[yes, no]) for p in prompts], request)
         # P(yes) over {yes, no}: the softmax of the two logits.
-        return [
-            (1.0 / (1.0 + math.exp(o["embedding"][1] - o["embedding"][0])), o["meta_info"]) for o in outputs
-        ]
+        return [(sigmoid(o["embedding"][0] - o["embedding"][1]), o["meta_info"]) for o in outputs]
     info = tm.embedding_info or {}
     if not info.get("is_classifier") or int(info.get("num_labels", 0)) != 1:
         raise InvalidRequestError(
@@ -152,7 +150,7 @@ async def rerank(
             "model scored by yes/no (Qwen3-Reranker); this model is neither."
         )
     outputs = await run(tm, [make_item(query, text_pair=doc) for doc in documents], request)
-    return [(1.0 / (1.0 + math.exp(-o["embedding"][0])), o["meta_info"]) for o in outputs]
+    return [(sigmoid(o["embedding"][0]), o["meta_info"]) for o in outputs]
 
 
 def _yes_no_ids(tm: TokenizerManager) -> tuple[int, int]:
@@ -170,6 +168,14 @@ def classification(logits: list[float], id2label: dict[int, str]) -> dict[str, A
     probs = _softmax(logits)
     best = max(range(len(probs)), key=probs.__getitem__)
     return {"label": id2label.get(best, f"LABEL_{best}"), "probs": probs, "num_classes": len(probs)}
+
+
+def sigmoid(x: float) -> float:
+    """1 / (1 + e^-x) without overflow: math.exp of a large argument (> ~709) raises."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def _softmax(values: list[float]) -> list[float]:
