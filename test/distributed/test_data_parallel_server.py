@@ -16,22 +16,11 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
-from server_helpers import Server, assert_error, wait_until  # noqa: E402
+from server_helpers import Server, assert_error, start_servers, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 # The test machine is shared and often overloaded: a replica's start-up (the warm-up) can be slow.
 START_TIMEOUT_S = 600
-
-
-def start_servers(servers: dict[str, Server]) -> dict[str, Server]:
-    try:
-        for server in servers.values():
-            server.wait_ready(START_TIMEOUT_S)
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
-    return servers
 
 
 FLAGS = ["--max-total-tokens", "4096", "--page-size", "16", "--chunked-prefill-size", "64"]
@@ -87,7 +76,7 @@ def tiny(tiny_model_dir) -> dict[str, Server]:
             path, *FLAGS, "--dp-size", "2", "--load-balance-method", "round_robin", "--enable-metrics"
         ),
     }
-    start_servers(servers)
+    start_servers(servers, START_TIMEOUT_S)
     yield servers
     for server in servers.values():
         server.stop()
@@ -197,7 +186,7 @@ def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir, tmp_p
         "2",
     ]
     server = Server([*argv, "--log-level", "info"], log_path=str(log))
-    start_servers({"dp2": server})
+    start_servers({"dp2": server}, START_TIMEOUT_S)
     try:
         info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
         victim = next(r["pid"] for r in info["ranks"] if r["dp_rank"] == 1)
@@ -247,16 +236,6 @@ def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir, tmp_p
 
 
 # ----------------------------------------------------------------------------- the built-in model
-@pytest.fixture(scope="module")
-def builtin_model_path() -> str:
-    from radixserve.model_loader.default_model import ensure_default_model
-
-    try:
-        return str(ensure_default_model(show_progress=False))
-    except Exception as exc:
-        pytest.skip(f"built-in model unavailable: {exc}")
-
-
 def test_builtin_model_at_dp2_matches_one_replica(builtin_model_path: str) -> None:
     flags = ["--max-total-tokens", "4096", "--cpu-threads", "2"]
     servers = {
@@ -265,7 +244,7 @@ def test_builtin_model_at_dp2_matches_one_replica(builtin_model_path: str) -> No
             builtin_model_path, *flags, "--dp-size", "2", "--load-balance-method", "cache_aware"
         ),
     }
-    start_servers(servers)
+    start_servers(servers, START_TIMEOUT_S)
     try:
         prompts = [
             "The capital of France is",

@@ -18,24 +18,13 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
-from server_helpers import Server, sse_events  # noqa: E402
+from server_helpers import Server, sse_events, start_servers  # noqa: E402
 
 from radixserve.utils.network import get_free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 # The test machine is shared and often overloaded: a replica's start-up (the warm-up) can be slow.
 START_TIMEOUT_S = 600
-
-
-def start_servers(servers: dict[str, Server]) -> dict[str, Server]:
-    try:
-        for server in servers.values():
-            server.wait_ready(START_TIMEOUT_S)
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
-    return servers
 
 
 if importlib.util.find_spec("sglang_router") is None:
@@ -94,7 +83,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
     """Two radixserve servers (one of them dp=2) behind a cache_aware router."""
     path = tiny_model_dir("llama")
     workers = {"a": Server.real(path, *FLAGS), "b": Server.real(path, *FLAGS)}
-    start_servers(workers)
+    start_servers(workers, START_TIMEOUT_S)
     log = str(tmp_path_factory.mktemp("router") / "router.log")
     router = Router([w.url for w in workers.values()], "--policy", "cache_aware", log_path=log)
     try:
@@ -162,7 +151,7 @@ def test_gateway_flush_cache_and_loads_reach_every_worker(fleet) -> None:
 
 def test_dp_aware_gateway_uses_both_replicas(tiny_model_dir, tmp_path) -> None:
     server = Server.real(tiny_model_dir("llama"), *FLAGS, "--dp-size", "2")
-    start_servers({"dp2": server})
+    start_servers({"dp2": server}, START_TIMEOUT_S)
     router = Router([server.url], "--policy", "round_robin", "--dp-aware", log_path=str(tmp_path / "r.log"))
     try:
         router.wait_workers(2)  # one worker per replica: "<url>@0" and "<url>@1"

@@ -69,16 +69,6 @@ def builtin_tp2(builtin_model_path: str):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def builtin_model_path() -> str:
-    from radixserve.model_loader.default_model import ensure_default_model
-
-    try:
-        return str(ensure_default_model(show_progress=False))
-    except Exception as exc:
-        pytest.skip(f"built-in model unavailable: {exc}")
-
-
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
 
 

@@ -74,11 +74,11 @@ class Server:
                 self.proc.wait()
 
 
-def start_servers(servers: dict[str, Server]) -> dict[str, Server]:
+def start_servers(servers: dict[str, Server], timeout: float = 180.0) -> dict[str, Server]:
     """Wait for servers started together (their start-ups overlap); stop them all on failure."""
     try:
         for server in servers.values():
-            server.wait_ready()
+            server.wait_ready(timeout)
     except BaseException:
         for server in servers.values():
             server.stop()

@@ -16,7 +16,13 @@ from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.server_args import ServerArgs
-from radixserve.speculative.ngram_drafter import MAX_COOLDOWN, NgramConfig, NgramDrafter, can_speculate
+from radixserve.speculative.ngram_drafter import (
+    MAX_COOLDOWN,
+    NgramConfig,
+    NgramDrafter,
+    can_speculate,
+    last_tokens,
+)
 from radixserve.speculative.ngram_trie import NgramTrie
 from radixserve.speculative.verify import greedy_accept, rejection_accept
 from radixserve.speculative.verify_batch import prepare_for_verify, release_rejected, verify_tokens_needed
@@ -173,6 +179,14 @@ def test_drafts_stop_at_max_new_tokens():
     req = Req("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_new_tokens=3))
     req.output_ids = [7]
     assert drafter.draft(req, 100) == [5]  # 1 output + 1 draft + the target's token = 3
+
+
+@pytest.mark.parametrize("num_output", [0, 1, 3, 6])
+@pytest.mark.parametrize("n", [1, 3, 4, 9, 20])
+def test_last_tokens_is_the_tail_of_prompt_plus_output(num_output, n):
+    req = Req("r", [10, 11, 12, 13, 14], SamplingParams(temperature=0.0))
+    req.output_ids = list(range(20, 20 + num_output))
+    assert last_tokens(req, n) == (req.origin_input_ids + req.output_ids)[-n:]
 
 
 # ------------------------------------------------------------------------------------------ flags

@@ -31,12 +31,8 @@ import zmq
 
 from radixserve.managers.dp_policy import CacheAwareConfig, Dispatcher
 from radixserve.managers.io_struct import (
-    AbortReq,
     BatchTokenizedGenerateReqInput,
-    BlockReqInput,
     FlushCacheReqInput,
-    GetInternalStateReq,
-    GetLoadReqInput,
     GetLoadReqOutput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
@@ -76,11 +72,9 @@ class DataParallelController:
                 (TokenizedGenerateReqInput, self.dispatch),
                 (BatchTokenizedGenerateReqInput, self.dispatch_batch),
                 (FlushCacheReqInput, self.flush_cache),
-                (AbortReq, self.broadcast),
-                (GetInternalStateReq, self.broadcast),
-                (GetLoadReqInput, self.broadcast),
-                (BlockReqInput, self.broadcast),
-                (object, self.broadcast),  # the control plane's requests (control_messages.py)
+                # Everything else fans out: aborts, state and load queries, BLOCK/UNBLOCK and the
+                # control plane's requests (control_messages.py).
+                (object, self.broadcast),
             ]
         )
         self.num_dispatched = [0] * self.dp_size

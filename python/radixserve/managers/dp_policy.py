@@ -130,6 +130,8 @@ class ApproxRadixTree:
 
 def _common_len(key: list[int], tokens: list[int], start: int) -> int:
     n = min(len(key), len(tokens) - start)
+    if key[:n] == tokens[start : start + n]:  # whole-slice compare runs in C: the common case
+        return n
     i = 0
     while i < n and key[i] == tokens[start + i]:
         i += 1

@@ -13,6 +13,7 @@ previous drafts over the cached KV), then the usual verify forward of the target
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +44,7 @@ class LayerSkipDraft:
         the draft model's greedy tokens, in place on batch.input_ids."""
         assert batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None
         lens, prefix = batch.extend_seq_lens, batch.extend_prefix_lens
-        starts = [sum(lens[:b]) for b in range(len(lens))]
+        starts = list(itertools.accumulate(lens, initial=0))  # first row of each request
         input_ids = batch.input_ids.clone()  # [num_tokens]
         for step in range(max(lens) - 1):
             rows = [b for b, n in enumerate(lens) if n - 1 > step]  # requests with a draft here

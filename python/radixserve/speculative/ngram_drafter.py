@@ -119,5 +119,13 @@ class NgramDrafter:
             return []
         assert st.trie is not None
         cfg = self.config
-        tail = (req.origin_input_ids + req.output_ids)[-cfg.max_window :]
-        return st.trie.draft(tail, n, cfg.min_window, cfg.max_window)
+        return st.trie.draft(last_tokens(req, cfg.max_window), n, cfg.min_window, cfg.max_window)
+
+
+def last_tokens(req: Req, n: int) -> list[int]:
+    """The last n tokens of prompt + output, without copying the whole sequence (runs every
+    decode step for every drafting request)."""
+    out = req.output_ids[-n:]
+    if len(out) < n and req.origin_input_ids:
+        out = req.origin_input_ids[-(n - len(out)) :] + out
+    return out

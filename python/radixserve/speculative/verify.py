@@ -13,6 +13,7 @@ accepted + 1 tokens, each of them exactly what greedy decoding would have produc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -62,8 +63,10 @@ def rejection_accept(
     first rejection the token is drawn from p_j without d (the normalized residual max(p - q, 0)),
     and after k acceptances from p_k. Each output token then has exactly the target's distribution:
     P(x) = p(d)[x = d] + (1 - p(d)) p(x)[x != d] / (1 - p(d)) = p(x)."""
+    # The target's probability of each draft at its row, read back in one go (not one scalar each).
+    p_drafts = probs[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.int64)].tolist()
     for j, d in enumerate(drafts):
-        if u_accept[j] < float(probs[j, d]):
+        if u_accept[j] < p_drafts[j]:
             continue
         residual = probs[j : j + 1].clone()  # [1, vocab]
         residual[0, d] = 0.0
@@ -85,7 +88,7 @@ def accept_drafts(
     sampled_rows = [b for b, n in enumerate(extend_lens) if n > 1 and not greedy[b]]
     if not sampled_rows:
         return outputs, num_accepted
-    starts = [sum(extend_lens[:b]) for b in range(len(extend_lens))]
+    starts = list(itertools.accumulate(extend_lens, initial=0))  # first row of each request
     rows = [i for b in sampled_rows for i in range(starts[b], starts[b] + extend_lens[b])]
     owner = torch.tensor([b for b in sampled_rows for _ in range(extend_lens[b])], device=info.device)
     row_info = dataclasses.replace(

@@ -50,18 +50,23 @@ def prepare_for_verify(batch: ScheduleBatch, drafts: list[list[int]]) -> None:
         dtype=torch.int64,
     )
     table = mem.req_to_token_pool.req_to_token
-    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-    last_loc = table[rows, torch.tensor(batch.prefix_lens, dtype=torch.int64) - 1].tolist()
+    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)  # [bs]
+    prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)  # [bs]
+    ext = torch.tensor(batch.extend_lens, dtype=torch.int64)  # [bs]
+    last_loc = table[rows, prefix - 1].tolist()
     batch.out_cache_loc = mem.alloc_extend(
         batch.prefix_lens, batch.seq_lens, last_loc, batch.extend_num_tokens
     )
-    offset = 0
-    for r, p, e in zip(reqs, batch.prefix_lens, batch.extend_lens):
-        table[r.req_pool_idx, p : p + e] = batch.out_cache_loc[offset : offset + e].to(
-            table.device, table.dtype
-        )
-        offset += e
-        r.kv_committed_len = p + e  # being written by the launched forward
+    # req_to_token[row_b, p_b .. p_b + e_b - 1] = request b's new slots: one scatter for the batch.
+    token_rows = torch.repeat_interleave(rows, ext)  # [num_tokens]
+    cols = torch.arange(batch.extend_num_tokens, dtype=torch.int64) - torch.repeat_interleave(
+        torch.cumsum(ext, 0) - ext - prefix, ext
+    )
+    table[token_rows.to(table.device), cols.to(table.device)] = batch.out_cache_loc.to(
+        table.device, table.dtype
+    )
+    for r, s in zip(reqs, batch.seq_lens):
+        r.kv_committed_len = s  # being written by the launched forward
     batch.spec_drafts = drafts
 
 
