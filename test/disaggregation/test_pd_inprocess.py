@@ -397,3 +397,16 @@ def test_no_valid_first_token_fails_the_request_on_both_sides(make_pair, monkeyp
     assert not pair.decode.results["nan"].output_ids
     assert sched.num_inflight_batches == 0
     assert_clean(pair)
+
+
+def test_one_pass_admits_up_to_the_running_cap(make_pair):
+    """Requests admitted earlier in one prealloc pass count once against --max-running-requests
+    (they are already in the transfer queue), so four waiting requests under a cap of four all
+    get pages in the same pass."""
+    pair = make_pair(backend="fake", decode_args={"max_running_requests": 4})
+    decode = pair.decode.scheduler
+    for i, ids in enumerate(prompts(8, [20] * 5)):
+        decode.process_input_requests([pair.message(f"c{i}", ids, None, max_new_tokens=3)])
+    admitted = decode.disagg.prealloc_queue.pop_preallocated()
+    assert [r.rid for r in admitted] == ["c0", "c1", "c2", "c3"]
+    assert [r.rid for r in decode.disagg.prealloc_queue.queue] == ["c4"]

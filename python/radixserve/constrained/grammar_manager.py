@@ -109,7 +109,11 @@ class GrammarManager:
             return
         req.grammar_key = key
         future, _ = backend.get_cached_or_future_value(key)
-        if future.done():
+        # Each rank compiles on its own thread, so one may find the grammar done while another
+        # does not: agree, or the ranks' grammar queues (and the collectives move_ready makes only
+        # while its queue is not empty) diverge.
+        (done,) = self._sync.all_agree([future.done()])
+        if done:
             self._resolve(req, future)
         else:
             self.grammar_queue.append(_Pending(req, future, time.monotonic()))

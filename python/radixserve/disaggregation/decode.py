@@ -50,7 +50,7 @@ class DecodePreallocQueue:
                 side.abort(req)
             elif receiver.poll() == KVPoll.Failed:
                 side.finish_failed(req)
-            elif receiver.poll() == KVPoll.WaitingForInput and not blocked and side.fits(req, len(out)):
+            elif receiver.poll() == KVPoll.WaitingForInput and not blocked and side.fits(req):
                 side.preallocate(req)
                 receiver.init(len(req.origin_input_ids))
                 out.append(req)
@@ -113,13 +113,14 @@ class DecodeDisaggregation:
         return self.manager.create_receiver(room, req.bootstrap_host, req.bootstrap_port)
 
     # ------------------------------------------------------------------ memory
-    def fits(self, req: Req, num_new: int) -> bool:
+    def fits(self, req: Req) -> bool:
         """Whether a row and the prompt's pages are free, keeping room for the running requests'
-        future tokens (scaled by new_token_ratio, as admission does) and the running cap."""
+        future tokens (scaled by new_token_ratio, as admission does) and the running cap. Requests
+        admitted earlier in the same pass are already in the transfer queue, so they count once."""
         s = self.scheduler
         mem, st = s.mem, s.state
         active = st.running_batch.reqs + self.transfer_queue.queue
-        if len(active) + num_new + 1 > s.max_running_requests:
+        if len(active) + 1 > s.max_running_requests:
             return False
         if mem.req_to_token_pool.available_size() < 1:
             return False
