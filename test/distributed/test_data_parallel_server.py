@@ -91,6 +91,11 @@ def test_dp2_gives_the_same_greedy_outputs_as_one_replica(tiny: dict[str, Server
         if line.startswith("radixserve:num_requests_total{")
     }
     assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
+    for family in ("num_running_reqs", "num_queue_reqs", "token_usage", "e2e_request_latency_seconds_count"):
+        labels = {
+            line.split("}")[0] for line in metrics.splitlines() if line.startswith(f"radixserve:{family}")
+        }
+        assert labels == {f'radixserve:{family}{{dp_rank="0"', f'radixserve:{family}{{dp_rank="1"'}, labels
 
 
 def test_server_info_and_load_list_every_replica(tiny: dict[str, Server]) -> None:

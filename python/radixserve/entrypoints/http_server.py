@@ -247,6 +247,12 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
         @app.get("/metrics")
         async def get_metrics() -> Response:
+            if metrics.dp_size > 1 and not state.dead:
+                # Each replica reports its own queue, as each SGLang scheduler exports its gauges.
+                try:
+                    metrics.set_replica_loads(await tm.get_load())
+                except RequestAbortedError as exc:  # a replica is stuck: serve the last gauges
+                    logger.warning("/metrics: no load report from every replica (%s)", exc)
             return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

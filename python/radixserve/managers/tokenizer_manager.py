@@ -462,7 +462,7 @@ class TokenizerManager:
             state.dp_rank = msg.dp_rank
             if self.metrics is not None:
                 if first:
-                    self.metrics.on_first_token(now - state.created_time, state.queue_time)
+                    self.metrics.on_first_token(now - state.created_time, state.queue_time, msg.dp_rank)
                 self.metrics.on_tokens(
                     num_new, None if first else now - (state.last_token_time or now), msg.dp_rank
                 )

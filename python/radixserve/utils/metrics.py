@@ -38,14 +38,51 @@ class Histogram:
 
     def render(self) -> list[str]:
         name = f"{PREFIX}:{self.name}"
-        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
+        return [f"# HELP {name} {self.help}", f"# TYPE {name} histogram", *self.series()]
+
+    def series(self, label: str = "") -> list[str]:
+        """The sample lines; `label` (e.g. 'dp_rank="1"') goes into every one of them."""
+        name = f"{PREFIX}:{self.name}"
+        sep = "," if label else ""
+        lines = []
         cumulative = 0
         for bound, count in zip(self.buckets, self.counts):
             cumulative += count
-            lines.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.num}')
-        lines.append(f"{name}_sum {_fmt(self.total)}")
-        lines.append(f"{name}_count {self.num}")
+            lines.append(f'{name}_bucket{{{label}{sep}le="{_fmt(bound)}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{{label}{sep}le="+Inf"}} {self.num}')
+        braces = f"{{{label}}}" if label else ""
+        lines.append(f"{name}_sum{braces} {_fmt(self.total)}")
+        lines.append(f"{name}_count{braces} {self.num}")
+        return lines
+
+
+@dataclass
+class PerReplicaHistogram:
+    """A histogram with one series per data-parallel replica (label `dp_rank`) when dp_size > 1."""
+
+    name: str
+    help: str
+    buckets: tuple[float, ...]
+    dp_size: int
+    children: list[Histogram] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.children = [Histogram(self.name, self.help, self.buckets) for _ in range(self.dp_size)]
+
+    @property
+    def num(self) -> int:
+        return sum(h.num for h in self.children)
+
+    def observe(self, value: float, dp_rank: int | None = None) -> None:
+        self.children[_replica(dp_rank, self.dp_size)].observe(value)
+
+    def render(self) -> list[str]:
+        if self.dp_size == 1:
+            return self.children[0].render()
+        name = f"{PREFIX}:{self.name}"
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
+        for d, child in enumerate(self.children):
+            lines += child.series(f'dp_rank="{d}"')
         return lines
 
 
@@ -79,7 +116,7 @@ class PerReplicaCounter:
         return sum(self.values)
 
     def add(self, amount: float, dp_rank: int | None) -> None:
-        self.values[dp_rank if dp_rank is not None and 0 <= dp_rank < self.dp_size else 0] += amount
+        self.values[_replica(dp_rank, self.dp_size)] += amount
 
     def render(self) -> list[str]:
         name = f"{PREFIX}:{self.name}"
@@ -87,6 +124,30 @@ class PerReplicaCounter:
         if self.dp_size == 1:
             return [*lines, f"{name} {_fmt(self.values[0])}"]
         return lines + [f'{name}{{dp_rank="{d}"}} {_fmt(v)}' for d, v in enumerate(self.values)]
+
+
+@dataclass
+class PerReplicaGauge:
+    """A gauge with one series per data-parallel replica (label `dp_rank`), set from the
+    replicas' own load reports: with dp_size > 1 only the replica knows its queue."""
+
+    name: str
+    help: str
+    dp_size: int
+    values: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.values = [0.0] * self.dp_size
+
+    def render(self) -> list[str]:
+        name = f"{PREFIX}:{self.name}"
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} gauge"]
+        return lines + [f'{name}{{dp_rank="{d}"}} {_fmt(v)}' for d, v in enumerate(self.values)]
+
+
+def _replica(dp_rank: int | None, dp_size: int) -> int:
+    """The series a dp_rank counts in (replica 0 when the rank is unknown or out of range)."""
+    return dp_rank if dp_rank is not None and 0 <= dp_rank < dp_size else 0
 
 
 def _fmt(value: float) -> str:
@@ -100,9 +161,11 @@ class ServerMetrics:
 
     def __init__(self, max_total_num_tokens: int, dp_size: int = 1, speculative: bool = False) -> None:
         """`max_total_num_tokens`: the KV tokens of every replica together. With `dp_size` > 1 the
-        counters carry a `dp_rank` label (the replica that served the request). `speculative`: render
-        the speculative-decoding series."""
+        counters and histograms carry a `dp_rank` label (the replica that served the request) and
+        the load gauges come per replica from the replicas' load reports (`set_replica_loads`).
+        `speculative`: render the speculative-decoding series."""
         self.max_total_num_tokens = max(1, max_total_num_tokens)
+        self.dp_size = dp_size
         self.speculative = speculative  # render the speculative-decoding series
         self.spec_verify_ct = Scalar(
             "spec_verify_ct_total", "Verify forwards of finished requests (speculative decoding).", "counter"
@@ -135,28 +198,40 @@ class ServerMetrics:
             "token_usage", "Tokens held by in-flight requests / KV pool size (an upper bound).", "gauge"
         )
         self.cache_hit_rate = Scalar("cache_hit_rate", "cached_tokens_total / prompt_tokens_total.", "gauge")
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.itl = Histogram(
-            "inter_token_latency_seconds", "Time between output chunks per token.", ITL_BUCKETS
+        # With several replicas the TokenizerManager cannot tell which replica queues a request
+        # before its first token, so the load gauges come from the replicas themselves.
+        self.replica_running = PerReplicaGauge("num_running_reqs", self.num_running.help, dp_size)
+        self.replica_queued = PerReplicaGauge("num_queue_reqs", "Requests in the waiting queue.", dp_size)
+        self.replica_usage = PerReplicaGauge(
+            "token_usage", "KV tokens held by requests and waiting prompts / the replica's pool.", dp_size
         )
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency end to end.", LATENCY_BUCKETS)
-        self.queue_time = Histogram(
+        self.ttft = PerReplicaHistogram(
+            "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, dp_size
+        )
+        self.itl = PerReplicaHistogram(
+            "inter_token_latency_seconds", "Time between output chunks per token.", ITL_BUCKETS, dp_size
+        )
+        self.e2e = PerReplicaHistogram(
+            "e2e_request_latency_seconds", "Request latency end to end.", LATENCY_BUCKETS, dp_size
+        )
+        self.queue_time = PerReplicaHistogram(
             "queue_time_seconds",
             "Time in the scheduler's waiting queue before the first prefill.",
             LATENCY_BUCKETS,
+            dp_size,
         )
 
-    def on_first_token(self, ttft: float, queue_time: float | None) -> None:
-        self.ttft.observe(ttft)
+    def on_first_token(self, ttft: float, queue_time: float | None, dp_rank: int | None = None) -> None:
+        self.ttft.observe(ttft, dp_rank)
         if queue_time is not None:
-            self.queue_time.observe(queue_time)
+            self.queue_time.observe(queue_time, dp_rank)
 
     def on_tokens(self, num_new_tokens: int, interval: float | None, dp_rank: int | None = None) -> None:
         self.generation_tokens.add(num_new_tokens, dp_rank)
         if interval is not None and num_new_tokens > 0:
             per_token = interval / num_new_tokens
             for _ in range(num_new_tokens):
-                self.itl.observe(per_token)
+                self.itl.observe(per_token, dp_rank)
 
     def on_finish(
         self, prompt_tokens: int, cached_tokens: int, e2e: float, aborted: bool, dp_rank: int | None = None
@@ -165,7 +240,7 @@ class ServerMetrics:
         self.num_aborted.add(int(aborted), dp_rank)
         self.prompt_tokens.add(prompt_tokens, dp_rank)
         self.cached_tokens.add(cached_tokens, dp_rank)
-        self.e2e.observe(e2e)
+        self.e2e.observe(e2e, dp_rank)
         if self.prompt_tokens.value:
             self.cache_hit_rate.value = self.cached_tokens.value / self.prompt_tokens.value
 
@@ -185,17 +260,29 @@ class ServerMetrics:
         self.num_queued.value = num_queued
         self.token_usage.value = min(1.0, tokens_in_flight / self.max_total_num_tokens)
 
+    def set_replica_loads(self, loads: list[dict[str, int]]) -> None:
+        """The replicas' /get_load entries (dp_rank, num_reqs, num_waiting_reqs, num_tokens)."""
+        pool = self.max_total_num_tokens / self.dp_size
+        for load in loads:
+            d = _replica(load["dp_rank"], self.dp_size)
+            self.replica_running.values[d] = load["num_reqs"] - load["num_waiting_reqs"]
+            self.replica_queued.values[d] = load["num_waiting_reqs"]
+            self.replica_usage.values[d] = min(1.0, load["num_tokens"] / pool)
+
     def render(self) -> str:
-        parts: list[Scalar | PerReplicaCounter | Histogram] = [
+        gauges = (
+            [self.num_running, self.num_queued, self.token_usage]
+            if self.dp_size == 1
+            else [self.replica_running, self.replica_queued, self.replica_usage]
+        )
+        parts: list[Scalar | PerReplicaCounter | PerReplicaGauge | PerReplicaHistogram] = [
             self.num_requests,
             self.num_aborted,
             self.prompt_tokens,
             self.generation_tokens,
             self.cached_tokens,
             self.cache_hit_rate,
-            self.num_running,
-            self.num_queued,
-            self.token_usage,
+            *gauges,
             self.ttft,
             self.itl,
             self.e2e,
