@@ -16,42 +16,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+from peers.process import ServerProcess, free_port
 
 from radixserve.bench_serving import main as bench_serving
-from radixserve.utils.network import get_free_port
 
 
 @contextlib.contextmanager
 def server(model: str, flags: list[str]) -> Iterator[str]:
-    port = get_free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--model-path", model, "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *flags, "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {flags}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+    log = Path(tempfile.gettempdir()) / f"bench_data_parallel_{port}.log"
+    with ServerProcess("radixserve", [*cmd, *flags, "--log-level", "warning"], log, url) as proc:
+        proc.wait_healthy(600)
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def cache_counters(url: str) -> tuple[int, int]:
