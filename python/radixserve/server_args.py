@@ -246,13 +246,15 @@ class ServerArgs:
     speculative_algorithm: str | None = _f(
         None,
         "Speculative decoding: NGRAM drafts from n-grams of each request's own prompt and output (no "
-        "draft model); STANDALONE drafts with a draft model (here: the target's first "
-        "--speculative-draft-layers layers, self-speculation). EAGLE / EAGLE3 and separate draft "
-        "models are refused at start: not implemented yet.",
+        "draft model); STANDALONE drafts with a separate draft model (--speculative-draft-model-path) "
+        "or with the target's first --speculative-draft-layers layers (self-speculation). EAGLE / "
+        "EAGLE3 are refused at start: not implemented yet.",
         choices=SPECULATIVE_ALGORITHMS,
     )
     speculative_draft_model_path: str | None = _f(
-        None, "Draft model folder (STANDALONE / EAGLE). Not implemented yet: refused at start."
+        None,
+        "STANDALONE: the draft model's folder (a smaller model with the target's tokenizer; its own KV "
+        "pool with the target's slots). EAGLE heads are not implemented yet.",
     )
     speculative_draft_layers: int | None = _f(
         None,
@@ -510,12 +512,17 @@ class ServerArgs:
                 f"--speculative-algorithm {algo} is not implemented yet (EAGLE heads); use NGRAM or "
                 "STANDALONE with --speculative-draft-layers (docs/speculative_decoding.md)"
             )
-        if algo == "STANDALONE" and (self.speculative_draft_model_path or not self.speculative_draft_layers):
-            raise ValueError(
-                "--speculative-algorithm STANDALONE: a separate draft model (--speculative-draft-model-path) "
-                "is not implemented yet; use --speculative-draft-layers N (the target's first N layers "
-                "as the draft)"
-            )
+        if algo == "STANDALONE":
+            if bool(self.speculative_draft_model_path) == bool(self.speculative_draft_layers):
+                raise ValueError(
+                    "--speculative-algorithm STANDALONE takes a draft: either --speculative-draft-model-path "
+                    "(a separate model with the target's tokenizer) or --speculative-draft-layers N (the "
+                    "target's first N layers), not both"
+                )
+            if self.speculative_draft_model_path and self.tp_size > 1:
+                raise ValueError(
+                    "--speculative-draft-model-path runs with --tp-size 1 for now (the draft model is not sharded)"
+                )
         if algo == "NGRAM" and self.speculative_draft_layers:
             raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
         if self.speculative_eagle_topk not in (None, 1):

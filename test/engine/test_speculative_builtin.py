@@ -91,3 +91,22 @@ def test_builtin_ngram_and_self_speculation_are_exact(builtin):
         worker.draft = None
     assert self_spec == plain
     assert stats.spec_num_accepted > 0
+
+
+def test_builtin_with_a_draft_model_is_exact(builtin):
+    """STANDALONE with a separate draft model: the built-in model drafts for itself (no smaller
+    model with its tokenizer ships offline), so nearly every draft must be accepted (its own KV
+    pool follows the target's) and the output is the plain one."""
+    from radixserve.speculative.draft_model import DraftModel
+
+    worker, args, prompts = builtin
+    plain, _ = _run(worker, args, prompts)
+    worker.draft = DraftModel(worker.model_runner, ModelConfig.from_path(args.model_path), args)
+    try:
+        drafted, stats = _run(
+            worker, args, prompts, speculative_algorithm="STANDALONE", speculative_num_draft_tokens=4, **SPEC
+        )
+    finally:
+        worker.draft = None
+    assert drafted == plain
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted / stats.spec_num_drafts > 0.9

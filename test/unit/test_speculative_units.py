@@ -201,10 +201,23 @@ def test_flags_resolve_and_refuse():
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", enable_overlap_schedule=True).resolve()
     with pytest.raises(ValueError, match="not implemented yet"):
         ServerArgs(device="cpu", speculative_algorithm="EAGLE").resolve()
-    with pytest.raises(ValueError, match="speculative-draft-layers"):
+    with pytest.raises(ValueError, match="takes a draft"):
+        ServerArgs(device="cpu", speculative_algorithm="STANDALONE").resolve()
+    with pytest.raises(ValueError, match="not both"):
         ServerArgs(
-            device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path="/x"
+            device="cpu",
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path="/x",
+            speculative_draft_layers=2,
         ).resolve()
+    with pytest.raises(ValueError, match="tp-size 1"):
+        ServerArgs(
+            device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path="/x", tp_size=2
+        ).resolve()
+    drafted = ServerArgs(
+        device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path="/x"
+    ).resolve()
+    assert drafted.speculative_num_draft_tokens == 4
     standalone = ServerArgs(
         device="cpu", speculative_algorithm="STANDALONE", speculative_draft_layers=6
     ).resolve()

@@ -10,6 +10,7 @@ from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.draft_model import DraftModel
 from radixserve.speculative.layer_skip_draft import LayerSkipDraft
 from radixserve.speculative.verify import accept_drafts
 from radixserve.utils.process import bound_onednn_caches
@@ -34,10 +35,15 @@ class TpModelWorker:
         self.max_context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
         self.device = runner.device
-        # Self-speculation (STANDALONE with --speculative-draft-layers): drafts for verify steps.
-        self.draft = None
-        if server_args.speculative_algorithm == "STANDALONE" and server_args.speculative_draft_layers:
-            self.draft = LayerSkipDraft(runner, server_args.speculative_draft_layers)
+        # STANDALONE: drafts for verify steps from a separate draft model with its own KV pool, or
+        # from the target's own first layers (self-speculation).
+        self.draft: LayerSkipDraft | DraftModel | None = None
+        if server_args.speculative_algorithm == "STANDALONE":
+            if server_args.speculative_draft_model_path:
+                self.draft = DraftModel.from_server_args(runner, server_args)
+            else:
+                assert server_args.speculative_draft_layers, "ServerArgs validation requires one"
+                self.draft = LayerSkipDraft(runner, server_args.speculative_draft_layers)
         self.is_generation = model_config.is_generation
         self.embedding_config = runner.embedding_config
         # Encoders attend bidirectionally: a token's KV depends on later tokens, so none is shared.
@@ -58,8 +64,11 @@ class TpModelWorker:
         proxy = None
         if self.stage_link is not None and self.stage_link.prev is not None:
             proxy = self.stage_link.recv_hidden(int(batch.input_ids.shape[0]))
-        if self.draft is not None and batch.forward_mode.is_target_verify():
-            self.draft.fill_drafts(batch)
+        if self.draft is not None:
+            if batch.forward_mode.is_target_verify():
+                self.draft.fill_drafts(batch)
+            else:  # the draft's own KV pool follows every token the target sees
+                self.draft.shadow(batch)
         fb, out = self.model_runner.forward(batch, proxy)
         if isinstance(out, PPProxyTensors):
             assert self.stage_link is not None

@@ -14,6 +14,7 @@ previous drafts over the cached KV), then the usual verify forward of the target
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,25 +41,12 @@ class LayerSkipDraft:
 
     @torch.inference_mode()
     def fill_drafts(self, batch: ModelWorkerBatch) -> None:
-        """Replace the placeholder drafts of a TARGET_VERIFY batch (rows 1..k of each request) by
-        the draft model's greedy tokens, in place on batch.input_ids."""
-        assert batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None
-        lens, prefix = batch.extend_seq_lens, batch.extend_prefix_lens
-        starts = list(itertools.accumulate(lens, initial=0))  # first row of each request
-        input_ids = batch.input_ids.clone()  # [num_tokens]
-        for step in range(max(lens) - 1):
-            rows = [b for b, n in enumerate(lens) if n - 1 > step]  # requests with a draft here
-            at = [starts[b] + step for b in rows]  # this step's input token and KV slot per request
-            step_batch = ModelWorkerBatch(
-                forward_mode=ForwardMode.DECODE,
-                input_ids=input_ids[at],
-                req_pool_indices=batch.req_pool_indices[rows],
-                seq_lens=torch.tensor([prefix[b] + step + 1 for b in rows], dtype=torch.int64),
-                out_cache_loc=batch.out_cache_loc[at],
-                sampling_info=None,
-            )
-            input_ids[[i + 1 for i in at]] = self._next_tokens(step_batch)
-        batch.input_ids = input_ids
+        # The verify forward writes every layer of every row into the shared pool: the draft
+        # need not write the last draft's K/V.
+        fill_chain_drafts(batch, self._next_tokens, write_every_row=False)
+
+    def shadow(self, batch: ModelWorkerBatch) -> None:
+        """Nothing to do: the target's forward writes the draft's layers (they are its own)."""
 
     def _next_tokens(self, batch: ModelWorkerBatch) -> torch.Tensor:
         r = self.runner
@@ -68,3 +56,37 @@ class LayerSkipDraft:
             hidden, residual = layer(fb.positions, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden).float().argmax(dim=-1).cpu()  # [bs]
+
+
+def fill_chain_drafts(
+    batch: ModelWorkerBatch,
+    next_tokens: Callable[[ModelWorkerBatch], torch.Tensor],
+    write_every_row: bool,
+) -> None:
+    """Replace the placeholder drafts of a TARGET_VERIFY batch (rows 1..k of each request) by a
+    draft model's greedy tokens, in place on batch.input_ids: decode step j feeds each request's
+    row j (the last accepted token, then its drafts) into `next_tokens`, which writes that row's
+    draft K/V into the row's slot and returns the next token per request. `write_every_row` runs
+    one more step so the last draft's K/V is written too (a draft with its own pool needs it when
+    every draft is accepted); a request without drafts (one row) then still gets its row's K/V."""
+    assert batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None
+    lens, prefix = batch.extend_seq_lens, batch.extend_prefix_lens
+    rows_written = list(lens) if write_every_row else [n - 1 for n in lens]
+    starts = list(itertools.accumulate(lens, initial=0))  # first row of each request
+    input_ids = batch.input_ids.clone()  # [num_tokens]
+    for step in range(max(rows_written, default=0)):
+        rows = [b for b, n in enumerate(rows_written) if n > step]  # requests with a row here
+        at = [starts[b] + step for b in rows]  # this step's input token and KV slot per request
+        step_batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=input_ids[at],
+            req_pool_indices=batch.req_pool_indices[rows],
+            seq_lens=torch.tensor([prefix[b] + step + 1 for b in rows], dtype=torch.int64),
+            out_cache_loc=batch.out_cache_loc[at],
+            sampling_info=None,
+        )
+        tokens = next_tokens(step_batch)  # [len(rows)]
+        keep = [i for i, b in enumerate(rows) if step + 1 < lens[b]]  # the next row is a draft
+        if keep:
+            input_ids[[at[i] + 1 for i in keep]] = tokens[keep]
+    batch.input_ids = input_ids

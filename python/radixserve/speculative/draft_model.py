@@ -1,0 +1,116 @@
+"""STANDALONE with `--speculative-draft-model-path`: a separate, smaller model that shares the
+target's tokenizer drafts the tokens a verify step checks. Runs in the model worker.
+
+The draft has its own KV pool with the same slots as the target's: a token's slot index (the
+request's req_to_token row, shared with the target) addresses its K/V in both pools, so the
+allocator, the radix cache, retraction and freeing need to know nothing of the draft. Keeping the
+draft's pool in step is the price:
+
+- every forward the target runs without drafts (prefill chunks, mixed and plain decode batches)
+  runs through the draft's layers on the same batch (`shadow`), which writes the draft's K/V of
+  the same tokens into the same slots;
+- a verify step drafts k tokens with k single-token decodes of the draft and one more decode of
+  the last draft (`fill_chain_drafts(..., write_every_row=True)`): every row of the verify batch
+  then has the draft's K/V, whichever of them the target accepts. Rejected rows' slots are freed
+  by the target and later overwritten in both pools.
+
+A radix-cache hit therefore finds the draft's K/V of the prefix where the target's is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.distributed.model_parallel import ModelParallelism
+from radixserve.layers.linear import prepare_cpu_linears
+from radixserve.layers.vocab_parallel import make_lm_head
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool
+from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.model_executor.model_runner import create_attention_backend
+from radixserve.model_loader.loader import load_model
+from radixserve.speculative.layer_skip_draft import fill_chain_drafts
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModel:
+    def __init__(self, target: ModelRunner, config: ModelConfig, server_args: ServerArgs) -> None:
+        target_config = target.model_config
+        if config.vocab_size != target_config.vocab_size:
+            raise ValueError(
+                f"The draft model's vocabulary ({config.vocab_size} tokens) differs from the target's "
+                f"({target_config.vocab_size}): --speculative-draft-model-path needs a model with the "
+                "target's tokenizer"
+            )
+        start = time.perf_counter()
+        self.model = load_model(config, server_args.load_format, target.device, parallel=ModelParallelism())
+        self.lm_head = make_lm_head(self.model.lm_head_weight, config.vocab_size, ModelParallelism().tp)
+        if target.device.type == "cpu" and config.dtype == torch.float32:
+            prepare_cpu_linears(
+                [self.model, self.lm_head], fp16=False, prepack=not server_args.disable_cpu_weight_prepack
+            )
+        self.req_to_token_pool = target.req_to_token_pool
+        self.kv_pool = MHATokenToKVPool(
+            target.max_total_num_tokens,
+            target.page_size,
+            config.dtype,
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            target.device,
+        )
+        # Its own backend instance: a backend keeps the metadata of the forward it was set up for.
+        self.attn_backend = create_attention_backend(
+            server_args.attention_backend or "torch_native", target.device
+        )
+        self.device = target.device
+        logger.info(
+            "Draft model loaded in %.1f s (%s, %d layers; KV pool %.2f GiB, the target's %d slots)",
+            time.perf_counter() - start,
+            config.architecture,
+            config.num_layers,
+            target.max_total_num_tokens
+            * MHATokenToKVPool.kv_bytes_per_token(
+                config.num_layers, config.num_kv_heads, config.head_dim, config.dtype
+            )
+            / 2**30,
+            target.max_total_num_tokens,
+        )
+
+    @classmethod
+    def from_server_args(cls, target: ModelRunner, server_args: ServerArgs) -> DraftModel:
+        assert server_args.speculative_draft_model_path is not None
+        config = ModelConfig.from_path(
+            server_args.speculative_draft_model_path,
+            server_args.context_length,
+            server_args.dtype,
+            server_args.device or "cpu",
+        )
+        return cls(target, config, server_args)
+
+    def _forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        fb = ForwardBatch.init_new(
+            batch, self.req_to_token_pool, self.kv_pool, self.attn_backend, self.device
+        )
+        return self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+
+    @torch.inference_mode()
+    def shadow(self, batch: ModelWorkerBatch) -> None:
+        """Write the draft's K/V of a batch the target runs without drafts."""
+        self._forward(batch)
+
+    @torch.inference_mode()
+    def fill_drafts(self, batch: ModelWorkerBatch) -> None:
+        fill_chain_drafts(batch, self._next_tokens, write_every_row=True)
+
+    def _next_tokens(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        return self.lm_head(self._forward(batch)).float().argmax(dim=-1).cpu()  # [bs]
