@@ -253,16 +253,23 @@ def test_self_speculation_is_exact(backend, page_size, workers, make_run):
 
     reference = _plain(make_run, backend, page_size)
     worker, _ = workers.get("llama", backend, page_size)
-    worker.draft = LayerSkipDraft(worker.model_runner, STANDALONE["speculative_draft_layers"])
+    draft = LayerSkipDraft(worker.model_runner, STANDALONE["speculative_draft_layers"])
+    outputs, stats = _drafted(make_run, worker, draft, backend, page_size, STANDALONE)
+    assert outputs == reference
+    assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
+
+
+def _drafted(make_run, worker, draft, backend: str, page_size: int, spec: dict) -> tuple[dict, object]:
+    """WORKLOAD through a run whose worker drafts with `draft`: its outputs and scheduler stats."""
+    worker.draft = draft
     try:
-        run = make_run(backend, page_size, **STANDALONE)
+        run = make_run(backend, page_size, **spec)
         for rid, prompt, n in WORKLOAD:
             run.submit(rid, prompt, n)
         run.run_until_idle()
-        assert run.outputs == reference
-        stats = run.scheduler.output.stats
-        assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
+        outputs, stats = dict(run.outputs), run.scheduler.output.stats
         run.close()
+        return outputs, stats
     finally:
         worker.draft = None
 
@@ -293,17 +300,14 @@ DRAFT_MODEL = {
 
 
 def _with_draft_model(workers, make_run, tiny_model_dir, backend: str, page_size: int, draft_kind: str):
-    """A run whose worker drafts with the tiny `draft_kind` model (its own KV pool)."""
+    """WORKLOAD drafted by the tiny `draft_kind` model (its own KV pool): outputs and stats."""
     from radixserve.configs.model_config import ModelConfig
     from radixserve.speculative.draft_model import DraftModel
 
     worker, args = workers.get("llama", backend, page_size)
     config = ModelConfig.from_path(str(tiny_model_dir(draft_kind)), dtype="float32")
-    worker.draft = DraftModel(worker.model_runner, config, args)
-    run = make_run(backend, page_size, **DRAFT_MODEL)
-    for rid, prompt, n in WORKLOAD:
-        run.submit(rid, prompt, n)
-    return worker, run
+    draft = DraftModel(worker.model_runner, config, args)
+    return _drafted(make_run, worker, draft, backend, page_size, DRAFT_MODEL)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -312,15 +316,9 @@ def test_draft_model_is_exact(backend, page_size, workers, make_run, tiny_model_
     """STANDALONE with a separate draft model (tiny Qwen2, another architecture with the target's
     vocabulary): the output is the plain one, radix hits included, and no slot leaks."""
     reference = _plain(make_run, backend, page_size)
-    worker, run = _with_draft_model(workers, make_run, tiny_model_dir, backend, page_size, "qwen2")
-    try:
-        run.run_until_idle()
-        assert run.outputs == reference
-        stats = run.scheduler.output.stats
-        assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
-        run.close()
-    finally:
-        worker.draft = None
+    outputs, stats = _with_draft_model(workers, make_run, tiny_model_dir, backend, page_size, "qwen2")
+    assert outputs == reference
+    assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
 
 
 def test_draft_model_kv_follows_the_target(workers, make_run, tiny_model_dir):
@@ -329,18 +327,12 @@ def test_draft_model_kv_follows_the_target(workers, make_run, tiny_model_dir):
     decodes, every verify row), so nearly every draft is accepted. A missing or stale K/V anywhere
     makes the two models' next tokens part, and acceptance falls."""
     reference = _plain(make_run, "cpu", 16)
-    worker, run = _with_draft_model(workers, make_run, tiny_model_dir, "cpu", 16, "llama")
-    try:
-        run.run_until_idle()
-        assert run.outputs == reference
-        stats = run.scheduler.output.stats
-        assert stats.spec_num_drafts > 100
-        # Not exactly 1: a verify forward (extend kernel) and a draft decode may round the same
-        # logits differently, and a near-tie can then pick another argmax.
-        assert stats.spec_num_accepted / stats.spec_num_drafts > 0.95, vars(stats)
-        run.close()
-    finally:
-        worker.draft = None
+    outputs, stats = _with_draft_model(workers, make_run, tiny_model_dir, "cpu", 16, "llama")
+    assert outputs == reference
+    assert stats.spec_num_drafts > 100
+    # Not exactly 1: a verify forward (extend kernel) and a draft decode may round the same
+    # logits differently, and a near-tie can then pick another argmax.
+    assert stats.spec_num_accepted / stats.spec_num_drafts > 0.95, vars(stats)
 
 
 def test_draft_model_with_another_vocabulary_is_refused(workers, tiny_model_dir):

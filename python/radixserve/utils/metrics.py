@@ -100,12 +100,13 @@ class Scalar:
 
 @dataclass
 class PerReplicaCounter:
-    """A counter with one series per data-parallel replica (label `dp_rank`), as SGLang labels
-    its scheduler metrics with --dp-size > 1."""
+    """A counter (or gauge) with one series per data-parallel replica (label `dp_rank`) when
+    dp_size > 1, as SGLang labels its scheduler metrics with --dp-size > 1."""
 
     name: str
     help: str
     dp_size: int
+    kind: str = "counter"
     values: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -120,28 +121,9 @@ class PerReplicaCounter:
 
     def render(self) -> list[str]:
         name = f"{PREFIX}:{self.name}"
-        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} counter"]
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} {self.kind}"]
         if self.dp_size == 1:
             return [*lines, f"{name} {_fmt(self.values[0])}"]
-        return lines + [f'{name}{{dp_rank="{d}"}} {_fmt(v)}' for d, v in enumerate(self.values)]
-
-
-@dataclass
-class PerReplicaGauge:
-    """A gauge with one series per data-parallel replica (label `dp_rank`), set from the
-    replicas' own load reports: with dp_size > 1 only the replica knows its queue."""
-
-    name: str
-    help: str
-    dp_size: int
-    values: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.values = [0.0] * self.dp_size
-
-    def render(self) -> list[str]:
-        name = f"{PREFIX}:{self.name}"
-        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} gauge"]
         return lines + [f'{name}{{dp_rank="{d}"}} {_fmt(v)}' for d, v in enumerate(self.values)]
 
 
@@ -200,10 +182,15 @@ class ServerMetrics:
         self.cache_hit_rate = Scalar("cache_hit_rate", "cached_tokens_total / prompt_tokens_total.", "gauge")
         # With several replicas the TokenizerManager cannot tell which replica queues a request
         # before its first token, so the load gauges come from the replicas themselves.
-        self.replica_running = PerReplicaGauge("num_running_reqs", self.num_running.help, dp_size)
-        self.replica_queued = PerReplicaGauge("num_queue_reqs", "Requests in the waiting queue.", dp_size)
-        self.replica_usage = PerReplicaGauge(
-            "token_usage", "KV tokens held by requests and waiting prompts / the replica's pool.", dp_size
+        self.replica_running = PerReplicaCounter("num_running_reqs", self.num_running.help, dp_size, "gauge")
+        self.replica_queued = PerReplicaCounter(
+            "num_queue_reqs", "Requests in the waiting queue.", dp_size, "gauge"
+        )
+        self.replica_usage = PerReplicaCounter(
+            "token_usage",
+            "KV tokens held by requests and waiting prompts / the replica's pool.",
+            dp_size,
+            "gauge",
         )
         self.ttft = PerReplicaHistogram(
             "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, dp_size
@@ -275,7 +262,7 @@ class ServerMetrics:
             if self.dp_size == 1
             else [self.replica_running, self.replica_queued, self.replica_usage]
         )
-        parts: list[Scalar | PerReplicaCounter | PerReplicaGauge | PerReplicaHistogram] = [
+        parts: list[Scalar | PerReplicaCounter | PerReplicaHistogram] = [
             self.num_requests,
             self.num_aborted,
             self.prompt_tokens,
