@@ -131,3 +131,21 @@ def test_input_blocker_holds_requests_on_every_rank_until_unblock(tiny_model_dir
         send(BlockReqInput(BlockReqType.UNBLOCK))
         worker.join(timeout=60)
         assert done and done[0]["meta_info"]["completion_tokens"] == 4
+
+
+@pytest.mark.timeout(300)
+def test_ngram_speculation_at_tp2_matches_one_rank(tiny_model_dir):
+    """Every TP rank drafts from the same history and verifies against the same gathered logits,
+    so the ranks accept the same drafts: TP=2 with NGRAM gives the single rank's greedy tokens."""
+    rng = random.Random(11)
+    phrase = [rng.randrange(3, TINY_VOCAB) for _ in range(12)]
+    prompts = [phrase * 4 + [rng.randrange(3, TINY_VOCAB)] for _ in range(3)]  # copy-heavy
+    params = {"max_new_tokens": 40, "temperature": 0}
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
+    path = tiny_model_dir("llama")
+    with Engine(model_path=path, **ARGS) as engine:
+        plain = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_path=path, tp_size=2, **spec, **ARGS) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == plain
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
