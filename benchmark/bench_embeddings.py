@@ -36,18 +36,9 @@ WORDS = "the quick brown fox jumps over lazy dog capital of France is Paris one 
 
 
 def make_model(path: Path) -> None:
-    from transformers import BertConfig, BertModel
+    from radixserve.testing.tiny_embedding_models import make_tiny_embedding_model
 
-    from radixserve.testing.tiny_embedding_models import _write_sentence_transformers, _write_tokenizer
-
-    config = BertConfig(architectures=["BertModel"], vocab_size=384, type_vocab_size=2, **SHAPE)
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path, "bert")
-    _write_sentence_transformers(path, "bert")
-    pooling = json.loads((path / "1_Pooling" / "config.json").read_text())
-    pooling["word_embedding_dimension"] = SHAPE["hidden_size"]
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    make_tiny_embedding_model("bert", path, overrides=SHAPE)
 
 
 def make_inputs(path: Path, n: int, tokens: int) -> tuple[list[str], list[list[int]]]:
