@@ -43,8 +43,11 @@ def urls(tiny_embedding_dir):
         "cross": Server.real(tiny_embedding_dir("bert_cls")),
         "cls": Server.real(tiny_embedding_dir("qwen2_cls")),
         "reranker": Server.real(tiny_embedding_dir("qwen3_reranker")),
-        "xlmr": Server.real(tiny_embedding_dir("xlmr")),
-        "xlmr_cross": Server.real(tiny_embedding_dir("xlmr_cls"), "--page-size", "16"),
+        # Small pools: six servers start at once, and each would take a share of free RAM.
+        "xlmr": Server.real(tiny_embedding_dir("xlmr"), "--max-total-tokens", "4096"),
+        "xlmr_cross": Server.real(
+            tiny_embedding_dir("xlmr_cls"), "--page-size", "16", "--max-total-tokens", "4096"
+        ),
     }
     try:
         yield {k: s.url for k, s in start_servers(started).items()}
