@@ -2,7 +2,8 @@
 one run (docs/benchmarks.md, "Embeddings").
 
 A random-weight BERT of bge-small's shape (384 hidden, 12 layers, 12 heads, 1536 intermediate,
-CLS pooling, normalised) is written to a temp folder with the tiny test tokenizer; every input is
+CLS pooling, normalised) is written to a temp folder with the tiny test tokenizer (or, with
+--model builtin, the built-in SmolLM2-135M is served with --is-embedding, last-token pooling); every input is
 cut to exactly --tokens tokens by the tokenizer, and radixserve gets those very token ids.
 sentence-transformers runs in this process (torch's default threads); the Engine's scheduler
 process does its math while this process waits. After one warm-up pass each, the two alternate
@@ -10,12 +11,14 @@ for --repeats rounds (the shared machine's speed drifts) and the median of each 
 
     python benchmark/bench_embeddings.py                 # 64 x 256 tokens, 3 repeats
     python benchmark/bench_embeddings.py --inputs 128 --tokens 128
+    python benchmark/bench_embeddings.py --model builtin --inputs 256 --tokens 16   # many short
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -35,19 +38,27 @@ SHAPE = {  # BAAI/bge-small-en-v1.5's shape
 WORDS = "the quick brown fox jumps over lazy dog capital of France is Paris one two three four five".split()
 
 
-def make_model(path: Path) -> None:
-    from transformers import BertConfig, BertModel
+def make_model(path: Path, model: str) -> dict[str, Any]:
+    """Write the --model checkpoint to `path`; the Engine arguments it is served with."""
+    from radixserve.testing.tiny_embedding_models import (
+        make_tiny_embedding_model,
+        write_sentence_transformers_files,
+    )
 
-    from radixserve.testing.tiny_embedding_models import _write_sentence_transformers, _write_tokenizer
+    if model == "bge-small":
+        make_tiny_embedding_model("bert", path, overrides=SHAPE)
+        return {}
+    # The built-in SmolLM2-135M as a Qwen3-Embedding-style model: last-token pooling, normalised
+    # (its files linked, plus sentence-transformers' so that `encode` pools the same way).
+    from radixserve.model_loader.default_model import ensure_default_model
 
-    config = BertConfig(architectures=["BertModel"], vocab_size=384, type_vocab_size=2, **SHAPE)
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path, "bert")
-    _write_sentence_transformers(path, "bert")
-    pooling = json.loads((path / "1_Pooling" / "config.json").read_text())
-    pooling["word_embedding_dimension"] = SHAPE["hidden_size"]
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    src = Path(ensure_default_model(show_progress=False))
+    path.mkdir(parents=True)
+    for f in src.iterdir():
+        (path / f.name).symlink_to(f)
+    hidden = json.loads((src / "config.json").read_text())["hidden_size"]
+    write_sentence_transformers_files(path, "lasttoken", True, hidden)
+    return {"is_embedding": True}
 
 
 def make_inputs(path: Path, n: int, tokens: int) -> tuple[list[str], list[list[int]]]:
@@ -79,6 +90,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--model",
+        choices=["bge-small", "builtin"],
+        default="bge-small",
+        help="a random BERT of bge-small's shape (CLS), or the built-in SmolLM2-135M with "
+        "--is-embedding (last token)",
+    )
     parser.add_argument("--inputs", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -96,9 +114,10 @@ def main() -> None:
 
     from radixserve import Engine
 
+    load_start = f"{os.getloadavg()[0]:.1f}"
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "bert-small"
-        make_model(path)
+        path = Path(tmp) / "model"
+        model_args = make_model(path, args.model)
         texts, ids = make_inputs(path, args.inputs, args.tokens)
         total = args.inputs * args.tokens
         st = SentenceTransformer(str(path), device="cpu")
@@ -109,6 +128,7 @@ def main() -> None:
         base = {
             "max_total_tokens": max(4 * total, 8192),
             "log_level": "warning",
+            **model_args,
             **json.loads(args.engine_args),
         }
         engines = [Engine(model_path=str(path), **base, **extra) for _, extra in variants]
@@ -125,8 +145,14 @@ def main() -> None:
             cos = torch.nn.functional.cosine_similarity(torch.tensor(out), ref, dim=-1).min().item()
             rows.append((name, t, cos))
         st_s = times[0]
+        shape = (
+            "bge-small shape (BERT, CLS)"
+            if args.model == "bge-small"
+            else "built-in SmolLM2-135M (last token)"
+        )
         print(
-            f"{args.inputs} inputs x {args.tokens} tokens, bge-small shape (BERT, CLS), torch threads {torch.get_num_threads()}"
+            f"{args.inputs} inputs x {args.tokens} tokens, {shape}, torch threads {torch.get_num_threads()}, "
+            f"load average {load_start} at the start, {os.getloadavg()[0]:.1f} at the end"
         )
         print(f"{'':32s} {'seconds':>8s} {'inputs/s':>9s} {'tokens/s':>9s} {'vs ST':>6s} {'min cos':>9s}")
         for name, sec, cos in rows:

@@ -52,8 +52,8 @@ class ServerArgs:
         False,
         "Serve the model as an embedding model (/v1/embeddings, /encode) instead of a generation "
         "model: needed for decoders trained for embeddings (Qwen3-Embedding ships as "
-        "Qwen3ForCausalLM); *ForSequenceClassification and BertModel checkpoints are detected from "
-        "config.json without it.",
+        "Qwen3ForCausalLM); *ForSequenceClassification, BertModel and XLMRobertaModel checkpoints are "
+        "detected from config.json without it.",
     )
 
     # HTTP server

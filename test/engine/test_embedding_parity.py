@@ -17,8 +17,8 @@ TEXTS = [
     "Héllo 日本語 😀 STOP here.",
     "Hello world, the quick brown fox jumps over the lazy cat.",  # shares a prefix with the first
 ]
-EMBED_KINDS = ["qwen3_last", "llama_mean", "bert"]  # pooled embeddings (sentence-transformers files)
-CLASSIFIER_KINDS = ["llama_cls", "qwen2_cls", "bert_cls"]
+EMBED_KINDS = ["qwen3_last", "llama_mean", "bert", "xlmr"]  # pooled (sentence-transformers files)
+CLASSIFIER_KINDS = ["llama_cls", "qwen2_cls", "bert_cls", "xlmr_cls"]
 NEEDS_FLAG = {"qwen3_last", "llama_mean"}  # decoders shipped as *ForCausalLM: --is-embedding
 TOL = 1e-4
 
@@ -36,6 +36,8 @@ def hf_outputs(kind: str, path: str, inputs: list[list[int]], token_types: list 
             outs.append(F.normalize(out.last_hidden_state[0, -1], dim=-1))
         elif kind == "llama_mean":
             outs.append(out.last_hidden_state[0].mean(0))
+        elif kind == "xlmr":  # multilingual-e5 style: mean pooling, normalised
+            outs.append(F.normalize(out.last_hidden_state[0].mean(0), dim=-1))
         elif kind == "bert":
             outs.append(F.normalize(out.last_hidden_state[0, 0], dim=-1))
         else:
@@ -93,7 +95,7 @@ def test_batched_single_and_radix_hits_match_hf(tiny_embedding_dir, kind, page_s
         sched.close()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_last", "llama_mean", "bert"])
+@pytest.mark.parametrize("kind", ["qwen3_last", "llama_mean", "bert", "xlmr"])
 def test_long_prompts_chunked_or_whole_match_hf(tiny_embedding_dir, kind):
     """Chunked prefill on: a last-token prompt is computed in chunks; a mean/CLS one runs whole."""
     path = tiny_embedding_dir(kind)
@@ -150,6 +152,62 @@ def test_bert_pairs_with_token_type_ids_match_hf(tiny_embedding_dir):
         sched.submit_embedding("no_types", ids[0])
         res = sched.run_until_idle()
         assert (torch.tensor(res["no_types"].embedding) - refs[0]).abs().max() > 1e-3
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("kind", ["xlmr", "xlmr_cls"])
+def test_xlm_roberta_positions_match_hf(tiny_embedding_dir, kind):
+    """XLM-R numbers positions from pad_token_id + 1 and gives padding tokens pad_token_id: inputs
+    with the pad id inside them, and one of exactly the context length (the last position row),
+    batched with short ones, equal HF's."""
+    from radixserve.configs.model_config import ModelConfig
+
+    path = tiny_embedding_dir(kind)
+    config = ModelConfig.from_path(path)
+    pad = config.hf_config.pad_token_id
+    assert config.context_len == config.hf_config.max_position_embeddings - pad - 1
+    base = tokenize(path)[0]
+    padded = [base[:3] + [pad, pad] + base[3:], [pad] + base + [pad]]
+    longest = [(13 * i + 5) % 300 + 3 for i in range(config.context_len)]
+    inputs = [*padded, longest, base]
+    refs = hf_outputs(kind, path, inputs)
+    sched = make_scheduler(path, kind, max_total_tokens=2048)
+    try:
+        for i, ids in enumerate(inputs):
+            sched.submit_embedding(f"x{i}", ids)
+        res = sched.run_until_idle()
+        for i, ref in enumerate(refs):
+            assert_close(res[f"x{i}"].embedding, ref)
+    finally:
+        sched.close()
+
+
+def test_xlm_roberta_pairs_take_one_segment(tiny_embedding_dir):
+    """A cross-encoder pair is "<s> A </s></s> B </s>", all segment 0 (one token type). Segment
+    ids 1 on the second half (a tokenizer that labels pairs BERT-style) do not index past the
+    one-row token-type table: the logits equal HF's for the pair without segment ids."""
+    from transformers import AutoTokenizer
+
+    path = tiny_embedding_dir("xlmr_cls")
+    tok = AutoTokenizer.from_pretrained(path)
+    pairs = [tok(TEXTS[0], t) for t in TEXTS[1:]]
+    assert all("token_type_ids" not in p for p in pairs)
+    ids = [p["input_ids"] for p in pairs]
+    sep = tok.convert_tokens_to_ids("<|im_end|>")
+    assert all(x.count(sep) == 3 for x in ids)  # "</s></s>" between the two texts
+    refs = hf_outputs("xlmr_cls", path, ids)
+    sched = make_scheduler(path, "xlmr_cls")
+    try:
+        for i, x in enumerate(ids):
+            half = x.index(sep) + 1
+            sched.submit_embedding(f"p{i}", x)
+            sched.submit_embedding(f"t{i}", x, token_type_ids=[0] * half + [1] * (len(x) - half))
+        res = sched.run_until_idle()
+        for i, ref in enumerate(refs):
+            assert_close(res[f"p{i}"].embedding, ref)
+            assert_close(res[f"t{i}"].embedding, ref)
+        assert sched.check_memory_leak() is None
     finally:
         sched.close()
 

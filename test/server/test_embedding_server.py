@@ -43,6 +43,11 @@ def urls(tiny_embedding_dir):
         "cross": Server.real(tiny_embedding_dir("bert_cls")),
         "cls": Server.real(tiny_embedding_dir("qwen2_cls")),
         "reranker": Server.real(tiny_embedding_dir("qwen3_reranker")),
+        # Small pools: six servers start at once, and each would take a share of free RAM.
+        "xlmr": Server.real(tiny_embedding_dir("xlmr"), "--max-total-tokens", "4096"),
+        "xlmr_cross": Server.real(
+            tiny_embedding_dir("xlmr_cls"), "--page-size", "16", "--max-total-tokens", "4096"
+        ),
     }
     try:
         yield {k: s.url for k, s in start_servers(started).items()}
@@ -135,6 +140,47 @@ def test_rerank_cross_encoder_orders_as_hf(urls, tiny_embedding_dir):
     ).json()
     assert [r["index"] for r in top] == [r["index"] for r in results[:2]]
     assert all(r["document"] is None for r in top)
+
+
+def test_xlm_roberta_embeddings_and_rerank_match_hf(urls, tiny_embedding_dir):
+    """XLMRobertaModel (multilingual-e5 style: mean pooling, normalised) through the OpenAI client
+    and XLMRobertaForSequenceClassification (a bge-reranker-style cross-encoder) through
+    /v1/rerank, against HF; the longest input the position table holds is served, one more is a
+    400 unless truncated."""
+    path = tiny_embedding_dir("xlmr")
+    tok, model = _tok(path), hf_reference("xlmr", path)
+
+    def ref(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return F.normalize(model(torch.tensor([ids])).last_hidden_state[0].mean(0), dim=-1)
+
+    resp = client(urls["xlmr"]).embeddings.create(model="default", input=TEXTS)
+    for d, text in zip(resp.data, TEXTS):
+        _close(d.embedding, ref(tok.encode(text)))
+    context = model.config.max_position_embeddings - model.config.pad_token_id - 1
+    long_ids = [(7 * i) % 300 + 3 for i in range(context + 1)]
+    err = assert_error(httpx.post(f"{urls['xlmr']}/v1/embeddings", json={"input": long_ids}, timeout=60), 400)
+    assert "truncate_prompt_tokens" in err["message"]
+    cut = httpx.post(
+        f"{urls['xlmr']}/v1/embeddings", json={"input": long_ids, "truncate_prompt_tokens": -1}, timeout=60
+    )
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == context
+    _close(cut.json()["data"][0]["embedding"], ref(long_ids[:context]))
+
+    path = tiny_embedding_dir("xlmr_cls")
+    tok, model = _tok(path), hf_reference("xlmr_cls", path)
+    query = "What is the capital of France?"
+    scores = []
+    for doc in DOCS:
+        with torch.no_grad():
+            scores.append(torch.sigmoid(model(**tok(query, doc, return_tensors="pt")).logits[0, 0]).item())
+    results = httpx.post(
+        f"{urls['xlmr_cross']}/v1/rerank", json={"query": query, "documents": DOCS}, timeout=60
+    ).json()
+    assert [r["index"] for r in results] == sorted(range(len(DOCS)), key=lambda i: -scores[i])
+    for r in results:
+        assert abs(r["score"] - scores[r["index"]]) < 1e-5 and r["document"] == DOCS[r["index"]]
 
 
 def _hf_next_logprobs(model, tok, text: str) -> torch.Tensor:

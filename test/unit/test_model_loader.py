@@ -91,6 +91,25 @@ def test_model_config_dtype_and_context_override(llama_dir: str, caplog: pytest.
         ModelConfig.from_path(llama_dir, dtype="int3")
 
 
+def test_encoder_context_length_is_its_position_table(tmp_path) -> None:
+    """A learned position table cannot extrapolate: XLM-R's rows start after pad_token_id (514 rows,
+    pad id 1: 512 tokens), and a --context-length past the table is refused at start-up instead of
+    failing in the first long forward."""
+    from transformers import BertConfig, XLMRobertaConfig
+
+    xlmr = XLMRobertaConfig(architectures=["XLMRobertaModel"], max_position_embeddings=514, pad_token_id=1)
+    xlmr.save_pretrained(tmp_path / "xlmr")
+    bert = BertConfig(architectures=["BertModel"], max_position_embeddings=512)
+    bert.save_pretrained(tmp_path / "bert")
+    assert ModelConfig.from_path(str(tmp_path / "xlmr")).context_len == 512
+    assert ModelConfig.from_path(str(tmp_path / "xlmr"), context_length=100).context_len == 100
+    assert ModelConfig.from_path(str(tmp_path / "bert")).context_len == 512
+    with pytest.raises(ModelLoadError, match="at most 512"):
+        ModelConfig.from_path(str(tmp_path / "xlmr"), context_length=514)
+    with pytest.raises(ModelLoadError, match="position embeddings"):
+        ModelConfig.from_path(str(tmp_path / "bert"), context_length=1024)
+
+
 def test_resolve_dtype_auto() -> None:
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("auto", "cuda") == torch.bfloat16

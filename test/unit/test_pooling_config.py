@@ -76,3 +76,31 @@ def test_matryoshka_dimensions():
     assert resolve_embedding_config("/nonexistent", "BertModel", any_size).matryoshka_dimensions == ()
     listed = SimpleNamespace(matryoshka_dimensions=[32, 64])
     assert resolve_embedding_config("/nonexistent", "BertModel", listed).matryoshka_dimensions == (32, 64)
+
+
+def test_xlm_roberta_is_an_encoder_as_sglang_registers_it(tmp_path):
+    """SGLang serves XLMRobertaModel (CLS, normalised) and XLMRobertaForSequenceClassification
+    (a cross-encoder) without --is-embedding; a sentence-transformers file may choose mean pooling
+    (multilingual-e5)."""
+    assert not is_generation_model("XLMRobertaModel", is_embedding=False)
+    assert not is_generation_model("XLMRobertaForSequenceClassification", is_embedding=False)
+    emb = resolve_embedding_config(str(tmp_path / "none"), "XLMRobertaModel", SimpleNamespace())
+    assert (emb.pooling, emb.normalize, emb.is_classifier, emb.is_causal) == (
+        PoolingType.CLS,
+        True,
+        False,
+        False,
+    )
+    e5 = resolve_embedding_config(
+        _st_folder(tmp_path, "mean_tokens", True), "XLMRobertaModel", SimpleNamespace()
+    )
+    assert (e5.pooling, e5.normalize) == (PoolingType.MEAN, True)
+    hf = SimpleNamespace(num_labels=1)
+    cross = resolve_embedding_config(str(tmp_path), "XLMRobertaForSequenceClassification", hf)
+    assert (cross.pooling, cross.normalize, cross.is_classifier, cross.num_labels, cross.is_causal) == (
+        PoolingType.CLS,
+        False,
+        True,
+        1,
+        False,
+    )

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from radixserve.configs.pooling import (
+    ENCODER_ARCHITECTURES,
     NON_GENERATION_ARCHITECTURES,
+    ROBERTA_ARCHITECTURES,
     EmbeddingConfig,
     is_generation_model,
     resolve_embedding_config,
@@ -91,7 +93,7 @@ class ModelConfig:
             num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
             head_dim=_get_head_dim(hf_config, hidden_size, num_heads),
             vocab_size=int(hf_config.vocab_size),
-            context_len=_get_context_len(hf_config, context_length),
+            context_len=_get_context_len(hf_config, context_length, architecture),
             dtype=resolve_dtype(dtype, device, _config_dtype(hf_config)),
             eos_token_ids=_get_eos_token_ids(hf_config, path),
             is_generation=is_generation,
@@ -149,15 +151,25 @@ def _get_head_dim(hf_config: Any, hidden_size: int, num_heads: int) -> int:
     return hidden_size // num_heads
 
 
-def _get_context_len(hf_config: Any, context_length: int | None) -> int:
+def _get_context_len(hf_config: Any, context_length: int | None, architecture: str = "") -> int:
     derived = next(
         (int(v) for k in _CONTEXT_LEN_KEYS if (v := getattr(hf_config, k, None)) is not None),
         _DEFAULT_CONTEXT_LEN,
     )
+    if architecture in ROBERTA_ARCHITECTURES:
+        # Its positions start after pad_token_id: 514 rows and pad id 1 hold 512 tokens.
+        derived -= int(getattr(hf_config, "pad_token_id", None) or 0) + 1
     if context_length is None:
         return derived
     if context_length <= 0:
         raise ModelLoadError(f"context_length must be positive, got {context_length}.")
+    if context_length > derived and architecture in ENCODER_ARCHITECTURES:
+        # A learned position table has no row past its end: a longer input would fail in the
+        # forward (an index error), so refuse at start-up instead of on the first long request.
+        raise ModelLoadError(
+            f"context_length {context_length} exceeds what {architecture}'s position embeddings "
+            f"hold ({derived} tokens); omit --context-length or set it to at most {derived}."
+        )
     if context_length > derived:
         # Like SGLang we allow it (rope may extrapolate), but quality past the trained length is
         # not guaranteed, so say so once.

@@ -1,7 +1,7 @@
 """What a model that does not generate returns, decided once from its folder (seed 000 §17).
 
 A checkpoint is a non-generation model when its architecture is one (`*ForSequenceClassification`,
-`BertModel`, ...) or when the server runs with `--is-embedding` (a decoder such as Qwen3-Embedding
+`BertModel`, `XLMRobertaModel`) or when the server runs with `--is-embedding` (a decoder such as Qwen3-Embedding
 ships as `Qwen3ForCausalLM`). How its hidden states become one vector per input:
 
 - the sentence-transformers files, when the folder has them: `modules.json` lists a `Normalize`
@@ -28,11 +28,20 @@ CLASSIFICATION_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification",
     "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
 )
-ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel", "BertForSequenceClassification")
+ENCODER_ARCHITECTURES: tuple[str, ...] = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+)
+# XLM-RoBERTa numbers positions from pad_token_id + 1 (models/xlm_roberta.py).
+ROBERTA_ARCHITECTURES: tuple[str, ...] = ("XLMRobertaModel", "XLMRobertaForSequenceClassification")
 NON_GENERATION_ARCHITECTURES: tuple[str, ...] = (
     *CLASSIFICATION_ARCHITECTURES,
     "BertModel",
+    "XLMRobertaModel",
 )
 
 
@@ -78,7 +87,8 @@ def resolve_embedding_config(path: str, architecture: str, hf_config: Any) -> Em
     pooling, normalize = st if st is not None else (default, not is_classifier)
     if is_classifier:
         # HF's heads pool the way the architecture does (BERT: the CLS token through its pooler;
-        # decoders: the last token), whatever a sentence-transformers file says, and stay raw.
+        # XLM-R: the CLS token through its head; decoders: the last token), whatever a
+        # sentence-transformers file says, and stay raw.
         pooling, normalize = default, False
     num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if is_classifier else 0
     raw_labels = getattr(hf_config, "id2label", None) or {}

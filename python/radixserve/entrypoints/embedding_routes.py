@@ -20,9 +20,7 @@ from radixserve.entrypoints.openai.embedding_protocol import (
     ClassifyRequest,
     ClassifyResponse,
     EmbeddingInput,
-    EmbeddingObject,
     EmbeddingRequest,
-    EmbeddingResponse,
     RerankRequest,
     RerankResult,
     ScoringRequest,
@@ -39,7 +37,8 @@ if TYPE_CHECKING:
 
 
 def _json(payload: Any) -> Response:  # noqa: ANN401 - any JSON-able value
-    return Response(orjson.dumps(payload), media_type="application/json")
+    # The vectors are numpy float32 arrays: written at float32 precision, straight from memory.
+    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
 
 def _items(value: EmbeddingInput, truncate: int | None = None) -> list[EmbedItem]:
@@ -56,10 +55,25 @@ def _usage(outputs: list[dict[str, Any]]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, total_tokens=prompt)
 
 
-def _encode_vector(vector: list[float], fmt: str) -> list[float] | str:
-    if fmt == "base64":  # what OpenAI's client asks for by default: little-endian float32 bytes
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return vector
+def _encode_vector(vector: Any, fmt: str) -> np.ndarray | str:  # noqa: ANN401 - array or floats
+    """A float32 array (orjson writes each value at float32 precision) or, for base64, what
+    OpenAI's client asks for by default: its little-endian float32 bytes."""
+    array = np.ascontiguousarray(vector, dtype="<f4")
+    if fmt == "base64":
+        return base64.b64encode(array.tobytes()).decode("ascii")
+    return array
+
+
+def embeddings_body(outputs: list[dict[str, Any]], encoding_format: str, model: str) -> bytes:
+    """The /v1/embeddings answer as JSON bytes: OpenAI's EmbeddingResponse (embedding_protocol.py,
+    the documented schema), written directly rather than through the pydantic models, which would
+    turn every value of every vector into a Python float and back."""
+    data = [
+        {"object": "embedding", "embedding": _encode_vector(o["embedding"], encoding_format), "index": i}
+        for i, o in enumerate(outputs)
+    ]
+    body = {"object": "list", "data": data, "model": model, "usage": _usage(outputs).model_dump()}
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _require_classifier(state: ServerState) -> dict[str, Any]:
@@ -92,12 +106,8 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         outputs = await scoring.embed(
             tm, _items(req.input, req.truncate_prompt_tokens), req.dimensions, request
         )
-        data = [
-            EmbeddingObject(embedding=_encode_vector(o["embedding"], req.encoding_format), index=i)
-            for i, o in enumerate(outputs)
-        ]
-        body = EmbeddingResponse(data=data, model=req.model or tm.served_model_name, usage=_usage(outputs))
-        return _json(body.model_dump())
+        body = embeddings_body(outputs, req.encoding_format, req.model or tm.served_model_name)
+        return Response(body, media_type="application/json")
 
     @app.post("/v1/rerank")
     async def v1_rerank(request: Request) -> Response:

@@ -12,6 +12,8 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
+
 from radixserve.entrypoints.rpc_client import RpcClient
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
 from radixserve.managers import io_struct as io
@@ -261,6 +263,8 @@ class Engine:
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
         outputs = self._run(scoring.embed(self.tokenizer_manager, obj.items(), dimensions))
+        for out in outputs:  # the documented offline shape: lists of floats (float32 values)
+            out["embedding"] = np.asarray(out["embedding"]).tolist()
         return outputs[0] if obj.is_single else outputs
 
     def score(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,7 +48,8 @@ def label_logprobs(
     last_hidden: torch.Tensor,  # [n, hidden_size] the last row of each scoring request
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     label_token_ids: Sequence[Sequence[int]],  # [n] ids per request
-) -> list[list[float]]:
-    """Log-softmax over the whole vocabulary at the next position, read at each request's labels."""
+) -> list[np.ndarray]:
+    """Log-softmax over the whole vocabulary at the next position, read at each request's labels
+    (float32 vectors)."""
     logprobs = torch.log_softmax(lm_head(last_hidden).float(), dim=-1)  # [n, vocab]
-    return [logprobs[i, list(ids)].tolist() for i, ids in enumerate(label_token_ids)]
+    return [logprobs[i, list(ids)].cpu().numpy() for i, ids in enumerate(label_token_ids)]

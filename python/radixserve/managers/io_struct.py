@@ -195,10 +195,11 @@ class BatchTokenIDOut:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingBatchResult:
-    """The outcome of one prefill-only forward (seed 001 §2.2): one vector per request of the batch
-    (a chunk that is not its request's last one gets an empty list). Nothing is sampled."""
+    """The outcome of one prefill-only forward (seed 001 §2.2): one float32 vector (a numpy array)
+    per request of the batch (a chunk that is not its request's last one gets an empty one).
+    Nothing is sampled."""
 
-    embeddings: list[list[float]]
+    embeddings: list[Any]  # [bs] numpy float32 arrays
     copy_done: Any | None = None  # kept for symmetry with GenerationBatchResult; None on CPU
 
 
@@ -208,7 +209,8 @@ class BatchEmbeddingOut:
 
     rids: list[str]
     finished_reasons: list[FinishReasonDict]
-    embeddings: list[list[float] | None]  # None when the request was aborted
+    # numpy float32 vectors (pickled as raw bytes, not one Python float each); None when aborted
+    embeddings: list[Any]
     prompt_tokens: list[int]
     cached_tokens: list[int]
     queue_times: list[float | None] | None = None

@@ -13,7 +13,10 @@ the logic the HTTP routes and the Engine share.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from radixserve.managers.embedding_request import EmbedItem, check_batch_size, make_item
 from radixserve.managers.input_validation import InvalidRequestError
@@ -64,15 +67,15 @@ def check_dimensions(tm: TokenizerManager, dimensions: int | None) -> None:
         raise InvalidRequestError(f"'dimensions' must be one of {choices}, got {dimensions}.")
 
 
-def cut_dimensions(vector: list[float], dimensions: int | None, normalize: bool) -> list[float]:
+def cut_dimensions(vector: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
     """The first `dimensions` values, re-normalised when the model's vectors are (Matryoshka)."""
     if dimensions is None:
         return vector
-    head = vector[:dimensions]
+    head = np.asarray(vector, dtype=np.float32)[:dimensions]
     if not normalize:
         return head
-    norm = math.sqrt(sum(x * x for x in head)) or 1.0
-    return [x / norm for x in head]
+    norm = float(np.linalg.norm(head.astype(np.float64))) or 1.0
+    return (head.astype(np.float64) / norm).astype(np.float32)
 
 
 async def embed(
@@ -107,7 +110,7 @@ async def score(
     outputs = await run(tm, [make_item(p, label_token_ids=list(label_token_ids)) for p in prompts], request)
     scores = []
     for out in outputs:
-        logprobs = out["embedding"]
+        logprobs = [float(x) for x in out["embedding"]]
         if apply_softmax:
             scores.append(_softmax(logprobs))
         else:
@@ -142,7 +145,9 @@ async def rerank(
         prompts = [f"{_QWEN3_RERANK_PREFIX}{body}{doc}{_QWEN3_RERANK_SUFFIX}" for doc in documents]
         outputs = await run(tm, [make_item(p, label_token_ids=[yes, no]) for p in prompts], request)
         # P(yes) over {yes, no}: the softmax of the two logits.
-        return [(sigmoid(o["embedding"][0] - o["embedding"][1]), o["meta_info"]) for o in outputs]
+        return [
+            (sigmoid(float(o["embedding"][0]) - float(o["embedding"][1])), o["meta_info"]) for o in outputs
+        ]
     info = tm.embedding_info or {}
     if not info.get("is_classifier") or int(info.get("num_labels", 0)) != 1:
         raise InvalidRequestError(
@@ -150,7 +155,7 @@ async def rerank(
             "model scored by yes/no (Qwen3-Reranker); this model is neither."
         )
     outputs = await run(tm, [make_item(query, text_pair=doc) for doc in documents], request)
-    return [(sigmoid(o["embedding"][0]), o["meta_info"]) for o in outputs]
+    return [(sigmoid(float(o["embedding"][0])), o["meta_info"]) for o in outputs]
 
 
 def _yes_no_ids(tm: TokenizerManager) -> tuple[int, int]:
@@ -164,8 +169,8 @@ def _yes_no_ids(tm: TokenizerManager) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------ classify
-def classification(logits: list[float], id2label: dict[int, str]) -> dict[str, Any]:
-    probs = _softmax(logits)
+def classification(logits: Sequence[float], id2label: dict[int, str]) -> dict[str, Any]:
+    probs = _softmax([float(x) for x in logits])
     best = max(range(len(probs)), key=probs.__getitem__)
     return {"label": id2label.get(best, f"LABEL_{best}"), "probs": probs, "num_classes": len(probs)}
 

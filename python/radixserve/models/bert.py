@@ -148,13 +148,17 @@ class BertModel(nn.Module):
     # Weights a checkpoint may carry that this class does not need (BertModel's pooler output is
     # not an embedding: sentence-transformers pools the last states itself).
     optional_prefixes: tuple[str, ...] = ("pooler.",)
+    checkpoint_prefix = "bert."  # what HF's heads put before the encoder's weight names
+    embeddings_class: type[nn.Module] = BertEmbeddings
+    has_pooler = True  # HF's pooler (tanh(dense(CLS))); RoBERTa's classification heads have none
 
     def __init__(self, config: Any) -> None:  # noqa: ANN401
         super().__init__()
         self.config = config
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config.hidden_size)
+        if self.has_pooler:
+            self.pooler = BertPooler(config.hidden_size)
 
     def forward(
         self,
@@ -170,7 +174,7 @@ class BertModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, value in weights:
-            name = name.removeprefix("bert.")
+            name = name.removeprefix(self.checkpoint_prefix)
             if name.endswith(("position_ids", "token_type_ids")):
                 continue  # HF's constant buffers
             if name not in params:

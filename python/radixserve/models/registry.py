@@ -14,6 +14,7 @@ from radixserve.models.sequence_classification import (
     Qwen2ForSequenceClassification,
     Qwen3ForSequenceClassification,
 )
+from radixserve.models.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,6 +25,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaModel": XLMRobertaModel,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
 }
 
 

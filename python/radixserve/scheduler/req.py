@@ -130,7 +130,7 @@ class Req:
         # Mean/CLS pooling reads every prompt token's hidden state in one forward: no cached
         # prefix (its states are not kept) and no chunking.
         self.needs_all_tokens = needs_all_tokens
-        self.embedding: list[float] | None = None
+        self.embedding: Any = None  # a numpy float32 vector once computed
         stops = sampling_params.stop or []
         self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
         self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)

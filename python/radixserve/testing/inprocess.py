@@ -27,7 +27,7 @@ class Result:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     text: str = ""
-    embedding: list[float] | None = None  # embedding requests
+    embedding: Any = None  # embedding requests: a numpy float32 vector
     cached_tokens: int = 0
 
 

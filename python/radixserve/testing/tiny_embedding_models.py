@@ -7,6 +7,8 @@ loadable by radixserve, HF transformers and (where a pooling config ships) sente
     make_tiny_embedding_model("qwen2_cls", path)    # Qwen2ForSequenceClassification (3 labels)
     make_tiny_embedding_model("bert", path)         # BertModel, CLS pooling, normalised
     make_tiny_embedding_model("bert_cls", path)     # BertForSequenceClassification (cross-encoder)
+    make_tiny_embedding_model("xlmr", path)         # XLMRobertaModel, mean pooling, normalised (e5)
+    make_tiny_embedding_model("xlmr_cls", path)     # XLMRobertaForSequenceClassification (bge-reranker)
     make_tiny_embedding_model("qwen3_reranker", path)  # a Qwen3ForCausalLM with "yes"/"no" tokens
 """
 
@@ -37,7 +39,10 @@ _ARCHITECTURES = {
     "qwen3_reranker": "Qwen3ForCausalLM",
     "bert": "BertModel",
     "bert_cls": "BertForSequenceClassification",
+    "xlmr": "XLMRobertaModel",
+    "xlmr_cls": "XLMRobertaForSequenceClassification",
 }
+ENCODER_KINDS = ("bert", "bert_cls", "xlmr", "xlmr_cls")
 _BERT: dict[str, Any] = {
     "vocab_size": TINY_VOCAB,
     "hidden_size": 64,
@@ -51,24 +56,48 @@ _BERT: dict[str, Any] = {
     "initializer_range": 0.25,
     "pad_token_id": 0,
 }
+# XLM-RoBERTa's differences: one token type, positions numbered from pad_token_id + 1 (the tiny
+# tokenizer pads with id 0; real checkpoints with 1), 514 position rows, LayerNorm eps 1e-5.
+_XLMR: dict[str, Any] = {
+    **_BERT,
+    "type_vocab_size": 1,
+    "max_position_embeddings": 514,
+    "layer_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Sentence-transformers pooling of the encoder embedding kinds: (mode, normalize).
+_ENCODER_POOLING = {"bert": ("cls_token", True), "xlmr": ("mean_tokens", True)}
 EMBEDDING_KINDS = tuple(_ARCHITECTURES)
 RERANKER_VOCAB = TINY_VOCAB + 2  # the tokenizer's "yes" and "no" come after the BPE vocabulary
 
 
-def make_tiny_embedding_model(kind: str, path: str | Path, seed: int = 0) -> Path:
+def make_tiny_embedding_model(
+    kind: str, path: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write a random `kind` checkpoint to `path`. `overrides` replace encoder config values
+    (e.g. a benchmark's real model shape: hidden_size, num_hidden_layers, ...)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if kind in ("bert", "bert_cls"):
-        config = _bert_config(kind)
+    if kind in ENCODER_KINDS:
+        config = _encoder_config(kind, overrides or {})
+    elif overrides:
+        raise ValueError(f"config overrides apply to the encoder kinds {ENCODER_KINDS}, not {kind!r}")
     else:
         config = _decoder_config(kind)
     cls = _auto_class(kind)
-    model = cls(config) if kind in ("bert", "bert_cls") else cls.from_config(config, dtype=torch.float32)
+    model = cls(config) if kind in ENCODER_KINDS else cls.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     model.save_pretrained(path, safe_serialization=True)
     _fix_architecture(path, kind)
     _write_tokenizer(path, kind)
-    _write_sentence_transformers(path, kind)
+    if kind in _ENCODER_POOLING:
+        mode, normalize = _ENCODER_POOLING[kind]
+        write_sentence_transformers_files(path, mode, normalize, int(config.hidden_size))
+    elif kind in _DECODERS and _DECODERS[kind][2] is not None:
+        write_sentence_transformers_files(
+            path, _DECODERS[kind][2], _DECODERS[kind][3], int(config.hidden_size)
+        )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return path
 
@@ -93,20 +122,20 @@ def _decoder_config(kind: str) -> Any:  # noqa: ANN401 - an HF PretrainedConfig
     return AutoConfig.for_model(model_type, **cfg)
 
 
-def _bert_config(kind: str) -> Any:  # noqa: ANN401
-    from transformers import BertConfig
+def _encoder_config(kind: str, overrides: dict[str, Any]) -> Any:  # noqa: ANN401
+    from transformers import BertConfig, XLMRobertaConfig
 
-    extra = {"num_labels": 1} if kind == "bert_cls" else {}
-    return BertConfig(architectures=[_ARCHITECTURES[kind]], **_BERT, **extra)
+    extra = {"num_labels": 1} if kind.endswith("_cls") else {}
+    if kind.startswith("xlmr"):
+        return XLMRobertaConfig(architectures=[_ARCHITECTURES[kind]], **{**_XLMR, **overrides}, **extra)
+    return BertConfig(architectures=[_ARCHITECTURES[kind]], **{**_BERT, **overrides}, **extra)
 
 
 def _auto_class(kind: str) -> Any:  # noqa: ANN401
     import transformers
 
-    if kind == "bert":
-        return transformers.BertModel
-    if kind == "bert_cls":
-        return transformers.BertForSequenceClassification
+    if kind in ENCODER_KINDS:
+        return getattr(transformers, _ARCHITECTURES[kind])
     return getattr(transformers, _DECODERS[kind][1])
 
 
@@ -132,8 +161,8 @@ def _fix_architecture(path: Path, kind: str) -> None:
 
 def _write_tokenizer(path: Path, kind: str) -> None:
     write_tiny_tokenizer(path)
-    if kind in ("bert", "bert_cls"):
-        _add_pair_template(path)
+    if kind in ENCODER_KINDS:
+        write_encoder_pair_template(path, roberta=kind.startswith("xlmr"))
     elif kind == "qwen3_reranker":
         from transformers import AutoTokenizer
 
@@ -142,29 +171,35 @@ def _write_tokenizer(path: Path, kind: str) -> None:
         tok.save_pretrained(str(path))
 
 
-def _add_pair_template(path: Path) -> None:
-    """BERT-style inputs: "<cls> A <sep>" and, for pairs, "B <sep>" with token type 1."""
+def write_encoder_pair_template(path: str | Path, roberta: bool = False) -> None:
+    """Make the tokenizer saved in `path` an encoder's, <|im_start|> as CLS and <|im_end|> as SEP.
+    BERT: "<cls> A <sep>" and, for pairs, "B <sep>" with token type 1. RoBERTa:
+    "<cls> A <sep><sep> B <sep>", one token type, and no token_type_ids in its outputs."""
     from tokenizers import processors
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
     backend = tok.backend_tokenizer
     cls_id, sep_id = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    pair = (
+        "<|im_start|> $A <|im_end|> <|im_end|> $B <|im_end|>"
+        if roberta
+        else "<|im_start|> $A <|im_end|> $B:1 <|im_end|>:1"
+    )
     backend.post_processor = processors.TemplateProcessing(
         single="<|im_start|> $A <|im_end|>",
-        pair="<|im_start|> $A <|im_end|> $B:1 <|im_end|>:1",
+        pair=pair,
         special_tokens=[("<|im_start|>", cls_id), ("<|im_end|>", sep_id)],
     )
+    if roberta:
+        tok.model_input_names = ["input_ids", "attention_mask"]
     tok.save_pretrained(str(path))
 
 
-def _write_sentence_transformers(path: Path, kind: str) -> None:
-    if kind in ("bert",):
-        mode, normalize = "cls_token", True
-    elif kind in _DECODERS and _DECODERS[kind][2] is not None:
-        mode, normalize = _DECODERS[kind][2], _DECODERS[kind][3]
-    else:
-        return
+def write_sentence_transformers_files(path: str | Path, mode: str, normalize: bool, dimension: int) -> None:
+    """modules.json (Transformer, Pooling, and Normalize when `normalize`) and the Pooling
+    module's config with `pooling_mode_<mode>` ("cls_token", "mean_tokens", "lasttoken")."""
+    path = Path(path)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -177,7 +212,7 @@ def _write_sentence_transformers(path: Path, kind: str) -> None:
     (path / "modules.json").write_text(json.dumps(modules, indent=2))
     (path / "1_Pooling").mkdir(exist_ok=True)
     pooling = {
-        "word_embedding_dimension": 64,
+        "word_embedding_dimension": dimension,
         "pooling_mode_cls_token": mode == "cls_token",
         "pooling_mode_mean_tokens": mode == "mean_tokens",
         "pooling_mode_max_tokens": False,
