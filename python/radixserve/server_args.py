@@ -496,9 +496,10 @@ class ServerArgs:
             raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
         if self.disaggregation_mode != "null" and self.is_embedding:
             raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
-        if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.pp_size > 1 or self.dp_size > 1):
+        if self.disaggregation_mode != "null" and (self.pp_size > 1 or self.dp_size > 1 or self.nnodes > 1):
             raise ValueError(
-                "--disaggregation-mode runs with --tp-size 1, --pp-size 1 and --dp-size 1 for now (docs/disaggregation.md)"
+                "--disaggregation-mode runs with --pp-size 1, --dp-size 1 and --nnodes 1 for now "
+                "(any --tp-size; docs/disaggregation.md)"
             )
 
     def _validate_speculative(self) -> None:

@@ -410,3 +410,32 @@ def test_one_pass_admits_up_to_the_running_cap(make_pair):
     admitted = decode.disagg.prealloc_queue.pop_preallocated()
     assert [r.rid for r in admitted] == ["c0", "c1", "c2", "c3"]
     assert [r.rid for r in decode.disagg.prealloc_queue.queue] == ["c4"]
+
+
+def test_generated_token_counts_match_a_colocated_server(tiny_llama_path, make_pair):
+    """Each side counts the tokens it emits as a colocated server counts them: the decode side
+    the whole answer (the first token arrives with the KV), the prefill side its one token."""
+    reqs = [
+        ("a", prompts(11, [20])[0], {"max_new_tokens": 8}),
+        ("b", prompts(12, [9])[0], {"max_new_tokens": 5}),
+    ]
+
+    def colocated_count(max_new_tokens: int | None) -> int:
+        ref = InProcessScheduler(tiny_llama_path, disable_overlap_schedule=True, max_total_tokens=POOL)
+        try:
+            for rid, ids, params in reqs:
+                ref.submit(
+                    rid, ids, **{**params, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {})}
+                )
+            ref.run_until_idle()
+            return ref.scheduler.output.stats.num_generated_tokens
+        finally:
+            ref.close()
+
+    pair = make_pair()
+    for i, (rid, ids, params) in enumerate(reqs):
+        pair.submit(rid, ids, room=4000 + i, **params)
+    pair.run_until_idle()
+    assert pair.decode.scheduler.output.stats.num_generated_tokens == colocated_count(None)
+    assert pair.prefill.scheduler.output.stats.num_generated_tokens == colocated_count(1) == len(reqs)
+    assert_clean(pair)

@@ -92,8 +92,9 @@ def test_flags_defaults_and_validation():
         ServerArgs(disaggregation_mode="both").validate()
     with pytest.raises(ValueError, match="--disaggregation-transfer-backend"):
         ServerArgs(disaggregation_transfer_backend="rdma").validate()
-    with pytest.raises(ValueError, match="--tp-size 1"):
-        ServerArgs(disaggregation_mode="prefill", tp_size=2).validate()
+    ServerArgs(disaggregation_mode="prefill", tp_size=2).validate()  # any TP size on either side
+    with pytest.raises(ValueError, match="--pp-size 1"):
+        ServerArgs(disaggregation_mode="decode", pp_size=2).validate()
     with pytest.raises(ValueError, match="timeout"):
         ServerArgs(disaggregation_bootstrap_timeout=0).validate()
 

@@ -9,11 +9,19 @@ backend; its decode output is meaningless).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from radixserve.disaggregation.utils import KVPoll, TransferStatus
+
+# What a sender calls to copy the prompt's K and V of this rank's local KV heads [a, b) out of the
+# pool (wire.gather_kv on the request's slots); it calls it once per decode rank that wants heads.
+GatherKV = Callable[[tuple[int, int]], torch.Tensor]
+# What a receiver hands over on Success: the first message's metadata (first token, logprobs) and
+# every (kv message, payload) that carries KV heads.
+KVResult = tuple[dict[str, Any], list[tuple[dict[str, Any], memoryview]]]
 
 
 class KVSender(Protocol):
@@ -21,7 +29,7 @@ class KVSender(Protocol):
     status: TransferStatus
 
     def poll(self) -> KVPoll: ...
-    def send(self, kv: torch.Tensor, meta: dict[str, Any]) -> None: ...
+    def send(self, meta: dict[str, Any], gather: GatherKV) -> None: ...
     def abort(self, reason: str) -> None: ...
     def close(self) -> None: ...
 
@@ -32,7 +40,7 @@ class KVReceiver(Protocol):
 
     def poll(self) -> KVPoll: ...
     def init(self, num_tokens: int) -> None: ...
-    def result(self) -> tuple[dict[str, Any], memoryview | None]: ...
+    def result(self) -> KVResult: ...
     def abort(self, reason: str) -> None: ...
     def close(self) -> None: ...
 
@@ -46,7 +54,7 @@ class FakeSender:
     def poll(self) -> KVPoll:
         return self.status.poll()
 
-    def send(self, kv: torch.Tensor, meta: dict[str, Any]) -> None:
+    def send(self, meta: dict[str, Any], gather: GatherKV) -> None:
         self.status.advance(KVPoll.Success)
 
     def abort(self, reason: str) -> None:
@@ -68,8 +76,8 @@ class FakeReceiver:
     def init(self, num_tokens: int) -> None:
         self.status.advance(KVPoll.Success)
 
-    def result(self) -> tuple[dict[str, Any], memoryview | None]:
-        return {"type": "kv", "first_token": None}, None
+    def result(self) -> KVResult:
+        return {"type": "kv", "first_token": None}, []
 
     def abort(self, reason: str) -> None:
         self.status.fail(reason)

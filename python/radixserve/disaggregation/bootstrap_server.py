@@ -3,10 +3,12 @@
 SGLang's routes (docs/disaggregation.md):
 
 - PUT /route   a prefill rank registers: {"role": "Prefill", "rank_ip", "rank_port", "engine_rank",
-               "tp_size", "dp_size", "page_size", "kv_cache_dtype"}.
+               "tp_size", "dp_size", "page_size", "kv_cache_dtype"}, and here also the model's KV
+               shape ("num_layers", "num_kv_heads", "head_dim") and the rank's KV heads
+               ("kv_head_start", "kv_head_stop").
 - GET /route?engine_rank=-1&target_dp_group=-1   the server's layout (tp_size, dp_size, page_size,
-               kv_cache_dtype): the decode side checks it matches before allocating anything.
-- GET /route?engine_rank=R&target_dp_group=G     rank R's {"rank_ip", "rank_port"}.
+               kv_cache_dtype, the KV shape): the decode side checks it matches before allocating.
+- GET /route?engine_rank=R&target_dp_group=G     rank R's {"rank_ip", "rank_port"} (and its KV heads).
 - GET /health  200 "OK".
 
 A plain threaded HTTP server: a few requests per new peer, no event loop to share.
@@ -24,6 +26,9 @@ from urllib.parse import parse_qs, urlparse
 logger = logging.getLogger(__name__)
 
 REQUIRED_PUT_FIELDS = ("role", "rank_ip", "rank_port", "engine_rank", "tp_size", "dp_size", "page_size")
+# Optional: the model's KV shape (server-wide) and the rank's KV heads (per rank), as integers.
+SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
+HEAD_FIELDS = ("kv_head_start", "kv_head_stop")
 
 
 class BootstrapTable:
@@ -44,6 +49,8 @@ class BootstrapTable:
         try:
             rank, port = int(data["engine_rank"]), int(data["rank_port"])
             tp_size, dp_size, page_size = int(data["tp_size"]), int(data["dp_size"]), int(data["page_size"])
+            shape = {k: int(data[k]) for k in SHAPE_FIELDS if k in data}
+            heads = {k: int(data[k]) for k in HEAD_FIELDS if k in data}
         except (TypeError, ValueError) as exc:
             return f"bad field: {exc}"
         with self._lock:
@@ -52,9 +59,10 @@ class BootstrapTable:
                 "dp_size": dp_size,
                 "page_size": page_size,
                 "kv_cache_dtype": data.get("kv_cache_dtype"),
+                **shape,
             }
             group = rank // max(tp_size // max(dp_size, 1), 1)
-            self.ranks[(group, rank)] = {"rank_ip": str(data["rank_ip"]), "rank_port": port}
+            self.ranks[(group, rank)] = {"rank_ip": str(data["rank_ip"]), "rank_port": port, **heads}
         logger.info("Registered prefill rank %d at %s:%d", rank, data["rank_ip"], port)
         return None
 

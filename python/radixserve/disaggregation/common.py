@@ -5,15 +5,19 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from radixserve.constrained.grammar_backend import grammar_key
-from radixserve.disaggregation.utils import DisaggregationMode, is_fake
+from radixserve.disaggregation import wire
+from radixserve.disaggregation.heads import KVLayout, kv_head_range
+from radixserve.disaggregation.utils import DisaggregationMode, KVPoll, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.scheduler.req import Req
 
 if TYPE_CHECKING:
+    from radixserve.distributed.rank_runtime import RankSync
     from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -83,3 +87,62 @@ def mark_scheduled(req: Req) -> None:
     if req.times.first_scheduled is None:
         req.times.first_scheduled = now
         req.times.queue_time = now - req.times.queued
+
+
+def kv_layout(scheduler: Scheduler) -> KVLayout:
+    """This rank's KV pool as the peer server must see it (its TP shard's KV heads)."""
+    worker = scheduler.worker
+    pool = worker.token_to_kv_pool
+    rank = getattr(worker, "rank", None)
+    tp_size = rank.layout.tp_size if rank is not None else 1
+    tp_rank = rank.groups.tp_rank if rank is not None else 0
+    config = getattr(worker, "model_config", None)
+    if config is None:  # a bare worker (tests): one rank holding every head
+        num_kv_heads, heads = pool.num_kv_heads, (0, pool.num_kv_heads)
+    else:
+        num_kv_heads = config.num_kv_heads
+        heads = kv_head_range(config.num_heads, num_kv_heads, tp_size, tp_rank)
+    if heads[1] - heads[0] != pool.num_kv_heads:
+        raise RuntimeError(f"the KV pool holds {pool.num_kv_heads} heads, the TP shard {heads}")
+    return KVLayout(
+        page_size=scheduler.mem.page_size,
+        kv_cache_dtype=wire.dtype_name(pool.dtype),
+        num_layers=pool.num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=pool.head_dim,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        heads=heads,
+    )
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """A transfer's status as every rank of this server sees it (the lowest: Failed wins, Success
+    only once every rank's part arrived), and why it failed (from the rank that saw it)."""
+
+    status: KVPoll
+    error: str | None = None
+    status_code: int | None = 503
+
+
+def agree(sync: RankSync, handles: list[Any]) -> list[Agreed]:  # noqa: ANN401 - senders / receivers
+    """The agreed status of each handle: one small all-reduce over the ranks (none on one rank),
+    plus a gather of the reasons when some transfer failed. Every rank calls it with its own
+    handles of the same requests, in the same order, so all act alike."""
+    if not handles:
+        return []
+    local = [h.poll() for h in handles]
+    statuses = [KVPoll(v) for v in sync.min_each([int(s) for s in local])]
+    failed = [i for i, s in enumerate(statuses) if s == KVPoll.Failed]
+    reasons: dict[int, tuple[str | None, int | None]] = {}
+    if failed:
+        mine = {
+            i: (handles[i].status.error, handles[i].status.error_status_code)
+            for i in failed
+            if local[i] == KVPoll.Failed
+        }
+        for theirs in sync.gather(mine):
+            for i, reason in theirs.items():  # type: ignore[attr-defined] - dicts, as sent
+                reasons.setdefault(i, reason)
+    return [Agreed(s, *reasons.get(i, (None, 503))) for i, s in enumerate(statuses)]

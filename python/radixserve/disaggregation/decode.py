@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
-from radixserve.disaggregation.common import PENDING_POLL_S, admit, mark_scheduled
+from radixserve.disaggregation.common import PENDING_POLL_S, Agreed, admit, agree, kv_layout, mark_scheduled
 from radixserve.disaggregation.tcp_decode import DecodeTcpManager
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
@@ -44,19 +44,19 @@ class DecodePreallocQueue:
     def pop_preallocated(self) -> list[Req]:
         side, keep, out = self.side, [], []
         blocked = False
-        for req in self.queue:
-            receiver = side.receivers[id(req)]
+        agreed = agree(side.scheduler.sync, [side.receivers[id(req)] for req in self.queue])
+        for req, status in zip(self.queue, agreed):
             if req.to_finish is not None:
                 side.abort(req)
-            elif receiver.poll() == KVPoll.Failed:
-                side.finish_failed(req)
-            elif receiver.poll() == KVPoll.WaitingForInput and not blocked and side.fits(req):
+            elif status.status == KVPoll.Failed:
+                side.finish_failed(req, status)
+            elif status.status == KVPoll.WaitingForInput and not blocked and side.fits(req):
                 side.preallocate(req)
-                receiver.init(len(req.origin_input_ids))
+                side.receivers[id(req)].init(len(req.origin_input_ids))
                 out.append(req)
             else:
                 # Back-pressure keeps arrival order: once one request does not fit, later ones wait.
-                blocked = blocked or receiver.poll() == KVPoll.WaitingForInput
+                blocked = blocked or status.status == KVPoll.WaitingForInput
                 keep.append(req)
         self.queue = keep
         return out
@@ -71,15 +71,14 @@ class DecodeTransferQueue:
 
     def pop_transferred(self) -> list[Req]:
         side, keep, ready = self.side, [], []
-        for req in self.queue:
-            receiver = side.receivers[id(req)]
-            status = receiver.poll()
-            if req.to_finish is not None and status != KVPoll.Success:
+        agreed = agree(side.scheduler.sync, [side.receivers[id(req)] for req in self.queue])
+        for req, status in zip(self.queue, agreed):
+            if req.to_finish is not None and status.status != KVPoll.Success:
                 side.abort(req)
-            elif status == KVPoll.Failed:
-                side.finish_failed(req)
-            elif status == KVPoll.Success:
-                side.commit(req, *receiver.result())
+            elif status.status == KVPoll.Failed:
+                side.finish_failed(req, status)
+            elif status.status == KVPoll.Success:  # every rank's KV heads arrived
+                side.commit(req, *side.receivers[id(req)].result())
                 ready.append(req)
             else:
                 keep.append(req)
@@ -94,9 +93,8 @@ class DecodeDisaggregation:
         self.backend = args.disaggregation_transfer_backend
         self.timeout_s = args.disaggregation_bootstrap_timeout
         self.pool = scheduler.worker.token_to_kv_pool
-        self.manager = DecodeTcpManager(
-            scheduler.mem.page_size, wire.dtype_name(self.pool.dtype), self.timeout_s
-        )
+        self.layout = kv_layout(scheduler)
+        self.manager = DecodeTcpManager(self.layout, self.timeout_s)
         self.receivers: dict[int, KVReceiver] = {}
         self.prealloc_queue = DecodePreallocQueue(self)
         self.transfer_queue = DecodeTransferQueue(self)
@@ -140,21 +138,20 @@ class DecodeDisaggregation:
         req.last_node = None
         self.transfer_queue.queue.append(req)
 
-    def commit(self, req: Req, meta: dict[str, Any], data: memoryview | None) -> None:
-        """The KV arrived: write it into the request's pages and take the first token."""
+    def commit(self, req: Req, meta: dict[str, Any], pieces: list[tuple[dict[str, Any], memoryview]]) -> None:
+        """The KV arrived: write each prefill rank's heads into the request's pages (at this
+        rank's local head index) and take the first token."""
         num_tokens = len(req.origin_input_ids)
-        if data is not None:
-            wire.scatter_kv(
-                self.pool,
-                self.scheduler.mem.row_slots(req, 0, num_tokens),
-                data,
-                meta["shape"],
-                meta["dtype"],
-            )
+        slots = self.scheduler.mem.row_slots(req, 0, num_tokens)
+        for msg, data in pieces:
+            start = msg["heads"][0] - self.layout.heads[0] if msg.get("heads") else 0
+            wire.scatter_kv(self.pool, slots, data, msg["shape"], msg["dtype"], start)
         # The fake backend sends no token: the probe's output is meaningless, as in SGLang.
         token = meta["first_token"] if meta.get("first_token") is not None else req.origin_input_ids[-1]
         if req.sampling_params.max_new_tokens > 0:
             req.output_ids.append(token)
+            # This server emits it: counted as a colocated server counts its first token.
+            self.scheduler.output.stats.num_generated_tokens += 1
             req.append_output_logprob(token, meta.get("logprob"), meta.get("top_val"), meta.get("top_idx"))
         req.cached_tokens = int(meta.get("cached_tokens") or 0)
         mark_scheduled(req)
@@ -190,9 +187,12 @@ class DecodeDisaggregation:
         self.receivers[id(req)].abort(f"Aborted on the decode server: {message}")
         self._finish(req, message, status_code)
 
-    def finish_failed(self, req: Req) -> None:
-        status = self.receivers[id(req)].status
-        self._finish(req, status.error or "KV transfer failed", error_status(status.error_status_code))
+    def finish_failed(self, req: Req, status: Agreed) -> None:
+        """A transfer some rank saw fail: the ranks that did not tell their prefill peers too."""
+        receiver = self.receivers[id(req)]
+        if receiver.poll() != KVPoll.Failed:
+            receiver.abort(status.error or "KV transfer failed on another decode rank")
+        self._finish(req, status.error or "KV transfer failed", error_status(status.status_code))
 
     def _finish(self, req: Req, message: str, status_code: int | None) -> None:
         logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)

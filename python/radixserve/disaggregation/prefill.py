@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeSender, KVSender
 from radixserve.disaggregation.bootstrap_server import BootstrapServer
-from radixserve.disaggregation.common import PENDING_POLL_S, WILDCARD_HOSTS, admit, advertised_host
+from radixserve.disaggregation.common import (
+    PENDING_POLL_S,
+    WILDCARD_HOSTS,
+    Agreed,
+    admit,
+    advertised_host,
+    agree,
+    kv_layout,
+)
 from radixserve.disaggregation.tcp_prefill import PrefillTcpManager
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
@@ -47,16 +55,17 @@ class PrefillBootstrapQueue:
         self.queue.append(req)
 
     def pop_bootstrapped(self) -> None:
-        """Bootstrapped requests join the waiting queue; failed or aborted ones finish."""
-        s, keep = self.side.scheduler, []
-        for req in self.queue:
-            sender = self.side.senders[id(req)]
+        """Bootstrapped requests (on every rank) join the waiting queue; failed or aborted ones
+        finish."""
+        side, keep = self.side, []
+        agreed = agree(side.scheduler.sync, [side.senders[id(req)] for req in self.queue])
+        for req, status in zip(self.queue, agreed):
             if req.to_finish is not None:
-                self.side.abort(req)
-            elif sender.poll() == KVPoll.Failed:
-                self.side.finish_failed(req, sender.status.error, sender.status.error_status_code)
-            elif sender.poll() >= KVPoll.WaitingForInput:
-                s.requests.enqueue(req)
+                side.abort(req)
+            elif status.status == KVPoll.Failed:
+                side.finish_agreed_failure(req, status)
+            elif status.status >= KVPoll.WaitingForInput:
+                side.scheduler.requests.enqueue(req)
             else:
                 keep.append(req)
         self.queue = keep
@@ -69,13 +78,18 @@ class PrefillDisaggregation:
         self.backend = args.disaggregation_transfer_backend
         self.timeout_s = args.disaggregation_bootstrap_timeout
         self.pool = scheduler.worker.token_to_kv_pool
+        self.layout = kv_layout(scheduler)
         host = advertised_host(args.host)
-        self.bootstrap_server = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
-        self.manager = PrefillTcpManager(
-            host, scheduler.mem.page_size, wire.dtype_name(self.pool.dtype), self.timeout_s
+        # TP rank 0 serves the bootstrap routes; every rank registers its own KV sender there.
+        self.bootstrap_server = (
+            BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+            if self.layout.tp_rank == 0
+            else None
         )
+        port = self.bootstrap_server.port if self.bootstrap_server else args.disaggregation_bootstrap_port
+        self.manager = PrefillTcpManager(host, self.layout, self.timeout_s)
         local = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
-        self.manager.register(local, self.bootstrap_server.port)
+        self.manager.register(local, port)
         self.senders: dict[int, KVSender] = {}
         self.owners: dict[int, Req] = {}  # id(req) -> req, for every sender
         self.bootstrap_queue = PrefillBootstrapQueue(self)
@@ -125,6 +139,7 @@ class PrefillDisaggregation:
         req.append_output_logprob(token, logprob, top_val, top_idx)
         req.times.first_token = time.monotonic()
         self.scheduler.mem.tree_cache.cache_unfinished_req(req)  # the prompt becomes shareable now
+        self.scheduler.output.stats.num_generated_tokens += 1  # as a colocated prefill counts it
         sender = self.senders[id(req)]
         meta: dict[str, Any] = {
             "first_token": token,
@@ -133,23 +148,20 @@ class PrefillDisaggregation:
             "top_idx": top_idx,
             "cached_tokens": req.cached_tokens,
         }
-        if isinstance(sender, FakeSender):
-            sender.send(None, meta)  # type: ignore[arg-type] - the fake moves nothing
-        else:
-            num_tokens = len(req.origin_input_ids)
-            kv = wire.gather_kv(self.pool, self.scheduler.mem.row_slots(req, 0, num_tokens))
-            meta.update(num_tokens=num_tokens, shape=list(kv.shape), dtype=wire.dtype_name(kv.dtype))
-            sender.send(kv, meta)
+        num_tokens = len(req.origin_input_ids)
+        meta["num_tokens"] = num_tokens
+        slots = self.scheduler.mem.row_slots(req, 0, num_tokens)
+        sender.send(meta, lambda heads: wire.gather_kv(self.pool, slots, heads))
         self.inflight_queue.append(req)
 
     def process_inflight_queue(self) -> None:
         """Release the KV of requests whose transfer ended (the prompt stays in the radix tree)."""
         keep = []
-        for req in self.inflight_queue:
-            sender = self.senders[id(req)]
-            if req.to_finish is not None and sender.poll() != KVPoll.Success:
+        agreed = agree(self.scheduler.sync, [self.senders[id(req)] for req in self.inflight_queue])
+        for req, status in zip(self.inflight_queue, agreed):
+            if req.to_finish is not None and status.status != KVPoll.Success:
                 self.abort(req)
-            elif sender.poll() == KVPoll.Success:
+            elif status.status == KVPoll.Success:
                 req.check_finished()
                 if not req.finished():
                     req.finished_reason = FinishLength(len(req.output_ids))
@@ -157,8 +169,8 @@ class PrefillDisaggregation:
                 self.scheduler.output.release_if_idle(req)
                 self.scheduler.output.collect(req)
                 self._forget(req)
-            elif sender.poll() == KVPoll.Failed:
-                self.finish_failed(req, sender.status.error, sender.status.error_status_code)
+            elif status.status == KVPoll.Failed:
+                self.finish_agreed_failure(req, status)
             else:
                 keep.append(req)
         self.inflight_queue = keep
@@ -171,6 +183,13 @@ class PrefillDisaggregation:
         self.senders[id(req)].abort(f"Aborted on the prefill server: {message}")
         req.to_finish = None
         self.finish_failed(req, message, status_code)
+
+    def finish_agreed_failure(self, req: Req, status: Agreed) -> None:
+        """A transfer some rank saw fail: the ranks that did not tell their decode peers too."""
+        sender = self.senders[id(req)]
+        if sender.poll() != KVPoll.Failed:
+            sender.abort(status.error or "KV transfer failed on another prefill rank")
+        self.finish_failed(req, status.error, status.status_code)
 
     def finish_failed(self, req: Req, message: str | None, status_code: int | None) -> None:
         logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
@@ -209,7 +228,8 @@ class PrefillDisaggregation:
 
     def close(self) -> None:
         self.manager.close()
-        self.bootstrap_server.close()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.close()
 
 
 class PrefillLoop:

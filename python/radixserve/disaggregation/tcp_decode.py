@@ -1,10 +1,16 @@
-"""The built-in `tcp` backend, decode side: one DEALER socket per prefill server, all served by
-one I/O thread.
+"""The built-in `tcp` backend, decode side: per prefill server, one DEALER socket to each of its
+prefill ranks, all served by one I/O thread.
 
 A room bootstraps by asking the prefill server's bootstrap server for its layout (GET /route with
-engine_rank=-1: the page size and KV dtype must match ours) and its rank's address, then connects.
-A prefill server that dies is noticed from the socket monitor (EVENT_DISCONNECTED): every room
-still waiting on it fails at once.
+engine_rank=-1: page size, KV dtype and the model's KV shape must match ours) and each of its
+ranks' address and KV heads, then connects to every prefill rank. Each rank of a multi-rank
+decode server runs one of these: it asks every prefill rank for the KV heads it owns that this
+prefill rank is the first to hold (heads.py), and the room succeeds once every prefill rank's kv
+message arrived. A prefill server that dies is noticed from the socket monitors
+(EVENT_DISCONNECTED): every room still waiting on it fails at once.
+
+The I/O thread's poller is built once; sockets are registered when a peer connects and
+unregistered when it goes away.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.disaggregation import wire
+from radixserve.disaggregation.backend import KVResult
+from radixserve.disaggregation.heads import HeadRange, KVLayout, pull_plan
 from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -35,24 +43,39 @@ BOOTSTRAP_RETRY_S = 0.25
 class _DRoom:
     status: TransferStatus
     peer: tuple[str, int]
-    payload: tuple[dict[str, Any], memoryview | None] | None = None
+    pieces: dict[int, tuple[dict[str, Any], memoryview | None]] = field(
+        default_factory=dict
+    )  # by prefill rank
+
+
+@dataclass
+class _Link:
+    """One prefill rank of a peer: our DEALER to it, its monitor, the heads we take from it."""
+
+    dealer: zmq.Socket
+    monitor: zmq.Socket
+    heads: HeadRange
 
 
 @dataclass
 class _Peer:
     key: tuple[str, int]
     rooms: set[int] = field(default_factory=set)
-    dealer: zmq.Socket | None = None
-    monitor: zmq.Socket | None = None
+    links: list[_Link] = field(default_factory=list)  # one per prefill rank, once connected
     problem: str | None = None  # a layout mismatch: every room on this peer fails
     pending_aborts: list[tuple[int, str, float]] = field(default_factory=list)  # sent once connected
     next_try: float = 0.0
 
+    @property
+    def connected(self) -> bool:
+        return bool(self.links)
+
 
 class DecodeTcpManager:
-    def __init__(self, page_size: int, kv_cache_dtype: str, timeout_s: float) -> None:
-        self.page_size = page_size
-        self.kv_cache_dtype = kv_cache_dtype
+    def __init__(self, layout: KVLayout, timeout_s: float) -> None:
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.kv_cache_dtype = layout.kv_cache_dtype
         self.timeout_s = timeout_s
         self.ctx = zmq.Context()
         cmd_addr = f"inproc://pd-decode-{next(_ids)}"
@@ -65,6 +88,10 @@ class DecodeTcpManager:
         self.peers: dict[tuple[str, int], _Peer] = {}
         self.bytes_received = 0
         self._stop = False
+        # Built once (the I/O thread's only poller): sockets come and go with their peers.
+        self.poller = zmq.Poller()
+        self.poller.register(self._cmd_in, zmq.POLLIN)
+        self._owners: dict[zmq.Socket, tuple[_Peer, int | None]] = {}  # socket -> (peer, rank or monitor)
         self.thread = threading.Thread(target=self._run, name="pd-decode-io", daemon=True)
         self.thread.start()
 
@@ -91,28 +118,33 @@ class DecodeTcpManager:
     def _run(self) -> None:
         while not self._stop:
             try:
-                poller = zmq.Poller()
-                poller.register(self._cmd_in, zmq.POLLIN)
-                for peer in self.peers.values():
-                    if peer.dealer is not None:
-                        poller.register(peer.dealer, zmq.POLLIN)
-                        poller.register(peer.monitor, zmq.POLLIN)
-                ready = dict(poller.poll(wire.IO_TICK_MS))
+                ready = dict(self.poller.poll(wire.IO_TICK_MS))
                 if self._cmd_in in ready:
                     while self._cmd_in.poll(0):
                         self._on_command(wire.decode(self._cmd_in.recv_multipart())[0]["cmd"])
-                for peer in list(self.peers.values()):
-                    if peer.monitor is not None and peer.monitor in ready:
-                        self._on_monitor(peer)
-                    if peer.dealer is not None and peer.dealer in ready:
-                        while peer.dealer is not None and peer.dealer.poll(0):
-                            self._on_message(peer, *wire.decode(peer.dealer.recv_multipart(copy=False)))
+                for sock in [s for s in ready if s is not self._cmd_in]:
+                    self._on_ready(sock)
                 self._connect_pending()
                 self._check_timeouts()
             except zmq.ContextTerminated:
                 return
             except Exception:
                 logger.exception("Decode KV I/O thread error")
+
+    def _on_ready(self, sock: zmq.Socket) -> None:
+        owner = self._owners.get(sock)
+        if owner is None:  # its peer was dropped earlier in this tick
+            return
+        peer, rank = owner
+        if rank is None:
+            self._on_monitor(peer, sock)
+            return
+        while sock in self._owners and sock.poll(0):
+            self._on_message(peer, rank, *wire.decode(sock.recv_multipart(copy=False)))
+
+    def _send_all(self, peer: _Peer, frames: wire.MsgFrames) -> None:
+        for link in peer.links:
+            link.dealer.send_multipart(frames)
 
     def _on_command(self, cmd: tuple[Any, ...]) -> None:
         kind, room = cmd[0], cmd[1]
@@ -126,54 +158,58 @@ class DecodeTcpManager:
             peer.rooms.add(room)
             if peer.problem is not None:
                 state.status.fail(peer.problem, 500)
-                if peer.dealer is not None:
+                if peer.connected:
                     self._send_init(peer, room, 0)  # the prefill side sees the mismatch too
-            elif peer.dealer is not None:
+            elif peer.connected:
                 state.status.advance(KVPoll.WaitingForInput)
-        elif kind == "init" and peer is not None and peer.dealer is not None:
+        elif kind == "init" and peer is not None and peer.connected:
             self._send_init(peer, room, cmd[2])
         elif kind == "abort" and peer is not None:
             # Not connected yet: the prefill server must still hear it, or its request would
             # wait for us until the bootstrap timeout.
-            if peer.dealer is None:
+            if not peer.connected:
                 peer.pending_aborts.append((room, cmd[2], time.monotonic() + self.timeout_s))
             else:
-                peer.dealer.send_multipart(_abort(room, cmd[2]))
+                self._send_all(peer, _abort(room, cmd[2]))
         elif kind == "forget":
             del self.rooms[room]
             if peer is not None:
                 peer.rooms.discard(room)
 
     def _send_init(self, peer: _Peer, room: int, num_tokens: int) -> None:
-        assert peer.dealer is not None
-        msg = {
-            "type": "init",
-            "room": room,
-            "page_size": self.page_size,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "num_tokens": num_tokens,
-        }
-        peer.dealer.send_multipart(wire.encode(msg))
+        layout = self.layout
+        for link in peer.links:
+            msg = {
+                "type": "init",
+                "room": room,
+                "page_size": self.page_size,
+                "kv_cache_dtype": self.kv_cache_dtype,
+                "num_tokens": num_tokens,
+                "decode_rank": layout.tp_rank,
+                "decode_tp_size": layout.tp_size,
+                "heads": list(link.heads),
+                **layout.model_dims(),
+            }
+            link.dealer.send_multipart(wire.encode(msg))
 
-    def _on_message(self, peer: _Peer, msg: dict[str, Any], payload: memoryview | None) -> None:
+    def _on_message(self, peer: _Peer, rank: int, msg: dict[str, Any], payload: memoryview | None) -> None:
         kind, room = msg.get("type"), msg.get("room")
         state = self.rooms.get(room) if room is not None else None
         if kind == "kv":
-            assert peer.dealer is not None
-            peer.dealer.send_multipart(wire.encode({"type": "ack", "room": room}))
+            peer.links[rank].dealer.send_multipart(wire.encode({"type": "ack", "room": room}))
             if state is not None and state.status.poll() == KVPoll.Transferring:
-                state.payload = (msg, payload)
+                state.pieces[rank] = (msg, payload)
                 self.bytes_received += len(payload) if payload is not None else 0
-                state.status.advance(KVPoll.Success)
+                if len(state.pieces) == len(peer.links):  # every prefill rank's part is here
+                    state.status.advance(KVPoll.Success)
         elif kind == "fail" and state is not None:
             state.status.fail(
                 f"Failed on the prefill server: {msg.get('reason')}", msg.get("status_code", 503)
             )
 
-    def _on_monitor(self, peer: _Peer) -> None:
-        assert peer.monitor is not None
-        while peer.monitor is not None and peer.monitor.poll(0):
-            event = recv_monitor_message(peer.monitor)
+    def _on_monitor(self, peer: _Peer, monitor: zmq.Socket) -> None:
+        while monitor in self._owners and monitor.poll(0):
+            event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 host, port = peer.key
                 message = f"The prefill server (bootstrap {host}:{port}) disconnected during the KV transfer"
@@ -184,16 +220,18 @@ class DecodeTcpManager:
                 self._drop_peer(peer)
 
     def _drop_peer(self, peer: _Peer) -> None:
-        for sock in (peer.monitor, peer.dealer):
-            if sock is not None:
+        for link in peer.links:
+            for sock in (link.monitor, link.dealer):
+                self.poller.unregister(sock)
+                self._owners.pop(sock, None)
                 sock.close(linger=0)
-        peer.dealer = peer.monitor = None
+        peer.links = []
         self.peers.pop(peer.key, None)
 
     def _connect_pending(self) -> None:
         now = time.monotonic()
         for peer in list(self.peers.values()):
-            if peer.dealer is not None or peer.problem is not None or now < peer.next_try:
+            if peer.connected or peer.problem is not None or now < peer.next_try:
                 continue
             peer.pending_aborts = [a for a in peer.pending_aborts if a[2] > now]
             rooms = [self.rooms[r] for r in peer.rooms if r in self.rooms]
@@ -209,24 +247,25 @@ class DecodeTcpManager:
         host, port = peer.key
         try:
             info = _get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
-            rank = _get_json(f"http://{host}:{port}/route?engine_rank=0&target_dp_group=0")
-        except (OSError, ValueError) as exc:
+            ranks = [
+                _get_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group=0")
+                for r in range(int(info.get("tp_size", 1)))
+            ]
+        except (OSError, ValueError) as exc:  # not up yet, or not every prefill rank registered
             logger.debug("Bootstrap %s:%d not ready: %s", host, port, exc)
             return
-        if info.get("page_size") != self.page_size or info.get("kv_cache_dtype") != self.kv_cache_dtype:
-            peer.problem = (
-                f"KV layout mismatch: the prefill server (bootstrap {host}:{port}) has page_size "
-                f"{info.get('page_size')} and KV dtype {info.get('kv_cache_dtype')}, this decode server "
-                f"page_size {self.page_size} and {self.kv_cache_dtype}; they must match"
-            )
-            logger.error("%s", peer.problem)
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        peer.monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
-        peer.dealer = dealer
+        plan = self._plan(peer, info, ranks)
+        for r, rank in enumerate(ranks):
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
+            peer.links.append(_Link(dealer, monitor, plan[r]))
+            for sock, owner in ((dealer, r), (monitor, None)):
+                self.poller.register(sock, zmq.POLLIN)
+                self._owners[sock] = (peer, owner)
         for room, reason, _ in peer.pending_aborts:
-            dealer.send_multipart(_abort(room, reason))
+            self._send_all(peer, _abort(room, reason))
         peer.pending_aborts.clear()
         for room in peer.rooms:
             if room not in self.rooms:
@@ -236,6 +275,35 @@ class DecodeTcpManager:
             else:  # fail here, and let the prefill side see the mismatch from our init
                 self.rooms[room].status.fail(peer.problem, 500)
                 self._send_init(peer, room, 0)
+
+    def _plan(self, peer: _Peer, info: dict[str, Any], ranks: list[dict[str, Any]]) -> list[HeadRange]:
+        """The heads this rank takes from each prefill rank; sets peer.problem where the two
+        servers' KV cannot be matched (every prefill rank then gets an empty request)."""
+        host, port = peer.key
+        layout = self.layout
+        if info.get("page_size") != self.page_size or info.get("kv_cache_dtype") != self.kv_cache_dtype:
+            peer.problem = (
+                f"KV layout mismatch: the prefill server (bootstrap {host}:{port}) has page_size "
+                f"{info.get('page_size')} and KV dtype {info.get('kv_cache_dtype')}, this decode server "
+                f"page_size {self.page_size} and {self.kv_cache_dtype}; they must match"
+            )
+        else:
+            peer.problem = layout.model_mismatch(info, f"prefill server (bootstrap {host}:{port})")
+        if peer.problem is None:
+            default = (0, layout.num_kv_heads)
+            held = [
+                (int(r.get("kv_head_start", default[0])), int(r.get("kv_head_stop", default[1])))
+                for r in ranks
+            ]
+            try:
+                return pull_plan(layout.heads, held)
+            except ValueError as exc:
+                peer.problem = (
+                    f"KV heads cannot be matched between the prefill server's --tp-size "
+                    f"{info.get('tp_size')} and this decode server's --tp-size {layout.tp_size}: {exc}"
+                )
+        logger.error("%s", peer.problem)
+        return [(layout.heads[0], layout.heads[0])] * len(ranks)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
@@ -254,8 +322,8 @@ class DecodeTcpManager:
             if state.status.fail(message):
                 logger.warning("Room %d: %s", room, message)
                 peer = self.peers.get(state.peer)
-                if peer is not None and peer.dealer is not None:
-                    peer.dealer.send_multipart(_abort(room, message))
+                if peer is not None and peer.connected:
+                    self._send_all(peer, _abort(room, message))
 
 
 def _abort(room: int, reason: str) -> wire.MsgFrames:
@@ -286,9 +354,11 @@ class TcpReceiver:
         if self.status.advance(KVPoll.Transferring):
             self.manager.command("init", self.room, num_tokens)
 
-    def result(self) -> tuple[dict[str, Any], memoryview | None]:
-        assert self.state.payload is not None, "result() before Success"
-        return self.state.payload
+    def result(self) -> KVResult:
+        pieces = self.state.pieces
+        assert self.status.poll() == KVPoll.Success and pieces, "result() before Success"
+        first = pieces[min(pieces)][0]  # every prefill rank sampled the same first token
+        return first, [(msg, data) for msg, data in pieces.values() if data is not None]
 
     def abort(self, reason: str) -> None:
         if self.owner and self.status.fail(reason, ABORTED_STATUS):

@@ -3,7 +3,9 @@ DEALER connects to, served by one I/O thread.
 
 The scheduler thread only creates senders and queues commands (an inproc PUSH the I/O thread
 reads); the I/O thread owns the ROUTER, updates each room's TransferStatus and enforces the
-timeouts. A decode server that goes away is noticed by ROUTER_MANDATORY: a send or a liveness ping
+timeouts. Each prefill rank runs one; every decode rank of the peer sends it an init per room
+(naming the KV heads it wants from this rank, heads.py) and gets one kv message back: the room
+is WaitingForInput once all the decode ranks' inits arrived, Success once all acknowledged. A decode server that goes away is noticed by ROUTER_MANDATORY: a send or a liveness ping
 to its identity fails with EHOSTUNREACH once ZMQ saw the TCP connection close.
 """
 
@@ -18,10 +20,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import zmq
 
 from radixserve.disaggregation import wire
+from radixserve.disaggregation.backend import GatherKV
+from radixserve.disaggregation.heads import KVLayout
 from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -30,10 +33,20 @@ _ids = itertools.count()
 
 
 @dataclass
+class _Target:
+    """One decode rank of a room: its DEALER and the KV heads it takes from this rank."""
+
+    identity: bytes
+    heads: tuple[int, int]
+    acked: bool = False
+
+
+@dataclass
 class _Room:
     status: TransferStatus
     claimed: bool = False  # a prefill request owns it (else only a decode side asked for it)
-    identity: bytes | None = None  # the decode DEALER that asked for this room
+    targets: dict[int, _Target] = field(default_factory=dict)  # decode tp rank -> its DEALER
+    decode_tp_size: int | None = None
     send_started: float = 0.0
     num_bytes: int = 0
     # A failed room nobody owns is kept this long, so a late init or request still learns why.
@@ -57,13 +70,11 @@ class TransferStats:
 
 
 class PrefillTcpManager:
-    def __init__(
-        self, bind_host: str, page_size: int, kv_cache_dtype: str, timeout_s: float, tp_size: int = 1
-    ) -> None:
-        self.page_size = page_size
-        self.kv_cache_dtype = kv_cache_dtype
+    def __init__(self, bind_host: str, layout: KVLayout, timeout_s: float) -> None:
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.kv_cache_dtype = layout.kv_cache_dtype
         self.timeout_s = timeout_s
-        self.tp_size = tp_size
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -85,18 +96,22 @@ class PrefillTcpManager:
         self.thread.start()
 
     # ------------------------------------------------------------------ scheduler thread
-    def register(self, bootstrap_host: str, bootstrap_port: int, engine_rank: int = 0) -> None:
-        """PUT /route on the bootstrap server (retried briefly: it starts beside us)."""
+    def register(self, bootstrap_host: str, bootstrap_port: int) -> None:
+        """PUT /route on the bootstrap server (retried briefly: it starts beside us, in TP rank 0)."""
+        layout = self.layout
         body = json.dumps(
             {
                 "role": "Prefill",
                 "rank_ip": self.rank_ip,
                 "rank_port": self.rank_port,
-                "engine_rank": engine_rank,
-                "tp_size": self.tp_size,
+                "engine_rank": layout.tp_rank,
+                "tp_size": layout.tp_size,
                 "dp_size": 1,
                 "page_size": self.page_size,
                 "kv_cache_dtype": self.kv_cache_dtype,
+                "kv_head_start": layout.heads[0],
+                "kv_head_stop": layout.heads[1],
+                **layout.model_dims(),
             }
         ).encode()
         url = f"http://{bootstrap_host}:{bootstrap_port}/route"
@@ -179,15 +194,17 @@ class PrefillTcpManager:
         if state is None:
             return
         if kind == "send":
-            meta, kv = cmd[2], payload
-            state.send_started, state.num_bytes = time.monotonic(), kv.nbytes
-            if state.identity is None or not self._send(state.identity, wire.encode(meta, kv)):
+            decode_rank, meta = cmd[2], cmd[3]
+            if not state.send_started:
+                state.send_started = time.monotonic()
+            state.num_bytes += payload.nbytes if payload is not None else 0
+            target = state.targets.get(decode_rank)
+            if target is None or not self._send(target.identity, wire.encode(meta, payload)):
                 state.status.fail("KV transfer failed: the decode server disconnected before it began")
         elif kind == "abort":
             reason = cmd[2]
             state.status.fail(reason, ABORTED_STATUS)
-            if state.identity is not None:
-                self._send(state.identity, wire.encode({"type": "fail", "room": room, "reason": reason}))
+            self._send_all(state, {"type": "fail", "room": room, "reason": reason})
 
     def _on_message(self, identity: bytes, msg: dict[str, Any], payload: bytes | None) -> None:
         kind, room = msg.get("type"), msg.get("room")
@@ -202,7 +219,12 @@ class PrefillTcpManager:
         state = self.rooms.get(room)
         if state is None:
             return
-        if kind == "ack" and state.status.advance(KVPoll.Success):
+        if kind != "ack":
+            return
+        for target in state.targets.values():
+            target.acked = target.acked or target.identity == identity
+        done = len(state.targets) == state.decode_tp_size and all(t.acked for t in state.targets.values())
+        if done and state.status.advance(KVPoll.Success):
             seconds = time.monotonic() - state.send_started
             stats = self.stats
             stats.num_transfers += 1
@@ -215,20 +237,31 @@ class PrefillTcpManager:
             state = self.rooms.get(room)
             if state is None:  # the decode side got here first: the room waits for its request
                 state = self.rooms[room] = _Room(TransferStatus(self.timeout_s))
-        if state.identity is not None and state.identity != identity:
+        decode_rank = int(msg.get("decode_rank", 0))
+        decode_tp_size = int(msg.get("decode_tp_size", 1))
+        target = state.targets.get(decode_rank)
+        if target is not None and target.identity != identity:
             self._send(identity, wire.encode(_fail(room, f"bootstrap_room {room} is already paired", 400)))
             return
-        state.identity = identity
-        problem = self._mismatch(msg)
+        heads = msg.get("heads")
+        state.targets[decode_rank] = _Target(identity, tuple(heads) if heads else self.layout.heads)
+        problem = self._mismatch(msg, state.targets[decode_rank].heads)
+        if state.decode_tp_size is not None and state.decode_tp_size != decode_tp_size:
+            problem = f"room {room}'s decode ranks disagree on their TP size"
+        state.decode_tp_size = decode_tp_size
         if problem is not None:
             state.status.fail(problem, 500)
             self._send(identity, wire.encode(_fail(room, problem, 500)))
         elif state.status.poll() == KVPoll.Failed:
             self._send(identity, wire.encode(_fail(room, state.status.error or "failed on prefill", 503)))
-        else:
+        elif len(state.targets) == decode_tp_size:  # every decode rank allocated
             state.status.advance(KVPoll.WaitingForInput)
 
-    def _mismatch(self, msg: dict[str, Any]) -> str | None:
+    def _send_all(self, state: _Room, msg: dict[str, Any]) -> None:
+        for target in list(state.targets.values()):
+            self._send(target.identity, wire.encode(msg))
+
+    def _mismatch(self, msg: dict[str, Any], heads: tuple[int, int]) -> str | None:
         if msg.get("page_size") != self.page_size:
             return (
                 f"KV page size mismatch: the prefill server has --page-size {self.page_size}, the "
@@ -239,7 +272,13 @@ class PrefillTcpManager:
                 f"KV cache dtype mismatch: prefill {self.kv_cache_dtype}, decode "
                 f"{msg.get('kv_cache_dtype')}; they must match"
             )
-        return None
+        mine = self.layout.heads
+        if heads[0] < heads[1] and not (mine[0] <= heads[0] and heads[1] <= mine[1]):
+            return (
+                f"decode rank {msg.get('decode_rank')} asked prefill rank {self.layout.tp_rank} for "
+                f"KV heads [{heads[0]}, {heads[1]}); it holds [{mine[0]}, {mine[1]})"
+            )
+        return self.layout.model_mismatch(msg, "decode server")
 
     def _check_rooms(self) -> None:
         now = time.monotonic()
@@ -258,10 +297,8 @@ class PrefillTcpManager:
                 continue
             if state.status.expired(now):
                 self._expire(room, state, status)
-            elif (
-                ping
-                and state.identity is not None
-                and not self._send(state.identity, wire.encode({"type": "ping"}))
+            elif ping and not all(
+                self._send(t.identity, wire.encode({"type": "ping"})) for t in list(state.targets.values())
             ):
                 state.status.fail("The decode server disconnected; its KV transfer was abandoned")
 
@@ -273,8 +310,8 @@ class PrefillTcpManager:
         else:
             what = f"the decode server did not acknowledge room {room}'s KV"
         message = f"Disaggregation bootstrap timeout ({self.timeout_s:g} s): {what}"
-        if state.status.fail(message) and state.identity is not None:
-            self._send(state.identity, wire.encode(_fail(room, message, 503)))
+        if state.status.fail(message):
+            self._send_all(state, _fail(room, message, 503))
         logger.warning("%s", message)
 
 
@@ -293,10 +330,19 @@ class TcpSender:
     def poll(self) -> KVPoll:
         return self.status.poll()
 
-    def send(self, kv: torch.Tensor, meta: dict[str, Any]) -> None:
+    def send(self, meta: dict[str, Any], gather: GatherKV) -> None:
+        """One kv message per decode rank: the heads it asked this rank for (maybe none)."""
         self.status.advance(KVPoll.Transferring)
-        msg = {"type": "kv", "room": self.room, **meta}
-        self.manager.command("send", self.room, msg, payload=wire.kv_to_bytes(kv))
+        layout = self.manager.layout
+        for decode_rank, target in sorted(self.state.targets.items()):
+            a, b = target.heads
+            msg = {"type": "kv", "room": self.room, "prefill_rank": layout.tp_rank, "heads": [a, b], **meta}
+            payload = None
+            if a < b:
+                kv = gather((a - layout.heads[0], b - layout.heads[0]))
+                msg.update(shape=list(kv.shape), dtype=wire.dtype_name(kv.dtype))
+                payload = wire.kv_to_bytes(kv)
+            self.manager.command("send", self.room, decode_rank, msg, payload=payload)
 
     def abort(self, reason: str) -> None:
         if self.owner:

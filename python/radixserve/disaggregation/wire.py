@@ -3,12 +3,17 @@
 Every message is a multipart ZMQ message: a pickled dict (frame 0) and, for "kv", the raw KV bytes
 (frame 1). The dict's "type" is one of:
 
-  decode -> prefill: init {room, page_size, kv_cache_dtype, num_tokens}   my pages are allocated
+  decode -> prefill: init {room, page_size, kv_cache_dtype, num_tokens,    my pages are allocated;
+                          decode_rank, decode_tp_size, heads}              send me KV heads [a, b)
                      abort {room, reason}                                  drop this room
                      ack {room}                                            the KV arrived
-  prefill -> decode: kv {room, num_tokens, dtype, shape, first_token, ...} frame 1: K and V
+  prefill -> decode: kv {room, prefill_rank, heads, num_tokens, dtype,    frame 1 (when heads is
+                        shape, first_token, ...}                           not empty): K and V
                      fail {room, reason, status_code}                     this room failed
                      ping {}                                              liveness probe
+
+Every decode rank sends an init to every prefill rank of its peer and gets one kv message from
+each (heads.py says which heads each carries).
 """
 
 from __future__ import annotations
@@ -48,19 +53,23 @@ def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
     return msg, (payload.buffer if hasattr(payload, "buffer") else memoryview(payload))
 
 
-def gather_kv(pool: MHATokenToKVPool, slots: torch.Tensor) -> torch.Tensor:
-    """[2, num_layers, n, heads, head_dim] copy of the K and V of `slots` (contiguous, on CPU).
+def gather_kv(
+    pool: MHATokenToKVPool, slots: torch.Tensor, heads: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """[2, num_layers, n, heads, head_dim] copy of the K and V of `slots` (contiguous, on CPU),
+    of this pool's local KV heads [a, b) (all of them by default).
 
     Each layer's rows are selected straight into their place in one buffer: a prompt's KV is
     copied once (then moved to the host if the pool is not there), not once per stack."""
     slots = slots.to(device=pool.device, dtype=torch.int64)
     first = pool.k_buffer[0]
+    a, b = heads if heads is not None else (0, first.shape[1])
     out = torch.empty(
-        (2, pool.num_layers, slots.numel(), *first.shape[1:]), dtype=first.dtype, device=first.device
+        (2, pool.num_layers, slots.numel(), b - a, *first.shape[2:]), dtype=first.dtype, device=first.device
     )
     for layer in range(pool.num_layers):
-        torch.index_select(pool.k_buffer[layer], 0, slots, out=out[0, layer])
-        torch.index_select(pool.v_buffer[layer], 0, slots, out=out[1, layer])
+        torch.index_select(pool.k_buffer[layer][:, a:b], 0, slots, out=out[0, layer])
+        torch.index_select(pool.v_buffer[layer][:, a:b], 0, slots, out=out[1, layer])
     return out.to("cpu")
 
 
@@ -69,21 +78,39 @@ def kv_to_bytes(kv: torch.Tensor) -> memoryview:
 
 
 def scatter_kv(
-    pool: MHATokenToKVPool, slots: torch.Tensor, data: bytes, shape: list[int], dtype: str
+    pool: MHATokenToKVPool,
+    slots: torch.Tensor,
+    data: bytes,
+    shape: list[int],
+    dtype: str,
+    head_start: int = 0,
 ) -> None:
-    """Write received K and V (as made by gather_kv) into this pool's `slots`."""
+    """Write received K and V (as made by gather_kv) into this pool's `slots`, its heads into
+    the local heads starting at `head_start`."""
     torch_dtype = getattr(torch, dtype)
     with warnings.catch_warnings():
         # A ZMQ frame is read-only and torch warns about it; this tensor is only read from, so
         # it wraps the frame as it is rather than copying the whole payload to make it writable.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         kv = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype).view(*shape)
-    if kv.shape[0] != 2 or kv.shape[1] != pool.num_layers or kv.shape[2] != slots.numel():
-        raise ValueError(f"KV of shape {list(kv.shape)} does not fit {slots.numel()} slots here")
+    head_stop = head_start + kv.shape[3]
+    if (
+        kv.shape[0] != 2
+        or kv.shape[1] != pool.num_layers
+        or kv.shape[2] != slots.numel()
+        or head_stop > pool.k_buffer[0].shape[1]
+        or list(kv.shape[4:]) != list(pool.k_buffer[0].shape[2:])
+    ):
+        raise ValueError(
+            f"KV of shape {list(kv.shape)} does not fit {slots.numel()} slots of local heads "
+            f"[{head_start}, {head_stop}) here"
+        )
     slots = slots.to(device=pool.device, dtype=torch.int64)
     for layer in range(pool.num_layers):
-        pool.k_buffer[layer].index_copy_(0, slots, kv[0, layer].to(pool.device, pool.dtype))
-        pool.v_buffer[layer].index_copy_(0, slots, kv[1, layer].to(pool.device, pool.dtype))
+        k = pool.k_buffer[layer][:, head_start:head_stop]
+        v = pool.v_buffer[layer][:, head_start:head_stop]
+        k.index_copy_(0, slots, kv[0, layer].to(pool.device, pool.dtype))
+        v.index_copy_(0, slots, kv[1, layer].to(pool.device, pool.dtype))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

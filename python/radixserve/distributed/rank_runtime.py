@@ -38,6 +38,10 @@ class RankSync(Protocol):
         """Element-wise OR of `flags` over every rank."""
         ...
 
+    def min_each(self, values: list[int]) -> list[int]:
+        """Element-wise MIN of `values` over every rank (e.g. KV transfer statuses)."""
+        ...
+
     def gather(self, obj: object) -> list[object]:
         """Every rank's `obj`, in rank order (for reports, e.g. each rank's KV pool)."""
         ...
@@ -51,6 +55,9 @@ class LocalSync:
 
     def any_rank(self, flags: list[bool]) -> list[bool]:
         return list(flags)
+
+    def min_each(self, values: list[int]) -> list[int]:
+        return list(values)
 
     def gather(self, obj: object) -> list[object]:
         return [obj]
@@ -123,6 +130,9 @@ class RankRuntime:
     def any_rank(self, flags: list[bool]) -> list[bool]:
         values = all_reduce_ints([int(f) for f in flags], dist.ReduceOp.MAX, self.groups.world_cpu)
         return [bool(v) for v in values]
+
+    def min_each(self, values: list[int]) -> list[int]:
+        return all_reduce_ints(values, dist.ReduceOp.MIN, self.groups.world_cpu)
 
     def gather(self, obj: object) -> list[object]:
         everyone: list[object] = [None] * self.layout.world_size
