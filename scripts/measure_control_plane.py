@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import glob
+import io
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,29 @@ def timed(what: str, engine: Engine, call: Callable[[], Any]) -> None:
     print(f"{what}: {time.perf_counter() - start:.2f} s, scheduler RSS {rss_mib(engine)} MiB, {result}")
 
 
+def sglang_bucket(tensors: dict[str, Any]) -> tuple[bytes, Any]:
+    """SGLang's flattened bucket of every tensor, serialized as its MultiprocessingSerializer does
+    (ForkingPickler: the bucket travels as a shared-memory handle, not as its bytes), and the
+    bucket, which the sender keeps alive until the update is answered."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    import torch.multiprocessing  # noqa: F401 - torch's reductions for ForkingPickler
+
+    from radixserve.model_executor.tensor_payload import FlattenedTensorMetadata
+
+    flats, metadata, at = [], [], 0
+    for name, t in tensors.items():
+        flat = t.contiguous().flatten().view(torch.uint8)
+        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at, at + flat.numel(), flat.numel()))
+        flats.append(flat)
+        at += flat.numel()
+    bucket = {"flattened_tensor": torch.cat(flats), "metadata": metadata}
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(bucket)
+    return buf.getvalue(), bucket
+
+
 def main() -> None:
     from safetensors.torch import load_file
 
@@ -50,6 +74,16 @@ def main() -> None:
             "update_weights_from_tensor (all)",
             engine,
             lambda: engine.update_weights_from_tensor(list(tensors.items()))[0],
+        )
+
+        def update_from_bucket() -> bool:
+            payload, _bucket = sglang_bucket(tensors)  # _bucket: alive until the answer
+            return engine.update_weights_from_tensor([payload], load_format="flattened_bucket")[0]
+
+        timed(
+            "update_weights_from_tensor (all, SGLang flattened bucket over shared memory)",
+            engine,
+            update_from_bucket,
         )
         print("same greedy after updates:", engine.generate(PROMPT, GREEDY)["output_ids"] == reference)
 

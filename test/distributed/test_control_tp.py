@@ -1,6 +1,7 @@
 """The control plane at tensor parallelism 2 (two scheduler ranks over gloo): every rank applies a
 weight update to its shard (or every rank keeps the old weights), the reply is agreed over the
-ranks, and memory release / resume and pause / continue act on both ranks alike."""
+ranks, get_weights_by_name gathers the full tensor from both ranks' shards (the same answer as a
+single rank's), and memory release / resume and pause / continue act on both ranks alike."""
 
 from __future__ import annotations
 
@@ -49,8 +50,23 @@ def test_weight_updates_memory_and_pause_at_tp2(tmp_path) -> None:
         ok, message = engine.update_weights_from_tensor(list(hf_a.state_dict().items()), weight_version="a")
         assert ok, message
         assert greedy() == want_a
-        with pytest.raises(ValueError, match="several ranks"):
-            engine.get_weights_by_name("model.norm.weight")
+        # Read back from both ranks: the full tensors (rows gathered from both ranks' shards,
+        # columns of the row-parallel o_proj / down_proj, the padded vocabulary cut off), and
+        # the first rows only when truncated, also across the shards' boundary.
+        sd = hf_a.state_dict()
+        tp2 = {name: engine.get_weights_by_name(name, truncate_size=10**6) for name in sd}
+        for name, value in tp2.items():
+            assert torch.equal(torch.tensor(value), sd[name].float()), name
+        cuts = (
+            ("model.embed_tokens.weight", 3),
+            ("lm_head.weight", 200),  # 194 vocabulary rows per rank
+            ("model.layers.0.mlp.gate_proj.weight", 70),  # 64 rows per rank
+            ("model.layers.1.self_attn.q_proj.weight", 40),  # 32 rows per rank
+        )
+        for name, rows in cuts:
+            assert torch.equal(torch.tensor(engine.get_weights_by_name(name, rows)), sd[name][:rows]), name
+        with pytest.raises(ValueError, match="no weight named"):
+            engine.get_weights_by_name("model.layers.0.mlp.nope.weight")
 
         ok, message = engine.release_memory_occupation()
         assert ok, message
@@ -79,3 +95,8 @@ def test_weight_updates_memory_and_pause_at_tp2(tmp_path) -> None:
         assert engine.continue_generation()[0]
         thread.join(120)
         assert result["ids"] == hf_greedy(hf_b, PROMPT, 80)[0]
+
+    # The same answers from a single rank holding checkpoint A whole.
+    with Engine(model_path=str(a), max_total_tokens=4096, log_level="warning") as engine:
+        for name, value in tp2.items():
+            assert engine.get_weights_by_name(name, truncate_size=10**6) == value, name

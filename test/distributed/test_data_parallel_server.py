@@ -1,7 +1,8 @@
 """--dp-size 2 over HTTP (real processes, tiny random model and the built-in model): greedy parity
 with one replica, /get_server_info's internal_states and /get_load per replica, routed_dp_rank,
 dp_rank metric labels, flush_cache on both replicas, abort_all after a mixed load with both
-replicas' KV pools whole again, and a killed replica ending the server with nothing left hanging."""
+replicas' KV pools whole again, a session's turns served by one replica from its radix cache, and
+a killed replica ending the server with nothing left hanging."""
 
 from __future__ import annotations
 
@@ -264,3 +265,29 @@ def test_builtin_model_at_dp2_matches_one_replica(builtin_model_path: str) -> No
     finally:
         for server in servers.values():
             server.stop()
+
+
+def test_a_sessions_turns_stay_on_one_replica_and_hit_its_cache(tiny: dict[str, Server]) -> None:
+    """round_robin would alternate the turns between the replicas; a session's turns all go to
+    the replica its id hashes to, whose radix cache holds the history."""
+    url = tiny["dp2"].url
+    sid = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": 4096}, timeout=30).json()
+    before = [s["cache_query_tokens"] for s in _states(url)]
+    greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    turns = (list(range(200, 230)), list(range(300, 320)), list(range(330, 345)))
+    history, cached, previous = 0, [], None
+    for i, ids in enumerate(turns):
+        rid = f"{sid}-{i}"
+        params = {"id": sid} if previous is None else {"id": sid, "rid": previous}
+        body = {"input_ids": ids, "sampling_params": greedy, "rid": rid, "session_params": params}
+        resp = _generate(url, body)
+        assert resp.status_code == 200, resp.text
+        cached.append(resp.json()["meta_info"]["cached_tokens"])
+        if i:  # the whole history hit, cut to a page (--page-size 16)
+            assert history - 16 < cached[-1] <= history - 1, (i, history, cached)
+        history += len(ids) + greedy["max_new_tokens"]
+        previous = rid
+    assert cached[0] == 0 and cached[0] < cached[1] < cached[2]
+    after = [s["cache_query_tokens"] for s in _states(url)]
+    assert sum(a != b for a, b in zip(after, before)) == 1, (before, after)  # one replica served them all
+    assert httpx.post(f"{url}/close_session", json={"session_id": sid}, timeout=30).status_code == 200

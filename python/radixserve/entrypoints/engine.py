@@ -22,8 +22,8 @@ from radixserve.managers.control_client import ControlClient
 from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
+from radixserve.model_executor.tensor_payload import serialize_named_tensors
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.scheduler.weight_control import serialize_named_tensors
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs
 
@@ -146,10 +146,15 @@ class Engine:
         abort_all_requests: bool = False,
         weight_version: str | None = None,
     ) -> tuple[bool, str]:
-        """Full (unsharded) tensors by checkpoint name; every TP rank takes its shard."""
-        data = serialize_named_tensors(named_tensors, as_text=False)
+        """Full (unsharded) tensors by checkpoint name; every TP rank takes its shard. As in
+        SGLang, with load_format 'flattened_bucket' `named_tensors` is already the list of
+        serialized entries, one per TP rank (docs/rl.md)."""
+        if load_format == "flattened_bucket":
+            entries = list(named_tensors)
+        else:
+            entries = [serialize_named_tensors(named_tensors, as_text=False)]
         msg = io.UpdateWeightsFromTensorReqInput(
-            [data], load_format, flush_cache, abort_all_requests, weight_version
+            entries, load_format, flush_cache, abort_all_requests, weight_version
         )
         out = self._run(self._ctl.update_weights_from_tensor(msg))
         return out.success, out.message

@@ -72,8 +72,10 @@ class UpdateWeightFromDiskReqOutput:
 
 @dataclass(frozen=True, slots=True)
 class UpdateWeightsFromTensorReqInput:
-    """Tensors as SGLang's RL frameworks send them: one serialized list of (name, tensor) per TP
-    rank (`serialized_named_tensors[tp_rank]`), bytes or base64 text (docs/rl.md)."""
+    """Tensors as SGLang's RL frameworks send them: one serialized payload per TP rank
+    (`serialized_named_tensors[tp_rank]`), bytes or base64 text, in SGLang's
+    MultiprocessingSerializer encoding or radixserve's torch.save one; `load_format` None,
+    "direct" or "flattened_bucket" (model_executor/tensor_payload.py, docs/rl.md)."""
 
     serialized_named_tensors: list[bytes | str]
     load_format: str | None = None
@@ -142,7 +144,7 @@ class GetWeightsByNameReqInput:
 
 @dataclass(frozen=True, slots=True)
 class GetWeightsByNameReqOutput:
-    parameter: list[Any] | None  # the tensor as nested lists, first `truncate_size` rows
+    parameter: list[Any] | None  # the full tensor's first `truncate_size` rows, as nested lists
     success: bool = True
     message: str = ""
 

@@ -1,5 +1,6 @@
 """Changing a loaded model's weights in place: updates for RL (from disk, from tensors, from a
-trainer's broadcast), reading one back, and releasing / restoring weights and the KV pool.
+trainer's broadcast) and releasing / restoring weights and the KV pool (reading one back:
+weight_read.py).
 
 Updates are transactional: every parameter an update touches is copied aside first, and any
 failure (an unknown name, a shape the config does not imply, an unreadable file) puts the copies
@@ -49,6 +50,15 @@ def _trim_heap() -> None:
         pass
 
 
+def _check_tensor(name: str, tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise WeightUpdateError(f"Weight {name!r} is a {type(tensor).__name__}, not a tensor.")
+    if not tensor.is_floating_point():
+        raise WeightUpdateError(
+            f"Weight {name!r} has dtype {tensor.dtype}; the model's weights are floating point."
+        )
+
+
 class ModelWeights:
     """The weight operations of one rank's ModelRunner (`runner`)."""
 
@@ -87,13 +97,32 @@ class ModelWeights:
         """Load a subset of the weights from in-memory tensors (checkpoint names)."""
         named = list(named)
         for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                raise WeightUpdateError(f"Weight {name!r} is a {type(tensor).__name__}, not a tensor.")
-            if not tensor.is_floating_point():
-                raise WeightUpdateError(
-                    f"Weight {name!r} has dtype {tensor.dtype}; the model's weights are floating point."
-                )
+            _check_tensor(name, tensor)
         self._load([(n, CheckpointTensor.of(n, t.detach().cpu())) for n, t in named], require_all=False)
+
+    def update_direct(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """SGLang's load_format 'direct': tensors by the model's own parameter names (fused
+        qkv_proj / gate_up_proj, this rank's shard), copied as they are. Everything is checked
+        before the first copy, so a refusal changes nothing."""
+        named = list(named)
+        params = dict(self.model.named_parameters())
+        for name, tensor in named:
+            _check_tensor(name, tensor)
+            if name not in params:
+                raise WeightUpdateError(
+                    f"The model has no parameter named {name!r} (load_format 'direct' takes the "
+                    f"server's own parameter names, e.g. {next(iter(params))!r})."
+                )
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise WeightUpdateError(
+                    f"Shape mismatch for {name}: this rank's parameter is {tuple(params[name].shape)}, "
+                    f"the tensor {tuple(tensor.shape)}."
+                )
+        with torch.no_grad():
+            for name, tensor in named:
+                params[name].data.copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+        self.rebuild_derived()
+        _trim_heap()
 
     def _check_architecture(self, model_path: str) -> None:
         config_file = os.path.join(model_path, "config.json")
@@ -164,37 +193,6 @@ class ModelWeights:
     def _linears(self) -> list[Linear]:
         roots = [m for m in (self.runner.model, self.runner.lm_head) if m is not None]
         return [m for root in roots for m in root.modules() if isinstance(m, Linear)]
-
-    # ------------------------------------------------------------------ reading
-    def get_by_name(self, name: str, truncate_size: int) -> torch.Tensor:
-        """This rank's copy of checkpoint weight `name` (its part of a fused parameter), the first
-        `truncate_size` rows."""
-        params = dict(self.model.named_parameters())
-        if name in params:
-            tensor = params[name].detach()
-        else:
-            targets = self.model.param_targets(name)
-            if not targets or targets[0] not in params:
-                raise WeightUpdateError(f"The model has no weight named {name!r}.")
-            tensor = self._unfuse(name, targets[0], params[targets[0]].detach())
-        if tensor.numel() == 0:
-            raise WeightUpdateError("The weights are released (/resume_memory_occupation restores them).")
-        return tensor[: max(truncate_size, 0)] if tensor.dim() else tensor
-
-    def _unfuse(self, name: str, target: str, fused: torch.Tensor) -> torch.Tensor:
-        from radixserve.models.llama import _fused_target
-
-        owner = self.model.get_submodule(target.rpartition(".")[0])
-        shard = _fused_target(name)[1]
-        if shard in ("q", "k", "v"):
-            q, kv = owner.q_size, owner.kv_size
-            start = {"q": 0, "k": q, "v": q + kv}[shard]
-            return fused[start : start + (q if shard == "q" else kv)]
-        if isinstance(shard, int):
-            half = fused.shape[0] // 2
-            return fused[shard * half : (shard + 1) * half]
-        vocab = getattr(owner, "num_valid_rows", None)
-        return fused[:vocab] if vocab is not None else fused
 
     # ------------------------------------------------------------------ release / resume
     def release_weights(self) -> None:

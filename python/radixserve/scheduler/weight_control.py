@@ -12,8 +12,6 @@ true): its KV was computed with the old weights.
 
 from __future__ import annotations
 
-import base64
-import io
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +31,16 @@ from radixserve.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
+from radixserve.model_executor.tensor_payload import decode_entry, serialize_named_tensors
+from radixserve.model_executor.weight_read import WeightReadError, assemble, read_piece
 from radixserve.model_executor.weight_sync import WeightUpdateError
 
 if TYPE_CHECKING:
     from radixserve.scheduler.control_plane import ControlPlane
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["WeightControl", "parse_dtype", "serialize_named_tensors"]  # the last: docs/rl.md's import
 
 # Largest tensor a trainer may announce for one broadcast (elements), so a typo in `shapes`
 # cannot make the server allocate terabytes.
@@ -57,28 +59,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if key not in _DTYPES:
         raise WeightUpdateError(f"Unsupported dtype {name!r}: use one of {sorted(_DTYPES)}.")
     return _DTYPES[key]
-
-
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], as_text: bool = True) -> str | bytes:
-    """One rank's entry of `serialized_named_tensors`: torch.save'd (name, tensor) pairs, as
-    base64 text (HTTP: safe for JSON) or raw bytes (the Engine: a third less to copy)."""
-    buf = io.BytesIO()
-    torch.save([(n, t.detach().cpu().contiguous()) for n, t in named], buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii") if as_text else buf.getvalue()
-
-
-def deserialize_named_tensors(data: bytes | str) -> list[tuple[str, torch.Tensor]]:
-    """The inverse of serialize_named_tensors; tensors and plain containers only (weights_only)."""
-    try:
-        raw = base64.b64decode(data, validate=True) if isinstance(data, str) else data
-        named = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:  # a malformed payload, whatever the decoder's complaint
-        raise WeightUpdateError(f"serialized_named_tensors cannot be decoded: {exc}") from exc
-    if not isinstance(named, (list, tuple)) or not all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in named
-    ):
-        raise WeightUpdateError("serialized_named_tensors must hold a list of (name, tensor) pairs.")
-    return [(str(n), t) for n, t in named]
 
 
 class WeightControl:
@@ -159,10 +139,14 @@ class WeightControl:
             entries = msg.serialized_named_tensors
             if not entries:
                 raise WeightUpdateError("serialized_named_tensors is empty.")
-            # One entry per TP rank; a single entry serves every rank (full tensors, each rank
-            # takes its shard).
+            # One entry per TP rank (SGLang's layout); a single entry serves every rank when it
+            # can be read more than once (radixserve's torch.save, SGLang's with file_system).
             data = entries[rank] if len(entries) > rank else entries[0]
-            self._weights().update_from_tensors(deserialize_named_tensors(data))
+            payload = decode_entry(data, msg.load_format, rank)
+            if payload.direct:
+                self._weights().update_direct(payload.named)
+            else:
+                self._weights().update_from_tensors(payload.named)
 
         ok, message = self._run_update("from tensors", update, msg.flush_cache, msg.weight_version)
         return UpdateWeightsFromTensorReqOutput(ok, message, self.weight_version if ok else None)
@@ -234,16 +218,23 @@ class WeightControl:
 
     # ------------------------------------------------------------------ reading
     def get_weights_by_name(self, msg: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        """The first `truncate_size` rows of the full checkpoint tensor: every rank reads its part
+        (TP shards, the PP stage holding it) and the parts are gathered (weight_read.py)."""
+        piece, error = None, ""
         try:
             weights = self.control._weights()
             if weights is None:
-                raise WeightUpdateError("This worker cannot read weights.")
-            rank = getattr(self.s.worker, "rank", None)
-            if rank is not None and rank.layout.world_size > 1:
-                raise WeightUpdateError(
-                    "get_weights_by_name reads one rank's shard: not supported with several ranks."
-                )
-            tensor = weights.get_by_name(msg.name, msg.truncate_size)
-            return GetWeightsByNameReqOutput(tensor.float().tolist())
-        except WeightUpdateError as exc:
-            return GetWeightsByNameReqOutput(None, False, str(exc))
+                raise WeightReadError("This worker cannot read weights.")
+            piece = read_piece(weights.model, msg.name, msg.truncate_size)
+        except WeightReadError as exc:
+            error = str(exc)
+        gathered = self.s.sync.gather((piece, error))  # every rank takes part, in rank order
+        errors = [e for _, e in gathered if e]  # type: ignore[misc]
+        if errors:
+            return GetWeightsByNameReqOutput(None, False, str(errors[0]))
+        try:
+            tensor = assemble([p for p, _ in gathered], msg.truncate_size)  # type: ignore[misc]
+        except WeightReadError as exc:
+            message = f"The model has no weight named {msg.name!r} ({exc})."
+            return GetWeightsByNameReqOutput(None, False, message)
+        return GetWeightsByNameReqOutput(tensor.tolist())
