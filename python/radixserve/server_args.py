@@ -87,8 +87,8 @@ class ServerArgs:
         None,
         "Quantize the weights (SGLang's names). w8a8_int8: on CPU, the decoder layers' linear weights "
         "(QKV, o_proj, gate_up, down) are quantized at load to int8 with a scale per output channel, "
-        "and activations per token at run time, for int8 dot products (sgl-kernel). Embeddings and "
-        "the LM head stay fp32. Other SGLang names (awq, gptq, gguf, fp8, ...) are refused at start: "
+        "and activations per token at run time, for int8 dot products (sgl-kernel). The embedding "
+        "and the LM head stay fp32 (--cpu-fp16-weights then gives the LM head its fp16 copy). Other SGLang names (awq, gptq, gguf, fp8, ...) are refused at start: "
         "not implemented yet (docs/quantization.md). Default: none (fp32).",
     )
     context_length: int | None = _f(None, "Maximum context length; defaults to the model's.")
@@ -532,12 +532,6 @@ class ServerArgs:
                 f"--quantization {method} quantizes the fp32 model (bf16/fp16 checkpoints load as fp32 "
                 f"first): drop --dtype {self.dtype}"
             )
-        for flag, on in (
-            ("--cpu-fp16-weights", self.cpu_fp16_weights),
-            ("--cpu-bf16-gemm", self.cpu_bf16_gemm),
-        ):
-            if on:
-                raise ValueError(f"--quantization {method} and {flag} are two weight formats: pick one")
         if self.is_embedding:
             raise ValueError(
                 f"--quantization {method} applies to generation models for now: drop --is-embedding"

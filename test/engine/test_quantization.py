@@ -186,3 +186,17 @@ def test_builtin_model_quantized_agrees_with_fp32(builtin_model_path):
     # quantization gives (random text: agreement near 0, log-prob differences of several units).
     assert agreement >= 0.85, (agreement, mean_diff, max_diff)
     assert mean_diff < 0.15, (agreement, mean_diff, max_diff)
+
+
+@pytest.mark.skipif(not cpu_fused.ENABLED, reason="sgl_kernel._cpu not built (fp16 copies need it)")
+def test_fp16_weights_then_apply_to_the_lm_head_only(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    ref, fed = forced_logprobs(_worker(path), TINY_PROMPTS, steps=6)
+    worker = _worker(path, quantization="w8a8_int8", cpu_fp16_weights=True)
+    linears = _quantized_linears(worker)
+    assert len(linears) == 4 * worker.model_config.num_layers
+    assert all(layer.weight_f16 is None and layer.weight_packed is None for layer in linears)
+    assert worker.model_runner.lm_head.weight_f16 is not None
+    got, _ = forced_logprobs(worker, TINY_PROMPTS, steps=6, forced=fed)
+    agreement, mean_diff, _ = compare(ref, got, fed)
+    assert agreement >= 0.85 and mean_diff < 0.12, (agreement, mean_diff)  # the int8 bounds above

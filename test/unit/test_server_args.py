@@ -174,11 +174,6 @@ def test_grammar_backend_none_refuses_constrained_requests(make_harness):
         ({"quantization": "int8"}, "not a quantization method SGLang defines; supported here: w8a8_int8"),
         ({"quantization": "w8a8_int8", "device": "cuda"}, "CPU only"),
         ({"quantization": "w8a8_int8", "dtype": "bfloat16"}, "drop --dtype bfloat16"),
-        (
-            {"quantization": "w8a8_int8", "cpu_fp16_weights": True},
-            "--cpu-fp16-weights are two weight formats",
-        ),
-        ({"quantization": "w8a8_int8", "cpu_bf16_gemm": True}, "--cpu-bf16-gemm are two weight formats"),
         ({"quantization": "w8a8_int8", "is_embedding": True}, "generation models"),
     ],
 )
