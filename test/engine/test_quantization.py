@@ -200,3 +200,10 @@ def test_fp16_weights_then_apply_to_the_lm_head_only(tiny_model_dir):
     got, _ = forced_logprobs(worker, TINY_PROMPTS, steps=6, forced=fed)
     agreement, mean_diff, _ = compare(ref, got, fed)
     assert agreement >= 0.85 and mean_diff < 0.12, (agreement, mean_diff)  # the int8 bounds above
+
+
+def test_classification_models_are_refused(tiny_embedding_dir):
+    # A *ForSequenceClassification checkpoint is detected from config.json (no --is-embedding for
+    # ServerArgs to refuse), so the model runner says it.
+    with pytest.raises(ValueError, match="generation models"):
+        _worker(str(tiny_embedding_dir("llama_cls")), quantization="w8a8_int8")
