@@ -181,11 +181,14 @@ def test_builtin_model_quantized_agrees_with_fp32(builtin_model_path):
         _worker(builtin_model_path, quantization="w8a8_int8"), prompts, steps=31, forced=fed
     )
     agreement, mean_diff, max_diff = compare(ref, got, fed)
-    # 4 prompts x 32 tokens, teacher-forced. The bounds sit below what was measured (see
-    # docs/quantization.md) with room for summation-order noise, and far from what a broken
-    # quantization gives (random text: agreement near 0, log-prob differences of several units).
+    # 4 prompts x 32 tokens, teacher-forced. Measured: 0.891 agreement (114 of 128), mean |logprob
+    # diff| 0.140, max 0.87 (the same with the fp16 LM head). Most of it is the per-token
+    # activation rounding: int8 weights with fp32 activations measured 0.977 / 0.036 / 0.32, and
+    # --cpu-fp16-weights 1.0 / 0.001. The bounds allow ~5 more flipped tokens and ~40% more
+    # log-prob error than measured; a broken quantization (a misplaced scale or row) produces
+    # unrelated text: agreement near 0, differences of several units.
     assert agreement >= 0.85, (agreement, mean_diff, max_diff)
-    assert mean_diff < 0.15, (agreement, mean_diff, max_diff)
+    assert mean_diff < 0.2, (agreement, mean_diff, max_diff)
 
 
 @pytest.mark.skipif(not cpu_fused.ENABLED, reason="sgl_kernel._cpu not built (fp16 copies need it)")
