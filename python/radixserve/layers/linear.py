@@ -48,8 +48,8 @@ F32_SMALL_MAX_TOKENS = 2
 # Without oneDNN: up to this many tokens sgl-kernel's fp32 small-M kernel beats torch's GEMM.
 SMALL_BATCH_MAX_TOKENS = 32
 # Quantized (w8a8_int8) decode batches up to this size run as the fused compiled call
-# (cpu_decode_runner.py); every size uses the same int8 kernel, so the bound only weighs the
-# Python overhead the call saves against ... (docs/quantization.md).
+# (cpu_decode_runner.py). Both paths run the same int8 kernel at every size, so the fused call
+# only saves Python overhead; the bound is fp16's, not tuned yet (docs/quantization.md).
 INT8_FUSED_MAX_TOKENS = 16
 
 
