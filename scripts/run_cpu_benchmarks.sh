@@ -27,8 +27,15 @@ fi
 RADIXSERVE_DISABLE_CPU_KERNELS=1 $PY -m radixserve.bench_one_batch --batch-size 1 64 --input-len 128 \
   --output-len 64 --server-args '{"disable_cpu_weight_prepack": true}' --result-file "$OUT/ablation.jsonl"
 
+echo "== --quantization w8a8_int8 vs fp32 (static batch 1 and 16; docs/quantization.md)"
+for cfg in '{}' '{"quantization": "w8a8_int8"}' '{"quantization": "w8a8_int8", "cpu_fp16_weights": true}'; do
+  $PY -m radixserve.bench_one_batch --batch-size 1 16 --input-len 128 --output-len 64 \
+    --server-args "$cfg" --result-file "$OUT/int8.jsonl"
+done
+
 echo "== sgl-kernel CPU kernels vs what they replace"
 $PY benchmark/bench_cpu_kernels.py
+$PY benchmark/bench_int8_linear.py
 $PY benchmark/bench_cpu_kernels.py --only extend
 
 echo "== scheduler CPU per step (null worker)"

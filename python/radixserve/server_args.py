@@ -29,6 +29,45 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
+# SGLang's --quantization names (its QUANTIZATION_CHOICES). Only SUPPORTED_QUANTIZATION is
+# implemented here; the others are refused at start with a message (docs/quantization.md).
+QUANTIZATION_METHODS = (
+    "awq",
+    "fp8",
+    "mxfp8",
+    "gptq",
+    "marlin",
+    "gptq_marlin",
+    "awq_marlin",
+    "bitsandbytes",
+    "gguf",
+    "modelopt",
+    "modelopt_fp8",
+    "modelopt_fp4",
+    "nvfp4_online",
+    "modelopt_mixed",
+    "petit_nvfp4",
+    "w8a8_int8",
+    "w8a8_fp8",
+    "moe_wna16",
+    "w4afp8",
+    "mxfp4",
+    "auto-round",
+    "auto-round-int8",
+    "compressed-tensors",
+    "modelslim",
+    "mxfp_w4a8",
+    "quark",
+    "quark_int4fp8_moe",
+    "quark_mxfp4",
+    "mlx_q4",
+    "mlx_q8",
+    "unquant",
+    "humming",
+)
+SUPPORTED_QUANTIZATION = ("w8a8_int8",)
+# SGLang's explicit "no quantization": accepted, and resolved to None.
+NO_QUANTIZATION = "unquant"
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -43,6 +82,14 @@ class ServerArgs:
     load_format: str = _f("auto", "Weight format: 'auto' (safetensors) or 'dummy' (random weights).")
     dtype: str = _f(
         "auto", "Model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."
+    )
+    quantization: str | None = _f(
+        None,
+        "Quantize the weights (SGLang's names). w8a8_int8: on CPU, the decoder layers' linear weights "
+        "(QKV, o_proj, gate_up, down) are quantized at load to int8 with a scale per output channel, "
+        "and activations per token at run time, for int8 dot products (sgl-kernel). The embedding "
+        "and the LM head stay fp32 (--cpu-fp16-weights then gives the LM head its fp16 copy). Other SGLang names (awq, gptq, gguf, fp8, ...) are refused at start: "
+        "not implemented yet (docs/quantization.md). Default: none (fp32).",
     )
     context_length: int | None = _f(None, "Maximum context length; defaults to the model's.")
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
@@ -359,6 +406,8 @@ class ServerArgs:
             updates["cpu_threads"] = os.cpu_count() or 1
         if self.speculative_algorithm is not None:
             updates.update(self._speculative_updates(device))
+        if self.quantization == NO_QUANTIZATION:
+            updates["quantization"] = None
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
@@ -431,6 +480,7 @@ class ServerArgs:
                 f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         _check_grammar_backend(self.grammar_backend)
+        self._validate_quantization()
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
         self._validate_speculative()
@@ -457,6 +507,34 @@ class ServerArgs:
             raise ValueError(
                 f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size "
                 f"({self.page_size}), or -1 to disable chunking"
+            )
+
+    def _validate_quantization(self) -> None:
+        method = self.quantization
+        if method is None:
+            return
+        supported = ", ".join(SUPPORTED_QUANTIZATION)
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"--quantization {method!r} is not a quantization method SGLang defines; supported "
+                f"here: {supported} (docs/quantization.md)"
+            )
+        if method not in SUPPORTED_QUANTIZATION:
+            raise ValueError(
+                f"--quantization {method} is not supported by radixserve yet; supported: {supported} "
+                "(on-the-fly int8 quantization of an fp32/bf16/fp16 checkpoint on CPU; "
+                "docs/quantization.md)"
+            )
+        if self.device != "cpu":
+            raise ValueError(f"--quantization {method} runs on CPU only for now (got --device {self.device})")
+        if self.dtype not in ("auto", "float32", "float"):
+            raise ValueError(
+                f"--quantization {method} quantizes the fp32 model (bf16/fp16 checkpoints load as fp32 "
+                f"first): drop --dtype {self.dtype}"
+            )
+        if self.is_embedding:
+            raise ValueError(
+                f"--quantization {method} applies to generation models for now: drop --is-embedding"
             )
 
     def _validate_dp(self) -> None:

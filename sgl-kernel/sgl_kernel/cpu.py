@@ -151,6 +151,33 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return _lib().linear_f32(x, weight, bias)
 
 
+_INT8_ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+
+
+def linear_int8_isas() -> list[str]:
+    """The code paths `linear_int8` can be forced onto in this build ("scalar" always, "avx2",
+    "avx512" for AVX-512 VNNI); [] when the build has no int8 linear (an older extension)."""
+    if not available() or not hasattr(_ext, "linear_int8"):
+        return []
+    return [str(isa) for isa in getattr(_ext, "linear_int8_isas", ["scalar"])]
+
+
+def linear_int8(
+    x: torch.Tensor,  # [M, K] fp32, rows contiguous
+    weight: torch.Tensor,  # [N, K] int8, contiguous
+    weight_scale: torch.Tensor,  # [N] fp32: row n of the real weight ~= weight[n] * weight_scale[n]
+    bias: torch.Tensor | None = None,  # [N] fp32
+    isa: str = "auto",
+) -> torch.Tensor:
+    """W8A8 linear: each row of x quantized to int8 (symmetric, scale amax/127, round half to
+    even), int32 dot products with the int8 weight, y = dot * x_scale * weight_scale (+ bias), fp32
+    [M, N]. `isa` forces a code path ("scalar", "avx2", "avx512"; "auto" the best built); every
+    path gives the same bits. radixserve.layers.quantization holds the torch reference."""
+    if isa not in _INT8_ISA_CODES:
+        raise ValueError(f"linear_int8: isa must be one of {sorted(_INT8_ISA_CODES)}, got {isa!r}")
+    return _lib().linear_int8(x, weight, weight_scale, bias, _INT8_ISA_CODES[isa])
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, N] fp32 (rows contiguous) -> x * rsqrt(mean(x^2) + eps) * weight, a new [M, N]."""
     return _lib().rmsnorm(x, weight, eps)
@@ -199,8 +226,9 @@ def decode_model(
 ) -> object:
     """A `DecodeModel`: a Llama-family decoder stack whose decode step is one call. Fill it with
     `add_layer(input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b,
-    down_w, down_b, k_buf, v_buf)` per layer (weights fp32 or fp16, optional ones None) and
-    `set_final_norm(w)`; then `forward(hidden, positions, out_cache_loc, req_to_token,
+    down_w, down_b, k_buf, v_buf)` per layer (weights fp32, fp16 or int8, optional ones None), for
+    int8 weights `set_layer_scales(index, qkv_s, o_s, gate_up_s, down_s)` (their per-row fp32
+    scales, linear_int8's), and `set_final_norm(w)`; then `forward(hidden, positions, out_cache_loc, req_to_token,
     req_pool_indices, seq_lens)` returns the final normed hidden states."""
     return _lib().DecodeModel(num_heads, num_kv_heads, head_dim, rms_norm_eps, scaling, cos, sin)
 

@@ -158,3 +158,32 @@ def test_grammar_backend_none_refuses_constrained_requests(make_harness):
     h.run_until_idle()
     assert h.finished["j"]["status_code"] == 400 and "--grammar-backend none" in h.finished["j"]["message"]
     assert h.finished["free"]["type"] == "length"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        # SGLang names not implemented here: refused, naming what is supported.
+        (
+            {"quantization": "awq"},
+            "--quantization awq is not supported by radixserve yet; supported: w8a8_int8",
+        ),
+        ({"quantization": "gptq"}, "not supported by radixserve yet; supported: w8a8_int8"),
+        ({"quantization": "gguf"}, "not supported by radixserve yet; supported: w8a8_int8"),
+        ({"quantization": "fp8"}, "not supported by radixserve yet; supported: w8a8_int8"),
+        ({"quantization": "int8"}, "not a quantization method SGLang defines; supported here: w8a8_int8"),
+        ({"quantization": "w8a8_int8", "device": "cuda"}, "CPU only"),
+        ({"quantization": "w8a8_int8", "dtype": "bfloat16"}, "drop --dtype bfloat16"),
+        ({"quantization": "w8a8_int8", "is_embedding": True}, "generation models"),
+    ],
+)
+def test_quantization_is_checked_at_start(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**{"device": "cpu", **kwargs}).resolve()
+
+
+def test_quantization_cli_and_sglang_no_op_name():
+    args = prepare_server_args(["--quantization", "w8a8_int8", "--device", "cpu"]).resolve()
+    assert args.quantization == "w8a8_int8"
+    assert ServerArgs(device="cpu").resolve().quantization is None  # fp32 stays the default
+    assert ServerArgs(device="cpu", quantization="unquant").resolve().quantization is None

@@ -4,6 +4,10 @@ On CPU with fp32 weights, `prepare_cpu_linears` (called once after loading) give
 the fastest forms this machine has, and `linear` picks per call by batch size (measured on the
 built-in model's decode, docs/benchmarks.md):
 
+0. `--quantization w8a8_int8` (`quantize_linears`): the layer has an int8 copy of its weight with
+   per-output-channel scales, and every batch size runs the W8A8 linear (layers/quantization.py:
+   sgl-kernel's int8 kernel, or its torch reference). Such layers get none of the forms below.
+
 1. `--cpu-fp16-weights`, batches of at most F16_MAX_TOKENS tokens: sgl-kernel's `linear_f16`
    over an fp16 copy (F16C conversion, fp32 math). Small decode batches are bound by reading the
    weights, and fp16 halves the bytes.
@@ -33,6 +37,7 @@ from torch import nn
 
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
+from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,10 @@ F16_MAX_TOKENS = 16
 F32_SMALL_MAX_TOKENS = 2
 # Without oneDNN: up to this many tokens sgl-kernel's fp32 small-M kernel beats torch's GEMM.
 SMALL_BATCH_MAX_TOKENS = 32
+# Quantized (w8a8_int8) decode batches up to this size run as the fused compiled call
+# (cpu_decode_runner.py). Both paths run the same int8 kernel at every size, so the fused call
+# only saves Python overhead; the bound is fp16's, not tuned yet (docs/quantization.md).
+INT8_FUSED_MAX_TOKENS = 16
 
 
 def linear(
@@ -50,9 +59,14 @@ def linear(
     bias: torch.Tensor | None = None,
     weight_f16: torch.Tensor | None = None,
     weight_packed: torch.Tensor | None = None,
+    weight_int8: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T (+ bias), through the fastest form of the weight there is
     for this batch size (module docstring)."""
+    if weight_int8 is not None:
+        assert weight_scale is not None
+        return linear_w8a8(x, weight_int8, weight_scale, bias)
     num_tokens = x.shape[0]
     if weight_f16 is not None and num_tokens <= F16_MAX_TOKENS and _rows_ok(x):
         return cpu_kernels.linear_f16(x, weight_f16, bias)
@@ -94,6 +108,8 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.weight_f16: torch.Tensor | None = None  # [out, in] fp16
         self.weight_packed: torch.Tensor | None = None  # oneDNN's blocked layout of [out, in]
+        self.weight_int8: torch.Tensor | None = None  # [out, in] int8 (--quantization w8a8_int8)
+        self.weight_scale: torch.Tensor | None = None  # [out] fp32, per output channel
 
     @classmethod
     def sharing(cls, weight: nn.Parameter) -> Linear:
@@ -105,7 +121,15 @@ class Linear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_f16, self.weight_packed)
+        return linear(x, self.weight, self.bias, *self.derived_forms())
+
+    def derived_forms(self) -> tuple[torch.Tensor | None, ...]:
+        """linear()'s optional weight forms, in its argument order."""
+        return self.weight_f16, self.weight_packed, self.weight_int8, self.weight_scale
+
+    def drop_derived(self) -> None:
+        """Forget every form derived from the weight (it changed, or is released)."""
+        self.weight_f16 = self.weight_packed = self.weight_int8 = self.weight_scale = None
 
 
 def onednn_prepack_available() -> bool:
@@ -118,6 +142,7 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
     and what it cost."""
     layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
     layers = [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    layers = [m for m in layers if m.weight_int8 is None]  # quantized: the int8 kernel serves every size
     if fp16:
         if not cpu_fused.ENABLED:
             raise RuntimeError(
@@ -148,3 +173,23 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
             "bf16" if bf16_gemm else "fp32",
             added / 2**20,
         )
+
+
+def quantize_linears(modules: list[nn.Module]) -> None:
+    """--quantization w8a8_int8: give every fp32 CPU Linear in `modules` an int8 copy of its weight
+    with per-output-channel scales (layers/quantization.py); `linear` then runs W8A8 for them. The
+    fp32 weight stays (weight updates and reads use it, and re-quantize). Logs what it did."""
+    layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
+    layers = [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    for layer in layers:
+        layer.weight_int8, layer.weight_scale = quantize_weight_int8(layer.weight)
+    int8_bytes = sum(layer.weight_int8.numel() for layer in layers)
+    logger.info(
+        "w8a8_int8: %d linear weights quantized to int8 (%.0f MiB int8, from %.0f MiB fp32), run by %s",
+        len(layers),
+        int8_bytes / 2**20,
+        int8_bytes * 4 / 2**20,
+        "sgl-kernel's linear_int8"
+        if INT8_KERNEL
+        else "the torch reference (sgl-kernel's linear_int8 not built)",
+    )

@@ -7,7 +7,9 @@ loads only that shard from the checkpoint.
   output and an all-reduce adds them. A bias is added once, after the all-reduce.
 
 All of them are `Linear`s over their local shard, so the CPU fast paths (oneDNN prepacking, fp16
-copies, the small-batch kernels) apply unchanged. At tp_size 1 every layer is exactly the Linear
+copies, the small-batch kernels, int8 quantization) apply unchanged. Quantized, each rank's shard
+gets its own per-output-channel scales: a column-parallel rank holds whole output channels (their
+scales are the unsharded model's), a row-parallel rank scales its part of each channel's inputs. At tp_size 1 every layer is exactly the Linear
 it replaces: same parameter shapes, same checkpoint names, same arithmetic.
 
 Loading: `weight_loader(param, tensor, shard_id)` copies the rank's part of a checkpoint tensor
@@ -151,6 +153,6 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = linear(x, self.weight, None, self.weight_f16, self.weight_packed)  # [n, out] partial
+        out = linear(x, self.weight, None, *self.derived_forms())  # [n, out] partial
         self.tp.all_reduce_(out)
         return out if self.bias is None else out.add_(self.bias)

@@ -3,8 +3,9 @@
 At one to a few tokens a decode step is bound by reading the weights, and the ~450 Python-level
 ops of a 30-layer forward (module calls, views, kernel dispatch) cost ~1.5 ms on top of a
 ~7-13 ms step. `sgl_kernel.cpu.decode_model` runs the whole decoder stack in C++ over the same
-tensors the Python path uses: the small-M linear kernels on the same weights (fp16 copies with
---cpu-fp16-weights, else the plain fp32 ones), the same KV pool, the same rotary tables. The
+tensors the Python path uses: the small-M linear kernels on the same weights (int8 ones with
+their scales under --quantization w8a8_int8, fp16 copies with --cpu-fp16-weights, else the plain
+fp32 ones), the same KV pool, the same rotary tables. The
 embedding lookup, the LM head and sampling stay in Python.
 
 It takes decode batches up to the size where the small-M linear kernels stop beating oneDNN
@@ -21,7 +22,7 @@ import torch
 
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_fused import cpu_kernels
-from radixserve.layers.linear import F16_MAX_TOKENS, F32_SMALL_MAX_TOKENS, Linear
+from radixserve.layers.linear import F16_MAX_TOKENS, F32_SMALL_MAX_TOKENS, INT8_FUSED_MAX_TOKENS, Linear
 from radixserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -34,9 +35,16 @@ logger = logging.getLogger(__name__)
 
 
 def _weight(layer: Linear) -> torch.Tensor:
-    """The form the small-M kernels read: the fp16 copy when there is one, else the fp32 weight."""
-    weight = layer.weight_f16 if layer.weight_f16 is not None else layer.weight
-    return weight.detach()
+    """The form the small-M kernels read: the int8 weight or the fp16 copy when there is one, else
+    the fp32 weight."""
+    for weight in (layer.weight_int8, layer.weight_f16, layer.weight):
+        if weight is not None:
+            return weight.detach()
+    raise AssertionError("a Linear always has its weight")
+
+
+def _scale(layer: Linear) -> torch.Tensor | None:
+    return layer.weight_scale
 
 
 def _bias(layer: Linear) -> torch.Tensor | None:
@@ -83,6 +91,9 @@ class CpuDecodeRunner:
                 k_buf,
                 v_buf,
             )
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.weight_int8 is not None for lin in linears):
+                self.decode_model.set_layer_scales(layer_id, *(_scale(lin) for lin in linears))
         self.decode_model.set_final_norm(inner.norm.weight.detach())
         if tp_comm is not None:
             # Sharded weights: o_proj and down_proj partial sums are all-reduced inside the call.
@@ -134,6 +145,15 @@ def create_cpu_decode_runner(
     if reasons:
         logger.debug("CPU fused decode off: %s", "; ".join(reasons))
         return None
-    max_bs = F16_MAX_TOKENS if server_args.cpu_fp16_weights else F32_SMALL_MAX_TOKENS
+    quantized = server_args.quantization is not None
+    if quantized and not hasattr(getattr(cpu_kernels, "_ext", None), "linear_int8"):
+        # An extension built before int8 weights: the module forward runs them (on the torch
+        # reference). Said at info: the user asked for a fast format and should know it is not.
+        logger.info("CPU fused decode off: this sgl-kernel build has no int8 linear (rebuild sgl-kernel)")
+        return None
+    if quantized:
+        max_bs = INT8_FUSED_MAX_TOKENS
+    else:
+        max_bs = F16_MAX_TOKENS if server_args.cpu_fp16_weights else F32_SMALL_MAX_TOKENS
     logger.info("CPU fused decode: decode batches of <= %d requests run as one compiled call", max_bs)
     return CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm)

@@ -13,7 +13,7 @@ from radixserve.configs.pooling import EmbeddingConfig, PoolingType
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
-from radixserve.layers.linear import prepare_cpu_linears
+from radixserve.layers.linear import prepare_cpu_linears, quantize_linears
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.layers.vocab_parallel import make_lm_head
@@ -117,15 +117,25 @@ class ModelRunner:
         self.weights = ModelWeights(self)
 
     def _prepare_cpu_linears(self) -> None:
-        """fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for CPU fp32 models."""
+        """int8 weights (--quantization w8a8_int8), fp16 copies (--cpu-fp16-weights) and
+        oneDNN-prepacked weights for CPU fp32 models."""
         args = self.server_args
         cpu_fp32 = self.device.type == "cpu" and self.model_config.dtype == torch.float32
         for flag, on in (
             ("--cpu-fp16-weights", args.cpu_fp16_weights),
             ("--cpu-bf16-gemm", args.cpu_bf16_gemm),
+            (f"--quantization {args.quantization}", args.quantization is not None),
         ):
             if on and not cpu_fp32:
                 raise ValueError(f"{flag} applies to fp32 models on CPU only")
+        if args.quantization == "w8a8_int8":
+            if not self.model_config.is_generation:
+                raise ValueError(
+                    f"--quantization w8a8_int8 applies to generation models for now, not "
+                    f"{self.model_config.architecture}"
+                )
+            # The decoder layers only: the embedding and the LM head stay fp32.
+            quantize_linears([self.model])
         if cpu_fp32:
             prepare_cpu_linears(
                 [m for m in (self.model, self.lm_head) if m is not None],

@@ -178,7 +178,7 @@ class ModelWeights:
         if self.released_shapes is not None:
             return  # nothing to derive from until the weights are back
         for layer in self._linears():
-            layer.weight_f16 = layer.weight_packed = None
+            layer.drop_derived()
         runner._prepare_cpu_linears()
         if self.released_kv is not None:
             return  # the fused decode path reads the KV pool: recreated when it is back
@@ -200,7 +200,7 @@ class ModelWeights:
             return
         self.runner.cpu_decode_runner = self.runner.graph_runner = None
         for layer in self._linears():
-            layer.weight_f16 = layer.weight_packed = None
+            layer.drop_derived()
         shapes = {}
         for name, param in self.model.named_parameters():
             shapes[name] = (param.shape, param.dtype)

@@ -18,6 +18,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("linear_f32", &linear_f32, "y = x @ w.T (+ bias) for small M: x, w fp32",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("linear_int8", &linear_int8,
+        "W8A8: x fp32 [M,K] quantized per row to int8, w int8 [N,K] with per-row scales w_scale fp32 [N]; "
+        "int32 dot products, y fp32 [M,N]. isa: 0 best, 1 scalar, 2 avx2, 3 avx512 (VNNI)",
+        py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("isa") = 0);
+  // The paths linear_int8 can run here, for tests and benchmarks ("scalar" always).
+  py::list int8_isas;
+  for (const std::string& isa : linear_int8_isas()) int8_isas.append(isa);
+  m.attr("linear_int8_isas") = int8_isas;
   m.def("rmsnorm", &rmsnorm, "RMSNorm of each row: x [M,N] fp32, w [N]");
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");
@@ -50,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scaling"),
            py::arg("cos"), py::arg("sin"))
       .def("add_layer", &DecodeModel::add_layer)
+      .def("set_layer_scales", &DecodeModel::set_layer_scales, py::arg("index"), py::arg("qkv_s"), py::arg("o_s"),
+           py::arg("gate_up_s"), py::arg("down_s"), "Per-row fp32 scales of a layer's int8 weights (None: not int8)")
       .def("set_final_norm", &DecodeModel::set_final_norm)
       .def("set_tp_comm", &DecodeModel::set_tp_comm, py::arg("comm"),
            "All-reduce o_proj/down_proj outputs over this ShmComm (the layers hold the rank's shards); None: one rank")

@@ -4,8 +4,14 @@
 
 namespace {
 
-// x [M, K] @ w.T (+ b) with the small-M kernel that matches the weight's storage.
-at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+// x [M, K] @ w.T (+ b) with the small-M kernel that matches the weight's storage; `s` holds the
+// per-row scales of an int8 weight.
+at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
+               const c10::optional<at::Tensor>& b) {
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(s.has_value(), "DecodeModel: an int8 weight needs its scales (set_layer_scales)");
+    return linear_int8(x, w, *s, b, 0);
+  }
   return w.scalar_type() == at::kHalf ? linear_f16(x, w, b) : linear_f32(x, w, b);
 }
 
@@ -17,8 +23,17 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.is_contiguous() &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
-              "DecodeModel: ", name, " must be a contiguous fp32/fp16 [", rows, ", ", cols, "]");
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kChar),
+              "DecodeModel: ", name, " must be a contiguous fp32/fp16/int8 [", rows, ", ", cols, "]");
+}
+
+void check_scale(const c10::optional<at::Tensor>& s, const at::Tensor& w, const char* name) {
+  if (w.scalar_type() != at::kChar) {
+    TORCH_CHECK(!s.has_value(), "DecodeModel: ", name, " has scales but its weight is not int8");
+    return;
+  }
+  TORCH_CHECK(s.has_value() && s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == w.size(0),
+              "DecodeModel: ", name, " needs contiguous fp32 scales [", w.size(0), "]");
 }
 
 }  // namespace
@@ -49,14 +64,28 @@ void DecodeModel::add_layer(at::Tensor input_norm, at::Tensor qkv_w, c10::option
                                 gate_up_b, down_b, k_buf, v_buf});
 }
 
+void DecodeModel::set_layer_scales(int64_t index, c10::optional<at::Tensor> qkv_s, c10::optional<at::Tensor> o_s,
+                                   c10::optional<at::Tensor> gate_up_s, c10::optional<at::Tensor> down_s) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
+  DecodeLayer& L = layers_[index];
+  check_scale(qkv_s, L.qkv_w, "qkv_w");
+  check_scale(o_s, L.o_w, "o_w");
+  check_scale(gate_up_s, L.gate_up_w, "gate_up_w");
+  check_scale(down_s, L.down_w, "down_w");
+  L.qkv_s = std::move(qkv_s);
+  L.o_s = std::move(o_s);
+  L.gate_up_s = std::move(gate_up_s);
+  L.down_s = std::move(down_s);
+}
+
 void DecodeModel::set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
 
 void DecodeModel::set_tp_comm(std::shared_ptr<ShmComm> comm) { tp_comm_ = std::move(comm); }
 
-at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w,
+at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
                                      const c10::optional<at::Tensor>& b) const {
-  if (!tp_comm_) return lin(x, w, b);
-  at::Tensor y = lin(x, w, c10::nullopt);  // [bs, hidden]: this rank's partial sum
+  if (!tp_comm_) return lin(x, w, s, b);
+  at::Tensor y = lin(x, w, s, c10::nullopt);  // [bs, hidden]: this rank's partial sum
   tp_comm_->all_reduce_(y);
   if (b.has_value()) y.add_(*b);
   return y;
@@ -75,7 +104,7 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecodeLayer& L = layers_[i];
     if (i > 0) fused_add_rmsnorm_(x, residual, L.input_norm, eps_);
-    const at::Tensor qkv = lin(x, L.qkv_w, L.qkv_b).view({bs, H + 2 * Hkv, D});
+    const at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_b).view({bs, H + 2 * Hkv, D});
     at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, Hkv);
     const at::Tensor v = qkv.narrow(1, H + Hkv, Hkv);
     if (L.q_norm.has_value()) {
@@ -86,9 +115,9 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
     store_kv(k_buf, v_buf, out_cache_loc, k, v);
     decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_);
-    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_b);
+    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_b);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
-    x = row_parallel(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_b)), L.down_w, L.down_b);
+    x = row_parallel(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_b)), L.down_w, L.down_s, L.down_b);
   }
   fused_add_rmsnorm_(x, residual, final_norm_, eps_);
   return x;

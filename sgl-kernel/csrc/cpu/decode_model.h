@@ -12,9 +12,11 @@
 #include "shm_comm.h"
 
 struct DecodeLayer {
-  at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32 or fp16
+  at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32, fp16 or int8
   c10::optional<at::Tensor> qkv_b, q_norm, k_norm, o_b, gate_up_b, down_b;
   at::Tensor k_buf, v_buf;  // this layer's KV pool [pool_size, num_kv_heads, head_dim] fp32
+  // Per-output-row fp32 scales of the int8 weights (--quantization w8a8_int8); unset otherwise.
+  c10::optional<at::Tensor> qkv_s, o_s, gate_up_s, down_s;
 };
 
 class DecodeModel {
@@ -27,6 +29,9 @@ class DecodeModel {
                  c10::optional<at::Tensor> o_b, at::Tensor post_norm, at::Tensor gate_up_w,
                  c10::optional<at::Tensor> gate_up_b, at::Tensor down_w, c10::optional<at::Tensor> down_b,
                  at::Tensor k_buf, at::Tensor v_buf);
+  // The scales of layer `index`'s int8 weights (linear_int8's w_scale); every int8 weight needs one.
+  void set_layer_scales(int64_t index, c10::optional<at::Tensor> qkv_s, c10::optional<at::Tensor> o_s,
+                        c10::optional<at::Tensor> gate_up_s, c10::optional<at::Tensor> down_s);
   void set_final_norm(at::Tensor weight);
   // Tensor parallelism: with a communicator the layers hold this rank's shards (the constructor's
   // head counts are per rank, o_w/down_w are row shards [hidden, in / world]); the o_proj and
@@ -49,5 +54,6 @@ class DecodeModel {
   std::shared_ptr<ShmComm> tp_comm_;
 
   // x @ w.T summed over the ranks (+ b once): a row-parallel linear; plain lin() on one rank.
-  at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) const;
+  at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
+                          const c10::optional<at::Tensor>& b) const;
 };

@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+#include <vector>
+
 void decode_attention(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
@@ -15,6 +18,11 @@ void extend_attention(
 
 at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+// W8A8: x fp32 [M, K] quantized per row inside, w int8 [N, K] with w_scale fp32 [N]. isa: 0 the
+// best compiled path, 1 scalar, 2 AVX2, 3 AVX-512 VNNI (tests force each one).
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const c10::optional<at::Tensor>& bias, int64_t isa);
+std::vector<std::string> linear_int8_isas();
 
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps);
 void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
