@@ -99,6 +99,15 @@ def test_dp2_gives_the_same_greedy_outputs_as_one_replica(tiny: dict[str, Server
         assert labels == {f'radixserve:{family}{{dp_rank="0"', f'radixserve:{family}{{dp_rank="1"'}, labels
 
 
+def test_get_weights_by_name_answers_per_replica(tiny: dict[str, Server]) -> None:
+    """As SGLang: one parameter with one replica, a list of one per replica with --dp-size > 1."""
+    body = {"name": "model.norm.weight", "truncate_size": 4}
+    one = httpx.post(f"{tiny['dp1'].url}/get_weights_by_name", json=body, timeout=60).json()
+    two = httpx.post(f"{tiny['dp2'].url}/get_weights_by_name", json=body, timeout=60).json()
+    assert len(one) == 4 and all(isinstance(v, float) for v in one)
+    assert two == [one, one]
+
+
 def test_server_info_and_load_list_every_replica(tiny: dict[str, Server]) -> None:
     url = tiny["dp2"].url
     info = httpx.get(f"{url}/get_server_info", timeout=30).json()

@@ -6,6 +6,7 @@ its type (TokenizerManager._control); the scheduler decides when it takes effect
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +84,13 @@ class ControlClient:
         return await self._ask(obj, io.DestroyWeightsUpdateGroupReqOutput)
 
     async def get_weights_by_name(self, obj: io.GetWeightsByNameReqInput) -> io.GetWeightsByNameReqOutput:
-        return await self._ask(obj, io.GetWeightsByNameReqOutput)
+        self.tm._raise_if_dead()
+        replies = await self.tm._control(obj, io.GetWeightsByNameReqOutput)
+        failed = [r for r in replies if not r.success]
+        if failed or len(replies) == 1:
+            return failed[0] if failed else replies[0]
+        # SGLang's answer with --dp-size > 1: one parameter per replica, as the replies arrive.
+        return dataclasses.replace(replies[0], parameter=[r.parameter for r in replies])
 
     # ------------------------------------------------------------------ memory, pause
     async def release_memory_occupation(
