@@ -19,27 +19,13 @@ bytes, and for the int8 paths the share of the plain read's GB/s.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from bench_cpu_kernels import HIDDEN, INTERMEDIATE, LAYERS, LINEAR_SHAPES, median_ms
 
 from radixserve.layers.quantization import quantize_weight_int8
 from sgl_kernel import cpu as cpu_kernels
-
-HIDDEN, INTERMEDIATE, LAYERS = 576, 1536, 30
-LINEAR_SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
-
-
-def median_ms(step: Callable[[], None], repeats: int) -> float:
-    step()
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - tic)
-    return 1e3 * statistics.median(times)
 
 
 def _forms(flat: list[torch.Tensor]) -> dict[str, tuple[Callable, list, int]]:

@@ -28,16 +28,17 @@ import itertools
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+from peers.process import ServerProcess, http_status
 
 MIB = 1 << 20
 
@@ -247,33 +248,28 @@ def run_load(client: Client, seed: int, stop: threading.Event) -> None:
 
 
 # ---------------------------------------------------------------------------------------- server
-def start_server(
-    model: str | None, port: int, extra: list[str], log_path: str | None
-) -> subprocess.Popen[bytes]:
+def start_server(model: str | None, port: int, extra: list[str], log_path: str | None) -> ServerProcess:
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), *extra]
     if model:
         cmd += ["--model-path", model]
-    log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the server owns it
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"soak_rss_{port}.log"
+    server = ServerProcess("radixserve", cmd, log, f"http://127.0.0.1:{port}")
+    server.start()
+    return server
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
+def wait_attached(url: str, timeout: float) -> None:
+    """A server this script did not start: wait for its /health."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+    while http_status(f"{url}/health") != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not become healthy")
         time.sleep(1)
-    raise RuntimeError("server did not become healthy")
 
 
-def server_pid(url: str, proc: subprocess.Popen[bytes] | None) -> int:
-    if proc is not None:
-        return proc.pid
+def server_pid(url: str, server: ServerProcess | None) -> int:
+    if server is not None and server.proc is not None:
+        return server.proc.pid
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     for conn in psutil.net_connections("tcp"):
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
@@ -303,14 +299,17 @@ def main() -> None:
     args = parser.parse_args()
     extra = [a for a in args.server_args if a != "--"]
 
-    proc = None
+    server = None
     url = args.url or f"http://127.0.0.1:{args.port}"
     if args.url is None:
-        proc = start_server(args.model, args.port, extra, args.server_log)
+        server = start_server(args.model, args.port, extra, args.server_log)
     try:
-        wait_healthy(url, proc, timeout=900)
+        if server is not None:
+            server.wait_healthy(900)
+        else:
+            wait_attached(url, 900)
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        procs = server_processes(server_pid(url, proc))
+        procs = server_processes(server_pid(url, server))
         stats = LoadStats()
         clients = [
             Client(url, model, args.max_tokens, args.schema_every, stats) for _ in range(args.concurrency)
@@ -356,12 +355,8 @@ def main() -> None:
                     indent=1,
                 )
     finally:
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        if server is not None:
+            server.stop()
 
 
 def print_sample(s: Sample, procs: dict[str, psutil.Process]) -> None:

@@ -132,6 +132,12 @@ class Linear(nn.Linear):
         self.weight_f16 = self.weight_packed = self.weight_int8 = self.weight_scale = None
 
 
+def _cpu_fp32_linears(modules: list[nn.Module]) -> list[Linear]:
+    """Every Linear in `modules` with an fp32 weight on the CPU."""
+    layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
+    return [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+
+
 def onednn_prepack_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -140,9 +146,8 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
     """Give every fp32 CPU Linear in `modules` its fast forms (module docstring): an fp16 copy
     when `fp16`, and a oneDNN-packed copy when `prepack` (bf16 when `bf16_gemm`). Logs what it did
     and what it cost."""
-    layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
-    layers = [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-    layers = [m for m in layers if m.weight_int8 is None]  # quantized: the int8 kernel serves every size
+    # Quantized layers are left out: the int8 kernel serves every size.
+    layers = [m for m in _cpu_fp32_linears(modules) if m.weight_int8 is None]
     if fp16:
         if not cpu_fused.ENABLED:
             raise RuntimeError(
@@ -179,8 +184,7 @@ def quantize_linears(modules: list[nn.Module]) -> None:
     """--quantization w8a8_int8: give every fp32 CPU Linear in `modules` an int8 copy of its weight
     with per-output-channel scales (layers/quantization.py); `linear` then runs W8A8 for them. The
     fp32 weight stays (weight updates and reads use it, and re-quantize). Logs what it did."""
-    layers = [m for root in modules for m in root.modules() if isinstance(m, Linear)]
-    layers = [m for m in layers if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    layers = _cpu_fp32_linears(modules)
     for layer in layers:
         layer.weight_int8, layer.weight_scale = quantize_weight_int8(layer.weight)
     int8_bytes = sum(layer.weight_int8.numel() for layer in layers)

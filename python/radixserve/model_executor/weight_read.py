@@ -27,6 +27,7 @@ from radixserve.layers.parallel_linear import (
     RowParallelLinear,
 )
 from radixserve.layers.vocab_parallel import VocabParallelEmbedding
+from radixserve.models.llama import fused_target
 
 
 class WeightReadError(ValueError):
@@ -52,15 +53,13 @@ def read_piece(model: nn.Module, name: str, truncate_size: int) -> WeightPiece |
     if name in params:  # an unfused parameter under its own name (norms, embeddings, o_proj)
         target, shard = name, None
     else:
-        from radixserve.models.llama import _fused_target
-
         targets = model.param_targets(name)  # type: ignore[operator]
         if not targets:
             if name.startswith("lm_head.") and getattr(model, "tie_word_embeddings", False):
                 # Tied head: SGLang answers with the embedding it shares.
                 return read_piece(model, "model.embed_tokens." + name.removeprefix("lm_head."), truncate_size)
             return None
-        target, shard = targets[0], _fused_target(name)[1]
+        target, shard = targets[0], fused_target(name)[1]
         if target not in params:
             raise WeightReadError(f"The model has no weight named {name!r}.")
     param = params[target].detach()

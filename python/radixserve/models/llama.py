@@ -249,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
             if not targets:
                 continue
             tensor = CheckpointTensor.of(name, value)
-            shard = _fused_target(name)[1]
+            shard = fused_target(name)[1]
             for t in targets:
                 if t not in params:
                     raise ModelLoadError(
@@ -268,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
             return []
         if self.tie_word_embeddings and name.startswith("lm_head."):
             return []  # tied: the embedding is the head
-        target, _ = _fused_target(name)
+        target, _ = fused_target(name)
         if self.tie_word_embeddings and target == "model.embed_tokens.weight" and self.lm_head is not None:
             params = dict(self.named_parameters())
             return [t for t in (target, "lm_head.weight") if t in params]
@@ -303,7 +303,9 @@ class LlamaForCausalLM(nn.Module):
         param.data.copy_(tensor.full().to(param.dtype))
 
 
-def _fused_target(name: str) -> tuple[str, str | int | None]:
+def fused_target(name: str) -> tuple[str, str | int | None]:
+    """The fused parameter a checkpoint name loads into, and its part of it (q/k/v or the
+    gate_up index; None when the name is not fused)."""
     for hf_frag, fused_frag, shard in STACKED_PARAMS:
         if hf_frag in name:
             return name.replace(hf_frag, fused_frag), shard
