@@ -22,6 +22,9 @@ from server_helpers import Server, start_servers, wait_until  # noqa: E402
 
 from radixserve.utils.network import get_free_port  # noqa: E402
 
+# Five servers start in the fixture; a hang ends the test instead of the CI run.
+pytestmark = pytest.mark.timeout(900)
+
 POOL = "8192"
 _rooms = itertools.count(5000)
 
