@@ -7,6 +7,9 @@ built-in model's decode, docs/benchmarks.md):
 0. `--quantization w8a8_int8` (`quantize_linears`): the layer has an int8 copy of its weight with
    per-output-channel scales, and every batch size runs the W8A8 linear (layers/quantization.py:
    sgl-kernel's int8 kernel, or its torch reference). Such layers get none of the forms below.
+0b. A weight-only group-quantized form (`weight_wq`, layers/group_quant.py: GGUF and int4/int8
+   weight-only formats), batches of at most WQ_MAX_TOKENS tokens: the fp32 weight is exactly its
+   dequantization, so larger batches take the fp32 forms below unchanged.
 
 1. `--cpu-fp16-weights`, batches of at most F16_MAX_TOKENS tokens: sgl-kernel's `linear_f16`
    over an fp16 copy (F16C conversion, fp32 math). Small decode batches are bound by reading the
@@ -37,6 +40,7 @@ from torch import nn
 
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
+from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
 from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,9 @@ SMALL_BATCH_MAX_TOKENS = 32
 # (cpu_decode_runner.py). Both paths run the same int8 kernel at every size, so the fused call
 # only saves Python overhead; the bound is fp16's, not tuned yet (docs/quantization.md).
 INT8_FUSED_MAX_TOKENS = 16
+# Up to this many tokens a weight-only quantized layer runs linear_wq over its integers; above, the
+# fp32 forms (prefill is compute-bound, and oneDNN's GEMM over the dequantized weight is exact).
+WQ_MAX_TOKENS = 16
 
 
 def linear(
@@ -61,6 +68,7 @@ def linear(
     weight_packed: torch.Tensor | None = None,
     weight_int8: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    weight_wq: GroupQuantWeight | None = None,
 ) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T (+ bias), through the fastest form of the weight there is
     for this batch size (module docstring)."""
@@ -68,6 +76,8 @@ def linear(
         assert weight_scale is not None
         return linear_w8a8(x, weight_int8, weight_scale, bias)
     num_tokens = x.shape[0]
+    if weight_wq is not None and num_tokens <= WQ_MAX_TOKENS and x.dim() == 2:
+        return linear_wq(x, weight_wq, bias)
     if weight_f16 is not None and num_tokens <= F16_MAX_TOKENS and _rows_ok(x):
         return cpu_kernels.linear_f16(x, weight_f16, bias)
     if weight_packed is not None and num_tokens <= F32_SMALL_MAX_TOKENS and _rows_ok(x) and fusable(weight):
@@ -110,6 +120,7 @@ class Linear(nn.Linear):
         self.weight_packed: torch.Tensor | None = None  # oneDNN's blocked layout of [out, in]
         self.weight_int8: torch.Tensor | None = None  # [out, in] int8 (--quantization w8a8_int8)
         self.weight_scale: torch.Tensor | None = None  # [out] fp32, per output channel
+        self.weight_wq: GroupQuantWeight | None = None  # weight-only group-quantized (layers/group_quant.py)
 
     @classmethod
     def sharing(cls, weight: nn.Parameter) -> Linear:
@@ -125,11 +136,12 @@ class Linear(nn.Linear):
 
     def derived_forms(self) -> tuple[torch.Tensor | None, ...]:
         """linear()'s optional weight forms, in its argument order."""
-        return self.weight_f16, self.weight_packed, self.weight_int8, self.weight_scale
+        return self.weight_f16, self.weight_packed, self.weight_int8, self.weight_scale, self.weight_wq
 
     def drop_derived(self) -> None:
         """Forget every form derived from the weight (it changed, or is released)."""
         self.weight_f16 = self.weight_packed = self.weight_int8 = self.weight_scale = None
+        self.weight_wq = None
 
 
 def _cpu_fp32_linears(modules: list[nn.Module]) -> list[Linear]:
@@ -149,14 +161,16 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
     # Quantized layers are left out: the int8 kernel serves every size.
     layers = [m for m in _cpu_fp32_linears(modules) if m.weight_int8 is None]
     if fp16:
+        # A weight-only quantized layer reads its integers at the sizes the fp16 copy would serve.
+        layers_f16 = [m for m in layers if m.weight_wq is None]
         if not cpu_fused.ENABLED:
             raise RuntimeError(
                 "--cpu-fp16-weights needs sgl-kernel's compiled CPU extension "
                 "(`pip install --no-build-isolation -e sgl-kernel`, which make setup runs)"
             )
-        for layer in layers:
+        for layer in layers_f16:
             layer.weight_f16 = layer.weight.detach().to(torch.float16).contiguous()
-        added = sum(layer.weight_f16.numel() * 2 for layer in layers)
+        added = sum(layer.weight_f16.numel() * 2 for layer in layers_f16)
         logger.info("fp16 weight copies for batches <= %d tokens: +%.0f MiB", F16_MAX_TOKENS, added / 2**20)
     if bf16_gemm and not (prepack and bf16_gemm_supported()):
         raise RuntimeError(

@@ -151,6 +151,13 @@ def create_cpu_decode_runner(
         # reference). Said at info: the user asked for a fast format and should know it is not.
         logger.info("CPU fused decode off: this sgl-kernel build has no int8 linear (rebuild sgl-kernel)")
         return None
+    has_wq = any(getattr(m, "weight_wq", None) is not None for m in model.modules())
+    decode_model_cls = getattr(getattr(cpu_kernels, "_ext", None), "DecodeModel", None)
+    if has_wq and not hasattr(decode_model_cls, "set_layer_wq"):
+        # The fused stack reads each linear's weight as one dense tensor; weight-only group
+        # quantized layers run through the module forward (linear_wq per layer) instead.
+        logger.info("CPU fused decode off: this sgl-kernel build cannot run weight-only quantized layers")
+        return None
     if quantized:
         max_bs = INT8_FUSED_MAX_TOKENS
     else:

@@ -1,0 +1,117 @@
+"""Weight-only group-quantized linear weights ("wq"): one representation for GGUF Q8_0 / Q4_0 /
+Q4_1 / Q4_K / Q6_K tensors, GPTQ / AWQ int4 and on-the-fly int8 / int4 weight-only quantization.
+
+Every one of those formats dequantizes a group of `group_size` consecutive inputs of one output
+channel as w = q * scale (+ offset), with q an integer of at most 8 bits, so one type and one
+kernel serve them all. The loaders map each format onto it exactly (docs/quantization.md lists
+the mapping); `dequantize` repeats the formats' own fp32 arithmetic (a product, then a sum), so a
+dequantized GGUF tensor has the same bits as gguf-py's reference dequantization.
+
+Activations stay fp32: the kernel widens each group's q to fp32 in registers and accumulates in
+fp32, so the result differs from the dequantize-then-matmul reference only in summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.layers.cpu_fused import cpu_kernels
+
+# sgl-kernel's linear_wq is built: decided once, like quantization.INT8_KERNEL.
+WQ_KERNEL = (
+    cpu_kernels is not None
+    and cpu_kernels.available()
+    and hasattr(getattr(cpu_kernels, "_ext", None), "linear_wq")
+)
+
+
+@dataclass(frozen=True)
+class GroupQuantWeight:
+    """A linear weight [N out, K in] as integers with a scale (and an offset) per group of inputs.
+
+    qweight: bits 8: int8 [N, K]; bits 4: uint8 [N, K // 2], byte j of row n holding input 2j in
+    its low nibble and input 2j + 1 in its high nibble (values 0..15).
+    scales, offsets: fp32 [N, K // group_size]; offsets None means w = q * scale.
+    kernel_form: an optional layout private to the kernel (made once, when loaded).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    group_size: int
+    bits: int
+    kernel_form: Any = None
+
+    def __post_init__(self) -> None:
+        n, k = self.out_features, self.in_features
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if k % self.group_size or self.group_size % 16:
+            raise ValueError(
+                f"group_size {self.group_size} must be a multiple of 16 dividing in_features {k}"
+            )
+        expected_dtype = torch.int8 if self.bits == 8 else torch.uint8
+        if self.qweight.dtype != expected_dtype:
+            raise ValueError(f"{self.bits}-bit qweight must be {expected_dtype}, got {self.qweight.dtype}")
+        groups = (n, k // self.group_size)
+        for name in ("scales", "offsets"):
+            t = getattr(self, name)
+            if t is not None and (tuple(t.shape) != groups or t.dtype != torch.float32):
+                raise ValueError(f"{name} must be fp32 {list(groups)}, got {t.dtype} {list(t.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * (2 if self.bits == 4 else 1)
+
+    def nbytes(self) -> int:
+        """Bytes a step reads: the integers, the scales and the offsets."""
+        extra = 0 if self.offsets is None else self.offsets.numel() * 4
+        return self.qweight.numel() + self.scales.numel() * 4 + extra
+
+    def integers(self) -> torch.Tensor:
+        """q as int32 [N, K] (4-bit values unpacked, low nibble first)."""
+        if self.bits == 8:
+            return self.qweight.to(torch.int32)
+        low = (self.qweight & 0x0F).to(torch.int32)
+        high = (self.qweight >> 4).to(torch.int32)
+        return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: q * scale, then + offset (the formats' own two fp32 roundings)."""
+        per_input = self.scales.repeat_interleave(self.group_size, dim=1)
+        w = self.integers().to(torch.float32) * per_input
+        if self.offsets is not None:
+            w = w + self.offsets.repeat_interleave(self.group_size, dim=1)
+        return w
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Integers 0..15 [N, K] (K even) -> uint8 [N, K // 2], low nibble first."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def linear_wq_reference(
+    x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dequantize, then an fp32 matmul: x [..., K] -> [..., N]."""
+    out = x.to(torch.float32) @ w.dequantize().T
+    return out if bias is None else out + bias
+
+
+def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """sgl-kernel's linear_wq when it can take x (2-D fp32 CPU with contiguous rows), else the
+    reference."""
+    kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+    if kernel_ok and WQ_KERNEL:
+        return cpu_kernels.linear_wq(
+            x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, kernel_form=w.kernel_form
+        )
+    return linear_wq_reference(x, w, bias)
