@@ -39,10 +39,29 @@ ENGINES = (
     "radixserve",
     "radixserve-fp16",
     "radixserve-bf16gemm",
+    "radixserve-int8",
+    "llama-server-f16",
+    "llama-server-f32",
+    "llama-server-q8_0",
+    "llama-server-q4_1",
+    "hf",
+)
+# The default run: the unquantized formats of both servers (quantized ones are asked for by name:
+# docs/benchmarks.md has the command).
+DEFAULT_ENGINES = (
+    "radixserve",
+    "radixserve-fp16",
+    "radixserve-bf16gemm",
     "llama-server-f16",
     "llama-server-f32",
     "hf",
 )
+# Engines that are radixserve with extra flags. radixserve-int8 (--quantization w8a8_int8) is the
+# counterpart of llama-server's Q8_0, and llama-server-q4_1 serves the built-in model's own file.
+RADIXSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "radixserve-fp16": ("--cpu-fp16-weights",),
+    "radixserve-int8": ("--quantization", "w8a8_int8"),
+}
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Every tunable: the full run's value and the --quick one. A flag given on the command line wins.
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -96,7 +115,12 @@ def _engine_list(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", type=_engine_list, default=list(ENGINES), help="comma-separated subset")
+    p.add_argument(
+        "--engines",
+        type=_engine_list,
+        default=list(DEFAULT_ENGINES),
+        help=f"comma-separated, of {', '.join(ENGINES)}",
+    )
     p.add_argument("--concurrency", type=_int_list, help="random workload concurrencies (1,4,16,64)")
     p.add_argument("--input-len", type=int, help="random workload prompt tokens (128)")
     p.add_argument("--output-len", type=int, help="random workload output tokens (128)")
@@ -261,9 +285,9 @@ def server_plans(args: argparse.Namespace, llama: dict[str, tuple[Path, Path]]) 
                 off = "radixserve (no radix cache)"
                 no_radix = partial(radixserve_command, extra_flags=("--disable-radix-cache",))
                 plans.append(ServerPlan(off, "radixserve", no_radix, shared))
-        elif engine == "radixserve-fp16":
-            fp16 = partial(radixserve_command, extra_flags=("--cpu-fp16-weights",))
-            plans.append(ServerPlan("radixserve-fp16", "radixserve", fp16, randoms))
+        elif engine in RADIXSERVE_VARIANTS:
+            variant = partial(radixserve_command, extra_flags=RADIXSERVE_VARIANTS[engine])
+            plans.append(ServerPlan(engine, "radixserve", variant, randoms))
         elif engine == "radixserve-bf16gemm":
             from radixserve.layers.linear import bf16_gemm_supported
 

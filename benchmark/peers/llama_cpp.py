@@ -8,7 +8,7 @@ output is already there:
     llama_cpp_python-<version>/vendor/llama.cpp/          the source tree
     llama_cpp_python-<version>/vendor/llama.cpp/build/    the CMake build (bin/llama-server)
     build-llama-server-<version>.log                      configure + build output
-    gguf/<model>-<f32|f16>.gguf                           convert_hf_to_gguf.py output
+    gguf/<model>-<f32|f16|q8_0>.gguf                      convert_hf_to_gguf.py output
 
 First use costs a ~75 MB download and ~10 minutes of compiling on 2 cores.
 """
@@ -26,7 +26,9 @@ from pathlib import Path
 from radixserve.model_loader.default_model import cache_root
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-GGUF_OUTTYPES = ("f32", "f16")
+GGUF_OUTTYPES = ("f32", "f16", "q8_0")
+# The built-in model's own file: llama-server serves it as it is (no conversion).
+SOURCE_OUTTYPE = "q4_1"
 CTX_SIZE = 32768  # llama-server -c: the KV cache of all slots together
 CMAKE_CONFIGURE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -150,7 +152,12 @@ def server_version(binary: Path) -> str:
 
 
 def convert_gguf(model_dir: Path, outtype: str, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    """A GGUF of the HF folder `model_dir` in `outtype` (f32/f16), made by llama.cpp's converter once."""
+    """A GGUF of the HF folder `model_dir` in `outtype` (f32/f16/q8_0), made by llama.cpp's converter
+    once; q4_1 is the built-in model's own file (the one radixserve's fp32 weights come from)."""
+    if outtype == SOURCE_OUTTYPE:
+        from radixserve.model_loader.default_model import find_default_gguf
+
+        return Path(find_default_gguf())
     if outtype not in GGUF_OUTTYPES:
         raise ValueError(f"outtype must be one of {GGUF_OUTTYPES}, got {outtype!r}")
     out = gguf_path(model_dir, outtype)

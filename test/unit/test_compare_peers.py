@@ -19,8 +19,8 @@ from peers.process import ServerProcess, ServerStartError, free_port  # noqa: E4
 
 def test_defaults_are_the_full_run():
     args = compare_peers.parse_args([])
-    assert args.engines == list(compare_peers.ENGINES)
-    assert compare_peers.ENGINES == (
+    assert args.engines == list(compare_peers.DEFAULT_ENGINES)
+    assert compare_peers.DEFAULT_ENGINES == (
         "radixserve",
         "radixserve-fp16",
         "radixserve-bf16gemm",
@@ -35,6 +35,23 @@ def test_defaults_are_the_full_run():
     g = (args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len)
     assert g + (args.gsp_question_len, args.gsp_output_len, args.gsp_concurrency) == (8, 8, 1024, 64, 64, 8)
     assert args.out_dir == compare_peers.REPO_ROOT / "docs"
+
+
+def test_quantized_engines_are_named_and_run_with_their_flags(monkeypatch):
+    args = compare_peers.parse_args(["--engines", "radixserve-int8,llama-server-q8_0,llama-server-q4_1"])
+    fake = {e: (Path("/bin/llama-server"), Path(f"/m-{e}.gguf")) for e in args.engines[1:]}
+    plans = compare_peers.server_plans(args, fake)
+    assert plans[0].make_cmd(1234)[-2:] == ["--quantization", "w8a8_int8"]
+    # One llama-server per workload group (random, shared prefix).
+    assert [p.label for p in plans[1:]] == ["llama-server-q8_0"] * 2 + ["llama-server-q4_1"] * 2
+    assert "/m-llama-server-q4_1.gguf" in plans[-1].make_cmd(1234)
+
+
+def test_the_q4_1_peer_serves_the_built_in_models_own_file(monkeypatch):
+    monkeypatch.setattr(
+        "radixserve.model_loader.default_model.find_default_gguf", lambda: "/wheel/SmolLM2.Q4_1.gguf"
+    )
+    assert llama_cpp.convert_gguf(Path("/unused"), "q4_1") == Path("/wheel/SmolLM2.Q4_1.gguf")
 
 
 def test_quick_shrinks_everything_but_explicit_flags_win():
