@@ -66,3 +66,17 @@ def until_eos(ids: list[int], eos: set[int]) -> list[int]:
         if tok in eos:
             return ids[:i]
     return ids
+
+
+def engine_leak_check(engine: Any, timeout_s: float = 10.0) -> str | None:
+    """The scheduler's check_memory_leak once it is idle. A response reaches the caller before the
+    scheduler's next loop pass retires the finished request, so an immediate check may find it
+    still alive; poll until the scheduler says something other than 'not idle'."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = engine.collective_rpc("check_memory_leak")
+        if answer is None or "not idle" not in answer or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.05)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from real_helpers import engine_leak_check
 
 from radixserve import Engine
 from radixserve.testing.tiny_models import hf_greedy, make_tiny_model
@@ -249,6 +250,6 @@ def test_collective_rpc_reaches_the_scheduler(engine: Engine) -> None:
 
     state = engine.collective_rpc("get_internal_state")
     assert state["weight_version"] == "default" and state["num_running_reqs"] == 0
-    assert engine.collective_rpc("check_memory_leak") is None
+    assert engine_leak_check(engine) is None
     with pytest.raises(RpcError, match="Unknown RPC method"):
         engine.collective_rpc("os.system")
