@@ -178,6 +178,40 @@ def linear_int8(
     return _lib().linear_int8(x, weight, weight_scale, bias, _INT8_ISA_CODES[isa])
 
 
+def linear_wq_isas() -> list[str]:
+    """The code paths `linear_wq` can be forced onto in this build ("scalar" always, "avx2",
+    "avx512"); [] when the build has no weight-only quantized linear (an older extension)."""
+    if not available() or not hasattr(_ext, "linear_wq"):
+        return []
+    return [str(isa) for isa in getattr(_ext, "linear_wq_isas", ["scalar"])]
+
+
+def linear_wq(
+    x: torch.Tensor,  # [M, K] fp32, rows contiguous
+    qweight: torch.Tensor,  # bits 8: int8 [N, K]; bits 4: uint8 [N, K // 2], input 2j in byte j's low nibble
+    scales: torch.Tensor,  # [N, K // group_size] fp32, contiguous
+    offsets: torch.Tensor | None,  # [N, K // group_size] fp32, or None
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N] fp32
+    isa: str = "auto",
+    kernel_form: object = None,
+) -> torch.Tensor:
+    """Weight-only group-quantized linear: y = x @ w.T (+ bias), fp32 [M, N], where w[n, k] =
+    q[n, k] * scales[n, g] (+ offsets[n, g]) with g = k // group_size (layers/group_quant.py's
+    GroupQuantWeight; q in 0..15 for bits 4, int8 for bits 8). Activations and sums stay fp32: the
+    result is the dequantize-then-matmul reference's up to summation order and FMA contraction.
+    Fast for small M (decode): it streams the integers once. `isa` forces a code path ("scalar",
+    "avx2", "avx512"; "auto" the best built). `kernel_form` is reserved for a repacked layout; this
+    build reads the canonical tensors and takes None only. Raises RuntimeError on a wrong dtype,
+    shape or layout."""
+    if isa not in _INT8_ISA_CODES:
+        raise ValueError(f"linear_wq: isa must be one of {sorted(_INT8_ISA_CODES)}, got {isa!r}")
+    if kernel_form is not None:
+        raise ValueError("linear_wq: this build has no repacked kernel_form; pass None")
+    return _lib().linear_wq(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, N] fp32 (rows contiguous) -> x * rsqrt(mean(x^2) + eps) * weight, a new [M, N]."""
     return _lib().rmsnorm(x, weight, eps)
@@ -228,7 +262,9 @@ def decode_model(
     `add_layer(input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b,
     down_w, down_b, k_buf, v_buf)` per layer (weights fp32, fp16 or int8, optional ones None), for
     int8 weights `set_layer_scales(index, qkv_s, o_s, gate_up_s, down_s)` (their per-row fp32
-    scales, linear_int8's), and `set_final_norm(w)`; then `forward(hidden, positions, out_cache_loc, req_to_token,
+    scales, linear_int8's), for weight-only quantized ones `set_layer_wq(index, qkv, o, gate_up,
+    down)` (each (qweight, scales, offsets, bits, group_size) as linear_wq takes them, or None), and
+    `set_final_norm(w)`; then `forward(hidden, positions, out_cache_loc, req_to_token,
     req_pool_indices, seq_lens)` returns the final normed hidden states."""
     return _lib().DecodeModel(num_heads, num_kv_heads, head_dim, rms_norm_eps, scaling, cos, sin)
 

@@ -1,12 +1,13 @@
 """DecodeModel.set_tp_comm: a tiny random Llama-family stack split over 2 ranks (each holding its
 q/kv heads and its slice of the MLP, o_proj/down_proj all-reduced over a ShmComm) gives what the
 single-rank DecodeModel gives on the full weights, step after step, and the same bits on every
-rank."""
+rank; also with weight-only group-quantized (wq) linears, sharded as their integers and groups."""
 
 import pytest
 import torch
 from shm_ranks import digest, run_ranks
 
+from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
 from sgl_kernel import cpu as cpu_kernels
 
 pytestmark = [
@@ -18,6 +19,20 @@ pytestmark = [
 
 H, HKV, D, HIDDEN, INTER, LAYERS, POOL, CTX = 4, 2, 16, 64, 96, 3, 64, 32
 EPS = 1e-5
+WQ_GROUP = 16  # divides the row-parallel shards' inputs: H * D / 2 = 32 and INTER / 2 = 48
+LINEARS = ("qkv_w", "o_w", "gate_up_w", "down_w")
+
+
+def _random_wq(n: int, k: int, bits: int, gen: torch.Generator) -> GroupQuantWeight:
+    """Random integers with scales ~ k^-0.5 / 8 (weights of the dense ones' size) and, for 4 bits,
+    offsets centring them."""
+    groups = (n, k // WQ_GROUP)
+    scales = (0.5 + torch.rand(groups, generator=gen)) * k**-0.5 / 8
+    if bits == 4:
+        q = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
+        return GroupQuantWeight(q, scales, -7.5 * scales, WQ_GROUP, 4)
+    q = torch.randint(-8, 8, (n, k), generator=gen).to(torch.int8)
+    return GroupQuantWeight(q, scales, None, WQ_GROUP, 8)
 
 
 def _full_layers(variant: str) -> list[dict]:
@@ -47,7 +62,33 @@ def _full_layers(variant: str) -> list[dict]:
                 "v_buf": rand(POOL, HKV, D),
             }
         )
+        if "wq" in variant:
+            # Each linear as a wq form, its dense weight that form's dequantization.
+            bits = 4 if "wq4" in variant else 8
+            for name in LINEARS:
+                wq = _random_wq(*layers[-1][name].shape, bits, gen)
+                layers[-1][name] = wq.dequantize()
+                layers[-1][name + "q"] = wq
     return layers
+
+
+def _wq_rows(w: GroupQuantWeight, rows: torch.Tensor) -> GroupQuantWeight:
+    off = None if w.offsets is None else w.offsets[rows].contiguous()
+    return GroupQuantWeight(
+        w.qweight[rows].contiguous(), w.scales[rows].contiguous(), off, w.group_size, w.bits
+    )
+
+
+def _wq_cols(w: GroupQuantWeight, rank: int, world: int) -> GroupQuantWeight:
+    """Rank `rank`'s slice of the inputs: its bytes of each row, its groups' scales and offsets."""
+    qcols, groups = w.qweight.shape[1] // world, w.scales.shape[1] // world
+
+    def part(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
+        return None if t is None else t[:, rank * width : (rank + 1) * width].contiguous()
+
+    return GroupQuantWeight(
+        part(w.qweight, qcols), part(w.scales, groups), part(w.offsets, groups), w.group_size, w.bits
+    )
 
 
 def _shard(layer: dict, rank: int, world: int) -> dict:
@@ -71,6 +112,11 @@ def _shard(layer: dict, rank: int, world: int) -> dict:
     out["down_w"] = layer["down_w"][:, mlp_rows].contiguous()
     out["k_buf"] = layer["k_buf"][:, kv_heads].contiguous()
     out["v_buf"] = layer["v_buf"][:, kv_heads].contiguous()
+    if "qkv_wq" in layer:
+        out["qkv_wq"] = _wq_rows(layer["qkv_wq"], qkv_rows)
+        out["gate_up_wq"] = _wq_rows(layer["gate_up_wq"], gate_up_rows)
+        out["o_wq"] = _wq_cols(layer["o_wq"], rank, world)
+        out["down_wq"] = _wq_cols(layer["down_wq"], rank, world)
     return out
 
 
@@ -78,7 +124,7 @@ def _decode_model(layers: list[dict], num_heads: int, num_kv_heads: int, fp16: b
     inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
     freqs = torch.outer(torch.arange(CTX, dtype=torch.float32), inv_freq)
     model = cpu_kernels.decode_model(num_heads, num_kv_heads, D, EPS, D**-0.5, freqs.cos(), freqs.sin())
-    for L in layers:
+    for index, L in enumerate(layers):
         weight = {k: (L[k].half() if fp16 else L[k]) for k in ("qkv_w", "o_w", "gate_up_w", "down_w")}
         model.add_layer(
             L["input_norm"],
@@ -96,6 +142,11 @@ def _decode_model(layers: list[dict], num_heads: int, num_kv_heads: int, fp16: b
             L["k_buf"].clone(),  # each model writes its own pool
             L["v_buf"].clone(),
         )
+        if "qkv_wq" in L:
+            forms = [L[name + "q"] for name in LINEARS]
+            model.set_layer_wq(
+                index, *[(w.qweight, w.scales, w.offsets, w.bits, w.group_size) for w in forms]
+            )
     model.set_final_norm(1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3)))
     return model
 
@@ -133,7 +184,7 @@ def _tp_case(comm, rank, world, variant):
     return [digest(g) for g in got]
 
 
-VARIANTS = ["fp32", "fp32-bias-qk_norm", "fp16-bias"]
+VARIANTS = ["fp32", "fp32-bias-qk_norm", "fp16-bias", "wq4-bias", "wq8-qk_norm"]
 
 
 def _tp_worker(comm, group, rank, world):
@@ -141,6 +192,7 @@ def _tp_worker(comm, group, rank, world):
 
 
 def test_decode_model_on_two_ranks_matches_the_full_model():
-    """Llama (fp32), Qwen2/3-style biases and q/k norms (fp32), and fp16 weights with biases."""
+    """Llama (fp32), Qwen2/3-style biases and q/k norms (fp32), fp16 weights with biases, and wq
+    linears (int4 with offsets, int8 without) sharded by rows and by input groups."""
     got = run_ranks(2, _tp_worker)
     assert got[0] == got[1]  # every rank holds the same hidden states, bit for bit

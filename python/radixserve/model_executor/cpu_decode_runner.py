@@ -4,8 +4,9 @@ At one to a few tokens a decode step is bound by reading the weights, and the ~4
 ops of a 30-layer forward (module calls, views, kernel dispatch) cost ~1.5 ms on top of a
 ~7-13 ms step. `sgl_kernel.cpu.decode_model` runs the whole decoder stack in C++ over the same
 tensors the Python path uses: the small-M linear kernels on the same weights (int8 ones with
-their scales under --quantization w8a8_int8, fp16 copies with --cpu-fp16-weights, else the plain
-fp32 ones), the same KV pool, the same rotary tables. The
+their scales under --quantization w8a8_int8, weight-only group-quantized forms through linear_wq
+where a layer has one, fp16 copies with --cpu-fp16-weights, else the plain fp32 ones), the same KV
+pool, the same rotary tables. The
 embedding lookup, the LM head and sampling stay in Python.
 
 It takes decode batches up to the size where the small-M linear kernels stop beating oneDNN
@@ -22,7 +23,13 @@ import torch
 
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_fused import cpu_kernels
-from radixserve.layers.linear import F16_MAX_TOKENS, F32_SMALL_MAX_TOKENS, INT8_FUSED_MAX_TOKENS, Linear
+from radixserve.layers.linear import (
+    F16_MAX_TOKENS,
+    F32_SMALL_MAX_TOKENS,
+    INT8_FUSED_MAX_TOKENS,
+    WQ_MAX_TOKENS,
+    Linear,
+)
 from radixserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -45,6 +52,12 @@ def _weight(layer: Linear) -> torch.Tensor:
 
 def _scale(layer: Linear) -> torch.Tensor | None:
     return layer.weight_scale
+
+
+def _wq(layer: Linear) -> tuple | None:
+    """A weight-only quantized form as DecodeModel.set_layer_wq takes it (linear_wq's arguments)."""
+    w = layer.weight_wq
+    return None if w is None else (w.qweight, w.scales, w.offsets, w.bits, w.group_size)
 
 
 def _bias(layer: Linear) -> torch.Tensor | None:
@@ -94,6 +107,8 @@ class CpuDecodeRunner:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(lin.weight_int8 is not None for lin in linears):
                 self.decode_model.set_layer_scales(layer_id, *(_scale(lin) for lin in linears))
+            if any(lin.weight_wq is not None for lin in linears):
+                self.decode_model.set_layer_wq(layer_id, *(_wq(lin) for lin in linears))
         self.decode_model.set_final_norm(inner.norm.weight.detach())
         if tp_comm is not None:
             # Sharded weights: o_proj and down_proj partial sums are all-reduced inside the call.
@@ -158,7 +173,10 @@ def create_cpu_decode_runner(
         # quantized layers run through the module forward (linear_wq per layer) instead.
         logger.info("CPU fused decode off: this sgl-kernel build cannot run weight-only quantized layers")
         return None
-    if quantized:
+    if has_wq:
+        # The layers run linear_wq up to this size on the module forward too (layers/linear.py).
+        max_bs = WQ_MAX_TOKENS
+    elif quantized:
         max_bs = INT8_FUSED_MAX_TOKENS
     else:
         max_bs = F16_MAX_TOKENS if server_args.cpu_fp16_weights else F32_SMALL_MAX_TOKENS

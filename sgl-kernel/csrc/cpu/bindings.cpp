@@ -26,6 +26,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list int8_isas;
   for (const std::string& isa : linear_int8_isas()) int8_isas.append(isa);
   m.attr("linear_int8_isas") = int8_isas;
+  m.def("linear_wq", &linear_wq,
+        "Weight-only group-quantized linear: x fp32 [M,K]; qweight int8 [N,K] (bits 8) or uint8 [N,K/2] "
+        "(bits 4, low nibble first); scales / offsets fp32 [N, K/group_size]: w = q*scale (+offset); fp32 math. "
+        "isa: 0 best, 1 scalar, 2 avx2, 3 avx512",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
+        py::arg("group_size"), py::arg("bias") = py::none(), py::arg("isa") = 0);
+  py::list wq_isas;
+  for (const std::string& isa : linear_wq_isas()) wq_isas.append(isa);
+  m.attr("linear_wq_isas") = wq_isas;
   m.def("rmsnorm", &rmsnorm, "RMSNorm of each row: x [M,N] fp32, w [N]");
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");
@@ -60,6 +69,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeModel::add_layer)
       .def("set_layer_scales", &DecodeModel::set_layer_scales, py::arg("index"), py::arg("qkv_s"), py::arg("o_s"),
            py::arg("gate_up_s"), py::arg("down_s"), "Per-row fp32 scales of a layer's int8 weights (None: not int8)")
+      .def("set_layer_wq", &DecodeModel::set_layer_wq, py::arg("index"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"),
+           "Weight-only quantized forms of a layer's linears, each (qweight, scales, offsets, bits, group_size) "
+           "as linear_wq takes them, or None (that linear reads its dense weight)")
       .def("set_final_norm", &DecodeModel::set_final_norm)
       .def("set_tp_comm", &DecodeModel::set_tp_comm, py::arg("comm"),
            "All-reduce o_proj/down_proj outputs over this ShmComm (the layers hold the rank's shards); None: one rank")

@@ -5,9 +5,10 @@
 namespace {
 
 // x [M, K] @ w.T (+ b) with the small-M kernel that matches the weight's storage; `s` holds the
-// per-row scales of an int8 weight.
+// per-row scales of an int8 weight, `wq` a weight-only quantized form (read instead of w).
 at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
-               const c10::optional<at::Tensor>& b) {
+               const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b) {
+  if (wq.has_value()) return linear_wq(x, wq->qweight, wq->scales, wq->offsets, wq->bits, wq->group_size, b, 0);
   if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(s.has_value(), "DecodeModel: an int8 weight needs its scales (set_layer_scales)");
     return linear_int8(x, w, *s, b, 0);
@@ -34,6 +35,20 @@ void check_scale(const c10::optional<at::Tensor>& s, const at::Tensor& w, const 
   }
   TORCH_CHECK(s.has_value() && s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == w.size(0),
               "DecodeModel: ", name, " needs contiguous fp32 scales [", w.size(0), "]");
+}
+
+// A wq form for dense weight w, checked by running it once on a zero row (linear_wq validates
+// dtypes, layouts and group shapes; the output's width is w's row count).
+std::optional<WqForm> wq_form(std::optional<WqTuple> t, const at::Tensor& w, const char* name) {
+  if (!t.has_value()) return std::nullopt;
+  TORCH_CHECK(w.scalar_type() != at::kChar, "DecodeModel: ", name, " is int8 (w8a8) and cannot also be wq");
+  auto [qweight, scales, offsets, bits, group_size] = std::move(*t);
+  WqForm f{std::move(qweight), std::move(scales), std::move(offsets), bits, group_size};
+  const at::Tensor y = linear_wq(at::zeros({1, w.size(1)}, w.options().dtype(at::kFloat)), f.qweight, f.scales,
+                                 f.offsets, f.bits, f.group_size, c10::nullopt, 0);
+  TORCH_CHECK(y.size(1) == w.size(0), "DecodeModel: ", name, "'s wq form has ", y.size(1), " rows, its weight ",
+              w.size(0));
+  return f;
 }
 
 }  // namespace
@@ -78,14 +93,29 @@ void DecodeModel::set_layer_scales(int64_t index, c10::optional<at::Tensor> qkv_
   L.down_s = std::move(down_s);
 }
 
+void DecodeModel::set_layer_wq(int64_t index, std::optional<WqTuple> qkv, std::optional<WqTuple> o,
+                               std::optional<WqTuple> gate_up, std::optional<WqTuple> down) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
+  DecodeLayer& L = layers_[index];
+  // Build all four before storing any: a bad one leaves the layer as it was.
+  auto qkv_wq = wq_form(std::move(qkv), L.qkv_w, "qkv_w");
+  auto o_wq = wq_form(std::move(o), L.o_w, "o_w");
+  auto gate_up_wq = wq_form(std::move(gate_up), L.gate_up_w, "gate_up_w");
+  auto down_wq = wq_form(std::move(down), L.down_w, "down_w");
+  L.qkv_wq = std::move(qkv_wq);
+  L.o_wq = std::move(o_wq);
+  L.gate_up_wq = std::move(gate_up_wq);
+  L.down_wq = std::move(down_wq);
+}
+
 void DecodeModel::set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
 
 void DecodeModel::set_tp_comm(std::shared_ptr<ShmComm> comm) { tp_comm_ = std::move(comm); }
 
 at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
-                                     const c10::optional<at::Tensor>& b) const {
-  if (!tp_comm_) return lin(x, w, s, b);
-  at::Tensor y = lin(x, w, s, c10::nullopt);  // [bs, hidden]: this rank's partial sum
+                                     const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b) const {
+  if (!tp_comm_) return lin(x, w, s, wq, b);
+  at::Tensor y = lin(x, w, s, wq, c10::nullopt);  // [bs, hidden]: this rank's partial sum
   tp_comm_->all_reduce_(y);
   if (b.has_value()) y.add_(*b);
   return y;
@@ -104,7 +134,7 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecodeLayer& L = layers_[i];
     if (i > 0) fused_add_rmsnorm_(x, residual, L.input_norm, eps_);
-    const at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_b).view({bs, H + 2 * Hkv, D});
+    const at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_wq, L.qkv_b).view({bs, H + 2 * Hkv, D});
     at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, Hkv);
     const at::Tensor v = qkv.narrow(1, H + Hkv, Hkv);
     if (L.q_norm.has_value()) {
@@ -115,9 +145,10 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
     store_kv(k_buf, v_buf, out_cache_loc, k, v);
     decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_);
-    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_b);
+    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
-    x = row_parallel(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_b)), L.down_w, L.down_s, L.down_b);
+    x = row_parallel(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b)), L.down_w, L.down_s,
+                     L.down_wq, L.down_b);
   }
   fused_add_rmsnorm_(x, residual, final_norm_, eps_);
   return x;

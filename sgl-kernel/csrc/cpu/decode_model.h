@@ -7,9 +7,21 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "shm_comm.h"
+
+// A weight-only group-quantized weight (layers/group_quant.py's GroupQuantWeight): qweight, scales,
+// offsets (or None), bits, group_size, as linear_wq takes them.
+using WqTuple = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t>;
+
+struct WqForm {
+  at::Tensor qweight, scales;
+  c10::optional<at::Tensor> offsets;
+  int64_t bits = 0, group_size = 0;
+};
 
 struct DecodeLayer {
   at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32, fp16 or int8
@@ -17,6 +29,9 @@ struct DecodeLayer {
   at::Tensor k_buf, v_buf;  // this layer's KV pool [pool_size, num_kv_heads, head_dim] fp32
   // Per-output-row fp32 scales of the int8 weights (--quantization w8a8_int8); unset otherwise.
   c10::optional<at::Tensor> qkv_s, o_s, gate_up_s, down_s;
+  // Weight-only quantized forms (GGUF, GPTQ/AWQ, int4/int8 weight-only): when set, the linear runs
+  // linear_wq over them instead of reading its dense weight.
+  std::optional<WqForm> qkv_wq, o_wq, gate_up_wq, down_wq;
 };
 
 class DecodeModel {
@@ -32,6 +47,11 @@ class DecodeModel {
   // The scales of layer `index`'s int8 weights (linear_int8's w_scale); every int8 weight needs one.
   void set_layer_scales(int64_t index, c10::optional<at::Tensor> qkv_s, c10::optional<at::Tensor> o_s,
                         c10::optional<at::Tensor> gate_up_s, c10::optional<at::Tensor> down_s);
+  // The weight-only quantized forms of layer `index`'s linears (None: that linear reads its dense
+  // weight). Each must dequantize to the shape of the dense weight add_layer was given (which
+  // must not be int8); checked here by running it once.
+  void set_layer_wq(int64_t index, std::optional<WqTuple> qkv, std::optional<WqTuple> o,
+                    std::optional<WqTuple> gate_up, std::optional<WqTuple> down);
   void set_final_norm(at::Tensor weight);
   // Tensor parallelism: with a communicator the layers hold this rank's shards (the constructor's
   // head counts are per rank, o_w/down_w are row shards [hidden, in / world]); the o_proj and
@@ -55,5 +75,5 @@ class DecodeModel {
 
   // x @ w.T summed over the ranks (+ b once): a row-parallel linear; plain lin() on one rank.
   at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
-                          const c10::optional<at::Tensor>& b) const;
+                          const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b) const;
 };
