@@ -79,56 +79,80 @@ void rows_scalar(const WqProblem& p, int64_t n0, int64_t n1) {
 }
 
 #if RS_HAVE_AVX512
+// The 16 fp32 weights of row n at the 16-input chunk starting at k (int8), or the 32 of the
+// 32-input block at k as its even inputs (lo) and odd inputs (hi) (int4).
+struct Weights512 {
+  __m512 lo, hi;
+};
+
+template <bool kInt4>
+inline Weights512 weights512(const WqProblem& p, int64_t n, int64_t k, int64_t ga, int64_t gb) {
+  const __m512 zero = _mm512_setzero_ps();
+  const int64_t g = n * p.groups;
+  if constexpr (kInt4) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + n * p.qrow + (k >> 1))));
+    const __m512i bh = _mm512_srli_epi32(b, 4);
+    // The group's 16 possible weights; vpermps reads only the low 4 bits of each index.
+    const __m512 table =
+        _mm512_fmadd_ps(_mm512_set1_ps(p.s[g + ga]), iota, p.o != nullptr ? _mm512_set1_ps(p.o[g + ga]) : zero);
+    Weights512 w{_mm512_permutexvar_ps(b, table), _mm512_permutexvar_ps(bh, table)};
+    if (gb != ga) {
+      // A group boundary at the block's middle (group sizes are multiples of 16): lanes 8..15 of
+      // both halves are inputs of the next group.
+      const __m512 tb =
+          _mm512_fmadd_ps(_mm512_set1_ps(p.s[g + gb]), iota, p.o != nullptr ? _mm512_set1_ps(p.o[g + gb]) : zero);
+      w.lo = _mm512_mask_permutexvar_ps(w.lo, 0xFF00, b, tb);
+      w.hi = _mm512_mask_permutexvar_ps(w.hi, 0xFF00, bh, tb);
+    }
+    return w;
+  } else {
+    const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + n * p.qrow + k)));
+    return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(p.s[g + ga]),
+                            p.o != nullptr ? _mm512_set1_ps(p.o[g + ga]) : zero),
+            zero};
+  }
+}
+
 // MB rows of x (from m0) against NR weight rows (from n0), 32 inputs per step for int4 and 16
-// for int8.
+// for int8. Up to 4 rows of x, each weight vector is made and then used by every row of x (the x
+// vectors held in registers); from 5 rows on, the NR rows' weight vectors are made first and each
+// row of x is loaded once and used by them (MB x NR accumulators leave no room for the x vectors).
 template <int MB, int NR, bool kInt4>
 inline void tile512(const WqProblem& p, int64_t m0, int64_t n0) {
   constexpr int64_t kStep = kInt4 ? 32 : 16;
   const int64_t Kv = p.K / kStep * kStep;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 zero = _mm512_setzero_ps();
+  const float* xb = kInt4 ? p.xp : p.x;
+  const int64_t ld = kInt4 ? p.ldxp : p.ldx;
   __m512 acc[MB][NR];
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = zero;
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < Kv; k += kStep) {
-    const int64_t ga = p.grp[k >> 4];
-    if constexpr (kInt4) {
-      // A block of 32 inputs lies in one group unless a group boundary falls at its middle
-      // (group sizes are multiples of 16); then lanes 8..15 of both halves use the next group.
-      const int64_t gb = p.grp[(k >> 4) + 1];
+    const int64_t ga = p.grp[k >> 4], gb = kInt4 ? p.grp[(k >> 4) + 1] : ga;
+    if constexpr (MB <= 4) {
       __m512 xlo[MB], xhi[MB];
       for (int m = 0; m < MB; ++m) {
-        xlo[m] = _mm512_loadu_ps(p.xp + (m0 + m) * p.ldxp + k);
-        xhi[m] = _mm512_loadu_ps(p.xp + (m0 + m) * p.ldxp + k + 16);
+        xlo[m] = _mm512_loadu_ps(xb + (m0 + m) * ld + k);
+        if constexpr (kInt4) xhi[m] = _mm512_loadu_ps(xb + (m0 + m) * ld + k + 16);
       }
       for (int j = 0; j < NR; ++j) {
-        const int64_t n = n0 + j, g = n * p.groups;
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + n * p.qrow + (k >> 1))));
-        const __m512i bh = _mm512_srli_epi32(b, 4);
-        // The group's 16 possible weights; vpermps reads only the low 4 bits of each index.
-        const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(p.s[g + ga]), iota,
-                                             p.o != nullptr ? _mm512_set1_ps(p.o[g + ga]) : zero);
-        __m512 wlo = _mm512_permutexvar_ps(b, table), whi = _mm512_permutexvar_ps(bh, table);
-        if (gb != ga) {
-          const __m512 tb = _mm512_fmadd_ps(_mm512_set1_ps(p.s[g + gb]), iota,
-                                            p.o != nullptr ? _mm512_set1_ps(p.o[g + gb]) : zero);
-          wlo = _mm512_mask_permutexvar_ps(wlo, 0xFF00, b, tb);
-          whi = _mm512_mask_permutexvar_ps(whi, 0xFF00, bh, tb);
-        }
+        const Weights512 w = weights512<kInt4>(p, n0 + j, k, ga, gb);
         for (int m = 0; m < MB; ++m) {
-          acc[m][j] = _mm512_fmadd_ps(xlo[m], wlo, acc[m][j]);
-          acc[m][j] = _mm512_fmadd_ps(xhi[m], whi, acc[m][j]);
+          acc[m][j] = _mm512_fmadd_ps(xlo[m], w.lo, acc[m][j]);
+          if constexpr (kInt4) acc[m][j] = _mm512_fmadd_ps(xhi[m], w.hi, acc[m][j]);
         }
       }
     } else {
-      __m512 xv[MB];
-      for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(p.x + (m0 + m) * p.ldx + k);
-      for (int j = 0; j < NR; ++j) {
-        const int64_t n = n0 + j, g = n * p.groups + ga;
-        const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + n * p.qrow + k)));
-        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(p.s[g]),
-                                         p.o != nullptr ? _mm512_set1_ps(p.o[g]) : zero);
-        for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_fmadd_ps(xv[m], w, acc[m][j]);
+      Weights512 w[NR];
+      for (int j = 0; j < NR; ++j) w[j] = weights512<kInt4>(p, n0 + j, k, ga, gb);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xlo = _mm512_loadu_ps(xb + (m0 + m) * ld + k);
+        for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xlo, w[j].lo, acc[m][j]);
+        if constexpr (kInt4) {
+          const __m512 xhi = _mm512_loadu_ps(xb + (m0 + m) * ld + k + 16);
+          for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xhi, w[j].hi, acc[m][j]);
+        }
       }
     }
   }
@@ -140,10 +164,9 @@ inline void tile512(const WqProblem& p, int64_t m0, int64_t n0) {
     }
 }
 
-// Every row of x against weight rows [n, n + NR), 4 rows of x per tile.
+// Rows [m, M) of x against weight rows [n, n + NR), 4 rows of x per tile.
 template <int NR, bool kInt4>
-inline void all_m512(const WqProblem& p, int64_t n) {
-  int64_t m = 0;
+inline void rest_m512(const WqProblem& p, int64_t m, int64_t n) {
   for (; m + 4 <= p.M; m += 4) tile512<4, NR, kInt4>(p, m, n);
   switch (p.M - m) {
     case 3: tile512<3, NR, kInt4>(p, m, n); break;
@@ -158,12 +181,20 @@ void rows512(const WqProblem& p, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (p.M <= 2) {
     // 8 weight rows in flight per thread; 16 accumulators at most.
-    for (; n + 8 <= n1; n += 8) all_m512<8, kInt4>(p, n);
+    for (; n + 8 <= n1; n += 8) rest_m512<8, kInt4>(p, 0, n);
   } else {
-    // 4 x 4 accumulators + 8 x vectors: the weight converted once per 4 rows of x.
-    for (; n + 4 <= n1; n += 4) all_m512<4, kInt4>(p, n);
+    for (; n + 4 <= n1; n += 4) {
+      int64_t m = 0;
+      // 8 x 2 tiles: each weight vector made once per 8 rows of x (the 4 x 4 tile, 4 x 4
+      // accumulators and 8 x vectors, makes it once per 4); the rest of x in 4 x 4 tiles.
+      for (; m + 8 <= p.M; m += 8) {
+        tile512<8, 2, kInt4>(p, m, n);
+        tile512<8, 2, kInt4>(p, m, n + 2);
+      }
+      rest_m512<4, kInt4>(p, m, n);
+    }
   }
-  for (; n < n1; ++n) all_m512<1, kInt4>(p, n);
+  for (; n < n1; ++n) rest_m512<1, kInt4>(p, 0, n);
 }
 #endif
 
