@@ -12,7 +12,8 @@ they stream from memory as in a real step) in two weight-only forms:
 each through linear_wq on its AVX-512 and AVX2 paths (each path the machine has), against a plain
 read of the same bytes (torch's amax over one buffer of each linear's size, viewed as int32: what
 the memory gives), and the forms the model serves otherwise: sgl-kernel's linear_f32, linear_f16
-and linear_int8 (W8A8, per-channel). The LM head (49,152 x 576, Q8_0 in the built-in GGUF) is
+and linear_int8 (W8A8, per-channel), and oneDNN over prepacked fp32 weights (what wq layers run
+above WQ_MAX_TOKENS tokens: the crossover tells where that bound belongs). The LM head (49,152 x 576, Q8_0 in the built-in GGUF) is
 timed on its own, as 3 copies called in turn: one copy (21-32 MB in these forms) would stay in a
 32 MB L3 between calls, which a real step (the decoder's weights streamed in between) never sees.
 
@@ -75,6 +76,12 @@ def forms(flat: list[torch.Tensor], shapes: list[tuple[int, int]]) -> dict[str, 
     if cpu_kernels.linear_int8_isas():
         int8 = [quantize_weight_int8(w) for w in flat]
         out["linear_int8"] = (lambda x, ws: cpu_kernels.linear_int8(x, ws[0], ws[1]), int8, 1)
+    # What fp32 batches above 2 tokens run (and wq batches above WQ_MAX_TOKENS): the bound to tune.
+    out["oneDNN fp32 prepacked"] = (
+        lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in flat],
+        4,
+    )
     return out
 
 
@@ -123,7 +130,12 @@ def main() -> None:
         )
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads, linear_wq paths: {cpu_kernels.linear_wq_isas()}")
-    bench("decoder (30 layers)", [s for _ in range(LAYERS) for s in LINEAR_SHAPES], args.tokens, args.repeats)
+    bench(
+        f"decoder ({LAYERS} layers)",
+        [s for _ in range(LAYERS) for s in LINEAR_SHAPES],
+        args.tokens,
+        args.repeats,
+    )
     if not args.no_lm_head:
         bench("LM head (3 copies)", [(VOCAB, HIDDEN)] * 3, args.tokens, args.repeats)
 
