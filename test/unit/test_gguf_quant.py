@@ -7,28 +7,16 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from radixserve.layers.group_quant_ops import concat_rows, pad_rows, take_inputs, take_rows
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.gguf_quant import GGUF_WQ_TYPES, check_tensor_types, decode_quantized
-
-# Byte ranges of each block's fp16 fields (d, m, dmin): set to finite values; every other byte of
-# a block is an integer field where any value is valid.
-_FP16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
+from radixserve.testing.tiny_gguf import random_gguf_blocks
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """[rows, bytes per row] of random blocks of GGUF type `kind` (random integer fields, random
-    finite fp16 scales of both signs)."""
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
-    for start in _FP16_FIELDS[kind]:
-        values = (rng.standard_normal((rows, cols // block_size)) * 0.05).astype(np.float16)
-        blocks[..., start : start + 2] = values[..., None].view(np.uint8).reshape(rows, -1, 2)
-    return blocks.reshape(rows, -1)
+    return random_gguf_blocks(kind, rows, cols, np.random.default_rng(seed))
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
