@@ -94,6 +94,11 @@ def _layer_form(
         if kind in heads:
             w = _rope_rows(w, heads[kind])
         parts.append(take_rows(w, slice(start, start + length)))
+    if len({(p.bits, p.group_size, p.offsets is None) for p in parts}) > 1:
+        # e.g. Q4_K_M's Q4_K q/k with a Q6_K v: one fused form in the finest common layout.
+        logger.debug(
+            "%s: mixed GGUF types fused as %d-bit groups", ", ".join(names), max(p.bits for p in parts)
+        )
     form = concat_rows(parts)
     if isinstance(layer, RowParallelLinear) and layer.input_size != layer.total_in_features:
         form = take_inputs(form, layer.input_start, layer.input_size, names[0])
