@@ -123,19 +123,21 @@ def test_builtin_model_serves_its_q4_1_and_q8_0_tensors(builtin_model_path):
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_path)
     prompts = [tokenizer.encode(p) for p in BUILTIN_PROMPTS]
-    ref, fed = forced_logprobs(_worker(builtin_model_path), prompts, steps=31)
+    # 8 tokens each: the torch reference of linear_wq (builds without sgl-kernel's) dequantizes
+    # every weight at every step, which makes longer runs slow on this 2-core machine.
+    ref, fed = forced_logprobs(_worker(builtin_model_path), prompts, steps=7)
     worker = _worker(builtin_model_path, quantization="gguf")
     assert len(_wq_linears(worker)) == 4 * worker.model_config.num_layers
     head = worker.model_runner.lm_head.weight_wq  # token_embd: Q8_0
     assert (head.bits, head.group_size, head.offsets) == (8, 32, None)
     down = worker.model_runner.model.model.layers[0].mlp.down_proj.weight_wq  # Q4_1
     assert (down.bits, down.group_size) == (4, 32) and down.offsets is not None
-    got, _ = forced_logprobs(worker, prompts, steps=31, forced=fed)
+    got, _ = forced_logprobs(worker, prompts, steps=7, forced=fed)
     agreement, mean_diff, max_diff = compare(ref, got, fed)
-    # 4 prompts x 32 tokens. The same weights (the fp32 model is this file dequantized), so only
-    # summation order differs: measured agreement 1.0, mean |logprob diff| ~1e-5. Thresholds as
-    # for the tiny files (one flip allowed in 128 steps).
-    assert agreement >= 0.99, (agreement, mean_diff, max_diff)
+    # The same weights (the fp32 model is this file dequantized), so only summation order differs:
+    # measured over 4 prompts x 32 tokens, agreement 1.0, mean and max |logprob diff| below 5e-5.
+    # Thresholds as for the tiny files (a flip needs a near-tie; one allowed in 32 steps).
+    assert agreement >= 0.96, (agreement, mean_diff, max_diff)
     assert mean_diff < 1e-4 and max_diff < 2e-3, (agreement, mean_diff, max_diff)
 
 

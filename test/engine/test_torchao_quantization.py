@@ -66,7 +66,7 @@ def test_weight_update_quantizes_the_new_weights(tiny_model_dir):
     assert torch.equal(kept.weight, kept.weight_wq.dequantize())
 
 
-# Built-in model, 4 prompts x 32 tokens (measured; see BUILTIN_BOUNDS).
+# Built-in model, 4 prompts x 8 tokens, teacher-forced: (min agreement, max mean |logprob diff|).
 BUILTIN_BOUNDS = {"int8wo": (0.95, 0.06), "int4wo-64": (0.6, 0.6)}
 
 
@@ -76,10 +76,11 @@ def test_builtin_model_weight_only_agrees_with_fp32(builtin_model_path, config):
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_path)
     prompts = [tokenizer.encode(p) for p in BUILTIN_PROMPTS]
-    ref, fed = forced_logprobs(_worker(builtin_model_path), prompts, steps=31)
+    # 8 tokens each (the torch reference of linear_wq is slow: test_gguf_quantization.py).
+    ref, fed = forced_logprobs(_worker(builtin_model_path), prompts, steps=7)
     worker = _worker(builtin_model_path, torchao_config=config)
     assert len(_wq_linears(worker)) == 4 * worker.model_config.num_layers
-    got, _ = forced_logprobs(worker, prompts, steps=31, forced=fed)
+    got, _ = forced_logprobs(worker, prompts, steps=7, forced=fed)
     agreement, mean_diff, max_diff = compare(ref, got, fed)
     min_agreement, max_mean = BUILTIN_BOUNDS[config]
     assert agreement >= min_agreement, (agreement, mean_diff, max_diff)
