@@ -67,7 +67,12 @@ def test_weight_update_quantizes_the_new_weights(tiny_model_dir):
 
 
 # Built-in model, 4 prompts x 8 tokens, teacher-forced: (min agreement, max mean |logprob diff|).
-BUILTIN_BOUNDS = {"int8wo": (0.95, 0.06), "int4wo-64": (0.6, 0.6)}
+# Measured over the 1546 positions of benchmark/eval_quality.py's text (docs/quantization.md):
+# int8wo 0.960 / 0.061, int4wo-64 0.657 / 0.682 (the model's weights are already Q4_1: a second
+# 4-bit rounding on a coarser grid). 32 positions vary more than 1546, so the bounds leave room
+# (~3 more flipped tokens, ~2x the log-prob error) while a broken quantizer (agreement near 0,
+# errors of several units) still fails them.
+BUILTIN_BOUNDS = {"int8wo": (0.85, 0.12), "int4wo-64": (0.45, 1.3)}
 
 
 @pytest.mark.parametrize("config", list(BUILTIN_BOUNDS))
