@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from radixserve.configs.quant_args import validate_weight_only
+
 if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
 
@@ -65,7 +67,7 @@ QUANTIZATION_METHODS = (
     "unquant",
     "humming",
 )
-SUPPORTED_QUANTIZATION = ("w8a8_int8",)
+SUPPORTED_QUANTIZATION = ("w8a8_int8", "gguf")
 # SGLang's explicit "no quantization": accepted, and resolved to None.
 NO_QUANTIZATION = "unquant"
 
@@ -79,17 +81,35 @@ class ServerArgs:
     # Model and tokenizer
     model_path: str | None = _f(None, "Model folder (HF format). Empty or 'default': SmolLM2-135M-Instruct.")
     tokenizer_path: str | None = _f(None, "Tokenizer folder; defaults to the model folder.")
-    load_format: str = _f("auto", "Weight format: 'auto' (safetensors) or 'dummy' (random weights).")
+    load_format: str = _f(
+        "auto",
+        "Weight format: 'auto' (safetensors; a GGUF file as --model-path loads as 'gguf'), 'gguf' "
+        "(a GGUF file, converted once into the cache) or 'dummy' (random weights).",
+    )
     dtype: str = _f(
         "auto", "Model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."
     )
     quantization: str | None = _f(
         None,
-        "Quantize the weights (SGLang's names). w8a8_int8: on CPU, the decoder layers' linear weights "
-        "(QKV, o_proj, gate_up, down) are quantized at load to int8 with a scale per output channel, "
-        "and activations per token at run time, for int8 dot products (sgl-kernel). The embedding "
-        "and the LM head stay fp32 (--cpu-fp16-weights then gives the LM head its fp16 copy). Other SGLang names (awq, gptq, gguf, fp8, ...) are refused at start: "
-        "not implemented yet (docs/quantization.md). Default: none (fp32).",
+        "Quantize the weights (SGLang's names; docs/quantization.md). w8a8_int8: on CPU, the decoder "
+        "layers' linear weights (QKV, o_proj, gate_up, down) are quantized at load to int8 with a "
+        "scale per output channel, and activations per token at run time, for int8 dot products "
+        "(sgl-kernel); the embedding and the LM head stay fp32 (--cpu-fp16-weights then gives the "
+        "LM head its fp16 copy). gguf: the decoder linears and the LM head of a GGUF model (--model-path "
+        "to a .gguf file, which selects it by itself, or the built-in model) serve from the file's own "
+        "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors for batches of up to 16 tokens, larger batches from their "
+        "exact fp32 dequantization; a file with other quantized types is refused. unquant: none (a "
+        "GGUF file then serves dequantized to fp32). Other SGLang names (awq, gptq, fp8, ...) are "
+        "refused at start: not implemented yet. Default: none (fp32).",
+    )
+    torchao_config: str = _f(
+        "",
+        "On-the-fly weight-only quantization of the decoder linears (SGLang's flag and names; CPU, "
+        "fp32 models): int8wo (int8, symmetric, a scale per output channel) or int4wo-<group_size> "
+        "(4 bits, asymmetric, a scale and an offset per group of 32, 64, 128 or 256 inputs; layers "
+        "whose inputs the group does not divide stay fp32). Their fp32 weights are replaced by the "
+        "dequantization, so every batch size computes with the quantized model. SGLang's other "
+        "choices (int8dq, fp8wo, fp8dq-*) are refused. Default: none.",
     )
     context_length: int | None = _f(None, "Maximum context length; defaults to the model's.")
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
@@ -406,6 +426,9 @@ class ServerArgs:
             updates["cpu_threads"] = os.cpu_count() or 1
         if self.speculative_algorithm is not None:
             updates.update(self._speculative_updates(device))
+        from radixserve.configs.quant_args import gguf_updates
+
+        updates.update(gguf_updates(self))  # a GGUF --model-path: --quantization gguf (SGLang's rule)
         if self.quantization == NO_QUANTIZATION:
             updates["quantization"] = None
         resolved = dataclasses.replace(self, **updates)
@@ -481,6 +504,7 @@ class ServerArgs:
             )
         _check_grammar_backend(self.grammar_backend)
         self._validate_quantization()
+        validate_weight_only(self)
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
         self._validate_speculative()
@@ -522,8 +546,8 @@ class ServerArgs:
         if method not in SUPPORTED_QUANTIZATION:
             raise ValueError(
                 f"--quantization {method} is not supported by radixserve yet; supported: {supported} "
-                "(on-the-fly int8 quantization of an fp32/bf16/fp16 checkpoint on CPU; "
-                "docs/quantization.md)"
+                "(w8a8_int8: on-the-fly int8 quantization of an fp32/bf16/fp16 checkpoint on CPU; "
+                "gguf: a GGUF file's quantized tensors; docs/quantization.md)"
             )
         if self.device != "cpu":
             raise ValueError(f"--quantization {method} runs on CPU only for now (got --device {self.device})")

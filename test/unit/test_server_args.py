@@ -169,7 +169,6 @@ def test_grammar_backend_none_refuses_constrained_requests(make_harness):
             "--quantization awq is not supported by radixserve yet; supported: w8a8_int8",
         ),
         ({"quantization": "gptq"}, "not supported by radixserve yet; supported: w8a8_int8"),
-        ({"quantization": "gguf"}, "not supported by radixserve yet; supported: w8a8_int8"),
         ({"quantization": "fp8"}, "not supported by radixserve yet; supported: w8a8_int8"),
         ({"quantization": "int8"}, "not a quantization method SGLang defines; supported here: w8a8_int8"),
         ({"quantization": "w8a8_int8", "device": "cuda"}, "CPU only"),

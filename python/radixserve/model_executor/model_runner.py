@@ -24,6 +24,7 @@ from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from radixserve.model_executor.embedding_outputs import embedding_outputs
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch, PPProxyTensors
+from radixserve.model_executor.weight_only_forms import WeightOnlyForms, create_weight_only
 from radixserve.model_executor.weight_sync import ModelWeights
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
@@ -89,6 +90,10 @@ class ModelRunner:
             if self.parallel.is_last_stage and getattr(self.model, "lm_head", None) is not None
             else None
         )
+        # --quantization gguf / --torchao-config: weight-only quantized forms of the linears.
+        self.weight_only: WeightOnlyForms | None = None
+        if self.device.type == "cpu" and model_config.dtype == torch.float32:
+            self.weight_only = create_weight_only(self)
         self._prepare_cpu_linears()
         self._init_memory_pools()
         backend = server_args.attention_backend or "torch_native"
@@ -117,14 +122,16 @@ class ModelRunner:
         self.weights = ModelWeights(self)
 
     def _prepare_cpu_linears(self) -> None:
-        """int8 weights (--quantization w8a8_int8), fp16 copies (--cpu-fp16-weights) and
-        oneDNN-prepacked weights for CPU fp32 models."""
+        """int8 weights (--quantization w8a8_int8), weight-only quantized forms (--quantization
+        gguf, --torchao-config), fp16 copies (--cpu-fp16-weights) and oneDNN-prepacked weights for
+        CPU fp32 models."""
         args = self.server_args
         cpu_fp32 = self.device.type == "cpu" and self.model_config.dtype == torch.float32
         for flag, on in (
             ("--cpu-fp16-weights", args.cpu_fp16_weights),
             ("--cpu-bf16-gemm", args.cpu_bf16_gemm),
             (f"--quantization {args.quantization}", args.quantization is not None),
+            (f"--torchao-config {args.torchao_config}", bool(args.torchao_config)),
         ):
             if on and not cpu_fp32:
                 raise ValueError(f"{flag} applies to fp32 models on CPU only")
@@ -136,6 +143,10 @@ class ModelRunner:
                 )
             # The decoder layers only: the embedding and the LM head stay fp32.
             quantize_linears([self.model])
+        if self.weight_only is not None:
+            if not self.model_config.is_generation:
+                raise ValueError(f"{self.weight_only.method} applies to generation models only")
+            self.weight_only.attach()
         if cpu_fp32:
             prepare_cpu_linears(
                 [m for m in (self.model, self.lm_head) if m is not None],

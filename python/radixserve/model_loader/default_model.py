@@ -109,18 +109,27 @@ def _remove_stale_temp_dirs(target: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _convert_into(target: Path, gguf_path: str, show_progress: bool) -> None:
+def _convert_into(
+    target: Path,
+    gguf_path: str,
+    show_progress: bool,
+    chat_template: str | None = SMOLLM2_CHAT_TEMPLATE,
+    marker_extra: dict[str, object] | None = None,
+) -> None:
+    """Convert `gguf_path` into the folder `target` (replaced whole); `chat_template` is used when
+    the file has none, `marker_extra` is recorded in the marker file."""
     from radixserve.model_loader.gguf_convert import convert_gguf_to_hf
 
     start = time.perf_counter()
     logger.info("Converting %s into %s (one-time)", gguf_path, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        convert_gguf_to_hf(gguf_path, str(tmp), show_progress, default_chat_template=SMOLLM2_CHAT_TEMPLATE)
+        convert_gguf_to_hf(gguf_path, str(tmp), show_progress, default_chat_template=chat_template)
         marker = {
             "conversion_version": CONVERSION_VERSION,
             "source": os.path.basename(gguf_path),
             "source_bytes": os.path.getsize(gguf_path),
+            **(marker_extra or {}),
         }
         # The marker is written last, so a folder that has one is complete.
         (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n", encoding="utf-8")
@@ -131,7 +140,7 @@ def _convert_into(target: Path, gguf_path: str, show_progress: bool) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("Converted %s in %.1f s", DEFAULT_MODEL_NAME, time.perf_counter() - start)
+    logger.info("Converted %s in %.1f s", os.path.basename(gguf_path), time.perf_counter() - start)
 
 
 def _make_shareable(folder: Path) -> None:
@@ -158,10 +167,14 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
 
 
 def resolve_model_path(model_path: str | None) -> str:
-    """The folder to load: the built-in model for None/"default"/its names, else the path as given."""
+    """The folder to load: the built-in model for None/"default"/its names, the conversion of a
+    GGUF file (model_loader/gguf_source.py), else the path as given."""
     if model_path is None or model_path.strip() in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
-    return os.path.expanduser(model_path)
+    from radixserve.model_loader.gguf_source import ensure_gguf_converted, is_gguf_file
+
+    path = os.path.expanduser(model_path)
+    return ensure_gguf_converted(path) if is_gguf_file(path) else path
 
 
 def main(argv: list[str] | None = None) -> int:

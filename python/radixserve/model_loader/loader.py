@@ -19,7 +19,7 @@ from radixserve.model_loader.weights import iterate_checkpoint
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
 DUMMY_INIT_STD = 0.02
 # Values drawn once for dummy init and tiled over big tensors (a prime, ~4 MB of fp32).
 _RANDOM_POOL_SIZE = 1_048_573

@@ -1,0 +1,108 @@
+"""Quality of the quantized modes against fp32: perplexity on a fixed text shipped in the repo and
+teacher-forced greedy agreement with the fp32 model.
+
+    python benchmark/eval_quality.py                                    # the built-in model, every mode
+    python benchmark/eval_quality.py --variants fp32 gguf int8wo --max-tokens 512
+    python benchmark/eval_quality.py --model-path /models/x.gguf --text my.txt
+
+Each variant starts an Engine with its server arguments and reads back the log-probability of every
+token of the text given the tokens before it (prompt logprobs), with the top-1 token at each
+position. The text is prefilled in chunks of --chunk tokens (--chunked-prefill-size), 16 by
+default, so every forward runs at a batch size where the weight-only modes read their quantized
+forms (layers/linear.py's WQ_MAX_TOKENS), as decode does.
+
+- perplexity: exp(-mean log p(token | the tokens before it)) over the text after its first token;
+- greedy agreement: the share of positions where the variant's most likely next token is fp32's;
+- mean / max |delta logprob|: how far the variant's log-probability of the text's token is from
+  fp32's, over the same positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from radixserve.entrypoints.engine import Engine
+
+DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "quality_text.txt"
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"quantization": "unquant"},
+    "gguf": {"quantization": "gguf"},
+    "w8a8_int8": {"quantization": "w8a8_int8"},
+    "int8wo": {"torchao_config": "int8wo"},
+    "int4wo-64": {"torchao_config": "int4wo-64"},
+    "int4wo-128": {"torchao_config": "int4wo-128"},
+}
+LABELS = {
+    "fp32": "fp32 (default)",
+    "gguf": "`--quantization gguf`",
+    "w8a8_int8": "`--quantization w8a8_int8`",
+    "int8wo": "`--torchao-config int8wo`",
+    "int4wo-64": "`--torchao-config int4wo-64`",
+    "int4wo-128": "`--torchao-config int4wo-128`",
+}
+
+
+def score(
+    model_path: str | None, text: str, server_args: dict[str, Any], chunk: int, max_tokens: int
+) -> dict:
+    """Per position after the first: the text token's logprob and the top-1 token id."""
+    with Engine(
+        model_path=model_path, chunked_prefill_size=chunk, max_total_tokens=8192, **server_args
+    ) as engine:
+        ids = engine.tokenizer_manager.tokenizer.encode(text)[:max_tokens]
+        out = engine.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=1,
+        )
+    meta = out["meta_info"]
+    pairs = [
+        (entry[0], top[0][1])
+        for entry, top in zip(meta["input_token_logprobs"], meta["input_top_logprobs"])
+        if entry[0] is not None and top
+    ]
+    return {"logprobs": [lp for lp, _ in pairs], "top1": [t for _, t in pairs], "tokens": len(ids)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-path", default=None, help="default: the built-in model")
+    parser.add_argument("--text", default=str(DEFAULT_TEXT))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per forward)")
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    args = parser.parse_args()
+    text = Path(args.text).read_text(encoding="utf-8")
+    variants = ["fp32"] + [v for v in args.variants if v != "fp32"]
+    results: dict[str, dict] = {}
+    for name in variants:
+        start = time.perf_counter()
+        results[name] = score(args.model_path, text, VARIANTS[name], args.chunk, args.max_tokens)
+        print(
+            f"{name}: {len(results[name]['logprobs'])} positions in {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+    ref = results["fp32"]
+    print(f"\n{ref['tokens']} tokens of {Path(args.text).name}, chunks of {args.chunk}\n")
+    print("| mode | perplexity | greedy agreement with fp32 | mean \\|Δ logprob\\| | max \\|Δ logprob\\| |")
+    print("|---|---:|---:|---:|---:|")
+    for name in variants:
+        got = results[name]
+        ppl = math.exp(-sum(got["logprobs"]) / len(got["logprobs"]))
+        agree = sum(a == b for a, b in zip(got["top1"], ref["top1"])) / len(ref["top1"])
+        diffs = [abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])]
+        print(
+            f"| {LABELS[name]} | {ppl:.3f} | {agree:.3f} | {sum(diffs) / len(diffs):.4f} | {max(diffs):.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The weight-only quantized forms (Linear.weight_wq) of a ModelRunner's linears: the GGUF file's
+own tensors under --quantization gguf, or on-the-fly quantization under --torchao-config.
+
+The forms are made once, when the model loads, and attached again whenever the derived forms are
+rebuilt (weight updates, release / resume: model_executor/weight_sync.py). A form is attached only
+while its layer's fp32 weight is exactly its dequantization, the invariant linear() relies on
+(small batches read the form, larger ones the fp32 weight):
+- at load, a GGUF form that differs from the fp32 weight of the file's conversion is an error (the
+  conversion does not come from this file);
+- after a weight update changed a layer, a GGUF form is dropped (the file no longer describes the
+  layer, which serves in fp32 from then on) and an on-the-fly one is made anew from the new
+  weight, which is then replaced by its dequantization.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight
+from radixserve.layers.linear import WQ_MAX_TOKENS, Linear
+from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
+from radixserve.model_loader.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+Form = tuple[str, Linear, GroupQuantWeight]
+
+
+class WeightOnlyForms:
+    def __init__(
+        self,
+        method: str,
+        forms: list[Form],
+        requantize: Callable[[torch.Tensor], GroupQuantWeight | None] | None,
+    ) -> None:
+        self.method = method
+        self.forms = forms
+        self.requantize = requantize  # None: forms that cannot be remade (a file's tensors)
+        self._attached = False
+
+    def attach(self) -> None:
+        """Set each layer's weight_wq (module docstring for what happens to changed layers)."""
+        kept: list[Form] = []
+        dropped: list[str] = []
+        for name, layer, form in self.forms:
+            if not torch.equal(layer.weight, form.dequantize()):
+                if not self._attached:
+                    raise ModelLoadError(
+                        f"{self.method}: the fp32 weight of {name} is not the dequantization of its "
+                        "quantized form; the converted folder does not come from this file (delete it "
+                        "to convert again)"
+                    )
+                if self.requantize is None or (form := self.requantize(layer.weight)) is None:
+                    dropped.append(name)
+                    continue
+                _replace_weight(layer, form)
+            layer.weight_wq = form
+            kept.append((name, layer, form))
+        if dropped:
+            logger.warning(
+                "%s: %d linears changed since their quantized form was made and serve in fp32 now: %s",
+                self.method,
+                len(dropped),
+                ", ".join(dropped[:4]),
+            )
+        self.forms = kept
+        if not self._attached:
+            self._attached = True
+            self._log()
+
+    def _log(self) -> None:
+        wq_bytes = sum(form.nbytes() for _, _, form in self.forms)
+        fp32_bytes = sum(layer.weight.numel() * 4 for _, layer, _ in self.forms)
+        logger.info(
+            "%s: %d linears weight-only quantized (%.0f MiB read per step instead of %.0f MiB of fp32) "
+            "for batches of up to %d tokens, run by %s",
+            self.method,
+            len(self.forms),
+            wq_bytes / 2**20,
+            fp32_bytes / 2**20,
+            WQ_MAX_TOKENS,
+            "sgl-kernel's linear_wq"
+            if WQ_KERNEL
+            else "the torch reference (sgl-kernel's linear_wq not built)",
+        )
+
+
+def _replace_weight(layer: Linear, form: GroupQuantWeight) -> None:
+    with torch.no_grad():
+        layer.weight.copy_(form.dequantize())
+
+
+def _torchao_forms(config: str, model: torch.nn.Module) -> WeightOnlyForms:
+    bits, group_size = parse_torchao_config(config)
+    forms: list[Form] = []
+    skipped: list[str] = []
+    # SGLang's filter: the linears whose name has "proj" (the decoder's; not the LM head).
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or "proj" not in name:
+            continue
+        form = quantize_weight_only(layer.weight, bits, group_size)
+        if form is None:
+            skipped.append(name)
+            continue
+        _replace_weight(layer, form)
+        forms.append((name, layer, form))
+    if skipped:
+        logger.info(
+            "--torchao-config %s: %d linears whose in_features the group size does not divide stay fp32 "
+            "(as torchao leaves them), e.g. %s",
+            config,
+            len(skipped),
+            skipped[0],
+        )
+    return WeightOnlyForms(
+        f"--torchao-config {config}", forms, lambda weight: quantize_weight_only(weight, bits, group_size)
+    )
+
+
+def create_weight_only(runner: Any) -> WeightOnlyForms | None:  # noqa: ANN401 - ModelRunner
+    """The runner's weight-only forms for --quantization gguf or --torchao-config, else None."""
+    args = runner.server_args
+    if args.quantization == "gguf":
+        from radixserve.model_loader.gguf_source import gguf_source
+        from radixserve.model_loader.gguf_weights import gguf_linear_forms
+
+        source = gguf_source(runner.model_config.path)
+        if source is None:
+            raise ModelLoadError(
+                f"--quantization gguf serves GGUF files: pass --model-path to a .gguf file (or the "
+                f"built-in model); {runner.model_config.path} is not a GGUF conversion"
+            )
+        forms = gguf_linear_forms(source, runner.model, runner.lm_head)
+        return WeightOnlyForms("--quantization gguf", forms, None)
+    if args.torchao_config:
+        return _torchao_forms(args.torchao_config, runner.model)
+    return None
