@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from radixserve.configs.checkpoint_quant import resolve_quantization
+
 if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
 
@@ -65,7 +67,9 @@ QUANTIZATION_METHODS = (
     "unquant",
     "humming",
 )
-SUPPORTED_QUANTIZATION = ("w8a8_int8",)
+# w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load, or loads a compressed-tensors W8A8
+# one; the others load pre-quantized checkpoints (configs/checkpoint_quant.py).
+SUPPORTED_QUANTIZATION = ("w8a8_int8", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors")
 # SGLang's explicit "no quantization": accepted, and resolved to None.
 NO_QUANTIZATION = "unquant"
 
@@ -88,8 +92,11 @@ class ServerArgs:
         "Quantize the weights (SGLang's names). w8a8_int8: on CPU, the decoder layers' linear weights "
         "(QKV, o_proj, gate_up, down) are quantized at load to int8 with a scale per output channel, "
         "and activations per token at run time, for int8 dot products (sgl-kernel). The embedding "
-        "and the LM head stay fp32 (--cpu-fp16-weights then gives the LM head its fp16 copy). Other SGLang names (awq, gptq, gguf, fp8, ...) are refused at start: "
-        "not implemented yet (docs/quantization.md). Default: none (fp32).",
+        "and the LM head stay fp32 (--cpu-fp16-weights then gives the LM head its fp16 copy). A "
+        "pre-quantized checkpoint (GPTQ or AWQ int4, compressed-tensors W8A8 int8) selects its method "
+        "from config.json's quantization_config without the flag; a flag naming another method is an "
+        "error. Other SGLang names (gguf, fp8, ...) are refused at start: not implemented yet "
+        "(docs/quantization.md). Default: the checkpoint's, else none (fp32).",
     )
     context_length: int | None = _f(None, "Maximum context length; defaults to the model's.")
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
@@ -406,8 +413,11 @@ class ServerArgs:
             updates["cpu_threads"] = os.cpu_count() or 1
         if self.speculative_algorithm is not None:
             updates.update(self._speculative_updates(device))
-        if self.quantization == NO_QUANTIZATION:
-            updates["quantization"] = None
+        quantization = None if self.quantization == NO_QUANTIZATION else self.quantization
+        if quantization is None or quantization in QUANTIZATION_METHODS:  # other names: validate() says
+            # A pre-quantized checkpoint selects its method; a conflicting flag is an error.
+            quantization = resolve_quantization(quantization, self.model_path)
+        updates["quantization"] = quantization
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
@@ -522,8 +532,8 @@ class ServerArgs:
         if method not in SUPPORTED_QUANTIZATION:
             raise ValueError(
                 f"--quantization {method} is not supported by radixserve yet; supported: {supported} "
-                "(on-the-fly int8 quantization of an fp32/bf16/fp16 checkpoint on CPU; "
-                "docs/quantization.md)"
+                "(w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load; the others load "
+                "pre-quantized checkpoints, on CPU; docs/quantization.md)"
             )
         if self.device != "cpu":
             raise ValueError(f"--quantization {method} runs on CPU only for now (got --device {self.device})")

@@ -53,7 +53,12 @@ def load_model(
         # Discover and validate the weight files before paying for model construction.
         weights = iterate_checkpoint(model_config.path)
         model = _construct(cls, model_config, torch.device(device), parallel)
-        model.load_weights(weights)
+        if model_config.quantization is not None:  # a pre-quantized checkpoint (GPTQ, AWQ, ...)
+            from radixserve.model_loader.quantized_hf import load_quantized_weights
+
+            load_quantized_weights(model, weights, model_config.quantization)
+        else:
+            model.load_weights(weights)
     _finalize(model, model_config.dtype)
     logger.info(
         "Loaded %s (%s, %s weights, %.1f M params, %s) on %s in %.2f s",
