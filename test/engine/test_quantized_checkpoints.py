@@ -104,3 +104,48 @@ def test_release_and_resume_reload_the_quantized_forms_and_updates_are_refused(c
         assert torch.equal(a, b), step
     with pytest.raises(WeightUpdateError, match="pre-quantized checkpoint .* Restart the server"):
         weights.update_from_disk(str(reference), None)
+
+
+def test_startup_errors_say_what_is_wrong(checkpoints, tmp_path):
+    """The launcher refuses a conflicting flag before starting anything; a checkpoint the loader
+    cannot serve (here GPTQ act-order) fails the start with the loader's message."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from radixserve import Engine
+
+    quantized, _ = checkpoints("llama", "gptq")
+    with pytest.raises(ValueError, match=r"model config \(gptq\) does not match .* argument \(awq\)"):
+        Engine(model_path=str(quantized), quantization="awq")
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixserve.launch_server",
+            "--model-path",
+            str(quantized),
+            "--quantization",
+            "awq",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode != 0 and "does not match the quantization method" in cli.stderr
+
+    act_order = tmp_path / "act_order"
+    shutil.copytree(quantized, act_order)
+    tensors = load_file(str(act_order / "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.g_idx"] = tensors["model.layers.1.self_attn.o_proj.g_idx"].flip(
+        0
+    )
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(act_order / "model.safetensors"))
+    config = json.loads((act_order / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = True
+    (act_order / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RuntimeError, match=r"o_proj\.g_idx puts inputs in groups out of order"):
+        Engine(model_path=str(act_order), max_total_tokens=4096, log_level="warning")
