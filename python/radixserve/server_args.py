@@ -413,11 +413,11 @@ class ServerArgs:
             updates["cpu_threads"] = os.cpu_count() or 1
         if self.speculative_algorithm is not None:
             updates.update(self._speculative_updates(device))
-        quantization = None if self.quantization == NO_QUANTIZATION else self.quantization
+        quantization = self.quantization
         if quantization is None or quantization in QUANTIZATION_METHODS:  # other names: validate() says
-            # A pre-quantized checkpoint selects its method; a conflicting flag is an error.
+            # A pre-quantized checkpoint selects its method; a conflicting flag (unquant too) is an error.
             quantization = resolve_quantization(quantization, self.model_path)
-        updates["quantization"] = quantization
+        updates["quantization"] = None if quantization == NO_QUANTIZATION else quantization
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(

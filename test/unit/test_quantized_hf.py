@@ -161,6 +161,7 @@ def test_the_checkpoint_selects_the_method_and_compatible_flags_are_accepted(qua
         ("awq", "w8a8_int8", "model config (awq) does not match"),
         ("w8a8", "gptq", "model config (compressed-tensors) does not match"),
         ("gptq", "fp8", "model config (gptq) does not match"),
+        ("gptq", "unquant", "model config (gptq) does not match"),  # SGLang's explicit "none"
     ],
 )
 def test_a_conflicting_flag_is_refused(quantized, method, flag, message):
