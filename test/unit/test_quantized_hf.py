@@ -272,3 +272,13 @@ def test_a_checkpoint_without_quantized_tensors_is_refused(tiny_model_dir, tmp_p
 
 def test_describe():
     assert CheckpointQuant("gptq", 4, 128).describe() == "gptq int4 (group 128)"
+
+
+def test_a_scales_tensor_of_the_wrong_shape_is_refused(quantized, tmp_path):
+    path = _copy(quantized("llama", "awq")[0], tmp_path / "bad_scales")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.scales"
+    tensors[name] = tensors[name][:, :-8].contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"up_proj\.scales has shape \(2, 120\)"):
+        load_model(ModelConfig.from_path(str(path)))

@@ -180,6 +180,19 @@ def _need(by_name: dict[str, CheckpointTensor], name: str) -> CheckpointTensor:
     return by_name[name]
 
 
+def _check_shapes(
+    prefix: str, n: int, k: int, group: int, qzeros: CheckpointTensor, scales: CheckpointTensor
+) -> None:
+    groups = k // group
+    expected = {"qzeros": (groups, n // _PACK), "scales": (groups, n)}
+    for part, t in (("qzeros", qzeros), ("scales", scales)):
+        if n % _PACK or tuple(t.shape) != expected[part]:
+            raise ModelLoadError(
+                f"{prefix}.{part} has shape {tuple(t.shape)}; a linear of {n} outputs and {k} inputs in "
+                f"groups of {group} needs {expected[part]} (and outputs in multiples of {_PACK})"
+            )
+
+
 def _groups(prefix: str, spec: CheckpointQuant, k: int, stored_groups: int) -> int:
     """Inputs per group of this linear (checked against its stored scales)."""
     group = k if spec.group_size == -1 else spec.group_size
@@ -195,6 +208,7 @@ def _gptq_linear(prefix: str, by_name: dict[str, CheckpointTensor], spec: Checkp
     qweight, qzeros, scales = (_need(by_name, prefix + s) for s in (".qweight", ".qzeros", ".scales"))
     k, n = qweight.shape[0] * _PACK, qweight.shape[1]
     group = _groups(prefix, spec, k, scales.shape[0])
+    _check_shapes(prefix, n, k, group, qzeros, scales)
     g_idx = by_name.get(prefix + ".g_idx")
     if g_idx is not None and not torch.equal(g_idx.full().to(torch.int64), torch.arange(k) // group):
         raise ModelLoadError(
@@ -218,6 +232,7 @@ def _awq_linear(prefix: str, by_name: dict[str, CheckpointTensor], spec: Checkpo
     qweight, qzeros, scales = (_need(by_name, prefix + s) for s in (".qweight", ".qzeros", ".scales"))
     k, n = qweight.shape[0], qweight.shape[1] * _PACK
     group = _groups(prefix, spec, k, scales.shape[0])
+    _check_shapes(prefix, n, k, group, qzeros, scales)
     packed = Axis(_PACK, packed=True, order=AWQ_ORDER)
     return QuantizedLinear(
         prefix,
