@@ -282,3 +282,17 @@ def test_a_scales_tensor_of_the_wrong_shape_is_refused(quantized, tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"up_proj\.scales has shape \(2, 120\)"):
         load_model(ModelConfig.from_path(str(path)))
+
+
+def test_autogptq_zero_biases_of_a_bias_free_model_are_dropped(quantized, tmp_path):
+    path = _copy(quantized("llama", "gptq")[0], tmp_path / "zero_bias")
+    tensors = load_file(str(path / "model.safetensors"))
+    prefix = "model.layers.0.self_attn.q_proj"
+    tensors[prefix + ".bias"] = torch.zeros(tensors[prefix + ".scales"].shape[1], dtype=torch.float16)
+    save_file(tensors, str(path / "model.safetensors"))
+    model = load_model(ModelConfig.from_path(str(path)))  # Llama has no q_proj bias: dropped
+    assert model.model.layers[0].self_attn.qkv_proj.bias is None
+    tensors[prefix + ".bias"][0] = 1.0
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"q_proj\.bias is not zero"):
+        load_model(ModelConfig.from_path(str(path)))

@@ -274,6 +274,7 @@ def load_quantized_weights(
     """Fill `model` from a pre-quantized checkpoint: fp32 weights (exact dequantizations) and the
     quantized forms of every quantized linear (module docstring)."""
     plain, quantized = split_checkpoint(tensors, spec)
+    plain = _without_extra_biases(model, plain, {lin.prefix for lin in quantized})
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     kinds = ("q", "scale") if spec.method == COMPRESSED_TENSORS else ("q", "scale", "offset")
     planes: dict[str, dict[str, torch.Tensor]] = {}
@@ -298,6 +299,24 @@ def load_quantized_weights(
         if spec.method == COMPRESSED_TENSORS
         else "weight_wq, int4 weight-only",
     )
+
+
+def _without_extra_biases(
+    model: nn.Module, plain: list[tuple[str, CheckpointTensor]], quantized: set[str]
+) -> list[tuple[str, CheckpointTensor]]:
+    """AutoGPTQ writes a bias for every quantized linear, zeros where the model has none (Llama):
+    those are dropped, as SGLang's loaders do; a non-zero one the model has no place for is refused."""
+    params = dict(model.named_parameters())
+    targets = getattr(model, "param_targets", lambda name: [name])
+    kept = []
+    for name, t in plain:
+        extra = name.endswith(".bias") and name.removesuffix(".bias") in quantized
+        if extra and not all(target in params for target in targets(name)):
+            if bool(t.full().any()):
+                raise ModelLoadError(f"{name} is not zero, but the model has no bias there")
+            continue
+        kept.append((name, t))
+    return kept
 
 
 def _group_of(name: str, layer: Linear, spec: CheckpointQuant) -> int:
