@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from radixserve.configs.checkpoint_quant import resolve_quantization
 from radixserve.configs.quant_args import validate_weight_only
 
 if TYPE_CHECKING:
@@ -67,7 +68,18 @@ QUANTIZATION_METHODS = (
     "unquant",
     "humming",
 )
-SUPPORTED_QUANTIZATION = ("w8a8_int8", "gguf")
+# w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load, or loads a compressed-tensors W8A8
+# one; gguf serves a GGUF file's quantized tensors; the others load pre-quantized checkpoints
+# (configs/checkpoint_quant.py).
+SUPPORTED_QUANTIZATION = (
+    "w8a8_int8",
+    "gguf",
+    "gptq",
+    "gptq_marlin",
+    "awq",
+    "awq_marlin",
+    "compressed-tensors",
+)
 # SGLang's explicit "no quantization": accepted, and resolved to None.
 NO_QUANTIZATION = "unquant"
 
@@ -98,9 +110,11 @@ class ServerArgs:
         "LM head its fp16 copy). gguf: the decoder linears and the LM head of a GGUF model (--model-path "
         "to a .gguf file, which selects it by itself, or the built-in model) serve from the file's own "
         "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors for batches of up to 16 tokens, larger batches from their "
-        "exact fp32 dequantization; a file with other quantized types is refused. unquant: none (a "
-        "GGUF file then serves dequantized to fp32). Other SGLang names (awq, gptq, fp8, ...) are "
-        "refused at start: not implemented yet. Default: none (fp32).",
+        "exact fp32 dequantization; a file with other quantized types is refused. A pre-quantized "
+        "checkpoint (GPTQ or AWQ int4, compressed-tensors W8A8 int8) selects its method from "
+        "config.json's quantization_config without the flag; a flag naming another method is an "
+        "error. unquant: none (a GGUF file then serves dequantized to fp32). Other SGLang names (fp8, "
+        "bitsandbytes, ...) are refused at start. Default: the checkpoint's, else none (fp32).",
     )
     torchao_config: str = _f(
         "",
@@ -429,8 +443,11 @@ class ServerArgs:
         from radixserve.configs.quant_args import gguf_updates
 
         updates.update(gguf_updates(self))  # a GGUF --model-path: --quantization gguf (SGLang's rule)
-        if self.quantization == NO_QUANTIZATION:
-            updates["quantization"] = None
+        quantization = updates.get("quantization", self.quantization)
+        if quantization is None or quantization in QUANTIZATION_METHODS:  # other names: validate() says
+            # A pre-quantized checkpoint selects its method; a conflicting flag (unquant too) is an error.
+            quantization = resolve_quantization(quantization, self.model_path)
+        updates["quantization"] = None if quantization == NO_QUANTIZATION else quantization
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
@@ -546,8 +563,8 @@ class ServerArgs:
         if method not in SUPPORTED_QUANTIZATION:
             raise ValueError(
                 f"--quantization {method} is not supported by radixserve yet; supported: {supported} "
-                "(w8a8_int8: on-the-fly int8 quantization of an fp32/bf16/fp16 checkpoint on CPU; "
-                "gguf: a GGUF file's quantized tensors; docs/quantization.md)"
+                "(w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load; gguf serves a GGUF file's "
+                "quantized tensors; the others load pre-quantized checkpoints, on CPU; docs/quantization.md)"
             )
         if self.device != "cpu":
             raise ValueError(f"--quantization {method} runs on CPU only for now (got --device {self.device})")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from radixserve.configs.checkpoint_quant import CheckpointQuant, checkpoint_quantization
 from radixserve.configs.pooling import (
     ENCODER_ARCHITECTURES,
     NON_GENERATION_ARCHITECTURES,
@@ -65,6 +66,8 @@ class ModelConfig:
     # False for embedding / classification models (--is-embedding or a non-generating architecture).
     is_generation: bool = True
     embedding: EmbeddingConfig | None = None  # how such a model pools (None for generation models)
+    # How a pre-quantized checkpoint stores its linears (config.json's quantization_config).
+    quantization: CheckpointQuant | None = None
 
     @classmethod
     def from_path(
@@ -98,7 +101,15 @@ class ModelConfig:
             eos_token_ids=_get_eos_token_ids(hf_config, path),
             is_generation=is_generation,
             embedding=embedding,
+            quantization=_checkpoint_quantization(path),
         )
+
+
+def _checkpoint_quantization(path: str) -> CheckpointQuant | None:
+    try:
+        return checkpoint_quantization(path)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 def _check_model_dir(path: str) -> str:

@@ -135,7 +135,8 @@ class ModelRunner:
         ):
             if on and not cpu_fp32:
                 raise ValueError(f"{flag} applies to fp32 models on CPU only")
-        if args.quantization == "w8a8_int8":
+        # A pre-quantized checkpoint brought its quantized forms (model_loader/quantized_hf.py).
+        if args.quantization == "w8a8_int8" and self.model_config.quantization is None:
             if not self.model_config.is_generation:
                 raise ValueError(
                     f"--quantization w8a8_int8 applies to generation models for now, not "

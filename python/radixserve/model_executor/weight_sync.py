@@ -28,7 +28,7 @@ from torch import nn
 from radixserve.layers.linear import Linear
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_loader.errors import ModelLoadError
-from radixserve.model_loader.loader import _init_dummy_weights
+from radixserve.model_loader.loader import _init_dummy_weights, load_checkpoint_weights
 from radixserve.model_loader.weights import CheckpointTensor, iterate_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class ModelWeights:
     # ------------------------------------------------------------------ updates
     def update_from_disk(self, model_path: str, load_format: str | None) -> None:
         """Load every weight of the checkpoint at `model_path` (same architecture and shapes)."""
+        self._refuse_if_prequantized()
         fmt = load_format or "auto"
         if fmt not in ("auto", "safetensors"):
             raise WeightUpdateError(
@@ -95,6 +96,7 @@ class ModelWeights:
 
     def update_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a subset of the weights from in-memory tensors (checkpoint names)."""
+        self._refuse_if_prequantized()
         named = list(named)
         for name, tensor in named:
             _check_tensor(name, tensor)
@@ -104,6 +106,7 @@ class ModelWeights:
         """SGLang's load_format 'direct': tensors by the model's own parameter names (fused
         qkv_proj / gate_up_proj, this rank's shard), copied as they are. Everything is checked
         before the first copy, so a refusal changes nothing."""
+        self._refuse_if_prequantized()
         named = list(named)
         params = dict(self.model.named_parameters())
         for name, tensor in named:
@@ -123,6 +126,15 @@ class ModelWeights:
                 params[name].data.copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
         self.rebuild_derived()
         _trim_heap()
+
+    def _refuse_if_prequantized(self) -> None:
+        spec = self.runner.model_config.quantization
+        if spec is not None:
+            raise WeightUpdateError(
+                f"The server runs a pre-quantized checkpoint ({spec.describe()}): its quantized weights "
+                "come from the checkpoint's integers, and updating them in place is not supported yet. "
+                "Restart the server with the new checkpoint."
+            )
 
     def _check_architecture(self, model_path: str) -> None:
         config_file = os.path.join(model_path, "config.json")
@@ -177,8 +189,12 @@ class ModelWeights:
         runner.cpu_decode_runner = None
         if self.released_shapes is not None:
             return  # nothing to derive from until the weights are back
+        # A pre-quantized checkpoint's forms are not derived from the weights: they stay.
+        kept = [(m, m.weight_int8, m.weight_scale, m.weight_wq) for m in self._checkpoint_quantized()]
         for layer in self._linears():
             layer.drop_derived()
+        for layer, weight_int8, weight_scale, weight_wq in kept:
+            layer.weight_int8, layer.weight_scale, layer.weight_wq = weight_int8, weight_scale, weight_wq
         runner._prepare_cpu_linears()
         if self.released_kv is not None:
             return  # the fused decode path reads the KV pool: recreated when it is back
@@ -189,6 +205,11 @@ class ModelWeights:
             from radixserve.model_executor.cuda_graph_runner import create_cuda_graph_runner
 
             runner.graph_runner = create_cuda_graph_runner(runner, runner.server_args)
+
+    def _checkpoint_quantized(self) -> list[Linear]:
+        if self.runner.model_config.quantization is None:
+            return []
+        return [m for m in self._linears() if m.weight_int8 is not None or m.weight_wq is not None]
 
     def _linears(self) -> list[Linear]:
         roots = [m for m in (self.runner.model, self.runner.lm_head) if m is not None]
@@ -219,7 +240,8 @@ class ModelWeights:
         if self.source_format == "dummy":
             _init_dummy_weights(self.model, self.runner.device, 0)
         else:
-            self.model.load_weights(iterate_checkpoint(self.source_path, show_progress=False))
+            weights = iterate_checkpoint(self.source_path, show_progress=False)
+            load_checkpoint_weights(self.model, weights, self.runner.model_config.quantization)
         self.released_shapes = None
         self.rebuild_derived()
 

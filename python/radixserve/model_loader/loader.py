@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.configs.checkpoint_quant import CheckpointQuant
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.model_loader.errors import ModelLoadError
@@ -53,7 +54,7 @@ def load_model(
         # Discover and validate the weight files before paying for model construction.
         weights = iterate_checkpoint(model_config.path)
         model = _construct(cls, model_config, torch.device(device), parallel)
-        model.load_weights(weights)
+        load_checkpoint_weights(model, weights, model_config.quantization)
     _finalize(model, model_config.dtype)
     logger.info(
         "Loaded %s (%s, %s weights, %.1f M params, %s) on %s in %.2f s",
@@ -66,6 +67,19 @@ def load_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def load_checkpoint_weights(
+    model: nn.Module, weights: Iterator[tuple[str, Any]], quantization: CheckpointQuant | None
+) -> None:
+    """Fill `model` from a checkpoint's tensors; a pre-quantized checkpoint (GPTQ, AWQ,
+    compressed-tensors) also gives its linears their quantized forms (quantized_hf.py)."""
+    if quantization is None:
+        model.load_weights(weights)
+        return
+    from radixserve.model_loader.quantized_hf import load_quantized_weights
+
+    load_quantized_weights(model, weights, quantization)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
