@@ -160,7 +160,8 @@ def create_cpu_decode_runner(
     if reasons:
         logger.debug("CPU fused decode off: %s", "; ".join(reasons))
         return None
-    quantized = server_args.quantization == "w8a8_int8"
+    # W8A8 int8 layers (w8a8_int8, or a compressed-tensors checkpoint).
+    quantized = any(getattr(m, "weight_int8", None) is not None for m in model.modules())
     if quantized and not hasattr(getattr(cpu_kernels, "_ext", None), "linear_int8"):
         # An extension built before int8 weights: the module forward runs them (on the torch
         # reference). Said at info: the user asked for a fast format and should know it is not.
