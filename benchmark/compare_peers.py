@@ -40,6 +40,7 @@ ENGINES = (
     "radixserve-fp16",
     "radixserve-bf16gemm",
     "radixserve-int8",
+    "radixserve-gguf",
     "llama-server-f16",
     "llama-server-f32",
     "llama-server-q8_0",
@@ -57,10 +58,12 @@ DEFAULT_ENGINES = (
     "hf",
 )
 # Engines that are radixserve with extra flags. radixserve-int8 (--quantization w8a8_int8) is the
-# counterpart of llama-server's Q8_0, and llama-server-q4_1 serves the built-in model's own file.
+# counterpart of llama-server's Q8_0; radixserve-gguf (--quantization gguf) and llama-server-q4_1
+# both serve the built-in model's own Q4_1 file.
 RADIXSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "radixserve-fp16": ("--cpu-fp16-weights",),
     "radixserve-int8": ("--quantization", "w8a8_int8"),
+    "radixserve-gguf": ("--quantization", "gguf"),
 }
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Every tunable: the full run's value and the --quick one. A flag given on the command line wins.
