@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from radixserve.speculative.model_drafter import ModelDrafter
 from radixserve.speculative.ngram_drafter import NgramConfig, NgramDrafter
+from radixserve.speculative.tree import DraftTree
 from radixserve.speculative.verify_batch import prepare_for_verify, verify_tokens_needed
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ class Drafter(Protocol):
     """Proposes drafts. It keeps its per-request state on req.spec, an object with
     on_token(token_id) (every appended token) and on_verified(num_drafts, num_accepted)."""
 
-    def draft(self, req: Req, max_tokens: int) -> list[int]: ...
+    def draft(self, req: Req, max_tokens: int) -> list[int] | DraftTree: ...
 
 
 class SpeculativeDecodeStep:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixserve.speculative.ngram_trie import NgramTrie
+from radixserve.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from radixserve.scheduler.req import Req
@@ -35,6 +36,8 @@ class NgramConfig:
     max_window: int
     branch_length: int
     capacity: int
+    min_breadth: int = 1  # BFS tree breadth (SGLang's min/max_bfs_breadth); max 1: a chain
+    max_breadth: int = 1
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> NgramConfig:
@@ -45,6 +48,8 @@ class NgramConfig:
             max_window=args.speculative_ngram_max_match_window_size,
             branch_length=args.speculative_ngram_branch_length,
             capacity=args.speculative_ngram_capacity,
+            min_breadth=args.speculative_ngram_min_bfs_breadth,
+            max_breadth=args.speculative_ngram_max_bfs_breadth or 1,
         )
 
 
@@ -109,8 +114,9 @@ class NgramDrafter:
             req.spec = SpecReqState(trie)
         return req.spec
 
-    def draft(self, req: Req, max_tokens: int) -> list[int]:
-        """This step's drafts for `req` (possibly none)."""
+    def draft(self, req: Req, max_tokens: int) -> list[int] | DraftTree:
+        """This step's drafts for `req` (possibly none): a chain, or with max_breadth > 1 SGLang's
+        BFS tree."""
         if not can_speculate(req):
             return []
         st = self._state(req)
@@ -119,6 +125,11 @@ class NgramDrafter:
             return []
         assert st.trie is not None
         cfg = self.config
+        if cfg.max_breadth > 1:
+            context = last_tokens(req, cfg.max_window)
+            return st.trie.draft_tree(
+                context, n, cfg.min_window, cfg.max_window, cfg.min_breadth, cfg.max_breadth
+            )
         return st.trie.draft(last_tokens(req, cfg.max_window), n, cfg.min_window, cfg.max_window)
 
 
