@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from radixserve.server_args import ServerArgs
 
 MAX_COOLDOWN = 16
+ACCEPT_EMA_ALPHA = 0.3  # weight of the newest round in a request's acceptance average
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,19 @@ class SpecReqState:
     trie: NgramTrie | None  # None for drafters that need no index (a draft model)
     cooldown: int = 0  # decode steps left without drafting
     next_cooldown: int = 1
+    # The batch-level rule (batch_gate.py): drafts accepted per verify round, a moving average
+    # (None until the first draft, which starts it at the draft limit), and steps gated in a row.
+    accept_ema: float | None = None
+    gated_streak: int = 0
+
+    def expected_accepts(self, num_drafts: int) -> float:
+        if self.accept_ema is None:
+            self.accept_ema = float(num_drafts)  # optimistic until measured
+        return min(self.accept_ema, float(num_drafts))
+
+    def on_gated(self) -> None:
+        """This step's drafts were dropped by the batch-level rule."""
+        self.gated_streak += 1
 
     def on_token(self, token_id: int) -> None:
         """Every token appended to the request's output (any batch mode) is indexed."""
@@ -70,6 +84,9 @@ class SpecReqState:
         """The back-off rule, after a verify round in which the request drafted."""
         if num_drafts == 0:
             return
+        self.gated_streak = 0
+        prev = self.accept_ema if self.accept_ema is not None else float(num_accepted)
+        self.accept_ema = prev + ACCEPT_EMA_ALPHA * (num_accepted - prev)
         if num_accepted == 0:
             self.cooldown = self.next_cooldown
             self.next_cooldown = min(self.next_cooldown * 2, MAX_COOLDOWN)
