@@ -224,13 +224,13 @@ def test_extend_attention_tree_mask_matches_reference(heads, head_dim, page_size
         )
         torch.testing.assert_close(out[start : start + n], ref.reshape(n, -1), **TOL)
         start += n
-    # A chain's mask is the causal one: the same output as without a mask.
+    # A chain's mask is the causal one: the output without a mask.
     chain = flat_tree_mask([list(range(-1, n - 1)) for n in ext])
     causal = cpu_kernels.extend_attention(q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext_t, scale)
     masked = cpu_kernels.extend_attention(
         q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext_t, scale, tree_mask=chain
     )
-    torch.testing.assert_close(masked, causal, atol=0, rtol=0)
+    torch.testing.assert_close(masked, causal, **TOL)  # key blocks split elsewhere: rounding only
 
 
 @needs_ext
