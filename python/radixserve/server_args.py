@@ -383,6 +383,12 @@ class ServerArgs:
     speculative_ngram_branch_length: int = _f(
         18, "NGRAM: longest n-gram stored in a request's trie (its depth)."
     )
+    disable_speculative_batch_backoff: bool = _f(
+        False,
+        "radixserve's own: turn off the batch-level back-off rule (a step drafts only when its expected "
+        "accepted drafts pay for the verify step's measured extra cost at this batch size; "
+        "docs/speculative_decoding.md). The per-request back-off stays.",
+    )
     speculative_ngram_capacity: int = _f(
         10 * 1000 * 1000,
         "NGRAM: most trie nodes per request; past it new n-grams are no longer stored.",

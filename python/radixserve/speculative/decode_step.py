@@ -29,19 +29,21 @@ class SpeculativeDecodeStep:
     """Drafts for every request of a decode batch; a TARGET_VERIFY batch when any request drafted
     and the drafts' KV fits (else, or with no drafts, the ordinary DECODE batch)."""
 
-    def __init__(self, drafter: Drafter, mem: KVMemory) -> None:
+    def __init__(self, drafter: Drafter, mem: KVMemory, batch_backoff: bool = True) -> None:
         self.drafter = drafter
         self.mem = mem
+        self.batch_backoff = batch_backoff  # the batch-level rule (batch_gate.py)
         self.costs = StepCosts()  # decode / verify step times, for the batch-level rule
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, mem: KVMemory) -> SpeculativeDecodeStep | None:
         if args.speculative_algorithm is None:
             return None
+        gate = not args.disable_speculative_batch_backoff
         if args.speculative_algorithm == "NGRAM":
-            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem)
+            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem, gate)
         assert args.speculative_num_draft_tokens is not None, "ServerArgs.resolve() sets it"
-        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem)
+        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem, gate)
 
     def prepare(self, batch: ScheduleBatch, context_limit: int) -> None:
         drafts = [self.drafter.draft(r, context_limit - r.kv_committed_len - 1) for r in batch.reqs]
@@ -65,7 +67,7 @@ class SpeculativeDecodeStep:
         """The batch-level rule (batch_gate.py); drafters without its state (test oracles) always
         pass. A step that does not pay leaves its would-be drafters a gated step older."""
         states = [(r.spec, len(d)) for r, d in zip(reqs, drafts) if d and isinstance(r.spec, SpecReqState)]
-        if not states:
+        if not states or not self.batch_backoff:
             return True
         gain = sum(st.expected_accepts(n) for st, n in states)
         probe = any(st.gated_streak >= PROBE_AFTER for st, _ in states)
