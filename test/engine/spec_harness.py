@@ -20,7 +20,15 @@ from radixserve.speculative.decode_step import SpeculativeDecodeStep
 from radixserve.speculative.tree import DraftTree
 from radixserve.testing.tiny_models import TINY_VOCAB
 
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6, "speculative_eagle_topk": 1}
+# The batch-level back-off rule is off: it decides from measured step times which steps draft, and
+# these tests count drafts (test_speculative_batch_gate.py tests the rule; test_batch_backoff_is_exact
+# runs it here).
+SPEC = {
+    "speculative_algorithm": "NGRAM",
+    "speculative_num_draft_tokens": 6,
+    "speculative_eagle_topk": 1,
+    "disable_speculative_batch_backoff": True,
+}
 
 
 class Workers:
