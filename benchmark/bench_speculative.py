@@ -145,6 +145,14 @@ def main() -> None:
         "--cpu-threads", type=int, default=None, help="torch threads per engine (default: all)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="passes per cell; the median is reported")
+    parser.add_argument(
+        "--workloads", nargs="+", default=["copy", "novel", "random"], choices=["copy", "novel", "random"]
+    )
+    parser.add_argument(
+        "--compare-batch-backoff",
+        action="store_true",
+        help="also run each NGRAM mode with --disable-speculative-batch-backoff (the per-request rule only)",
+    )
     args = parser.parse_args()
 
     from radixserve import Engine
@@ -155,6 +163,18 @@ def main() -> None:
         (f"ngram-{k}", {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k})
         for k in args.draft_tokens
     ]
+    if args.compare_batch_backoff:
+        modes += [
+            (
+                f"ngram-{k}-req",
+                {
+                    "speculative_algorithm": "NGRAM",
+                    "speculative_num_draft_tokens": k,
+                    "disable_speculative_batch_backoff": True,
+                },
+            )
+            for k in args.draft_tokens
+        ]
     modes += [
         (
             f"self-L{n}",
@@ -201,6 +221,7 @@ def main() -> None:
         }
         for engine in engines.values():  # warm up
             engine.generate(input_ids=[copy[0]], sampling_params={"max_new_tokens": 8})
+        workloads = {name: w for name, w in workloads.items() if name in args.workloads}
         for name, (prompts, params) in workloads.items():
             for c in args.concurrency:
                 runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, _ in modes}

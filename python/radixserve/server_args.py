@@ -343,16 +343,21 @@ class ServerArgs:
         "its final norm and LM head (self-speculation; shares the target's KV pool).",
     )
     speculative_num_steps: int | None = _f(
-        None, "Draft steps per round (draft-model algorithms). NGRAM: num_draft_tokens - 1."
+        None,
+        "Draft steps per round (draft-model algorithms): the depth of the draft tree. Default: "
+        "num_draft_tokens - 1 for a chain; 3 for a tree (--speculative-eagle-topk > 1).",
     )
     speculative_eagle_topk: int | None = _f(
-        None, "Branching factor of the draft tree. Only 1 (a chain) is implemented; default 1."
+        None,
+        "STANDALONE: branching of the draft tree; each draft step keeps the topk most likely "
+        "continuations (by the draft's cumulative probability). 1 (the default) drafts a chain.",
     )
     speculative_num_draft_tokens: int | None = _f(
         None,
         "Tokens per request in one verify forward: the last accepted token plus up to this many "
         "minus one drafted ones. Default: --speculative-num-steps + 1 when set; else NGRAM: 8 on CPU, "
-        "--speculative-ngram-max-match-window-size on CUDA; STANDALONE: 4.",
+        "--speculative-ngram-max-match-window-size on CUDA; STANDALONE: 4 (a chain), 1 + topk x "
+        "num_steps (a tree).",
     )
     speculative_ngram_min_match_window_size: int = _f(
         1, "NGRAM: shortest suffix of the context that must match an earlier n-gram to draft."
@@ -360,16 +365,29 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = _f(
         12, "NGRAM: longest suffix of the context tried first when matching."
     )
-    speculative_ngram_min_bfs_breadth: int = _f(1, "NGRAM: accepted for SGLang compatibility (tree drafts).")
-    speculative_ngram_max_bfs_breadth: int = _f(10, "NGRAM: accepted for SGLang compatibility (tree drafts).")
+    speculative_ngram_min_bfs_breadth: int = _f(
+        1, "NGRAM: narrowest breadth of the BFS draft tree (a long match, deep in the tree)."
+    )
+    speculative_ngram_max_bfs_breadth: int | None = _f(
+        None,
+        "NGRAM: widest breadth of the BFS draft tree (a short match, at its first level); 1 drafts a "
+        "chain. Default: 1 on CPU (a CPU verify step costs per token), 10 (SGLang's) elsewhere.",
+    )
     speculative_ngram_match_type: str = _f(
         "BFS",
-        "NGRAM: how the continuation is chosen among earlier ones. Both follow the most frequent "
-        "continuation (ties: the most recent) since only chains are drafted.",
+        "NGRAM: how the draft tree is built. BFS: SGLang's breadth-first tree (see "
+        "--speculative-ngram-max-bfs-breadth). PROB is accepted and builds the same BFS tree. A chain "
+        "follows the most frequent continuation (ties: the most recent).",
         choices=NGRAM_MATCH_TYPES,
     )
     speculative_ngram_branch_length: int = _f(
         18, "NGRAM: longest n-gram stored in a request's trie (its depth)."
+    )
+    disable_speculative_batch_backoff: bool = _f(
+        False,
+        "radixserve's own: turn off the batch-level back-off rule (a step drafts only when its expected "
+        "accepted drafts pay for the verify step's measured extra cost at this batch size; "
+        "docs/speculative_decoding.md). The per-request back-off stays.",
     )
     speculative_ngram_capacity: int = _f(
         10 * 1000 * 1000,
@@ -461,11 +479,15 @@ class ServerArgs:
         )
         if resolved.speculative_algorithm is not None:
             logger.info(
-                "Speculative decoding: algorithm=%s num_draft_tokens=%d eagle_topk=%d "
-                "ngram_match_window=%d..%d ngram_branch_length=%d (overlap loop and mixed chunk off)",
+                "Speculative decoding: algorithm=%s num_draft_tokens=%d num_steps=%d eagle_topk=%d "
+                "ngram_bfs_breadth=%d..%d ngram_match_window=%d..%d ngram_branch_length=%d (overlap loop "
+                "and mixed chunk off)",
                 resolved.speculative_algorithm,
                 resolved.speculative_num_draft_tokens,
+                resolved.speculative_num_steps,
                 resolved.speculative_eagle_topk,
+                resolved.speculative_ngram_min_bfs_breadth,
+                resolved.speculative_ngram_max_bfs_breadth,
                 resolved.speculative_ngram_min_match_window_size,
                 resolved.speculative_ngram_max_match_window_size,
                 resolved.speculative_ngram_branch_length,
@@ -484,6 +506,17 @@ class ServerArgs:
         updates: dict[str, Any] = {"disable_overlap_schedule": True, "enable_mixed_chunk": False}
         if self.speculative_eagle_topk is None:
             updates["speculative_eagle_topk"] = 1
+        if self.speculative_ngram_max_bfs_breadth is None:
+            updates["speculative_ngram_max_bfs_breadth"] = 1 if device == "cpu" else 10
+        topk = updates.get("speculative_eagle_topk", self.speculative_eagle_topk)
+        if topk > 1:  # a draft tree: num_steps levels of up to topk rows each
+            steps = self.speculative_num_steps
+            num = self.speculative_num_draft_tokens
+            if steps is None:
+                steps = 3 if num is None else -(-(num - 1) // topk)
+            updates["speculative_num_steps"] = steps
+            updates["speculative_num_draft_tokens"] = num if num is not None else 1 + topk * steps
+            return updates
         if self.speculative_num_draft_tokens is None:
             # A CPU verify forward costs more per extra token than a GPU one, so fewer drafts than
             # SGLang's 12 (not tuned by a sweep: docs/speculative_decoding.md).
@@ -645,10 +678,37 @@ class ServerArgs:
                 )
         if algo == "NGRAM" and self.speculative_draft_layers:
             raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
-        if self.speculative_eagle_topk not in (None, 1):
+        topk = self.speculative_eagle_topk
+        if topk is not None and topk < 1:
+            raise ValueError(f"--speculative-eagle-topk must be >= 1, got {topk}")
+        if algo == "NGRAM" and topk not in (None, 1):
             raise ValueError(
-                "--speculative-eagle-topk > 1 (tree drafts) is not implemented yet; use 1 (chain drafts)"
+                "--speculative-eagle-topk applies to draft models; NGRAM's trees are shaped by "
+                "--speculative-ngram-max-bfs-breadth"
             )
+        lo_b, hi_b = self.speculative_ngram_min_bfs_breadth, self.speculative_ngram_max_bfs_breadth
+        if not 1 <= lo_b <= (hi_b if hi_b is not None else lo_b):
+            raise ValueError(
+                "--speculative-ngram-min-bfs-breadth must be >= 1 and <= --speculative-ngram-max-bfs-breadth "
+                f"(got {lo_b} and {hi_b})"
+            )
+        trees = (topk or 1) > 1 or (algo == "NGRAM" and (hi_b or 1) > 1)
+        if trees and self.attention_backend not in (None, "cpu", "torch_native"):
+            raise ValueError(
+                "Draft trees (--speculative-eagle-topk > 1, --speculative-ngram-max-bfs-breadth > 1) need "
+                "a tree mask, which only the cpu and torch_native attention backends implement so far; "
+                f"use chains (1) with --attention-backend {self.attention_backend}"
+            )
+        if (
+            (topk or 1) > 1
+            and self.speculative_num_steps is not None
+            and self.speculative_num_draft_tokens is not None
+        ):
+            if self.speculative_num_draft_tokens - 1 > topk * self.speculative_num_steps:
+                raise ValueError(
+                    "--speculative-num-draft-tokens - 1 must be <= --speculative-eagle-topk x "
+                    "--speculative-num-steps (the draft tree keeps at most topk rows per step)"
+                )
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token plus one draft)")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size

@@ -58,6 +58,11 @@ def extend_attention_supported(head_dim: int) -> bool:
     return extend_attention_isa() != "none" and head_dim % 8 == 0 and 8 <= head_dim <= 512
 
 
+def extend_attention_takes_tree_mask() -> bool:
+    """Whether this build's extend_attention takes a draft tree's mask (older builds do not)."""
+    return bool(getattr(_ext, "extend_attention_tree_mask", False)) and extend_attention_isa() != "none"
+
+
 def _check_extend_inputs(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -114,6 +119,7 @@ def extend_attention(
     extend_lens: torch.Tensor | list[int],  # [bs] int64: new tokens
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads * head_dim] fp32, contiguous
+    tree_mask: torch.Tensor | None = None,  # [sum(extend_lens^2)] uint8: draft trees, see below
 ) -> torch.Tensor:
     """Causal extend (prefill) attention over the paged KV pool, as TorchNativeAttnBackend's
     forward_extend computes it. The new tokens' K/V must already be stored in the pool.
@@ -122,6 +128,9 @@ def extend_attention(
     Request b's key j (0 <= j < seq_lens[b]) is pool slot req_to_token[req_pool_indices[b], j];
     its new token i sits at position prefix_b + i (prefix_b = seq_lens[b] - extend_lens[b]) and
     attends keys 0 .. prefix_b + i. Query head h reads KV head h // (num_heads // num_kv_heads).
+    With tree_mask (speculative draft trees), new token i of request b attends the whole prefix and
+    the new tokens j with mask_b[i, j] != 0 instead, where mask_b is request b's [e_b, e_b] block
+    of tree_mask (row-major, requests concatenated); it must hold the diagonal and nothing above it.
     Returns out [num_tokens, num_heads * head_dim] fp32. Raises ValueError on a wrong dtype,
     shape or layout (and on lengths or slots outside req_to_token / the pool)."""
     if not isinstance(extend_lens, torch.Tensor):
@@ -133,6 +142,17 @@ def extend_attention(
         out = torch.empty(shape, dtype=torch.float32)
     elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"extend_attention: out must be a contiguous float32 {shape} tensor")
+    if tree_mask is not None:
+        if tree_mask.dtype == torch.bool:
+            tree_mask = tree_mask.to(torch.uint8)
+        if tree_mask.dtype != torch.uint8 or tree_mask.dim() != 1 or not tree_mask.is_contiguous():
+            raise ValueError(
+                "extend_attention: tree_mask must be a contiguous uint8 [sum(extend_lens^2)] tensor"
+            )
+        _lib().extend_attention(
+            q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, scale, tree_mask
+        )
+        return out
     _lib().extend_attention(
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, scale
     )

@@ -17,9 +17,18 @@ from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.req import Req
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
+from radixserve.speculative.tree import DraftTree
 from radixserve.testing.tiny_models import TINY_VOCAB
 
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6, "speculative_eagle_topk": 1}
+# The batch-level back-off rule is off: it decides from measured step times which steps draft, and
+# these tests count drafts (test_speculative_batch_gate.py tests the rule; test_batch_backoff_is_exact
+# runs it here).
+SPEC = {
+    "speculative_algorithm": "NGRAM",
+    "speculative_num_draft_tokens": 6,
+    "speculative_eagle_topk": 1,
+    "disable_speculative_batch_backoff": True,
+}
 
 
 class Workers:
@@ -109,3 +118,39 @@ def copy_workload(seed: int, n: int = 8, vocab: int = TINY_VOCAB) -> list[tuple[
         prompt = seg + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 8))] + seg[: rng.randint(3, 10)]
         out.append((f"c{i}", prompt, rng.randint(40, 60)))
     return out
+
+
+class OracleTreeDrafter(OracleDrafter):
+    """Drafts a tree: at every level the path so far gets a wrong child first (a decoy) and then the
+    reference token (itself wrong with probability `error_rate`), so the accepted path runs
+    through rows 2, 4, 6 .. and its KV has to be moved after every round. Every third decoy has a
+    child of its own, so branches of different depths occur."""
+
+    def draft(self, req: Req, max_tokens: int) -> DraftTree:
+        if req.spec is None:
+            req.spec = OracleState()
+        ref = self.reference.get(req.rid, [])
+        n = len(req.output_ids)
+        budget = min(self.max_drafts, max_tokens)
+        tokens: list[int] = []
+        parents: list[int] = []
+        cur = 0
+        for tok in ref[n:]:
+            if len(tokens) + 2 > budget:
+                break
+            decoy = (tok + 1 + self.rng.randrange(TINY_VOCAB - 2)) % TINY_VOCAB
+            true = tok
+            if self.rng.random() < self.error_rate:
+                true = (tok + 1 + self.rng.randrange(TINY_VOCAB - 2)) % TINY_VOCAB
+            if decoy == true:
+                decoy = (decoy + 1) % TINY_VOCAB
+            tokens.append(decoy)
+            parents.append(cur)
+            decoy_row = len(tokens)
+            tokens.append(true)
+            parents.append(cur)
+            cur = len(tokens)
+            if self.rng.random() < 0.33 and len(tokens) < budget:
+                tokens.append(self.rng.randrange(TINY_VOCAB))
+                parents.append(decoy_row)
+        return DraftTree(tokens, parents)

@@ -242,6 +242,7 @@ STANDALONE = {
     "speculative_draft_layers": 1,
     "speculative_num_draft_tokens": 4,
     "speculative_eagle_topk": 1,
+    "disable_speculative_batch_backoff": True,
 }
 
 
@@ -296,6 +297,7 @@ DRAFT_MODEL = {
     "speculative_algorithm": "STANDALONE",
     "speculative_num_draft_tokens": 4,
     "speculative_eagle_topk": 1,
+    "disable_speculative_batch_backoff": True,
 }
 
 

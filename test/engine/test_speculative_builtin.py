@@ -110,3 +110,37 @@ def test_builtin_with_a_draft_model_is_exact(builtin):
         worker.draft = None
     assert drafted == plain
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted / stats.spec_num_drafts > 0.9
+
+
+def test_builtin_draft_trees_are_exact(builtin):
+    """Draft trees on the built-in model: NGRAM's BFS trees and self-speculation with topk 2 (the
+    first 12 layers grow the tree), verified with the tree mask in the compiled extend kernel."""
+    worker, args, prompts = builtin
+    plain, _ = _run(worker, args, prompts)
+    ngram, stats = _run(
+        worker,
+        args,
+        prompts,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=8,
+        speculative_ngram_max_bfs_breadth=4,
+        **SPEC,
+    )
+    assert ngram == plain
+    assert stats.spec_num_accepted > stats.spec_num_rounds
+    worker.draft = LayerSkipDraft(worker.model_runner, 12, topk=2, num_steps=3)
+    try:
+        tree, stats = _run(
+            worker,
+            args,
+            prompts,
+            speculative_algorithm="STANDALONE",
+            speculative_draft_layers=12,
+            speculative_num_draft_tokens=7,
+            speculative_num_steps=3,
+            speculative_eagle_topk=2,
+        )
+    finally:
+        worker.draft = None
+    assert tree == plain
+    assert stats.spec_num_accepted > 0

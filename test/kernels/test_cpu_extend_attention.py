@@ -175,3 +175,80 @@ def test_extend_attention_rejects_bad_inputs() -> None:
         call(req_to_token=bad_slots)
     with pytest.raises(ValueError, match="out must be"):
         call(out=torch.empty(14, 4 * 16 + 1))
+
+
+# ------------------------------------------------------------------------------ draft tree mask
+def _random_tree(n: int, gen: torch.Generator) -> list[int]:
+    """Row parents of a random tree of n rows (each row's parent an earlier row)."""
+    return [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)]
+
+
+def _tree_reference(q, k, v, prefix_len, among_new, scale):
+    """q [n, H, D]; k/v [prefix_len + n, Hkv, D]; among_new [n, n] bool: the prefix is visible to
+    every row, new key j to row i where among_new[i, j]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1).float()
+    v = v.repeat_interleave(group, 1).float()
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    visible = torch.cat([torch.ones(q.shape[0], prefix_len, dtype=torch.bool), among_new], dim=1)
+    s = s.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@needs_ext
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 4), 32), ((2, 1), 16)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_attention_tree_mask_matches_reference(heads, head_dim, page_size) -> None:
+    """Draft trees: each request's new rows see the prefix and their ancestors only. Trees of 1
+    row, a few rows, and more than a 64-key block and a query block (rows in several work items,
+    the masked keys over several key blocks), with and without a cached prefix."""
+    from radixserve.speculative.tree import ancestor_mask, flat_tree_mask
+
+    if not cpu_kernels.extend_attention_takes_tree_mask():
+        pytest.skip("this sgl_kernel build has no tree mask")
+    prefix, ext = [70, 5, 0, 130, 64], [8, 1, 40, 100, 3]
+    inputs, rows = _inputs(heads, head_dim, prefix, ext, seed=7 + head_dim + page_size, page_size=page_size)
+    q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext_t = inputs
+    gen = torch.Generator().manual_seed(head_dim)
+    trees = [_random_tree(n, gen) for n in ext]
+    mask = flat_tree_mask(trees)
+    scale = head_dim**-0.5
+    out = cpu_kernels.extend_attention(
+        q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext_t, scale, tree_mask=mask
+    )
+    start = 0
+    for r, p, n, parents in zip(rows, prefix, ext, trees):
+        slots = torch.tensor(r)
+        ref = _tree_reference(
+            q[start : start + n], k_buf[slots], v_buf[slots], p, ancestor_mask(parents), scale
+        )
+        torch.testing.assert_close(out[start : start + n], ref.reshape(n, -1), **TOL)
+        start += n
+    # A chain's mask is the causal one: the output without a mask.
+    chain = flat_tree_mask([list(range(-1, n - 1)) for n in ext])
+    causal = cpu_kernels.extend_attention(q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext_t, scale)
+    masked = cpu_kernels.extend_attention(
+        q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext_t, scale, tree_mask=chain
+    )
+    torch.testing.assert_close(masked, causal, **TOL)  # key blocks split elsewhere: rounding only
+
+
+@needs_ext
+def test_extend_attention_tree_mask_is_validated() -> None:
+    if not cpu_kernels.extend_attention_takes_tree_mask():
+        pytest.skip("this sgl_kernel build has no tree mask")
+    inputs, _ = _inputs((4, 4), 32, [10], [3], seed=1)
+    q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext = inputs
+    args = (q, k_buf, v_buf, req_to_token, pool_idx, seq_lens, ext, 0.2)
+    ok = torch.tensor([1, 0, 0, 1, 1, 0, 1, 0, 1], dtype=torch.uint8)
+    cpu_kernels.extend_attention(*args, tree_mask=ok)
+    with pytest.raises(ValueError, match="entries"):
+        cpu_kernels.extend_attention(*args, tree_mask=ok[:8].contiguous())
+    with pytest.raises(ValueError, match="later row"):
+        cpu_kernels.extend_attention(
+            *args, tree_mask=torch.tensor([1, 1, 0, 1, 1, 0, 1, 0, 1], dtype=torch.uint8)
+        )
+    with pytest.raises(ValueError, match="from itself"):
+        cpu_kernels.extend_attention(
+            *args, tree_mask=torch.tensor([1, 0, 0, 1, 0, 0, 1, 0, 1], dtype=torch.uint8)
+        )

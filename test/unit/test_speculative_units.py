@@ -84,9 +84,10 @@ def test_greedy_accept_full_partial_none():
     input_ids = torch.tensor([9, 1, 2, 3, 9, 1, 5, 9, 9, 6])
     targets = [1, 2, 3, 4, 1, 2, 0, 11, 7, 0]
     sampled = torch.tensor([4, 0, 11, 0])
-    out, acc = greedy_accept(_logits_for(targets), input_ids, [4, 3, 1, 2], sampled)
+    out, acc, paths = greedy_accept(_logits_for(targets), input_ids, [4, 3, 1, 2], sampled)
     assert out == [[1, 2, 3, 4], [1, 2], [11], [7]]
     assert acc == [3, 1, 0, 0]
+    assert paths == [[1, 2, 3], [1], [], []]
 
 
 # ------------------------------------------------------------------------------- KV accounting
@@ -222,8 +223,30 @@ def test_flags_resolve_and_refuse():
         device="cpu", speculative_algorithm="STANDALONE", speculative_draft_layers=6
     ).resolve()
     assert standalone.speculative_num_draft_tokens == 4 and standalone.speculative_num_steps == 3
-    with pytest.raises(ValueError, match="tree drafts"):
+    with pytest.raises(ValueError, match="max-bfs-breadth"):
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", speculative_eagle_topk=4).resolve()
+    assert args.speculative_ngram_max_bfs_breadth == 1  # chains on CPU
+    assert cuda._speculative_updates("cuda")["speculative_ngram_max_bfs_breadth"] == 10
+    tree = ServerArgs(
+        device="cpu", speculative_algorithm="STANDALONE", speculative_draft_layers=6, speculative_eagle_topk=2
+    ).resolve()
+    assert tree.speculative_num_steps == 3 and tree.speculative_num_draft_tokens == 7
+    with pytest.raises(ValueError, match="tree mask"):
+        ServerArgs(
+            device="cpu",
+            speculative_algorithm="NGRAM",
+            speculative_ngram_max_bfs_breadth=4,
+            attention_backend="triton",
+        ).resolve()
+    with pytest.raises(ValueError, match="topk x"):
+        ServerArgs(
+            device="cpu",
+            speculative_algorithm="STANDALONE",
+            speculative_draft_layers=6,
+            speculative_eagle_topk=2,
+            speculative_num_steps=2,
+            speculative_num_draft_tokens=8,
+        ).resolve()
     with pytest.raises(ValueError, match="branch-length"):
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", speculative_ngram_branch_length=12).resolve()
     assert ServerArgs(device="cpu").resolve().speculative_num_draft_tokens is None

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.speculative.tree import flat_tree_mask, tree_positions
+
 if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionBackend
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -90,6 +92,10 @@ class ModelWorkerBatch:
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64 segment ids (BERT-style)
     # [bs] per request: score these next-token ids at the last position instead of pooling.
     label_token_ids: list[list[int] | None] | None = None
+    # TARGET_VERIFY (and a draft model's tree pass) with a draft tree: per request the parent row
+    # of each of its rows (-1 for the root; speculative/tree.py). None: every request is a chain
+    # (plain causal extend).
+    spec_tree_parents: list[list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -159,6 +165,10 @@ class ForwardBatch:
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64
     # False for encoder models: every token attends to every token of its request.
     attn_causal: bool = True
+    # A draft tree (ModelWorkerBatch.spec_tree_parents): per request its [e_b, e_b] ancestor mask
+    # among the new rows (1 = attend), flattened and concatenated: [sum e_b^2] uint8. The cached
+    # prefix stays fully visible. None: causal among the new rows.
+    spec_tree_mask: torch.Tensor | None = None
     attn_metadata: Any = field(default=None)
 
     @classmethod
@@ -173,7 +183,13 @@ class ForwardBatch:
         attn_causal: bool = True,
     ) -> ForwardBatch:
         seq_lens_cpu = batch.seq_lens.tolist()
-        if batch.forward_mode.is_extend():
+        tree_mask = None
+        if batch.forward_mode.is_extend() and batch.spec_tree_parents is not None:
+            assert batch.extend_prefix_lens is not None
+            # A tree row sits at prefix + its depth, not prefix + its row.
+            positions = tree_positions(batch.extend_prefix_lens, batch.spec_tree_parents)
+            tree_mask = flat_tree_mask(batch.spec_tree_parents).to(device)
+        elif batch.forward_mode.is_extend():
             assert batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None
             positions = _extend_positions(batch.extend_prefix_lens, batch.extend_seq_lens)
         else:
@@ -204,6 +220,7 @@ class ForwardBatch:
                 else None
             ),
             attn_causal=attn_causal,
+            spec_tree_mask=tree_mask,
         )
         if init_attn_metadata:
             attn_backend.init_forward_metadata(fb)

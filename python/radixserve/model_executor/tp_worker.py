@@ -12,6 +12,7 @@ from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.draft_model import DraftModel
 from radixserve.speculative.layer_skip_draft import LayerSkipDraft
+from radixserve.speculative.tree_kv import accepted_kv_moves, move_kv
 from radixserve.speculative.verify import accept_drafts
 from radixserve.utils.process import bound_onednn_caches
 
@@ -43,7 +44,12 @@ class TpModelWorker:
                 self.draft = DraftModel.from_server_args(runner, server_args)
             else:
                 assert server_args.speculative_draft_layers, "ServerArgs validation requires one"
-                self.draft = LayerSkipDraft(runner, server_args.speculative_draft_layers)
+                self.draft = LayerSkipDraft(
+                    runner,
+                    server_args.speculative_draft_layers,
+                    server_args.speculative_eagle_topk or 1,
+                    server_args.speculative_num_steps or 0,
+                )
         self.is_generation = model_config.is_generation
         self.embedding_config = runner.embedding_config
         # Encoders attend bidirectionally: a token's KV depends on later tokens, so none is shared.
@@ -92,20 +98,34 @@ class TpModelWorker:
             if fb.forward_mode.is_target_verify():  # never delayed: speculation runs the normal loop
                 assert logits_output.all_logits is not None and batch.extend_seq_lens is not None
                 assert fb.sampling_info is not None
-                result.spec_output_ids, result.spec_num_accepted = accept_drafts(
+                result.spec_output_ids, result.spec_num_accepted, paths = accept_drafts(
                     logits_output.all_logits,
                     batch.input_ids,
                     batch.extend_seq_lens,
                     drawn.next_token_ids,
                     fb.sampling_info,
                     self.model_runner.sampler.generator,
+                    batch.spec_tree_parents,
                 )
+                if batch.spec_tree_parents is not None:
+                    self._compact_accepted_kv(batch, paths)
 
         if batch.delay_sample_launch:
             result.delay_sample_func = sample
         else:
             sample()
         return result
+
+    def _compact_accepted_kv(self, batch: ModelWorkerBatch, paths: list[list[int]]) -> None:
+        """A tree's accepted rows to consecutive positions (speculative/tree.py), in the target's
+        pool and in a separate draft model's; the scheduler then frees the rows past them."""
+        assert batch.extend_seq_lens is not None
+        moves = accepted_kv_moves(batch.out_cache_loc, batch.extend_seq_lens, paths)
+        if moves is None:
+            return
+        move_kv(self.token_to_kv_pool, moves)
+        if isinstance(self.draft, DraftModel):
+            move_kv(self.draft.kv_pool, moves)
 
     def forward_batch_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         """Forward a prefill-only batch: one vector per request, nothing sampled."""

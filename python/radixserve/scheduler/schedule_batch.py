@@ -53,6 +53,8 @@ class ScheduleBatch:
         self.extend_logprob_start_lens: list[int] | None = None
         self.future_indices: list[int] | None = None  # overlap: FutureMap slot of each row's token
         self.spec_drafts: list[list[int]] | None = None  # TARGET_VERIFY: each request's drafts
+        # TARGET_VERIFY with a draft tree: each request's row parents (speculative/tree.py).
+        self.spec_tree_parents: list[list[int]] | None = None
         self.token_type_ids: torch.Tensor | None = None  # [num_tokens], extend only (BERT segments)
 
     @classmethod
@@ -281,6 +283,7 @@ class ScheduleBatch:
             is_embedding=self.is_embedding,
             token_type_ids=self.token_type_ids if is_extend else None,
             label_token_ids=[r.label_token_ids for r in self.reqs] if self.is_embedding else None,
+            spec_tree_parents=self.spec_tree_parents if self.forward_mode.is_target_verify() else None,
         )
 
     def copy(self) -> ScheduleBatch:
@@ -295,6 +298,7 @@ class ScheduleBatch:
         other.extend_logprob_start_lens = self.extend_logprob_start_lens
         other.future_indices = self.future_indices
         other.spec_drafts = self.spec_drafts
+        other.spec_tree_parents = self.spec_tree_parents
         return other
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ timeouts), SchedulePolicy, BatchBuilder (next batch), OutputProcessor (results a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from http import HTTPStatus
@@ -415,7 +416,15 @@ class Scheduler:
         with torch.inference_mode():
             if mwb.is_embedding:
                 return self.worker.forward_batch_embedding(mwb)
-            return self.worker.forward_batch_generation(mwb)
+            spec = self.builder.spec_step
+            if spec is None or not (mwb.forward_mode.is_decode() or mwb.forward_mode.is_target_verify()):
+                return self.worker.forward_batch_generation(mwb)
+            start = time.perf_counter()  # the batch-level back-off rule weighs step times
+            result = self.worker.forward_batch_generation(mwb)
+            spec.observe_step(
+                mwb.forward_mode.is_target_verify(), mwb.batch_size, time.perf_counter() - start
+            )
+            return result
 
     def _mark_launched(self, batch: ScheduleBatch, future_indices: list[int] | None) -> None:
         batch.future_indices = future_indices

@@ -33,6 +33,7 @@ from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
 from radixserve.model_executor.model_runner import create_attention_backend
 from radixserve.model_loader.loader import load_model
+from radixserve.speculative.draft_tree import fill_tree_drafts
 from radixserve.speculative.layer_skip_draft import fill_chain_drafts
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class DraftModel:
             server_args.attention_backend or "torch_native", target.device
         )
         self.device = target.device
+        self.topk = server_args.speculative_eagle_topk or 1  # > 1: draft trees (draft_tree.py)
+        self.num_steps = server_args.speculative_num_steps or 0
         logger.info(
             "Draft model loaded in %.1f s (%s, %d layers; KV pool %.2f GiB, the target's %d slots)",
             time.perf_counter() - start,
@@ -110,7 +113,16 @@ class DraftModel:
 
     @torch.inference_mode()
     def fill_drafts(self, batch: ModelWorkerBatch) -> None:
-        fill_chain_drafts(batch, self._next_tokens, write_every_row=True)
+        if self.topk > 1:
+            fill_tree_drafts(batch, self._row_logits, self.topk, self.num_steps, write_every_row=True)
+        else:
+            fill_chain_drafts(batch, self._next_tokens, write_every_row=True)
+
+    def _row_logits(self, batch: ModelWorkerBatch, rows: list[int]) -> torch.Tensor:
+        hidden = self._forward(batch)
+        if not rows:  # a pass that only writes the draft's K/V (and linear_f32 takes no empty input)
+            return torch.empty(0)
+        return self.lm_head(hidden[rows]).float().cpu()  # [len(rows), vocab]
 
     def _next_tokens(self, batch: ModelWorkerBatch) -> torch.Tensor:
         return self.lm_head(self._forward(batch)).float().argmax(dim=-1).cpu()  # [bs]

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+from radixserve.speculative.draft_tree import fill_tree_drafts
 
 if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
 
 
 class LayerSkipDraft:
-    def __init__(self, runner: ModelRunner, num_layers: int) -> None:
+    def __init__(self, runner: ModelRunner, num_layers: int, topk: int = 1, num_steps: int = 0) -> None:
         inner = runner.model.model  # LlamaModel (Llama, Qwen2, Qwen3 share it)
         if not 0 < num_layers < len(inner.layers):
             raise ValueError(
@@ -38,24 +39,37 @@ class LayerSkipDraft:
         self.layers = inner.layers[:num_layers]
         self.norm = inner.norm
         self.lm_head = runner.lm_head
+        self.topk, self.num_steps = topk, num_steps  # topk > 1: draft trees (draft_tree.py)
 
     @torch.inference_mode()
     def fill_drafts(self, batch: ModelWorkerBatch) -> None:
         # The verify forward writes every layer of every row into the shared pool: the draft
         # need not write the last draft's K/V.
-        fill_chain_drafts(batch, self._next_tokens, write_every_row=False)
+        if self.topk > 1:
+            fill_tree_drafts(batch, self._row_logits, self.topk, self.num_steps, write_every_row=False)
+        else:
+            fill_chain_drafts(batch, self._next_tokens, write_every_row=False)
 
     def shadow(self, batch: ModelWorkerBatch) -> None:
         """Nothing to do: the target's forward writes the draft's layers (they are its own)."""
 
-    def _next_tokens(self, batch: ModelWorkerBatch) -> torch.Tensor:
+    def _hidden(self, batch: ModelWorkerBatch) -> torch.Tensor:
         r = self.runner
         fb = ForwardBatch.init_new(batch, r.req_to_token_pool, r.token_to_kv_pool, r.attn_backend, r.device)
-        hidden, residual = self.embed(fb.input_ids), None  # [bs, hidden_size]
+        hidden, residual = self.embed(fb.input_ids), None  # [num_tokens, hidden_size]
         for layer in self.layers:
             hidden, residual = layer(fb.positions, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden).float().argmax(dim=-1).cpu()  # [bs]
+        return hidden
+
+    def _next_tokens(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        return self.lm_head(self._hidden(batch)).float().argmax(dim=-1).cpu()  # [bs]
+
+    def _row_logits(self, batch: ModelWorkerBatch, rows: list[int]) -> torch.Tensor:
+        hidden = self._hidden(batch)
+        if not rows:  # a pass that only writes the draft's K/V (and linear_f32 takes no empty input)
+            return torch.empty(0)
+        return self.lm_head(hidden[rows]).float().cpu()  # [len(rows), vocab]
 
 
 def fill_chain_drafts(

@@ -11,7 +11,7 @@ for `cooldown` decode steps; the cooldown doubles on each further all-rejected r
 MAX_COOLDOWN) and goes back to 0 on any accepted draft. On random text most rounds are rejected,
 so a request there drafts on only about one step in MAX_COOLDOWN; on copy-heavy text it keeps
 drafting. When no request of a step drafts, the step is an ordinary DECODE batch (with its fast
-paths).
+paths). A batch-level rule then decides whether the step's drafts pay at all (batch_gate.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixserve.speculative.ngram_trie import NgramTrie
+from radixserve.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from radixserve.scheduler.req import Req
     from radixserve.server_args import ServerArgs
 
 MAX_COOLDOWN = 16
+ACCEPT_EMA_ALPHA = 0.3  # weight of the newest round in a request's acceptance average
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class NgramConfig:
     max_window: int
     branch_length: int
     capacity: int
+    min_breadth: int = 1  # BFS tree breadth (SGLang's min/max_bfs_breadth); max 1: a chain
+    max_breadth: int = 1
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> NgramConfig:
@@ -45,6 +49,8 @@ class NgramConfig:
             max_window=args.speculative_ngram_max_match_window_size,
             branch_length=args.speculative_ngram_branch_length,
             capacity=args.speculative_ngram_capacity,
+            min_breadth=args.speculative_ngram_min_bfs_breadth,
+            max_breadth=args.speculative_ngram_max_bfs_breadth or 1,
         )
 
 
@@ -55,6 +61,19 @@ class SpecReqState:
     trie: NgramTrie | None  # None for drafters that need no index (a draft model)
     cooldown: int = 0  # decode steps left without drafting
     next_cooldown: int = 1
+    # The batch-level rule (batch_gate.py): drafts accepted per verify round, a moving average
+    # (None until the first draft, which starts it at the draft limit), and steps gated in a row.
+    accept_ema: float | None = None
+    gated_streak: int = 0
+
+    def expected_accepts(self, num_drafts: int) -> float:
+        if self.accept_ema is None:
+            self.accept_ema = float(num_drafts)  # optimistic until measured
+        return min(self.accept_ema, float(num_drafts))
+
+    def on_gated(self) -> None:
+        """This step's drafts were dropped by the batch-level rule."""
+        self.gated_streak += 1
 
     def on_token(self, token_id: int) -> None:
         """Every token appended to the request's output (any batch mode) is indexed."""
@@ -65,6 +84,9 @@ class SpecReqState:
         """The back-off rule, after a verify round in which the request drafted."""
         if num_drafts == 0:
             return
+        self.gated_streak = 0
+        prev = self.accept_ema if self.accept_ema is not None else float(num_accepted)
+        self.accept_ema = prev + ACCEPT_EMA_ALPHA * (num_accepted - prev)
         if num_accepted == 0:
             self.cooldown = self.next_cooldown
             self.next_cooldown = min(self.next_cooldown * 2, MAX_COOLDOWN)
@@ -109,8 +131,9 @@ class NgramDrafter:
             req.spec = SpecReqState(trie)
         return req.spec
 
-    def draft(self, req: Req, max_tokens: int) -> list[int]:
-        """This step's drafts for `req` (possibly none)."""
+    def draft(self, req: Req, max_tokens: int) -> list[int] | DraftTree:
+        """This step's drafts for `req` (possibly none): a chain, or with max_breadth > 1 SGLang's
+        BFS tree."""
         if not can_speculate(req):
             return []
         st = self._state(req)
@@ -119,6 +142,11 @@ class NgramDrafter:
             return []
         assert st.trie is not None
         cfg = self.config
+        if cfg.max_breadth > 1:
+            context = last_tokens(req, cfg.max_window)
+            return st.trie.draft_tree(
+                context, n, cfg.min_window, cfg.max_window, cfg.min_breadth, cfg.max_breadth
+            )
         return st.trie.draft(last_tokens(req, cfg.max_window), n, cfg.min_window, cfg.max_window)
 
 

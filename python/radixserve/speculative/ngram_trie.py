@@ -5,11 +5,19 @@ counts how often its n-gram occurred and remembers when it last did. Drafting lo
 suffix of the context (max_window down to min_window tokens) that occurred before *and was followed
 by something*, then follows the most frequent continuation (ties: the most recent one).
 
+draft_tree builds SGLang's BFS tree instead: every matching suffix (longest first) contributes the
+breadth-first expansion of its continuations, most recent first, `breadth` children per node, where
+breadth starts wider for shorter (less certain) matches and narrows by one step per level.
+
 Appending a token costs O(branch_length): the trie keeps the nodes of the suffixes that end at the
 newest token ("open" nodes) and extends each by the new token.
 """
 
 from __future__ import annotations
+
+from collections import deque
+
+from radixserve.speculative.tree import DraftTree
 
 
 class _Node:
@@ -84,3 +92,43 @@ class NgramTrie:
             if len(out) == start:
                 break
         return out
+
+    def draft_tree(
+        self,
+        context: list[int],
+        num_tokens: int,
+        min_window: int,
+        max_window: int,
+        min_breadth: int,
+        max_breadth: int,
+    ) -> DraftTree:
+        """Up to `num_tokens` drafts as a tree (SGLang's BFS match): for each suffix of `context`
+        that occurred before (max_window .. min_window tokens), continuations are added breadth
+        first into one tree (a token already under the same parent is shared). A node expands its
+        `breadth` most recent continuations; a w-token match starts at breadth
+        (max_window - w) * scale + min_breadth with scale = (max_breadth - min_breadth) /
+        (max_window - min_window + 1), and each level down has `scale` less (at least 1)."""
+        scale = (max_breadth - min_breadth) / (max_window - min_window + 1)
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}  # (parent row, token) -> row
+        for w in range(min(max_window, len(context)), min_window - 1, -1):
+            if len(tokens) >= num_tokens:
+                break
+            node = self._walk(context[-w:])
+            if node is None or not node.children:
+                continue
+            queue = deque([(0, (max_window - w) * scale + min_breadth, node)])
+            while queue and len(tokens) < num_tokens:
+                parent, breadth, trie_node = queue.popleft()
+                recent = sorted(trie_node.children.items(), key=lambda kv: -kv[1].last)
+                for tok, child in recent[: max(1, int(breadth))]:
+                    row = index.get((parent, tok))
+                    if row is None:
+                        if len(tokens) >= num_tokens:
+                            break
+                        tokens.append(tok)
+                        parents.append(parent)
+                        row = index[(parent, tok)] = len(tokens)
+                    queue.append((row, breadth - scale, child))
+        return DraftTree(tokens, parents)

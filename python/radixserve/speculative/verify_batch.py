@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.model_executor.forward_batch import ForwardMode
+from radixserve.speculative.tree import DraftTree, as_tree
 
 if TYPE_CHECKING:
     from radixserve.scheduler.kv_memory import KVMemory
@@ -34,9 +35,14 @@ def verify_tokens_needed(mem: KVMemory, committed: list[int], num_drafts: list[i
     return total
 
 
-def prepare_for_verify(batch: ScheduleBatch, drafts: list[list[int]]) -> None:
-    """Lay out a TARGET_VERIFY step: request b computes [newest token, drafts_b] at positions
-    kv_committed_len .. kv_committed_len + k_b, over its cached KV (like an extend)."""
+def prepare_for_verify(batch: ScheduleBatch, drafts: list[list[int]] | list[list[int] | DraftTree]) -> None:
+    """Lay out a TARGET_VERIFY step: request b computes [newest token, drafts_b] in the KV slots
+    of positions kv_committed_len .. kv_committed_len + k_b, over its cached KV (like an extend).
+    A draft tree's rows take those slots in row order (the worker moves the accepted path's KV to
+    consecutive positions after the forward)."""
+    trees = [as_tree(d) for d in drafts]
+    drafts = [t.tokens for t in trees]
+    batch.spec_tree_parents = None if all(t.is_chain() for t in trees) else [t.row_parents() for t in trees]
     batch.forward_mode = ForwardMode.TARGET_VERIFY
     reqs = batch.reqs
     mem = batch.mem

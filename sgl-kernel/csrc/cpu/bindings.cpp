@@ -11,7 +11,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "Paged decode attention over the token pool, in place (q/out [bs,H,D] fp32)");
   m.def("extend_attention", &extend_attention,
-        "Paged causal extend (prefill) attention over the token pool (q [T,H,D], out [T,H*D] fp32)");
+        "Paged causal extend (prefill) attention over the token pool (q [T,H,D], out [T,H*D] fp32); "
+        "tree_mask: optional uint8 [sum(extend_lens^2)] mask among each request's new tokens (draft trees)",
+        py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("out"), py::arg("req_to_token"),
+        py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("extend_lens"), py::arg("scale"),
+        py::arg("tree_mask") = py::none());
+  m.attr("extend_attention_tree_mask") = true;  // this build takes tree_mask
   // Which vector path extend_attention was compiled with ("none": it raises, use torch).
   m.attr("extend_attention_isa") = RS_HAVE_AVX512 ? "avx512" : RS_HAVE_AVX2 ? "avx2" : "none";
   m.def("linear_f16", &linear_f16, "y = x @ w.T (+ bias): x fp32 [M,K], w fp16 [N,K], fp32 math",

@@ -11,6 +11,10 @@
 //   AVX-512 (or AVX2) products, with an online softmax in between.
 // - Causality: a query at position p sees keys 0..p, so key blocks past the item's last position
 //   are never visited and only the blocks on the diagonal are masked, row by row.
+// - A draft tree (speculative decoding) passes a mask among each request's new tokens: query i sees
+//   the whole cached prefix and the new tokens j with mask[i][j] set (its ancestors and itself, so
+//   j <= i). Then only the prefix is visited unmasked; keys from the first new token on are masked
+//   per row through the tree mask instead of the causal diagonal.
 // - Items are scheduled heaviest first (later query blocks see more keys) onto threads that each
 //   take the next item when done.
 #include "extend_attention_tile.h"
@@ -49,7 +53,8 @@ struct Problem {
   int64_t kv_row_stride;  // Hkv * D
   float* out;             // [T, H * D]
   std::vector<const int32_t*> rows;
-  std::vector<int64_t> q_start, prefix;
+  std::vector<int64_t> q_start, prefix, ext;
+  std::vector<const uint8_t*> tree;  // per request its [ext, ext] mask among new tokens, or empty
   int64_t H, Hkv, G, D, Dp;
   float scale;
 };
@@ -60,6 +65,10 @@ void run_item(const Problem& pb, const WorkItem& it, Buffers& buf) {
   const int64_t first_pos = prefix + it.p0;  // absolute position of the item's first query
   const int64_t key_end = first_pos + it.nq;  // keys [0, key_end) are visible to some row
   const int32_t* slots = pb.rows[it.b];
+  const uint8_t* tree = pb.tree.empty() ? nullptr : pb.tree[it.b];
+  const int64_t ext = pb.ext[it.b];
+  // Keys every row of the item sees: the prefix and, causally, new tokens before the item's first.
+  const int64_t full_end = tree ? prefix : first_pos;
   const float* k = pb.k + it.kh * D;
   const float* v = pb.v + it.kh * D;
   buf.reserve(M, Dp);
@@ -72,11 +81,11 @@ void run_item(const Problem& pb, const WorkItem& it, Buffers& buf) {
     buf.m[r] = -std::numeric_limits<float>::infinity();
     buf.l[r] = 0.f;
   }
-  // Key blocks: [0, first_pos) in whole blocks (every row sees all of it), then the diagonal
-  // [first_pos, key_end), which starts a block of its own so that masking wastes at most the
-  // block's own triangle.
+  // Key blocks: [0, full_end) in whole blocks (every row sees all of it), then the diagonal
+  // [full_end, key_end), which starts a block of its own so that masking wastes at most the
+  // block's own triangle (causal) or the new tokens (tree).
   for (int64_t kb = 0; kb < key_end;) {
-    const int64_t n = std::min(kKeys, (kb < first_pos ? first_pos : key_end) - kb);
+    const int64_t n = std::min(kKeys, (kb < full_end ? full_end : key_end) - kb);
     const int64_t nc = (n + Vec::kWidth - 1) / Vec::kWidth * Vec::kWidth;
     const int64_t next = std::min(kKeys, key_end - kb - n);
     if (next > 0) {  // the slot indirection defeats the hardware prefetcher
@@ -88,7 +97,12 @@ void run_item(const Problem& pb, const WorkItem& it, Buffers& buf) {
     tile_gemm<false>(qp, Dp, kt, kKeys, Dp, s, kKeys, M, nc, nullptr);  // S = (scale Q) K^T
     const bool diagonal = kb + n - 1 > first_pos;  // some key here lies past some row's position
     for (int64_t r = 0; r < M; ++r) {
-      const int64_t visible = diagonal ? std::min(n, first_pos + r / G - kb + 1) : n;
+      if (tree && kb >= full_end) {  // new tokens: the row's ancestors and itself
+        const uint8_t* vis = tree + (it.p0 + r / G) * ext + (kb - prefix);
+        buf.alpha[r] = softmax_row_masked(s + r * kKeys, vis, n, nc, buf.m[r], buf.l[r]);
+        continue;
+      }
+      const int64_t visible = diagonal && !tree ? std::min(n, first_pos + r / G - kb + 1) : n;
       buf.alpha[r] = softmax_row(s + r * kKeys, visible, n, nc, buf.m[r], buf.l[r]);
     }
     // The first block is visible to every row (key 0), so O starts as its P V.
@@ -119,7 +133,7 @@ void parallel_items(int64_t n, const F& f) {
 
 void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
                            const at::Tensor& req_to_token, const int64_t* pool_rows, const int64_t* seq_lens,
-                           const int64_t* extend_lens, int64_t bs, double scale) {
+                           const int64_t* extend_lens, int64_t bs, double scale, const uint8_t* tree_mask) {
   Problem pb;
   pb.q = q.data_ptr<float>();
   pb.qs0 = q.stride(0), pb.qs1 = q.stride(1);
@@ -138,6 +152,11 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
     pb.rows.push_back(r2t + pool_rows[b] * req_to_token.stride(0));
     pb.q_start.push_back(q_start);
     pb.prefix.push_back(seq_lens[b] - extend_lens[b]);
+    pb.ext.push_back(extend_lens[b]);
+    if (tree_mask) {
+      pb.tree.push_back(tree_mask);
+      tree_mask += extend_lens[b] * extend_lens[b];
+    }
     for (int64_t p0 = 0; p0 < extend_lens[b]; p0 += bq) {
       const int64_t nq = std::min(bq, extend_lens[b] - p0);
       for (int64_t kh = 0; kh < pb.Hkv; ++kh) {
@@ -158,7 +177,7 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
 
 void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      const at::Tensor& extend_lens, double scale) {
+                      const at::Tensor& extend_lens, double scale, const c10::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 2,
                     "extend_attention: q [T, H, D], k_buf/v_buf [N, Hkv, D], out [T, H * D]");
   TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k_buf.scalar_type() == at::kFloat &&
@@ -198,8 +217,33 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     total += ext[b];
   }
   TORCH_CHECK_VALUE(total == T, "extend_attention: sum(extend_lens) = ", total, " but q has ", T, " tokens");
+  const uint8_t* tree = nullptr;
+  if (tree_mask.has_value()) {
+    const at::Tensor& m = *tree_mask;
+    TORCH_CHECK_VALUE(m.dim() == 1 && m.scalar_type() == at::kByte && m.is_contiguous(),
+                      "extend_attention: tree_mask must be a contiguous uint8 [sum(extend_lens^2)] tensor");
+    int64_t need = 0;
+    for (int64_t b = 0; b < bs; ++b) need += ext[b] * ext[b];
+    TORCH_CHECK_VALUE(m.numel() == need, "extend_attention: tree_mask has ", m.numel(), " entries, need ", need,
+                      " (each request's [extend_len, extend_len] mask, concatenated)");
+    tree = m.data_ptr<uint8_t>();
+    // A row must see itself and nothing after it: the kernel visits keys up to the last row of
+    // each block of queries, and a row with no visible key would divide by zero.
+    const uint8_t* at = tree;
+    for (int64_t b = 0; b < bs; ++b) {
+      for (int64_t i = 0; i < ext[b]; ++i) {
+        TORCH_CHECK_VALUE(at[i * ext[b] + i] != 0, "extend_attention: tree_mask of request ", b, " hides row ", i,
+                          " from itself");
+        for (int64_t j = i + 1; j < ext[b]; ++j) {
+          TORCH_CHECK_VALUE(at[i * ext[b] + j] == 0, "extend_attention: tree_mask of request ", b, " lets row ", i,
+                            " see the later row ", j, " (parents must come before their children)");
+        }
+      }
+      at += ext[b] * ext[b];
+    }
+  }
 #if RS_HAVE_AVX2
-  extend_attention_impl(q, k_buf, v_buf, out, req_to_token, rows, lens, ext, bs, scale);
+  extend_attention_impl(q, k_buf, v_buf, out, req_to_token, rows, lens, ext, bs, scale, tree);
 #else
   TORCH_CHECK(false, "extend_attention: sgl_kernel._cpu was built without AVX2; use the torch-native path");
 #endif

@@ -185,6 +185,28 @@ inline float softmax_row(float* s, int64_t visible, int64_t n, int64_t nc, float
   return alpha;
 }
 
+// softmax_row for a block whose visible keys are not a prefix (a draft tree's new tokens):
+// vis[j] != 0 marks key j visible. Hidden keys get weight exactly 0.
+inline float softmax_row_masked(float* s, const uint8_t* vis, int64_t n, int64_t nc, float& m, float& l) {
+  int64_t any = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (vis[j]) {
+      any = 1;
+    } else {
+      s[j] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  if (!any) {
+    std::fill(s, s + n, 0.f);
+    return 1.f;
+  }
+  const float alpha = softmax_row(s, n, n, nc, m, l);
+  for (int64_t j = 0; j < n; ++j) {
+    if (!vis[j]) s[j] = 0.f;
+  }
+  return alpha;
+}
+
 }  // namespace extend_tile
 
 #endif  // RS_HAVE_AVX2

@@ -14,7 +14,7 @@ void decode_attention(
 void extend_attention(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-    const at::Tensor& extend_lens, double scale);
+    const at::Tensor& extend_lens, double scale, const c10::optional<at::Tensor>& tree_mask);
 
 at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);

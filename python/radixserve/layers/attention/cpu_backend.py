@@ -10,7 +10,8 @@ the paged pool, causal among the new tokens and full over a cached prefix, with 
 a GQA group sharing each K/V tile. torch-native instead gathers each request's K/V into a copy and
 runs SDPA per request, with an explicit mask when there is a prefix (its slow path). Where the
 kernel cannot run (fp16/bf16 pools, a head_dim it does not take, a build without AVX2) extend
-falls back to torch-native. Encoder (bidirectional) prefills never have a cached prefix: they
+falls back to torch-native. A speculative draft tree passes its mask among the new tokens to the
+same kernel (an older build without it takes the torch-native path). Encoder (bidirectional) prefills never have a cached prefix: they
 attend the step's own K/V in place (layers/attention/encoder.py); the compiled extend kernel is
 causal only.
 """
@@ -36,6 +37,7 @@ class CpuExtendMetadata:
     """An extend step on the compiled kernel: it reads req_to_token and seq_lens itself."""
 
     extend_lens: torch.Tensor  # [bs] int64 new tokens per request
+    tree_mask: torch.Tensor | None = None  # a speculative draft tree (ForwardBatch.spec_tree_mask)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if not forward_batch.attn_causal and extend_lens == forward_batch.seq_lens_cpu:
             forward_batch.attn_metadata = EncoderMetadata(list(extend_lens))
             return
+        takes_tree = getattr(cpu_kernels, "extend_attention_takes_tree_mask", lambda: False)()
+        if forward_batch.spec_tree_mask is not None and not takes_tree:
+            super().init_forward_metadata(forward_batch)  # a draft tree on an older build
+            return
         if pool.dtype == torch.float32 and forward_batch.attn_causal:
             if forward_batch.forward_mode.is_decode():
                 forward_batch.attn_metadata = None  # the kernel reads req_to_token directly
@@ -72,7 +78,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             if cpu_kernels.extend_attention_supported(pool.head_dim):
                 assert forward_batch.extend_seq_lens_cpu is not None
                 lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
-                forward_batch.attn_metadata = CpuExtendMetadata(lens)
+                forward_batch.attn_metadata = CpuExtendMetadata(lens, forward_batch.spec_tree_mask)
                 return
         super().init_forward_metadata(forward_batch)
 
@@ -100,6 +106,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if not isinstance(meta, CpuExtendMetadata):
             return super().forward_extend(q, k, v, layer, forward_batch)
         k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)
+        tree = {} if meta.tree_mask is None else {"tree_mask": meta.tree_mask}
         return cpu_kernels.extend_attention(
             q,  # [num_tokens, num_heads, head_dim]
             k_buf,
@@ -109,6 +116,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             forward_batch.seq_lens,
             meta.extend_lens,
             layer.scaling,
+            **tree,
         )  # [num_tokens, num_heads * head_dim]
 
     def forward_decode(

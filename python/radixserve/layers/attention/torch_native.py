@@ -7,7 +7,9 @@ prompt beside 64-token questions over a cached prefix), and padding every reques
 one multiplied the attention work by up to the batch size. A request without a cached prefix uses
 SDPA's causal mode (its kernel skips the upper triangle); one with a prefix gets an explicit mask
 (query i sees keys up to prefix_len + i). Encoder models (ForwardBatch.attn_causal False) attend
-bidirectionally: no mask at all, every query sees every key of its request.
+bidirectionally: no mask at all, every query sees every key of its request. A speculative draft
+tree (ForwardBatch.spec_tree_mask) gets the explicit mask too: the whole prefix, then each row's
+ancestors and itself among the new rows.
 """
 
 from __future__ import annotations
@@ -68,11 +70,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert extend_lens is not None
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices.tolist()
-        segments, q_start = [], 0
+        tree = forward_batch.spec_tree_mask
+        segments, q_start, tree_at = [], 0, 0
         for row, seq_len, q_len in zip(rows, forward_batch.seq_lens_cpu, extend_lens):
             prefix_len = seq_len - q_len
             mask = None
-            if prefix_len > 0 and forward_batch.attn_causal:
+            if tree is not None:  # a draft tree: the whole prefix, then ancestors and itself
+                among_new = (
+                    tree[tree_at : tree_at + q_len * q_len].view(q_len, q_len).to(self.device, torch.bool)
+                )
+                full = torch.ones(q_len, prefix_len, dtype=torch.bool, device=self.device)
+                mask = torch.cat([full, among_new], dim=1)  # [q_len, seq_len]
+                tree_at += q_len * q_len
+            elif prefix_len > 0 and forward_batch.attn_causal:
                 q_pos = torch.arange(prefix_len, seq_len, device=self.device)  # [q_len]
                 mask = torch.arange(seq_len, device=self.device)[None, :] <= q_pos[:, None]
             kv_indices = req_to_token[row, :seq_len].long()  # [seq_len]
