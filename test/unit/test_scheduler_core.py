@@ -106,6 +106,19 @@ def test_sibling_of_a_chunked_prompt_reuses_its_whole_prefix(make_harness):
     assert h.outputs["b"] == reference_output(shared + [600] * 8, 4)
 
 
+def test_load_leaves_out_requests_that_finished_in_the_last_step(make_harness):
+    h = make_harness()
+    h.submit("short", [1, 2, 3], 2)
+    h.submit("long", [4, 5, 6], 20)
+    while "short" not in h.finished:
+        h.step()
+    # "short" finished in this step and leaves the running batch in the next one: not load.
+    assert any(r.rid == "short" for r in h.scheduler.state.running_batch.reqs)
+    assert h.scheduler.get_load().num_reqs == 1
+    h.run_until_idle()
+    assert h.scheduler.get_load().num_reqs == 0
+
+
 def long_output_workload(n=16):
     return [(f"L{i}", [(i * 37 + j) % 997 for j in range(20)], 60) for i in range(n)]
 
