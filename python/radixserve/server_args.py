@@ -205,7 +205,9 @@ class ServerArgs:
         "... and more than this many times its requests (the Gateway's --balance-rel-threshold).",
     )
     load_watch_interval: float = _f(
-        0.1, "Seconds between two load reports of a replica to the DataParallelController (while it changes)."
+        0.1,
+        "Seconds between two load reports of a replica to the DataParallelController (while it "
+        "changes; a replica that goes idle reports at once).",
     )
     pp_max_micro_batch_size: int | None = _f(
         None, "Most requests in one pipeline micro-batch; default max(max_running_requests // pp_size, 1)."

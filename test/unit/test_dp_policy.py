@@ -28,6 +28,7 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.req_state import ReqState
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.scheduler.scheduler_process import SchedulerIO, recv_and_report
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
 
@@ -235,5 +236,56 @@ def test_controller_takes_load_reports_into_account():
     finally:
         controller.close()
         load.close(linger=0)
+        ctx.term()
+        ports.cleanup()
+
+
+class _Replica:
+    """What recv_and_report reads of a Scheduler: its load, and whether it would block (idle)."""
+
+    def __init__(self) -> None:
+        self.num_reqs = 9
+
+    def get_load(self) -> GetLoadReqOutput:
+        return GetLoadReqOutput(
+            dp_rank=0, num_reqs=self.num_reqs, num_waiting_reqs=0, num_tokens=self.num_reqs
+        )
+
+    def should_block_on_recv(self) -> bool:
+        return self.num_reqs == 0
+
+
+def test_a_replica_that_goes_idle_reports_it_before_blocking():
+    """Its last requests finished within the report interval: throttled, the idle load would wait
+    for the next request to wake the loop, and the controller would keep placing work as if the
+    replica were busy (new prefixes all went to the other one)."""
+    ports = PortArgs.create().with_dp_controller()
+    ctx = zmq.Context(1)
+    controller = get_zmq_socket(ctx, zmq.PULL, ports.dp_controller_ipc_name, bind=True)
+    io = SchedulerIO(ports.for_dp_rank(1), load_watch_interval=3600.0)  # later reports: all throttled
+    replica = _Replica()
+    recv = recv_and_report(io, replica)
+    try:
+        recv()  # busy: the first report goes out
+        replica.num_reqs = 8
+        recv()  # busy, within the interval: throttled
+        replica.num_reqs = 0
+        recv()  # idle: reported before the loop waits for input
+        got = []
+        while controller.poll(500):
+            got.append(controller.recv_pyobj())
+        assert [(m.dp_rank, m.num_reqs) for m in got] == [(1, 9), (1, 0)]
+    finally:
+        for sock in (
+            io.recv,
+            io.to_detokenizer,
+            io.to_tokenizer,
+            io.recv_from_rpc,
+            io.to_controller,
+            controller,
+        ):
+            if sock is not None:
+                sock.close(linger=0)
+        io.context.term()
         ctx.term()
         ports.cleanup()

@@ -90,6 +90,35 @@ def test_prefix_cache_hit(make_harness):
     assert state["cache_hit_tokens"] >= 40
 
 
+def test_sibling_of_a_chunked_prompt_reuses_its_whole_prefix(make_harness):
+    """Chunks of 64: "a" runs its 104-token prompt in two chunks. "b" shares a's first 96 tokens;
+    it waits while a's second chunk computes the rest of that prefix instead of computing it again
+    beside it, then reuses all 96 tokens."""
+    shared = list(range(1, 97))
+    h = make_harness(chunked_prefill_size=64)
+    h.submit("a", shared + [500] * 8, 4)
+    h.submit("b", shared + [600] * 8, 4)
+    h.run_until_idle()
+    state = h.scheduler.get_internal_state().internal_state
+    assert state["cache_hit_tokens"] == 96
+    msg = [m for m in h.messages(BatchTokenIDOut) if "b" in m.rids][-1]
+    assert msg.cached_tokens[msg.rids.index("b")] == 96
+    assert h.outputs["b"] == reference_output(shared + [600] * 8, 4)
+
+
+def test_load_leaves_out_requests_that_finished_in_the_last_step(make_harness):
+    h = make_harness()
+    h.submit("short", [1, 2, 3], 2)
+    h.submit("long", [4, 5, 6], 20)
+    while "short" not in h.finished:
+        h.step()
+    # "short" finished in this step and leaves the running batch in the next one: not load.
+    assert any(r.rid == "short" for r in h.scheduler.state.running_batch.reqs)
+    assert h.scheduler.get_load().num_reqs == 1
+    h.run_until_idle()
+    assert h.scheduler.get_load().num_reqs == 0
+
+
 def long_output_workload(n=16):
     return [(f"L{i}", [(i * 37 + j) % 997 for j in range(20)], 60) for i in range(n)]
 

@@ -156,6 +156,24 @@ def test_in_batch_prefix_caching_deprioritizes_siblings():
     assert queue[-1] is b
 
 
+def test_in_batch_prefix_caching_waits_for_the_chunked_request():
+    """A sibling of the request being chunked waits while the rest of their shared prefix is being
+    computed, even with more than CHECK tokens of it cached already (the chunks that ran)."""
+    mem = make_mem()
+    shared = list(range(200, 300))
+    mem.tree_cache.insert(shared[:64], mem.allocator.alloc(64))  # the chunked one's first chunk
+    policy = SchedulePolicy("lpm", mem.tree_cache, False)
+    chunked, sibling, other = make_req("chunked", 0), make_req("sibling", 0), make_req("other", 0)
+    chunked.origin_input_ids, sibling.origin_input_ids = shared + [1], shared + [2]
+    other.origin_input_ids = shared[:70] + [3] * 40  # gains only 6 tokens from the rest: runs
+    queue = [sibling, other]
+    policy.calc_priority(queue, chunked_req=chunked)
+    assert len(sibling.prefix_indices) == 64
+    assert policy.deprioritized == {id(sibling)}
+    policy.calc_priority(queue)  # no chunked request: nothing to wait for
+    assert policy.deprioritized == set()
+
+
 def test_dfs_weight_groups_shared_prefixes():
     mem = make_mem()
     seeded_tree(mem)

@@ -112,7 +112,7 @@ class BatchBuilder:
                 return None
             if self._num_allocatable(0, 0) <= 0 and not self.limits.enable_priority_scheduling:
                 return None
-        prefix_computed = self.policy.calc_priority(st.waiting_queue)
+        prefix_computed = self.policy.calc_priority(st.waiting_queue, st.chunked_req)
         mixed_tokens = mixed_kv = 0
         if self.limits.is_mixed_chunk:
             running = st.running_batch.reqs

@@ -42,6 +42,9 @@ LPM_FALLBACK_QUEUE_LEN = 128
 # In-batch prefix caching: a request with at most CHECK cached tokens whose prompt shares at least
 # DEPRIORITIZE tokens with an earlier waiting request waits one round, so the earlier one caches the
 # shared prefix first. The seeds name these thresholds without values; 32/32 are upstream SGLang's.
+# The same holds against the request whose prompt is being chunked: the chunks it ran are cached,
+# the rest of its prompt is not yet; a waiting request that would get at least DEPRIORITIZE more of
+# its prompt from the chunked one's remaining chunks waits until they are cached too.
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
 
@@ -79,12 +82,15 @@ class SchedulePolicy:
             return CacheAgnosticPolicy.FCFS
         return self.policy
 
-    def calc_priority(self, waiting_queue: list[Req]) -> bool:
-        """Sort waiting_queue in place; True when each request's prefix was matched already."""
+    def calc_priority(self, waiting_queue: list[Req], chunked_req: Req | None = None) -> bool:
+        """Sort waiting_queue in place; True when each request's prefix was matched already.
+        `chunked_req`: the request whose prompt is being chunked (not in the queue), if any."""
         policy = self.active_policy(waiting_queue)
         self.deprioritized = set()
         if isinstance(policy, CacheAwarePolicy):
-            deprioritized = self.deprioritized = self._compute_prefix_matches(waiting_queue, policy)
+            deprioritized = self.deprioritized = self._compute_prefix_matches(
+                waiting_queue, policy, chunked_req
+            )
             if policy == CacheAwarePolicy.LPM:
                 waiting_queue.sort(key=lambda r: (id(r) in deprioritized, -len(r.prefix_indices)))
             else:
@@ -99,17 +105,26 @@ class SchedulePolicy:
             waiting_queue.sort(key=lambda r: -r.priority)  # stable: keeps the policy's order inside
         return isinstance(policy, CacheAwarePolicy)
 
-    def _compute_prefix_matches(self, waiting_queue: list[Req], policy: CacheAwarePolicy) -> set[int]:
+    def _compute_prefix_matches(
+        self, waiting_queue: list[Req], policy: CacheAwarePolicy, chunked_req: Req | None
+    ) -> set[int]:
         """Match every request; return ids of requests deprioritized by in-batch prefix caching."""
         deprioritized: set[int] = set()
         tree = self.waiting_queue_radix_tree
         if tree is not None:
             tree.reset()
+        chunking = chunked_req.origin_input_ids if chunked_req is not None else None
         for r in waiting_queue:
             r.init_next_round_input(self.tree_cache)
             if policy != CacheAwarePolicy.LPM or tree is None:
                 continue
-            if len(r.prefix_indices) <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
+            cached = len(r.prefix_indices)
+            if chunking is not None and _common_len(chunking, r.fill_ids) - cached >= (
+                IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+            ):
+                deprioritized.add(id(r))  # the chunked request is computing the rest of its prefix
+                continue
+            if cached <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 key = r.fill_ids
                 in_batch = len(tree.match_prefix(key).device_indices)
                 if in_batch >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
@@ -133,6 +148,21 @@ class SchedulePolicy:
             children = sorted(node.children.values(), key=lambda c: weight.get(c, 0))
             stack.extend(c for c in children if weight.get(c, 0) > 0)
         waiting_queue[:] = ordered
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # whole-slice compare runs in C: the common case for a shared prefix
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _subtree_weights(root: Any, own: dict[Any, int]) -> dict[Any, int]:  # noqa: ANN401 - TreeNode

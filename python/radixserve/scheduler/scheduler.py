@@ -306,9 +306,12 @@ class Scheduler:
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
 
     def get_load(self, msg: GetLoadReqInput | None = None) -> GetLoadReqOutput:
-        """SGLang's load: requests alive, and tokens (KV held by requests + waiting prompts)."""
+        """SGLang's load: requests alive, and tokens (KV held by requests + waiting prompts).
+        Requests that finished in the last step leave the running batch only in the next one: they
+        are not load (reported as such, the controller would send new work elsewhere)."""
         waiting = self.state.waiting_queue
-        running = len(self.state.running_batch.reqs) + len(self.state.other_running_reqs)
+        alive = [*self.state.running_batch.reqs, *self.state.other_running_reqs]
+        running = sum(1 for r in alive if not r.finished())
         return GetLoadReqOutput(
             dp_rank=0,  # the process's SchedulerIO names its replica
             num_reqs=running + len(waiting),

@@ -95,12 +95,14 @@ class SchedulerIO:
         sock = self.to_detokenizer if isinstance(msg, BatchTokenIDOut) else self.to_tokenizer
         sock.send_pyobj(msg)
 
-    def report_load(self, scheduler: Any) -> None:  # noqa: ANN401 - the Scheduler (imported lazily)
-        """Send this replica's load to the controller when it changed, at most every interval s."""
+    def report_load(self, scheduler: Any, force: bool = False) -> None:  # noqa: ANN401 - the Scheduler
+        """Send this replica's load to the controller when it changed, at most every interval s, or
+        now whatever the interval (`force`): before the loop blocks waiting for input, when no later
+        step would send it, the controller must not keep dispatching on the load of a busy replica."""
         if self.to_controller is None:
             return
         now = time.monotonic()
-        if now - self._last_report_time < self.load_watch_interval:
+        if not force and now - self._last_report_time < self.load_watch_interval:
             return
         load = scheduler.get_load()
         key = (load.num_reqs, load.num_waiting_reqs, load.num_tokens)
@@ -131,8 +133,9 @@ def recv_and_report(io: SchedulerIO, scheduler: Any) -> Callable[[], list[object
     """The event loop's receive step: report the load (replicas only), then read the socket."""
 
     def recv() -> list[object]:
-        io.report_load(scheduler)
-        return io.recv_requests(block=scheduler.should_block_on_recv())
+        block = scheduler.should_block_on_recv()
+        io.report_load(scheduler, force=block)
+        return io.recv_requests(block=block)
 
     return recv
 
