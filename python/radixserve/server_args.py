@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.configs.checkpoint_quant import resolve_quantization
 from radixserve.configs.quant_args import validate_weight_only
+from radixserve.configs.spec_args import speculative_updates, validate_speculative
 
 if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
@@ -459,7 +460,7 @@ class ServerArgs:
         if self.cpu_threads is None and device == "cpu":
             updates["cpu_threads"] = os.cpu_count() or 1
         if self.speculative_algorithm is not None:
-            updates.update(self._speculative_updates(device))
+            updates.update(speculative_updates(self, device))
         from radixserve.configs.quant_args import gguf_updates
 
         updates.update(gguf_updates(self))  # a GGUF --model-path: --quantization gguf (SGLang's rule)
@@ -496,44 +497,6 @@ class ServerArgs:
             )
         return resolved
 
-    def _speculative_updates(self, device: str) -> dict[str, Any]:
-        """Speculation's defaults. The verify forward runs in the normal loop only (SGLang also turns
-        the overlap loop off for NGRAM), and a verify batch cannot carry a prefill chunk."""
-        if self.enable_overlap_schedule:
-            raise ValueError(
-                "--speculative-algorithm does not run with the overlap loop: the next step's drafts "
-                "depend on how many tokens this step accepted, which the overlap loop does not know "
-                "when it builds the next batch. Drop --enable-overlap-schedule."
-            )
-        updates: dict[str, Any] = {"disable_overlap_schedule": True, "enable_mixed_chunk": False}
-        if self.speculative_eagle_topk is None:
-            updates["speculative_eagle_topk"] = 1
-        if self.speculative_ngram_max_bfs_breadth is None:
-            updates["speculative_ngram_max_bfs_breadth"] = 1 if device == "cpu" else 10
-        topk = updates.get("speculative_eagle_topk", self.speculative_eagle_topk)
-        if topk > 1:  # a draft tree: num_steps levels of up to topk rows each
-            steps = self.speculative_num_steps
-            num = self.speculative_num_draft_tokens
-            if steps is None:
-                steps = 3 if num is None else -(-(num - 1) // topk)
-            updates["speculative_num_steps"] = steps
-            updates["speculative_num_draft_tokens"] = num if num is not None else 1 + topk * steps
-            return updates
-        if self.speculative_num_draft_tokens is None:
-            # A CPU verify forward costs more per extra token than a GPU one, so fewer drafts than
-            # SGLang's 12 (not tuned by a sweep: docs/speculative_decoding.md).
-            if self.speculative_num_steps is not None:
-                updates["speculative_num_draft_tokens"] = self.speculative_num_steps + 1
-            elif self.speculative_algorithm == "STANDALONE":
-                updates["speculative_num_draft_tokens"] = 4  # SGLang's choice for STANDALONE: 3 steps
-            elif device == "cpu":
-                updates["speculative_num_draft_tokens"] = 8
-            else:
-                updates["speculative_num_draft_tokens"] = self.speculative_ngram_max_match_window_size
-        num_draft = updates.get("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
-        updates["speculative_num_steps"] = num_draft - 1
-        return updates
-
     def validate(self) -> None:
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
             raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
@@ -559,7 +522,7 @@ class ServerArgs:
         validate_weight_only(self)
         if self.log_requests_level not in (0, 1, 2, 3):
             raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
-        self._validate_speculative()
+        validate_speculative(self)
         self.layout().check()  # LayoutError (a ValueError) says which flag to change
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(
@@ -655,83 +618,6 @@ class ServerArgs:
                 "--disaggregation-mode runs with --pp-size 1, --dp-size 1 and --nnodes 1 for now "
                 "(any --tp-size; docs/disaggregation.md)"
             )
-
-    def _validate_speculative(self) -> None:
-        algo = self.speculative_algorithm
-        if algo is None:
-            return
-        if algo not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
-        if algo in ("EAGLE", "EAGLE3"):
-            raise ValueError(
-                f"--speculative-algorithm {algo} is not implemented yet (EAGLE heads); use NGRAM or "
-                "STANDALONE with --speculative-draft-layers (docs/speculative_decoding.md)"
-            )
-        if algo == "STANDALONE":
-            if bool(self.speculative_draft_model_path) == bool(self.speculative_draft_layers):
-                raise ValueError(
-                    "--speculative-algorithm STANDALONE takes a draft: either --speculative-draft-model-path "
-                    "(a separate model with the target's tokenizer) or --speculative-draft-layers N (the "
-                    "target's first N layers), not both"
-                )
-            if self.speculative_draft_model_path and self.tp_size > 1:
-                raise ValueError(
-                    "--speculative-draft-model-path runs with --tp-size 1 for now (the draft model is not sharded)"
-                )
-        if algo == "NGRAM" and self.speculative_draft_layers:
-            raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
-        topk = self.speculative_eagle_topk
-        if topk is not None and topk < 1:
-            raise ValueError(f"--speculative-eagle-topk must be >= 1, got {topk}")
-        if algo == "NGRAM" and topk not in (None, 1):
-            raise ValueError(
-                "--speculative-eagle-topk applies to draft models; NGRAM's trees are shaped by "
-                "--speculative-ngram-max-bfs-breadth"
-            )
-        lo_b, hi_b = self.speculative_ngram_min_bfs_breadth, self.speculative_ngram_max_bfs_breadth
-        if not 1 <= lo_b <= (hi_b if hi_b is not None else lo_b):
-            raise ValueError(
-                "--speculative-ngram-min-bfs-breadth must be >= 1 and <= --speculative-ngram-max-bfs-breadth "
-                f"(got {lo_b} and {hi_b})"
-            )
-        trees = (topk or 1) > 1 or (algo == "NGRAM" and (hi_b or 1) > 1)
-        if trees and self.attention_backend not in (None, "cpu", "torch_native"):
-            raise ValueError(
-                "Draft trees (--speculative-eagle-topk > 1, --speculative-ngram-max-bfs-breadth > 1) need "
-                "a tree mask, which only the cpu and torch_native attention backends implement so far; "
-                f"use chains (1) with --attention-backend {self.attention_backend}"
-            )
-        if (
-            (topk or 1) > 1
-            and self.speculative_num_steps is not None
-            and self.speculative_num_draft_tokens is not None
-        ):
-            if self.speculative_num_draft_tokens - 1 > topk * self.speculative_num_steps:
-                raise ValueError(
-                    "--speculative-num-draft-tokens - 1 must be <= --speculative-eagle-topk x "
-                    "--speculative-num-steps (the draft tree keeps at most topk rows per step)"
-                )
-        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
-            raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token plus one draft)")
-        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        if not 1 <= lo <= hi:
-            raise ValueError(
-                "--speculative-ngram-min-match-window-size must be >= 1 and <= "
-                f"--speculative-ngram-max-match-window-size (got {lo} and {hi})"
-            )
-        if self.speculative_ngram_branch_length <= hi:
-            raise ValueError(
-                "--speculative-ngram-branch-length must exceed --speculative-ngram-max-match-window-size "
-                "(a match needs at least one stored token after it)"
-            )
-        if self.speculative_ngram_capacity < 1:
-            raise ValueError("--speculative-ngram-capacity must be >= 1")
-        if self.pp_size > 1:
-            raise ValueError("--speculative-algorithm is not supported with --pp-size > 1")
-        if self.disaggregation_mode != "null":
-            raise ValueError("--speculative-algorithm is not supported with --disaggregation-mode yet")
-        if self.is_embedding:
-            raise ValueError("--speculative-algorithm applies to generation; drop it with --is-embedding")
 
     def layout(self) -> ParallelLayout:
         from radixserve.distributed.layout import ParallelLayout

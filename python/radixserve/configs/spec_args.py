@@ -1,0 +1,128 @@
+"""ServerArgs' speculative-decoding defaults and checks (docs/speculative_decoding.md), kept
+apart from server_args.py so that file stays readable. `args` is the ServerArgs being resolved."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.server_args import ServerArgs
+
+
+def speculative_updates(args: ServerArgs, device: str) -> dict[str, Any]:
+    """Speculation's defaults. The verify forward runs in the normal loop only (SGLang also turns
+    the overlap loop off for NGRAM), and a verify batch cannot carry a prefill chunk."""
+    if args.enable_overlap_schedule:
+        raise ValueError(
+            "--speculative-algorithm does not run with the overlap loop: the next step's drafts "
+            "depend on how many tokens this step accepted, which the overlap loop does not know "
+            "when it builds the next batch. Drop --enable-overlap-schedule."
+        )
+    updates: dict[str, Any] = {"disable_overlap_schedule": True, "enable_mixed_chunk": False}
+    if args.speculative_eagle_topk is None:
+        updates["speculative_eagle_topk"] = 1
+    if args.speculative_ngram_max_bfs_breadth is None:
+        updates["speculative_ngram_max_bfs_breadth"] = 1 if device == "cpu" else 10
+    topk = updates.get("speculative_eagle_topk", args.speculative_eagle_topk)
+    if topk > 1:  # a draft tree: num_steps levels of up to topk rows each
+        steps = args.speculative_num_steps
+        num = args.speculative_num_draft_tokens
+        if steps is None:
+            steps = 3 if num is None else -(-(num - 1) // topk)
+        updates["speculative_num_steps"] = steps
+        updates["speculative_num_draft_tokens"] = num if num is not None else 1 + topk * steps
+        return updates
+    if args.speculative_num_draft_tokens is None:
+        # A CPU verify forward costs more per extra token than a GPU one, so fewer drafts than
+        # SGLang's 12 (not tuned by a sweep: docs/speculative_decoding.md).
+        if args.speculative_num_steps is not None:
+            updates["speculative_num_draft_tokens"] = args.speculative_num_steps + 1
+        elif args.speculative_algorithm == "STANDALONE":
+            updates["speculative_num_draft_tokens"] = 4  # SGLang's choice for STANDALONE: 3 steps
+        elif device == "cpu":
+            updates["speculative_num_draft_tokens"] = 8
+        else:
+            updates["speculative_num_draft_tokens"] = args.speculative_ngram_max_match_window_size
+    num_draft = updates.get("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
+    updates["speculative_num_steps"] = num_draft - 1
+    return updates
+
+
+def validate_speculative(args: ServerArgs) -> None:
+    from radixserve.server_args import SPECULATIVE_ALGORITHMS
+
+    algo = args.speculative_algorithm
+    if algo is None:
+        return
+    if algo not in SPECULATIVE_ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+    if algo in ("EAGLE", "EAGLE3"):
+        raise ValueError(
+            f"--speculative-algorithm {algo} is not implemented yet (EAGLE heads); use NGRAM or "
+            "STANDALONE with --speculative-draft-layers (docs/speculative_decoding.md)"
+        )
+    if algo == "STANDALONE":
+        if bool(args.speculative_draft_model_path) == bool(args.speculative_draft_layers):
+            raise ValueError(
+                "--speculative-algorithm STANDALONE takes a draft: either --speculative-draft-model-path "
+                "(a separate model with the target's tokenizer) or --speculative-draft-layers N (the "
+                "target's first N layers), not both"
+            )
+        if args.speculative_draft_model_path and args.tp_size > 1:
+            raise ValueError(
+                "--speculative-draft-model-path runs with --tp-size 1 for now (the draft model is not sharded)"
+            )
+    if algo == "NGRAM" and args.speculative_draft_layers:
+        raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
+    topk = args.speculative_eagle_topk
+    if topk is not None and topk < 1:
+        raise ValueError(f"--speculative-eagle-topk must be >= 1, got {topk}")
+    if algo == "NGRAM" and topk not in (None, 1):
+        raise ValueError(
+            "--speculative-eagle-topk applies to draft models; NGRAM's trees are shaped by "
+            "--speculative-ngram-max-bfs-breadth"
+        )
+    lo_b, hi_b = args.speculative_ngram_min_bfs_breadth, args.speculative_ngram_max_bfs_breadth
+    if not 1 <= lo_b <= (hi_b if hi_b is not None else lo_b):
+        raise ValueError(
+            "--speculative-ngram-min-bfs-breadth must be >= 1 and <= --speculative-ngram-max-bfs-breadth "
+            f"(got {lo_b} and {hi_b})"
+        )
+    trees = (topk or 1) > 1 or (algo == "NGRAM" and (hi_b or 1) > 1)
+    if trees and args.attention_backend not in (None, "cpu", "torch_native"):
+        raise ValueError(
+            "Draft trees (--speculative-eagle-topk > 1, --speculative-ngram-max-bfs-breadth > 1) need "
+            "a tree mask, which only the cpu and torch_native attention backends implement so far; "
+            f"use chains (1) with --attention-backend {args.attention_backend}"
+        )
+    if (
+        (topk or 1) > 1
+        and args.speculative_num_steps is not None
+        and args.speculative_num_draft_tokens is not None
+    ):
+        if args.speculative_num_draft_tokens - 1 > topk * args.speculative_num_steps:
+            raise ValueError(
+                "--speculative-num-draft-tokens - 1 must be <= --speculative-eagle-topk x "
+                "--speculative-num-steps (the draft tree keeps at most topk rows per step)"
+            )
+    if args.speculative_num_draft_tokens is not None and args.speculative_num_draft_tokens < 2:
+        raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token plus one draft)")
+    lo, hi = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
+    if not 1 <= lo <= hi:
+        raise ValueError(
+            "--speculative-ngram-min-match-window-size must be >= 1 and <= "
+            f"--speculative-ngram-max-match-window-size (got {lo} and {hi})"
+        )
+    if args.speculative_ngram_branch_length <= hi:
+        raise ValueError(
+            "--speculative-ngram-branch-length must exceed --speculative-ngram-max-match-window-size "
+            "(a match needs at least one stored token after it)"
+        )
+    if args.speculative_ngram_capacity < 1:
+        raise ValueError("--speculative-ngram-capacity must be >= 1")
+    if args.pp_size > 1:
+        raise ValueError("--speculative-algorithm is not supported with --pp-size > 1")
+    if args.disaggregation_mode != "null":
+        raise ValueError("--speculative-algorithm is not supported with --disaggregation-mode yet")
+    if args.is_embedding:
+        raise ValueError("--speculative-algorithm applies to generation; drop it with --is-embedding")
