@@ -26,7 +26,25 @@ ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+LOAD_BALANCE_METHODS = (
+    "round_robin",
+    "shortest_queue",
+    "minimum_tokens",
+    "cache_aware",
+    "follow_bootstrap_room",
+)
+# "auto" (SGLang's default) resolves to follow_bootstrap_room on a prefill server, else round_robin.
+LOAD_BALANCE_CHOICES = ("auto", *LOAD_BALANCE_METHODS)
+
+
+def resolve_load_balance_method(method: str, disaggregation_mode: str) -> str:
+    """SGLang's "auto": a prefill server's replicas follow the room (a decode server then derives a
+    request's prefill replica from its bootstrap_room); anything else goes round robin."""
+    if method != "auto":
+        return method
+    return "follow_bootstrap_room" if disaggregation_mode == "prefill" else "round_robin"
+
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
@@ -170,11 +188,14 @@ class ServerArgs:
         aliases=("--dp", "--data-parallel-size"),
     )
     load_balance_method: str = _f(
-        "round_robin",
+        "auto",
         "How the DataParallelController picks a replica: round_robin, shortest_queue (fewest running "
-        "+ waiting requests), minimum_tokens (fewest tokens in KV and queue) or cache_aware (the "
-        "SGLang Model Gateway's policy: longest cached prefix while the load is balanced).",
-        choices=LOAD_BALANCE_METHODS,
+        "+ waiting requests), minimum_tokens (fewest tokens in KV and queue), cache_aware (the "
+        "SGLang Model Gateway's policy: longest cached prefix while the load is balanced) or "
+        "follow_bootstrap_room (bootstrap_room modulo --dp-size, so a decode server finds a request's "
+        "prefill replica without asking). auto: follow_bootstrap_room with --disaggregation-mode "
+        "prefill, else round_robin.",
+        choices=LOAD_BALANCE_CHOICES,
     )
     dp_cache_threshold: float = _f(
         0.3,
@@ -431,6 +452,9 @@ class ServerArgs:
         updates.update(gguf_updates(self))  # a GGUF --model-path: --quantization gguf (SGLang's rule)
         if self.quantization == NO_QUANTIZATION:
             updates["quantization"] = None
+        updates["load_balance_method"] = resolve_load_balance_method(
+            self.load_balance_method, self.disaggregation_mode
+        )
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
@@ -564,9 +588,9 @@ class ServerArgs:
     def _validate_dp(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+        if self.load_balance_method not in LOAD_BALANCE_CHOICES:
             raise ValueError(
-                f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}"
+                f"--load-balance-method must be one of {LOAD_BALANCE_CHOICES}, got {self.load_balance_method!r}"
             )
         if not 0.0 <= self.dp_cache_threshold <= 1.0:
             raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {self.dp_cache_threshold}")
@@ -598,10 +622,10 @@ class ServerArgs:
             raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
         if self.disaggregation_mode != "null" and self.is_embedding:
             raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
-        if self.disaggregation_mode != "null" and (self.pp_size > 1 or self.dp_size > 1 or self.nnodes > 1):
+        if self.disaggregation_mode != "null" and (self.pp_size > 1 or self.nnodes > 1):
             raise ValueError(
-                "--disaggregation-mode runs with --pp-size 1, --dp-size 1 and --nnodes 1 for now "
-                "(any --tp-size; docs/disaggregation.md)"
+                "--disaggregation-mode runs with --pp-size 1 and --nnodes 1 for now "
+                "(any --tp-size and --dp-size; docs/disaggregation.md)"
             )
 
     def _validate_speculative(self) -> None:

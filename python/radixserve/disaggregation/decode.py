@@ -108,7 +108,9 @@ class DecodeDisaggregation:
         if is_fake(req.bootstrap_host, self.backend):
             return FakeReceiver(room, self.timeout_s)
         assert req.bootstrap_host is not None and req.bootstrap_port is not None
-        return self.manager.create_receiver(room, req.bootstrap_host, req.bootstrap_port)
+        return self.manager.create_receiver(
+            room, req.bootstrap_host, req.bootstrap_port, req.disagg_prefill_dp_rank
+        )
 
     # ------------------------------------------------------------------ memory
     def fits(self, req: Req) -> bool:

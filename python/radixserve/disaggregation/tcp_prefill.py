@@ -30,6 +30,17 @@ from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStat
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
+# How long a rank retries registering with its bootstrap server (another replica may host it).
+REGISTER_TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Which data-parallel replica a prefill rank belongs to, and how its server places rooms."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    load_balance_method: str = "follow_bootstrap_room"
 
 
 @dataclass
@@ -96,9 +107,11 @@ class PrefillTcpManager:
         self.thread.start()
 
     # ------------------------------------------------------------------ scheduler thread
-    def register(self, bootstrap_host: str, bootstrap_port: int) -> None:
-        """PUT /route on the bootstrap server (retried briefly: it starts beside us, in TP rank 0)."""
+    def register(self, bootstrap_host: str, bootstrap_port: int, replicas: ReplicaInfo | None = None) -> None:
+        """PUT /route on the bootstrap server (retried for a while: it starts in replica 0's TP rank
+        0, which may still be loading its model)."""
         layout = self.layout
+        replicas = replicas or ReplicaInfo()
         body = json.dumps(
             {
                 "role": "Prefill",
@@ -106,7 +119,10 @@ class PrefillTcpManager:
                 "rank_port": self.rank_port,
                 "engine_rank": layout.tp_rank,
                 "tp_size": layout.tp_size,
-                "dp_size": 1,
+                "dp_size": replicas.dp_size,
+                "system_dp_size": replicas.dp_size,
+                "system_dp_rank": replicas.dp_rank,
+                "load_balance_method": replicas.load_balance_method,
                 "page_size": self.page_size,
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "kv_head_start": layout.heads[0],
@@ -115,7 +131,7 @@ class PrefillTcpManager:
             }
         ).encode()
         url = f"http://{bootstrap_host}:{bootstrap_port}/route"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while True:
             try:
                 req = urllib.request.Request(url, data=body, method="PUT")
