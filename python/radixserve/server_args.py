@@ -46,7 +46,7 @@ def resolve_load_balance_method(method: str, disaggregation_mode: str) -> str:
 
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake")
+DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake", "mooncake")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # SGLang's --quantization names (its QUANTIZATION_CHOICES). Only SUPPORTED_QUANTIZATION is
@@ -419,7 +419,9 @@ class ServerArgs:
     disaggregation_transfer_backend: str = _f(
         "tcp",
         "How KV moves from prefill to decode: 'tcp' (built in: ZMQ over TCP, CPU or GPU, across "
-        "machines) or 'fake' (moves nothing: warm-up and health probes only).",
+        "machines), 'mooncake' (the KV bytes by Mooncake's TransferEngine over its TCP transport; "
+        "needs mooncake-transfer-engine-non-cuda) or 'fake' (moves nothing: warm-up and health "
+        "probes only).",
         choices=DISAGGREGATION_TRANSFER_BACKENDS,
     )
     disaggregation_bootstrap_timeout: float = _f(

@@ -28,6 +28,7 @@ from radixserve.disaggregation.common import (
     agree,
     kv_layout,
 )
+from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_prefill import PrefillTcpManager, ReplicaInfo
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
@@ -91,7 +92,8 @@ class PrefillDisaggregation:
             else None
         )
         port = self.bootstrap_server.port if self.bootstrap_server else args.disaggregation_bootstrap_port
-        self.manager = PrefillTcpManager(host, self.layout, self.timeout_s)
+        mooncake = MooncakeEngine(host) if self.backend == "mooncake" else None
+        self.manager = PrefillTcpManager(host, self.layout, self.timeout_s, mooncake)
         local = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
         self.manager.register(local, port, self.replicas)
         # With --dp-size > 1 a replica's TP rank 0 tells the bootstrap server about the rooms a

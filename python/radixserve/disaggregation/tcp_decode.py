@@ -19,13 +19,9 @@ unregistered when it goes away.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -33,7 +29,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import KVResult
+from radixserve.disaggregation.decode_peers import DRoom, Link, Peer, abort_msg, get_json, post_json
 from radixserve.disaggregation.heads import HeadRange, KVLayout, pull_plan
+from radixserve.disaggregation.mooncake_engine import MooncakeEngine, kv_nbytes
 from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -42,50 +40,10 @@ _ids = itertools.count()
 BOOTSTRAP_RETRY_S = 0.25
 
 
-@dataclass
-class _DRoom:
-    status: TransferStatus
-    peer: tuple[str, int]
-    dp_rank: int | None = None  # the prefill replica asked for (disagg_prefill_dp_rank)
-    group: int | None = None  # the prefill replica that holds the room, once known
-    pieces: dict[int, tuple[dict[str, Any], memoryview | None]] = field(
-        default_factory=dict
-    )  # by prefill rank
-
-
-@dataclass
-class _Link:
-    """One prefill rank of a peer: our DEALER to it, its monitor, the heads we take from it."""
-
-    dealer: zmq.Socket
-    monitor: zmq.Socket
-    heads: HeadRange
-
-
-@dataclass
-class _Peer:
-    key: tuple[str, int]
-    rooms: set[int] = field(default_factory=set)
-    # Once connected: per prefill replica (dp group), one link per TP rank.
-    groups: list[list[_Link]] = field(default_factory=list)
-    follow_bootstrap_room: bool = True  # the prefill server places rooms by room % replicas
-    problem: str | None = None  # a layout mismatch: every room on this peer fails
-    pending_aborts: list[tuple[int, str, float]] = field(default_factory=list)  # sent once connected
-    next_try: float = 0.0
-    next_query: float = 0.0
-
-    @property
-    def connected(self) -> bool:
-        return bool(self.groups)
-
-    @property
-    def links(self) -> list[_Link]:
-        return [link for group in self.groups for link in group]
-
-
 class DecodeTcpManager:
-    def __init__(self, layout: KVLayout, timeout_s: float) -> None:
+    def __init__(self, layout: KVLayout, timeout_s: float, mooncake: MooncakeEngine | None = None) -> None:
         self.layout = layout
+        self.mooncake = mooncake  # the mooncake backend: KV bytes arrive in registered buffers
         self.page_size = layout.page_size
         self.kv_cache_dtype = layout.kv_cache_dtype
         self.timeout_s = timeout_s
@@ -96,15 +54,15 @@ class DecodeTcpManager:
         self._cmd_out = self.ctx.socket(zmq.PUSH)
         self._cmd_out.connect(cmd_addr)
         self._cmd_lock = threading.Lock()
-        self.rooms: dict[int, _DRoom] = {}
-        self.peers: dict[tuple[str, int], _Peer] = {}
+        self.rooms: dict[int, DRoom] = {}
+        self.peers: dict[tuple[str, int], Peer] = {}
         self.bytes_received = 0
         self._stop = False
         # Built once (the I/O thread's only poller): sockets come and go with their peers.
         self.poller = zmq.Poller()
         self.poller.register(self._cmd_in, zmq.POLLIN)
         # socket -> (peer, (dp group, TP rank)), or (peer, None) for a monitor
-        self._owners: dict[zmq.Socket, tuple[_Peer, tuple[int, int] | None]] = {}
+        self._owners: dict[zmq.Socket, tuple[Peer, tuple[int, int] | None]] = {}
         self.thread = threading.Thread(target=self._run, name="pd-decode-io", daemon=True)
         self.thread.start()
 
@@ -112,7 +70,7 @@ class DecodeTcpManager:
     def create_receiver(
         self, room: int, host: str, port: int, prefill_dp_rank: int | None = None
     ) -> TcpReceiver:
-        state = _DRoom(TransferStatus(self.timeout_s), (host, port), dp_rank=prefill_dp_rank)
+        state = DRoom(TransferStatus(self.timeout_s), (host, port), dp_rank=prefill_dp_rank)
         if room in self.rooms:
             state.status.fail(f"bootstrap_room {room} is already in use on this decode server", 400)
             return TcpReceiver(self, room, state, owner=False)
@@ -157,7 +115,7 @@ class DecodeTcpManager:
         while sock in self._owners and sock.poll(0):
             self._on_message(peer, where, *wire.decode(sock.recv_multipart(copy=False)))
 
-    def _links(self, peer: _Peer, room: int) -> list[_Link]:
+    def _links(self, peer: Peer, room: int) -> list[Link]:
         """The links to the replica holding the room, or to every replica while that is unknown
         (an abort or a layout complaint then reaches the one that holds it)."""
         state = self.rooms.get(room)
@@ -165,7 +123,7 @@ class DecodeTcpManager:
             return peer.groups[state.group]
         return peer.links
 
-    def _send_all(self, peer: _Peer, frames: wire.MsgFrames, room: int | None = None) -> None:
+    def _send_all(self, peer: Peer, frames: wire.MsgFrames, room: int | None = None) -> None:
         for link in peer.links if room is None else self._links(peer, room):
             link.dealer.send_multipart(frames)
 
@@ -177,7 +135,7 @@ class DecodeTcpManager:
         peer = self.peers.get(state.peer)
         if kind == "bootstrap":
             if peer is None:
-                peer = self.peers[state.peer] = _Peer(state.peer)
+                peer = self.peers[state.peer] = Peer(state.peer)
             peer.rooms.add(room)
             if peer.problem is not None:
                 state.status.fail(peer.problem, 500)
@@ -193,13 +151,16 @@ class DecodeTcpManager:
             if not peer.connected:
                 peer.pending_aborts.append((room, cmd[2], time.monotonic() + self.timeout_s))
             else:
-                self._send_all(peer, _abort(room, cmd[2]), room)
+                self._send_all(peer, abort_msg(room, cmd[2]), room)
         elif kind == "forget":
+            for buf in state.buffers.values():
+                assert self.mooncake is not None
+                self.mooncake.retire(buf)
             del self.rooms[room]
             if peer is not None:
                 peer.rooms.discard(room)
 
-    def _place(self, peer: _Peer, room: int) -> None:
+    def _place(self, peer: Peer, room: int) -> None:
         """Find the prefill replica holding the room (SGLang's order: disagg_prefill_dp_rank, one
         replica, the room modulo the replicas under follow_bootstrap_room); the room is then
         WaitingForInput. Otherwise it waits for _query_rooms."""
@@ -212,7 +173,7 @@ class DecodeTcpManager:
                 f"{replicas - 1}."
             )
             if state.status.fail(message, 400):
-                self._send_all(peer, _abort(room, message))  # its prefill half ends too
+                self._send_all(peer, abort_msg(room, message))  # its prefill half ends too
             return
         if state.dp_rank is not None:
             state.group = state.dp_rank
@@ -224,7 +185,7 @@ class DecodeTcpManager:
             return
         state.status.advance(KVPoll.WaitingForInput)
 
-    def _query_rooms(self, peer: _Peer, now: float) -> None:
+    def _query_rooms(self, peer: Peer, now: float) -> None:
         """POST /query_dp_ranks for the rooms whose replica only the bootstrap server knows."""
         waiting = [
             r
@@ -238,7 +199,7 @@ class DecodeTcpManager:
         peer.next_query = now + BOOTSTRAP_RETRY_S
         host, port = peer.key
         try:
-            found = _post_json(f"http://{host}:{port}/query_dp_ranks", {"bootstrap_rooms": waiting})
+            found = post_json(f"http://{host}:{port}/query_dp_ranks", {"bootstrap_rooms": waiting})
         except (OSError, ValueError) as exc:
             logger.debug("Query of rooms' replicas at %s:%d failed: %s", host, port, exc)
             return
@@ -247,9 +208,9 @@ class DecodeTcpManager:
                 self.rooms[room].dp_rank = int(found[str(room)])
                 self._place(peer, room)
 
-    def _send_init(self, peer: _Peer, room: int, num_tokens: int) -> None:
-        layout = self.layout
-        for link in self._links(peer, room):
+    def _send_init(self, peer: Peer, room: int, num_tokens: int) -> None:
+        layout, state = self.layout, self.rooms[room]
+        for r, link in enumerate(self._links(peer, room)):
             msg = {
                 "type": "init",
                 "room": room,
@@ -261,10 +222,20 @@ class DecodeTcpManager:
                 "heads": list(link.heads),
                 **layout.model_dims(),
             }
+            if self.mooncake is not None and num_tokens > 0 and link.heads[0] < link.heads[1]:
+                size = kv_nbytes(
+                    layout.num_layers, layout.head_dim, link.heads, num_tokens, self.kv_cache_dtype
+                )
+                state.buffers[r] = self.mooncake.receive_buffer(size)
+                msg.update(
+                    mooncake_session=self.mooncake.session_id,
+                    mooncake_ptr=state.buffers[r].data_ptr(),
+                    mooncake_len=size,
+                )
             link.dealer.send_multipart(wire.encode(msg))
 
     def _on_message(
-        self, peer: _Peer, where: tuple[int, int], msg: dict[str, Any], payload: memoryview | None
+        self, peer: Peer, where: tuple[int, int], msg: dict[str, Any], payload: memoryview | None
     ) -> None:
         kind, room = msg.get("type"), msg.get("room")
         state = self.rooms.get(room) if room is not None else None
@@ -274,6 +245,8 @@ class DecodeTcpManager:
         if kind == "kv":
             peer.groups[group][rank].dealer.send_multipart(wire.encode({"type": "ack", "room": room}))
             if state is not None and state.status.poll() == KVPoll.Transferring:
+                if msg.get("mooncake_len") is not None:  # written into our buffer before this message
+                    payload = memoryview(state.buffers[rank].numpy())
                 state.pieces[rank] = (msg, payload)
                 self.bytes_received += len(payload) if payload is not None else 0
                 if len(state.pieces) == len(peer.groups[group]):  # every prefill rank's part is here
@@ -283,7 +256,7 @@ class DecodeTcpManager:
                 f"Failed on the prefill server: {msg.get('reason')}", msg.get("status_code", 503)
             )
 
-    def _on_monitor(self, peer: _Peer, monitor: zmq.Socket) -> None:
+    def _on_monitor(self, peer: Peer, monitor: zmq.Socket) -> None:
         while monitor in self._owners and monitor.poll(0):
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
@@ -295,7 +268,7 @@ class DecodeTcpManager:
                         self.rooms[room].status.fail(message)
                 self._drop_peer(peer)
 
-    def _drop_peer(self, peer: _Peer) -> None:
+    def _drop_peer(self, peer: Peer) -> None:
         for link in peer.links:
             for sock in (link.monitor, link.dealer):
                 self.poller.unregister(sock)
@@ -321,13 +294,13 @@ class DecodeTcpManager:
             peer.next_try = now + BOOTSTRAP_RETRY_S
             self._bootstrap(peer)
 
-    def _bootstrap(self, peer: _Peer) -> None:
+    def _bootstrap(self, peer: Peer) -> None:
         host, port = peer.key
         try:
-            info = _get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
+            info = get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
             groups = [
                 [
-                    _get_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group={g}")
+                    get_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group={g}")
                     for r in range(int(info.get("tp_size", 1)))
                 ]
                 for g in range(int(info.get("dp_size", 1)))
@@ -344,13 +317,13 @@ class DecodeTcpManager:
                 dealer.setsockopt(zmq.LINGER, 0)
                 monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
-                links.append(_Link(dealer, monitor, plan[r]))
+                links.append(Link(dealer, monitor, plan[r]))
                 for sock, owner in ((dealer, (g, r)), (monitor, None)):
                     self.poller.register(sock, zmq.POLLIN)
                     self._owners[sock] = (peer, owner)
             peer.groups.append(links)
         for room, reason, _ in peer.pending_aborts:
-            self._send_all(peer, _abort(room, reason))
+            self._send_all(peer, abort_msg(room, reason))
         peer.pending_aborts.clear()
         for room in list(peer.rooms):
             if room not in self.rooms:
@@ -361,7 +334,7 @@ class DecodeTcpManager:
                 self.rooms[room].status.fail(peer.problem, 500)
                 self._send_init(peer, room, 0)
 
-    def _plan(self, peer: _Peer, info: dict[str, Any], ranks: list[dict[str, Any]]) -> list[HeadRange]:
+    def _plan(self, peer: Peer, info: dict[str, Any], ranks: list[dict[str, Any]]) -> list[HeadRange]:
         """The heads this rank takes from each prefill rank; sets peer.problem where the two
         servers' KV cannot be matched (every prefill rank then gets an empty request)."""
         host, port = peer.key
@@ -412,34 +385,11 @@ class DecodeTcpManager:
                 logger.warning("Room %d: %s", room, message)
                 peer = self.peers.get(state.peer)
                 if peer is not None and peer.connected:
-                    self._send_all(peer, _abort(room, message), room)
-
-
-def _abort(room: int, reason: str) -> wire.MsgFrames:
-    """The abort message: the prefill server drops the room and fails its request with `reason`."""
-    return wire.encode({"type": "abort", "room": room, "reason": reason})
-
-
-def _get_json(url: str) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"{url}: HTTP {exc.code}") from exc
-
-
-def _post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
-    request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=1) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"{url}: HTTP {exc.code}") from exc
+                    self._send_all(peer, abort_msg(room, message), room)
 
 
 class TcpReceiver:
-    def __init__(self, manager: DecodeTcpManager, room: int, state: _DRoom, owner: bool) -> None:
+    def __init__(self, manager: DecodeTcpManager, room: int, state: DRoom, owner: bool) -> None:
         self.manager = manager
         self.room = room
         self.state = state
