@@ -370,7 +370,8 @@ class DecodeTcpManager:
             if not state.status.expired(now):
                 continue
             host, port = state.peer
-            if status == KVPoll.Bootstrapping and state.group is None and self.peers.get(state.peer):
+            peer = self.peers.get(state.peer)
+            if status == KVPoll.Bootstrapping and peer is not None and peer.connected:
                 what = (
                     f"the prefill server (bootstrap {host}:{port}) did not say which replica holds the room"
                 )
@@ -383,7 +384,6 @@ class DecodeTcpManager:
             message = f"Disaggregation bootstrap timeout ({self.timeout_s:g} s): {what}"
             if state.status.fail(message):
                 logger.warning("Room %d: %s", room, message)
-                peer = self.peers.get(state.peer)
                 if peer is not None and peer.connected:
                     self._send_all(peer, abort_msg(room, message), room)
 
