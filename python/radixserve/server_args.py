@@ -28,9 +28,27 @@ ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+LOAD_BALANCE_METHODS = (
+    "round_robin",
+    "shortest_queue",
+    "minimum_tokens",
+    "cache_aware",
+    "follow_bootstrap_room",
+)
+# "auto" (SGLang's default) resolves to follow_bootstrap_room on a prefill server, else round_robin.
+LOAD_BALANCE_CHOICES = ("auto", *LOAD_BALANCE_METHODS)
+
+
+def resolve_load_balance_method(method: str, disaggregation_mode: str) -> str:
+    """SGLang's "auto": a prefill server's replicas follow the room (a decode server then derives a
+    request's prefill replica from its bootstrap_room); anything else goes round robin."""
+    if method != "auto":
+        return method
+    return "follow_bootstrap_room" if disaggregation_mode == "prefill" else "round_robin"
+
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake")
+DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake", "mooncake")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # SGLang's --quantization names (its QUANTIZATION_CHOICES). Only SUPPORTED_QUANTIZATION is
@@ -185,11 +203,14 @@ class ServerArgs:
         aliases=("--dp", "--data-parallel-size"),
     )
     load_balance_method: str = _f(
-        "round_robin",
+        "auto",
         "How the DataParallelController picks a replica: round_robin, shortest_queue (fewest running "
-        "+ waiting requests), minimum_tokens (fewest tokens in KV and queue) or cache_aware (the "
-        "SGLang Model Gateway's policy: longest cached prefix while the load is balanced).",
-        choices=LOAD_BALANCE_METHODS,
+        "+ waiting requests), minimum_tokens (fewest tokens in KV and queue), cache_aware (the "
+        "SGLang Model Gateway's policy: longest cached prefix while the load is balanced) or "
+        "follow_bootstrap_room (bootstrap_room modulo --dp-size, so a decode server finds a request's "
+        "prefill replica without asking). auto: follow_bootstrap_room with --disaggregation-mode "
+        "prefill, else round_robin.",
+        choices=LOAD_BALANCE_CHOICES,
     )
     dp_cache_threshold: float = _f(
         0.3,
@@ -433,7 +454,9 @@ class ServerArgs:
     disaggregation_transfer_backend: str = _f(
         "tcp",
         "How KV moves from prefill to decode: 'tcp' (built in: ZMQ over TCP, CPU or GPU, across "
-        "machines) or 'fake' (moves nothing: warm-up and health probes only).",
+        "machines), 'mooncake' (the KV bytes by Mooncake's TransferEngine over its TCP transport; "
+        "needs mooncake-transfer-engine-non-cuda) or 'fake' (moves nothing: warm-up and health "
+        "probes only).",
         choices=DISAGGREGATION_TRANSFER_BACKENDS,
     )
     disaggregation_bootstrap_timeout: float = _f(
@@ -469,6 +492,9 @@ class ServerArgs:
             # A pre-quantized checkpoint selects its method; a conflicting flag (unquant too) is an error.
             quantization = resolve_quantization(quantization, self.model_path)
         updates["quantization"] = None if quantization == NO_QUANTIZATION else quantization
+        updates["load_balance_method"] = resolve_load_balance_method(
+            self.load_balance_method, self.disaggregation_mode
+        )
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(
@@ -579,9 +605,9 @@ class ServerArgs:
     def _validate_dp(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+        if self.load_balance_method not in LOAD_BALANCE_CHOICES:
             raise ValueError(
-                f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}"
+                f"--load-balance-method must be one of {LOAD_BALANCE_CHOICES}, got {self.load_balance_method!r}"
             )
         if not 0.0 <= self.dp_cache_threshold <= 1.0:
             raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {self.dp_cache_threshold}")
@@ -613,10 +639,10 @@ class ServerArgs:
             raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
         if self.disaggregation_mode != "null" and self.is_embedding:
             raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
-        if self.disaggregation_mode != "null" and (self.pp_size > 1 or self.dp_size > 1 or self.nnodes > 1):
+        if self.disaggregation_mode != "null" and (self.pp_size > 1 or self.nnodes > 1):
             raise ValueError(
-                "--disaggregation-mode runs with --pp-size 1, --dp-size 1 and --nnodes 1 for now "
-                "(any --tp-size; docs/disaggregation.md)"
+                "--disaggregation-mode runs with --pp-size 1 and --nnodes 1 for now "
+                "(any --tp-size and --dp-size; docs/disaggregation.md)"
             )
 
     def layout(self) -> ParallelLayout:

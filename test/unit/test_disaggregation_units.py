@@ -75,6 +75,7 @@ def test_bootstrap_server_routes():
             "dp_size": 1,
             "page_size": 16,
             "kv_cache_dtype": "float32",
+            "follow_bootstrap_room": True,  # no load_balance_method registered: SGLang's default
         }
         status, body = _call("GET", f"{base}/route?engine_rank=0&target_dp_group=0")
         assert status == 200 and json.loads(body) == {"rank_ip": "127.0.0.1", "rank_port": 4567}

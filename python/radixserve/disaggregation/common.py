@@ -67,6 +67,7 @@ def admit(scheduler: Scheduler, msg: TokenizedGenerateReqInput, req: Req, enqueu
     req.bootstrap_host = msg.bootstrap_host
     req.bootstrap_port = msg.bootstrap_port or args.disaggregation_bootstrap_port
     req.bootstrap_room = msg.bootstrap_room if msg.bootstrap_room is not None else 0
+    req.disagg_prefill_dp_rank = msg.disagg_prefill_dp_rank
     error = admission_error(msg, args.disaggregation_transfer_backend, args.disaggregation_mode)
     if error is not None:
         scheduler.requests.state.live[req.rid] = req

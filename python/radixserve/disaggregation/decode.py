@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
-from radixserve.disaggregation.common import PENDING_POLL_S, Agreed, admit, agree, kv_layout, mark_scheduled
+from radixserve.disaggregation.common import (
+    PENDING_POLL_S,
+    Agreed,
+    admit,
+    advertised_host,
+    agree,
+    kv_layout,
+    mark_scheduled,
+)
+from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_decode import DecodeTcpManager
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
@@ -94,7 +103,8 @@ class DecodeDisaggregation:
         self.timeout_s = args.disaggregation_bootstrap_timeout
         self.pool = scheduler.worker.token_to_kv_pool
         self.layout = kv_layout(scheduler)
-        self.manager = DecodeTcpManager(self.layout, self.timeout_s)
+        mooncake = MooncakeEngine(advertised_host(args.host)) if self.backend == "mooncake" else None
+        self.manager = DecodeTcpManager(self.layout, self.timeout_s, mooncake)
         self.receivers: dict[int, KVReceiver] = {}
         self.prealloc_queue = DecodePreallocQueue(self)
         self.transfer_queue = DecodeTransferQueue(self)
@@ -108,7 +118,9 @@ class DecodeDisaggregation:
         if is_fake(req.bootstrap_host, self.backend):
             return FakeReceiver(room, self.timeout_s)
         assert req.bootstrap_host is not None and req.bootstrap_port is not None
-        return self.manager.create_receiver(room, req.bootstrap_host, req.bootstrap_port)
+        return self.manager.create_receiver(
+            room, req.bootstrap_host, req.bootstrap_port, req.disagg_prefill_dp_rank
+        )
 
     # ------------------------------------------------------------------ memory
     def fits(self, req: Req) -> bool:

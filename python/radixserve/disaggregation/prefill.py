@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeSender, KVSender
-from radixserve.disaggregation.bootstrap_server import BootstrapServer
+from radixserve.disaggregation.bootstrap_server import BootstrapServer, RoomRegistrar
 from radixserve.disaggregation.common import (
     PENDING_POLL_S,
     WILDCARD_HOSTS,
@@ -28,13 +28,15 @@ from radixserve.disaggregation.common import (
     agree,
     kv_layout,
 )
-from radixserve.disaggregation.tcp_prefill import PrefillTcpManager
+from radixserve.disaggregation.mooncake_engine import MooncakeEngine
+from radixserve.disaggregation.tcp_prefill import PrefillTcpManager, ReplicaInfo
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import GenerationBatchResult
 from radixserve.scheduler.output_processor import INVALID_TOKEN_MESSAGE, OutputProcessor
 from radixserve.scheduler.req import FinishLength, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.server_args import resolve_load_balance_method
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
@@ -80,16 +82,27 @@ class PrefillDisaggregation:
         self.pool = scheduler.worker.token_to_kv_pool
         self.layout = kv_layout(scheduler)
         host = advertised_host(args.host)
-        # TP rank 0 serves the bootstrap routes; every rank registers its own KV sender there.
+        method = resolve_load_balance_method(args.load_balance_method, args.disaggregation_mode)
+        self.replicas = ReplicaInfo(scheduler.dp_rank, args.dp_size, method)
+        # Replica 0's TP rank 0 serves the bootstrap routes; every rank of every replica registers
+        # its own KV sender there.
         self.bootstrap_server = (
-            BootstrapServer(args.host, args.disaggregation_bootstrap_port)
-            if self.layout.tp_rank == 0
+            BootstrapServer(args.host, args.disaggregation_bootstrap_port, entry_ttl_s=2 * self.timeout_s)
+            if self.layout.tp_rank == 0 and scheduler.dp_rank == 0
             else None
         )
         port = self.bootstrap_server.port if self.bootstrap_server else args.disaggregation_bootstrap_port
-        self.manager = PrefillTcpManager(host, self.layout, self.timeout_s)
+        mooncake = MooncakeEngine(host) if self.backend == "mooncake" else None
+        self.manager = PrefillTcpManager(host, self.layout, self.timeout_s, mooncake)
         local = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
-        self.manager.register(local, port)
+        self.manager.register(local, port, self.replicas)
+        # With --dp-size > 1 a replica's TP rank 0 tells the bootstrap server about the rooms a
+        # decode server cannot place from the room alone (SGLang's /register_dp_rank).
+        self.registrar = (
+            RoomRegistrar(f"http://{local}:{port}", scheduler.dp_rank)
+            if args.dp_size > 1 and self.layout.tp_rank == 0
+            else None
+        )
         self.senders: dict[int, KVSender] = {}
         self.owners: dict[int, Req] = {}  # id(req) -> req, for every sender
         self.bootstrap_queue = PrefillBootstrapQueue(self)
@@ -106,7 +119,30 @@ class PrefillDisaggregation:
         room = req.bootstrap_room or 0
         if is_fake(req.bootstrap_host, self.backend):
             return FakeSender(room, self.timeout_s)
+        if self.registrar is not None and self._room_needs_registering(req, room):
+            self.registrar.add(room)
         return self.manager.create_sender(room)
+
+    def _room_needs_registering(self, req: Req, room: int) -> bool:
+        """Whether a decode server could not find this replica without asking: no
+        disagg_prefill_dp_rank names it, and the room does not either (follow_bootstrap_room)."""
+        if req.disagg_prefill_dp_rank is not None:
+            return False
+        derived = room % self.replicas.dp_size
+        if self.replicas.load_balance_method != "follow_bootstrap_room":
+            return True
+        if derived != self.replicas.dp_rank:
+            # SGLang fails this request ("follow_bootstrap_room conflict"); here it runs, and a
+            # decode server told disagg_prefill_dp_rank (the Gateway sends it) finds it.
+            logger.warning(
+                "Room %d was routed to replica %d (routed_dp_rank), not %d as follow_bootstrap_room "
+                "implies: its decode server needs disagg_prefill_dp_rank %d",
+                room,
+                self.replicas.dp_rank,
+                derived,
+                self.replicas.dp_rank,
+            )
+        return False
 
     # ------------------------------------------------------------------ results
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -228,6 +264,8 @@ class PrefillDisaggregation:
 
     def close(self) -> None:
         self.manager.close()
+        if self.registrar is not None:
+            self.registrar.close()
         if self.bootstrap_server is not None:
             self.bootstrap_server.close()
 

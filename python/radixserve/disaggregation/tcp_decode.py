@@ -2,8 +2,11 @@
 prefill ranks, all served by one I/O thread.
 
 A room bootstraps by asking the prefill server's bootstrap server for its layout (GET /route with
-engine_rank=-1: page size, KV dtype and the model's KV shape must match ours) and each of its
-ranks' address and KV heads, then connects to every prefill rank. Each rank of a multi-rank
+engine_rank=-1: page size, KV dtype and the model's KV shape must match ours) and the address and
+KV heads of each rank of each of its data-parallel replicas, then connects to every one of them.
+A room's KV comes from one replica (SGLang's rule): the one disagg_prefill_dp_rank names, else
+bootstrap_room modulo the replicas when the prefill server places rooms that way
+(follow_bootstrap_room), else the one its bootstrap server says (POST /query_dp_ranks). Each rank of a multi-rank
 decode server runs one of these: it asks every prefill rank for the KV heads it owns that this
 prefill rank is the first to hold (heads.py), and the room succeeds once every prefill rank's kv
 message arrived. A prefill server that dies is noticed from the socket monitors
@@ -16,13 +19,9 @@ unregistered when it goes away.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -30,7 +29,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import KVResult
+from radixserve.disaggregation.decode_peers import DRoom, Link, Peer, abort_msg, get_json, post_json
 from radixserve.disaggregation.heads import HeadRange, KVLayout, pull_plan
+from radixserve.disaggregation.mooncake_engine import MooncakeEngine, kv_nbytes
 from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -39,41 +40,10 @@ _ids = itertools.count()
 BOOTSTRAP_RETRY_S = 0.25
 
 
-@dataclass
-class _DRoom:
-    status: TransferStatus
-    peer: tuple[str, int]
-    pieces: dict[int, tuple[dict[str, Any], memoryview | None]] = field(
-        default_factory=dict
-    )  # by prefill rank
-
-
-@dataclass
-class _Link:
-    """One prefill rank of a peer: our DEALER to it, its monitor, the heads we take from it."""
-
-    dealer: zmq.Socket
-    monitor: zmq.Socket
-    heads: HeadRange
-
-
-@dataclass
-class _Peer:
-    key: tuple[str, int]
-    rooms: set[int] = field(default_factory=set)
-    links: list[_Link] = field(default_factory=list)  # one per prefill rank, once connected
-    problem: str | None = None  # a layout mismatch: every room on this peer fails
-    pending_aborts: list[tuple[int, str, float]] = field(default_factory=list)  # sent once connected
-    next_try: float = 0.0
-
-    @property
-    def connected(self) -> bool:
-        return bool(self.links)
-
-
 class DecodeTcpManager:
-    def __init__(self, layout: KVLayout, timeout_s: float) -> None:
+    def __init__(self, layout: KVLayout, timeout_s: float, mooncake: MooncakeEngine | None = None) -> None:
         self.layout = layout
+        self.mooncake = mooncake  # the mooncake backend: KV bytes arrive in registered buffers
         self.page_size = layout.page_size
         self.kv_cache_dtype = layout.kv_cache_dtype
         self.timeout_s = timeout_s
@@ -84,20 +54,23 @@ class DecodeTcpManager:
         self._cmd_out = self.ctx.socket(zmq.PUSH)
         self._cmd_out.connect(cmd_addr)
         self._cmd_lock = threading.Lock()
-        self.rooms: dict[int, _DRoom] = {}
-        self.peers: dict[tuple[str, int], _Peer] = {}
+        self.rooms: dict[int, DRoom] = {}
+        self.peers: dict[tuple[str, int], Peer] = {}
         self.bytes_received = 0
         self._stop = False
         # Built once (the I/O thread's only poller): sockets come and go with their peers.
         self.poller = zmq.Poller()
         self.poller.register(self._cmd_in, zmq.POLLIN)
-        self._owners: dict[zmq.Socket, tuple[_Peer, int | None]] = {}  # socket -> (peer, rank or monitor)
+        # socket -> (peer, (dp group, TP rank)), or (peer, None) for a monitor
+        self._owners: dict[zmq.Socket, tuple[Peer, tuple[int, int] | None]] = {}
         self.thread = threading.Thread(target=self._run, name="pd-decode-io", daemon=True)
         self.thread.start()
 
     # ------------------------------------------------------------------ scheduler thread
-    def create_receiver(self, room: int, host: str, port: int) -> TcpReceiver:
-        state = _DRoom(TransferStatus(self.timeout_s), (host, port))
+    def create_receiver(
+        self, room: int, host: str, port: int, prefill_dp_rank: int | None = None
+    ) -> TcpReceiver:
+        state = DRoom(TransferStatus(self.timeout_s), (host, port), dp_rank=prefill_dp_rank)
         if room in self.rooms:
             state.status.fail(f"bootstrap_room {room} is already in use on this decode server", 400)
             return TcpReceiver(self, room, state, owner=False)
@@ -135,15 +108,23 @@ class DecodeTcpManager:
         owner = self._owners.get(sock)
         if owner is None:  # its peer was dropped earlier in this tick
             return
-        peer, rank = owner
-        if rank is None:
+        peer, where = owner
+        if where is None:
             self._on_monitor(peer, sock)
             return
         while sock in self._owners and sock.poll(0):
-            self._on_message(peer, rank, *wire.decode(sock.recv_multipart(copy=False)))
+            self._on_message(peer, where, *wire.decode(sock.recv_multipart(copy=False)))
 
-    def _send_all(self, peer: _Peer, frames: wire.MsgFrames) -> None:
-        for link in peer.links:
+    def _links(self, peer: Peer, room: int) -> list[Link]:
+        """The links to the replica holding the room, or to every replica while that is unknown
+        (an abort or a layout complaint then reaches the one that holds it)."""
+        state = self.rooms.get(room)
+        if state is not None and state.group is not None:
+            return peer.groups[state.group]
+        return peer.links
+
+    def _send_all(self, peer: Peer, frames: wire.MsgFrames, room: int | None = None) -> None:
+        for link in peer.links if room is None else self._links(peer, room):
             link.dealer.send_multipart(frames)
 
     def _on_command(self, cmd: tuple[Any, ...]) -> None:
@@ -154,14 +135,14 @@ class DecodeTcpManager:
         peer = self.peers.get(state.peer)
         if kind == "bootstrap":
             if peer is None:
-                peer = self.peers[state.peer] = _Peer(state.peer)
+                peer = self.peers[state.peer] = Peer(state.peer)
             peer.rooms.add(room)
             if peer.problem is not None:
                 state.status.fail(peer.problem, 500)
                 if peer.connected:
                     self._send_init(peer, room, 0)  # the prefill side sees the mismatch too
             elif peer.connected:
-                state.status.advance(KVPoll.WaitingForInput)
+                self._place(peer, room)
         elif kind == "init" and peer is not None and peer.connected:
             self._send_init(peer, room, cmd[2])
         elif kind == "abort" and peer is not None:
@@ -170,15 +151,66 @@ class DecodeTcpManager:
             if not peer.connected:
                 peer.pending_aborts.append((room, cmd[2], time.monotonic() + self.timeout_s))
             else:
-                self._send_all(peer, _abort(room, cmd[2]))
+                self._send_all(peer, abort_msg(room, cmd[2]), room)
         elif kind == "forget":
+            for buf in state.buffers.values():
+                assert self.mooncake is not None
+                self.mooncake.retire(buf)
             del self.rooms[room]
             if peer is not None:
                 peer.rooms.discard(room)
 
-    def _send_init(self, peer: _Peer, room: int, num_tokens: int) -> None:
-        layout = self.layout
-        for link in peer.links:
+    def _place(self, peer: Peer, room: int) -> None:
+        """Find the prefill replica holding the room (SGLang's order: disagg_prefill_dp_rank, one
+        replica, the room modulo the replicas under follow_bootstrap_room); the room is then
+        WaitingForInput. Otherwise it waits for _query_rooms."""
+        state, replicas = self.rooms[room], len(peer.groups)
+        if state.dp_rank is not None and state.dp_rank >= replicas:
+            host, port = peer.key
+            message = (
+                f"disagg_prefill_dp_rank {state.dp_rank} is out of range: the prefill server "
+                f"(bootstrap {host}:{port}) runs {replicas} data-parallel replica(s), ranks 0 to "
+                f"{replicas - 1}."
+            )
+            if state.status.fail(message, 400):
+                self._send_all(peer, abort_msg(room, message))  # its prefill half ends too
+            return
+        if state.dp_rank is not None:
+            state.group = state.dp_rank
+        elif replicas == 1:
+            state.group = 0
+        elif peer.follow_bootstrap_room:
+            state.group = room % replicas
+        else:
+            return
+        state.status.advance(KVPoll.WaitingForInput)
+
+    def _query_rooms(self, peer: Peer, now: float) -> None:
+        """POST /query_dp_ranks for the rooms whose replica only the bootstrap server knows."""
+        waiting = [
+            r
+            for r in peer.rooms
+            if r in self.rooms
+            and self.rooms[r].group is None
+            and self.rooms[r].status.poll() == KVPoll.Bootstrapping
+        ]
+        if not waiting or now < peer.next_query:
+            return
+        peer.next_query = now + BOOTSTRAP_RETRY_S
+        host, port = peer.key
+        try:
+            found = post_json(f"http://{host}:{port}/query_dp_ranks", {"bootstrap_rooms": waiting})
+        except (OSError, ValueError) as exc:
+            logger.debug("Query of rooms' replicas at %s:%d failed: %s", host, port, exc)
+            return
+        for room in waiting:
+            if str(room) in found:
+                self.rooms[room].dp_rank = int(found[str(room)])
+                self._place(peer, room)
+
+    def _send_init(self, peer: Peer, room: int, num_tokens: int) -> None:
+        layout, state = self.layout, self.rooms[room]
+        for r, link in enumerate(self._links(peer, room)):
             msg = {
                 "type": "init",
                 "room": room,
@@ -190,24 +222,41 @@ class DecodeTcpManager:
                 "heads": list(link.heads),
                 **layout.model_dims(),
             }
+            if self.mooncake is not None and num_tokens > 0 and link.heads[0] < link.heads[1]:
+                size = kv_nbytes(
+                    layout.num_layers, layout.head_dim, link.heads, num_tokens, self.kv_cache_dtype
+                )
+                state.buffers[r] = self.mooncake.receive_buffer(size)
+                msg.update(
+                    mooncake_session=self.mooncake.session_id,
+                    mooncake_ptr=state.buffers[r].data_ptr(),
+                    mooncake_len=size,
+                )
             link.dealer.send_multipart(wire.encode(msg))
 
-    def _on_message(self, peer: _Peer, rank: int, msg: dict[str, Any], payload: memoryview | None) -> None:
+    def _on_message(
+        self, peer: Peer, where: tuple[int, int], msg: dict[str, Any], payload: memoryview | None
+    ) -> None:
         kind, room = msg.get("type"), msg.get("room")
         state = self.rooms.get(room) if room is not None else None
+        group, rank = where
+        if state is not None and state.group is not None and state.group != group:
+            state = None  # another replica's word on a room it does not hold
         if kind == "kv":
-            peer.links[rank].dealer.send_multipart(wire.encode({"type": "ack", "room": room}))
+            peer.groups[group][rank].dealer.send_multipart(wire.encode({"type": "ack", "room": room}))
             if state is not None and state.status.poll() == KVPoll.Transferring:
+                if msg.get("mooncake_len") is not None:  # written into our buffer before this message
+                    payload = memoryview(state.buffers[rank].numpy())
                 state.pieces[rank] = (msg, payload)
                 self.bytes_received += len(payload) if payload is not None else 0
-                if len(state.pieces) == len(peer.links):  # every prefill rank's part is here
+                if len(state.pieces) == len(peer.groups[group]):  # every prefill rank's part is here
                     state.status.advance(KVPoll.Success)
         elif kind == "fail" and state is not None:
             state.status.fail(
                 f"Failed on the prefill server: {msg.get('reason')}", msg.get("status_code", 503)
             )
 
-    def _on_monitor(self, peer: _Peer, monitor: zmq.Socket) -> None:
+    def _on_monitor(self, peer: Peer, monitor: zmq.Socket) -> None:
         while monitor in self._owners and monitor.poll(0):
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
@@ -219,18 +268,20 @@ class DecodeTcpManager:
                         self.rooms[room].status.fail(message)
                 self._drop_peer(peer)
 
-    def _drop_peer(self, peer: _Peer) -> None:
+    def _drop_peer(self, peer: Peer) -> None:
         for link in peer.links:
             for sock in (link.monitor, link.dealer):
                 self.poller.unregister(sock)
                 self._owners.pop(sock, None)
                 sock.close(linger=0)
-        peer.links = []
+        peer.groups = []
         self.peers.pop(peer.key, None)
 
     def _connect_pending(self) -> None:
         now = time.monotonic()
         for peer in list(self.peers.values()):
+            if peer.connected and peer.problem is None:
+                self._query_rooms(peer, now)
             if peer.connected or peer.problem is not None or now < peer.next_try:
                 continue
             peer.pending_aborts = [a for a in peer.pending_aborts if a[2] > now]
@@ -243,40 +294,47 @@ class DecodeTcpManager:
             peer.next_try = now + BOOTSTRAP_RETRY_S
             self._bootstrap(peer)
 
-    def _bootstrap(self, peer: _Peer) -> None:
+    def _bootstrap(self, peer: Peer) -> None:
         host, port = peer.key
         try:
-            info = _get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
-            ranks = [
-                _get_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group=0")
-                for r in range(int(info.get("tp_size", 1)))
+            info = get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
+            groups = [
+                [
+                    get_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group={g}")
+                    for r in range(int(info.get("tp_size", 1)))
+                ]
+                for g in range(int(info.get("dp_size", 1)))
             ]
         except (OSError, ValueError) as exc:  # not up yet, or not every prefill rank registered
             logger.debug("Bootstrap %s:%d not ready: %s", host, port, exc)
             return
-        plan = self._plan(peer, info, ranks)
-        for r, rank in enumerate(ranks):
-            dealer = self.ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
-            peer.links.append(_Link(dealer, monitor, plan[r]))
-            for sock, owner in ((dealer, r), (monitor, None)):
-                self.poller.register(sock, zmq.POLLIN)
-                self._owners[sock] = (peer, owner)
+        peer.follow_bootstrap_room = bool(info.get("follow_bootstrap_room", True))
+        plan = self._plan(peer, info, groups[0])  # every replica has the same TP layout
+        for g, ranks in enumerate(groups):
+            links = []
+            for r, rank in enumerate(ranks):
+                dealer = self.ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                dealer.connect(f"tcp://{rank['rank_ip']}:{rank['rank_port']}")
+                links.append(Link(dealer, monitor, plan[r]))
+                for sock, owner in ((dealer, (g, r)), (monitor, None)):
+                    self.poller.register(sock, zmq.POLLIN)
+                    self._owners[sock] = (peer, owner)
+            peer.groups.append(links)
         for room, reason, _ in peer.pending_aborts:
-            self._send_all(peer, _abort(room, reason))
+            self._send_all(peer, abort_msg(room, reason))
         peer.pending_aborts.clear()
-        for room in peer.rooms:
+        for room in list(peer.rooms):
             if room not in self.rooms:
                 continue
             if peer.problem is None:
-                self.rooms[room].status.advance(KVPoll.WaitingForInput)
+                self._place(peer, room)
             else:  # fail here, and let the prefill side see the mismatch from our init
                 self.rooms[room].status.fail(peer.problem, 500)
                 self._send_init(peer, room, 0)
 
-    def _plan(self, peer: _Peer, info: dict[str, Any], ranks: list[dict[str, Any]]) -> list[HeadRange]:
+    def _plan(self, peer: Peer, info: dict[str, Any], ranks: list[dict[str, Any]]) -> list[HeadRange]:
         """The heads this rank takes from each prefill rank; sets peer.problem where the two
         servers' KV cannot be matched (every prefill rank then gets an empty request)."""
         host, port = peer.key
@@ -312,7 +370,12 @@ class DecodeTcpManager:
             if not state.status.expired(now):
                 continue
             host, port = state.peer
-            if status == KVPoll.Bootstrapping:
+            peer = self.peers.get(state.peer)
+            if status == KVPoll.Bootstrapping and peer is not None and peer.connected:
+                what = (
+                    f"the prefill server (bootstrap {host}:{port}) did not say which replica holds the room"
+                )
+            elif status == KVPoll.Bootstrapping:
                 what = f"the prefill server's bootstrap server at {host}:{port} did not answer"
             elif status == KVPoll.WaitingForInput:
                 what = "no KV pages were free on this decode server"
@@ -321,26 +384,12 @@ class DecodeTcpManager:
             message = f"Disaggregation bootstrap timeout ({self.timeout_s:g} s): {what}"
             if state.status.fail(message):
                 logger.warning("Room %d: %s", room, message)
-                peer = self.peers.get(state.peer)
                 if peer is not None and peer.connected:
-                    self._send_all(peer, _abort(room, message))
-
-
-def _abort(room: int, reason: str) -> wire.MsgFrames:
-    """The abort message: the prefill server drops the room and fails its request with `reason`."""
-    return wire.encode({"type": "abort", "room": room, "reason": reason})
-
-
-def _get_json(url: str) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"{url}: HTTP {exc.code}") from exc
+                    self._send_all(peer, abort_msg(room, message), room)
 
 
 class TcpReceiver:
-    def __init__(self, manager: DecodeTcpManager, room: int, state: _DRoom, owner: bool) -> None:
+    def __init__(self, manager: DecodeTcpManager, room: int, state: DRoom, owner: bool) -> None:
         self.manager = manager
         self.room = room
         self.state = state

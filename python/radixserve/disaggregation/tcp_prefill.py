@@ -25,11 +25,23 @@ import zmq
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import GatherKV
 from radixserve.disaggregation.heads import KVLayout
+from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
+# How long a rank retries registering with its bootstrap server (another replica may host it).
+REGISTER_TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Which data-parallel replica a prefill rank belongs to, and how its server places rooms."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    load_balance_method: str = "follow_bootstrap_room"
 
 
 @dataclass
@@ -39,6 +51,7 @@ class _Target:
     identity: bytes
     heads: tuple[int, int]
     acked: bool = False
+    mooncake: tuple[str, int, int] | None = None  # its receive buffer: (session, address, bytes)
 
 
 @dataclass
@@ -70,8 +83,11 @@ class TransferStats:
 
 
 class PrefillTcpManager:
-    def __init__(self, bind_host: str, layout: KVLayout, timeout_s: float) -> None:
+    def __init__(
+        self, bind_host: str, layout: KVLayout, timeout_s: float, mooncake: MooncakeEngine | None = None
+    ) -> None:
         self.layout = layout
+        self.mooncake = mooncake  # the mooncake backend: KV bytes go by its one-sided writes
         self.page_size = layout.page_size
         self.kv_cache_dtype = layout.kv_cache_dtype
         self.timeout_s = timeout_s
@@ -96,9 +112,11 @@ class PrefillTcpManager:
         self.thread.start()
 
     # ------------------------------------------------------------------ scheduler thread
-    def register(self, bootstrap_host: str, bootstrap_port: int) -> None:
-        """PUT /route on the bootstrap server (retried briefly: it starts beside us, in TP rank 0)."""
+    def register(self, bootstrap_host: str, bootstrap_port: int, replicas: ReplicaInfo | None = None) -> None:
+        """PUT /route on the bootstrap server (retried for a while: it starts in replica 0's TP rank
+        0, which may still be loading its model)."""
         layout = self.layout
+        replicas = replicas or ReplicaInfo()
         body = json.dumps(
             {
                 "role": "Prefill",
@@ -106,7 +124,10 @@ class PrefillTcpManager:
                 "rank_port": self.rank_port,
                 "engine_rank": layout.tp_rank,
                 "tp_size": layout.tp_size,
-                "dp_size": 1,
+                "dp_size": replicas.dp_size,
+                "system_dp_size": replicas.dp_size,
+                "system_dp_rank": replicas.dp_rank,
+                "load_balance_method": replicas.load_balance_method,
                 "page_size": self.page_size,
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "kv_head_start": layout.heads[0],
@@ -115,7 +136,7 @@ class PrefillTcpManager:
             }
         ).encode()
         url = f"http://{bootstrap_host}:{bootstrap_port}/route"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while True:
             try:
                 req = urllib.request.Request(url, data=body, method="PUT")
@@ -199,7 +220,18 @@ class PrefillTcpManager:
                 state.send_started = time.monotonic()
             state.num_bytes += payload.nbytes if payload is not None else 0
             target = state.targets.get(decode_rank)
-            if target is None or not self._send(target.identity, wire.encode(meta, payload)):
+            if target is None:
+                state.status.fail("KV transfer failed: the decode server disconnected before it began")
+                return
+            if payload is not None and target.mooncake is not None and self.mooncake is not None:
+                error = self.mooncake.write(payload, *target.mooncake)
+                if error is not None:
+                    message = f"KV transfer failed: {error}"
+                    state.status.fail(message)
+                    self._send_all(state, _fail(room, message, 503))
+                    return
+                meta, payload = {**meta, "mooncake_len": target.mooncake[2]}, None
+            if not self._send(target.identity, wire.encode(meta, payload)):
                 state.status.fail("KV transfer failed: the decode server disconnected before it began")
         elif kind == "abort":
             reason = cmd[2]
@@ -244,7 +276,12 @@ class PrefillTcpManager:
             self._send(identity, wire.encode(_fail(room, f"bootstrap_room {room} is already paired", 400)))
             return
         heads = msg.get("heads")
-        state.targets[decode_rank] = _Target(identity, tuple(heads) if heads else self.layout.heads)
+        buffer = msg.get("mooncake_session"), msg.get("mooncake_ptr"), msg.get("mooncake_len")
+        state.targets[decode_rank] = _Target(
+            identity,
+            tuple(heads) if heads else self.layout.heads,
+            mooncake=(str(buffer[0]), int(buffer[1]), int(buffer[2])) if buffer[0] is not None else None,
+        )
         problem = self._mismatch(msg, state.targets[decode_rank].heads)
         if state.decode_tp_size is not None and state.decode_tp_size != decode_tp_size:
             problem = f"room {room}'s decode ranks disagree on their TP size"

@@ -6,7 +6,9 @@
 
 It binds the socket the TokenizerManager (and the detokenizer's stop-string aborts) send to, so
 neither knows how many replicas there are. A generation request goes to one replica: the one it
-names (`routed_dp_rank`) or the one the --load-balance-method picks (managers/dp_policy.py).
+names (`routed_dp_rank`; on a prefill server also `disagg_prefill_dp_rank`), or the one the
+--load-balance-method picks (managers/dp_policy.py; follow_bootstrap_room: bootstrap_room modulo
+the replicas, the prefill server's default).
 Everything else fans out to every replica: aborts (a replica ignores rids it does not hold),
 abort_all, flush_cache, internal state and load queries, BLOCK/UNBLOCK, and the control plane's
 requests (weights, memory, pause, profiling, sessions: every replica applies them). Replicas answer
@@ -37,7 +39,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
 )
-from radixserve.server_args import ServerArgs
+from radixserve.server_args import ServerArgs, resolve_load_balance_method
 from radixserve.utils.network import PortArgs, get_zmq_socket
 from radixserve.utils.process import limit_threads
 
@@ -50,7 +52,8 @@ def make_dispatcher(server_args: ServerArgs) -> Dispatcher:
         balance_abs_threshold=server_args.dp_balance_abs_threshold,
         balance_rel_threshold=server_args.dp_balance_rel_threshold,
     )
-    return Dispatcher(server_args.load_balance_method, server_args.dp_size, config)
+    method = resolve_load_balance_method(server_args.load_balance_method, server_args.disaggregation_mode)
+    return Dispatcher(method, server_args.dp_size, config)
 
 
 class DataParallelController:
@@ -58,6 +61,7 @@ class DataParallelController:
         assert port_args.dp_controller_ipc_name is not None, "PortArgs.with_dp_controller() was not applied"
         self.dp_size = server_args.dp_size
         self.dispatcher = make_dispatcher(server_args)
+        self.is_prefill = server_args.disaggregation_mode == "prefill"
         self.context = zmq.Context(1)
         self.recv_from_tokenizer = get_zmq_socket(
             self.context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True
@@ -91,6 +95,14 @@ class DataParallelController:
         elif req.routed_dp_rank is not None:
             # The TokenizerManager refused ranks out of range (400); this is the last line.
             target = req.routed_dp_rank % self.dp_size
+            self.dispatcher.routed(target, req.input_ids)
+        elif self.is_prefill and req.disagg_prefill_dp_rank is not None:
+            # A PD load balancer that sends one body to both halves names the prefill replica once.
+            target = req.disagg_prefill_dp_rank % self.dp_size
+            self.dispatcher.routed(target, req.input_ids)
+        elif self.dispatcher.method == "follow_bootstrap_room" and req.bootstrap_room is not None:
+            # SGLang's follow_bootstrap_room: the decode side derives the replica the same way.
+            target = req.bootstrap_room % self.dp_size
             self.dispatcher.routed(target, req.input_ids)
         else:
             target = self.dispatcher.select(req.input_ids)

@@ -236,7 +236,9 @@ class Dispatcher:
             self.cache_aware.tree.clear()
 
     def select(self, tokens: list[int]) -> int:
-        if self.method == "round_robin":
+        # follow_bootstrap_room places requests by their room (the controller); one without a room
+        # (a probe) goes round robin.
+        if self.method in ("round_robin", "follow_bootstrap_room"):
             target = self._next
             self._next = (self._next + 1) % self.dp_size
         elif self.method == "shortest_queue":

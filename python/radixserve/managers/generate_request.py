@@ -60,6 +60,9 @@ class GenerateReqInput(BaseModel):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
+    # Decode side of a pair whose prefill server runs --dp-size > 1: the prefill replica holding
+    # this request's KV (SGLang's name; the Gateway sends it with a DP-aware prefill worker).
+    disagg_prefill_dp_rank: int | None = None
 
     @property
     def is_single(self) -> bool:
@@ -118,6 +121,8 @@ class GenerateReqInput(BaseModel):
         routed = self.dp_rank
         if routed is not None and routed < 0:
             raise ValueError(f"routed_dp_rank must be >= 0, got {routed}.")
+        if self.disagg_prefill_dp_rank is not None and self.disagg_prefill_dp_rank < 0:
+            raise ValueError(f"disagg_prefill_dp_rank must be >= 0, got {self.disagg_prefill_dp_rank}.")
         items: list[RequestItem] = []
         for i in range(self.num_prompts):
             raw = dict(_pick(self.sampling_params, i) or {})
@@ -160,6 +165,7 @@ class GenerateReqInput(BaseModel):
                         bootstrap_port=_pick(self.bootstrap_port, i),
                         # Each sample is its own transfer: both servers derive the same rooms.
                         bootstrap_room=None if room is None else (room + j) % 2**63,
+                        disagg_prefill_dp_rank=self.disagg_prefill_dp_rank,
                     )
                 )
         seen: set[str] = set()
@@ -232,3 +238,4 @@ class RequestItem:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    disagg_prefill_dp_rank: int | None = None

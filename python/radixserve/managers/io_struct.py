@@ -51,6 +51,8 @@ class TokenizedGenerateReqInput:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # The prefill replica holding the KV (decode side), or the one to serve it (prefill side).
+    disagg_prefill_dp_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

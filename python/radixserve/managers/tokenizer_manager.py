@@ -261,6 +261,18 @@ class TokenizerManager:
                 f"routed_dp_rank {routed} is out of range: the server runs {self.dp_size} "
                 f"data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
             )
+        # On a prefill server the rank names one of its own replicas; on a decode server it names
+        # the prefill server's, which only its bootstrap server knows (checked there).
+        prefill_rank = items[0].disagg_prefill_dp_rank if items else None
+        if (
+            prefill_rank is not None
+            and self.server_args.disaggregation_mode == "prefill"
+            and prefill_rank >= self.dp_size
+        ):
+            raise InvalidRequestError(
+                f"disagg_prefill_dp_rank {prefill_rank} is out of range: this prefill server runs "
+                f"{self.dp_size} data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
+            )
 
     # ------------------------------------------------------------------ prefill-only requests
     async def encode_items(self, items: list[EmbedItem], request: ClientRequest | None = None) -> list[dict]:
@@ -344,6 +356,7 @@ class TokenizerManager:
             bootstrap_host=item.bootstrap_host,
             bootstrap_port=item.bootstrap_port,
             bootstrap_room=item.bootstrap_room,
+            disagg_prefill_dp_rank=item.disagg_prefill_dp_rank,
         )
 
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:

@@ -165,6 +165,7 @@ class Req:
         self.bootstrap_host: str | None = None
         self.bootstrap_port: int | None = None
         self.bootstrap_room: int | None = None
+        self.disagg_prefill_dp_rank: int | None = None  # the prefill replica holding the KV
 
         # Speculative decoding: the drafter's per-request state (None: never drafted), verify
         # forwards this request took part in, and the tokens those forwards produced.

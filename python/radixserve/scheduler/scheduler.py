@@ -97,9 +97,11 @@ class Scheduler:
         send_output: Callable[[object], None] = lambda msg: None,
         grammar_backend: GrammarBackend | None = None,  # default: xgrammar on `tokenizer`, on first use
         sync: RankSync | None = None,  # agreements with the other ranks (multi-rank layouts)
+        dp_rank: int = 0,  # the data-parallel replica this scheduler belongs to (--dp-size)
     ) -> None:
         args = server_args
         self.server_args = args
+        self.dp_rank = dp_rank
         self.worker = worker
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)

@@ -157,7 +157,10 @@ def _configure_threads(server_args: ServerArgs, dp_rank: int = 0) -> None:
 
 
 def build_scheduler(
-    server_args: ServerArgs, send_output: Callable[[object], None], rank: RankRuntime | None = None
+    server_args: ServerArgs,
+    send_output: Callable[[object], None],
+    rank: RankRuntime | None = None,
+    dp_rank: int = 0,
 ) -> tuple[Any, dict[str, Any]]:
     """Load the model and build the Scheduler; returns it with the readiness report."""
     from radixserve.configs.model_config import ModelConfig
@@ -174,7 +177,9 @@ def build_scheduler(
     )
     worker = TpModelWorker(server_args, model_config, rank)
     tokenizer = load_tokenizer(server_args)
-    scheduler = Scheduler(server_args, worker, tokenizer, model_config.eos_token_ids, send_output, sync=rank)
+    scheduler = Scheduler(
+        server_args, worker, tokenizer, model_config.eos_token_ids, send_output, sync=rank, dp_rank=dp_rank
+    )
     max_req_len = min(model_config.context_len, worker.max_total_num_tokens)
     info = {
         "status": "ready",
@@ -219,7 +224,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
             server_args = dataclasses.replace(server_args, device=f"cuda:{port_args.dp_rank}")
         _configure_threads(server_args, port_args.dp_rank)
         io = SchedulerIO(port_args, server_args.load_watch_interval)
-        scheduler, info = build_scheduler(server_args, io.send_output)
+        scheduler, info = build_scheduler(server_args, io.send_output, dp_rank=port_args.dp_rank)
     except Exception as exc:
         logger.exception("Scheduler failed to start")
         pipe.send({"status": "error", "message": f"scheduler failed to start: {exc!r}"})
@@ -324,7 +329,8 @@ def _build_rank(
         else None
     )
     send_output = io.send_output if io is not None else (lambda msg: None)
-    scheduler, ready = build_scheduler(server_args, send_output, runtime)
+    dp_rank = port_args.dp_rank if port_args is not None else 0
+    scheduler, ready = build_scheduler(server_args, send_output, runtime, dp_rank)
     return runtime, scheduler, io, ready
 
 

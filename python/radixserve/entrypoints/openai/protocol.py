@@ -107,6 +107,7 @@ class SamplingExtras(RequestModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    disagg_prefill_dp_rank: NonNegativeInt | None = None
 
 
 # ----------------------------------------------------------------------------- completions

@@ -68,6 +68,7 @@ class ChatHandler:
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
+            disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
         )
         return native, plan
 

@@ -56,6 +56,7 @@ class CompletionsHandler:
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
+            disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
         )
 
     def _prompt_texts(self, obj: GenerateReqInput) -> list[str]:
