@@ -25,6 +25,17 @@ def segment_bounds(extend_lens: Sequence[int], device: torch.device) -> tuple[to
     return ends - lens, ends
 
 
+def pooled_rows(
+    extend_lens: Sequence[int], pooling: PoolingType, device: torch.device
+) -> torch.Tensor | None:
+    """[bs] the one row of each request that `pooling` reads (LAST: its last, CLS: its first), or
+    None when it reads every row (MEAN)."""
+    if pooling is PoolingType.MEAN:
+        return None
+    starts, ends = segment_bounds(extend_lens, device)
+    return ends - 1 if pooling is PoolingType.LAST else starts
+
+
 def pool(hidden: torch.Tensor, extend_lens: Sequence[int], pooling: PoolingType) -> torch.Tensor:
     """[bs, hidden_size] in float32: the pooled state of each request."""
     starts, ends = segment_bounds(extend_lens, hidden.device)

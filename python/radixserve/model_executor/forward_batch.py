@@ -169,6 +169,10 @@ class ForwardBatch:
     # among the new rows (1 = attend), flattened and concatenated: [sum e_b^2] uint8. The cached
     # prefix stays fully visible. None: causal among the new rows.
     spec_tree_mask: torch.Tensor | None = None
+    # Prefill-only forwards: the rows of the last layer's states the pooling reads ([bs] int64),
+    # None for all. A model whose `returns_output_rows` is True then computes its last layer past
+    # attention for those rows only and returns [len(output_rows), hidden_size].
+    output_rows: torch.Tensor | None = None
     attn_metadata: Any = field(default=None)
 
     @classmethod

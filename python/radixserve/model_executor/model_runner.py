@@ -15,6 +15,7 @@ from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.linear import prepare_cpu_linears, quantize_linears
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
+from radixserve.layers.pooler import pooled_rows
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.layers.vocab_parallel import make_lm_head
 from radixserve.managers.io_struct import EmbeddingBatchResult
@@ -259,16 +260,18 @@ class ModelRunner:
     def forward_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         """A prefill-only forward: one pooled output per request, nothing sampled (seed 000 §17)."""
         fb = self.init_forward_batch(batch, attn_causal=self.embedding_config.is_causal)
-        hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
         assert fb.extend_seq_lens_cpu is not None
+        lens = fb.extend_seq_lens_cpu
+        scoring = any(ids is not None for ids in batch.label_token_ids or ())
+        if getattr(self.model, "returns_output_rows", False) and not scoring:
+            # Only the pooled row of each request past the last layer's attention (models/bert.py).
+            fb.output_rows = pooled_rows(lens, self.embedding_config.pooling, self.device)
+        hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens or bs, hidden_size]
+        if fb.output_rows is not None:
+            lens = [1] * len(lens)  # one row per request, the one its pooling reads
         return EmbeddingBatchResult(
             embedding_outputs(
-                self.model,
-                self.lm_head,
-                self.embedding_config,
-                hidden,
-                fb.extend_seq_lens_cpu,
-                batch.label_token_ids,
+                self.model, self.lm_head, self.embedding_config, hidden, lens, batch.label_token_ids
             )
         )
 

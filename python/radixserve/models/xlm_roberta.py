@@ -52,7 +52,7 @@ class XLMRobertaEmbeddings(BertEmbeddings):
 
 
 class XLMRobertaModel(BertModel):
-    """The encoder; forward returns the last layer's states [num_tokens, hidden_size]."""
+    """The encoder; forward returns the last layer's states, as BertModel's does."""
 
     checkpoint_prefix = "roberta."
     embeddings_class = XLMRobertaEmbeddings
