@@ -10,12 +10,10 @@ UNIFORM = [[(11 * i + 7 * j) % 300 + 3 for j in range(24)] for i in range(3)]
 
 
 def rows_into_last_ffn(sched: InProcessScheduler) -> list[int]:
-    """Records the row count the last layer's FFN receives at each forward."""
+    """Records the row count of the last layer's FFN (its second linear's input) at each forward."""
     model = sched.worker.model_runner.model
     seen: list[int] = []
-    model.encoder.layer[-1].intermediate.dense.register_forward_hook(
-        lambda _m, args, _out: seen.append(args[0].shape[0])
-    )
+    model.encoder.layer[-1].output.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
     return seen
 
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers import cpu_fused
+from radixserve.layers.activation import Activation
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
 from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
@@ -133,6 +134,32 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, *self.derived_forms())
+
+    def forward_act(self, x: torch.Tensor, act: Activation) -> torch.Tensor:
+        """act(self(x)). Where the fp32 oneDNN GEMM serves x (path 3), oneDNN applies `act` in
+        the GEMM's epilogue: the same values up to float rounding (bitwise, for erf GELU, on the
+        development machine), without a second pass over the [num_tokens, out] output (about 10%
+        of the time of a BERT FFN's first linear, docs/benchmarks.md)."""
+        if self._takes_onednn_fp32(x):
+            name, algorithm = act.onednn
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.weight_packed, self.bias, name, [], algorithm
+            )
+        return act.fn(self(x))
+
+    def _takes_onednn_fp32(self, x: torch.Tensor) -> bool:
+        """Whether linear() gives x to oneDNN's fp32 GEMM over the packed weight (conservatively:
+        False sends the caller to the unfused path, which is always right)."""
+        n = x.shape[0]
+        return (
+            self.weight_packed is not None
+            and self.weight_packed.dtype == torch.float32
+            and self.weight_int8 is None
+            and x.dim() == 2
+            and n > F32_SMALL_MAX_TOKENS
+            and (self.weight_f16 is None or n > F16_MAX_TOKENS)
+            and (self.weight_wq is None or n > WQ_MAX_TOKENS)
+        )
 
     def derived_forms(self) -> tuple[torch.Tensor | None, ...]:
         """linear()'s optional weight forms, in its argument order."""

@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers.activation import ACTIVATIONS
 from radixserve.layers.attention.radix_attention import RadixAttention
 from radixserve.layers.linear import Linear
 from radixserve.model_loader.errors import ModelLoadError
@@ -25,13 +25,6 @@ from radixserve.model_loader.weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
-
-_ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 class BertEmbeddings(nn.Module):
@@ -106,12 +99,12 @@ class BertIntermediate(nn.Module):
         super().__init__()
         self.dense = Linear(config.hidden_size, config.intermediate_size)
         act = getattr(config, "hidden_act", "gelu")
-        if act not in _ACTIVATIONS:
-            raise ModelLoadError(f"Unsupported BERT activation {act!r} (supported: {sorted(_ACTIVATIONS)})")
-        self.act = _ACTIVATIONS[act]
+        if act not in ACTIVATIONS:
+            raise ModelLoadError(f"Unsupported BERT activation {act!r} (supported: {sorted(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        return self.dense.forward_act(x, self.act)  # on CPU, in the GEMM's epilogue
 
 
 class BertLayer(nn.Module):
