@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.layers.attention.encoder import bidirectional_attention
+from radixserve.layers.attention.encoder import EncoderMetadata, bidirectional_attention
 from radixserve.layers.attention.torch_native import TorchNativeAttnBackend
 from sgl_kernel import cpu as cpu_kernels
 
@@ -38,13 +38,6 @@ class CpuExtendMetadata:
 
     extend_lens: torch.Tensor  # [bs] int64 new tokens per request
     tree_mask: torch.Tensor | None = None  # a speculative draft tree (ForwardBatch.spec_tree_mask)
-
-
-@dataclass(frozen=True)
-class EncoderMetadata:
-    """A bidirectional prefill with no cached prefix: attention over the step's own K/V."""
-
-    extend_lens: list[int]
 
 
 def cpu_kernels_available() -> bool:

@@ -8,10 +8,16 @@ reference) keeps the paged path, and the tests compare the two.
 
 Requests of equal length (the usual embedding batch) run as one SDPA call over a [bs, heads, len,
 head_dim] view; ragged batches run one call per request.
+
+When the pooling reads one row per request (CLS), the last layer needs the attention output of
+that row only: `pooled_row_attention` attends one query per request over the request's K/V. With
+no causal mask and no positional term in the scores, a query's output depends on nothing but
+its own q and the request's K/V, so this is exactly that row of the full attention.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +25,55 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class EncoderMetadata:
+    """A bidirectional prefill with no cached prefix: attention over the step's own K/V."""
+
+    extend_lens: list[int]
+
+
+def attends_own_kv(forward_batch: ForwardBatch) -> bool:
+    """Whether this step's attention reads the step's own K/V in place (the cpu backend on an
+    encoder prefill): then a layer may attend a subset of the queries (pooled_row_attention)."""
+    return isinstance(forward_batch.attn_metadata, EncoderMetadata)
+
+
+def pooled_row_attention(
+    q: torch.Tensor,  # [bs, num_heads, head_dim]: one query per request
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    extend_lens: list[int],
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """[bs, num_heads * head_dim]: request b's query attends to every token of request b."""
+    bs, gqa = len(extend_lens), layer.num_kv_heads != layer.num_heads
+    if len(set(extend_lens)) == 1:
+        seq = extend_lens[0]
+        out = F.scaled_dot_product_attention(
+            q.view(bs, 1, layer.num_heads, layer.head_dim).transpose(1, 2),
+            k.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
+            v.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
+            scale=layer.scaling,
+            enable_gqa=gqa,
+        )  # [bs, num_heads, 1, head_dim]
+        return out.reshape(bs, layer.num_heads * layer.head_dim)
+    out = q.new_empty(bs, layer.num_heads * layer.head_dim)
+    start = 0
+    for b, length in enumerate(extend_lens):
+        rows = slice(start, start + length)
+        o = F.scaled_dot_product_attention(
+            q[b : b + 1].transpose(0, 1)[None],
+            k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None],
+            scale=layer.scaling,
+            enable_gqa=gqa,
+        )  # [1, num_heads, 1, head_dim]
+        out[b] = o.reshape(-1)
+        start += length
+    return out
 
 
 def bidirectional_attention(
