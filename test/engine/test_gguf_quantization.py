@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_quantization import BUILTIN_PROMPTS, TINY_PROMPTS, _worker, compare, forced_logprobs
+from wq_spy import WqDecodeSpy
 
-from radixserve.layers import linear as linear_module
 from radixserve.layers.linear import Linear
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.gguf_source import ensure_gguf_converted, gguf_source
@@ -80,11 +80,11 @@ def test_tiny_gguf_serves_its_own_tensors_like_its_fp32_dequantization(tiny_gguf
     assert head.weight_wq is not None
     for layer in [*_wq_linears(worker), head]:
         assert torch.equal(layer.weight, layer.weight_wq.dequantize())
-    calls = []
-    wq = linear_module.linear_wq
-    monkeypatch.setattr(linear_module, "linear_wq", lambda *a: calls.append(1) or wq(*a))
+    spy = WqDecodeSpy(monkeypatch)
     got, _ = forced_logprobs(worker, TINY_PROMPTS, steps=12, forced=fed)
-    assert len(calls) >= 12 * 9  # every decode step ran the 9 quantized linears through linear_wq
+    # Every decode step read the quantized forms: the 8 decoder linears on the fused stack or
+    # through linear_wq, and the LM head through linear_wq.
+    assert len(spy.module_calls) >= 12 * (1 if spy.fused_steps == 12 else 9), spy.module_calls
     agreement, mean_diff, max_diff = compare(ref, got, fed)
     # Same weights, fp32 arithmetic on both sides: only the order of the sums differs, ~1e-6
     # relative per linear (measured: agreement 1.0, mean |logprob diff| ~3e-6, max ~1.5e-5).

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from radixserve.configs.spec_args import speculative_updates
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
@@ -197,7 +198,7 @@ def test_flags_resolve_and_refuse():
     assert args.speculative_eagle_topk == 1
     assert args.speculative_num_draft_tokens == 8 and args.speculative_num_steps == 7
     cuda = dataclasses.replace(ServerArgs(speculative_algorithm="NGRAM"), device="cuda")
-    assert cuda._speculative_updates("cuda")["speculative_num_draft_tokens"] == 12
+    assert speculative_updates(cuda, "cuda")["speculative_num_draft_tokens"] == 12
     with pytest.raises(ValueError, match="overlap loop"):
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", enable_overlap_schedule=True).resolve()
     with pytest.raises(ValueError, match="not implemented yet"):
@@ -226,7 +227,7 @@ def test_flags_resolve_and_refuse():
     with pytest.raises(ValueError, match="max-bfs-breadth"):
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", speculative_eagle_topk=4).resolve()
     assert args.speculative_ngram_max_bfs_breadth == 1  # chains on CPU
-    assert cuda._speculative_updates("cuda")["speculative_ngram_max_bfs_breadth"] == 10
+    assert speculative_updates(cuda, "cuda")["speculative_ngram_max_bfs_breadth"] == 10
     tree = ServerArgs(
         device="cpu", speculative_algorithm="STANDALONE", speculative_draft_layers=6, speculative_eagle_topk=2
     ).resolve()
