@@ -128,7 +128,7 @@ class ServerArgs:
         "(sgl-kernel); the embedding and the LM head stay fp32 (--cpu-fp16-weights then gives the "
         "LM head its fp16 copy). gguf: the decoder linears and the LM head of a GGUF model (--model-path "
         "to a .gguf file, which selects it by itself, or the built-in model) serve from the file's own "
-        "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors for batches of up to 16 tokens, larger batches from their "
+        "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors for batches of up to 8 tokens, larger batches from their "
         "exact fp32 dequantization; a file with other quantized types is refused. A pre-quantized "
         "checkpoint (GPTQ or AWQ int4, compressed-tensors W8A8 int8) selects its method from "
         "config.json's quantization_config without the flag; a flag naming another method is an "

@@ -57,8 +57,10 @@ SMALL_BATCH_MAX_TOKENS = 32
 # only saves Python overhead; the bound is fp16's, not tuned yet (docs/quantization.md).
 INT8_FUSED_MAX_TOKENS = 16
 # Up to this many tokens a weight-only quantized layer runs linear_wq over its integers; above, the
-# fp32 forms (prefill is compute-bound, and oneDNN's GEMM over the dequantized weight is exact).
-WQ_MAX_TOKENS = 16
+# fp32 forms (oneDNN's GEMM over the exact dequantization). Measured on the built-in model's
+# decoder (benchmark/bench_wq_linear.py, AVX-512, idle box): Q4_1 linear_wq beats oneDNN fp32 up to
+# ~12 tokens (4.9 vs 8.6 ms at 2, 8.9 vs 11.0 at 8, 21.2 vs 15.0 at 16); 8 leaves a margin.
+WQ_MAX_TOKENS = 8
 
 
 def linear(
