@@ -232,12 +232,20 @@ def test_flags_resolve_and_refuse():
         device="cpu", speculative_algorithm="STANDALONE", speculative_draft_layers=6, speculative_eagle_topk=2
     ).resolve()
     assert tree.speculative_num_steps == 3 and tree.speculative_num_draft_tokens == 7
+    # Triton's extend kernel takes the tree mask; FlashInfer has none, so its trees are refused.
+    triton_tree = ServerArgs(
+        device="cpu",
+        speculative_algorithm="NGRAM",
+        speculative_ngram_max_bfs_breadth=4,
+        attention_backend="triton",
+    ).resolve()
+    assert triton_tree.speculative_ngram_max_bfs_breadth == 4
     with pytest.raises(ValueError, match="tree mask"):
         ServerArgs(
             device="cpu",
             speculative_algorithm="NGRAM",
             speculative_ngram_max_bfs_breadth=4,
-            attention_backend="triton",
+            attention_backend="flashinfer",
         ).resolve()
     with pytest.raises(ValueError, match="topk x"):
         ServerArgs(

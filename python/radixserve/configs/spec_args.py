@@ -89,10 +89,10 @@ def validate_speculative(args: ServerArgs) -> None:
             f"(got {lo_b} and {hi_b})"
         )
     trees = (topk or 1) > 1 or (algo == "NGRAM" and (hi_b or 1) > 1)
-    if trees and args.attention_backend not in (None, "cpu", "torch_native"):
+    if trees and args.attention_backend not in (None, "cpu", "torch_native", "triton"):
         raise ValueError(
             "Draft trees (--speculative-eagle-topk > 1, --speculative-ngram-max-bfs-breadth > 1) need "
-            "a tree mask, which only the cpu and torch_native attention backends implement so far; "
+            "a tree mask, which only the cpu, torch_native and triton attention backends implement; "
             f"use chains (1) with --attention-backend {args.attention_backend}"
         )
     if (

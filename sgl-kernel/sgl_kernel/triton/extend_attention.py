@@ -10,6 +10,13 @@ The two parts are separate loops in one kernel, sharing one online softmax:
 Splitting them keeps the common case (long prefix from the radix cache) free of per-element
 causal masking, and reads the new tokens without an index gather.
 
+A speculative draft tree (optional `tree_mask`) replaces the causal mask among the new tokens:
+per request an [e, e] row-major uint8 mask (1 = attend; row i sees its ancestors and itself),
+flattened and concatenated over the batch, the layout the compiled CPU kernel and torch-native
+take. The prefix part is unchanged (a tree's rows all see the whole prefix). Rows list parents
+before children, so the mask is lower-triangular and the loop still stops at the diagonal; it is
+ANDed with causal so an entry above the diagonal can never leak a later row in.
+
 The new tokens' K/V are rounded through the pool dtype before use, so results equal reading them
 back from the pool (which the kernel's caller has already written via kv_store).
 """
@@ -45,6 +52,8 @@ def _extend_kernel(
     Qo_Indptr,  # [bs + 1] int32 offsets of each request's new tokens
     Kv_Indptr,  # [bs + 1] int32 offsets of each request's prefix slots
     Kv_Indices,  # [total_prefix] int32
+    Tree_Mask,  # [sum e_b^2] uint8 draft-tree masks among the new tokens (USE_TREE_MASK only)
+    Mask_Indptr,  # [bs + 1] int32 offsets of each request's [e_b, e_b] mask in Tree_Mask
     qk_scale,  # sm_scale * log2(e)
     stride_qt,
     stride_qh,
@@ -64,6 +73,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TREE_MASK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,7 +123,10 @@ def _extend_kernel(
             m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
         # 2. this step's tokens, causal; nothing past the block's last query row is needed.
-        # Column 0 is visible to every row, so m_i is finite before any fully masked tile.
+        # Column 0 is visible to every row (a tree's root too), so m_i is finite before any
+        # fully masked tile.
+        if USE_TREE_MASK:
+            mask_start = tl.load(Mask_Indptr + b).to(tl.int64)
         causal_end = tl.minimum((m_blk + 1) * BLOCK_M, ext_len)
         for start in range(0, causal_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -128,6 +141,13 @@ def _extend_kernel(
             k = k.to(K_Buf.dtype.element_ty).to(q.dtype)  # round like the pool copy
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = (offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :]
+            if USE_TREE_MASK:
+                tree = tl.load(
+                    Tree_Mask + mask_start + offs_m[:, None].to(tl.int64) * ext_len + offs_n[None, :],
+                    mask=m_mask[:, None] & n_mask[None, :],
+                    other=1,  # padding rows (past ext_len) stay causal: finite, never stored
+                )
+                visible = visible & (tree != 0)
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Ext + kv_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
@@ -156,8 +176,11 @@ def extend_attention_fwd(
     sm_scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    tree_mask: torch.Tensor | None = None,  # [sum e_b^2] uint8/bool, row-major per request
+    mask_indptr: torch.Tensor | None = None,  # [bs + 1] int32 offsets into tree_mask
 ) -> torch.Tensor:
-    """out = causal attention of the new tokens over (prefix ++ new tokens), per request."""
+    """out = causal attention of the new tokens over (prefix ++ new tokens), per request; with a
+    draft tree, each new token sees the prefix and only the new tokens its tree mask allows."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     bs = qo_indptr.shape[0] - 1
@@ -167,6 +190,11 @@ def extend_attention_fwd(
     q = last_dim_contiguous(q)
     k_extend = last_dim_contiguous(k_extend.view(num_tokens, num_kv_heads, head_dim))
     v_extend = last_dim_contiguous(v_extend.view(num_tokens, num_kv_heads, head_dim))
+    use_tree = tree_mask is not None
+    if use_tree:
+        assert mask_indptr is not None and mask_indptr.shape[0] == bs + 1, "tree_mask needs mask_indptr"
+        tree_mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+        assert tree_mask.dtype == torch.uint8 and tree_mask.is_contiguous()
     interp = on_interpreter(q)
     block_d = max(next_pow2(head_dim), 16)
     if block_m is None:
@@ -185,6 +213,8 @@ def extend_attention_fwd(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        tree_mask if use_tree else kv_indices,  # unread without the tree: any pointer will do
+        mask_indptr if use_tree else kv_indptr,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -204,6 +234,7 @@ def extend_attention_fwd(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
+        USE_TREE_MASK=use_tree,
         num_warps=1 if interp else 4,
         num_stages=1 if interp else 2,
     )

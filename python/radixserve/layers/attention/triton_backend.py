@@ -6,6 +6,10 @@ Per step, `init_forward_metadata` flattens each request's row of req_to_token in
 Slots are per token even when page_size > 1 (req_to_token stores token slots), so the kernels
 are page-size agnostic.
 
+A speculative draft tree (ForwardBatch.spec_tree_mask, set for TARGET_VERIFY and a draft's tree
+passes) goes to the extend kernel as is, the flat per-request masks the CPU kernel takes, with
+their offsets (mask_indptr) computed here once per step.
+
 Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (set before anything imports triton) for tests.
 """
 
@@ -60,6 +64,8 @@ class TritonMetadata:
     grid_kv_splits: int = 1  # decode grid's split dimension (max of num_kv_splits, host-known)
     qo_indptr: torch.Tensor | None = None  # [bs + 1] int32, extend only
     max_extend_len: int = 0
+    tree_mask: torch.Tensor | None = None  # [sum e_b^2] uint8, extend with a draft tree only
+    mask_indptr: torch.Tensor | None = None  # [bs + 1] int32 offsets of each request's mask
 
 
 class TritonAttnBackend(CudaGraphAttnBackend):
@@ -114,9 +120,32 @@ class TritonAttnBackend(CudaGraphAttnBackend):
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
         if bs:
             qo_indptr[1:] = torch.cumsum(extend_lens, 0)
+        tree_mask, mask_indptr = self._tree_metadata(fb.spec_tree_mask, extend_lens_cpu)
         fb.attn_metadata = TritonMetadata(
-            kv_indptr, kv_indices, qo_indptr=qo_indptr, max_extend_len=max(extend_lens_cpu, default=0)
+            kv_indptr,
+            kv_indices,
+            qo_indptr=qo_indptr,
+            max_extend_len=max(extend_lens_cpu, default=0),
+            tree_mask=tree_mask,
+            mask_indptr=mask_indptr,
         )
+
+    def _tree_metadata(
+        self, tree_mask: torch.Tensor | None, extend_lens_cpu: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The draft tree's flat masks on this device and each request's offset into them."""
+        if tree_mask is None:
+            return None, None
+        sizes = [e * e for e in extend_lens_cpu]
+        if tree_mask.numel() != sum(sizes):
+            raise ValueError(
+                f"tree mask has {tree_mask.numel()} entries, the batch's trees need {sum(sizes)}"
+            )
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        mask_indptr = torch.tensor(offsets, dtype=torch.int32, device=self.device)
+        return tree_mask.to(self.device, torch.uint8).contiguous(), mask_indptr
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
     def init_cuda_graph_state(
@@ -205,6 +234,8 @@ class TritonAttnBackend(CudaGraphAttnBackend):
             meta.kv_indices,
             meta.max_extend_len,
             layer.scaling,
+            tree_mask=meta.tree_mask,
+            mask_indptr=meta.mask_indptr,
         )
         return out.view(-1, layer.num_heads * layer.head_dim)
 
