@@ -173,39 +173,35 @@ def _random_tree(n, gen):
     return [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_extend_kernel_tree_mask(page_size):
-    """The kernel with a tree mask vs a dense reference: every row sees the whole prefix and its
-    ancestors and itself among the new rows. A tree of 1 row, small trees, and one of 20 rows
-    (two 16-row query blocks and two key tiles in the interpreter), with and without a prefix;
-    then a chain's mask must give the plain causal output."""
+def _tree_case(page_size, prefix, ext, heads, kv_heads, dim, device, dtype, tol):
+    """extend_attention_fwd with random draft trees vs a dense fp32 reference (every row sees the
+    whole prefix and its ancestors and itself among the new rows); then a chain's mask must give
+    exactly the kernel's plain causal output."""
     gen = torch.Generator().manual_seed(11 + page_size)
-    prefix, ext = [16, 0, 5, 21], [7, 20, 1, 4]
     lens = [p + e for p, e in zip(prefix, ext)]
     num_pages = sum(-(-n // page_size) for n in lens) + 2
     rows = paged_rows(lens, page_size, num_pages, gen)
-    heads, kv_heads, dim = 4, 2, 16
-    k_buf = torch.randn(num_pages * page_size, kv_heads, dim, generator=gen).to(DEVICE)
-    v_buf = torch.randn(num_pages * page_size, kv_heads, dim, generator=gen).to(DEVICE)
+    k_buf = torch.randn(num_pages * page_size, kv_heads, dim, generator=gen).to(device, dtype)
+    v_buf = torch.randn(num_pages * page_size, kv_heads, dim, generator=gen).to(device, dtype)
     req_to_token = torch.zeros(len(lens), max(lens), dtype=torch.int32)
     for i, r in enumerate(rows):
         req_to_token[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
     n = sum(ext)
-    q = torch.randn(n, heads, dim, generator=gen).to(DEVICE)
-    k = torch.randn(n, kv_heads, dim, generator=gen).to(DEVICE)
-    v = torch.randn(n, kv_heads, dim, generator=gen).to(DEVICE)
+    q = torch.randn(n, heads, dim, generator=gen).to(device, dtype)
+    k = torch.randn(n, kv_heads, dim, generator=gen).to(device, dtype)
+    v = torch.randn(n, kv_heads, dim, generator=gen).to(device, dtype)
     store_kv_cache(
-        k_buf, v_buf, torch.tensor([s for r, p in zip(rows, prefix) for s in r[p:]], device=DEVICE), k, v
+        k_buf, v_buf, torch.tensor([s for r, p in zip(rows, prefix) for s in r[p:]], device=device), k, v
     )
     kv_indptr, kv_indices = create_kv_indices(
-        req_to_token.to(DEVICE),
-        torch.arange(len(lens), device=DEVICE),
-        torch.tensor(prefix, device=DEVICE),
+        req_to_token.to(device),
+        torch.arange(len(lens), device=device),
+        torch.tensor(prefix, device=device),
         sum(prefix),
     )
-    qo_indptr = torch.tensor([0, *torch.tensor(ext).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    qo_indptr = torch.tensor([0, *torch.tensor(ext).cumsum(0).tolist()], dtype=torch.int32, device=device)
     mask_indptr = torch.tensor(
-        [0, *torch.tensor([e * e for e in ext]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+        [0, *torch.tensor([e * e for e in ext]).cumsum(0).tolist()], dtype=torch.int32, device=device
     )
     trees = [_random_tree(e, gen) for e in ext]
     scale = dim**-0.5
@@ -224,7 +220,7 @@ def test_extend_kernel_tree_mask(page_size):
             kv_indices,
             max(ext),
             scale,
-            tree_mask=None if mask is None else mask.to(DEVICE),
+            tree_mask=None if mask is None else mask.to(device),
             mask_indptr=mask_indptr,
         )
         return out
@@ -232,17 +228,31 @@ def test_extend_kernel_tree_mask(page_size):
     out = run(flat_tree_mask(trees))
     for i, (r, p, e) in enumerate(zip(rows, prefix, ext)):
         a, b = qo_indptr[i].item(), qo_indptr[i + 1].item()
-        slots = torch.tensor(r, device=DEVICE)
-        visible = torch.cat([torch.ones(e, p, dtype=torch.bool), ancestor_mask(trees[i])], 1).to(DEVICE)
+        slots = torch.tensor(r, device=device)
+        visible = torch.cat([torch.ones(e, p, dtype=torch.bool), ancestor_mask(trees[i])], 1).to(device)
         group = heads // kv_heads
-        kk = k_buf[slots].repeat_interleave(group, 1)
-        vv = v_buf[slots].repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", q[a:b], kk) * scale
+        kk = k_buf[slots].repeat_interleave(group, 1).float()
+        vv = v_buf[slots].repeat_interleave(group, 1).float()
+        s = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk) * scale
         ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible[None], float("-inf")).softmax(-1), vv)
-        torch.testing.assert_close(out[a:b], ref, **FP32_TOL)
+        torch.testing.assert_close(out[a:b].float(), ref, **tol)
     # A chain is the causal mask: identical to the kernel without one (same tiles, same order).
     chain = flat_tree_mask([list(range(-1, e - 1)) for e in ext])
     assert torch.equal(run(chain), run(None))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_kernel_tree_mask(page_size):
+    # A tree of 1 row, small trees, and one of 20 rows (two 16-row query blocks and two key tiles
+    # in the interpreter), with and without a prefix.
+    _tree_case(page_size, [16, 0, 5, 21], [7, 20, 1, 4], 4, 2, 16, DEVICE, torch.float32, FP32_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_extend_kernel_tree_mask_cuda_bf16():
+    # GPU tiles (64 rows): trees of up to 100 rows over prefixes of a few hundred tokens.
+    _tree_case(16, [300, 0, 64, 1000], [7, 100, 1, 65], 32, 8, 128, "cuda", torch.bfloat16, BF16_TOL)
 
 
 def _verify_parity(page_size, trees):

@@ -7,12 +7,18 @@ kernel serve them all. The loaders map each format onto it exactly (docs/quantiz
 the mapping); `dequantize` repeats the formats' own fp32 arithmetic (a product, then a sum), so a
 dequantized GGUF tensor has the same bits as gguf-py's reference dequantization.
 
-Activations stay fp32: the kernel widens each group's q to fp32 in registers and accumulates in
+On CUDA tensors linear_wq runs sgl-kernel's Triton dequant-GEMM (bits 4 and 8, any group size,
+fp32/bf16/fp16 activations, fp32 accumulation), imported only when first needed; it is checked
+under Triton's CPU interpreter, not on a GPU.
+
+On CPU activations stay fp32: the kernel widens each group's q to fp32 in registers and accumulates in
 fp32, so the result differs from the dequantize-then-matmul reference only in summation order.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,9 +112,31 @@ def linear_wq_reference(
     return out if bias is None else out + bias
 
 
+@functools.cache
+def triton_wq_gemm() -> Callable[..., torch.Tensor] | None:
+    """sgl-kernel's Triton dequant-GEMM (sgl_kernel/triton/wq_gemm.py) for CUDA tensors, or None
+    without the `triton` package. Imported on first use only: a CPU-only install never imports
+    triton."""
+    try:
+        import sgl_kernel
+    except ImportError:
+        return None
+    if not sgl_kernel.triton_available():
+        return None
+    from sgl_kernel.triton.wq_gemm import wq_gemm
+
+    return wq_gemm
+
+
 def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """sgl-kernel's linear_wq when it can take x (2-D fp32 CPU with contiguous rows), else the
+    """On CUDA, the Triton dequant-GEMM (output in x's dtype, fp32 accumulation); on CPU,
+    sgl-kernel's linear_wq when it can take x (2-D fp32 with contiguous rows); else the fp32
     reference."""
+    if x.device.type == "cuda":
+        gemm = triton_wq_gemm()
+        if gemm is not None:
+            return gemm(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
+        return linear_wq_reference(x, w, bias)
     kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
     if kernel_ok and WQ_KERNEL:
         return cpu_kernels.linear_wq(
