@@ -19,6 +19,13 @@ pytest.importorskip("triton")
 from scheduler_harness import SchedulerRun, shared_prefix_workload  # noqa: E402
 from spec_harness import SPEC, OracleTreeDrafter, Workers, use_oracle  # noqa: E402
 
+STANDALONE_TREE = {
+    "speculative_algorithm": "STANDALONE",
+    "speculative_num_draft_tokens": 7,
+    "speculative_num_steps": 3,
+    "speculative_eagle_topk": 2,
+    "disable_speculative_batch_backoff": True,
+}
 # Two requests sharing a system prefix (a radix hit for the second) and a third on its own.
 WORKLOAD = [(rid, prompt, 10) for rid, prompt, _ in shared_prefix_workload(seed=5, groups=2, per_group=2)][:3]
 
@@ -49,3 +56,25 @@ def test_triton_oracle_trees_are_exact(workers, page_size):
     stats = run.scheduler.output.stats
     assert 0 < stats.spec_num_accepted < stats.spec_num_drafts  # trees with rejected branches
     run.close()  # asserts no KV slot or row leaked
+
+
+def test_triton_self_speculation_trees_are_exact(workers):
+    """STANDALONE trees drafted by the target's first layer: the draft's own tree passes (extends
+    with the tree mask) run through the Triton kernel too."""
+    from radixserve.speculative.layer_skip_draft import LayerSkipDraft
+
+    reference, plain = _run(workers, 16)
+    plain.close()
+    worker, args = workers.get("llama", "triton", 16)
+    worker.draft = LayerSkipDraft(worker.model_runner, 1, topk=2, num_steps=3)
+    try:
+        run = SchedulerRun(worker, args, **STANDALONE_TREE)
+        for rid, prompt, n in WORKLOAD:
+            run.submit(rid, prompt, n)
+        run.run_until_idle()
+        assert dict(run.outputs) == reference
+        stats = run.scheduler.output.stats
+        assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
+        run.close()
+    finally:
+        worker.draft = None
