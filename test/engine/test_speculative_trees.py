@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from scheduler_harness import SchedulerRun
-from spec_harness import SPEC, OracleTreeDrafter, Workers, copy_workload, submit, use_oracle
+from scheduler_harness import EOS, SchedulerRun
+from spec_harness import SPEC, OracleDrafter, OracleState, OracleTreeDrafter, Workers, submit, use_oracle
 from test_speculative import WORKLOAD, _cached_sequences_are_accepted, _plain
 
 from radixserve.managers.io_struct import AbortReq
+from radixserve.speculative.tree import DraftTree
+from radixserve.testing.tiny_models import TINY_VOCAB
 
 NGRAM_TREE = {**SPEC, "speculative_num_draft_tokens": 8, "speculative_ngram_max_bfs_breadth": 4}
 
@@ -105,20 +107,63 @@ def test_ngram_bfs_trees_are_exact(backend, page_size, make_run):
     run.close()
 
 
+class FollowingTreeDrafter(OracleDrafter):
+    """While the request's output still equals the greedy reference: a tree whose every level has
+    the reference token and a decoy sibling, the reference first or second at random (so both the
+    first child's test against p and a later child's against the residual are exercised), and on
+    some levels a child under the decoy. Once a sampled token left the reference, no drafts.
+    `levels` counts the reference tokens drafted (what a greedy verify would accept)."""
+
+    levels = 0
+
+    def draft(self, req, max_tokens):
+        if req.spec is None:
+            req.spec = OracleState()
+        ref = self.reference.get(req.rid, [])
+        n = len(req.output_ids)
+        if req.output_ids != ref[:n]:
+            return DraftTree([], [])
+        tokens: list[int] = []
+        parents: list[int] = []
+        cur = 0
+        for tok in ref[n:]:
+            if len(tokens) + 2 > min(self.max_drafts, max_tokens):
+                break
+            decoy = (tok + 1 + self.rng.randrange(TINY_VOCAB - 2)) % TINY_VOCAB
+            order = [tok, decoy] if self.rng.random() < 0.5 else [decoy, tok]
+            first = len(tokens) + 1  # the row of order[0]
+            tokens += order
+            parents += [cur, cur]
+            true_row, decoy_row = (first, first + 1) if order[0] == tok else (first + 1, first)
+            if self.rng.random() < 0.3 and len(tokens) < min(self.max_drafts, max_tokens):
+                tokens.append(self.rng.randrange(TINY_VOCAB))
+                parents.append(decoy_row)
+            cur = true_row
+            self.levels += 1
+        return DraftTree(tokens, parents)
+
+
 def test_sampled_requests_on_trees(make_run):
-    """Unseeded sampling on NGRAM trees (tree rejection sampling): every request reaches its length,
-    trees are verified, and no KV leaks."""
-    run = make_run("cpu", 16, **NGRAM_TREE)
-    workload = copy_workload(seed=11)
-    for rid, prompt, n in workload:
-        submit(run, rid, prompt, max_new_tokens=n, temperature=0.3, top_p=0.95, ignore_eos=True)
+    """Unseeded sampling on draft trees (tree rejection sampling) at a low temperature, where the
+    target's distribution sits almost entirely on its argmax: at every level the decoy child is
+    rejected and the reference child (tried first, or next against the residual) accepted nearly
+    always. A rule that tried a child against the wrong row's distribution accepts few (19 of 53
+    levels when p_tok read the child's own row). The residual's exact weights, which a low
+    temperature cannot see, are the chi-square tests' job (test_speculative_tree_units.py).
+    Why an oracle: the tiny random model does not copy its prompt, so NGRAM's own drafts are almost
+    never right there, greedy or sampled (1 of ~215 tree drafts accepted either way), which is
+    what an earlier version of this test saw as "sampled trees accept nothing"."""
+    reference = _plain(make_run, "cpu", 16)
+    run = make_run("cpu", 16, **SPEC)
+    drafter = FollowingTreeDrafter(reference, max_drafts=7, error_rate=0.0)
+    use_oracle(run, drafter)
+    for rid, prompt, n in WORKLOAD:
+        submit(run, rid, prompt, max_new_tokens=n, temperature=0.02)
     run.run_until_idle()
-    assert all(len(run.outputs[rid]) == n for rid, _, n in workload)
+    assert all(len(run.outputs[rid]) == n or run.outputs[rid][-1:] == [EOS] for rid, _, n in WORKLOAD)
     st = run.scheduler.output.stats
-    # Trees were verified for sampled requests. (Acceptance is not asserted: this run accepts none
-    # of ~200 tree drafts where the chain run accepts some; the rule itself is checked by the
-    # chi-square tests in test_speculative_tree_units.py. Open question in the issue's notes.)
-    assert st.spec_num_rounds > 0 and st.spec_num_drafts > 0
+    assert drafter.levels > 100
+    assert st.spec_num_accepted >= 0.8 * drafter.levels, (st.spec_num_accepted, drafter.levels)
     run.close()
 
 
