@@ -241,14 +241,15 @@ def test_controller_takes_load_reports_into_account():
 
 
 class _Replica:
-    """What recv_and_report reads of a Scheduler: its load, and whether it would block (idle)."""
+    """What recv_and_report reads of replica 1's Scheduler: its load (which names the replica), and
+    whether it would block (idle)."""
 
     def __init__(self) -> None:
         self.num_reqs = 9
 
     def get_load(self) -> GetLoadReqOutput:
         return GetLoadReqOutput(
-            dp_rank=0, num_reqs=self.num_reqs, num_waiting_reqs=0, num_tokens=self.num_reqs
+            dp_rank=1, num_reqs=self.num_reqs, num_waiting_reqs=0, num_tokens=self.num_reqs
         )
 
     def should_block_on_recv(self) -> bool:

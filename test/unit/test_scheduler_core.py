@@ -119,6 +119,14 @@ def test_load_leaves_out_requests_that_finished_in_the_last_step(make_harness):
     assert h.scheduler.get_load().num_reqs == 0
 
 
+def test_load_names_the_replica(make_harness):
+    """A data-parallel replica's scheduler stamps its own dp_rank on its load (SchedulerIO sends it
+    to the controller as it is)."""
+    h = make_harness()
+    h.scheduler.dp_rank = 2  # what build_scheduler passes for replica 2
+    assert h.scheduler.get_load().dp_rank == 2
+
+
 def long_output_workload(n=16):
     return [(f"L{i}", [(i * 37 + j) % 997 for j in range(20)], 60) for i in range(n)]
 

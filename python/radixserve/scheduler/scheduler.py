@@ -315,7 +315,7 @@ class Scheduler:
         alive = [*self.state.running_batch.reqs, *self.state.other_running_reqs]
         running = sum(1 for r in alive if not r.finished())
         return GetLoadReqOutput(
-            dp_rank=0,  # the process's SchedulerIO names its replica
+            dp_rank=self.dp_rank,
             num_reqs=running + len(waiting),
             num_waiting_reqs=len(waiting),
             num_tokens=self.mem.num_used_tokens() + sum(len(r.origin_input_ids) for r in waiting),

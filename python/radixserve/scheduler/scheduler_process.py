@@ -25,7 +25,6 @@ import zmq
 from radixserve.managers.io_struct import (
     BatchTokenIDOut,
     GetInternalStateReqOutput,
-    GetLoadReqOutput,
     RpcReqOutput,
 )
 from radixserve.server_args import ServerArgs
@@ -109,7 +108,7 @@ class SchedulerIO:
         if key == self._last_report:
             return
         self._last_report, self._last_report_time = key, now
-        self.to_controller.send_pyobj(dataclasses.replace(load, dp_rank=self.dp_rank))
+        self.to_controller.send_pyobj(load)  # the scheduler names its replica (Scheduler.dp_rank)
 
 
 def _start_watchdog(server_args: ServerArgs, scheduler: Any) -> None:  # noqa: ANN401 - the Scheduler
@@ -121,8 +120,9 @@ def _start_watchdog(server_args: ServerArgs, scheduler: Any) -> None:  # noqa: A
 
 
 def _stamp_dp_rank(msg: object, dp_rank: int) -> object:
-    """Name the replica in what leaves it (the scheduler itself does not know it is one)."""
-    if isinstance(msg, BatchTokenIDOut | GetLoadReqOutput):
+    """Name the replica in the outputs the scheduler does not stamp itself (its token batches and
+    internal state; its load carries Scheduler.dp_rank already)."""
+    if isinstance(msg, BatchTokenIDOut):
         return dataclasses.replace(msg, dp_rank=dp_rank)
     if isinstance(msg, GetInternalStateReqOutput):
         return GetInternalStateReqOutput(internal_state={**msg.internal_state, "dp_rank": dp_rank})
