@@ -1,5 +1,6 @@
-"""The batch-level back-off rule (speculative/batch_gate.py): a step drafts only when its drafters'
-expected accepted drafts beat the verify step's measured extra cost at this batch size."""
+"""The batch-level back-off rule (speculative/batch_gate.py): each request drafts as many tokens as
+its acceptance pays for at the measured cost of a verify row, and a step drafts only when its
+drafters' expected accepted drafts beat the step's measured extra cost at this batch size."""
 
 from __future__ import annotations
 
@@ -14,39 +15,69 @@ from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
-from radixserve.speculative.batch_gate import PROBE_AFTER, StepCosts, step_pays
+from radixserve.speculative.batch_gate import (
+    PROBE_AFTER,
+    RowCost,
+    StepCosts,
+    draft_length,
+    expected_accepts,
+    step_pays,
+)
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
 from radixserve.speculative.ngram_drafter import NgramConfig, NgramDrafter, SpecReqState
 
 
-def _costs(bs: int, decode_s: float, verify_s: float) -> StepCosts:
+def _costs(bs: int, decode_s: float, verify: list[tuple[int, float]]) -> StepCosts:
+    """Decode steps of `decode_s`, and verify steps of (drafted rows, seconds), three rounds."""
     costs = StepCosts()
     for _ in range(3):
         costs.observe(False, bs, decode_s)
-        costs.observe(True, bs, verify_s)
+        for rows, seconds in verify:
+            costs.observe(True, bs, seconds, bs + rows)
     return costs
 
 
-def test_extra_cost_is_measured_per_batch_size():
+def test_row_cost_is_measured_per_batch_size():
+    """T_verify = T_decode + O + E t: with drafted rows that vary, O and t are told apart; in tokens
+    of plain decoding at bs 4 (400 tokens/s): O 1 ms -> 0.4, t 2 ms -> 0.8 per row."""
     costs = StepCosts()
-    assert costs.extra_cost(4) is None  # nothing measured: steps draft
-    costs = _costs(4, 0.010, 0.015)
-    assert costs.extra_cost(4) == pytest.approx(4 * 0.5)
-    assert costs.extra_cost(1) is None
-    assert step_pays(2.5, 4, costs, probe=False)
-    assert not step_pays(1.5, 4, costs, probe=False)
-    assert step_pays(0.0, 4, costs, probe=True)
+    assert costs.row_cost(4) is None  # nothing measured: steps draft at full length
+    costs = _costs(4, 0.010, [(2, 0.015), (8, 0.027), (4, 0.019)])
+    cost = costs.row_cost(4)
+    assert cost.overhead == pytest.approx(0.4, abs=1e-6)
+    assert cost.per_row == pytest.approx(0.8, abs=1e-6)
+    assert costs.row_cost(1) is None
+    # The same number of rows every time: the whole extra time is charged to the rows.
+    cost = _costs(4, 0.010, [(4, 0.018)]).row_cost(4)
+    assert cost.overhead == 0.0 and cost.per_row == pytest.approx(0.8)
+    assert step_pays(3.3, 4, cost, probe=False)
+    assert not step_pays(3.1, 4, cost, probe=False)
+    assert step_pays(0.0, 4, cost, probe=True)
+    assert step_pays(0.0, 4, None, probe=False)
 
 
-def test_request_acceptance_average():
+def test_draft_length_follows_acceptance():
+    """The n-th draft is worth alpha^n tokens: drafted while that beats a row's cost."""
+    cost = RowCost(overhead=0.0, per_row=0.1)
+    assert draft_length(0.9, 7, cost) == 7  # 0.9^7 = 0.48
+    assert draft_length(0.5, 7, cost) == 3  # 0.125 > 0.1 > 0.0625
+    assert draft_length(0.09, 7, cost) == 0
+    assert draft_length(0.09, 7, None) == 7  # not measured yet: the limit
+    assert expected_accepts(0.5, 3) == pytest.approx(0.875)
+
+
+def test_request_acceptance_estimate():
     st = SpecReqState(trie=None)
-    assert st.expected_accepts(7) == 7.0  # optimistic before any round
+    assert st.alpha == 0.5  # the prior
     for _ in range(10):
-        st.on_verified(7, 0)
-    assert st.expected_accepts(7) < 0.2
+        st.on_verified(3, 0)
+    assert st.alpha < 0.1
     st.on_gated()
-    st.on_verified(7, 7)
-    assert st.gated_streak == 0 and st.expected_accepts(7) > 2
+    for _ in range(3):
+        st.on_verified(3, 3)  # all accepted: no rejection to count
+    assert st.gated_streak == 0 and st.alpha > 0.8
+    st.on_verified(4, 1)
+    assert 0.5 < st.alpha < 0.8
 
 
 def _batch(n: int) -> tuple[ScheduleBatch, KVMemory]:
@@ -66,28 +97,48 @@ def _batch(n: int) -> tuple[ScheduleBatch, KVMemory]:
     return ScheduleBatch(reqs, mem, 32), mem
 
 
-@pytest.mark.parametrize(("accept_ema", "verifies"), [(0.3, False), (3.0, True)])
-def test_a_step_that_does_not_pay_is_a_plain_decode(accept_ema, verifies):
-    """Four requests whose drafts each expect `accept_ema` accepted tokens, with a verify step
-    measured at 1.5x a decode step (extra cost 2 tokens): 1.2 does not pay, 12 does."""
+def _step(mem: KVMemory, per_row: float, overhead: float = 0.0) -> SpeculativeDecodeStep:
+    """A step whose verify rows are measured at `per_row` tokens each (bs 4, decode 10 ms)."""
+    step = SpeculativeDecodeStep(NgramDrafter(NgramConfig(8, 1, 4, 8, 10_000)), mem, max_drafts=7)
+    t = per_row * 0.010 / 4
+    o = overhead * 0.010 / 4
+    step.costs = _costs(4, 0.010, [(2, 0.010 + o + 2 * t), (6, 0.010 + o + 6 * t)])
+    return step
+
+
+def _set_alpha(req: Req, alpha: float) -> None:
+    req.spec.accepted, req.spec.rejected = alpha, 1.0 - alpha
+
+
+@pytest.mark.parametrize(
+    ("alpha", "overhead", "drafts"),
+    [(0.95, 0.0, 7), (0.5, 0.0, 3), (0.5, 3.0, 0), (0.08, 0.0, 0)],
+)
+def test_draft_lengths_and_the_step_gate(alpha, overhead, drafts):
+    """Rows measured at 0.1 token each. alpha 0.95: all 7 drafts pay. alpha 0.5: 3 each (0.875
+    expected per request, 3.5 for the step against 1.2 of rows); with a step overhead of 3 tokens
+    on top (4.2) the step is a plain decode. alpha 0.08: no draft pays for its row."""
     batch, mem = _batch(4)
-    step = SpeculativeDecodeStep(NgramDrafter(NgramConfig(8, 1, 4, 8, 10_000)), mem)
-    step.costs = _costs(4, 0.010, 0.015)
+    step = _step(mem, per_row=0.1, overhead=overhead)
     for r in batch.reqs:
         step.drafter.draft(r, 100)  # builds req.spec
-        r.spec.accept_ema = accept_ema
+        _set_alpha(r, alpha)
     step.prepare(batch, 256)
+    verifies = drafts > 0
     assert (batch.forward_mode == ForwardMode.TARGET_VERIFY) == verifies
+    if verifies:
+        assert [len(d) for d in batch.spec_drafts] == [drafts] * 4
     assert all(r.spec.gated_streak == (0 if verifies else 1) for r in batch.reqs)
 
 
 def test_gated_requests_probe_after_a_while():
+    """A request whose drafts do not pay is held back; after PROBE_AFTER steps it drafts one token
+    (a cheap probe of whether its text turned repetitive)."""
     batch, mem = _batch(4)
-    step = SpeculativeDecodeStep(NgramDrafter(NgramConfig(8, 1, 4, 8, 10_000)), mem)
-    step.costs = _costs(4, 0.010, 0.015)
+    step = _step(mem, per_row=0.1)
     for r in batch.reqs:
         step.drafter.draft(r, 100)
-        r.spec.accept_ema = 0.1
+        _set_alpha(r, 0.05)
     modes = []
     for _ in range(PROBE_AFTER + 1):
         step.prepare(batch, 256)
@@ -96,3 +147,11 @@ def test_gated_requests_probe_after_a_while():
             break
     assert modes[:PROBE_AFTER] == [ForwardMode.DECODE] * PROBE_AFTER
     assert modes[-1] == ForwardMode.TARGET_VERIFY
+    assert [len(d) for d in batch.spec_drafts] == [1] * 4
+
+
+def test_lengths_are_not_limited_before_costs_are_measured():
+    batch, mem = _batch(4)
+    step = SpeculativeDecodeStep(NgramDrafter(NgramConfig(8, 1, 4, 8, 10_000)), mem, max_drafts=7)
+    step.prepare(batch, 256)
+    assert [len(d) for d in batch.spec_drafts] == [7] * 4

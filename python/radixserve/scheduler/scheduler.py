@@ -427,7 +427,10 @@ class Scheduler:
             start = time.perf_counter()  # the batch-level back-off rule weighs step times
             result = self.worker.forward_batch_generation(mwb)
             spec.observe_step(
-                mwb.forward_mode.is_target_verify(), mwb.batch_size, time.perf_counter() - start
+                mwb.forward_mode.is_target_verify(),
+                mwb.batch_size,
+                int(mwb.input_ids.shape[0]),
+                time.perf_counter() - start,
             )
             return result
 

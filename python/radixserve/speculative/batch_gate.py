@@ -1,29 +1,34 @@
-"""The batch-level back-off rule: draft in a step only when the drafts are expected to pay for the
-verify step's extra cost at this batch size.
+"""The batch-level back-off rule: how many tokens each request drafts in a step, and whether the
+step drafts at all, from what a verify row is measured to cost at this batch size.
 
 Why per-request back-off is not enough: one drafting request turns the whole batch's step into a
-verify step (the module forward and the extend kernel instead of the fused decode path), so at
-batch 4 every request pays for its neighbour's drafts. On text that does not repeat, requests
-accept a draft now and then, each such round resets their own back-off, and the batch ends up
-verifying most steps for about half a token each (issue 19: NGRAM 0.86x on open-ended text at
-concurrency 4).
+verify step (the module forward and the extend kernel over every request's rows), so at batch 4
+every request pays for its neighbour's drafts. On text that does not repeat, requests accept a
+draft now and then, each such round resets their own back-off, and the batch ends up verifying
+most steps for about half a token each (issue 19: NGRAM 0.86x on open-ended text at concurrency 4).
 
-The rule. A plain decode step of a batch of bs requests yields bs tokens in T_decode(bs); a verify
-step yields bs + A tokens in T_verify(bs), where A is the number of drafts it accepts. Drafting pays
-when (bs + A) / T_verify > bs / T_decode, i.e. when
-
-    A > bs * (T_verify(bs) / T_decode(bs) - 1)      (the step's extra cost, in tokens)
-
-- T_decode and T_verify are measured: the scheduler reports every decode and verify step's wall
-  time, kept per batch size as moving averages (StepCosts). Until both are known for a batch size,
-  steps draft (which measures T_verify) and plain decodes measure T_decode.
-- A is estimated per request as a moving average of the drafts it accepted per verify round
-  (SpecReqState.accept_ema; a new request starts at its draft limit, i.e. optimistic). The step's
-  expected A is the sum over the requests that draft this step.
-- A step that does not pay runs as a plain decode. Its would-be drafters' estimates do not change,
-  so a request gated PROBE_AFTER steps in a row drafts anyway (a probe), which re-measures its
-  acceptance when its text turns repetitive.
-The per-request back-off (ngram_drafter.SpecReqState) still applies first.
+The cost. A plain decode step of bs requests yields bs tokens in T_decode(bs). A verify step with
+E drafted rows on top of the bs requests' own rows takes T_decode(bs) + O + E * t: a fixed
+overhead O (the extend path, drafting, the KV bookkeeping) and t per extra row (on CPU the rows
+are compute: ~270 MFLOP each for the built-in model). In tokens of plain decoding (a second is
+worth bs / T_decode(bs) tokens), the step must gain
+    overhead = O * bs / T_decode        and        per_row = t * bs / T_decode per drafted row.
+- T_decode, O and t are the scheduler's own measurements (StepCosts): the wall time of every
+  decode step, a moving average per batch size; and per batch size a moving least-squares fit of
+  every verify step's time against its drafted rows (O and t; with too little spread in the row
+  counts, all of the extra time is charged to the rows). Until a batch size has MIN_SAMPLES of
+  each, steps draft at full length (which measures them).
+- Each request's drafts are accepted with probability alpha each, in a row (a draft counts only if
+  every draft before it was accepted): the j-th draft is worth alpha^j tokens. alpha is estimated
+  per request (SpecReqState: accepted drafts / (accepted drafts + rounds that ended on a rejected
+  draft), decayed so that it follows the text, from a prior of 1/2).
+- Draft length: a request drafts the longest n (up to its limit) whose last draft is still worth
+  its row, alpha^n > per_row. A request whose first draft is not worth its row drafts nothing.
+- The step drafts when its expected gain, the sum over the requests of alpha + .. + alpha^n,
+  exceeds overhead + E * per_row; else it runs as a plain decode.
+- A request held back PROBE_AFTER steps in a row drafts one token anyway (a probe), which
+  re-measures its acceptance when its text turns repetitive; its alpha then grows the length.
+The per-request back-off (ngram_drafter.SpecReqState cooldown) still applies first.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 EMA_ALPHA = 0.2  # weight of the newest step time
-MIN_SAMPLES = 3  # step times per batch size before the rule trusts its average
-PROBE_AFTER = 16  # gated steps in a row after which a request drafts anyway
+MIN_SAMPLES = 3  # step times per batch size before the rule trusts its averages
+PROBE_AFTER = 16  # steps held back in a row after which a request drafts anyway
+MIN_ROW_SPREAD = 1.0  # variance of drafted rows (rows^2) below which O is not fitted apart from t
 
 
 @dataclass
@@ -46,28 +52,86 @@ class _Average:
 
 
 @dataclass
+class _RowFit:
+    """Moving least squares of a verify step's time T against its drafted rows E: T = a + b E."""
+
+    e: _Average = field(default_factory=_Average)
+    t: _Average = field(default_factory=_Average)
+    ee: _Average = field(default_factory=_Average)
+    et: _Average = field(default_factory=_Average)
+
+    def add(self, rows: float, seconds: float) -> None:
+        for avg, x in ((self.e, rows), (self.t, seconds), (self.ee, rows * rows), (self.et, rows * seconds)):
+            avg.add(x)
+
+    @property
+    def count(self) -> int:
+        return self.t.count
+
+    def split(self, decode_s: float) -> tuple[float, float]:
+        """(O, t): the fixed overhead over a decode step and the time per drafted row."""
+        extra = max(self.t.value - decode_s, 0.0)
+        var = self.ee.value - self.e.value**2
+        if var >= MIN_ROW_SPREAD:
+            slope = (self.et.value - self.e.value * self.t.value) / var
+            overhead = extra - slope * self.e.value
+            if slope > 0 and overhead >= 0:
+                return overhead, slope
+        return 0.0, extra / max(self.e.value, 1.0)  # every extra second charged to the rows
+
+
+@dataclass(frozen=True)
+class RowCost:
+    """What a verify step must gain, in tokens of plain decoding at its batch size."""
+
+    overhead: float  # per step
+    per_row: float  # per drafted row
+
+
+@dataclass
 class StepCosts:
-    """Moving averages of decode and verify step wall times, per batch size."""
+    """Decode step times per batch size, and the verify steps' fit against their drafted rows."""
 
     decode: dict[int, _Average] = field(default_factory=dict)
-    verify: dict[int, _Average] = field(default_factory=dict)
+    verify: dict[int, _RowFit] = field(default_factory=dict)
 
-    def observe(self, verify: bool, bs: int, seconds: float) -> None:
-        table = self.verify if verify else self.decode
-        table.setdefault(bs, _Average()).add(seconds)
+    def observe(self, verify: bool, bs: int, seconds: float, rows: int | None = None) -> None:
+        """A step's wall time; `rows` is a verify step's row count (bs + drafted rows)."""
+        if verify:
+            self.verify.setdefault(bs, _RowFit()).add(float((rows or bs) - bs), seconds)
+        else:
+            self.decode.setdefault(bs, _Average()).add(seconds)
 
-    def extra_cost(self, bs: int) -> float | None:
-        """bs * (T_verify / T_decode - 1): the drafts a verify step of bs requests must gain to
-        beat a plain decode step; None until both are measured at this batch size."""
+    def row_cost(self, bs: int) -> RowCost | None:
+        """None until both step kinds are measured MIN_SAMPLES times at this batch size."""
         d, v = self.decode.get(bs), self.verify.get(bs)
         if d is None or v is None or d.count < MIN_SAMPLES or v.count < MIN_SAMPLES or d.value <= 0:
             return None
-        return bs * (v.value / d.value - 1.0)
+        overhead, per_row = v.split(d.value)
+        tokens_per_second = bs / d.value
+        return RowCost(overhead * tokens_per_second, per_row * tokens_per_second)
 
 
-def step_pays(expected_gain: float, bs: int, costs: StepCosts, probe: bool) -> bool:
-    """Whether a step whose drafters expect `expected_gain` accepted drafts in total should verify."""
-    if probe:
+def draft_length(alpha: float, limit: int, cost: RowCost | None) -> int:
+    """The longest n <= limit with alpha^n > cost.per_row (the n-th draft still pays for its row);
+    the limit while costs are not measured yet."""
+    if cost is None:
+        return limit
+    n, worth = 0, alpha
+    while n < limit and worth > cost.per_row:
+        n += 1
+        worth *= alpha
+    return n
+
+
+def expected_accepts(alpha: float, n: int) -> float:
+    """alpha + alpha^2 + .. + alpha^n: the drafts a chain of n is expected to get accepted."""
+    return sum(alpha**j for j in range(1, n + 1))
+
+
+def step_pays(expected_gain: float, drafted_rows: int, cost: RowCost | None, probe: bool) -> bool:
+    """Whether a step whose drafters expect `expected_gain` accepted drafts from `drafted_rows`
+    rows should verify."""
+    if probe or cost is None:
         return True
-    extra = costs.extra_cost(bs)
-    return extra is None or expected_gain > extra
+    return expected_gain > cost.overhead + drafted_rows * cost.per_row

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from radixserve.speculative.batch_gate import PROBE_AFTER, StepCosts, step_pays
+from radixserve.speculative.batch_gate import (
+    PROBE_AFTER,
+    RowCost,
+    StepCosts,
+    draft_length,
+    expected_accepts,
+    step_pays,
+)
 from radixserve.speculative.model_drafter import ModelDrafter
 from radixserve.speculative.ngram_drafter import NgramConfig, NgramDrafter, SpecReqState
-from radixserve.speculative.tree import DraftTree
+from radixserve.speculative.tree import DraftTree, as_tree, depths
 from radixserve.speculative.verify_batch import prepare_for_verify, verify_tokens_needed
 
 if TYPE_CHECKING:
@@ -29,10 +36,13 @@ class SpeculativeDecodeStep:
     """Drafts for every request of a decode batch; a TARGET_VERIFY batch when any request drafted
     and the drafts' KV fits (else, or with no drafts, the ordinary DECODE batch)."""
 
-    def __init__(self, drafter: Drafter, mem: KVMemory, batch_backoff: bool = True) -> None:
+    def __init__(
+        self, drafter: Drafter, mem: KVMemory, batch_backoff: bool = True, max_drafts: int = 64
+    ) -> None:
         self.drafter = drafter
         self.mem = mem
-        self.batch_backoff = batch_backoff  # the batch-level rule (batch_gate.py)
+        self.batch_backoff = batch_backoff  # the batch-level rule and draft lengths (batch_gate.py)
+        self.max_drafts = max_drafts  # per request (num-draft-tokens - 1)
         self.costs = StepCosts()  # decode / verify step times, for the batch-level rule
 
     @classmethod
@@ -40,14 +50,16 @@ class SpeculativeDecodeStep:
         if args.speculative_algorithm is None:
             return None
         gate = not args.disable_speculative_batch_backoff
-        if args.speculative_algorithm == "NGRAM":
-            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem, gate)
         assert args.speculative_num_draft_tokens is not None, "ServerArgs.resolve() sets it"
-        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem, gate)
+        most = args.speculative_num_draft_tokens - 1
+        if args.speculative_algorithm == "NGRAM":
+            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem, gate, most)
+        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem, gate, most)
 
     def prepare(self, batch: ScheduleBatch, context_limit: int) -> None:
-        drafts = [self.drafter.draft(r, context_limit - r.kv_committed_len - 1) for r in batch.reqs]
-        if any(drafts) and not self._pays(batch.reqs, drafts):
+        cost = self.costs.row_cost(len(batch.reqs)) if self.batch_backoff else None
+        drafts = [self.drafter.draft(r, self._limit(r, context_limit, cost)) for r in batch.reqs]
+        if any(drafts) and not self._pays(batch.reqs, drafts, cost):
             drafts = []
         if any(drafts):
             committed = [r.kv_committed_len for r in batch.reqs]
@@ -59,19 +71,40 @@ class SpeculativeDecodeStep:
         # rounds that were verified).
         batch.prepare_for_decode()
 
-    def observe_step(self, verify: bool, bs: int, seconds: float) -> None:
-        """The scheduler reports each decode / verify step's wall time (batch_gate.StepCosts)."""
-        self.costs.observe(verify, bs, seconds)
+    def observe_step(self, verify: bool, bs: int, rows: int, seconds: float) -> None:
+        """The scheduler reports each decode / verify step's wall time and row count
+        (batch_gate.StepCosts)."""
+        self.costs.observe(verify, bs, seconds, rows)
 
-    def _pays(self, reqs: list[Req], drafts: list) -> bool:
+    def _limit(self, req: Req, context_limit: int, cost: RowCost | None) -> int:
+        """Drafts `req` may have this step: what its context has room for, and with the batch-level
+        rule the length its acceptance pays for (batch_gate.draft_length; a request drafting for
+        the first time starts from the prior). Drafters without that state (test oracles) get the
+        room alone."""
+        room = context_limit - req.kv_committed_len - 1
+        st = req.spec
+        if cost is None or not (st is None or isinstance(st, SpecReqState)):
+            return room
+        alpha = st.alpha if st is not None else SpecReqState(trie=None).alpha
+        n = draft_length(alpha, min(room, self.max_drafts), cost)
+        if n == 0 and st is not None:
+            if st.gated_streak >= PROBE_AFTER:
+                return 1  # a probe: one draft re-measures its acceptance
+            st.on_gated()
+        return n
+
+    def _pays(self, reqs: list[Req], drafts: list, cost: RowCost | None) -> bool:
         """The batch-level rule (batch_gate.py); drafters without its state (test oracles) always
         pass. A step that does not pay leaves its would-be drafters a gated step older."""
-        states = [(r.spec, len(d)) for r, d in zip(reqs, drafts) if d and isinstance(r.spec, SpecReqState)]
+        states = [(r.spec, d) for r, d in zip(reqs, drafts) if d and isinstance(r.spec, SpecReqState)]
         if not states or not self.batch_backoff:
             return True
-        gain = sum(st.expected_accepts(n) for st, n in states)
+        # A tree's rows past its depth are alternatives: its chance of acceptance is counted along
+        # its depth (a lower bound); every row is paid for.
+        gain = sum(expected_accepts(st.alpha, max(depths(as_tree(d).row_parents()))) for st, d in states)
+        rows = sum(len(d) for d in drafts)
         probe = any(st.gated_streak >= PROBE_AFTER for st, _ in states)
-        if step_pays(gain, len(reqs), self.costs, probe):
+        if step_pays(gain, rows, cost, probe):
             return True
         for st, _ in states:
             st.on_gated()

@@ -27,7 +27,10 @@ if TYPE_CHECKING:
     from radixserve.server_args import ServerArgs
 
 MAX_COOLDOWN = 16
-ACCEPT_EMA_ALPHA = 0.3  # weight of the newest round in a request's acceptance average
+ACCEPT_DECAY = 0.7  # weight of the earlier rounds in a request's acceptance counts, per round
+# The prior of the acceptance estimate: one accepted and one rejected draft (alpha 1/2).
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,18 +64,19 @@ class SpecReqState:
     trie: NgramTrie | None  # None for drafters that need no index (a draft model)
     cooldown: int = 0  # decode steps left without drafting
     next_cooldown: int = 1
-    # The batch-level rule (batch_gate.py): drafts accepted per verify round, a moving average
-    # (None until the first draft, which starts it at the draft limit), and steps gated in a row.
-    accept_ema: float | None = None
+    # The batch-level rule (batch_gate.py): decayed counts of accepted drafts and of rounds that
+    # ended on a rejected draft, whose ratio estimates alpha (each draft's chance to be accepted
+    # given the ones before it were); and steps held back in a row.
+    accepted: float = PRIOR_ACCEPTED
+    rejected: float = PRIOR_REJECTED
     gated_streak: int = 0
 
-    def expected_accepts(self, num_drafts: int) -> float:
-        if self.accept_ema is None:
-            self.accept_ema = float(num_drafts)  # optimistic until measured
-        return min(self.accept_ema, float(num_drafts))
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
 
     def on_gated(self) -> None:
-        """This step's drafts were dropped by the batch-level rule."""
+        """This step's drafts were dropped (or not made) by the batch-level rule."""
         self.gated_streak += 1
 
     def on_token(self, token_id: int) -> None:
@@ -81,12 +85,12 @@ class SpecReqState:
             self.trie.extend([token_id])
 
     def on_verified(self, num_drafts: int, num_accepted: int) -> None:
-        """The back-off rule, after a verify round in which the request drafted."""
+        """The back-off rules, after a verify round in which the request drafted."""
         if num_drafts == 0:
             return
         self.gated_streak = 0
-        prev = self.accept_ema if self.accept_ema is not None else float(num_accepted)
-        self.accept_ema = prev + ACCEPT_EMA_ALPHA * (num_accepted - prev)
+        self.accepted = ACCEPT_DECAY * self.accepted + num_accepted
+        self.rejected = ACCEPT_DECAY * self.rejected + (1.0 if num_accepted < num_drafts else 0.0)
         if num_accepted == 0:
             self.cooldown = self.next_cooldown
             self.next_cooldown = min(self.next_cooldown * 2, MAX_COOLDOWN)
