@@ -105,6 +105,52 @@ def test_oracle_exact_other_models(kind, make_run):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_chain_verify_through_the_fused_decode_stack_is_exact(page_size, workers, make_run):
+    """Chain verify steps of up to the fused stack's rows run as decode rows of their requests
+    (cpu_decode_runner.verify_rows_as_decode_rows): the output is plain decoding's, the module
+    forward's verify gives the same, and the fused stack did take verify steps. Its row limit is
+    raised to 16 here (fp32's own is 2 rows) so that whole verify batches go through it."""
+    reference = _plain(make_run, "cpu", page_size)
+    worker, _ = workers.get("llama", "cpu", page_size)
+    fused = worker.model_runner.cpu_decode_runner
+    assert fused is not None
+    module_verify = make_run("cpu", page_size, **SPEC)
+    use_oracle(module_verify, OracleDrafter(reference, max_drafts=3, error_rate=0.15))
+    for rid, prompt, n in WORKLOAD:
+        module_verify.submit(rid, prompt, n)
+    worker.model_runner.cpu_decode_runner = None  # every verify step through the module forward
+    try:
+        module_verify.run_until_idle()
+    finally:
+        worker.model_runner.cpu_decode_runner = fused
+    assert module_verify.outputs == reference
+    module_verify.close()
+    verify_rows = []
+    replay = fused.replay
+
+    def counting_replay(fb):
+        if fb.forward_mode.is_target_verify():
+            verify_rows.append(int(fb.input_ids.shape[0]))
+        return replay(fb)
+
+    fused.replay, old_max = counting_replay, fused.max_bs
+    fused.max_bs = 16
+    try:
+        run = make_run("cpu", page_size, **SPEC)
+        use_oracle(run, OracleDrafter(reference, max_drafts=3, error_rate=0.15))
+        for rid, prompt, n in WORKLOAD:
+            run.submit(rid, prompt, n)
+        run.run_until_idle()
+    finally:
+        fused.replay, fused.max_bs = replay, old_max
+    assert run.outputs == reference
+    # Verify steps of several requests' chains at once (the batch is 16 requests: the last ones).
+    assert len(verify_rows) >= 3 and max(verify_rows) > 4
+    assert run.scheduler.output.stats.spec_num_accepted > 0
+    run.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_retraction_mid_speculation(page_size, make_run):
     """A pool just above one request's need: decodes are retracted and re-admitted; drafts shrink
     to a plain decode when their KV does not fit. Output unchanged."""

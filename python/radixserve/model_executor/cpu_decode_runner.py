@@ -10,8 +10,10 @@ pool, the same rotary tables. The
 embedding lookup, the LM head and sampling stay in Python.
 
 It takes decode batches up to the size where the small-M linear kernels stop beating oneDNN
-(layers/linear.py); larger batches, extend batches, and models or devices it does not cover run
-the module forward. The module forward is the reference it is tested against.
+(layers/linear.py), and speculative verify steps of chains with as many rows in all (each row a
+decode row of its request: verify_rows_as_decode_rows); larger batches, extend batches, draft
+trees, and models or devices it does not cover run the module forward. The module forward is the
+reference it is tested against.
 """
 
 from __future__ import annotations
@@ -115,19 +117,42 @@ class CpuDecodeRunner:
             self.decode_model.set_tp_comm(tp_comm)
 
     def can_run(self, batch: ModelWorkerBatch | ForwardBatch) -> bool:
-        return batch.forward_mode.is_decode() and 0 < batch.batch_size <= self.max_bs
+        if batch.forward_mode.is_decode():
+            return 0 < batch.batch_size <= self.max_bs
+        # A verify step of chains whose rows all fit: see replay.
+        return (
+            batch.forward_mode.is_target_verify()
+            and getattr(batch, "spec_tree_parents", None) is None
+            and 0 < int(batch.input_ids.shape[0]) <= self.max_bs
+        )
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """The final hidden states [bs, hidden_size] of a decode batch (KV written as a side effect)."""
-        hidden = self.embed_tokens(fb.input_ids)  # [bs, hidden_size]
+        """The final hidden states [rows, hidden_size] of a decode batch, or of a verify batch of
+        chains (KV written as a side effect)."""
+        hidden = self.embed_tokens(fb.input_ids)  # [rows, hidden_size]
+        pool_rows, seq_lens = fb.req_pool_indices, fb.seq_lens
+        if fb.forward_mode.is_target_verify():
+            pool_rows, seq_lens = verify_rows_as_decode_rows(fb)
         return self.decode_model.forward(
             hidden,
             fb.positions,
             fb.out_cache_loc,
             fb.req_to_token_pool.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
+            pool_rows,
+            seq_lens,
         )
+
+
+def verify_rows_as_decode_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain verify step as decode rows: row j of request b (at position p_b + j, its KV in the
+    slot req_to_token[b, p_b + j]) is a decode row of the same request with seq_len p_b + j + 1.
+    The fused stack stores every row's K/V of a layer before that layer's attention, so row j
+    attends the cached prefix and rows 0 .. j: the causal extend attention of a chain, exactly.
+    Returns per-row req_pool_indices and seq_lens ([rows] int64)."""
+    assert fb.extend_seq_lens_cpu is not None
+    lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=fb.positions.device)
+    pool_rows = torch.repeat_interleave(fb.req_pool_indices, lens)
+    return pool_rows.contiguous(), (fb.positions + 1).contiguous()
 
 
 def create_cpu_decode_runner(
