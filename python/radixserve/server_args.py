@@ -409,9 +409,10 @@ class ServerArgs:
     )
     disable_speculative_batch_backoff: bool = _f(
         False,
-        "radixserve's own: turn off the batch-level back-off rule (a step drafts only when its expected "
-        "accepted drafts pay for the verify step's measured extra cost at this batch size; "
-        "docs/speculative_decoding.md). The per-request back-off stays.",
+        "radixserve's own: turn off the batch-level back-off rule (each request drafts as many tokens "
+        "as its acceptance pays for at the measured cost of a verify row, and a step drafts only when "
+        "its expected accepted drafts pay for the verify step's measured extra cost at this batch "
+        "size; docs/speculative_decoding.md). The per-request back-off stays.",
     )
     speculative_ngram_capacity: int = _f(
         10 * 1000 * 1000,

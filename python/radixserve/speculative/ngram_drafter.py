@@ -11,7 +11,8 @@ for `cooldown` decode steps; the cooldown doubles on each further all-rejected r
 MAX_COOLDOWN) and goes back to 0 on any accepted draft. On random text most rounds are rejected,
 so a request there drafts on only about one step in MAX_COOLDOWN; on copy-heavy text it keeps
 drafting. When no request of a step drafts, the step is an ordinary DECODE batch (with its fast
-paths). A batch-level rule then decides whether the step's drafts pay at all (batch_gate.py).
+paths). A batch-level rule then sets how many tokens each request drafts and whether the step
+drafts at all (batch_gate.py).
 """
 
 from __future__ import annotations
