@@ -9,8 +9,9 @@ most steps for about half a token each (issue 19: NGRAM 0.86x on open-ended text
 
 The cost. A plain decode step of bs requests yields bs tokens in T_decode(bs). A verify step with
 E drafted rows on top of the bs requests' own rows takes T_decode(bs) + O + E * t: a fixed
-overhead O (the extend path, drafting, the KV bookkeeping) and t per extra row (on CPU the rows
-are compute: ~270 MFLOP each for the built-in model). In tokens of plain decoding (a second is
+overhead O (the extend path where the decode step had its fused one, the acceptance; the
+drafting itself runs before the timed forward) and t per extra row (on CPU the rows are compute:
+~270 MFLOP each for the built-in model, LM head included). In tokens of plain decoding (a second is
 worth bs / T_decode(bs) tokens), the step must gain
     overhead = O * bs / T_decode        and        per_row = t * bs / T_decode per drafted row.
 - T_decode, O and t are the scheduler's own measurements (StepCosts): the wall time of every
