@@ -13,10 +13,12 @@ import logging
 
 import pytest
 import torch
+from wq_spy import WqDecodeSpy
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import cpu_fused, quantization
-from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
+from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, WQ_MAX_TOKENS, Linear
+from radixserve.layers.logits_processor import head_logits
 from radixserve.model_executor import cpu_decode_runner
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
@@ -83,20 +85,55 @@ def test_tiny_models_quantized_agree_with_fp32(tiny_model_dir, kind):
     path = str(tiny_model_dir(kind))
     ref, fed = forced_logprobs(_worker(path), TINY_PROMPTS, steps=12)
     worker = _worker(path, quantization="w8a8_int8")
-    # Every decoder linear (4 per layer) is int8; the LM head is not.
+    # Every decoder linear (4 per layer) is W8A8; the LM head is int8 weight-only (Q8_0's layout).
     assert len(_quantized_linears(worker)) == 4 * worker.model_config.num_layers
-    assert worker.model_runner.lm_head.weight_int8 is None
+    head = worker.model_runner.lm_head
+    assert head.weight_int8 is None and (head.weight_wq.bits, head.weight_wq.group_size) == (8, 32)
     got, _ = forced_logprobs(worker, TINY_PROMPTS, steps=12, forced=fed)
     agreement, mean_diff, max_diff = compare(ref, got, fed)
-    # Measured (teacher-forced, 4 requests x 13 steps; kernel and torch reference alike):
-    #   llama 0.904 / 0.066 / 0.30, qwen2 0.923 / 0.067 / 0.31, qwen3 0.942 / 0.051 / 0.16
-    # (agreement / mean / max |logprob diff|). Tiny random models are harsh on int8: 64..128-term
+    # Measured (teacher-forced, 4 requests x 13 steps; kernel and torch reference alike), with the
+    # int8 LM head: llama 0.904 / 0.064 / 0.28, qwen2 0.904 / 0.066 / 0.30, qwen3 0.962 / 0.049 /
+    # 0.17 (agreement / mean / max |logprob diff|); with the fp32 head they were 0.904 / 0.066 /
+    # 0.30, 0.923 / 0.067 / 0.31, 0.942 / 0.051 / 0.16: the head's groups of 32 add next to nothing. Tiny random models are harsh on int8: 64..128-term
     # dot products over wide random weights, so each step's ~1/254-of-range errors compound;
     # int8 weights alone (fp32 activations) already measured 0.94 / 0.039 / 0.14 on llama.
     # The bounds leave ~2x headroom on the log-prob error yet fail a uniform 10% scale error
     # (measured 0.83 / 0.18 / 0.57); a misplaced scale or weight row gives 0.12 / 2.8 / 7.4.
     assert agreement >= 0.85, (agreement, mean_diff, max_diff)
     assert mean_diff < 0.12 and max_diff < 0.5, (agreement, mean_diff, max_diff)
+
+
+def test_lm_head_reads_its_int8_form_up_to_wq_max_tokens(tiny_model_dir):
+    # The quantized head against its dequantize-then-fp32 reference, at every small batch size, and
+    # the fp32 head (the tied embedding, unchanged) above WQ_MAX_TOKENS.
+    path = str(tiny_model_dir("llama"))
+    fp32_head = _worker(path).model_runner.model.lm_head_weight.detach().clone()
+    runner = _worker(path, quantization="w8a8_int8").model_runner
+    head = runner.lm_head
+    assert head.weight is runner.model.lm_head_weight  # the model's (tied: the embedding's) tensor
+    assert torch.equal(head.weight, fp32_head)  # stays fp32, as loaded
+    deq = head.weight_wq.dequantize()
+    assert not torch.equal(deq, fp32_head)  # a random fp32 weight is not on the int8 grid
+    torch.manual_seed(0)
+    for n in (1, 2, WQ_MAX_TOKENS, WQ_MAX_TOKENS + 1):
+        x = torch.randn(n, head.in_features)
+        want = x @ (deq if n <= WQ_MAX_TOKENS else fp32_head).T
+        torch.testing.assert_close(head(x), want, atol=1e-4, rtol=1e-4, msg=f"{n} rows")
+    # Prompt logprobs score many rows with the head decode reads, in blocks of WQ_MAX_TOKENS.
+    x = torch.randn(3 * WQ_MAX_TOKENS + 5, head.in_features)
+    torch.testing.assert_close(head_logits(head, x), x @ deq.T, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_reads_the_int8_lm_head(tiny_model_dir, monkeypatch):
+    spy = WqDecodeSpy(monkeypatch)  # every linear_wq call on the module forward (the head's are)
+    worker = _worker(str(tiny_model_dir("llama")), quantization="w8a8_int8")
+    forced_logprobs(worker, TINY_PROMPTS, steps=4)
+    bs = len(TINY_PROMPTS)
+    # The prefill's last-token logits, then every decode step: one head call over the batch; the
+    # W8A8 decoder layers never call linear_wq.
+    assert spy.module_calls == [bs] * 5
+    if quantization.INT8_KERNEL:  # the decoder stack ran fused, the head after it in Python
+        assert spy.fused_steps == 4
 
 
 def test_fused_decode_runs_the_int8_model_as_the_module_forward_does(tiny_model_dir):
@@ -177,12 +214,16 @@ def test_builtin_model_quantized_agrees_with_fp32(builtin_model_path):
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_path)
     prompts = [tokenizer.encode(p) for p in BUILTIN_PROMPTS]
     ref, fed = forced_logprobs(_worker(builtin_model_path), prompts, steps=31)
-    got, _ = forced_logprobs(
-        _worker(builtin_model_path, quantization="w8a8_int8"), prompts, steps=31, forced=fed
-    )
+    worker = _worker(builtin_model_path, quantization="w8a8_int8")
+    head = worker.model_runner.lm_head
+    # The built-in model's embedding (= its LM head) is a GGUF Q8_0 tensor dequantized, so it lies
+    # on the int8 grid of groups of 32 already: the head's int8 form is exactly its fp32 weight
+    # (the scales come back bit for bit), and the int8 head costs this model nothing.
+    assert torch.equal(head.weight_wq.dequantize(), head.weight)
+    got, _ = forced_logprobs(worker, prompts, steps=31, forced=fed)
     agreement, mean_diff, max_diff = compare(ref, got, fed)
     # 4 prompts x 32 tokens, teacher-forced. Measured: 0.891 agreement (114 of 128), mean |logprob
-    # diff| 0.140, max 0.87 (the same with the fp16 LM head). Most of it is the per-token
+    # diff| 0.140, max 0.87, the same with the int8 LM head as with the fp32 one (above). Most of it is the per-token
     # activation rounding: int8 weights with fp32 activations measured 0.977 / 0.036 / 0.32, and
     # --cpu-fp16-weights 1.0 / 0.001. The bounds allow ~5 more flipped tokens and ~40% more
     # log-prob error than measured; a broken quantization (a misplaced scale or row) produces
@@ -192,17 +233,21 @@ def test_builtin_model_quantized_agrees_with_fp32(builtin_model_path):
 
 
 @pytest.mark.skipif(not cpu_fused.ENABLED, reason="sgl_kernel._cpu not built (fp16 copies need it)")
-def test_fp16_weights_then_apply_to_the_lm_head_only(tiny_model_dir):
+def test_fp16_weights_leave_the_int8_model_as_it_is(tiny_model_dir):
+    # --cpu-fp16-weights gives fp16 copies to fp32 linears that no quantized form serves: under
+    # w8a8_int8 there is none left (the decoder is W8A8, the head's small batches read its int8
+    # form, larger ones oneDNN's fp32 GEMM), so the flag changes nothing.
     path = str(tiny_model_dir("llama"))
-    ref, fed = forced_logprobs(_worker(path), TINY_PROMPTS, steps=6)
+    ref, fed = forced_logprobs(_worker(path, quantization="w8a8_int8"), TINY_PROMPTS, steps=6)
     worker = _worker(path, quantization="w8a8_int8", cpu_fp16_weights=True)
     linears = _quantized_linears(worker)
     assert len(linears) == 4 * worker.model_config.num_layers
     assert all(layer.weight_f16 is None and layer.weight_packed is None for layer in linears)
-    assert worker.model_runner.lm_head.weight_f16 is not None
+    head = worker.model_runner.lm_head
+    assert head.weight_f16 is None and head.weight_wq is not None
     got, _ = forced_logprobs(worker, TINY_PROMPTS, steps=6, forced=fed)
-    agreement, mean_diff, _ = compare(ref, got, fed)
-    assert agreement >= 0.85 and mean_diff < 0.12, (agreement, mean_diff)  # the int8 bounds above
+    for step, (g, r) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=f"step {step}")
 
 
 def test_classification_models_are_refused(tiny_embedding_dir):

@@ -9,6 +9,7 @@ import torch
 from radixserve.layers.weight_only import (
     parse_torchao_config,
     quantize_int4wo,
+    quantize_int8_groups,
     quantize_int8wo,
     quantize_weight_only,
 )
@@ -24,6 +25,22 @@ def test_int8wo_is_symmetric_per_channel_within_half_a_step() -> None:
     err = (form.dequantize() - w).abs()
     assert (err <= scale[:, None] * 0.5 * (1 + 1e-5)).all()
     assert form.integers().abs().max() == 127  # each row's largest weight takes the whole range
+
+
+def test_int8_groups_are_symmetric_per_group_within_half_a_step() -> None:
+    # w8a8_int8's LM head form: GGUF Q8_0's layout (int8, one scale per 32 inputs, no offset).
+    w = torch.randn(40, 96) * torch.linspace(0.1, 3.0, 96)  # groups of different ranges
+    w[5] = 0.0  # an all-zero row: scale 0, exactly zero
+    form = quantize_int8_groups(w, 32)
+    assert (form.bits, form.group_size, form.offsets, form.scales.shape) == (8, 32, None, (40, 3))
+    scale = w.reshape(40, 3, 32).abs().amax(-1) / 127
+    torch.testing.assert_close(form.scales, scale)
+    err = (form.dequantize() - w).reshape(40, 3, 32).abs()
+    assert (err <= scale[..., None] * 0.5 * (1 + 1e-5)).all()
+    assert torch.equal(form.dequantize()[5], w[5])
+    # A weight already on such a grid (a GGUF Q8_0 tensor dequantized) comes back exactly.
+    again = quantize_int8_groups(form.dequantize(), 32)
+    assert torch.equal(again.dequantize(), form.dequantize())
 
 
 def test_int4wo_is_asymmetric_per_group_within_half_a_step() -> None:

@@ -9,7 +9,9 @@ built-in model's decode, docs/benchmarks.md):
    sgl-kernel's int8 kernel, or its torch reference). Such layers get none of the forms below.
 0b. A weight-only group-quantized form (`weight_wq`, layers/group_quant.py: GGUF and int4/int8
    weight-only formats), batches of at most WQ_MAX_TOKENS tokens: the fp32 weight is exactly its
-   dequantization, so larger batches take the fp32 forms below unchanged.
+   dequantization, so larger batches take the fp32 forms below unchanged. One exception:
+   `--quantization w8a8_int8`'s LM head (`quantize_lm_head`), whose fp32 weight is the tied
+   embedding and stays as loaded; its batches above WQ_MAX_TOKENS compute with the fp32 head.
 
 1. `--cpu-fp16-weights`, batches of at most F16_MAX_TOKENS tokens: sgl-kernel's `linear_f16`
    over an fp16 copy (F16C conversion, fp32 math). Small decode batches are bound by reading the
@@ -43,6 +45,7 @@ from radixserve.layers.activation import Activation
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
 from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
+from radixserve.layers.weight_only import quantize_int8_groups
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,9 @@ INT8_FUSED_MAX_TOKENS = 16
 # decoder (benchmark/bench_wq_linear.py, AVX-512, idle box): Q4_1 linear_wq beats oneDNN fp32 up to
 # ~12 tokens (4.9 vs 8.6 ms at 2, 8.9 vs 11.0 at 8, 21.2 vs 15.0 at 16); 8 leaves a margin.
 WQ_MAX_TOKENS = 8
+# --quantization w8a8_int8's LM head: int8 weight-only in groups of this many inputs (GGUF Q8_0's
+# layout; `quantize_lm_head`).
+LM_HEAD_GROUP = 32
 
 
 def linear(
@@ -239,4 +245,29 @@ def quantize_linears(modules: list[nn.Module]) -> None:
         "sgl-kernel's linear_int8"
         if INT8_KERNEL
         else "the torch reference (sgl-kernel's linear_int8 not built)",
+    )
+
+
+def quantize_lm_head(lm_head: nn.Module | None) -> None:
+    """--quantization w8a8_int8: give the LM head (the runner's Linear, or a TP rank's block of it)
+    an int8 weight-only form in groups of LM_HEAD_GROUP inputs, read by batches of up to
+    WQ_MAX_TOKENS tokens (decode, a prefill's last-token logits). The fp32 weight stays as it is:
+    it is the tied embedding's, and larger batches use it. Weight-only rather than W8A8 keeps the
+    head's error far below the decoder's (docs/quantization.md). Logs what it did."""
+    head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead under TP: this rank's vocab block
+    if not isinstance(head, Linear) or head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+        return
+    in_features = head.weight.shape[1]
+    group = LM_HEAD_GROUP if in_features % LM_HEAD_GROUP == 0 else in_features
+    if group % 16:  # GroupQuantWeight's groups are multiples of 16 inputs
+        logger.info("w8a8_int8: the LM head stays fp32 (%d inputs: no int8 group layout)", in_features)
+        return
+    head.weight_wq = quantize_int8_groups(head.weight, group)
+    logger.info(
+        "w8a8_int8: LM head int8 weight-only, groups of %d (%.0f MiB read per step instead of %.0f MiB "
+        "of fp32) for batches of up to %d tokens; larger batches use the fp32 head",
+        group,
+        head.weight_wq.nbytes() / 2**20,
+        head.weight.numel() * 4 / 2**20,
+        WQ_MAX_TOKENS,
     )

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.linear import WQ_MAX_TOKENS
+
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
 
@@ -21,6 +23,19 @@ class LogitsOutput:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+
+
+def head_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [n, vocab] of many rows, from the LM head form decode reads: a head with a
+    weight-only quantized form (--quantization gguf, w8a8_int8) is run in blocks of at most
+    WQ_MAX_TOKENS rows, which read that form. Under w8a8_int8 it is not the fp32 weight's exact
+    dequantization, so scoring all rows at once would give prompt logprobs from a different head
+    than the one sampled tokens (and their logprobs) come from."""
+    head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead: every rank runs the same blocks
+    rows = hidden.shape[0]
+    if getattr(head, "weight_wq", None) is None or rows <= WQ_MAX_TOKENS:
+        return lm_head(hidden).float()
+    return torch.cat([lm_head(hidden[i : i + WQ_MAX_TOKENS]).float() for i in range(0, rows, WQ_MAX_TOKENS)])
 
 
 class LogitsProcessor:
@@ -77,7 +92,7 @@ class LogitsProcessor:
                 targets = torch.cat([targets, targets.new_tensor([next_id])])
                 hi += 1
             if hi > lo:
-                lp = torch.log_softmax(lm_head(hidden[lo:hi]).float(), dim=-1)
+                lp = torch.log_softmax(head_logits(lm_head, hidden[lo:hi]), dim=-1)
                 token_logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).tolist())
                 if top_k > 0:
                     vals, idx = lp.topk(top_k, dim=-1)

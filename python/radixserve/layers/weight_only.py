@@ -52,6 +52,14 @@ def quantize_int8wo(weight: torch.Tensor) -> GroupQuantWeight:
     return GroupQuantWeight(q, scale.unsqueeze(1).contiguous(), None, weight.shape[1], 8)
 
 
+def quantize_int8_groups(weight: torch.Tensor, group_size: int) -> GroupQuantWeight:
+    """int8, symmetric, one scale per group of `group_size` inputs (GGUF Q8_0's layout at 32):
+    each group quantized as quantize_rows_int8 quantizes a row."""
+    n, k = weight.shape
+    q, scale = quantize_rows_int8(weight.detach().reshape(n * (k // group_size), group_size))
+    return GroupQuantWeight(q.reshape(n, k), scale.reshape(n, k // group_size), None, group_size, 8)
+
+
 def quantize_int4wo(weight: torch.Tensor, group_size: int) -> GroupQuantWeight:
     """4-bit asymmetric per group of `group_size` inputs (module docstring)."""
     n, k = weight.shape

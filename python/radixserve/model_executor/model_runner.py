@@ -13,7 +13,7 @@ from radixserve.configs.pooling import EmbeddingConfig, PoolingType
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
-from radixserve.layers.linear import prepare_cpu_linears, quantize_linears
+from radixserve.layers.linear import prepare_cpu_linears, quantize_linears, quantize_lm_head
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.pooler import pooled_rows
 from radixserve.layers.sampler import SampleOutput, Sampler
@@ -143,8 +143,10 @@ class ModelRunner:
                     f"--quantization w8a8_int8 applies to generation models for now, not "
                     f"{self.model_config.architecture}"
                 )
-            # The decoder layers only: the embedding and the LM head stay fp32.
+            # The decoder layers in W8A8; the LM head gets an int8 weight-only form for small
+            # batches (its fp32 weight is the tied embedding's and stays).
             quantize_linears([self.model])
+            quantize_lm_head(self.lm_head)
         if self.weight_only is not None:
             if not self.model_config.is_generation:
                 raise ValueError(f"{self.weight_only.method} applies to generation models only")
