@@ -70,11 +70,16 @@ def test_int4_checkpoint_serves_the_fp32_model_it_dequantizes_to(checkpoints, ki
 def test_compressed_tensors_w8a8_serves_as_w8a8_int8_does(checkpoints, kind):
     quantized, reference = checkpoints(kind, "w8a8")
     fp32, fed = forced_logprobs(_worker(reference), TINY_PROMPTS, steps=12)
-    on_the_fly, _ = forced_logprobs(_worker(reference, quantization="w8a8_int8"), TINY_PROMPTS, 12, fed)
+    on_the_fly_worker = _worker(reference, quantization="w8a8_int8")
+    # The checkpoint's quantization_config ignores lm_head, which therefore stays fp32, where
+    # on-the-fly w8a8_int8 gives the head an int8 weight-only form: compare the decoders.
+    on_the_fly_worker.model_runner.lm_head.weight_wq = None
+    on_the_fly, _ = forced_logprobs(on_the_fly_worker, TINY_PROMPTS, 12, fed)
     for flag in (None, "w8a8_int8"):  # the checkpoint selects it, or SGLang's compatible flag
         worker = _worker(quantized, quantization=flag)
         runner = worker.model_runner
         assert runner.model.model.layers[0].mlp.down_proj.weight_int8 is not None
+        assert runner.lm_head.weight_wq is None and runner.lm_head.weight_int8 is None
         got, _ = forced_logprobs(worker, TINY_PROMPTS, steps=12, forced=fed)
         # Re-quantizing the dequantized weights gives back the checkpoint's int8 values and
         # scales (each row's largest |q| is 127), so the arithmetic is the same: exact.
