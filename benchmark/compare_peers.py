@@ -41,6 +41,7 @@ ENGINES = (
     "radixserve-bf16gemm",
     "radixserve-int8",
     "radixserve-gguf",
+    "radixserve-gguf-q8_0",
     "llama-server-f16",
     "llama-server-f32",
     "llama-server-q8_0",
@@ -65,6 +66,10 @@ RADIXSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "radixserve-int8": ("--quantization", "w8a8_int8"),
     "radixserve-gguf": ("--quantization", "gguf"),
 }
+# Engines that are radixserve serving a GGUF that llama.cpp's converter made (the file the
+# llama-server engine of the same format serves): `--model-path <file>` loads it as gguf, its own
+# quantized tensors. radixserve-gguf-q8_0 and llama-server-q8_0 serve the same bits.
+RADIXSERVE_GGUF_ENGINES: dict[str, str] = {"radixserve-gguf-q8_0": "q8_0"}
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Every tunable: the full run's value and the --quick one. A flag given on the command line wins.
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -276,8 +281,13 @@ def radixserve_command(port: int, extra_flags: tuple[str, ...] = ()) -> list[str
     return cmd + list(extra_flags)
 
 
-def server_plans(args: argparse.Namespace, llama: dict[str, tuple[Path, Path]]) -> list[ServerPlan]:
-    """The servers to run, in --engines order; `llama` maps each llama-server engine to (binary, GGUF)."""
+def server_plans(
+    args: argparse.Namespace,
+    llama: dict[str, tuple[Path, Path]],
+    ggufs: dict[str, Path] | None = None,
+) -> list[ServerPlan]:
+    """The servers to run, in --engines order; `llama` maps each llama-server engine to (binary,
+    GGUF), `ggufs` each RADIXSERVE_GGUF_ENGINES engine to its GGUF."""
     randoms = tuple(random_workloads(args))
     shared = (shared_prefix_workload(args),) if args.shared_prefix else ()
     plans = []
@@ -291,6 +301,10 @@ def server_plans(args: argparse.Namespace, llama: dict[str, tuple[Path, Path]]) 
         elif engine in RADIXSERVE_VARIANTS:
             variant = partial(radixserve_command, extra_flags=RADIXSERVE_VARIANTS[engine])
             plans.append(ServerPlan(engine, "radixserve", variant, randoms))
+        elif engine in (ggufs or {}):
+            assert ggufs is not None
+            gguf_model = partial(radixserve_command, extra_flags=("--model-path", str(ggufs[engine])))
+            plans.append(ServerPlan(engine, "radixserve", gguf_model, randoms))
         elif engine == "radixserve-bf16gemm":
             from radixserve.layers.linear import bf16_gemm_supported
 
@@ -333,6 +347,16 @@ def prepare_llama(engines: list[str], model_dir: Path) -> dict[str, tuple[Path, 
         return {}
     binary = llama_cpp.build_server()
     return {e: (binary, llama_cpp.convert_gguf(model_dir, e.rsplit("-", 1)[1])) for e in wanted}
+
+
+def prepare_ggufs(engines: list[str], model_dir: Path) -> dict[str, Path]:
+    """The llama.cpp-converted GGUFs that the requested RADIXSERVE_GGUF_ENGINES serve (the same
+    cached files as the llama-server engines of those formats)."""
+    return {
+        e: llama_cpp.convert_gguf(model_dir, RADIXSERVE_GGUF_ENGINES[e])
+        for e in engines
+        if e in RADIXSERVE_GGUF_ENGINES
+    }
 
 
 def run_plan(
@@ -430,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     try:
         llama = prepare_llama(args.engines, model_dir)
+        ggufs = prepare_ggufs(args.engines, model_dir)
     except llama_cpp.PeerSetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -442,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     context = {"command": command, "machine": machine, "threads": args.threads}
     for repeat in range(args.repeats):
         pass_context = {**context, "repeat": repeat}
-        for plan in server_plans(args, llama):
+        for plan in server_plans(args, llama, ggufs):
             try:
                 run_plan(plan, args, model_dir, log_dir, results, pass_context)
             except (ServerStartError, SystemExit) as e:  # bench_serving exits when its warm-up fails

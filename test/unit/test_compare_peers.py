@@ -47,6 +47,25 @@ def test_quantized_engines_are_named_and_run_with_their_flags(monkeypatch):
     assert "/m-llama-server-q4_1.gguf" in plans[-1].make_cmd(1234)
 
 
+def test_radixserve_serves_the_q8_0_file_llama_server_serves(monkeypatch):
+    converted = []
+
+    def convert(model_dir, outtype):
+        converted.append(outtype)
+        return Path(f"/cache/peers/gguf/m-{outtype}.gguf")
+
+    monkeypatch.setattr(llama_cpp, "convert_gguf", convert)
+    args = compare_peers.parse_args(["--engines", "radixserve-gguf-q8_0,llama-server-q8_0"])
+    ggufs = compare_peers.prepare_ggufs(args.engines, Path("/model"))
+    assert converted == ["q8_0"]
+    # llama-server-q8_0 gets its file from prepare_llama, the same convert_gguf(model_dir, "q8_0").
+    fake = {"llama-server-q8_0": (Path("/bin/llama-server"), Path("/cache/peers/gguf/m-q8_0.gguf"))}
+    plans = compare_peers.server_plans(args, fake, ggufs)
+    assert plans[0].label == "radixserve-gguf-q8_0" and plans[0].backend == "radixserve"
+    assert plans[0].make_cmd(1234)[-2:] == ["--model-path", "/cache/peers/gguf/m-q8_0.gguf"]
+    assert "/cache/peers/gguf/m-q8_0.gguf" in plans[1].make_cmd(1234)
+
+
 def test_the_q4_1_peer_serves_the_built_in_models_own_file(monkeypatch):
     monkeypatch.setattr(
         "radixserve.model_loader.default_model.find_default_gguf", lambda: "/wheel/SmolLM2.Q4_1.gguf"
