@@ -2,6 +2,7 @@
 
     python benchmark/bench_wq_linear.py                       # M = 1 4 16
     python benchmark/bench_wq_linear.py --tokens 1 --repeats 50
+    python benchmark/bench_wq_linear.py --lm-head-only --tokens 1 2 4 8 16
 
 One decode step's decoder weights (30 layers of qkv / o / gate_up / down, each its own tensor so
 they stream from memory as in a real step) in two weight-only forms:
@@ -123,6 +124,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--no-lm-head", action="store_true", help="only the decoder layers")
+    parser.add_argument(
+        "--lm-head-only",
+        action="store_true",
+        help="only the LM head (w8a8_int8's head: the Q8_0-like form against linear_int8 and the fp32/fp16 ones)",
+    )
     args = parser.parse_args()
     if not cpu_kernels.linear_wq_isas():
         raise SystemExit(
@@ -130,12 +136,13 @@ def main() -> None:
         )
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads, linear_wq paths: {cpu_kernels.linear_wq_isas()}")
-    bench(
-        f"decoder ({LAYERS} layers)",
-        [s for _ in range(LAYERS) for s in LINEAR_SHAPES],
-        args.tokens,
-        args.repeats,
-    )
+    if not args.lm_head_only:
+        bench(
+            f"decoder ({LAYERS} layers)",
+            [s for _ in range(LAYERS) for s in LINEAR_SHAPES],
+            args.tokens,
+            args.repeats,
+        )
     if not args.no_lm_head:
         bench("LM head (3 copies)", [(VOCAB, HIDDEN)] * 3, args.tokens, args.repeats)
 

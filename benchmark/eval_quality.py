@@ -7,9 +7,16 @@ teacher-forced greedy agreement with the fp32 model.
 
 Each variant starts an Engine with its server arguments and reads back the log-probability of every
 token of the text given the tokens before it (prompt logprobs), with the top-1 token at each
-position. The text is prefilled in chunks of --chunk tokens (--chunked-prefill-size), 16 by
-default, so every forward runs at a batch size where the weight-only modes read their quantized
-forms (layers/linear.py's WQ_MAX_TOKENS), as decode does.
+position. The text is prefilled in chunks of --chunk tokens (--chunked-prefill-size).
+
+What is scored is the model decode serves, whatever the chunk: the decoder layers of every mode
+compute the same numbers at every batch size (W8A8 runs its int8 kernel at all sizes; a
+weight-only layer's fp32 weight is its form's exact dequantization), and prompt logprobs score the
+LM head in blocks of at most WQ_MAX_TOKENS rows, which read the head's quantized form where it has
+one (layers/logits_processor.py's head_logits): w8a8_int8's int8 head, gguf's file tensor. The
+chunk changes only summation order and speed: at 16 (the default) the weight-only modes' decoder
+layers run linear_wq, at 512 oneDNN's GEMM over their dequantized weights (much faster where
+sgl-kernel's linear_wq is not built).
 
 - perplexity: exp(-mean log p(token | the tokens before it)) over the text after its first token;
 - greedy agreement: the share of positions where the variant's most likely next token is fp32's;
