@@ -193,11 +193,21 @@ def test_weight_update_requantizes(tiny_model_dir):
     path = str(tiny_model_dir("llama"))
     worker = _worker(path, quantization="w8a8_int8")
     layer = worker.model_runner.model.model.layers[0].mlp.down_proj
-    before = layer.weight_int8.clone()
+    head = worker.model_runner.lm_head
+    before, head_before = layer.weight_int8.clone(), head.weight_wq
     with torch.no_grad():
         layer.weight.mul_(-1.0)
+        head.weight.mul_(-1.0)
     worker.model_runner.weights.rebuild_derived()
     assert torch.equal(layer.weight_int8, -before)
+    # The head's int8 form is made again from its new fp32 weight (the symmetric grid: -q).
+    assert torch.equal(head.weight_wq.qweight, -head_before.qweight)
+    assert torch.equal(head.weight_wq.scales, head_before.scales)
+    # Released weights have no forms; resumed ones get them again.
+    worker.model_runner.weights.release_weights()
+    assert head.weight_wq is None
+    worker.model_runner.weights.resume_weights()
+    assert head.weight_wq is not None and head.weight_wq.out_features == head.weight.shape[0]
 
 
 BUILTIN_PROMPTS = [
