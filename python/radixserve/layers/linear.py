@@ -251,8 +251,8 @@ def quantize_linears(modules: list[nn.Module]) -> None:
 def quantize_lm_head(lm_head: nn.Module | None) -> None:
     """--quantization w8a8_int8: give the LM head (the runner's Linear, or a TP rank's block of it)
     an int8 weight-only form in groups of LM_HEAD_GROUP inputs, read by batches of up to
-    WQ_MAX_TOKENS tokens (decode, a prefill's last-token logits). The fp32 weight stays as it is:
-    it is the tied embedding's, and larger batches use it. Weight-only rather than W8A8 keeps the
+    WQ_MAX_TOKENS tokens (decode, a prefill's last-token logits). The fp32 weight stays as it is
+    (in a tied model it is the embedding's), and larger batches use it. Weight-only rather than W8A8 keeps the
     head's error far below the decoder's (docs/quantization.md). Logs what it did."""
     head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead under TP: this rank's vocab block
     if not isinstance(head, Linear) or head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
