@@ -134,7 +134,9 @@ class ServerArgs:
         "checkpoint (GPTQ or AWQ int4, compressed-tensors W8A8 int8) selects its method from "
         "config.json's quantization_config without the flag; a flag naming another method is an "
         "error. unquant: none (a GGUF file then serves dequantized to fp32). Other SGLang names (fp8, "
-        "bitsandbytes, ...) are refused at start. Default: the checkpoint's, else none (fp32).",
+        "bitsandbytes, ...) are refused at start. Default: the checkpoint's; the built-in model on CPU: "
+        "gguf (its own tensors, the fp32 weights exactly; fp32 where sgl-kernel lacks linear_wq or with "
+        "--cpu-fp16-weights, --cpu-bf16-gemm, --dtype, --is-embedding, --load-format dummy); else none (fp32).",
     )
     torchao_config: str = _f(
         "",
@@ -486,10 +488,12 @@ class ServerArgs:
             updates["cpu_threads"] = os.cpu_count() or 1
         if self.speculative_algorithm is not None:
             updates.update(speculative_updates(self, device))
+        from radixserve.configs.default_format import default_quantization
         from radixserve.configs.quant_args import gguf_updates
 
         updates.update(gguf_updates(self))  # a GGUF --model-path: --quantization gguf (SGLang's rule)
-        quantization = updates.get("quantization", self.quantization)
+        # The built-in model without a format flag: its own GGUF tensors on CPU (logged), else fp32.
+        quantization = updates.get("quantization", self.quantization) or default_quantization(self, device)
         if quantization is None or quantization in QUANTIZATION_METHODS:  # other names: validate() says
             # A pre-quantized checkpoint selects its method; a conflicting flag (unquant too) is an error.
             quantization = resolve_quantization(quantization, self.model_path)

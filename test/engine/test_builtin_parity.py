@@ -33,7 +33,11 @@ def test_builtin_greedy_matches_hf(builtin_path):
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_path)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    args = ServerArgs(model_path=builtin_path, max_total_tokens=2048, max_running_requests=8).resolve()
+    # The fp32 reference, pinned: HF parity is exact-token; the served default (--quantization
+    # gguf, the same weights) is checked against this fp32 model in test_builtin_default_format.py.
+    args = ServerArgs(
+        model_path=builtin_path, quantization="unquant", max_total_tokens=2048, max_running_requests=8
+    ).resolve()
     worker = TpModelWorker(args, ModelConfig.from_path(builtin_path))
     runner = StaticBatchRunner(worker, return_logprob=True)
     reqs = [StaticReq(p, SamplingParams(max_new_tokens=32, temperature=0.0)) for p in prompts]

@@ -1,0 +1,55 @@
+"""The built-in model served as the user gets it without flags: from its own GGUF tensors
+(--quantization gguf, configs/default_format.py), against the fp32 reference one flag away
+(--quantization unquant). Both hold the same weights (the fp32 model is the Q4_1 file dequantized,
+and every form dequantizes to exactly its layer's weight, checked at load), so greedy decoding
+agrees token for token and log-probabilities differ only by fp32 summation order (measured
+teacher-forced: < 5e-5, test_gguf_quantization.py). The bound here, 2e-3, is 40x that and far
+below what one wrong weight group or a misread scale moves (test_quantization.py's int8 models
+move them by 0.1-1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve import Engine
+from radixserve.layers.group_quant import WQ_KERNEL
+
+pytestmark = [
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not WQ_KERNEL, reason="without sgl-kernel's linear_wq the default is fp32"),
+]
+
+PROMPTS = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "The three primary colors are",
+    "def fibonacci(n):",
+]
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+LOGPROB_TOLERANCE = 2e-3
+
+
+def _greedy(**kw: object) -> tuple[str | None, list[dict]]:
+    with Engine(max_total_tokens=2048, log_level="warning", **kw) as engine:
+        out = engine.generate(PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        return engine.server_args.quantization, out
+
+
+def _logprobs(out: dict) -> list[float]:
+    return [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_builtin_default_serves_gguf_and_decodes_as_fp32(builtin_model_path) -> None:
+    fp32_method, ref = _greedy(quantization="unquant")
+    method, got = _greedy()
+    assert (fp32_method, method) == (None, "gguf")
+    for r, g in zip(ref, got):
+        assert g["output_ids"] == r["output_ids"]
+        assert g["text"] == r["text"]
+        assert max(abs(a - b) for a, b in zip(_logprobs(r), _logprobs(g))) < LOGPROB_TOLERANCE
+    # Self-speculation (the target's first layers as the draft) shares the layers, and so their
+    # GGUF forms: it keeps the default and its greedy output.
+    method, spec = _greedy(
+        speculative_algorithm="STANDALONE", speculative_draft_layers=12, speculative_eagle_topk=1
+    )
+    assert method == "gguf"
+    assert [s["output_ids"] for s in spec] == [g["output_ids"] for g in got]
