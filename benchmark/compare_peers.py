@@ -37,6 +37,7 @@ from peers.process import ServerProcess, ServerStartError, free_port
 # linears as bf16 GEMMs); it runs only where the CPU has native bf16 (AVX512_BF16 or AMX).
 ENGINES = (
     "radixserve",
+    "radixserve-fp32",
     "radixserve-fp16",
     "radixserve-bf16gemm",
     "radixserve-int8",
@@ -48,20 +49,24 @@ ENGINES = (
     "llama-server-q4_1",
     "hf",
 )
-# The default run: the unquantized formats of both servers (quantized ones are asked for by name:
-# docs/benchmarks.md has the command).
+# The default run: radixserve as it starts without flags (the built-in model's own GGUF tensors,
+# where sgl-kernel has linear_wq: docs/quantization.md), and the unquantized formats of both
+# servers (other quantized ones are asked for by name: docs/benchmarks.md has the command).
 DEFAULT_ENGINES = (
     "radixserve",
+    "radixserve-fp32",
     "radixserve-fp16",
     "radixserve-bf16gemm",
     "llama-server-f16",
     "llama-server-f32",
     "hf",
 )
-# Engines that are radixserve with extra flags. radixserve-int8 (--quantization w8a8_int8) is the
+# Engines that are radixserve with extra flags. radixserve-fp32 (--quantization unquant) is the
+# fp32 model the built-in default's GGUF tensors dequantize to. radixserve-int8 (w8a8_int8) is the
 # counterpart of llama-server's Q8_0; radixserve-gguf (--quantization gguf) and llama-server-q4_1
 # both serve the built-in model's own Q4_1 file.
 RADIXSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "radixserve-fp32": ("--quantization", "unquant"),
     "radixserve-fp16": ("--cpu-fp16-weights",),
     "radixserve-int8": ("--quantization", "w8a8_int8"),
     "radixserve-gguf": ("--quantization", "gguf"),

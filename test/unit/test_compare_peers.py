@@ -22,6 +22,7 @@ def test_defaults_are_the_full_run():
     assert args.engines == list(compare_peers.DEFAULT_ENGINES)
     assert compare_peers.DEFAULT_ENGINES == (
         "radixserve",
+        "radixserve-fp32",
         "radixserve-fp16",
         "radixserve-bf16gemm",
         "llama-server-f16",
@@ -42,6 +43,9 @@ def test_quantized_engines_are_named_and_run_with_their_flags(monkeypatch):
     fake = {e: (Path("/bin/llama-server"), Path(f"/m-{e}.gguf")) for e in args.engines[1:]}
     plans = compare_peers.server_plans(args, fake)
     assert plans[0].make_cmd(1234)[-2:] == ["--quantization", "w8a8_int8"]
+    # The fp32 reference of the built-in model's default (its GGUF tensors) is one flag away.
+    fp32 = compare_peers.server_plans(compare_peers.parse_args(["--engines", "radixserve-fp32"]), {})
+    assert fp32[0].make_cmd(1234)[-2:] == ["--quantization", "unquant"]
     # One llama-server per workload group (random, shared prefix).
     assert [p.label for p in plans[1:]] == ["llama-server-q8_0"] * 2 + ["llama-server-q4_1"] * 2
     assert "/m-llama-server-q4_1.gguf" in plans[-1].make_cmd(1234)
