@@ -44,8 +44,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int4wo-128": {"torchao_config": "int4wo-128"},
 }
 LABELS = {
-    "fp32": "fp32 (default)",
-    "gguf": "`--quantization gguf`",
+    "fp32": "fp32 (`--quantization unquant`)",
+    "gguf": "`--quantization gguf` (the default)",
     "w8a8_int8": "`--quantization w8a8_int8`",
     "int8wo": "`--torchao-config int8wo`",
     "int4wo-64": "`--torchao-config int4wo-64`",

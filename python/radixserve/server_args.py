@@ -136,7 +136,8 @@ class ServerArgs:
         "error. unquant: none (a GGUF file then serves dequantized to fp32). Other SGLang names (fp8, "
         "bitsandbytes, ...) are refused at start. Default: the checkpoint's; the built-in model on CPU: "
         "gguf (its own tensors, the fp32 weights exactly; fp32 where sgl-kernel lacks linear_wq or with "
-        "--cpu-fp16-weights, --cpu-bf16-gemm, --dtype, --is-embedding, --load-format dummy); else none (fp32).",
+        "--cpu-fp16-weights, --cpu-bf16-gemm, a 16-bit --dtype, --is-embedding, --load-format dummy); else "
+        "none (fp32).",
     )
     torchao_config: str = _f(
         "",
