@@ -31,6 +31,18 @@ def test_int8_without_offsets() -> None:
     assert torch.equal(w.dequantize(), q.float() * 0.5)
 
 
+def test_strided_forms_dequantize_like_contiguous_ones() -> None:
+    """dequantize broadcasts the scales over [N, groups, group_size] views: forms over strided
+    tensors (every other row here) must give the same bits as their contiguous copies."""
+    w, expected = _int4(n=8)
+    rows = GroupQuantWeight(w.qweight[::2], w.scales[::2], w.offsets[::2], 32, 4)
+    assert not rows.qweight.is_contiguous()
+    assert torch.equal(rows.dequantize(), expected[::2])
+    q = torch.randint(-128, 128, (8, 32), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    w8 = GroupQuantWeight(q[::2], torch.rand(8, 2)[::2], None, 16, 8)
+    assert torch.equal(w8.dequantize(), q[::2].float() * w8.scales.repeat_interleave(16, 1))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
