@@ -8,34 +8,11 @@ from __future__ import annotations
 
 import pytest
 from scheduler_harness import SchedulerRun, shared_prefix_workload
-from spec_harness import SPEC, OracleDrafter, Workers, copy_workload, submit, use_oracle
+from spec_harness import SPEC, OracleDrafter, copy_workload, submit, use_oracle
 
 from radixserve.managers.io_struct import AbortReq
 
 WORKLOAD = shared_prefix_workload(seed=3, groups=2, per_group=4) + copy_workload(seed=3)
-
-
-@pytest.fixture(scope="module")
-def workers(tiny_model_dir):
-    return Workers(tiny_model_dir)
-
-
-@pytest.fixture
-def make_run(workers):
-    runs: list[SchedulerRun] = []
-
-    def factory(
-        backend: str, page_size: int, pool: int = 4096, kind: str = "llama", **overrides
-    ) -> SchedulerRun:
-        worker, args = workers.get(kind, backend, page_size, pool)
-        run = SchedulerRun(worker, args, **overrides)
-        runs.append(run)
-        return run
-
-    yield factory
-    for run in runs:
-        if not run.closed:
-            run.force_clean()
 
 
 def _plain(make_run, backend: str, page_size: int, workload=WORKLOAD, **kw) -> dict[str, list[int]]:

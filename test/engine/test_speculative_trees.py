@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 from scheduler_harness import EOS, SchedulerRun
-from spec_harness import SPEC, OracleDrafter, OracleState, OracleTreeDrafter, Workers, submit, use_oracle
+from spec_harness import SPEC, OracleDrafter, OracleState, OracleTreeDrafter, submit, use_oracle
 from test_speculative import WORKLOAD, _cached_sequences_are_accepted, _plain
 
 from radixserve.managers.io_struct import AbortReq
@@ -20,29 +20,6 @@ from radixserve.speculative.tree import DraftTree
 from radixserve.testing.tiny_models import TINY_VOCAB
 
 NGRAM_TREE = {**SPEC, "speculative_num_draft_tokens": 8, "speculative_ngram_max_bfs_breadth": 4}
-
-
-@pytest.fixture(scope="module")
-def workers(tiny_model_dir):
-    return Workers(tiny_model_dir)
-
-
-@pytest.fixture
-def make_run(workers):
-    runs: list[SchedulerRun] = []
-
-    def factory(
-        backend: str, page_size: int, pool: int = 4096, kind: str = "llama", **overrides
-    ) -> SchedulerRun:
-        worker, args = workers.get(kind, backend, page_size, pool)
-        run = SchedulerRun(worker, args, **overrides)
-        runs.append(run)
-        return run
-
-    yield factory
-    for run in runs:
-        if not run.closed:
-            run.force_clean()
 
 
 def _run(run: SchedulerRun, workload=WORKLOAD) -> dict[str, list[int]]:

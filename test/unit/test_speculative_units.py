@@ -201,8 +201,46 @@ def test_flags_resolve_and_refuse():
     assert speculative_updates(cuda, "cuda")["speculative_num_draft_tokens"] == 12
     with pytest.raises(ValueError, match="overlap loop"):
         ServerArgs(device="cpu", speculative_algorithm="NGRAM", enable_overlap_schedule=True).resolve()
-    with pytest.raises(ValueError, match="not implemented yet"):
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
         ServerArgs(device="cpu", speculative_algorithm="EAGLE").resolve()
+    with pytest.raises(ValueError, match="tp-size 1"):
+        ServerArgs(
+            device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", tp_size=2
+        ).resolve()
+    eagle = ServerArgs(
+        device="cpu", speculative_algorithm="EAGLE", speculative_draft_model_path="/x"
+    ).resolve()
+    assert (
+        eagle.speculative_num_steps,
+        eagle.speculative_eagle_topk,
+        eagle.speculative_num_draft_tokens,
+    ) == (
+        3,
+        1,
+        4,
+    )
+    eagle_cuda = dataclasses.replace(
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x"),
+        device="cuda",
+        attention_backend="torch_native",
+    )
+    up = speculative_updates(eagle_cuda, "cuda")  # SGLang's defaults for Llama targets
+    assert (
+        up["speculative_num_steps"],
+        up["speculative_eagle_topk"],
+        up["speculative_num_draft_tokens"],
+    ) == (
+        5,
+        4,
+        8,
+    )
+    eagle5 = ServerArgs(
+        device="cpu",
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path="/x",
+        speculative_num_steps=5,
+    ).resolve()
+    assert eagle5.speculative_num_draft_tokens == 6  # topk 1: num_steps + 1, as SGLang adjusts
     with pytest.raises(ValueError, match="takes a draft"):
         ServerArgs(device="cpu", speculative_algorithm="STANDALONE").resolve()
     with pytest.raises(ValueError, match="not both"):

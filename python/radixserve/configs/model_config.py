@@ -31,6 +31,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     *NON_GENERATION_ARCHITECTURES,
 )
+# Draft heads: loadable only as --speculative-draft-model-path (ModelConfig.from_path(draft_head=True)).
+EAGLE_HEAD_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -77,11 +79,12 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         is_embedding: bool = False,
+        draft_head: bool = False,
     ) -> ModelConfig:
         """Read `path`/config.json (never the hub) and derive every shape the engine sizes from."""
         path = _check_model_dir(path)
         hf_config = load_hf_config(path)
-        architecture = _get_architecture(hf_config, path)
+        architecture = _get_architecture(hf_config, path, draft_head)
         num_heads = int(hf_config.num_attention_heads)
         hidden_size = int(hf_config.hidden_size)
         is_generation = is_generation_model(architecture, is_embedding)
@@ -141,9 +144,11 @@ def load_hf_config(path: str) -> Any:
         raise ModelLoadError(f"Cannot read {path}/config.json: {exc}") from exc
 
 
-def _get_architecture(hf_config: Any, path: str) -> str:
+def _get_architecture(hf_config: Any, path: str, draft_head: bool = False) -> str:
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else None
+    if draft_head and architecture in EAGLE_HEAD_ARCHITECTURES:
+        return architecture
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise unsupported_architecture_error(architecture, SUPPORTED_ARCHITECTURES, path)
     return architecture

@@ -19,25 +19,27 @@ def speculative_updates(args: ServerArgs, device: str) -> dict[str, Any]:
             "when it builds the next batch. Drop --enable-overlap-schedule."
         )
     updates: dict[str, Any] = {"disable_overlap_schedule": True, "enable_mixed_chunk": False}
-    if args.speculative_eagle_topk is None:
+    if args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+        updates.update(_eagle_defaults(args, device))
+    if args.speculative_eagle_topk is None and "speculative_eagle_topk" not in updates:
         updates["speculative_eagle_topk"] = 1
     if args.speculative_ngram_max_bfs_breadth is None:
         updates["speculative_ngram_max_bfs_breadth"] = 1 if device == "cpu" else 10
     topk = updates.get("speculative_eagle_topk", args.speculative_eagle_topk)
     if topk > 1:  # a draft tree: num_steps levels of up to topk rows each
-        steps = args.speculative_num_steps
-        num = args.speculative_num_draft_tokens
+        steps = updates.get("speculative_num_steps", args.speculative_num_steps)
+        num = updates.get("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
         if steps is None:
             steps = 3 if num is None else -(-(num - 1) // topk)
         updates["speculative_num_steps"] = steps
         updates["speculative_num_draft_tokens"] = num if num is not None else 1 + topk * steps
         return updates
-    if args.speculative_num_draft_tokens is None:
+    if args.speculative_num_draft_tokens is None and "speculative_num_draft_tokens" not in updates:
         # A CPU verify forward costs more per extra token than a GPU one, so fewer drafts than
         # SGLang's 12 (not tuned by a sweep: docs/speculative_decoding.md).
         if args.speculative_num_steps is not None:
             updates["speculative_num_draft_tokens"] = args.speculative_num_steps + 1
-        elif args.speculative_algorithm == "STANDALONE":
+        elif args.speculative_algorithm in ("STANDALONE", "EAGLE", "EAGLE3"):
             updates["speculative_num_draft_tokens"] = 4  # SGLang's choice for STANDALONE: 3 steps
         elif device == "cpu":
             updates["speculative_num_draft_tokens"] = 8
@@ -46,6 +48,30 @@ def speculative_updates(args: ServerArgs, device: str) -> dict[str, Any]:
     num_draft = updates.get("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
     updates["speculative_num_steps"] = num_draft - 1
     return updates
+
+
+def _eagle_defaults(args: ServerArgs, device: str) -> dict[str, Any]:
+    """EAGLE / EAGLE3 with none of num-steps / topk / num-draft-tokens given: SGLang's choice for
+    Llama targets (5 steps, topk 4, 8 draft tokens) with torch-native attention off CPU (a chain of
+    5 with the backends that have no tree mask); on CPU a chain of 3 steps (4 verify rows), as
+    for STANDALONE: every verify row costs on CPU. With topk 1 the draft tokens follow
+    the steps (num-steps + 1), as SGLang adjusts them."""
+    given = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    if all(v is None for v in given):
+        if device == "cpu":
+            steps, topk, num = 3, 1, 4
+        elif args.attention_backend == "torch_native":
+            steps, topk, num = 5, 4, 8
+        else:  # no tree mask in the Triton / FlashInfer backends yet: SGLang's depth as a chain
+            steps, topk, num = 5, 1, 6
+        return {
+            "speculative_num_steps": steps,
+            "speculative_eagle_topk": topk,
+            "speculative_num_draft_tokens": num,
+        }
+    if args.speculative_eagle_topk in (None, 1) and args.speculative_num_steps is not None:
+        return {"speculative_eagle_topk": 1, "speculative_num_draft_tokens": args.speculative_num_steps + 1}
+    return {}
 
 
 def validate_speculative(args: ServerArgs) -> None:
@@ -57,10 +83,17 @@ def validate_speculative(args: ServerArgs) -> None:
     if algo not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
     if algo in ("EAGLE", "EAGLE3"):
-        raise ValueError(
-            f"--speculative-algorithm {algo} is not implemented yet (EAGLE heads); use NGRAM or "
-            "STANDALONE with --speculative-draft-layers (docs/speculative_decoding.md)"
-        )
+        if not args.speculative_draft_model_path:
+            raise ValueError(
+                f"--speculative-algorithm {algo} needs --speculative-draft-model-path: a folder with an "
+                f"{algo} head in the HF format (config.json + safetensors)"
+            )
+        if args.speculative_draft_layers:
+            raise ValueError(f"--speculative-draft-layers applies to STANDALONE, not {algo}")
+        if args.tp_size > 1:
+            raise ValueError(
+                f"--speculative-algorithm {algo} runs with --tp-size 1 for now (the head is not sharded)"
+            )
     if algo == "STANDALONE":
         if bool(args.speculative_draft_model_path) == bool(args.speculative_draft_layers):
             raise ValueError(

@@ -173,6 +173,12 @@ class ForwardBatch:
     # None for all. A model whose `returns_output_rows` is True then computes its last layer past
     # attention for those rows only and returns [len(output_rows), hidden_size].
     output_rows: torch.Tensor | None = None
+    # EAGLE heads (speculative/eagle_draft.py): the target keeps the residual stream entering each
+    # of these layers (the output of the layer before; EAGLE3's aux layers) in spec_hidden,
+    # concatenated [num_tokens, len * hidden_size]; ModelRunner.forward(capture_hidden=True) with
+    # no layers keeps the final normed states there instead (EAGLE).
+    capture_aux_layers: tuple[int, ...] = ()
+    spec_hidden: torch.Tensor | None = None
     attn_metadata: Any = field(default=None)
 
     @classmethod

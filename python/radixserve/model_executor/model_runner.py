@@ -243,19 +243,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ModelWorkerBatch, pp_proxy: PPProxyTensors | None = None
+        self,
+        batch: ModelWorkerBatch,
+        pp_proxy: PPProxyTensors | None = None,
+        capture_hidden: bool = False,
+        aux_layers: tuple[int, ...] = (),
     ) -> tuple[ForwardBatch, LogitsOutput | PPProxyTensors]:
         """Logits on the last pipeline stage; before it, the states the next stage continues from
-        (`pp_proxy` carries the previous stage's states into a later stage)."""
+        (`pp_proxy` carries the previous stage's states into a later stage). `capture_hidden`
+        (EAGLE heads) keeps every row's final states, or with `aux_layers` the states entering
+        those layers, in the returned ForwardBatch's spec_hidden."""
         if self.parallel.pp_size > 1:
             return self._forward_stage(batch, pp_proxy)
-        fast_path = self._decode_fast_path(batch)
+        # The fused decode stacks return the final states only.
+        fast_path = None if aux_layers else self._decode_fast_path(batch)
         # The fast paths read the pools themselves.
         fb = self.init_forward_batch(batch, init_attn_metadata=fast_path is None)
+        fb.capture_aux_layers = aux_layers
         if fast_path is not None:
             hidden = fast_path.replay(fb)  # [bs, hidden_size]
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+        if capture_hidden and not aux_layers:
+            fb.spec_hidden = hidden
         return fb, self.logits_processor(hidden, self.lm_head, fb)
 
     @torch.inference_mode()

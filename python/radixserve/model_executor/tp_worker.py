@@ -11,6 +11,7 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.draft_model import DraftModel
+from radixserve.speculative.eagle_draft import EagleDraft
 from radixserve.speculative.layer_skip_draft import LayerSkipDraft
 from radixserve.speculative.tree_kv import accepted_kv_moves, move_kv
 from radixserve.speculative.verify import accept_drafts
@@ -38,8 +39,10 @@ class TpModelWorker:
         self.device = runner.device
         # STANDALONE: drafts for verify steps from a separate draft model with its own KV pool, or
         # from the target's own first layers (self-speculation).
-        self.draft: LayerSkipDraft | DraftModel | None = None
-        if server_args.speculative_algorithm == "STANDALONE":
+        self.draft: LayerSkipDraft | DraftModel | EagleDraft | None = None
+        if server_args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+            self.draft = EagleDraft.from_server_args(runner, server_args)
+        elif server_args.speculative_algorithm == "STANDALONE":
             if server_args.speculative_draft_model_path:
                 self.draft = DraftModel.from_server_args(runner, server_args)
             else:
@@ -75,7 +78,14 @@ class TpModelWorker:
                 self.draft.fill_drafts(batch)
             else:  # the draft's own KV pool follows every token the target sees
                 self.draft.shadow(batch)
-        fb, out = self.model_runner.forward(batch, proxy)
+        # An EAGLE head reads the target's hidden states of every row it keeps.
+        eagle = self.draft if isinstance(self.draft, EagleDraft) else None
+        fb, out = self.model_runner.forward(
+            batch, proxy, capture_hidden=eagle is not None, aux_layers=eagle.aux_layers if eagle else ()
+        )
+        if eagle is not None and not fb.forward_mode.is_target_verify():
+            assert fb.spec_hidden is not None
+            eagle.after_target(batch, fb.spec_hidden, None)
         if isinstance(out, PPProxyTensors):
             assert self.stage_link is not None
             self.stage_link.send_hidden(out)
@@ -109,6 +119,9 @@ class TpModelWorker:
                 )
                 if batch.spec_tree_parents is not None:
                     self._compact_accepted_kv(batch, paths)
+                if eagle is not None:  # the head's K/V of the accepted tokens, from the target's states
+                    assert fb.spec_hidden is not None
+                    eagle.after_target(batch, fb.spec_hidden, paths)
 
         if batch.delay_sample_launch:
             result.delay_sample_func = sample

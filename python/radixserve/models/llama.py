@@ -182,8 +182,17 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
         else:
             hidden, residual = pp_proxy.hidden, pp_proxy.residual
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        capture = forward_batch.capture_aux_layers
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers[self.start_layer : self.end_layer], start=self.start_layer):
+            if capture and i in capture:  # EAGLE3: the residual stream entering layer i
+                # (a copy: the compiled residual-add norm updates `residual` in place)
+                aux.append(hidden.clone() if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if capture:
+            if self.end_layer in capture:
+                aux.append(hidden + residual)
+            forward_batch.spec_hidden = torch.cat(aux, dim=-1)
         if not self.is_last_stage:
             return PPProxyTensors(hidden, residual)
         assert self.norm is not None

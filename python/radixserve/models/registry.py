@@ -7,6 +7,7 @@ from torch import nn
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.models.bert import BertForSequenceClassification, BertModel
 from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.llama_eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.sequence_classification import (
@@ -18,6 +19,9 @@ from radixserve.models.xlm_roberta import XLMRobertaForSequenceClassification, X
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    # EAGLE / EAGLE3 draft heads: loaded only as --speculative-draft-model-path (eagle_draft.py)
+    "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
+    "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,21 +44,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DraftModel:
-    def __init__(self, target: ModelRunner, config: ModelConfig, server_args: ServerArgs) -> None:
-        target_config = target.model_config
-        if config.vocab_size != target_config.vocab_size:
-            raise ValueError(
-                f"The draft model's vocabulary ({config.vocab_size} tokens) differs from the target's "
-                f"({target_config.vocab_size}): --speculative-draft-model-path needs a model with the "
-                "target's tokenizer"
-            )
+class DraftRuntime:
+    """What every separate draft model has (DraftModel here, EAGLE heads in eagle_draft.py): its
+    weights (CPU-prepared), its own KV pool over the target's slots, and its own attention backend
+    (a backend keeps the metadata of the forward it was set up for)."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        config: ModelConfig,
+        server_args: ServerArgs,
+        extra_linears: Callable[[torch.nn.Module], list[torch.nn.Module]] = lambda model: [],
+    ) -> None:
         start = time.perf_counter()
+        self.config = config
         self.model = load_model(config, server_args.load_format, target.device, parallel=ModelParallelism())
-        self.lm_head = make_lm_head(self.model.lm_head_weight, config.vocab_size, ModelParallelism().tp)
+        self.extra = extra_linears(self.model)  # e.g. the LM head as a Linear: CPU-prepared too
         if target.device.type == "cpu" and config.dtype == torch.float32:
             prepare_cpu_linears(
-                [self.model, self.lm_head], fp16=False, prepack=not server_args.disable_cpu_weight_prepack
+                [self.model, *self.extra], fp16=False, prepack=not server_args.disable_cpu_weight_prepack
             )
         self.req_to_token_pool = target.req_to_token_pool
         self.kv_pool = MHATokenToKVPool(
@@ -69,13 +74,10 @@ class DraftModel:
             config.head_dim,
             target.device,
         )
-        # Its own backend instance: a backend keeps the metadata of the forward it was set up for.
         self.attn_backend = create_attention_backend(
             server_args.attention_backend or "torch_native", target.device
         )
         self.device = target.device
-        self.topk = server_args.speculative_eagle_topk or 1  # > 1: draft trees (draft_tree.py)
-        self.num_steps = server_args.speculative_num_steps or 0
         logger.info(
             "Draft model loaded in %.1f s (%s, %d layers; KV pool %.2f GiB, the target's %d slots)",
             time.perf_counter() - start,
@@ -89,6 +91,40 @@ class DraftModel:
             target.max_total_num_tokens,
         )
 
+    def forward_batch(self, batch: ModelWorkerBatch, req_to_token_pool: object | None = None) -> ForwardBatch:
+        """The ForwardBatch of `batch` over the draft's pool (and the target's req_to_token table
+        unless another view of it is given)."""
+        return ForwardBatch.init_new(
+            batch,
+            req_to_token_pool or self.req_to_token_pool,  # type: ignore[arg-type]
+            self.kv_pool,
+            self.attn_backend,
+            self.device,
+        )
+
+
+class DraftModel:
+    def __init__(self, target: ModelRunner, config: ModelConfig, server_args: ServerArgs) -> None:
+        target_config = target.model_config
+        if config.vocab_size != target_config.vocab_size:
+            raise ValueError(
+                f"The draft model's vocabulary ({config.vocab_size} tokens) differs from the target's "
+                f"({target_config.vocab_size}): --speculative-draft-model-path needs a model with the "
+                "target's tokenizer"
+            )
+        self.runtime = DraftRuntime(
+            target,
+            config,
+            server_args,
+            lambda model: [make_lm_head(model.lm_head_weight, config.vocab_size, ModelParallelism().tp)],
+        )
+        self.model = self.runtime.model
+        self.lm_head = self.runtime.extra[0]
+        self.kv_pool = self.runtime.kv_pool
+        self.req_to_token_pool = self.runtime.req_to_token_pool  # the target's: slots are shared
+        self.topk = server_args.speculative_eagle_topk or 1  # > 1: draft trees (draft_tree.py)
+        self.num_steps = server_args.speculative_num_steps or 0
+
     @classmethod
     def from_server_args(cls, target: ModelRunner, server_args: ServerArgs) -> DraftModel:
         assert server_args.speculative_draft_model_path is not None
@@ -101,9 +137,7 @@ class DraftModel:
         return cls(target, config, server_args)
 
     def _forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
-        fb = ForwardBatch.init_new(
-            batch, self.req_to_token_pool, self.kv_pool, self.attn_backend, self.device
-        )
+        fb = self.runtime.forward_batch(batch)
         return self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
 
     @torch.inference_mode()

@@ -128,3 +128,81 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)
     return ids[len(prompt) :], logprobs
+
+
+TINY_DRAFT_VOCAB = 96  # EAGLE3's reduced draft vocabulary in the tiny heads
+
+
+def make_tiny_eagle_head(
+    kind: str,
+    path: str | Path,
+    seed: int = 0,
+    aux_layer_ids: list[int] | None = None,
+    with_embedding: bool = True,
+) -> Path:
+    """A random EAGLE ('eagle') or EAGLE3 ('eagle3') head for the tiny 'llama' target, in the HF
+    format SGLang loads: config.json + model.safetensors with the real checkpoints' key names.
+    EAGLE: fc (2h -> h, bias), layers.0.* without input_layernorm (and an embed_tokens the engine
+    ignores, as real checkpoints carry one). EAGLE3: fc (3h -> h), midlayer.* (q/k/v over 2h,
+    hidden_norm), norm, lm_head over TINY_DRAFT_VOCAB tokens, d2t / t2d. `aux_layer_ids` goes to
+    eagle_config.eagle_aux_hidden_state_layer_ids (the tiny target has too few layers for SGLang's
+    default choice)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    target = {**_COMMON, **TINY_CONFIGS["llama"]}
+    target.pop("model_type")
+    h, inter = target["hidden_size"], target["intermediate_size"]
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    d = h // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.25) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight() -> torch.Tensor:
+        return torch.rand(h, generator=gen) + 0.5
+
+    attn_in = h if kind == "eagle" else 2 * h
+    layer = {
+        "self_attn.q_proj.weight": rand(heads * d, attn_in),
+        "self_attn.k_proj.weight": rand(kv_heads * d, attn_in),
+        "self_attn.v_proj.weight": rand(kv_heads * d, attn_in),
+        "self_attn.o_proj.weight": rand(h, heads * d),
+        "mlp.gate_proj.weight": rand(inter, h),
+        "mlp.up_proj.weight": rand(inter, h),
+        "mlp.down_proj.weight": rand(h, inter),
+        "post_attention_layernorm.weight": norm_weight(),
+    }
+    config: dict[str, Any] = {**target, "num_hidden_layers": 1, "torch_dtype": "float32"}
+    if kind == "eagle":
+        config["architectures"] = ["LlamaForCausalLMEagle"]
+        tensors = {f"layers.0.{k}": v for k, v in layer.items()}
+        tensors["fc.weight"] = rand(h, 2 * h, std=0.125)
+        tensors["fc.bias"] = rand(h, std=0.1)
+        if with_embedding:
+            tensors["embed_tokens.weight"] = rand(TINY_VOCAB, h)
+    elif kind == "eagle3":
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        config["draft_vocab_size"] = TINY_DRAFT_VOCAB
+        if aux_layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+        layer["input_layernorm.weight"] = norm_weight()
+        layer["hidden_norm.weight"] = norm_weight()
+        tensors = {f"midlayer.{k}": v for k, v in layer.items()}
+        tensors["fc.weight"] = rand(h, 3 * h, std=0.1)
+        tensors["norm.weight"] = norm_weight()
+        tensors["lm_head.weight"] = rand(TINY_DRAFT_VOCAB, h)
+        hot = torch.randperm(TINY_VOCAB - 3, generator=gen)[:TINY_DRAFT_VOCAB].sort().values + 3
+        tensors["d2t"] = hot - torch.arange(TINY_DRAFT_VOCAB)
+        t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
+        t2d[hot] = True
+        tensors["t2d"] = t2d
+        if with_embedding:
+            tensors["embed_tokens.weight"] = rand(TINY_VOCAB, h)
+    else:
+        raise ValueError(f"unknown EAGLE head kind {kind!r} (eagle, eagle3)")
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}, indent=1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
