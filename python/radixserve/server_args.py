@@ -356,14 +356,15 @@ class ServerArgs:
         None,
         "Speculative decoding: NGRAM drafts from n-grams of each request's own prompt and output (no "
         "draft model); STANDALONE drafts with a separate draft model (--speculative-draft-model-path) "
-        "or with the target's first --speculative-draft-layers layers (self-speculation). EAGLE / "
-        "EAGLE3 are refused at start: not implemented yet.",
+        "or with the target's first --speculative-draft-layers layers (self-speculation); EAGLE / "
+        "EAGLE3 draft with an EAGLE head (--speculative-draft-model-path) reading the target's hidden states.",
         choices=SPECULATIVE_ALGORITHMS,
     )
     speculative_draft_model_path: str | None = _f(
         None,
         "STANDALONE: the draft model's folder (a smaller model with the target's tokenizer; its own KV "
-        "pool with the target's slots). EAGLE heads are not implemented yet.",
+        "pool with the target's slots); EAGLE / EAGLE3: the head's folder (HF format, "
+        "LlamaForCausalLMEagle / LlamaForCausalLMEagle3).",
     )
     speculative_draft_layers: int | None = _f(
         None,
@@ -373,19 +374,19 @@ class ServerArgs:
     speculative_num_steps: int | None = _f(
         None,
         "Draft steps per round (draft-model algorithms): the depth of the draft tree. Default: "
-        "num_draft_tokens - 1 for a chain; 3 for a tree (--speculative-eagle-topk > 1).",
+        "num_draft_tokens - 1 for a chain; 3 for a tree (--speculative-eagle-topk > 1); EAGLE on CPU: 3.",
     )
     speculative_eagle_topk: int | None = _f(
         None,
-        "STANDALONE: branching of the draft tree; each draft step keeps the topk most likely "
+        "STANDALONE / EAGLE: branching of the draft tree; each draft step keeps the topk most likely "
         "continuations (by the draft's cumulative probability). 1 (the default) drafts a chain.",
     )
     speculative_num_draft_tokens: int | None = _f(
         None,
         "Tokens per request in one verify forward: the last accepted token plus up to this many "
         "minus one drafted ones. Default: --speculative-num-steps + 1 when set; else NGRAM: 8 on CPU, "
-        "--speculative-ngram-max-match-window-size on CUDA; STANDALONE: 4 (a chain), 1 + topk x "
-        "num_steps (a tree).",
+        "--speculative-ngram-max-match-window-size on CUDA; STANDALONE / EAGLE: 4 (a chain), 1 + topk x "
+        "num_steps (a tree); EAGLE off CPU with torch-native attention: SGLang's 5 steps, topk 4, 8 tokens.",
     )
     speculative_ngram_min_match_window_size: int = _f(
         1, "NGRAM: shortest suffix of the context that must match an earlier n-gram to draft."

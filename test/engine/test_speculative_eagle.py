@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from scheduler_harness import shared_prefix_workload
 from test_speculative import WORKLOAD, _cached_sequences_are_accepted, _plain
 
 from radixserve.configs.model_config import ModelConfig
@@ -76,8 +77,10 @@ def _spec(kind: str, head: str, topk: int) -> dict:
 class _Eagle:
     """An EagleDraft installed on a shared worker for one test (the worker has none otherwise)."""
 
-    def __init__(self, workers, kind: str, head: str, backend: str, page_size: int, topk: int) -> None:
-        self.worker, args = workers.get("llama", backend, page_size)
+    def __init__(
+        self, workers, kind: str, head: str, backend: str, page_size: int, topk: int, pool: int = 4096
+    ) -> None:
+        self.worker, args = workers.get("llama", backend, page_size, pool)
         self.spec = _spec(kind, head, topk)
         config = ModelConfig.from_path(head, dtype="float32", draft_head=True)
         self.draft = EagleDraft(
@@ -143,6 +146,24 @@ def test_eagle_abort_mid_speculation(kind, heads, workers, make_run):
                 assert got == reference[rid][: len(got)]
             else:
                 assert got == reference[rid]
+        run.close()
+
+
+@pytest.mark.parametrize(("kind", "page_size", "topk"), [("eagle", 16, 2), ("eagle3", 1, 1)])
+def test_eagle_retraction_and_chunked_prefill(kind, page_size, topk, heads, workers, make_run):
+    """A pool just above one request's need (retractions) and 64-token prefill chunks (a chunk's
+    first pair reads the previous chunk's last state from the pool): exact, and the head's K/V of
+    every cached slot still matches the from-scratch computation."""
+    workload = shared_prefix_workload(seed=1)
+    largest = max(len(p) + n for _, p, n in workload)
+    pool = -(-(largest + 8) // page_size) * page_size
+    reference = _plain(make_run, "cpu", page_size, workload=workload, pool=pool, chunked_prefill_size=64)
+    with _Eagle(workers, kind, heads[kind], "cpu", page_size, topk, pool=pool) as draft:
+        run = make_run("cpu", page_size, pool=pool, chunked_prefill_size=64, **_spec(kind, heads[kind], topk))
+        assert _run(run, workload) == reference
+        stats = run.scheduler.output.stats
+        assert stats.num_retracted_reqs > 0 and stats.spec_num_rounds > 0, vars(stats)
+        _head_kv_matches(draft, run, heads[kind], kind)
         run.close()
 
 

@@ -157,6 +157,8 @@ class EagleDraft:
         """Store the target's hidden states of the rows it keeps and run the head over those
         positions (the draft extend). `paths`: a verify step's accepted rows per request (root
         excluded); None when every row is kept (prefill, decode)."""
+        if hidden.shape[0] == 0:  # an idle batch
+            return
         h = self.model.project(hidden)  # [num_tokens, hidden]
         bs = batch.batch_size
         if batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None:
