@@ -338,6 +338,6 @@ def test_worker_builds_the_head_from_server_args(heads, tiny_model_dir):
     )
     worker = TpModelWorker(args, ModelConfig.from_path(target, dtype="float32"))
     assert isinstance(worker.draft, EagleDraft) and worker.draft.aux_layers == (0, 1, 2)
-    assert worker.draft.hidden_pool.shape == (512, 64)
+    assert worker.draft.hidden_pool.shape == (512 + 1, 64)  # a row per KV slot, padding page included
     with pytest.raises(ModelLoadError, match="Unsupported model architecture"):
         ModelConfig.from_path(heads["eagle3"])  # a head is no target model

@@ -108,8 +108,12 @@ class EagleDraft:
         self.target_table = target.req_to_token_pool
         self.table = ShiftedTable(target.req_to_token_pool)
         self.vocab_size = tc.vocab_size
+        # Indexed by KV slot, like the KV pools (whose page 0 is padding: size + page_size rows).
         self.hidden_pool = torch.zeros(
-            target.max_total_num_tokens, config.hidden_size, dtype=config.dtype, device=target.device
+            target.max_total_num_tokens + target.page_size,
+            config.hidden_size,
+            dtype=config.dtype,
+            device=target.device,
         )
         self.topk = server_args.speculative_eagle_topk or 1
         self.num_steps = server_args.speculative_num_steps or 0
