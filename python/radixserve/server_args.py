@@ -386,7 +386,7 @@ class ServerArgs:
         "Tokens per request in one verify forward: the last accepted token plus up to this many "
         "minus one drafted ones. Default: --speculative-num-steps + 1 when set; else NGRAM: 8 on CPU, "
         "--speculative-ngram-max-match-window-size on CUDA; STANDALONE / EAGLE: 4 (a chain), 1 + topk x "
-        "num_steps (a tree); EAGLE off CPU with torch-native attention: SGLang's 5 steps, topk 4, 8 tokens.",
+        "num_steps (a tree); EAGLE off CPU with triton or torch-native attention: SGLang's 5 steps, topk 4, 8 tokens.",
     )
     speculative_ngram_min_match_window_size: int = _f(
         1, "NGRAM: shortest suffix of the context that must match an earlier n-gram to draft."

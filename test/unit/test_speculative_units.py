@@ -234,6 +234,11 @@ def test_flags_resolve_and_refuse():
         4,
         8,
     )
+    # CUDA's default backend (triton, None before resolve) has a tree mask; FlashInfer has none.
+    for backend, expected in ((None, (5, 4, 8)), ("triton", (5, 4, 8)), ("flashinfer", (5, 1, 6))):
+        up = speculative_updates(dataclasses.replace(eagle_cuda, attention_backend=backend), "cuda")
+        got = (up["speculative_num_steps"], up["speculative_eagle_topk"], up["speculative_num_draft_tokens"])
+        assert got == expected, backend
     eagle5 = ServerArgs(
         device="cpu",
         speculative_algorithm="EAGLE",

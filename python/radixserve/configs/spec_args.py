@@ -52,17 +52,17 @@ def speculative_updates(args: ServerArgs, device: str) -> dict[str, Any]:
 
 def _eagle_defaults(args: ServerArgs, device: str) -> dict[str, Any]:
     """EAGLE / EAGLE3 with none of num-steps / topk / num-draft-tokens given: SGLang's choice for
-    Llama targets (5 steps, topk 4, 8 draft tokens) with torch-native attention off CPU (a chain of
-    5 with the backends that have no tree mask); on CPU a chain of 3 steps (4 verify rows), as
+    Llama targets (5 steps, topk 4, 8 draft tokens) off CPU with the backends that have a tree mask
+    (triton, the CUDA default, and torch-native; a chain of 5 with FlashInfer); on CPU a chain of 3 steps (4 verify rows), as
     for STANDALONE: every verify row costs on CPU. With topk 1 the draft tokens follow
     the steps (num-steps + 1), as SGLang adjusts them."""
     given = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
     if all(v is None for v in given):
         if device == "cpu":
             steps, topk, num = 3, 1, 4
-        elif args.attention_backend == "torch_native":
+        elif (args.attention_backend or "triton") in ("triton", "torch_native"):  # None: CUDA's triton
             steps, topk, num = 5, 4, 8
-        else:  # no tree mask in the Triton / FlashInfer backends yet: SGLang's depth as a chain
+        else:  # no tree mask in the FlashInfer backend yet: SGLang's depth as a chain
             steps, topk, num = 5, 1, 6
         return {
             "speculative_num_steps": steps,
