@@ -4,6 +4,7 @@ teacher-forced greedy agreement with the fp32 model.
     python benchmark/eval_quality.py                                    # the built-in model, every mode
     python benchmark/eval_quality.py --variants fp32 gguf int8wo --max-tokens 512
     python benchmark/eval_quality.py --model-path /models/x.gguf --text my.txt
+    python benchmark/eval_quality.py --variants fp32 --chunk 512 --extra-gguf q8_0=/path/to/model-q8_0.gguf
 
 Each variant starts an Engine with its server arguments and reads back the log-probability of every
 token of the text given the tokens before it (prompt logprobs), with the top-1 token at each
@@ -74,7 +75,12 @@ def score(
         for entry, top in zip(meta["input_token_logprobs"], meta["input_top_logprobs"])
         if entry[0] is not None and top
     ]
-    return {"logprobs": [lp for lp, _ in pairs], "top1": [t for _, t in pairs], "tokens": len(ids)}
+    return {
+        "logprobs": [lp for lp, _ in pairs],
+        "top1": [t for _, t in pairs],
+        "tokens": len(ids),
+        "ids": ids,
+    }
 
 
 def main() -> None:
@@ -86,6 +92,14 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per forward)")
     parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--extra-gguf",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also score another GGUF of the same model (e.g. llama.cpp's Q8_0 conversion that "
+        "compare_peers serves) against the fp32 reference; repeatable",
+    )
     args = parser.parse_args()
     text = Path(args.text).read_text(encoding="utf-8")
     variants = ["fp32"] + [v for v in args.variants if v != "fp32"]
@@ -97,6 +111,14 @@ def main() -> None:
             f"{name}: {len(results[name]['logprobs'])} positions in {time.perf_counter() - start:.0f} s",
             flush=True,
         )
+    for spec in args.extra_gguf:
+        label, _, path = spec.partition("=")
+        got = score(path, text, {"quantization": "gguf"}, args.chunk, args.max_tokens)
+        if got["ids"] != results["fp32"]["ids"]:
+            raise SystemExit(f"{path} tokenizes the text differently: its scores do not line up")
+        results[label] = got
+        LABELS[label] = f"`{Path(path).name}` (`--quantization gguf`)"
+        variants.append(label)
     ref = results["fp32"]
     print(f"\n{ref['tokens']} tokens of {Path(args.text).name}, chunks of {args.chunk}\n")
     print("| mode | perplexity | greedy agreement with fp32 | mean \\|Δ logprob\\| | max \\|Δ logprob\\| |")
