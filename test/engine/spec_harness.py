@@ -11,7 +11,7 @@ from typing import Any
 from scheduler_harness import SchedulerRun, pools_are_empty
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.req import Req
@@ -154,3 +154,26 @@ class OracleTreeDrafter(OracleDrafter):
                 tokens.append(self.rng.randrange(TINY_VOCAB))
                 parents.append(decoy_row)
         return DraftTree(tokens, parents)
+
+
+def abort_mid_speculation(
+    run: SchedulerRun,
+    reference: dict[str, list[int]],
+    workload: list[tuple[str, list[int], int]],
+    aborted: set[str],
+) -> None:
+    """Submit the workload, run the prefills and a few verify rounds, abort `aborted`, and check
+    that every other request gives the reference tokens and every aborted one a prefix of them."""
+    for rid, prompt, n in workload:
+        run.submit(rid, prompt, n)
+    for _ in range(6):  # prefills, then a few verify rounds
+        run.step()
+    run.scheduler.process_input_requests([AbortReq(rid=rid) for rid in aborted])
+    run.run_until_idle()
+    for rid, _, _ in workload:
+        got = run.outputs.get(rid, [])
+        if rid in aborted:
+            assert run.finished[rid]["type"] == "abort"
+            assert got == reference[rid][: len(got)]
+        else:
+            assert got == reference[rid]

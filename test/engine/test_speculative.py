@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import pytest
 from scheduler_harness import SchedulerRun, shared_prefix_workload
-from spec_harness import SPEC, OracleDrafter, copy_workload, submit, use_oracle
-
-from radixserve.managers.io_struct import AbortReq
+from spec_harness import SPEC, OracleDrafter, abort_mid_speculation, copy_workload, submit, use_oracle
 
 WORKLOAD = shared_prefix_workload(seed=3, groups=2, per_group=4) + copy_workload(seed=3)
 
@@ -150,19 +148,7 @@ def test_abort_mid_speculation(make_run):
     reference = _plain(make_run, "cpu", 16)
     run = make_run("cpu", 16, **SPEC)
     use_oracle(run, OracleDrafter(reference, max_drafts=5, error_rate=0.1))
-    for rid, prompt, n in WORKLOAD:
-        run.submit(rid, prompt, n)
-    for _ in range(6):  # prefills, then a few verify rounds
-        run.step()
-    aborted = {rid for rid, _, _ in WORKLOAD[::3]}
-    run.scheduler.process_input_requests([AbortReq(rid=rid) for rid in aborted])
-    run.run_until_idle()
-    for rid, _, _ in WORKLOAD:
-        if rid in aborted:
-            assert run.finished[rid]["type"] == "abort"
-            assert run.outputs.get(rid, []) == reference[rid][: len(run.outputs.get(rid, []))]
-        else:
-            assert run.outputs[rid] == reference[rid]
+    abort_mid_speculation(run, reference, WORKLOAD, {rid for rid, _, _ in WORKLOAD[::3]})
     run.close()
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from scheduler_harness import shared_prefix_workload
+from spec_harness import abort_mid_speculation
 from test_speculative import WORKLOAD, _cached_sequences_are_accepted, _plain
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.managers.io_struct import AbortReq
 from radixserve.speculative.eagle_draft import EagleDraft, eagle3_capture_layers
 from radixserve.testing.tiny_models import TINY_DRAFT_VOCAB, TINY_VOCAB, make_tiny_eagle_head
 
@@ -132,20 +132,7 @@ def test_eagle_abort_mid_speculation(kind, heads, workers, make_run):
     reference = _plain(make_run, "cpu", 16)
     with _Eagle(workers, kind, heads[kind], "cpu", 16, 2):
         run = make_run("cpu", 16, **_spec(kind, heads[kind], 2))
-        for rid, prompt, n in WORKLOAD:
-            run.submit(rid, prompt, n)
-        for _ in range(6):
-            run.step()
-        aborted = {rid for rid, _, _ in WORKLOAD[1::3]}
-        run.scheduler.process_input_requests([AbortReq(rid=rid) for rid in aborted])
-        run.run_until_idle()
-        for rid, _, _ in WORKLOAD:
-            got = run.outputs.get(rid, [])
-            if rid in aborted:
-                assert run.finished[rid]["type"] == "abort"
-                assert got == reference[rid][: len(got)]
-            else:
-                assert got == reference[rid]
+        abort_mid_speculation(run, reference, WORKLOAD, {rid for rid, _, _ in WORKLOAD[1::3]})
         run.close()
 
 

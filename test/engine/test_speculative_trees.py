@@ -12,10 +12,17 @@ import dataclasses
 
 import pytest
 from scheduler_harness import EOS, SchedulerRun
-from spec_harness import SPEC, OracleDrafter, OracleState, OracleTreeDrafter, submit, use_oracle
+from spec_harness import (
+    SPEC,
+    OracleDrafter,
+    OracleState,
+    OracleTreeDrafter,
+    abort_mid_speculation,
+    submit,
+    use_oracle,
+)
 from test_speculative import WORKLOAD, _cached_sequences_are_accepted, _plain
 
-from radixserve.managers.io_struct import AbortReq
 from radixserve.speculative.tree import DraftTree
 from radixserve.testing.tiny_models import TINY_VOCAB
 
@@ -47,20 +54,7 @@ def test_oracle_tree_abort_mid_speculation(make_run):
     reference = _plain(make_run, "cpu", 16)
     run = make_run("cpu", 16, **SPEC)
     use_oracle(run, OracleTreeDrafter(reference, max_drafts=7, error_rate=0.1))
-    for rid, prompt, n in WORKLOAD:
-        run.submit(rid, prompt, n)
-    for _ in range(6):
-        run.step()
-    aborted = {rid for rid, _, _ in WORKLOAD[1::3]}
-    run.scheduler.process_input_requests([AbortReq(rid=rid) for rid in aborted])
-    run.run_until_idle()
-    for rid, _, _ in WORKLOAD:
-        got = run.outputs.get(rid, [])
-        if rid in aborted:
-            assert run.finished[rid]["type"] == "abort"
-            assert got == reference[rid][: len(got)]
-        else:
-            assert got == reference[rid]
+    abort_mid_speculation(run, reference, WORKLOAD, {rid for rid, _, _ in WORKLOAD[1::3]})
     run.close()
 
 
