@@ -3,6 +3,7 @@
     python benchmark/bench_wq_linear.py                       # M = 1 4 16
     python benchmark/bench_wq_linear.py --tokens 1 --repeats 50
     python benchmark/bench_wq_linear.py --lm-head-only --tokens 1 2 4 8 16
+    python benchmark/bench_wq_linear.py --wq-only --threads 1 --tokens 1 2 4 5 8   # tile shapes
 
 One decode step's decoder weights (30 layers of qkv / o / gate_up / down, each its own tensor so
 they stream from memory as in a real step) in two weight-only forms:
@@ -63,7 +64,9 @@ def _wq_fn(isa: str) -> Callable:
     return run
 
 
-def forms(flat: list[torch.Tensor], shapes: list[tuple[int, int]]) -> dict[str, tuple[Callable, list, float]]:
+def forms(
+    flat: list[torch.Tensor], shapes: list[tuple[int, int]], wq_only: bool = False
+) -> dict[str, tuple[Callable, list, float]]:
     """name -> (fn(x, weight_form), weight forms, bytes per weight)."""
     out: dict[str, tuple[Callable, list, float]] = {}
     for name, (bits, group, offsets) in WQ_FORMATS.items():
@@ -72,6 +75,8 @@ def forms(flat: list[torch.Tensor], shapes: list[tuple[int, int]]) -> dict[str, 
         for isa in ("avx512", "avx2"):
             if isa in cpu_kernels.linear_wq_isas():
                 out[f"{name} {isa}"] = (_wq_fn(isa), weights, per_weight)
+    if wq_only:
+        return out
     out["linear_f32"] = (cpu_kernels.linear_f32, flat, 4)
     out["linear_f16"] = (cpu_kernels.linear_f16, [w.half() for w in flat], 2)
     if cpu_kernels.linear_int8_isas():
@@ -86,10 +91,10 @@ def forms(flat: list[torch.Tensor], shapes: list[tuple[int, int]]) -> dict[str, 
     return out
 
 
-def bench(title: str, shapes: list[tuple[int, int]], tokens: list[int], repeats: int) -> None:
-    flat = [torch.randn(n, k) * 0.05 for n, k in shapes]
+def bench(title: str, shapes: list[tuple[int, int]], tokens: list[int], repeats: int, wq_only: bool) -> None:
+    flat = [] if wq_only else [torch.randn(n, k) * 0.05 for n, k in shapes]
     params = sum(n * k for n, k in shapes)
-    table = forms(flat, shapes)
+    table = forms(flat, shapes, wq_only)
     reads = {}
     for name in WQ_FORMATS:
         weights = next(ws for key, (_, ws, _) in table.items() if key.startswith(name))
@@ -125,6 +130,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--no-lm-head", action="store_true", help="only the decoder layers")
     parser.add_argument(
+        "--wq-only", action="store_true", help="only linear_wq's paths (tile-shape comparisons)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
         "--lm-head-only",
         action="store_true",
         help="only the LM head (w8a8_int8's head: the Q8_0-like form against linear_int8 and the fp32/fp16 ones)",
@@ -134,6 +143,8 @@ def main() -> None:
         raise SystemExit(
             "sgl_kernel._cpu is not built with linear_wq (pip install --no-build-isolation -e sgl-kernel)"
         )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads, linear_wq paths: {cpu_kernels.linear_wq_isas()}")
     if not args.lm_head_only:
@@ -142,9 +153,10 @@ def main() -> None:
             [s for _ in range(LAYERS) for s in LINEAR_SHAPES],
             args.tokens,
             args.repeats,
+            args.wq_only,
         )
     if not args.no_lm_head:
-        bench("LM head (3 copies)", [(VOCAB, HIDDEN)] * 3, args.tokens, args.repeats)
+        bench("LM head (3 copies)", [(VOCAB, HIDDEN)] * 3, args.tokens, args.repeats, args.wq_only)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,25 @@ def test_model_shapes(isa, n, k, bits, group, offsets):
         _check(cpu_kernels.linear_wq(x, w.qweight, w.scales, w.offsets, bits, group, isa=isa), x, w, None)
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize(("bits", "offsets"), [(4, True), (8, False)])  # Q4_1, Q8_0
+def test_each_row_is_the_same_at_every_batch_size(isa, bits, offsets):
+    """Row m of an M-row call is bit-identical to that row alone, for every M and tile shape
+    (8 x 2, 5-7 x 2, 4 x 4, 1 x 8): a speculative verify step's rows then get the logits plain
+    decoding would, which is what keeps greedy speculation token-identical to plain decoding."""
+    w = _weight(37, 256, bits, 32, offsets)
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat(
+        [
+            cpu_kernels.linear_wq(x[i : i + 1], w.qweight, w.scales, w.offsets, bits, 32, isa=isa)
+            for i in range(17)
+        ]
+    )
+    for m in range(1, 18):
+        got = cpu_kernels.linear_wq(x[:m], w.qweight, w.scales, w.offsets, bits, 32, isa=isa)
+        assert torch.equal(got, alone[:m]), f"M={m}: rows differ from the same rows alone"
+
+
 def test_rows_of_a_wider_tensor_and_empty_batches():
     w = _weight(11, 64, 4, 32, offsets=True)
     wide = torch.randn(5, 100)

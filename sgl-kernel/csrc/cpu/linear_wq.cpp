@@ -119,8 +119,10 @@ inline Weights512 weights512(const WqProblem& p, int64_t n, int64_t k, int64_t g
 // for int8. Up to 4 rows of x, each weight vector is made and then used by every row of x (the x
 // vectors held in registers); from 5 rows on, the NR rows' weight vectors are made first and each
 // row of x is loaded once and used by them (MB x NR accumulators leave no room for the x vectors).
+// Aligned to 64 bytes: the one-row tile (plain decode at batch 1) is the same instructions either way,
+// but measured 10-12% slower starting 16 bytes past a 64-byte line (its loop's placement).
 template <int MB, int NR, bool kInt4>
-inline void tile512(const WqProblem& p, int64_t m0, int64_t n0) {
+[[gnu::aligned(64)]] inline void tile512(const WqProblem& p, int64_t m0, int64_t n0) {
   constexpr int64_t kStep = kInt4 ? 32 : 16;
   const int64_t Kv = p.K / kStep * kStep;
   const float* xb = kInt4 ? p.xp : p.x;
@@ -176,20 +178,28 @@ inline void rest_m512(const WqProblem& p, int64_t m, int64_t n) {
   }
 }
 
+// Tile shapes by measurement (benchmark/bench_wq_linear.py --wq-only, one thread, AMD EPYC Zen 5;
+// docs/quantization.md): 8 weight rows per tile for one row of x (two for int8); from there, 4 x 4
+// tiles (4 rows of x held in registers), and for int8 8 x 2 tiles over each 8 rows of x. For int4
+// the 8 x 2 and 2 x 8 tiles were slower than 4 x 4 passes (8 rows 16-20 ms against 12-16 ms per
+// decoder pass, 2 rows 8 against 5 ms): its conversion (a shift and two permutes per 32 weights) is
+// not what bounds those shapes.
 template <bool kInt4>
 void rows512(const WqProblem& p, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  if (p.M <= 2) {
+  if (p.M == 1 || (p.M == 2 && !kInt4)) {
     // 8 weight rows in flight per thread; 16 accumulators at most.
     for (; n + 8 <= n1; n += 8) rest_m512<8, kInt4>(p, 0, n);
   } else {
     for (; n + 4 <= n1; n += 4) {
       int64_t m = 0;
-      // 8 x 2 tiles: each weight vector made once per 8 rows of x (the 4 x 4 tile, 4 x 4
+      // int8: 8 x 2 tiles, each weight vector made once per 8 rows of x (the 4 x 4 tile, 4 x 4
       // accumulators and 8 x vectors, makes it once per 4); the rest of x in 4 x 4 tiles.
-      for (; m + 8 <= p.M; m += 8) {
-        tile512<8, 2, kInt4>(p, m, n);
-        tile512<8, 2, kInt4>(p, m, n + 2);
+      if constexpr (!kInt4) {
+        for (; m + 8 <= p.M; m += 8) {
+          tile512<8, 2, kInt4>(p, m, n);
+          tile512<8, 2, kInt4>(p, m, n + 2);
+        }
       }
       rest_m512<4, kInt4>(p, m, n);
     }
@@ -244,9 +254,33 @@ inline void all_m256(const WqProblem& p, int64_t n) {
   if (m < p.M) tile256<1, NR, kInt4>(p, m, n);
 }
 
+// One weight row against every row of x, up to 8 rows of x per tile (8 accumulators, the two
+// weight vectors and the constants fit the 16 ymm registers; x is read from memory by the FMAs).
+template <bool kInt4>
+inline void tall_m256(const WqProblem& p, int64_t n) {
+  int64_t m = 0;
+  for (; m + 8 <= p.M; m += 8) tile256<8, 1, kInt4>(p, m, n);
+  switch (p.M - m) {
+    case 7: tile256<7, 1, kInt4>(p, m, n); break;
+    case 6: tile256<6, 1, kInt4>(p, m, n); break;
+    case 5: tile256<5, 1, kInt4>(p, m, n); break;
+    case 4: tile256<4, 1, kInt4>(p, m, n); break;
+    case 3: tile256<3, 1, kInt4>(p, m, n); break;
+    case 2: tile256<2, 1, kInt4>(p, m, n); break;
+    case 1: tile256<1, 1, kInt4>(p, m, n); break;
+    default: break;
+  }
+}
+
 template <bool kInt4>
 void rows256(const WqProblem& p, int64_t n0, int64_t n1) {
   int64_t n = n0;
+  if (p.M >= 3) {
+    // Each weight vector made once per up to 8 rows of x rather than once per 2 (the 2 x 4 tile):
+    // a speculative verify step's rows cost FMAs, not conversions.
+    for (; n < n1; ++n) tall_m256<kInt4>(p, n);
+    return;
+  }
   for (; n + 4 <= n1; n += 4) all_m256<4, kInt4>(p, n);
   for (; n < n1; ++n) all_m256<1, kInt4>(p, n);
 }
