@@ -127,7 +127,7 @@ def test_model_shapes(isa, n, k, bits, group, offsets):
 @pytest.mark.parametrize(("bits", "offsets"), [(4, True), (8, False)])  # Q4_1, Q8_0
 def test_each_row_is_the_same_at_every_batch_size(isa, bits, offsets):
     """Row m of an M-row call is bit-identical to that row alone, for every M and tile shape
-    (8 x 2, 5-7 x 2, 4 x 4, 1 x 8): a speculative verify step's rows then get the logits plain
+    (1 x 8, 2 x 8, 4 x 4, 8 x 2 on AVX-512; 2 x 4 and 1-8 x 1 on AVX2): a speculative verify step's rows then get the logits plain
     decoding would, which is what keeps greedy speculation token-identical to plain decoding."""
     w = _weight(37, 256, bits, 32, offsets)
     x = torch.randn(17, 256, generator=torch.Generator().manual_seed(3))

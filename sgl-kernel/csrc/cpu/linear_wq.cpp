@@ -119,8 +119,8 @@ inline Weights512 weights512(const WqProblem& p, int64_t n, int64_t k, int64_t g
 // for int8. Up to 4 rows of x, each weight vector is made and then used by every row of x (the x
 // vectors held in registers); from 5 rows on, the NR rows' weight vectors are made first and each
 // row of x is loaded once and used by them (MB x NR accumulators leave no room for the x vectors).
-// Aligned to 64 bytes: the one-row tile (plain decode at batch 1) is the same instructions either way,
-// but measured 10-12% slower starting 16 bytes past a 64-byte line (its loop's placement).
+// Aligned to 64 bytes: the one-row tile (plain decode at batch 1) measured 5-12% slower in some
+// builds with byte-identical instructions at another offset; alignment pins its loop's placement.
 template <int MB, int NR, bool kInt4>
 [[gnu::aligned(64)]] inline void tile512(const WqProblem& p, int64_t m0, int64_t n0) {
   constexpr int64_t kStep = kInt4 ? 32 : 16;
@@ -181,8 +181,8 @@ inline void rest_m512(const WqProblem& p, int64_t m, int64_t n) {
 // Tile shapes by measurement (benchmark/bench_wq_linear.py --wq-only, one thread, AMD EPYC Zen 5;
 // docs/quantization.md): 8 weight rows per tile for one row of x (two for int8); from there, 4 x 4
 // tiles (4 rows of x held in registers), and for int8 8 x 2 tiles over each 8 rows of x. For int4
-// the 8 x 2 and 2 x 8 tiles were slower than 4 x 4 passes (8 rows 16-20 ms against 12-16 ms per
-// decoder pass, 2 rows 8 against 5 ms): its conversion (a shift and two permutes per 32 weights) is
+// the 8 x 2 and 2 x 8 tiles were slower than 4 x 4 passes (8 rows 19.8-20.5 against 15.7-15.8 ms
+// per decoder pass, 2 rows 8.0-8.2 against 5.7 ms): its conversion (a shift and two permutes per 32 weights) is
 // not what bounds those shapes.
 template <bool kInt4>
 void rows512(const WqProblem& p, int64_t n0, int64_t n1) {
