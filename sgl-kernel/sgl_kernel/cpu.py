@@ -232,6 +232,29 @@ def linear_wq(
     return _lib().linear_wq(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
 
 
+def greedy_head_isas() -> list[str]:
+    """The code paths `greedy_head_candidates` can be forced onto ("scalar" always, "avx2",
+    "avx512"); [] when the build has no greedy head (an older extension)."""
+    if not available() or not hasattr(_ext, "greedy_head_candidates"):
+        return []
+    return [str(isa) for isa in getattr(_ext, "greedy_head_isas", ["scalar"])]
+
+
+def greedy_head_candidates(
+    x: torch.Tensor,  # [M, K] fp32, rows contiguous
+    u: torch.Tensor,  # int8 [N, K], the head as t[n] * u[n, k], packed [ceil(N/4), ceil(K/32), 4, 32]
+    stats: torch.Tensor,  # [N, 3] fp32: t, an upper bound of ||w - t u||, of ||t u||
+    umax: float,  # an upper bound of every ||u[n]||
+    isa: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vocabulary rows that may hold each row's argmax of x @ w.T (layers/greedy_head.py):
+    (indices int64 [C], counts int64 [M]), row m's candidates being the next counts[m] indices,
+    ascending. Counts of -1 (and no indices): x is not finite, nothing was proven."""
+    if isa not in _INT8_ISA_CODES:
+        raise ValueError(f"greedy_head_candidates: isa must be one of {sorted(_INT8_ISA_CODES)}, got {isa!r}")
+    return _lib().greedy_head_candidates(x, u, stats, umax, _INT8_ISA_CODES[isa])
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, N] fp32 (rows contiguous) -> x * rsqrt(mean(x^2) + eps) * weight, a new [M, N]."""
     return _lib().rmsnorm(x, weight, eps)

@@ -53,3 +53,19 @@ def test_builtin_default_serves_gguf_and_decodes_as_fp32(builtin_model_path) -> 
     )
     assert method == "gguf"
     assert [s["output_ids"] for s in spec] == [g["output_ids"] for g in got]
+
+
+def test_greedy_head_decodes_the_full_heads_tokens(builtin_model_path, monkeypatch) -> None:
+    """Greedy requests without logprobs take the greedy LM head (layers/greedy_head.py) on plain
+    decode, prefill and NGRAM verify steps: the same tokens as the full head's."""
+    params = {**GREEDY, "max_new_tokens": 24}
+
+    def run(**kw: object) -> list[list[int]]:
+        with Engine(max_total_tokens=2048, log_level="warning", **kw) as engine:
+            return [o["output_ids"] for o in engine.generate(PROMPTS, sampling_params=params)]
+
+    with_head = run()
+    speculative = run(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    monkeypatch.setenv("RADIXSERVE_DISABLE_GREEDY_HEAD", "1")  # read when the scheduler starts
+    assert run() == with_head
+    assert speculative == with_head

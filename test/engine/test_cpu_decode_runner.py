@@ -41,8 +41,9 @@ def _decode_logits(path, fused, fp16, prompts, steps, prepare=None):
         replay = model_runner.cpu_decode_runner.replay
         model_runner.cpu_decode_runner.replay = lambda fb: fused_calls.append(fb.batch_size) or replay(fb)
 
-    def record(*args):
-        out = processor(*args)
+    def record(hidden, lm_head, fb):
+        fb.argmax_only = False  # the full logits are what this compares, not a greedy head's argmax
+        out = processor(hidden, lm_head, fb)
         seen.append(out.next_token_logits.clone())
         return out
 

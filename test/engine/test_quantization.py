@@ -20,6 +20,7 @@ from radixserve.layers import cpu_fused, quantization
 from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, WQ_MAX_TOKENS, Linear
 from radixserve.layers.logits_processor import head_logits
 from radixserve.model_executor import cpu_decode_runner
+from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
@@ -40,8 +41,9 @@ def forced_logprobs(
     seen: list[torch.Tensor] = []
     processor = model_runner.logits_processor
 
-    def record(*args: object) -> object:
-        out = processor(*args)
+    def record(hidden: torch.Tensor, lm_head: object, fb: ForwardBatch) -> object:
+        fb.argmax_only = False  # the full logits are what this compares, not a greedy head's argmax
+        out = processor(hidden, lm_head, fb)
         seen.append(torch.log_softmax(out.next_token_logits.float(), dim=-1))
         return out
 

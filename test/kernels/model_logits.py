@@ -3,6 +3,7 @@
 import torch
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
@@ -20,8 +21,9 @@ def prefill_decode_logits(
     seen: list[torch.Tensor] = []
     processor = model_runner.logits_processor
 
-    def record(*args: object) -> object:
-        out = processor(*args)
+    def record(hidden: torch.Tensor, lm_head: object, fb: ForwardBatch) -> object:
+        fb.argmax_only = False  # the full logits are what this compares, not a greedy head's argmax
+        out = processor(hidden, lm_head, fb)
         seen.append(out.next_token_logits.clone())
         return out
 

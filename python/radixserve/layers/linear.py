@@ -35,6 +35,7 @@ summation order (and by fp16 rounding of the weights on path 1).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,7 @@ class Linear(nn.Linear):
         self.weight_int8: torch.Tensor | None = None  # [out, in] int8 (--quantization w8a8_int8)
         self.weight_scale: torch.Tensor | None = None  # [out] fp32, per output channel
         self.weight_wq: GroupQuantWeight | None = None  # weight-only group-quantized (layers/group_quant.py)
+        self.greedy_head: Any = None  # an LM head's int8 copy for all-greedy steps (layers/greedy_head.py)
 
     @classmethod
     def sharing(cls, weight: nn.Parameter) -> Linear:
@@ -177,6 +179,7 @@ class Linear(nn.Linear):
         """Forget every form derived from the weight (it changed, or is released)."""
         self.weight_f16 = self.weight_packed = self.weight_int8 = self.weight_scale = None
         self.weight_wq = None
+        self.greedy_head = None
 
 
 def _cpu_fp32_linears(modules: list[nn.Module]) -> list[Linear]:

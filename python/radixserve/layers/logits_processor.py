@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.greedy_head import greedy_logits
 from radixserve.layers.linear import WQ_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class LogitsOutput:
+    # Under ForwardBatch.argmax_only both logits below may be the greedy head's: exact at each
+    # row's possible maxima, -inf elsewhere (layers/greedy_head.py); read only their argmax then.
     next_token_logits: torch.Tensor  # [bs, vocab_size] fp32, at each request's last token
     # TARGET_VERIFY only: logits at every position (the target's prediction after each draft).
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab_size] fp32
@@ -38,6 +41,10 @@ def head_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
     return torch.cat([lm_head(hidden[i : i + WQ_MAX_TOKENS]).float() for i in range(0, rows, WQ_MAX_TOKENS)])
 
 
+# Rows from which the greedy head pays (benchmark/bench_greedy_head.py, docs/speculative_decoding.md).
+GREEDY_HEAD_MIN_ROWS = 1
+
+
 class LogitsProcessor:
     """Projects only the rows that are needed: the last token of each request, and, for requests
     that asked for prompt logprobs, the tokens from their start offset.
@@ -55,7 +62,7 @@ class LogitsProcessor:
         forward_batch: ForwardBatch,
     ) -> LogitsOutput:
         if forward_batch.forward_mode.is_target_verify():
-            all_logits = lm_head(hidden).float()  # [num_tokens, vocab_size]
+            all_logits = self._logits(hidden, lm_head, forward_batch)  # [num_tokens, vocab_size]
             ends = torch.cumsum(torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden.device), 0)
             return LogitsOutput(next_token_logits=all_logits[ends - 1], all_logits=all_logits)
         if forward_batch.forward_mode.is_decode():
@@ -63,11 +70,23 @@ class LogitsProcessor:
         else:
             ends = torch.cumsum(torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden.device), 0)
             last_hidden = hidden[ends - 1]
-        logits = lm_head(last_hidden).float()  # [bs, vocab_size]
+        logits = self._logits(last_hidden, lm_head, forward_batch)  # [bs, vocab_size]
         output = LogitsOutput(next_token_logits=logits)
         if forward_batch.return_logprob and forward_batch.extend_logprob_start_lens is not None:
             self._prompt_logprobs(hidden, lm_head, forward_batch, output)
         return output
+
+    @staticmethod
+    def _logits(
+        hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """fp32 logits of `hidden`'s rows; for a step that reads only argmaxes, the greedy head's
+        (exact at every possible maximum, -inf elsewhere) where it applies."""
+        if forward_batch.argmax_only and hidden.shape[0] >= GREEDY_HEAD_MIN_ROWS:
+            logits = greedy_logits(lm_head, hidden)
+            if logits is not None:
+                return logits
+        return lm_head(hidden).float()
 
     def _prompt_logprobs(
         self,

@@ -159,6 +159,10 @@ class ForwardBatch:
     extend_num_tokens: int = 0
     sampling_info: SamplingBatchInfo | None = None
     return_logprob: bool = False
+    # The sample reads each row's argmax only: every row greedy, no logprobs, penalties or grammar
+    # mask, and the sampling state already prepared (not a delayed sample). The logits may then
+    # hold -inf away from each row's possible maxima (layers/greedy_head.py).
+    argmax_only: bool = False
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens: list[int] | None = None
     extend_logprob_next_token_ids: list[int] | None = None
@@ -221,6 +225,7 @@ class ForwardBatch:
             extend_num_tokens=batch.extend_num_tokens,
             sampling_info=batch.sampling_info,
             return_logprob=batch.return_logprob,
+            argmax_only=is_argmax_only(batch),
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
             extend_logprob_next_token_ids=batch.extend_logprob_next_token_ids,
@@ -245,3 +250,16 @@ def _extend_positions(prefix_lens: list[int], extend_lens: list[int]) -> torch.T
     # offset of each token inside its request: arange(total) - (start of its request's run)
     run_starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)  # [num_tokens]
     return torch.repeat_interleave(starts, lens) + torch.arange(total, dtype=torch.int64) - run_starts
+
+
+def is_argmax_only(batch: ModelWorkerBatch) -> bool:
+    """ForwardBatch.argmax_only for `batch` (its comment says what it promises)."""
+    info = batch.sampling_info
+    return (
+        info is not None
+        and not batch.delay_sample_launch
+        and not batch.return_logprob
+        and info.is_all_greedy
+        and info.penalizer is None
+        and info.vocab_mask is None
+    )

@@ -40,6 +40,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list wq_isas;
   for (const std::string& isa : linear_wq_isas()) wq_isas.append(isa);
   m.attr("linear_wq_isas") = wq_isas;
+  m.def("greedy_head_candidates", &greedy_head_candidates,
+        "Greedy LM head: per row of x fp32 [M,K], the rows of the int8 head copy u [N,K] (stats fp32 [N,3]: "
+        "scale, error norm, norm) that may hold its argmax: (indices int64 [C], counts int64 [M], -1 = none proven). "
+        "isa: 0 best, 1 scalar, 2 avx2, 3 avx512",
+        py::arg("x"), py::arg("u"), py::arg("stats"), py::arg("umax"), py::arg("isa") = 0);
+  py::list gh_isas;
+  for (const std::string& isa : greedy_head_isas()) gh_isas.append(isa);
+  m.attr("greedy_head_isas") = gh_isas;
   m.def("rmsnorm", &rmsnorm, "RMSNorm of each row: x [M,N] fp32, w [N]");
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 void decode_attention(
@@ -30,6 +31,12 @@ at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::T
                      const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t isa);
 std::vector<std::string> linear_wq_isas();
+// Greedy LM head: for each row of x fp32 [M, K], the vocabulary rows that may hold its argmax,
+// from an int8 copy u [N, K] of the head with per-row stats fp32 [N, 3] (greedy_head.cpp).
+// Returns (indices int64 [C], per-row counts int64 [M]; -1: x not finite, nothing proven).
+std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Tensor& u,
+                                                          const at::Tensor& stats, double umax, int64_t isa);
+std::vector<std::string> greedy_head_isas();
 
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps);
 void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
