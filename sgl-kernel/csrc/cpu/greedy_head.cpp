@@ -13,10 +13,13 @@
 // A_v + B_v >= max_n (A_n - B_n), and so does every row tied with it: those rows are the candidates.
 //
 // Integer sums stay exact in int32: each row's r is scaled so that umax * ||r|| < 2^31 (umax >=
-// every ||u_n||), which bounds every partial sum of |u r| (Cauchy-Schwarz again).
+// every ||u_n||), which bounds every partial sum of |u r| (Cauchy-Schwarz again). Why int16
+// activations: with int8 ones the bound let thousands of the built-in model's 49,152 rows through
+// (its final states have one channel ~50x the others, which sets the scale); with int16, a median
+// of 5-7 per row.
 //
-// Paths (`isa` forces one, for tests; all give the same integers): AVX-512BW (vpdpwssd with VNNI,
-// else vpmaddwd + add), AVX2 (vpmaddwd + add), scalar (the tail of K, and CPUs without AVX2).
+// Paths (`isa` forces one, for tests; all give the same integers, and so the same A, B and
+// candidates): AVX-512BW (vpdpwssd with VNNI, else vpmaddwd + add), AVX2 (vpmaddwd + add), scalar.
 #include "common.h"
 #include "ops.h"
 
@@ -33,6 +36,7 @@ constexpr int64_t kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2, kIsaAvx512 = 3;
 struct Rows {  // the int16 rows of x and what the bound needs of each
   std::vector<int16_t> r;  // [M, ld]
   std::vector<double> sx, xnorm, qerr;  // scale, ||x||, ||x - sx r||
+  std::vector<float> c_delta, c_omega;  // the bound's factors of delta and omega (see store)
   int64_t ld = 0;
   bool finite = true;
 };
@@ -76,6 +80,14 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, double umax) {
     q.sx[m] = sx;
     q.qerr[m] = std::sqrt(err);
   }
+  // gamma_K: the fp32 error of any order of summing K products, relative to sum |x w| <= ||x|| ||w||.
+  const double eps = std::ldexp(1.0, -24), gamma = (K + 4) * eps / (1 - (K + 4) * eps) * 1.01;
+  q.c_delta.resize(M);
+  q.c_omega.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    q.c_delta[m] = static_cast<float>((1 + gamma) * q.xnorm[m] * (1 + 1e-5));
+    q.c_omega[m] = static_cast<float>((q.qerr[m] + gamma * q.xnorm[m]) * (1 + 1e-5));
+  }
   return q;
 }
 
@@ -92,23 +104,31 @@ struct Problem {
   float* a;  // [M, N]
   float* b;  // [M, N]
   int64_t M, N, K, Kp;
-  double gamma;
 
   const int8_t* tile_at(int64_t n) const { return u + (n / 4) * Kp * 4; }
   const int16_t* row(int64_t m) const { return x.r.data() + m * x.ld; }
 };
 
-// A and its bound B for row m, vocabulary row n, from the exact integer sum. Plain arithmetic
-// (no nextafter / ldexp calls): this runs once per (row, vocabulary row).
-inline void store(const Problem& p, int64_t m, int64_t n, int64_t dot) {
-  const float* st = p.stats + 3 * n;
-  const double t = st[0], delta = st[1], omega = st[2];
-  const double a = static_cast<double>(dot) * t * p.x.sx[m];
-  const double xn = p.x.xnorm[m];
-  double b = (delta * xn + omega * p.x.qerr[m] + p.gamma * (omega + delta) * xn) * (1 + 1e-5);
-  b += std::fabs(a) * 0x1p-22 + 1e-30;  // covers rounding A to float (and this arithmetic)
-  p.a[m * p.N + n] = static_cast<float>(a);
-  p.b[m * p.N + n] = static_cast<float>(b * (1 + 0x1p-20));  // rounds to a float >= b
+// A and its bound B for rows m0.. m0 + MB of x against vocabulary rows n.. n + 3, from the exact
+// integer sums. In fp32, rounded outward: B = (delta c_delta[m] + omega c_omega[m] + 2^-22 |A|
+// + 1e-30) (1 + 2^-20), where c_delta = (1 + gamma) ||x|| and c_omega = ||x - sx r|| + gamma ||x||
+// (each with a 1e-5 margin); the last factor covers the fp32 rounding of the 4 operations (and the
+// 2^-22 |A| term covers A's own 3 roundings), so B is never below the real bound.
+template <int MB>
+inline void store(const Problem& p, int64_t m0, int64_t n, const int64_t* dot) {
+  const int64_t jn = std::min<int64_t>(4, p.N - n);
+  for (int i = 0; i < MB; ++i) {
+    const int64_t m = m0 + i;
+    const float sx = static_cast<float>(p.x.sx[m]), cd = p.x.c_delta[m], co = p.x.c_omega[m];
+    float* a = p.a + m * p.N + n;
+    float* b = p.b + m * p.N + n;
+    for (int64_t j = 0; j < jn; ++j) {
+      const float* st = p.stats + 3 * (n + j);
+      const float av = static_cast<float>(dot[j * 4 + i]) * (st[0] * sx);
+      a[j] = av;
+      b[j] = (st[1] * cd + st[2] * co + std::fabs(av) * 0x1p-22f + 1e-30f) * (1 + 0x1p-20f);
+    }
+  }
 }
 
 void tile_scalar(const Problem& p, int64_t m0, int MB, int64_t n, int64_t* out) {
@@ -123,6 +143,18 @@ void tile_scalar(const Problem& p, int64_t m0, int MB, int64_t n, int64_t* out) 
 }
 
 #if RS_GH_AVX512
+// The lane sums of 4 vectors, as [sum a0, sum a1, sum a2, sum a3]: 10 instructions where 4
+// separate reductions take ~32. Wrapping int32 adds are exact here (every partial sum's true
+// value is bounded as the total's is, see quantize).
+inline __m128i reduce4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  // Per 128-bit lane: [a0, a1, a2, a3] partial sums.
+  const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 // The tile's 4 vocabulary rows against MB rows of x, 32 inputs per step.
 template <int MB>
 void tile512(const Problem& p, int64_t m0, int64_t n, int64_t* out, bool prefetch) {
@@ -149,8 +181,11 @@ void tile512(const Problem& p, int64_t m0, int64_t n, int64_t* out, bool prefetc
       }
     }
   }
-  for (int j = 0; j < 4; ++j)
-    for (int i = 0; i < MB; ++i) out[j * 4 + i] = _mm512_reduce_add_epi32(acc[j][i]);
+  for (int i = 0; i < MB; ++i) {
+    int32_t sums[4];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums), reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+    for (int j = 0; j < 4; ++j) out[j * 4 + i] = sums[j];
+  }
 }
 #endif
 
@@ -203,18 +238,29 @@ void tile(const Problem& p, int64_t isa, int64_t m0, int64_t n, bool prefetch) {
   {
     tile_scalar(p, m0, MB, n, dot);
   }
-  for (int j = 0; j < 4 && n + j < p.N; ++j)
-    for (int i = 0; i < MB; ++i) store(p, m0 + i, n + j, dot[j * 4 + i]);
+  store<MB>(p, m0, n, dot);
 }
 
-// Vocabulary rows [n0, n1), n0 a multiple of 4.
-void rows(const Problem& p, int64_t isa, int64_t n0, int64_t n1) {
+// Vocabulary rows [n0, n1), n0 a multiple of 4; then, per row of x, the largest A - B and A + B
+// over them (in double, where both are exact: B >= 2^-22 |A| keeps their exponents close).
+void rows(const Problem& p, int64_t isa, int64_t n0, int64_t n1, double* lower, double* upper) {
   for (int64_t n = n0; n < n1; n += 4) {
     // The first pass over a tile fetches the tile kAhead further on.
     const bool prefetch = n + 4 * (kAhead + 1) <= p.N;
     int64_t m = 0;
     for (; m + 4 <= p.M; m += 4) tile<4>(p, isa, m, n, prefetch && m == 0);
     for (; m < p.M; ++m) tile<1>(p, isa, m, n, prefetch && m == 0);
+  }
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* a = p.a + m * p.N;
+    const float* b = p.b + m * p.N;
+    double lo = -std::numeric_limits<double>::infinity(), hi = lo;
+    for (int64_t n = n0; n < n1; ++n) {
+      lo = std::max(lo, static_cast<double>(a[n]) - b[n]);
+      hi = std::max(hi, static_cast<double>(a[n]) + b[n]);
+    }
+    lower[m] = lo;
+    upper[m] = hi;
   }
 }
 
@@ -248,27 +294,28 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, c
   const Rows xq = quantize(x.data_ptr<float>(), x.stride(0), M, K, umax);
   if (!xq.finite || M == 0) return {at::empty({0}, at::kLong), counts};
   std::vector<float> a(M * N), b(M * N);
-  const double eps = std::ldexp(1.0, -24);
-  const Problem p{xq, u.data_ptr<int8_t>(), stats.data_ptr<float>(), a.data(), b.data(), M, N, K, Kp,
-                  (K + 4) * eps / (1 - (K + 4) * eps) * 1.01};
+  const Problem p{xq, u.data_ptr<int8_t>(), stats.data_ptr<float>(), a.data(), b.data(), M, N, K, Kp};
   constexpr int64_t kBlock = 64;  // vocabulary rows per task (36 KB of int8 at K = 576)
-  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    rows(p, isa, b0 * kBlock, std::min(N, b1 * kBlock));
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  std::vector<double> lower(blocks * M), upper(blocks * M);  // [block][m]
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk)
+      rows(p, isa, blk * kBlock, std::min(N, (blk + 1) * kBlock), &lower[blk * M], &upper[blk * M]);
   });
-  // Per row of x: max (A - B), then every n with A + B above it. In double, where A +- B is exact
-  // (B >= 2^-22 |A|, so their exponents are close).
+  // Per row of x: the largest A - B, then every n with A + B above it, looked for only in the
+  // blocks whose largest A + B reaches it.
   std::vector<std::vector<int64_t>> found(M);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* am = a.data() + m * N;
-      const float* bm = b.data() + m * N;
-      double lower = -std::numeric_limits<double>::infinity();
-#pragma omp simd reduction(max : lower)
-      for (int64_t n = 0; n < N; ++n) lower = std::max(lower, static_cast<double>(am[n]) - bm[n]);
-      for (int64_t n = 0; n < N; ++n)
-        if (static_cast<double>(am[n]) + bm[n] >= lower) found[m].push_back(n);
+  for (int64_t m = 0; m < M; ++m) {
+    double bound = -std::numeric_limits<double>::infinity();
+    for (int64_t blk = 0; blk < blocks; ++blk) bound = std::max(bound, lower[blk * M + m]);
+    const float* am = a.data() + m * N;
+    const float* bm = b.data() + m * N;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      if (upper[blk * M + m] < bound) continue;
+      for (int64_t n = blk * kBlock; n < std::min(N, (blk + 1) * kBlock); ++n)
+        if (static_cast<double>(am[n]) + bm[n] >= bound) found[m].push_back(n);
     }
-  });
+  }
   int64_t total = 0;
   for (int64_t m = 0; m < M; ++m) total += static_cast<int64_t>(found[m].size());
   at::Tensor idx = at::empty({total}, at::kLong);
