@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from bench_cpu_kernels import median_ms
 
 from radixserve.layers.greedy_head import GREEDY_HEAD_KERNEL, greedy_logits, make_form
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
@@ -53,16 +51,6 @@ def head_and_states(positions: int) -> tuple[GroupQuantWeight, torch.Tensor]:
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states[-1][0]
     return head.weight_wq, states.contiguous()
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def copy_of(w: GroupQuantWeight) -> Linear:

@@ -131,6 +131,14 @@ inline void store(const Problem& p, int64_t m0, int64_t n, const int64_t* dot) {
   }
 }
 
+// The two cache lines of one step of a tile (kTileBytesPerStep = 128 bytes).
+inline void prefetch_step(const int8_t* step) {
+#if RS_HAVE_AVX2
+  _mm_prefetch(reinterpret_cast<const char*>(step), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(step + 64), _MM_HINT_T0);
+#endif
+}
+
 void tile_scalar(const Problem& p, int64_t m0, int MB, int64_t n, int64_t* out) {
   const int8_t* t = p.tile_at(n);
   for (int j = 0; j < 4; ++j)
@@ -164,10 +172,7 @@ void tile512(const Problem& p, int64_t m0, int64_t n, int64_t* out, bool prefetc
   const int8_t* t = p.tile_at(n);
   const int64_t ahead = kAhead * p.Kp * 4;
   for (int64_t k = 0; k < p.Kp; k += 32, t += kTileBytesPerStep) {
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(t + ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(t + ahead + 64), _MM_HINT_T0);
-    }
+    if (prefetch) prefetch_step(t + ahead);
     __m512i w[4];
     for (int j = 0; j < 4; ++j) w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * j)));
     for (int i = 0; i < MB; ++i) {
@@ -198,10 +203,7 @@ void tile256(const Problem& p, int64_t m0, int64_t n, int64_t* out, bool prefetc
   const int8_t* t = p.tile_at(n);
   const int64_t ahead = kAhead * p.Kp * 4;
   for (int64_t k = 0; k < p.Kp; k += 32, t += kTileBytesPerStep) {
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(t + ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(t + ahead + 64), _MM_HINT_T0);
-    }
+    if (prefetch) prefetch_step(t + ahead);
     for (int h = 0; h < 2; ++h) {  // the two 16-input halves of the step
       __m256i w[4];
       for (int j = 0; j < 4; ++j)
