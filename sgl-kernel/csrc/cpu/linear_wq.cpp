@@ -227,10 +227,17 @@ inline void tile256(const WqProblem& p, int64_t m0, int64_t n0) {
   __m256 acc[MB][NR];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = zero;
+  // As tile512's, for tiles of several weight rows (one row at a time is one sequential stream).
+  const bool prefetch = NR > 1 && m0 == 0 && n0 + 2 * NR <= p.N;
   for (int64_t k = 0; k < p.K; k += 16) {
     const int64_t ga = p.grp[k >> 4];
     const float* xb = kInt4 ? p.xp : p.x;
     const int64_t ld = kInt4 ? p.ldxp : p.ldx;
+    const int64_t byte = kInt4 ? k >> 1 : k;
+    if (prefetch && (byte & 63) == 0) {
+      for (int j = 0; j < NR; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(p.q + (n0 + NR + j) * p.qrow + byte), _MM_HINT_T0);
+    }
     for (int j = 0; j < NR; ++j) {
       const int64_t n = n0 + j, g = n * p.groups + ga;
       const __m256 sv = _mm256_set1_ps(p.s[g]);
