@@ -20,7 +20,7 @@ import os
 import torch
 from bench_cpu_kernels import median_ms
 
-from radixserve.layers.greedy_head import GREEDY_HEAD_KERNEL, greedy_logits, make_form
+from radixserve.layers.greedy_head import GREEDY_HEAD_KERNEL, GreedyHeadForm, greedy_logits, make_form
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
 from radixserve.layers.linear import Linear
 from radixserve.model_loader.default_model import resolve_model_path
@@ -92,7 +92,14 @@ def main() -> None:
         print(row(m, states[:m].contiguous(), w, heads, forms, args.repeats))
 
 
-def row(m: int, x: torch.Tensor, w: GroupQuantWeight, heads: list[Linear], forms: list, repeats: int) -> str:
+def row(
+    m: int,
+    x: torch.Tensor,
+    w: GroupQuantWeight,
+    heads: list[Linear],
+    forms: list[GreedyHeadForm],
+    repeats: int,
+) -> str:
     full = median_ms(lambda: [linear_wq(x, h.weight_wq) for h in heads], repeats) / 3
     greedy = median_ms(lambda: [greedy_logits(h, x) for h in heads], repeats) / 3
     cands = (

@@ -8,17 +8,18 @@ whole vocabulary. A greedy step needs one number per row, the argmax, not the lo
 How, exactly: sgl-kernel's greedy_head_candidates scores every vocabulary row with integer dot
 products against an int8 copy of the head (one scale per row) and int16 activations, with a
 proven bound on the distance to the head's own fp32 result (greedy_head.cpp derives it); the rows
-that could still be the maximum (a handful: a median of 7 on the built-in model's states) are then
+that could still be the maximum (a handful: benchmark/bench_greedy_head.py prints the counts on the
+built-in model's states) are then
 scored by linear_wq itself, over those rows of the head's own form. linear_wq gives every (row,
 vocabulary row) the same bits whatever the batch and whatever other weight rows it is handed
-(test_linear_wq checks both), so those values are exactly the full head's, and every row tied with
+(test_linear_wq.py and test_greedy_head.py check each), so those values are exactly the full head's, and every row tied with
 the maximum is among them. The returned logits hold them and -inf elsewhere: the sampler's and
 greedy_accept's argmax (first index of the maximum) read the same token as over the full logits.
 
 It applies where linear_wq is the head's kernel (an 8-bit form without offsets or bias, a single
 rank, fp32 CPU states) and falls back to the full head otherwise, or when a row is not finite, or
 when too many rows stay candidates (more than MAX_CANDIDATE_SHARE of the vocabulary). The int8
-copy (as large as a Q8_0 head) is made on first use and dropped with the head's other forms.
+copy (about as large as a Q8_0 head) is made on first use and dropped with the head's other forms.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ GREEDY_HEAD_KERNEL = (
     and hasattr(getattr(cpu_kernels, "_ext", None), "greedy_head_candidates")
     and os.environ.get("RADIXSERVE_DISABLE_GREEDY_HEAD", "0") in ("", "0")
 )
-# Above this share of the vocabulary in candidates, the full head is cheaper than the re-score.
+# Above this share of the vocabulary in candidates the full head runs instead: a bound on the
+# re-score's cost, not a measured crossover (the built-in model's rows keep a handful).
 MAX_CANDIDATE_SHARE = 1 / 8
 _PREPARE_ROWS = 4096  # vocabulary rows per float64 chunk while making the copy
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -26,6 +27,14 @@
 #else
 #define RS_HAVE_AVX512 0
 #endif
+
+// The code paths a kernel can be forced onto (its *_isas() list for tests and benchmarks).
+inline std::vector<std::string> isa_names(bool avx2, bool avx512) {
+  std::vector<std::string> isas{"scalar"};
+  if (avx2) isas.emplace_back("avx2");
+  if (avx512) isas.emplace_back("avx512");
+  return isas;
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }

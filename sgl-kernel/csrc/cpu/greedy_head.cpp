@@ -14,12 +14,15 @@
 //
 // Integer sums stay exact in int32: each row's r is scaled so that umax * ||r|| < 2^31 (umax >=
 // every ||u_n||), which bounds every partial sum of |u r| (Cauchy-Schwarz again). Why int16
-// activations: with int8 ones the bound let thousands of the built-in model's 49,152 rows through
-// (its final states have one channel ~50x the others, which sets the scale); with int16, a median
-// of 5-7 per row.
+// activations: the built-in model's final states have one channel ~50x the others, which sets the
+// row's scale; at int8 the other channels' rounding error made the bound let a large share of the
+// vocabulary through (a float64 simulation while designing this, not kept), at int16 a handful
+// (benchmark/bench_greedy_head.py prints the counts).
 //
 // Paths (`isa` forces one, for tests; all give the same integers, and so the same A, B and
 // candidates): AVX-512BW (vpdpwssd with VNNI, else vpmaddwd + add), AVX2 (vpmaddwd + add), scalar.
+#include <memory>
+
 #include "common.h"
 #include "ops.h"
 
@@ -38,7 +41,7 @@ struct Rows {  // the int16 rows of x and what the bound needs of each
   std::vector<double> sx, xnorm, qerr;  // scale, ||x||, ||x - sx r||
   std::vector<float> c_delta, c_omega;  // the bound's factors of delta and omega (see store)
   int64_t ld = 0;
-  bool finite = true;
+  bool proven = true;  // false: a row is not finite, or has no safe scale; nothing is proven
 };
 
 Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, double umax) {
@@ -56,7 +59,7 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, double umax) {
       ss += static_cast<double>(xr[k]) * xr[k];
     }
     if (!std::isfinite(ss)) {
-      q.finite = false;
+      q.proven = false;
       return q;
     }
     q.xnorm[m] = std::sqrt(ss);
@@ -65,7 +68,7 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, double umax) {
     const double room = (2.0e9 / umax - std::sqrt(static_cast<double>(K)) / 2) * amax / q.xnorm[m];
     const double R = std::min(32767.0, std::floor(room));
     if (R < 1.0) {
-      q.finite = false;  // no safe scale: the caller scores every row exactly
+      q.proven = false;  // no safe scale: the caller scores every row exactly
       return q;
     }
     const float sx = static_cast<float>(amax / R);
@@ -103,7 +106,7 @@ struct Problem {
   const float* stats;  // [N, 3]: t, delta, omega
   float* a;  // [M, N]
   float* b;  // [M, N]
-  int64_t M, N, K, Kp;
+  int64_t M, N, Kp;
 
   const int8_t* tile_at(int64_t n) const { return u + (n / 4) * Kp * 4; }
   const int16_t* row(int64_t m) const { return x.r.data() + m * x.ld; }
@@ -270,12 +273,7 @@ int64_t best_isa() { return RS_GH_AVX512 ? kIsaAvx512 : RS_HAVE_AVX2 ? kIsaAvx2 
 
 }  // namespace
 
-std::vector<std::string> greedy_head_isas() {
-  std::vector<std::string> isas{"scalar"};
-  if (RS_HAVE_AVX2) isas.emplace_back("avx2");
-  if (RS_GH_AVX512) isas.emplace_back("avx512");
-  return isas;
-}
+std::vector<std::string> greedy_head_isas() { return isa_names(RS_HAVE_AVX2, RS_GH_AVX512); }
 
 std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Tensor& u,
                                                           const at::Tensor& stats, double umax, int64_t isa) {
@@ -294,9 +292,10 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, c
               "greedy_head_candidates: ISA path ", isa, " is not compiled into this build");
   at::Tensor counts = at::full({M}, -1, at::kLong);
   const Rows xq = quantize(x.data_ptr<float>(), x.stride(0), M, K, umax);
-  if (!xq.finite || M == 0) return {at::empty({0}, at::kLong), counts};
-  std::vector<float> a(M * N), b(M * N);
-  const Problem p{xq, u.data_ptr<int8_t>(), stats.data_ptr<float>(), a.data(), b.data(), M, N, K, Kp};
+  if (!xq.proven || M == 0) return {at::empty({0}, at::kLong), counts};
+  // Every entry is written by the pass below: no zeroing (M x N x 8 bytes per call).
+  const std::unique_ptr<float[]> a(new float[M * N]), b(new float[M * N]);
+  const Problem p{xq, u.data_ptr<int8_t>(), stats.data_ptr<float>(), a.get(), b.get(), M, N, Kp};
   constexpr int64_t kBlock = 64;  // vocabulary rows per task (36 KB of int8 at K = 576)
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   std::vector<double> lower(blocks * M), upper(blocks * M);  // [block][m]
@@ -310,8 +309,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, c
   for (int64_t m = 0; m < M; ++m) {
     double bound = -std::numeric_limits<double>::infinity();
     for (int64_t blk = 0; blk < blocks; ++blk) bound = std::max(bound, lower[blk * M + m]);
-    const float* am = a.data() + m * N;
-    const float* bm = b.data() + m * N;
+    const float* am = a.get() + m * N;
+    const float* bm = b.get() + m * N;
     for (int64_t blk = 0; blk < blocks; ++blk) {
       if (upper[blk * M + m] < bound) continue;
       for (int64_t n = blk * kBlock; n < std::min(N, (blk + 1) * kBlock); ++n)

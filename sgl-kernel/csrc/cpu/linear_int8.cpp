@@ -220,12 +220,7 @@ int64_t best_isa() { return RS_HAVE_AVX512_VNNI ? kIsaAvx512 : RS_HAVE_AVX2 ? kI
 
 }  // namespace
 
-std::vector<std::string> linear_int8_isas() {
-  std::vector<std::string> isas{"scalar"};
-  if (RS_HAVE_AVX2) isas.emplace_back("avx2");
-  if (RS_HAVE_AVX512_VNNI) isas.emplace_back("avx512");
-  return isas;
-}
+std::vector<std::string> linear_int8_isas() { return isa_names(RS_HAVE_AVX2, RS_HAVE_AVX512_VNNI); }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const c10::optional<at::Tensor>& bias, int64_t isa) {

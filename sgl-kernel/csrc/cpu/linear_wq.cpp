@@ -228,6 +228,8 @@ inline void tile256(const WqProblem& p, int64_t m0, int64_t n0) {
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = zero;
   // As tile512's, for tiles of several weight rows (one row at a time is one sequential stream).
+  // Written out in both tiles: a shared inline helper, prefetch_rows(p, n, count, byte), measured
+  // as if there were no prefetch (AVX2 Q8_0 one row 22.8 against 9.5 ms, same process, AMD EPYC).
   const bool prefetch = NR > 1 && m0 == 0 && n0 + 2 * NR <= p.N;
   for (int64_t k = 0; k < p.K; k += 16) {
     const int64_t ga = p.grp[k >> 4];
@@ -334,12 +336,7 @@ int64_t best_isa() { return RS_HAVE_AVX512 ? kIsaAvx512 : RS_HAVE_AVX2 ? kIsaAvx
 
 }  // namespace
 
-std::vector<std::string> linear_wq_isas() {
-  std::vector<std::string> isas{"scalar"};
-  if (RS_HAVE_AVX2) isas.emplace_back("avx2");
-  if (RS_HAVE_AVX512) isas.emplace_back("avx512");
-  return isas;
-}
+std::vector<std::string> linear_wq_isas() { return isa_names(RS_HAVE_AVX2, RS_HAVE_AVX512); }
 
 at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
