@@ -5,6 +5,11 @@ and on random token prompts.
 
     python benchmark/bench_speculative.py                    # built-in model, draft tokens 8
     python benchmark/bench_speculative.py --draft-tokens 4 8 12 --max-new-tokens 160
+    git worktree add /tmp/base HEAD~1 && python benchmark/bench_speculative.py --baseline-tree /tmp/base
+
+--baseline-tree runs each NGRAM mode a second time ("base-K") with the engine's processes importing
+radixserve from another checkout: two versions of the speculation code side by side in one run
+(sgl-kernel is the installed one for both).
 
 Prints one row per (workload, concurrency, mode): output tokens, wall seconds, tok/s, the speedup
 over the plain run, and the mean spec_accept_length (tokens per verify forward). Greedy decoding,
@@ -14,7 +19,9 @@ so every mode produces the same tokens (the script checks it).
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -118,6 +125,18 @@ def run_cell(engine: Any, prompts: list[list[int]], concurrency: int, params: di
     }
 
 
+def start_engine(engine_cls: type, tree: str | None, **kwargs: Any) -> Any:  # noqa: ANN401 - an Engine
+    """An Engine whose processes import radixserve from `tree`/python when given: they are spawned,
+    and a spawned process starts from this process's sys.path."""
+    saved = list(sys.path)
+    if tree is not None:
+        sys.path.insert(0, os.path.join(os.path.abspath(tree), "python"))
+    try:
+        return engine_cls(**kwargs)
+    finally:
+        sys.path[:] = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,6 +168,11 @@ def main() -> None:
         "--workloads", nargs="+", default=["copy", "novel", "random"], choices=["copy", "novel", "random"]
     )
     parser.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="a checkout (e.g. a git worktree of an earlier commit) whose radixserve the base-K modes run",
+    )
+    parser.add_argument(
         "--compare-batch-backoff",
         action="store_true",
         help="also run each NGRAM mode with --disable-speculative-batch-backoff (the per-request rule only)",
@@ -175,6 +199,11 @@ def main() -> None:
             )
             for k in args.draft_tokens
         ]
+    if args.baseline_tree:
+        modes += [
+            (f"base-{k}", {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k})
+            for k in args.draft_tokens
+        ]
     modes += [
         (
             f"self-L{n}",
@@ -190,7 +219,9 @@ def main() -> None:
     # and concurrency, --repeats passes, median wall time): on a shared, noisy machine the modes
     # then see the same load.
     engines = {
-        mode: Engine(
+        mode: start_engine(
+            Engine,
+            args.baseline_tree if mode.startswith("base-") else None,
             model_path=args.model_path,
             log_level="warning",
             max_total_tokens=args.max_total_tokens,

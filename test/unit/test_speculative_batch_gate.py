@@ -4,6 +4,9 @@ drafters' expected accepted drafts beat the step's measured extra cost at this b
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -24,7 +27,7 @@ from radixserve.speculative.batch_gate import (
     step_pays,
 )
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
-from radixserve.speculative.ngram_drafter import NgramConfig, NgramDrafter, SpecReqState
+from radixserve.speculative.ngram_drafter import MatchAcceptance, NgramConfig, NgramDrafter, SpecReqState
 
 
 def _costs(bs: int, decode_s: float, verify: list[tuple[int, float]]) -> StepCosts:
@@ -57,13 +60,16 @@ def test_row_cost_is_measured_per_batch_size():
 
 
 def test_draft_length_follows_acceptance():
-    """The n-th draft is worth alpha^n tokens: drafted while that beats a row's cost."""
+    """The n-th draft is worth alpha_1 .. alpha_n tokens: drafted while that beats a row's cost."""
     cost = RowCost(overhead=0.0, per_row=0.1)
-    assert draft_length(0.9, 7, cost) == 7  # 0.9^7 = 0.48
-    assert draft_length(0.5, 7, cost) == 3  # 0.125 > 0.1 > 0.0625
-    assert draft_length(0.09, 7, cost) == 0
-    assert draft_length(0.09, 7, None) == 7  # not measured yet: the limit
-    assert expected_accepts(0.5, 3) == pytest.approx(0.875)
+    assert draft_length([0.9] * 7, cost) == 7  # 0.9^7 = 0.48
+    assert draft_length([0.5] * 7, cost) == 3  # 0.125 > 0.1 > 0.0625
+    assert draft_length([0.09] * 7, cost) == 0
+    assert draft_length([0.09] * 7, None) == 7  # not measured yet: all of them
+    assert draft_length([0.3, 0.9, 0.9], cost) == 3  # a weak first draft, sure ones after it
+    assert draft_length([0.9, 0.1, 0.99], cost) == 1  # 0.9 pays, 0.09 does not (nor what follows)
+    assert expected_accepts([0.5] * 3) == pytest.approx(0.875)
+    assert expected_accepts([0.5, 1.0, 0.5]) == pytest.approx(0.5 + 0.5 + 0.25)
 
 
 def test_request_acceptance_estimate():
@@ -107,7 +113,9 @@ def _step(mem: KVMemory, per_row: float, overhead: float = 0.0) -> SpeculativeDe
 
 
 def _set_alpha(req: Req, alpha: float) -> None:
+    """The request's own acceptance, and no match-length table: its drafts' chances are alpha each."""
     req.spec.accepted, req.spec.rejected = alpha, 1.0 - alpha
+    req.spec.matches = None
 
 
 @pytest.mark.parametrize(
@@ -155,3 +163,74 @@ def test_lengths_are_not_limited_before_costs_are_measured():
     step = SpeculativeDecodeStep(NgramDrafter(NgramConfig(8, 1, 4, 8, 10_000)), mem, max_drafts=7)
     step.prepare(batch, 256)
     assert [len(d) for d in batch.spec_drafts] == [7] * 4
+
+
+def _teach(matches: MatchAcceptance, window: int, rounds: int, accepted: int, drafted: int) -> None:
+    for _ in range(rounds):
+        matches.observe(window, drafted, accepted)
+
+
+def test_match_acceptance_counts_each_draft_at_its_context_length():
+    """Draft j of a chain matched on w tokens is counted at length w + j - 1 (capped), accepted or
+    rejected; drafts past the first rejected one tell nothing."""
+    m = MatchAcceptance(max_length=6)
+    assert m.alpha(3) == 0.5  # the prior
+    m.observe(2, 4, 1)  # draft 1 (length 2) accepted, draft 2 (length 3) rejected, 3-4 unknown
+    assert m.alpha(2) > 0.5 and m.alpha(3) < 0.5 and m.alpha(4) == m.alpha(5) == 0.5
+    _teach(m, 5, 20, 4, 4)  # lengths 5, 6, 7 -> 6, 8 -> 6: accepted
+    assert m.alpha(5) > 0.9 and m.alpha(6) > 0.9 and m.alpha(9) == m.alpha(6)
+
+
+def test_draft_alphas_blend_the_request_and_its_match():
+    """Geometric mean of the request's alpha and the table's at each draft's context length; with
+    no table or no match known, the request's alpha alone."""
+    m = MatchAcceptance(max_length=12)
+    _teach(m, 1, 30, 0, 1)  # one-token matches: rejected
+    _teach(m, 8, 30, 4, 4)  # long matches: accepted
+    st = SpecReqState(trie=None, matches=m)
+    st.accepted, st.rejected = 0.25, 0.75
+    st.window = 8
+    alphas = st.draft_alphas(3)
+    assert alphas == pytest.approx([math.sqrt(0.25 * m.alpha(8 + j)) for j in range(3)])
+    assert all(a > 0.45 for a in alphas)
+    st.window = 1
+    assert st.draft_alphas(1)[0] < 0.2
+    st.window = 0
+    assert st.draft_alphas(2) == [0.25, 0.25]
+
+
+def _held_back_request_step(
+    matches: MatchAcceptance | None, max_window: int
+) -> tuple[ScheduleBatch, SpeculativeDecodeStep]:
+    """A batch of 4 requests whose own acceptance is 0.05, prepared by a step whose drafter matches
+    up to max_window tokens and knows `matches` (None: the request's record alone)."""
+    batch, mem = _batch(4)
+    step = _step(mem, per_row=0.1)
+    step.drafter.config = dataclasses.replace(step.drafter.config, max_window=max_window)
+    for r in batch.reqs:
+        step.drafter.draft(r, 100)
+        r.spec.accepted, r.spec.rejected = 0.05, 0.95
+        r.spec.matches = matches
+    step.prepare(batch, 256)  # the prompts repeat [5 6 7 8 9]: matches of up to 4 tokens
+    return batch, step
+
+
+def test_a_long_match_drafts_at_once_where_the_request_alone_would_wait():
+    """Answers to copy tasks open with new words (short matches, rejected), then copy. A request
+    whose own record is poor (alpha 0.05: held back under the request's record alone, for up to
+    PROBE_AFTER steps) drafts as soon as its context matches at length, because such matches are
+    accepted across the server: sqrt(0.05 x ~0.98) = 0.22 per draft, so one draft pays (0.22 >
+    0.1) and a second does not (0.049); its acceptance then raises its own record. On a one-token
+    match it is held back."""
+    matches = MatchAcceptance(max_length=12)
+    _teach(matches, 1, 40, 0, 3)
+    _teach(matches, 4, 40, 7, 7)
+    batch, _ = _held_back_request_step(matches, max_window=4)
+    assert batch.forward_mode == ForwardMode.TARGET_VERIFY
+    assert all(r.spec.window == 4 for r in batch.reqs)
+    assert [len(d) for d in batch.spec_drafts] == [1] * 4
+    batch, _ = _held_back_request_step(None, max_window=4)
+    assert batch.forward_mode == ForwardMode.DECODE
+    batch, _ = _held_back_request_step(matches, max_window=1)
+    assert batch.forward_mode == ForwardMode.DECODE
+    assert all(r.spec.window == 1 and r.spec.gated_streak == 1 for r in batch.reqs)

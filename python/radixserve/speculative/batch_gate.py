@@ -19,13 +19,15 @@ worth bs / T_decode(bs) tokens), the step must gain
   every verify step's time against its drafted rows (O and t; with too little spread in the row
   counts, all of the extra time is charged to the rows). Until a batch size has MIN_SAMPLES of
   each, steps draft at full length (which measures them).
-- Each request's drafts are accepted with probability alpha each, in a row (a draft counts only if
-  every draft before it was accepted): the j-th draft is worth alpha^j tokens. alpha is estimated
-  per request (SpecReqState: accepted drafts / (accepted drafts + rounds that ended on a rejected
-  draft), decayed so that it follows the text, from a prior of 1/2).
-- Draft length: a request drafts the longest n (up to its limit) whose last draft is still worth
-  its row, alpha^n > per_row. A request whose first draft is not worth its row drafts nothing.
-- The step drafts when its expected gain, the sum over the requests of alpha + .. + alpha^n,
+- A draft j is accepted with probability alpha_j given that drafts 1 .. j-1 were (a draft counts
+  only if every draft before it was accepted), so it is worth alpha_1 * .. * alpha_j tokens.
+  SpecReqState.draft_alphas estimates them: the request's own acceptance (accepted drafts /
+  (accepted drafts + rounds that ended on a rejected draft), decayed so that it follows the text,
+  from a prior of 1/2), and for NGRAM chains also how often drafts matched on as long a context were
+  accepted across the server (ngram_drafter.MatchAcceptance), which a long match raises at once.
+- Draft length: a request's drafts are cut after the last one still worth its row,
+  alpha_1 * .. * alpha_n > per_row. A request whose first draft is not worth its row drafts nothing.
+- The step drafts when its expected gain, the sum over the requests of their drafts' worth,
   exceeds overhead + E * per_row; else it runs as a plain decode.
 - A request held back PROBE_AFTER steps in a row drafts one token anyway (a probe), which
   re-measures its acceptance when its text turns repetitive; its alpha then grows the length.
@@ -34,6 +36,7 @@ The per-request back-off (ngram_drafter.SpecReqState cooldown) still applies fir
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 EMA_ALPHA = 0.2  # weight of the newest step time
@@ -113,21 +116,28 @@ class StepCosts:
         return RowCost(overhead * tokens_per_second, per_row * tokens_per_second)
 
 
-def draft_length(alpha: float, limit: int, cost: RowCost | None) -> int:
-    """The longest n <= limit with alpha^n > cost.per_row (the n-th draft still pays for its row);
-    the limit while costs are not measured yet."""
+def draft_length(alphas: Sequence[float], cost: RowCost | None) -> int:
+    """How many of the drafts whose acceptance chances are `alphas` pay for their rows: the longest
+    n with alpha_1 * .. * alpha_n > cost.per_row; all of them while costs are not measured yet."""
     if cost is None:
-        return limit
-    n, worth = 0, alpha
-    while n < limit and worth > cost.per_row:
-        n += 1
+        return len(alphas)
+    n, worth = 0, 1.0
+    for alpha in alphas:
         worth *= alpha
+        if worth <= cost.per_row:
+            break
+        n += 1
     return n
 
 
-def expected_accepts(alpha: float, n: int) -> float:
-    """alpha + alpha^2 + .. + alpha^n: the drafts a chain of n is expected to get accepted."""
-    return sum(alpha**j for j in range(1, n + 1))
+def expected_accepts(alphas: Sequence[float]) -> float:
+    """alpha_1 + alpha_1 alpha_2 + .. + alpha_1 .. alpha_n: the drafts a chain is expected to get
+    accepted."""
+    total, worth = 0.0, 1.0
+    for alpha in alphas:
+        worth *= alpha
+        total += worth
+    return total
 
 
 def step_pays(expected_gain: float, drafted_rows: int, cost: RowCost | None, probe: bool) -> bool:

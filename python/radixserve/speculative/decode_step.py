@@ -58,7 +58,10 @@ class SpeculativeDecodeStep:
 
     def prepare(self, batch: ScheduleBatch, context_limit: int) -> None:
         cost = self.costs.row_cost(len(batch.reqs)) if self.batch_backoff else None
-        drafts = [self.drafter.draft(r, self._limit(r, context_limit, cost)) for r in batch.reqs]
+        drafts = [
+            self._fit(r, self.drafter.draft(r, context_limit - r.kv_committed_len - 1), cost)
+            for r in batch.reqs
+        ]
         if any(drafts) and not self._pays(batch.reqs, drafts, cost):
             drafts = []
         if any(drafts):
@@ -76,22 +79,23 @@ class SpeculativeDecodeStep:
         (batch_gate.StepCosts)."""
         self.costs.observe(verify, bs, seconds, rows)
 
-    def _limit(self, req: Req, context_limit: int, cost: RowCost | None) -> int:
-        """Drafts `req` may have this step: what its context has room for, and with the batch-level
-        rule the length its acceptance pays for (batch_gate.draft_length; a request drafting for
-        the first time starts from the prior). Drafters without that state (test oracles) get the
-        room alone."""
-        room = context_limit - req.kv_committed_len - 1
+    def _fit(self, req: Req, drafts: list[int] | DraftTree, cost: RowCost | None) -> list[int] | DraftTree:
+        """`req`'s drafts cut to the length their acceptance pays for at the measured cost of a row
+        (batch_gate.draft_length; a tree keeps its first rows, breadth first). Drafts are made at
+        full length first: an NGRAM chain's chances depend on the context it matched. Drafters
+        without that state (test oracles), and steps before costs are measured, keep them all."""
         st = req.spec
-        if cost is None or not (st is None or isinstance(st, SpecReqState)):
-            return room
-        alpha = st.alpha if st is not None else SpecReqState(trie=None).alpha
-        n = draft_length(alpha, min(room, self.max_drafts), cost)
-        if n == 0 and st is not None:
-            if st.gated_streak >= PROBE_AFTER:
-                return 1  # a probe: one draft re-measures its acceptance
-            st.on_gated()
-        return n
+        if cost is None or not drafts or not isinstance(st, SpecReqState):
+            return drafts
+        n = draft_length(st.draft_alphas(min(len(drafts), self.max_drafts)), cost)
+        if n == 0:
+            if st.gated_streak < PROBE_AFTER:
+                st.on_gated()
+                return []
+            n = 1  # a probe: one draft re-measures its acceptance
+        if isinstance(drafts, DraftTree):
+            return DraftTree(drafts.tokens[:n], drafts.parents[:n])
+        return drafts[:n]
 
     def _pays(self, reqs: list[Req], drafts: list, cost: RowCost | None) -> bool:
         """The batch-level rule (batch_gate.py); drafters without its state (test oracles) always
@@ -101,7 +105,9 @@ class SpeculativeDecodeStep:
             return True
         # A tree's rows past its depth are alternatives: its chance of acceptance is counted along
         # its depth (a lower bound); every row is paid for.
-        gain = sum(expected_accepts(st.alpha, max(depths(as_tree(d).row_parents()))) for st, d in states)
+        gain = sum(
+            expected_accepts(st.draft_alphas(max(depths(as_tree(d).row_parents())))) for st, d in states
+        )
         rows = sum(len(d) for d in drafts)
         probe = any(st.gated_streak >= PROBE_AFTER for st, _ in states)
         if step_pays(gain, rows, cost, probe):

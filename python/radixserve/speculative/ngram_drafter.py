@@ -12,11 +12,14 @@ MAX_COOLDOWN) and goes back to 0 on any accepted draft. On random text most roun
 so a request there drafts on only about one step in MAX_COOLDOWN; on copy-heavy text it keeps
 drafting. When no request of a step drafts, the step is an ordinary DECODE batch (with its fast
 paths). A batch-level rule then sets how many tokens each request drafts and whether the step
-drafts at all (batch_gate.py).
+drafts at all (batch_gate.py), from each draft's chance of acceptance (SpecReqState.draft_alphas:
+the request's own record and, for NGRAM chains, how often drafts matched on as long a context were
+accepted, MatchAcceptance).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,9 +32,40 @@ if TYPE_CHECKING:
 
 MAX_COOLDOWN = 16
 ACCEPT_DECAY = 0.7  # weight of the earlier rounds in a request's acceptance counts, per round
-# The prior of the acceptance estimate: one accepted and one rejected draft (alpha 1/2).
+MATCH_DECAY = 0.99  # the same for MatchAcceptance's counts, per draft counted at that length
+# The prior of the acceptance estimates: one accepted and one rejected draft (alpha 1/2).
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
+
+
+class MatchAcceptance:
+    """How often an NGRAM draft is accepted, given that the drafts before it in its chain were, by
+    the length of the context it was matched on: one table per server, learned from every verify
+    step (decayed counts). A draft j (1-based) of a chain whose first token was matched on a
+    w-token suffix continues that match: its context is w + j - 1 tokens long.
+
+    Why: a request's own record alone reacts late. Answers to copy tasks open with a few new words
+    (whose short matches are mostly rejected) and then copy at length, where long matches are
+    nearly always right: the match length tells the two apart as soon as the copying starts."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+        self._counts: dict[int, list[float]] = {}  # length -> [accepted, rejected]
+
+    def alpha(self, length: int) -> float:
+        accepted, rejected = self._counts.get(min(length, self.max_length), (PRIOR_ACCEPTED, PRIOR_REJECTED))
+        return accepted / (accepted + rejected)
+
+    def observe(self, window: int, num_drafts: int, num_accepted: int) -> None:
+        """A verified chain matched on `window` tokens: drafts 1 .. num_accepted were accepted and
+        the next one (if any was drafted) rejected; those past it tell nothing."""
+        for j in range(1, min(num_accepted + 1, num_drafts) + 1):
+            counts = self._counts.setdefault(
+                min(window + j - 1, self.max_length), [PRIOR_ACCEPTED, PRIOR_REJECTED]
+            )
+            counts[0] *= MATCH_DECAY
+            counts[1] *= MATCH_DECAY
+            counts[0 if j <= num_accepted else 1] += 1.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +97,8 @@ class SpecReqState:
     """Per-request speculation state (lives on Req.spec; survives retraction)."""
 
     trie: NgramTrie | None  # None for drafters that need no index (a draft model)
+    matches: MatchAcceptance | None = None  # NGRAM's per-server table
+    window: int = 0  # the context length the drafts in flight were matched on (0: unknown)
     cooldown: int = 0  # decode steps left without drafting
     next_cooldown: int = 1
     # The batch-level rule (batch_gate.py): decayed counts of accepted drafts and of rounds that
@@ -75,6 +111,14 @@ class SpecReqState:
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    def draft_alphas(self, n: int) -> list[float]:
+        """Each of n drafts' chance to be accepted given the ones before it were: the request's own
+        alpha, or with a match length known, the geometric mean of it and MatchAcceptance's for
+        that draft (the request's record keeps what is particular to its text)."""
+        if self.matches is None or self.window <= 0:
+            return [self.alpha] * n
+        return [math.sqrt(self.alpha * self.matches.alpha(self.window + j)) for j in range(n)]
 
     def on_gated(self) -> None:
         """This step's drafts were dropped (or not made) by the batch-level rule."""
@@ -89,6 +133,8 @@ class SpecReqState:
         """The back-off rules, after a verify round in which the request drafted."""
         if num_drafts == 0:
             return
+        if self.matches is not None and self.window > 0:
+            self.matches.observe(self.window, num_drafts, num_accepted)
         self.gated_streak = 0
         self.accepted = ACCEPT_DECAY * self.accepted + num_accepted
         self.rejected = ACCEPT_DECAY * self.rejected + (1.0 if num_accepted < num_drafts else 0.0)
@@ -116,8 +162,8 @@ def can_speculate(req: Req) -> bool:
 
 
 def num_drafts_allowed(req: Req, st: SpecReqState, most: int, max_tokens: int) -> int:
-    """How many drafts `req` may have this step: 0 while cooling down (the back-off rule), and
-    never past max_new_tokens (tokens beyond it would be dropped anyway)."""
+    """How many drafts `req` may have this step: 0 while cooling down (the per-request back-off),
+    and never past max_new_tokens (tokens beyond it would be dropped anyway)."""
     if st.cooldown > 0:
         st.cooldown -= 1
         return 0
@@ -128,12 +174,13 @@ def num_drafts_allowed(req: Req, st: SpecReqState, most: int, max_tokens: int) -
 class NgramDrafter:
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
+        self.matches = MatchAcceptance(config.max_window)
 
     def _state(self, req: Req) -> SpecReqState:
         if req.spec is None:
             trie = NgramTrie(self.config.branch_length, self.config.capacity)
             trie.extend(req.origin_input_ids + req.output_ids)
-            req.spec = SpecReqState(trie)
+            req.spec = SpecReqState(trie, self.matches)
         return req.spec
 
     def draft(self, req: Req, max_tokens: int) -> list[int] | DraftTree:
@@ -142,17 +189,19 @@ class NgramDrafter:
         if not can_speculate(req):
             return []
         st = self._state(req)
-        n = num_drafts_allowed(req, st, self.config.num_draft_tokens - 1, max_tokens)
+        cfg = self.config
+        st.window = 0
+        n = num_drafts_allowed(req, st, cfg.num_draft_tokens - 1, max_tokens)
         if n <= 0:
             return []
         assert st.trie is not None
-        cfg = self.config
+        context = last_tokens(req, cfg.max_window)
         if cfg.max_breadth > 1:
-            context = last_tokens(req, cfg.max_window)
             return st.trie.draft_tree(
                 context, n, cfg.min_window, cfg.max_window, cfg.min_breadth, cfg.max_breadth
             )
-        return st.trie.draft(last_tokens(req, cfg.max_window), n, cfg.min_window, cfg.max_window)
+        drafts, st.window = st.trie.draft_chain(context, n, cfg.min_window, cfg.max_window)
+        return drafts
 
 
 def last_tokens(req: Req, n: int) -> list[int]:

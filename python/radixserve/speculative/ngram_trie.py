@@ -67,31 +67,41 @@ class NgramTrie:
                 return None
         return node
 
-    def match(self, context: list[int], min_window: int, max_window: int) -> _Node | None:
+    def _match(self, context: list[int], min_window: int, max_window: int) -> tuple[_Node | None, int]:
         """The node of the longest suffix of `context` (max_window .. min_window tokens) that has a
-        continuation, or None."""
+        continuation, and that suffix's length; (None, 0) when none has."""
         for w in range(min(max_window, len(context)), min_window - 1, -1):
             node = self._walk(context[-w:])
             if node is not None and node.children:
-                return node
-        return None
+                return node, w
+        return None, 0
 
     def draft(self, context: list[int], num_tokens: int, min_window: int, max_window: int) -> list[int]:
         """Up to `num_tokens` tokens likely to follow `context` (the sequence this trie indexes, or a
-        continuation of it). A chain that reaches the trie's depth is continued by matching again on
-        the context extended with what was drafted."""
+        continuation of it)."""
+        return self.draft_chain(context, num_tokens, min_window, max_window)[0]
+
+    def draft_chain(
+        self, context: list[int], num_tokens: int, min_window: int, max_window: int
+    ) -> tuple[list[int], int]:
+        """draft(), and the length of the context suffix its first token was matched on (0: no
+        draft): the longer, the likelier the drafts are right (ngram_drafter.MatchAcceptance). A
+        chain that reaches the trie's depth is continued by matching again on the context extended
+        with what was drafted."""
         out: list[int] = []
+        window = 0
         while len(out) < num_tokens:
-            node = self.match(context + out if out else context, min_window, max_window)
+            node, w = self._match(context + out if out else context, min_window, max_window)
             if node is None:
                 break
+            window = window or w
             start = len(out)
             while node.children and len(out) < num_tokens:
                 tok, node = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].last))
                 out.append(tok)
             if len(out) == start:
                 break
-        return out
+        return out, window if out else 0
 
     def draft_tree(
         self,
