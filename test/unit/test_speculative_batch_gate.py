@@ -182,8 +182,9 @@ def test_match_acceptance_counts_each_draft_at_its_context_length():
 
 
 def test_draft_alphas_blend_the_request_and_its_match():
-    """Geometric mean of the request's alpha and the table's at each draft's context length; with
-    no table or no match known, the request's alpha alone."""
+    """The request's alpha, raised to the geometric mean of it and the table's at each draft's
+    context length where the table's is better; never lowered by it. No table or no match known:
+    the request's alpha alone."""
     m = MatchAcceptance(max_length=12)
     _teach(m, 1, 30, 0, 1)  # one-token matches: rejected
     _teach(m, 8, 30, 4, 4)  # long matches: accepted
@@ -194,9 +195,11 @@ def test_draft_alphas_blend_the_request_and_its_match():
     assert alphas == pytest.approx([math.sqrt(0.25 * m.alpha(8 + j)) for j in range(3)])
     assert all(a > 0.45 for a in alphas)
     st.window = 1
-    assert st.draft_alphas(1)[0] < 0.2
+    assert st.draft_alphas(1) == [0.25]  # the table's 0.02 does not lower it
+    st.accepted, st.rejected = 0.9, 0.1
+    assert st.draft_alphas(1) == [0.9]
     st.window = 0
-    assert st.draft_alphas(2) == [0.25, 0.25]
+    assert st.draft_alphas(2) == [0.9, 0.9]
 
 
 def _held_back_request_step(
@@ -231,6 +234,6 @@ def test_a_long_match_drafts_at_once_where_the_request_alone_would_wait():
     assert [len(d) for d in batch.spec_drafts] == [1] * 4
     batch, _ = _held_back_request_step(None, max_window=4)
     assert batch.forward_mode == ForwardMode.DECODE
-    batch, _ = _held_back_request_step(matches, max_window=1)
+    batch, _ = _held_back_request_step(matches, max_window=1)  # the table does not raise it there
     assert batch.forward_mode == ForwardMode.DECODE
     assert all(r.spec.window == 1 and r.spec.gated_streak == 1 for r in batch.reqs)

@@ -23,8 +23,9 @@ worth bs / T_decode(bs) tokens), the step must gain
   only if every draft before it was accepted), so it is worth alpha_1 * .. * alpha_j tokens.
   SpecReqState.draft_alphas estimates them: the request's own acceptance (accepted drafts /
   (accepted drafts + rounds that ended on a rejected draft), decayed so that it follows the text,
-  from a prior of 1/2), and for NGRAM chains also how often drafts matched on as long a context were
-  accepted across the server (ngram_drafter.MatchAcceptance), which a long match raises at once.
+  from a prior of 1/2), raised for NGRAM chains where drafts matched on as long a context were
+  accepted more often across the server (ngram_drafter.MatchAcceptance): a long match raises it at
+  once.
 - Draft length: a request's drafts are cut after the last one still worth its row,
   alpha_1 * .. * alpha_n > per_row. A request whose first draft is not worth its row drafts nothing.
 - The step drafts when its expected gain, the sum over the requests of their drafts' worth,

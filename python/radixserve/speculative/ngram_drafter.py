@@ -114,11 +114,15 @@ class SpecReqState:
 
     def draft_alphas(self, n: int) -> list[float]:
         """Each of n drafts' chance to be accepted given the ones before it were: the request's own
-        alpha, or with a match length known, the geometric mean of it and MatchAcceptance's for
-        that draft (the request's record keeps what is particular to its text)."""
+        alpha, raised where the server's record at that draft's match length (MatchAcceptance) is
+        better, to the geometric mean of the two. Raised only: the server's record comes from other
+        requests' text, and lowering a request's own good record by it drafted less on text that
+        repeats itself (random prompts at concurrency 4, whose acceptance length halved)."""
         if self.matches is None or self.window <= 0:
             return [self.alpha] * n
-        return [math.sqrt(self.alpha * self.matches.alpha(self.window + j)) for j in range(n)]
+        return [
+            max(self.alpha, math.sqrt(self.alpha * self.matches.alpha(self.window + j))) for j in range(n)
+        ]
 
     def on_gated(self) -> None:
         """This step's drafts were dropped (or not made) by the batch-level rule."""
