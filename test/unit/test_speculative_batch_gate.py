@@ -237,3 +237,22 @@ def test_a_long_match_drafts_at_once_where_the_request_alone_would_wait():
     batch, _ = _held_back_request_step(matches, max_window=1)  # the table does not raise it there
     assert batch.forward_mode == ForwardMode.DECODE
     assert all(r.spec.window == 1 and r.spec.gated_streak == 1 for r in batch.reqs)
+
+
+def test_a_request_that_cannot_pay_is_held_back_without_a_lookup(monkeypatch):
+    """When not even the best chance the server's record could give its first draft pays for a
+    row, the request is held back before its trie is searched (the lookups of requests that end
+    up not drafting cost a few percent of a step at batch 4)."""
+    batch, mem = _batch(4)
+    step = _step(mem, per_row=0.1)
+    for r in batch.reqs:
+        step.drafter.draft(r, 100)
+        r.spec.accepted, r.spec.rejected = 0.01, 0.99  # sqrt(0.01 x 0.5) = 0.07 < 0.1
+
+        def no_lookup(*args: object) -> None:
+            raise AssertionError("looked up a request that cannot pay")
+
+        monkeypatch.setattr(r.spec.trie, "draft_chain", no_lookup)
+    step.prepare(batch, 256)
+    assert batch.forward_mode == ForwardMode.DECODE
+    assert all(r.spec.gated_streak == 1 for r in batch.reqs)

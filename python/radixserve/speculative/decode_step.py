@@ -59,8 +59,7 @@ class SpeculativeDecodeStep:
     def prepare(self, batch: ScheduleBatch, context_limit: int) -> None:
         cost = self.costs.row_cost(len(batch.reqs)) if self.batch_backoff else None
         drafts = [
-            self._fit(r, self.drafter.draft(r, context_limit - r.kv_committed_len - 1), cost)
-            for r in batch.reqs
+            self._fit(r, self.drafter.draft(r, self._room(r, context_limit, cost)), cost) for r in batch.reqs
         ]
         if any(drafts) and not self._pays(batch.reqs, drafts, cost):
             drafts = []
@@ -78,6 +77,20 @@ class SpeculativeDecodeStep:
         """The scheduler reports each decode / verify step's wall time and row count
         (batch_gate.StepCosts)."""
         self.costs.observe(verify, bs, seconds, rows)
+
+    def _room(self, req: Req, context_limit: int, cost: RowCost | None) -> int:
+        """Drafts `req` may have this step: what its context has room for, or none when not even
+        its first draft could pay for its row at the best chance the match might give it (then it
+        is held back without a lookup: at batch 4 the lookups of requests that end up not drafting
+        cost a few percent of the step)."""
+        room = context_limit - req.kv_committed_len - 1
+        st = req.spec
+        if cost is None or not isinstance(st, SpecReqState) or st.gated_streak >= PROBE_AFTER:
+            return room
+        if st.best_first_alpha() <= cost.per_row:
+            st.on_gated()
+            return 0
+        return room
 
     def _fit(self, req: Req, drafts: list[int] | DraftTree, cost: RowCost | None) -> list[int] | DraftTree:
         """`req`'s drafts cut to the length their acceptance pays for at the measured cost of a row

@@ -56,6 +56,10 @@ class MatchAcceptance:
         accepted, rejected = self._counts.get(min(length, self.max_length), (PRIOR_ACCEPTED, PRIOR_REJECTED))
         return accepted / (accepted + rejected)
 
+    def best(self) -> float:
+        """The best alpha at any length (the prior's while nothing is recorded)."""
+        return max((self.alpha(length) for length in self._counts), default=self.alpha(0))
+
     def observe(self, window: int, num_drafts: int, num_accepted: int) -> None:
         """A verified chain matched on `window` tokens: drafts 1 .. num_accepted were accepted and
         the next one (if any was drafted) rejected; those past it tell nothing."""
@@ -123,6 +127,12 @@ class SpecReqState:
         return [
             max(self.alpha, math.sqrt(self.alpha * self.matches.alpha(self.window + j))) for j in range(n)
         ]
+
+    def best_first_alpha(self) -> float:
+        """An upper bound of draft_alphas(1)[0] before the match is known."""
+        if self.matches is None:
+            return self.alpha
+        return max(self.alpha, math.sqrt(self.alpha * self.matches.best()))
 
     def on_gated(self) -> None:
         """This step's drafts were dropped (or not made) by the batch-level rule."""
