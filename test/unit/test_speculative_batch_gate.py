@@ -256,3 +256,14 @@ def test_a_request_that_cannot_pay_is_held_back_without_a_lookup(monkeypatch):
     step.prepare(batch, 256)
     assert batch.forward_mode == ForwardMode.DECODE
     assert all(r.spec.gated_streak == 1 for r in batch.reqs)
+
+
+def test_match_acceptance_best_bounds_every_length():
+    """best() bounds the chance at every length, the ones not recorded yet (the prior) included:
+    it decides whether a request is looked up at all."""
+    m = MatchAcceptance(max_length=6)
+    assert m.best() == 0.5
+    _teach(m, 1, 20, 0, 1)  # only one-token matches recorded, and rejected
+    assert m.alpha(1) < 0.1 and m.best() == 0.5  # lengths 2 .. 6 still have the prior
+    _teach(m, 3, 20, 4, 4)
+    assert m.best() == max(m.alpha(length) for length in range(1, 7)) > 0.9

@@ -51,14 +51,15 @@ class MatchAcceptance:
     def __init__(self, max_length: int) -> None:
         self.max_length = max_length
         self._counts: dict[int, list[float]] = {}  # length -> [accepted, rejected]
+        self._best = self.alpha(1)  # best(), kept current by observe (read per request per step)
 
     def alpha(self, length: int) -> float:
         accepted, rejected = self._counts.get(min(length, self.max_length), (PRIOR_ACCEPTED, PRIOR_REJECTED))
         return accepted / (accepted + rejected)
 
     def best(self) -> float:
-        """The best alpha at any length (the prior's while nothing is recorded)."""
-        return max((self.alpha(length) for length in self._counts), default=self.alpha(0))
+        """The best alpha at any length 1 .. max_length (a length not yet recorded has the prior's)."""
+        return self._best
 
     def observe(self, window: int, num_drafts: int, num_accepted: int) -> None:
         """A verified chain matched on `window` tokens: drafts 1 .. num_accepted were accepted and
@@ -70,6 +71,7 @@ class MatchAcceptance:
             counts[0] *= MATCH_DECAY
             counts[1] *= MATCH_DECAY
             counts[0 if j <= num_accepted else 1] += 1.0
+        self._best = max(self.alpha(length) for length in range(1, self.max_length + 1))
 
 
 @dataclass(frozen=True)
