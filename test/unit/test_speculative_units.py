@@ -37,16 +37,16 @@ def test_trie_drafts_the_continuation_of_the_longest_match():
     # "1 2 3" was followed by 4 and by 7; the 3-token suffix "2 3" ... "x 2 3": longest match with a
     # continuation is "2 3" (7 2 3 never occurred before) -> most frequent next (4 and 7 once each,
     # ties go to the most recent: 7).
-    assert trie.draft(seq, 1, 1, 4) == [7]
+    assert trie.draft_chain(seq, 1, 1, 4)[0] == [7]
     # "1 2 3" was followed by 4 (earlier) and 7 (later): the tie goes to the most recent.
-    assert trie.draft([8, 1, 2, 3], 3, 1, 3) == [7, 7, 2]
-    assert trie.draft([5, 9], 3, 2, 4) == [9, 1, 2]
+    assert trie.draft_chain([8, 1, 2, 3], 3, 1, 3)[0] == [7, 7, 2]
+    assert trie.draft_chain([5, 9], 3, 2, 4)[0] == [9, 1, 2]
 
 
 def test_trie_prefers_the_most_frequent_continuation():
     trie = NgramTrie(branch_length=4, capacity=10_000)
     trie.extend([5, 1, 5, 1, 5, 2, 5])
-    assert trie.draft([5], 1, 1, 1) == [1]  # 5 -> 1 twice, 5 -> 2 once
+    assert trie.draft_chain([5], 1, 1, 1)[0] == [1]  # 5 -> 1 twice, 5 -> 2 once
 
 
 def test_trie_depth_and_capacity():
@@ -66,8 +66,8 @@ def test_trie_depth_and_capacity():
 def test_trie_no_match_drafts_nothing():
     trie = NgramTrie(branch_length=8, capacity=100)
     trie.extend([1, 2, 3])
-    assert trie.draft([1, 2, 3], 4, 1, 3) == []  # the suffix never occurred with a continuation
-    assert trie.draft([4], 4, 1, 3) == []
+    assert trie.draft_chain([1, 2, 3], 4, 1, 3)[0] == []  # the suffix never occurred with a continuation
+    assert trie.draft_chain([4], 4, 1, 3)[0] == []
 
 
 # ------------------------------------------------------------------------------------ acceptance

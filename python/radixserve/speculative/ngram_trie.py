@@ -76,15 +76,11 @@ class NgramTrie:
                 return node, w
         return None, 0
 
-    def draft(self, context: list[int], num_tokens: int, min_window: int, max_window: int) -> list[int]:
-        """Up to `num_tokens` tokens likely to follow `context` (the sequence this trie indexes, or a
-        continuation of it)."""
-        return self.draft_chain(context, num_tokens, min_window, max_window)[0]
-
     def draft_chain(
         self, context: list[int], num_tokens: int, min_window: int, max_window: int
     ) -> tuple[list[int], int]:
-        """draft(), and the length of the context suffix its first token was matched on (0: no
+        """Up to `num_tokens` tokens likely to follow `context` (the sequence this trie indexes, or a
+        continuation of it), and the length of the context suffix the first was matched on (0: no
         draft): the longer, the likelier the drafts are right (ngram_drafter.MatchAcceptance). A
         chain that reaches the trie's depth is continued by matching again on the context extended
         with what was drafted."""
