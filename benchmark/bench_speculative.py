@@ -151,7 +151,13 @@ def main() -> None:
         help="also run STANDALONE self-speculation with the target's first N layers as the draft",
     )
     parser.add_argument("--standalone-draft-tokens", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="copy and novel answers end by themselves below it (the built-in model's copy answers "
+        "are 115-167 tokens), so a rewrite is measured whole; random prompts run to it (ignore_eos)",
+    )
     parser.add_argument("--random-prompt-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument(
