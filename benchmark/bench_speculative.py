@@ -12,8 +12,9 @@ radixserve from another checkout: two versions of the speculation code side by s
 (sgl-kernel is the installed one for both).
 
 Prints one row per (workload, concurrency, mode): output tokens, wall seconds, tok/s, the speedup
-over the plain run, and the mean spec_accept_length (tokens per verify forward). Greedy decoding,
-so every mode produces the same tokens (the script checks it).
+over the plain run, and the mean spec_accept_length (tokens per verify forward); then each
+workload's answer lengths. Greedy decoding, so every mode produces the same tokens (the script
+checks it).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def run_cell(engine: Any, prompts: list[list[int]], concurrency: int, params: di
         group = prompts[i : i + concurrency]
         outputs += engine.generate(input_ids=group, sampling_params=[dict(params) for _ in group])
     wall = time.perf_counter() - start
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    lengths = [o["meta_info"]["completion_tokens"] for o in outputs]
+    tokens = sum(lengths)
     verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outputs)
     verify_tokens = sum(
         o["meta_info"].get("spec_accept_length", 0.0) * o["meta_info"].get("spec_verify_ct", 0)
@@ -118,6 +120,7 @@ def run_cell(engine: Any, prompts: list[list[int]], concurrency: int, params: di
     )
     return {
         "tokens": tokens,
+        "lengths": lengths,
         "wall": wall,
         "tok_s": tokens / wall,
         "accept_length": verify_tokens / verify if verify else None,
@@ -287,6 +290,10 @@ def main() -> None:
                     f"{name:8} {c:>4} {mode:10} {r['tokens']:>6} {r['wall']:>7.1f} {r['tok_s']:>7.1f} "
                     f"{r['tok_s'] / base['tok_s']:>6.2f}x {acc:>10}{same}"
                 )
+    # Whether answers ended by themselves or at --max-new-tokens (every mode's are the same).
+    for name in workloads:
+        lengths = results[(name, min(args.concurrency), "plain")]["lengths"]
+        print(f"{name} answer lengths (tokens, cap {args.max_new_tokens}): {' '.join(map(str, lengths))}")
 
 
 if __name__ == "__main__":
