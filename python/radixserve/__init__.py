@@ -4,6 +4,11 @@ __version__ = "0.1.0"
 
 from typing import Any
 
+from radixserve.utils.cpus import prefer_passive_omp_waits
+
+# Before torch loads its OpenMP runtime: spinning workers collapse beside busy neighbours (utils/cpus).
+prefer_passive_omp_waits()
+
 __all__ = ["Engine", "SamplingParams"]
 
 

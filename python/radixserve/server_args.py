@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.configs.checkpoint_quant import resolve_quantization
 from radixserve.configs.quant_args import validate_weight_only
 from radixserve.configs.spec_args import speculative_updates, validate_speculative
+from radixserve.utils.cpus import available_cpus
 
 if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
@@ -261,7 +261,8 @@ class ServerArgs:
     cpu_threads: int | None = _f(
         None,
         "Torch threads on CPU: all of them for the single scheduler process; with several ranks on "
-        "a machine they are split evenly and each rank is pinned to its own cores. Default: all cores.",
+        "a machine they are split evenly and each rank is pinned to its own cores. Default: the CPUs "
+        "this process may use (its affinity mask, capped by the cgroup CPU quota).",
     )
 
     # Memory and batching
@@ -487,7 +488,8 @@ class ServerArgs:
         if self.mem_fraction_static is None and device == "cuda":
             updates["mem_fraction_static"] = 0.85
         if self.cpu_threads is None and device == "cpu":
-            updates["cpu_threads"] = os.cpu_count() or 1
+            # The CPUs this process may use (affinity mask, cgroup quota), not the host's count.
+            updates["cpu_threads"] = available_cpus()
         if self.speculative_algorithm is not None:
             updates.update(speculative_updates(self, device))
         from radixserve.configs.default_format import default_quantization

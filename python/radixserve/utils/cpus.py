@@ -1,0 +1,126 @@
+"""How the engine shares CPUs: how many it may really use, and how its OpenMP threads wait.
+
+**How many.** The affinity mask, capped by the cgroup CPU quota.
+
+`os.cpu_count()` counts the host's CPUs. A container limited by `docker run --cpus 2` (a CFS quota)
+or `--cpuset-cpus` (an affinity mask) on a 64-core host would otherwise start 64 compute threads
+that the kernel throttles to 2 CPUs' worth of time: the threads wait on each other at every
+parallel region's barrier while most of them are descheduled.
+
+cgroup v2 keeps the quota in `cpu.max` ("max 100000" or "200000 100000": quota and period in us),
+v1 in `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1 for none). The limit in force is the smallest
+along the cgroup's path to the root, and a container usually sees its own cgroup mounted at the
+root of /sys/fs/cgroup, so every directory from the process's cgroup up to the mount is read.
+
+**How they wait.** Between two parallel regions an OpenMP worker either spins or sleeps. GNU
+OpenMP (torch's CPU wheels) spins 300,000 pause instructions by default, ~17 ms on a Cascade Lake
+core, so a team of two threads on two cores with one busy neighbour process collapses: the worker
+that shares a core with the neighbour spends its time slices spinning, the kernel sees three
+CPU-bound tasks on two cores, and every region waits a time slice for the descheduled thread
+(32 tokens took 43 s instead of 0.5 s). Passive waiting (sleep at once) makes the workers
+short-running tasks the kernel's scheduler serves on wake-up; docs/cpu_backend.md "Threads" has the
+measurements, idle and beside busy neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import MutableMapping
+from pathlib import Path
+
+_V2_MOUNT = Path("sys/fs/cgroup")
+_V1_MOUNTS = (Path("sys/fs/cgroup/cpu"), Path("sys/fs/cgroup/cpu,cpuacct"), Path("sys/fs/cgroup/cpuacct,cpu"))
+
+
+def affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (`os.cpu_count()` where the platform has no masks)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def available_cpus(root: Path = Path("/")) -> int:
+    """CPUs this process can keep busy at once: the affinity mask's size, capped by the cgroup
+    quota rounded up (a 1.5-CPU quota still lets two threads run half the time each)."""
+    cpus = affinity_cpus()
+    quota = cgroup_cpu_quota(root)
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota - 1e-9)))
+    return cpus
+
+
+def cgroup_cpu_quota(root: Path = Path("/")) -> float | None:
+    """The CFS quota in CPUs (quota / period) in force for this process, or None when unlimited or
+    unknown. `root` is the filesystem root, so tests can lay out a fake /proc and /sys."""
+    paths = _cgroup_paths(root / "proc/self/cgroup")
+    limits = [q for q in (_v2_quota(root, paths.get("")), _v1_quota(root, paths.get("cpu"))) if q]
+    return min(limits) if limits else None
+
+
+def _cgroup_paths(cgroup_file: Path) -> dict[str, str]:
+    """controller -> cgroup path, from /proc/self/cgroup ("0::/path" is v2's unified line, keyed "")."""
+    try:
+        lines = cgroup_file.read_text().splitlines()
+    except OSError:
+        return {}
+    paths: dict[str, str] = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        for controller in parts[1].split(",") if parts[1] else [""]:
+            paths[controller] = parts[2]
+    return paths
+
+
+def _ancestors(mount: Path, cgroup_path: str | None) -> list[Path]:
+    """The cgroup's directory and each parent up to the mount (the mount alone when the path is not
+    under it, as in a container whose namespace shows its own cgroup as the root)."""
+    dirs = [mount]
+    if cgroup_path:
+        parts = [p for p in cgroup_path.strip("/").split("/") if p]
+        dirs += [mount.joinpath(*parts[:i]) for i in range(1, len(parts) + 1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def _v2_quota(root: Path, cgroup_path: str | None) -> float | None:
+    found = []
+    for d in _ancestors(root / _V2_MOUNT, cgroup_path):
+        fields = _read(d / "cpu.max").split()
+        if len(fields) == 2 and fields[0] != "max":
+            found.append(_ratio(fields[0], fields[1]))
+    return min((q for q in found if q), default=None)
+
+
+def _v1_quota(root: Path, cgroup_path: str | None) -> float | None:
+    found = []
+    for mount in _V1_MOUNTS:
+        for d in _ancestors(root / mount, cgroup_path):
+            found.append(_ratio(_read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")))
+        if found:
+            break  # the same hierarchy is often mounted under two names
+    return min((q for q in found if q), default=None)
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def prefer_passive_omp_waits(environ: MutableMapping[str, str] = os.environ) -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless the user chose a wait policy or a spin count. Must run before
+    the OpenMP runtime loads (it reads the variables once): radixserve's package import calls it, so
+    every process that imports radixserve before torch, and every child it spawns, gets it."""
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"

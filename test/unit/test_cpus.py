@@ -1,0 +1,164 @@
+"""The CPU count the engine sizes its thread team by: the affinity mask, capped by the cgroup quota."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from radixserve.utils import cpus
+
+
+def _layout(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.fixture
+def eight_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpus, "affinity_cpus", lambda: 8)
+
+
+def test_no_cgroup_files_means_the_affinity_mask(tmp_path: Path, eight_cpus: None) -> None:
+    assert cpus.cgroup_cpu_quota(tmp_path) is None
+    assert cpus.available_cpus(tmp_path) == 8
+
+
+def test_affinity_mask_is_read_from_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda _pid: {3, 5}, raising=False)
+    assert cpus.affinity_cpus() == 2
+    assert cpus.available_cpus(Path("/nonexistent-root")) == 2
+
+
+def test_v2_quota_caps_the_count_rounded_up(tmp_path: Path, eight_cpus: None) -> None:
+    root = _layout(
+        tmp_path,
+        {"proc/self/cgroup": "0::/docker/abc\n", "sys/fs/cgroup/docker/abc/cpu.max": "150000 100000\n"},
+    )
+    assert cpus.cgroup_cpu_quota(root) == pytest.approx(1.5)
+    assert cpus.available_cpus(root) == 2
+
+
+def test_v2_unlimited_and_the_tightest_ancestor(tmp_path: Path, eight_cpus: None) -> None:
+    root = _layout(
+        tmp_path,
+        {
+            "proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
+            "sys/fs/cgroup/kubepods/cpu.max": "300000 100000\n",
+            "sys/fs/cgroup/kubepods/pod1/cpu.max": "max 100000\n",
+            "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "max 100000\n",
+        },
+    )
+    assert cpus.available_cpus(root) == 3
+
+
+def test_v2_container_sees_its_cgroup_at_the_mount_root(tmp_path: Path, eight_cpus: None) -> None:
+    # Inside a cgroup namespace /proc/self/cgroup says "/" and the limit sits on the mount itself.
+    root = _layout(tmp_path, {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "100000 100000\n"})
+    assert cpus.available_cpus(root) == 1
+
+
+def test_v1_quota(tmp_path: Path, eight_cpus: None) -> None:
+    root = _layout(
+        tmp_path,
+        {
+            "proc/self/cgroup": "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n",
+            "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "400000\n",
+            "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        },
+    )
+    assert cpus.cgroup_cpu_quota(root) == pytest.approx(4.0)
+    assert cpus.available_cpus(root) == 4
+
+
+def test_v1_no_quota_is_minus_one(tmp_path: Path, eight_cpus: None) -> None:
+    root = _layout(
+        tmp_path,
+        {
+            "proc/self/cgroup": "1:cpu:/\n",
+            "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
+            "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n",
+        },
+    )
+    assert cpus.cgroup_cpu_quota(root) is None
+    assert cpus.available_cpus(root) == 8
+
+
+def test_quota_above_the_mask_leaves_the_mask(tmp_path: Path, eight_cpus: None) -> None:
+    root = _layout(tmp_path, {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "1600000 100000\n"})
+    assert cpus.available_cpus(root) == 8
+
+
+def test_garbage_files_are_ignored(tmp_path: Path, eight_cpus: None) -> None:
+    root = _layout(tmp_path, {"proc/self/cgroup": "nonsense\n0::/\n", "sys/fs/cgroup/cpu.max": "x y\n"})
+    assert cpus.available_cpus(root) == 8
+
+
+def test_server_default_threads_follow_the_real_affinity_mask() -> None:
+    """A process started on one CPU (taskset, a container's --cpuset-cpus) defaults to one thread."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no affinity masks on this platform")
+    one_cpu = min(os.sched_getaffinity(0))
+    code = (
+        "from radixserve.server_args import ServerArgs;"
+        "print(ServerArgs(device='cpu', model_path='m', tokenizer_path='m').resolve().cpu_threads)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=lambda: os.sched_setaffinity(0, {one_cpu}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_server_default_threads_follow_the_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.server_args import ServerArgs
+
+    monkeypatch.setattr(cpus, "affinity_cpus", lambda: 8)
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda root=Path("/"): 2.5)
+    args = ServerArgs(device="cpu", model_path="m", tokenizer_path="m").resolve()
+    assert args.cpu_threads == 3
+    assert (
+        ServerArgs(device="cpu", model_path="m", tokenizer_path="m", cpu_threads=1).resolve().cpu_threads == 1
+    )
+
+
+def test_passive_omp_waits_unless_the_user_chose() -> None:
+    env: dict[str, str] = {}
+    cpus.prefer_passive_omp_waits(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    chosen = {"OMP_WAIT_POLICY": "ACTIVE"}
+    cpus.prefer_passive_omp_waits(chosen)
+    assert chosen == {"OMP_WAIT_POLICY": "ACTIVE"}
+    spin = {"GOMP_SPINCOUNT": "10000"}
+    cpus.prefer_passive_omp_waits(spin)
+    assert spin == {"GOMP_SPINCOUNT": "10000"}
+
+
+def test_importing_radixserve_sets_the_policy_for_its_children() -> None:
+    """The package import sets it before torch loads OpenMP, and spawned children inherit it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = (
+        "import radixserve, os, subprocess, sys;"
+        "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ.get(\"OMP_WAIT_POLICY\"))'],"
+        " capture_output=True, text=True).stdout.strip())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "PASSIVE", out.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ACTIVE", out.stderr
