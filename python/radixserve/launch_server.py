@@ -2,9 +2,10 @@
 
 Start-up: resolve the arguments, start the scheduler(s) and the detokenizer, serve the app with
 uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdown (SIGTERM or
-SIGINT): uvicorn stops accepting, in-flight requests get GRACEFUL_SHUTDOWN_S to finish, the
-children are stopped and the process exits 0. A child dying on its own turns /health to 503
-and the process exits 1 within a few seconds.
+SIGINT) drains first (entrypoints/drain.py): new requests get 503, in-flight ones get
+--graceful-shutdown-timeout to finish and are then aborted with a final event; then uvicorn stops,
+the TokenizerManager closes its sockets, the children are stopped and the process exits 0. A
+child dying on its own turns /health to 503 and the process exits 1 within a few seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+from radixserve.entrypoints.drain import Drain, DrainingServer, DrainMiddleware
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
@@ -35,7 +37,9 @@ from radixserve.utils.process import ChildProcesses, limit_threads
 logger = logging.getLogger(__name__)
 
 READY_LINE = "The server is fired up and ready to roll!"
-GRACEFUL_SHUTDOWN_S = 30
+# uvicorn's own graceful shutdown, which cuts what is still open: after a drain nothing is; after a
+# second signal or a child's death nobody should wait long.
+UVICORN_SHUTDOWN_S = 5
 DEATH_GRACE_S = 1.0  # /health reports 503 this long before the server begins to exit
 DEATH_HARD_EXIT_S = 3.0  # then exit no matter what in-flight work remains (all within 5 s)
 WARMUP_TIMEOUT_S = 600.0
@@ -53,17 +57,19 @@ class ServerRuntime:
         tm = TokenizerManager(server_args, self.port_args, info, load_tokenizer(server_args))
         self.state = ServerState(tm=tm)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.drain = Drain(server_args.graceful_shutdown_timeout, self._abort_in_flight, self._request_exit)
         app = create_app(self.state, lifespan=self._lifespan)
+        app.add_middleware(DrainMiddleware, drain=self.drain)  # outermost: it counts every request
         config = uvicorn.Config(
             app,
             host=server_args.host,
             port=server_args.port,
             loop="uvloop",
             log_level=server_args.log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=UVICORN_SHUTDOWN_S,
             timeout_keep_alive=5,
         )
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(config, self.drain)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -71,6 +77,7 @@ class ServerRuntime:
         await self.state.tm.start()
         self.children.start_watchdog(self._on_child_death)
         threading.Thread(target=self._warmup, name="warmup", daemon=True).start()
+        self.drain.loop = self.loop  # signals drain from now on
         yield
         await self.state.tm.close()
 
@@ -84,6 +91,12 @@ class ServerRuntime:
 
     def _request_exit(self) -> None:
         self.server.should_exit = True
+
+    def _abort_in_flight(self, message: str) -> None:
+        """The drain's deadline: finish every request now with a 503 abort (streams get it as their
+        last event) and have the scheduler drop them; a request still tokenizing is refused."""
+        self.state.tm.fail_all(message, 503)
+        self.state.tm.abort_request(abort_all=True)
 
     def _hard_exit(self) -> None:
         logger.error("Exiting after a child process died")

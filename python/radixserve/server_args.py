@@ -172,6 +172,13 @@ class ServerArgs:
     max_request_body_bytes: int = _f(
         32 * 1024 * 1024, "Largest request body in bytes; a larger one is refused with 413 before it is read."
     )
+    graceful_shutdown_timeout: float = _f(
+        30.0,
+        "Seconds SIGTERM (or SIGINT) lets in-flight requests run before they are aborted. Meanwhile "
+        "every new request, /health included, gets 503; at the deadline each open stream gets a "
+        "final abort event and each waiting call a 503, then the server exits (docs/deploy.md). "
+        "SGLang has no such flag: its drain waits without a deadline.",
+    )
     enable_metrics: bool = _f(False, "Expose Prometheus metrics at /metrics.")
     log_level: str = _f("info", "Logging level.")
     log_requests: bool = _f(
@@ -538,6 +545,10 @@ class ServerArgs:
             raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError(
+                f"--graceful-shutdown-timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout}"
+            )
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

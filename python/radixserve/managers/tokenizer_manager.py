@@ -133,6 +133,7 @@ class TokenizerManager:
         self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._started = False
+        self._closed = False  # after close(): sockets gone, nothing more is sent
         self.weight_version = server_args.weight_version  # reported in every meta_info
         self.control = ControlClient(self)
         self._recv_task: asyncio.Task[None] | None = None
@@ -163,10 +164,16 @@ class TokenizerManager:
         prewarm_grammar()
 
     async def close(self) -> None:
+        """Stop receiving, then close the sockets and their contexts, in that order: a socket
+        closed under a pending recv, or sent on once closed, raises ZMQError."""
+        self._closed = True  # later aborts (a cancelled stream's cleanup) send nothing
         if self._recv_task is not None:
             self._recv_task.cancel()
+            await asyncio.gather(self._recv_task, return_exceptions=True)
         for sock in (self._send, self._recv):
             sock.close(linger=0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -174,7 +181,8 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def fail_all(self, message: str, status_code: int = 503) -> None:
-        """Finish every in-flight request with an error (a child process died)."""
+        """Finish every in-flight request with an error (a child process died, or the shutdown
+        drain's deadline passed); later requests are refused with the same message."""
         self.dead_reason = message
         for state in list(self.rid_to_state.values()):
             self._finish(state, {"type": "abort", "message": message, "status_code": status_code})
@@ -395,7 +403,8 @@ class TokenizerManager:
         The scheduler answers with each request's final output (finish_reason abort, the tokens so
         far), which finishes it here as any other output does, so a non-streaming caller gets the
         partial text; if that never arrives within ABORT_GRACE_S the request is finished locally."""
-        self._send.send_pyobj(AbortReq(rid=rid or "", abort_all=abort_all))
+        if not self._closed:
+            self._send.send_pyobj(AbortReq(rid=rid or "", abort_all=abort_all))
         targets = [s for key, s in self.rid_to_state.items() if abort_all or (rid and rid_matches(key, rid))]
         if not targets:
             return

@@ -96,6 +96,9 @@ def use_thread_lock_for_tqdm() -> None:
 def child_entry(target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
     """Common prologue of every child: die with the parent, then run the real entry point."""
     set_parent_death_signal()
+    # Ctrl-C signals the whole process group; the parent drains and then stops its children
+    # (SIGTERM), so a child that quit on SIGINT would cut the drain short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     use_thread_lock_for_tqdm()
     try:
         target(*args)

@@ -121,7 +121,6 @@ class ChatHandler:
         lp_sent: dict[int, int] = {}  # index -> logprob entries already streamed
         finals: dict[int, dict[str, Any]] = {}
         async for out in outputs:
-            raise_if_failed(out)
             idx = out["index"]
             if idx not in streams:  # the first chunk of each choice announces the role
                 streams[idx] = ChoiceStream(plan)
@@ -146,6 +145,7 @@ class ChatHandler:
                 matched_stop=matched,
             )
             yield chunk(choice)
+            raise_if_failed(out)  # after its finish_reason "abort" chunk, as in completions
         if req.stream_options is not None and req.stream_options.include_usage:
             ordered = [finals[i] for i in sorted(finals)]
             final = ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=usage(ordered, req.n))

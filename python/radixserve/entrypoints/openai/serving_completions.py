@@ -107,7 +107,6 @@ class CompletionsHandler:
         sent: dict[int, int] = {}  # index -> chars of text already streamed
         finals: dict[int, dict[str, Any]] = {}
         async for out in outputs:
-            raise_if_failed(out)
             idx = out["index"]
             delta = out["text"][sent.get(idx, 0) :]
             if prompts is not None and idx not in sent:
@@ -118,6 +117,9 @@ class CompletionsHandler:
                 finals[idx] = out
             choice = CompletionChoice(index=idx, text=delta, finish_reason=reason, matched_stop=matched)
             yield sse(CompletionResponse(id=rid, model=model, choices=[choice]))
+            # A failed choice (aborted at shutdown, a dead child) first ends with finish_reason
+            # "abort" like any other choice, then sse_errors sends the error event and [DONE].
+            raise_if_failed(out)
         if req.stream_options is not None and req.stream_options.include_usage:
             ordered = [finals[i] for i in sorted(finals)]
             yield sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage(ordered, req.n)))
