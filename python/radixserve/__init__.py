@@ -4,6 +4,11 @@ __version__ = "0.1.0"
 
 from typing import Any
 
+from radixserve.utils import log_safety
+
+# Every process imports the package first: no log line of ours can carry a raw newline from a request.
+log_safety.install()
+
 __all__ = ["Engine", "SamplingParams"]
 
 
