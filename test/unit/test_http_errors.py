@@ -1,5 +1,6 @@
-"""Issue 46, item 2, in-process: an unforeseen exception is a logged 500 in the JSON envelope
-(never Starlette's plain-text "Internal Server Error"), in a plain answer and in a stream."""
+"""Issue 46, items 2 and 8c, in-process: an unforeseen exception is a logged 500 in the JSON
+envelope (never Starlette's plain-text "Internal Server Error"), in a plain answer and in a
+stream; the Authorization scheme is case-insensitive and tolerates extra whitespace."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_http_guards import StubTokenizerManager
 
+from radixserve.entrypoints.http_guards import bearer_matches
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.openai.serving_common import SSE_DONE, sse_errors
 
@@ -72,3 +74,35 @@ def test_errors_in_a_started_stream_end_it_with_an_in_band_500(caplog) -> None:
     error = json.loads(out[1].removeprefix(b"data: "))["error"]
     assert error["code"] == 500 and "RecursionError" in error["message"]
     assert any(r.exc_info for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("header", "ok"),
+    [
+        ("Bearer k3y", True),
+        ("bearer k3y", True),
+        ("BEARER k3y", True),
+        ("  Bearer    k3y  ", True),
+        ("Bearer\tk3y", True),
+        ("Bearer K3Y", False),  # the key itself is exact
+        ("Bearer k3y k3y", False),
+        ("Bearerk3y", False),
+        ("Basic k3y", False),
+        ("k3y", False),
+        ("Bearer ", False),
+        (None, False),
+    ],
+)
+def test_bearer_scheme_is_case_insensitive(header: str | None, ok: bool) -> None:
+    assert bearer_matches(header, "k3y") is ok
+
+
+def test_lower_case_bearer_over_http() -> None:
+    c = TestClient(
+        create_app(ServerState(tm=StubTokenizerManager(api_key="k3y"), ready=True)),  # type: ignore[arg-type]
+        base_url="http://127.0.0.1:30000",
+    )
+    assert c.get("/v1/models", headers={"Authorization": "bearer k3y"}).status_code == 200
+    assert c.get("/v1/models", headers={"Authorization": "Bearer  k3y "}).status_code == 200
+    resp = c.get("/v1/models", headers={"Authorization": "bearer wrong"})
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
