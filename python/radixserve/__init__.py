@@ -4,10 +4,13 @@ __version__ = "0.1.0"
 
 from typing import Any
 
+from radixserve.utils import log_safety
 from radixserve.utils.cpus import prefer_passive_omp_waits
 
 # Before torch loads its OpenMP runtime: spinning workers collapse beside busy neighbours (utils/cpus).
 prefer_passive_omp_waits()
+# Every process imports the package first: no log line of ours can carry a raw newline from a request.
+log_safety.install()
 
 __all__ = ["Engine", "SamplingParams"]
 

@@ -14,6 +14,8 @@ from radixserve.managers.detokenizer import (
     StopStringMatcher,
     TokenDecoder,
 )
+from radixserve.managers.detokenizer_manager import PARTIAL_CHAR_DROPPED, DetokenizerManager
+from radixserve.managers.io_struct import BatchTokenIDOut
 
 CORPUS = [
     "Hello world, this is a small test corpus for a tiny tokenizer.",
@@ -38,21 +40,46 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def stream(decode: TokenDecoder, ids: list[int], chunk: int = 1) -> str:
+    return stream_detok(decode, ids, chunk)[0]
+
+
+def stream_detok(decode: TokenDecoder, ids: list[int], chunk: int = 1) -> tuple[str, IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(decode)
     parts = []
     for i in range(0, len(ids), chunk):
         piece = ids[i : i + chunk]
         parts.append(detok.append(piece, final=i + chunk >= len(ids)))
-    return "".join(parts)
+    return "".join(parts), detok
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_random_streams_match_full_decode(tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
+    """The stream is the full decode, less a trailing incomplete character (reported)."""
     rng = random.Random(seed)
     ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 200))]
     for skip in (True, False):
         decode = TokenDecoder(tokenizer, skip_special_tokens=skip)
-        assert stream(decode, ids, chunk=rng.randint(1, 3)) == decode(ids)
+        text, detok = stream_detok(decode, ids, chunk=rng.randint(1, 3))
+        full = decode(ids)
+        if detok.partial_char_dropped:
+            assert full.startswith(text) and set(full[len(text) :]) == {"\ufffd"}
+        else:
+            assert text == full
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 100])
+def test_output_cut_inside_a_character_drops_its_bytes(
+    tokenizer: PreTrainedTokenizerFast, chunk: int
+) -> None:
+    """Issue 46, 8b: max_tokens ending inside "😀" used to end the text with U+FFFD."""
+    head, emoji = tokenizer.encode("ok "), tokenizer.encode("😀")
+    assert len(emoji) > 1, "the tiny vocab must split the emoji into several byte tokens"
+    ids = head + emoji
+    for cut in range(len(head) + 1, len(ids)):  # every cut inside the emoji
+        text, detok = stream_detok(TokenDecoder(tokenizer), ids[:cut], chunk)
+        assert text == "ok " and detok.partial_char_dropped
+    text, detok = stream_detok(TokenDecoder(tokenizer), ids, chunk)
+    assert text == "ok 😀" and not detok.partial_char_dropped
 
 
 @pytest.mark.parametrize("text", CORPUS + ["日😀é" * 30, "a" * 50 + "ß" * 50])
@@ -168,3 +195,38 @@ def test_stop_strings_wait_for_min_new_tokens(tokenizer: PreTrainedTokenizerFast
     streamed = "".join(state.step([t], finished=i == len(ids) - 1) for i, t in enumerate(ids))
     assert state.matched_stop == ","
     assert streamed == " one, two"  # the first comma came too early; the second one stops
+
+
+def token_id_out(rid: str, ids: list[int], reason: dict | None) -> BatchTokenIDOut:
+    return BatchTokenIDOut(
+        rids=[rid],
+        finished_reasons=[reason],
+        output_ids=[ids],
+        prompt_tokens=[1],
+        completion_tokens=[len(ids)],
+        cached_tokens=[0],
+        skip_special_tokens=[True],
+        spaces_between_special_tokens=[True],
+        no_stop_trim=[False],
+        stop_strs=[[]],
+    )
+
+
+def test_finish_reason_says_a_cut_character_was_dropped(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Streamed (a message per token) and whole (one message) outputs agree on the text and the
+    finish reason: the dropped character is named there, never sent as U+FFFD."""
+    ids = (tokenizer.encode("ok ") + tokenizer.encode("😀"))[:-1]  # max_tokens cut inside the emoji
+    length = {"type": "length", "length": len(ids)}
+    manager = DetokenizerManager(tokenizer)
+    streamed, reason = "", None
+    for i, tok in enumerate(ids):
+        out, _ = manager.handle(token_id_out("s", [tok], length if i == len(ids) - 1 else None))
+        if out is not None:
+            streamed += out.output_strs[0]
+            reason = out.finished_reasons[0]
+    whole, _ = manager.handle(token_id_out("w", ids, length))
+    assert whole is not None
+    assert streamed == whole.output_strs[0] == "ok "
+    assert reason == whole.finished_reasons[0] == {**length, PARTIAL_CHAR_DROPPED: True}
+    complete, _ = manager.handle(token_id_out("c", tokenizer.encode("ok 😀"), length))
+    assert complete is not None and complete.finished_reasons[0] == length

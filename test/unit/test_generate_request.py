@@ -54,6 +54,24 @@ def test_limits_per_request(body, message):
         GenerateReqInput(**body).expand()
 
 
+def test_seed_and_its_samples_must_fit_the_sampler():
+    """Issue 46, 8a: sample j uses seed + j, so with n samples the last seed must fit too."""
+    top = 2**63 - 1
+    seeds = [
+        i.sampling_params.seed
+        for i in GenerateReqInput(text="a", sampling_params={"n": 3, "seed": top - 2}).expand()
+    ]
+    assert seeds == [top - 2, top - 1, top]
+    with pytest.raises(
+        ValueError, match=rf"seed must be in \[0, {top - 2}\] \(n=3: sample j uses seed \+ j\), got {top - 1}"
+    ):
+        GenerateReqInput(text="a", sampling_params={"n": 3, "seed": top - 1}).expand()
+    with pytest.raises(ValueError, match=rf"seed must be in \[0, {top}\], got {2**63}\."):
+        GenerateReqInput(text="a", sampling_params={"seed": 2**63}).expand()
+    with pytest.raises(ValueError, match=r"seed must be in \[0, \d+\], got -1\."):
+        GenerateReqInput(text="a", sampling_params={"seed": -1}).expand()
+
+
 def test_limits_are_inclusive():
     body = {"text": "a", "rid": "r" * 256, "top_logprobs_num": 20, "logprob_start_len": -1}
     assert len(GenerateReqInput(**body, sampling_params={"n": 128}).expand()) == 128

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from radixserve.sampling.sampling_params import TOP_K_ALL, SamplingParams
+from radixserve.sampling.sampling_params import SEED_MAX, TOP_K_ALL, SamplingParams
 
 VOCAB = 100
 
@@ -145,3 +145,16 @@ def test_every_field_is_typed_in_from_dict():
         default = getattr(SamplingParams(), f.name)
         if default is not None:
             SamplingParams.from_dict({f.name: default})
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63, 2**64 + 5, 10**30])
+def test_seed_out_of_range_is_refused_with_the_range(seed):
+    """Issue 46, 8a: seeds used to be folded mod 2**63, so 2**63 + 5 silently sampled as 5."""
+    with pytest.raises(ValueError, match=rf"seed must be in \[0, {SEED_MAX}\], got {seed}\."):
+        SamplingParams(seed=seed).verify(VOCAB)
+
+
+def test_seed_range_is_inclusive():
+    assert SEED_MAX == 2**63 - 1
+    for seed in (0, 1, SEED_MAX):
+        SamplingParams(seed=seed).verify(VOCAB)

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.constrained.grammar_limits import nesting_error
 from radixserve.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,11 @@ class GrammarBackend:
             return len(self._cache), self.cached_bytes
 
     def _compile_or_invalid(self, key: GrammarKey) -> Any:  # noqa: ANN401 - CompiledGrammar | InvalidGrammar
+        # Also here, not only in the TokenizerManager: whatever reaches the scheduler must not
+        # recurse out of the stack or hold a compile thread for minutes.
+        too_deep = nesting_error(*key)
+        if too_deep is not None:
+            return InvalidGrammar(too_deep)
         try:
             return self.compile(key)
         except Exception as exc:  # any compiler failure is the request's problem, not the server's

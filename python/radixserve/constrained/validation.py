@@ -19,6 +19,7 @@ from radixserve.constrained.grammar_backend import (
     grammar_key,
     import_xgrammar,
 )
+from radixserve.constrained.grammar_limits import nesting_error
 from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -35,6 +36,9 @@ def validate_grammar(params: SamplingParams) -> None:
 @functools.lru_cache(maxsize=1024)
 def _grammar_error(key: GrammarKey) -> str | None:
     kind, spec = key
+    too_deep = nesting_error(kind, spec)
+    if too_deep is not None:  # before anything parses it: json.loads and the walks below recurse
+        return too_deep
     if kind == "json":
         if spec == ANY_JSON:
             return None

@@ -14,6 +14,7 @@ docs/http_api.md ("Security") states the rules for users.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 from typing import TypeVar
 
@@ -108,10 +109,20 @@ class GuardMiddleware:
         if (
             self.api_key
             and scope["path"] not in PUBLIC_PATHS
-            and headers.get("authorization") != f"Bearer {self.api_key}"
+            and not bearer_matches(headers.get("authorization"), self.api_key)
         ):
             return error_response(401, "Incorrect API key provided.", "invalid_api_key")
         return None
+
+
+def bearer_matches(header: str | None, api_key: str) -> bool:
+    """`Authorization: Bearer <key>` with the scheme in any case (RFC 7235: auth schemes are
+    case-insensitive) and any whitespace around the scheme and the key; the key itself is compared
+    exactly, in constant time."""
+    parts = (header or "").split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return False
+    return hmac.compare_digest(parts[1].strip().encode(), api_key.encode())
 
 
 # ----------------------------------------------------------------------------- bodies

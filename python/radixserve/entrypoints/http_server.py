@@ -4,8 +4,9 @@ Every error leaves in OpenAI's envelope `{"error": {...}}`: 400 for validation (
 is overridden) and a Host that is not allowed, 401 for a wrong API key, 404 for unknown routes and
 models, 405 (with Allow) for a wrong method, 413 for a body over the size limit, 415 for a route
 that acts called without a JSON Content-Type, 503 when the server cannot take the request
-(starting, a child died, queue full). The guards are in http_guards.py; the OpenAPI document
-(/openapi.json) is completed in openapi_spec.py.
+(starting, a child died, queue full), and 500 for anything unforeseen (logged with its
+traceback). The error handlers are in http_errors.py, the guards in http_guards.py; the OpenAPI
+document (/openapi.json) is completed in openapi_spec.py.
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import BaseRoute, Match
 
 from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.control_routes import add_control_routes
 from radixserve.entrypoints.embedding_routes import add_embedding_routes
+from radixserve.entrypoints.http_errors import CatchAllMiddleware, add_error_handlers
 from radixserve.entrypoints.http_guards import (
     GuardMiddleware,
     allowed_host_names,
@@ -61,7 +59,6 @@ from radixserve.managers import scoring
 from radixserve.managers.embedding_request import make_item
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import (
-    ClientDisconnected,
     InvalidRequestError,
     RequestAbortedError,
     TokenizerManager,
@@ -71,8 +68,6 @@ logger = logging.getLogger(__name__)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-# Status of a call whose client went away (nginx's "client closed request"); nobody reads it.
-CLIENT_CLOSED_STATUS = 499
 
 
 @dataclass
@@ -91,59 +86,6 @@ class ServerState:
 def _text(content: str = "") -> PlainTextResponse:
     """Every answer names its Content-Type, the empty ones included."""
     return PlainTextResponse(content, status_code=200)
-
-
-def _allowed_methods(request: Request) -> list[str]:
-    """Every method some route answers at this path."""
-    methods: set[str] = set()
-    for route in request.app.routes:
-        if isinstance(route, BaseRoute) and route.matches(request.scope)[0] == Match.PARTIAL:
-            methods |= getattr(route, "methods", None) or set()
-    return sorted(methods)
-
-
-def _validation_message(exc: RequestValidationError | ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "; ".join(parts) or "Invalid request."
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        resp = error_response(
-            exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None
-        )
-        resp.headers.update(exc.headers or {})
-        if exc.status_code == 405:  # Starlette names one route's methods; POST and PUT /generate are two
-            resp.headers["Allow"] = ", ".join(_allowed_methods(request))
-        return resp
-
-    @app.exception_handler(ValidationError)
-    async def on_pydantic(_: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc))
-
-    @app.exception_handler(ValueError)
-    async def on_value(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc))
-
-    @app.exception_handler(ModelNotFoundError)
-    async def on_model(_: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return error_response(404, str(exc.args[0]), "model_not_found")
-
-    @app.exception_handler(RequestAbortedError)
-    async def on_aborted(_: Request, exc: RequestAbortedError) -> JSONResponse:
-        return error_response(exc.status_code, str(exc))
-
-    @app.exception_handler(ClientDisconnected)
-    async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=CLIENT_CLOSED_STATUS)  # already logged and aborted; nobody reads it
 
 
 def _sse_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
@@ -328,10 +270,11 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     args = state.tm.server_args
     # /openapi.json as SGLang serves it (no /docs: the Swagger page would load scripts from a CDN).
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    _add_error_handlers(app)
+    add_error_handlers(app)
     app.add_middleware(
         GuardMiddleware, allowed_hosts=allowed_host_names(args.host, args.allowed_hosts), api_key=args.api_key
     )
+    app.add_middleware(CatchAllMiddleware)  # added last = outermost: it also covers the guards
     _add_native_routes(app, state)
     add_control_routes(app, state.tm)
     _add_openai_routes(app, state)

@@ -10,6 +10,11 @@ Each step decodes only `ids[prefix_offset:read_offset]` (already emitted, kept a
 tokenizers that strip a leading space or merge across tokens decode the boundary correctly) and
 `ids[prefix_offset:]`; the new text is the difference. Text ending in U+FFFD is an incomplete
 UTF-8 sequence split across tokens and is held back until the next token completes it.
+
+When the request ends (max_new_tokens, EOS, a stop token) while a character is still incomplete,
+its bytes are left out of the text rather than sent as U+FFFD, and `partial_char_dropped` says so
+(the finish reason carries it to the client, docs/http_api.md). Streamed and whole outputs agree:
+both are the concatenation of the same deltas.
 """
 
 from __future__ import annotations
@@ -89,11 +94,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""  # everything emitted so far
+        self.partial_char_dropped = False  # the final text left out an incomplete character
 
     def append(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Add tokens and return the newly stable text (possibly empty).
 
-        `final` releases held-back text even if it ends in U+FFFD: no later token can complete it.
+        `final` releases held-back text: no later token can complete it, so a trailing incomplete
+        character is dropped (and `partial_char_dropped` set) instead of sent as U+FFFD.
         """
         self.ids.extend(new_ids)
         if self.read_offset == len(self.ids):
@@ -107,6 +114,10 @@ class IncrementalDetokenizer:
         if incomplete and not final:
             return ""
         delta = new_text[len(prefix_text) :]
+        if incomplete:  # final here: the bytes of an unfinished character, never to be finished
+            kept = delta.rstrip(REPLACEMENT_CHAR)
+            self.partial_char_dropped = len(kept) < len(delta)
+            delta = kept
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         self.text += delta
@@ -183,6 +194,12 @@ class DecodeState:
     @property
     def matched_stop(self) -> str | None:
         return self.matcher.matched
+
+    @property
+    def partial_char_dropped(self) -> bool:
+        """The output ended inside a multi-byte character, whose bytes the text leaves out (a stop
+        string that ended the text earlier makes it moot)."""
+        return self.detok.partial_char_dropped and self.matcher.matched is None
 
     def step(self, new_ids: Sequence[int], finished: bool) -> str:
         """Feed one step's tokens; return the text to stream. `finished` flushes held text."""

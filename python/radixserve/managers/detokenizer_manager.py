@@ -23,6 +23,9 @@ from radixserve.utils.process import limit_threads
 
 logger = logging.getLogger(__name__)
 
+# finish_reason key set when the output ended inside a multi-byte character (left out of the text).
+PARTIAL_CHAR_DROPPED = "partial_char_dropped"
+
 
 class _RidState:
     """A request's decode state, plus whether its text stream already ended."""
@@ -87,6 +90,8 @@ class DetokenizerManager:
         if state.matched_stop is not None:
             # Our text-level match is authoritative for the text; report it as the finish cause.
             reason = {"type": "stop", "matched": state.matched_stop}
+        elif reason is not None and state.partial_char_dropped:
+            reason = {**reason, PARTIAL_CHAR_DROPPED: True}  # the client hears what the text lacks
         return text, reason
 
 

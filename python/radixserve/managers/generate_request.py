@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from radixserve.managers.control_messages import SessionParams
-from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.sampling.sampling_params import SamplingParams, check_seed
 
 # Per-request limits (docs/http_api.md, "Limits"): one call must not buy unbounded work.
 MAX_N = 128  # samples per prompt; OpenAI's cap on `n`
@@ -131,6 +131,8 @@ class GenerateReqInput(BaseModel):
             n = params.n
             if not 1 <= n <= MAX_N:  # n < 1: no item would ever be verified (an empty answer)
                 raise ValueError(f"n must be in [1, {MAX_N}], got {n}.")
+            if params.seed is not None:
+                check_seed(params.seed, n)  # here, while the samples' seed + j are still one seed
             top_logprobs_num = int(_pick(self.top_logprobs_num, i))
             if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS_NUM:
                 raise ValueError(

@@ -21,8 +21,8 @@ from radixserve.sampling.penalties import PenaltyState, merge_optional
 from radixserve.sampling.sampling_params import GREEDY_EPS
 from radixserve.sampling.vocab_mask import VocabMask
 
-# Seeds are folded into [0, 2**63) so any user integer (negative, > int64) fits an int64 tensor and
-# -1 stays free as the "unseeded" marker.
+# -1 marks "unseeded", so seeds live in [0, 2**63). Requests are refused outside [0, SEED_MAX]
+# (SamplingParams.verify); the fold only keeps params built past that check from overflowing int64.
 _SEED_MOD = 1 << 63
 
 

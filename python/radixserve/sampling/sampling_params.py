@@ -27,6 +27,10 @@ MIN_REPETITION_PENALTY = 0.01
 # Largest temperature accepted (see verify).
 TEMPERATURE_MAX = 1e4
 
+# The sampler keeps seeds in an int64 tensor and uses -1 for "unseeded", so it tells apart exactly
+# the seeds in [0, SEED_MAX]; anything else would alias one of them (it used to be folded mod 2**63).
+SEED_MAX = (1 << 63) - 1
+
 # Accepted JSON types per field. bool is excluded from numbers explicitly (isinstance(True, int)).
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
 _FLOAT_FIELDS = (
@@ -112,7 +116,8 @@ class SamplingParams:
         - frequency_penalty and presence_penalty in [-2, 2];
           repetition_penalty in [MIN_REPETITION_PENALTY, 2];
         - max_new_tokens >= 0; min_new_tokens in [0, max_new_tokens]; n >= 1;
-        - stop_token_ids in [0, vocab_size); at most one of json_schema, regex, ebnf.
+        - stop_token_ids in [0, vocab_size); at most one of json_schema, regex, ebnf;
+        - seed in [0, SEED_MAX] (GenerateReqInput.expand checks that seed + n - 1 fits too).
 
         Values inside these ranges can still be numerically extreme: the sampler keeps them finite
         and finishes a request whose logits still end up non-finite with an error instead of
@@ -149,12 +154,25 @@ class SamplingParams:
             )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        self._verify_seed()
         grammars = [g for g in _OPT_STR_FIELDS if getattr(self, g) is not None]
         if len(grammars) > 1:
             raise ValueError(f"Only one of json_schema, regex, ebnf can be set, got {', '.join(grammars)}.")
         for tok in self.stop_token_ids or ():
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {tok}.")
+
+    def _verify_seed(self) -> None:
+        if self.seed is not None:
+            check_seed(self.seed, 1)
+
+
+def check_seed(seed: int, n: int) -> None:
+    """ValueError unless `seed` and the seeds of its n samples (seed + j) are all in [0, SEED_MAX]."""
+    top = SEED_MAX - (n - 1)
+    if not 0 <= seed <= top:
+        samples = f" (n={n}: sample j uses seed + j)" if n > 1 else ""
+        raise ValueError(f"seed must be in [0, {top}]{samples}, got {seed}.")
 
 
 def _check_type(key: str, value: Any) -> Any:

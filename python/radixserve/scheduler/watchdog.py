@@ -17,6 +17,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from radixserve.utils.log_safety import KEEP_LINES
+
 logger = logging.getLogger(__name__)
 
 WATCHDOG_EXIT_CODE = 1
@@ -68,6 +70,7 @@ class SchedulerWatchdog:
                     now - since,
                     self.timeout_s,
                     format_all_stacks(),
+                    extra={KEEP_LINES: True},  # the stacks are the code's own text: keep them readable
                 )
                 self._on_fire()
                 return

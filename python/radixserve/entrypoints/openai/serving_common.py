@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -18,6 +19,8 @@ from radixserve.entrypoints.openai.protocol import (
     error_type,
 )
 from radixserve.managers.tokenizer_manager import ClientDisconnected, InvalidRequestError, RequestAbortedError
+
+logger = logging.getLogger(__name__)
 
 # Fields copied verbatim (OpenAI name == SGLang name) when the client set them.
 _PASS_THROUGH = (
@@ -129,8 +132,20 @@ async def sse_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         return  # logged and aborted where it was noticed; nobody is left to read anything
     except (ValueError, RequestAbortedError) as exc:
         code = getattr(exc, "status_code", 400)
-        yield b"data: " + orjson.dumps(error_body(str(exc), error_type(code), code)) + b"\n\n"
+        yield _sse_error(str(exc), code)
+    except Exception as exc:  # unforeseen: the server's fault, said in-band like the others
+        logger.exception("Unhandled %s in a stream", type(exc).__name__)
+        yield _sse_error(internal_error_message(exc), 500)
     yield SSE_DONE
+
+
+def internal_error_message(exc: BaseException) -> str:
+    """A 500's text: the exception's type only (its message may hold internals), and where to look."""
+    return f"Internal server error ({type(exc).__name__}); the server log has the details."
+
+
+def _sse_error(message: str, code: int) -> bytes:
+    return b"data: " + orjson.dumps(error_body(message, error_type(code), code)) + b"\n\n"
 
 
 async def first_output_checked(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
