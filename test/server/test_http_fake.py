@@ -296,15 +296,17 @@ def test_openai_errors(url: str) -> None:
     assert_error(httpx.delete(f"{url}/generate"), 405)
 
 
-def test_only_read_only_routes_take_any_content_type(url: str) -> None:
-    """`curl -d '{...}'` sends application/x-www-form-urlencoded: the read-only routes still read
-    JSON; the routes that act need application/json (a cross-site page can send a form or
-    text/plain without a CORS preflight, never JSON)."""
+def test_post_routes_take_json_only(url: str) -> None:
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: every POST route needs
+    application/json (a cross-site page can send a form or text/plain without a CORS preflight,
+    never JSON), the read-only ones included."""
     form = {"Content-Type": "application/x-www-form-urlencoded"}
-    r = httpx.post(f"{url}/v1/tokenize", content=b'{"prompt": "Hello world"}', headers=form)
-    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
-    r = httpx.post(f"{url}/v1/detokenize", content=b'{"tokens": [67, 68]}', headers=form)
-    assert r.status_code == 200 and r.json()["text"]
+    for path, body in [
+        ("/v1/tokenize", b'{"prompt": "Hello world"}'),
+        ("/v1/detokenize", b'{"tokens": [67]}'),
+    ]:
+        assert_error(httpx.post(f"{url}{path}", content=body, headers=form), 415)
+        assert httpx.post(f"{url}{path}", content=body, headers=JSON).status_code == 200
     chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
     completion = b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}'
     for path, body in [

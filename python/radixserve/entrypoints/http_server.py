@@ -2,8 +2,8 @@
 
 Every error leaves in OpenAI's envelope `{"error": {...}}`: 400 for validation (FastAPI's 422
 is overridden) and a Host that is not allowed, 401 for a wrong API key, 404 for unknown routes and
-models, 405 (with Allow) for a wrong method, 413 for a body over the size limit, 415 for a route
-that acts called without a JSON Content-Type, 503 when the server cannot take the request
+models, 405 (with Allow) for a wrong method, 413 for a body over the size limit, 415 for a POST
+or PUT whose body is not JSON, 503 when the server cannot take the request
 (starting, a child died, queue full). The guards are in http_guards.py; the OpenAPI document
 (/openapi.json) is completed in openapi_spec.py.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -34,7 +34,7 @@ from radixserve.entrypoints.http_guards import (
     allowed_host_names,
     error_response,
     json_body,
-    require_json_or_no_body,
+    require_json_body,
 )
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -187,7 +187,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/generate")
     @app.put("/generate")  # as SGLang; PUT is never a simple cross-site request
     async def generate(request: Request) -> Response:
-        obj = await json_body(GenerateReqInput, request, acts=True)
+        obj = await json_body(GenerateReqInput, request)
         if obj.stream:
             outputs = await first_output_checked(await tm.stream(obj, request))
             return _sse_stream(sse_errors(_native_chunks(outputs)))
@@ -228,15 +228,14 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
     @app.post("/flush_cache")
-    async def flush_cache(request: Request) -> Response:
-        require_json_or_no_body(request)
+    async def flush_cache() -> Response:
         if tm.num_in_flight > 0 or not await tm.flush_cache():
             return error_response(400, "Cannot flush the cache while requests are running.")
         return _text("Cache flushed.")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await json_body(AbortRequestBody, request, acts=True)
+        body = await json_body(AbortRequestBody, request)
         if not body.rid and not body.abort_all:
             return error_response(400, "Give 'rid' or 'abort_all'.")
         tm.abort_request(body.rid or None, abort_all=body.abort_all)
@@ -266,14 +265,14 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Response:
-        req = await json_body(CompletionRequest, request, acts=True)
+        req = await json_body(CompletionRequest, request)
         if req.stream:
             return _sse_stream(await completions.stream(req, request))
         return JSONResponse((await completions.create(req, request)).model_dump())
 
     @app.post("/v1/chat/completions")
     async def v1_chat(request: Request) -> Response:
-        req = await json_body(ChatCompletionRequest, request, acts=True)
+        req = await json_body(ChatCompletionRequest, request)
         if req.stream:
             return _sse_stream(await chat.stream(req, request))
         return JSONResponse((await chat.create(req, request)).model_dump())
@@ -288,16 +287,16 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             raise ModelNotFoundError(f"The model `{model_id}` does not exist.")
         return card().model_dump()
 
-    # Read-only routes: JSON whatever the Content-Type (curl -d works); the work runs off the loop.
+    # Read-only routes; the tokenizer work runs off the event loop.
     @app.post("/v1/tokenize")
     async def v1_tokenize(request: Request) -> dict[str, Any]:
-        req = await json_body(TokenizeRequest, request, acts=False)
+        req = await json_body(TokenizeRequest, request)
         check_model(req.model, state.served_names)
         return (await tm.run_blocking(_tokenize, tm, req)).model_dump()
 
     @app.post("/v1/detokenize")
     async def v1_detokenize(request: Request) -> dict[str, Any]:
-        req = await json_body(DetokenizeRequest, request, acts=False)
+        req = await json_body(DetokenizeRequest, request)
         check_model(req.model, state.served_names)
         return (await tm.run_blocking(_detokenize, tm, req)).model_dump()
 
@@ -327,7 +326,14 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     """The app; `lifespan` (start the TokenizerManager on the serving loop, ...) wraps serving."""
     args = state.tm.server_args
     # /openapi.json as SGLang serves it (no /docs: the Swagger page would load scripts from a CDN).
-    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    # require_json_body on the app, not on each route: a route added later cannot leave it out.
+    app = FastAPI(
+        title="radixserve",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+        dependencies=[Depends(require_json_body)],
+    )
     _add_error_handlers(app)
     app.add_middleware(
         GuardMiddleware, allowed_hosts=allowed_host_names(args.host, args.allowed_hosts), api_key=args.api_key
