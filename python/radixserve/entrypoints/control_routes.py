@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixserve.entrypoints.big_json import streamed_json
 from radixserve.entrypoints.http_guards import error_response, json_body, read_body
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import TokenizerManager
@@ -199,7 +200,7 @@ def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
         out = await tm.control.get_weights_by_name(io.GetWeightsByNameReqInput(body.name, body.truncate_size))
         if not out.success:
             return error_response(400, f"Get parameter by name failed: {out.message}")
-        return _json(out.parameter)
+        return streamed_json(out.parameter)  # up to MAX_WEIGHT_REPLY_ELEMENTS values
 
 
 def _add_memory_routes(app: FastAPI, tm: TokenizerManager) -> None:
