@@ -1,6 +1,6 @@
-"""Issue 46 (item 3) over ZMQ with the fake scheduler: every POST route takes JSON only, and
+"""Issue 46 (items 3 and 6) over ZMQ with the fake scheduler: every POST route takes JSON only,
 /get_weights_by_name answers at most truncate_size rows (and never a whole large weight) without
-stalling /health."""
+stalling /health, and /health_generate answers a busy server healthy without queueing a probe."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fake_control import FAKE_WEIGHTS  # noqa: E402
 from fake_scheduler import write_tiny_tokenizer  # noqa: E402
-from server_helpers import Server, assert_error, start_servers  # noqa: E402
+from server_helpers import Server, assert_error, start_servers, wait_until  # noqa: E402
 
 from radixserve.managers.control_messages import MAX_WEIGHT_REPLY_ELEMENTS  # noqa: E402
 
@@ -96,3 +96,33 @@ def test_the_largest_weights_answer_does_not_stall_health(url: str) -> None:
         thread.join()
     assert len(resp.json()) == limit
     assert len(latencies) > 10 and max(latencies) < 0.2, f"/health took up to {max(latencies):.3f} s"
+
+
+# ----------------------------------------------------------------------------- item 6
+def test_busy_server_is_healthy_without_a_probe(url: str) -> None:
+    """The queue is full (4 streams): a probe would be refused or wait behind the load, yet the
+    server is producing tokens, so it is healthy, and no probe is queued."""
+    body = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 200}}
+    with httpx.Client(timeout=10) as client:
+        streams = [client.stream("POST", f"{url}/generate", json=body) for _ in range(4)]
+        lines = [s.__enter__().iter_lines() for s in streams]  # kept: a dropped iterator disconnects
+        try:
+            for it in lines:
+                next(it)  # all four admitted: the queue (--max-queued-requests 4) is full
+            before = _num_received(url)
+            started = time.perf_counter()
+            resp = client.get(f"{url}/health_generate")
+            assert resp.status_code == 200, resp.text
+            assert time.perf_counter() - started < 1.0
+            assert _num_received(url) == before  # no probe reached the scheduler
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+
+
+def test_idle_server_is_probed(url: str) -> None:
+    wait_until(lambda: httpx.post(f"{url}/flush_cache").status_code == 200, 10, "an idle server")
+    time.sleep(1.2)  # past RECENT_OUTPUT_S: no recent output
+    before = _num_received(url)
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    assert _num_received(url) == before + 1  # the 1-token probe ran

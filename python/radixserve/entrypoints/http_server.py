@@ -10,7 +10,6 @@ or PUT whose body is not JSON, 503 when the server cannot take the request
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -26,9 +25,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
-from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.control_routes import add_control_routes
 from radixserve.entrypoints.embedding_routes import add_embedding_routes
+from radixserve.entrypoints.health import generation_failure
 from radixserve.entrypoints.http_guards import (
     GuardMiddleware,
     allowed_host_names,
@@ -57,8 +56,6 @@ from radixserve.entrypoints.openai.serving_common import (
 )
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
 from radixserve.entrypoints.openapi_spec import AbortRequestBody, install_openapi
-from radixserve.managers import scoring
-from radixserve.managers.embedding_request import make_item
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import (
     ClientDisconnected,
@@ -70,7 +67,6 @@ from radixserve.managers.tokenizer_manager import (
 logger = logging.getLogger(__name__)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
-HEALTH_GENERATE_TIMEOUT_S = 20.0
 # Status of a call whose client went away (nginx's "client closed request"); nobody reads it.
 CLIENT_CLOSED_STATUS = 499
 
@@ -170,19 +166,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     async def health_generate() -> Response:
         if state.dead or not state.ready:
             return error_response(503, "The server is not ready.")
-        probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        if tm.server_args.disaggregation_mode != "null":
-            # One half of a PD pair has no peer for a probe: the fake host moves no KV (as SGLang).
-            probe.bootstrap_host, probe.bootstrap_room = FAKE_BOOTSTRAP_HOST, 0
-        try:
-            if tm.is_generation:
-                out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
-                raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
-            else:  # a model that cannot generate is probed with one embedding
-                await asyncio.wait_for(scoring.run(tm, [make_item([0])], None), HEALTH_GENERATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RequestAbortedError) as exc:
-            return error_response(503, f"Generation failed: {exc!r}")
-        return _text()
+        failure = await generation_failure(tm)
+        return _text() if failure is None else error_response(503, failure)
 
     @app.post("/generate")
     @app.put("/generate")  # as SGLang; PUT is never a simple cross-site request
