@@ -204,3 +204,28 @@ def test_a_post_without_body_or_type_is_not_415() -> None:
         resp = c.post(path)
         assert resp.status_code == 400, (path, resp.text)
     assert c.post("/v1/tokenize", json={"prompt": 5}).status_code == 400  # JSON: parsed, then refused
+
+
+def test_openapi_lists_415_and_the_control_answers() -> None:
+    """The statuses and bodies the routes really answer (issue 46, item 7)."""
+    doc = client().get("/openapi.json").json()
+    error = "#/components/schemas/ErrorResponse"
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            responses = op["responses"]
+            assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": error} or (
+                responses["400"]["content"]["application/json"]["schema"]["allOf"][0] == {"$ref": error}
+            ), path
+            if method in ("post", "put"):
+                assert responses["415"]["content"]["application/json"]["schema"] == {"$ref": error}, path
+            assert ("401" in responses) == (path not in ("/health", "/metrics")), path
+    paths = doc["paths"]
+    ok = paths["/open_session"]["post"]["responses"]["200"]["content"]
+    assert ok == {"application/json": {"schema": {"type": "string"}}}  # SGLang's bare session id
+    assert set(paths["/close_session"]["post"]["responses"]["200"]["content"]) == {"text/plain"}
+    weights = paths["/update_weights_from_disk"]["post"]["responses"]
+    assert weights["200"]["content"]["application/json"]["schema"]["required"] == ["success", "message"]
+    refused = weights["400"]["content"]["application/json"]["schema"]["allOf"]
+    assert refused[0] == {"$ref": error} and {"success", "message"} <= set(refused[1]["properties"])
+    rows = paths["/get_weights_by_name"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert {"type": "array"} in rows["schema"]["anyOf"]

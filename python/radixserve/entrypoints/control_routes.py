@@ -2,7 +2,8 @@
 
 Bodies are validated strictly (a wrong type is a 400 in the error envelope). Weight routes answer
 SGLang's {"success", "message"} object: 200 when applied, 400 when refused (the old weights are
-kept). Every route is POST: they change state, and a browser can be made to send a GET.
+kept), and a refusal carries the error envelope's `error` beside SGLang's fields. Every route is
+POST: they change state, and a browser can be made to send a GET.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.entrypoints.big_json import streamed_json
 from radixserve.entrypoints.http_guards import error_response, json_body, read_body
+from radixserve.entrypoints.openai.protocol import error_body, error_type
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import TokenizerManager
 
@@ -121,17 +123,41 @@ CONTROL_BODIES: dict[str, type[BaseModel]] = {
     "/set_internal_state": SetInternalStateBody,
 }
 CONTROL_TEXT_ANSWERS = frozenset({"/start_profile", "/stop_profile", "/freeze_gc", "/close_session"})
+# Routes answering SGLang's {"success", "message"} (_outcome); the others answer a session id
+# (/open_session), a weight's rows (/get_weights_by_name) or {"updated", ...} (/set_internal_state).
+CONTROL_OUTCOME_ANSWERS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/slow_down",
+    }
+)
 
 
 def _json(content: Any, status: int = 200) -> Response:  # noqa: ANN401 - any JSON value
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
 
+def _answer(content: dict[str, Any], ok: bool, message: str) -> Response:
+    """SGLang's answer object; a refusal (400) also carries the error envelope, so that clients
+    of either contract read it (the envelope's fields sit beside SGLang's)."""
+    if ok:
+        return _json(content)
+    return _json({**error_body(message or "Refused.", error_type(400), 400), **content}, 400)
+
+
 def _outcome(out: Any) -> Response:  # noqa: ANN401 - an *Output message with success/message
     content = {"success": out.success, "message": out.message}
     if getattr(out, "num_paused_requests", None) is not None:
         content["num_paused_requests"] = out.num_paused_requests
-    return _json(content, 200 if out.success else 400)
+    return _answer(content, out.success, out.message)
 
 
 async def _optional_body(model: type[_Body], request: Request) -> _Body:
@@ -159,7 +185,7 @@ def _add_session_routes(app: FastAPI, tm: TokenizerManager) -> None:
         out = await tm.control.close_session(io.CloseSessionReqInput(body.session_id))
         if not out.success:
             return error_response(400, out.message)
-        return Response(status_code=200)
+        return PlainTextResponse("")  # SGLang's empty 200, with a Content-Type as every answer
 
 
 def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -265,4 +291,4 @@ def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
         content = {"updated": out.updated, "server_args": out.server_args}
         if out.message:
             content["message"] = out.message
-        return _json(content, 200 if out.updated else 400)
+        return _answer(content, out.updated, out.message)
