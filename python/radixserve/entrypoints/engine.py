@@ -196,7 +196,7 @@ class Engine:
         )
         return out.success, out.message
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any] | float:
         out = self._run(self._ctl.get_weights_by_name(io.GetWeightsByNameReqInput(name, truncate_size)))
         if not out.success:
             raise ValueError(out.message)
