@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import zmq
+from fake_control import FakeControl
 
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -69,6 +70,7 @@ class FakeScheduler:
         self.seen_prompts: list[list[int]] = []
         self.aborted: list[str] = []
         self.num_received = 0
+        self.control = FakeControl()
 
     def loop(self) -> None:
         while True:
@@ -110,6 +112,8 @@ class FakeScheduler:
             self.to_tm.send_pyobj(
                 GetLoadReqOutput(dp_rank=0, num_reqs=len(self.running), num_waiting_reqs=0, num_tokens=0)
             )
+        elif (reply := self.control.reply(msg)) is not None:
+            self.to_tm.send_pyobj(reply)
 
     def embed(self, reqs: list[TokenizedEmbeddingReqInput]) -> None:
         """Prefill-only requests finish at once: a fixed logprob per label (-1.0), or a unit vector."""

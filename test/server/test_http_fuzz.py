@@ -80,8 +80,9 @@ def test_every_route_conforms_and_never_fails(fuzz_server: Server) -> None:
     # under pytest 9, so the operations are driven through its Python API.
     api = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
     calls = 0
-    # The fake scheduler has no control plane (sessions, weights, memory, profiling): those routes
-    # are exercised against a real server in test_control_http.py.
+    # The control routes (sessions, weights, memory, profiling) are fuzzed in-process in
+    # test_openapi_contract.py (the fake's control plane) and run on a real server in
+    # test_control_http.py; over HTTP only the serving routes, to keep this run short.
     from radixserve.entrypoints.control_routes import CONTROL_BODIES, CONTROL_TEXT_ANSWERS
 
     control = {*CONTROL_BODIES, *CONTROL_TEXT_ANSWERS, "/continue_generation"}

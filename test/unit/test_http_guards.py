@@ -1,9 +1,12 @@
 """The HTTP server's guards and protocol details, in-process (no model, no scheduler): the Host
-check, the body size limit, 405 with Allow, a Content-Type on every answer, /openapi.json."""
+check, JSON-only bodies, the body size limit, 405 with Allow, a Content-Type on every answer,
+/openapi.json."""
 
 from __future__ import annotations
 
 import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from radixserve.entrypoints.http_guards import allowed_host_names, host_name, is_json_type
@@ -158,3 +161,71 @@ def test_every_path_answers_undeclared_methods_with_405_and_allow() -> None:
             resp = c.request(method, url)
             assert resp.status_code == 405, (method, path)
             assert {m.strip() for m in resp.headers["allow"].split(",")} == declared, (method, path)
+
+
+def _post_routes(app: FastAPI) -> list[tuple[str, str]]:
+    return sorted(
+        (route.path, method)
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods & {"POST", "PUT"}
+    )
+
+
+def test_every_post_route_takes_json_only() -> None:
+    """A page on another site can send text/plain, a form or a body of no type without a CORS
+    preflight: every POST/PUT route refuses them (415, the error envelope), read-only or not."""
+    app = create_app(ServerState(tm=StubTokenizerManager(), ready=True))  # type: ignore[arg-type]
+    c = TestClient(app, base_url="http://127.0.0.1:30000")
+    routes = _post_routes(app)
+    assert len(routes) >= 30 and ("/get_weights_by_name", "POST") in routes
+    cross_site = [
+        {"Content-Type": "text/plain"},
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        {"Content-Type": "multipart/form-data; boundary=x"},
+        {},  # a body without a Content-Type
+    ]
+    for path, method in routes:
+        for headers in cross_site:
+            resp = c.request(method, path, content=b'{"name": "model.norm.weight"}', headers=headers)
+            assert resp.status_code == 415, (path, method, headers, resp.text)
+            assert (
+                resp.json()["error"]["code"] == 415 and "application/json" in resp.json()["error"]["message"]
+            )
+        resp = c.request(method, path, headers={"Origin": "https://evil.example"})  # no body, from a page
+        assert resp.status_code == 415, (path, method)
+
+
+def test_a_post_without_body_or_type_is_not_415() -> None:
+    """`curl -X POST url` (no body, no Content-Type, no Origin): routes without a body take it; a
+    route that needs one says what is missing (400)."""
+    c = client()
+    for path in ("/v1/tokenize", "/generate", "/get_weights_by_name"):
+        resp = c.post(path)
+        assert resp.status_code == 400, (path, resp.text)
+    assert c.post("/v1/tokenize", json={"prompt": 5}).status_code == 400  # JSON: parsed, then refused
+
+
+def test_openapi_lists_415_and_the_control_answers() -> None:
+    """The statuses and bodies the routes really answer (issue 46, item 7)."""
+    doc = client().get("/openapi.json").json()
+    error = "#/components/schemas/ErrorResponse"
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            responses = op["responses"]
+            assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": error} or (
+                responses["400"]["content"]["application/json"]["schema"]["allOf"][0] == {"$ref": error}
+            ), path
+            if method in ("post", "put"):
+                assert responses["415"]["content"]["application/json"]["schema"] == {"$ref": error}, path
+            assert ("401" in responses) == (path not in ("/health", "/metrics")), path
+    paths = doc["paths"]
+    ok = paths["/open_session"]["post"]["responses"]["200"]["content"]
+    assert ok == {"application/json": {"schema": {"type": "string"}}}  # SGLang's bare session id
+    assert set(paths["/close_session"]["post"]["responses"]["200"]["content"]) == {"text/plain"}
+    weights = paths["/update_weights_from_disk"]["post"]["responses"]
+    assert weights["200"]["content"]["application/json"]["schema"]["required"] == ["success", "message"]
+    refused = weights["400"]["content"]["application/json"]["schema"]["allOf"]
+    assert refused[0] == {"$ref": error} and {"success", "message"} <= set(refused[1]["properties"])
+    rows = paths["/get_weights_by_name"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert {"type": "array"} in rows["schema"]["anyOf"]

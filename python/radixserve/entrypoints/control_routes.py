@@ -2,7 +2,8 @@
 
 Bodies are validated strictly (a wrong type is a 400 in the error envelope). Weight routes answer
 SGLang's {"success", "message"} object: 200 when applied, 400 when refused (the old weights are
-kept). Every route is POST: they change state, and a browser can be made to send a GET.
+kept), and a refusal carries the error envelope's `error` beside SGLang's fields. Every route is
+POST: they change state, and a browser can be made to send a GET.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixserve.entrypoints.http_guards import error_response, json_body, read_body, require_json_or_no_body
+from radixserve.entrypoints.big_json import streamed_json
+from radixserve.entrypoints.http_guards import error_response, json_body, read_body
+from radixserve.entrypoints.openai.protocol import error_body, error_type
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import TokenizerManager
 
@@ -120,22 +123,45 @@ CONTROL_BODIES: dict[str, type[BaseModel]] = {
     "/set_internal_state": SetInternalStateBody,
 }
 CONTROL_TEXT_ANSWERS = frozenset({"/start_profile", "/stop_profile", "/freeze_gc", "/close_session"})
+# Routes answering SGLang's {"success", "message"} (_outcome); the others answer a session id
+# (/open_session), a weight's rows (/get_weights_by_name) or {"updated", ...} (/set_internal_state).
+CONTROL_OUTCOME_ANSWERS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/slow_down",
+    }
+)
 
 
 def _json(content: Any, status: int = 200) -> Response:  # noqa: ANN401 - any JSON value
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
 
+def _answer(content: dict[str, Any], ok: bool, message: str) -> Response:
+    """SGLang's answer object; a refusal (400) also carries the error envelope, so that clients
+    of either contract read it (the envelope's fields sit beside SGLang's)."""
+    if ok:
+        return _json(content)
+    return _json({**error_body(message or "Refused.", error_type(400), 400), **content}, 400)
+
+
 def _outcome(out: Any) -> Response:  # noqa: ANN401 - an *Output message with success/message
     content = {"success": out.success, "message": out.message}
     if getattr(out, "num_paused_requests", None) is not None:
         content["num_paused_requests"] = out.num_paused_requests
-    return _json(content, 200 if out.success else 400)
+    return _answer(content, out.success, out.message)
 
 
 async def _optional_body(model: type[_Body], request: Request) -> _Body:
     """Routes whose body may be omitted (`curl -X POST url`)."""
-    require_json_or_no_body(request)
     raw = await read_body(request, request.app.state.max_body_bytes)
     return model.model_validate_json(raw or b"{}", strict=True)
 
@@ -150,41 +176,41 @@ def add_control_routes(app: FastAPI, tm: TokenizerManager) -> None:
 def _add_session_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/open_session")
     async def open_session(request: Request) -> Response:
-        body = await json_body(OpenSessionBody, request, acts=True)
+        body = await json_body(OpenSessionBody, request)
         return _json(await tm.control.open_session(io.OpenSessionReqInput(**body.model_dump())))
 
     @app.post("/close_session")
     async def close_session(request: Request) -> Response:
-        body = await json_body(CloseSessionBody, request, acts=True)
+        body = await json_body(CloseSessionBody, request)
         out = await tm.control.close_session(io.CloseSessionReqInput(body.session_id))
         if not out.success:
             return error_response(400, out.message)
-        return Response(status_code=200)
+        return PlainTextResponse("")  # SGLang's empty 200, with a Content-Type as every answer
 
 
 def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
-        body = await json_body(UpdateWeightFromDiskBody, request, acts=True)
+        body = await json_body(UpdateWeightFromDiskBody, request)
         return _outcome(
             await tm.control.update_weights_from_disk(io.UpdateWeightFromDiskReqInput(**body.model_dump()))
         )
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Response:
-        body = await json_body(UpdateWeightsFromTensorBody, request, acts=True)
+        body = await json_body(UpdateWeightsFromTensorBody, request)
         msg = io.UpdateWeightsFromTensorReqInput(**body.model_dump())
         return _outcome(await tm.control.update_weights_from_tensor(msg))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:
-        body = await json_body(InitWeightsUpdateGroupBody, request, acts=True)
+        body = await json_body(InitWeightsUpdateGroupBody, request)
         msg = io.InitWeightsUpdateGroupReqInput(**body.model_dump())
         return _outcome(await tm.control.init_weights_update_group(msg))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> Response:
-        body = await json_body(UpdateWeightsFromDistributedBody, request, acts=True)
+        body = await json_body(UpdateWeightsFromDistributedBody, request)
         msg = io.UpdateWeightsFromDistributedReqInput(**body.model_dump())
         return _outcome(await tm.control.update_weights_from_distributed(msg))
 
@@ -196,11 +222,11 @@ def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.post("/get_weights_by_name")
     async def get_weights_by_name(request: Request) -> Response:
-        body = await json_body(GetWeightsByNameBody, request, acts=False)
+        body = await json_body(GetWeightsByNameBody, request)
         out = await tm.control.get_weights_by_name(io.GetWeightsByNameReqInput(body.name, body.truncate_size))
         if not out.success:
             return error_response(400, f"Get parameter by name failed: {out.message}")
-        return _json(out.parameter)
+        return streamed_json(out.parameter)  # up to MAX_WEIGHT_REPLY_ELEMENTS values
 
 
 def _add_memory_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -226,8 +252,7 @@ def _add_memory_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return _outcome(await tm.control.pause_generation(io.PauseGenerationReqInput(body.mode)))
 
     @app.post("/continue_generation")
-    async def continue_generation(request: Request) -> Response:
-        require_json_or_no_body(request)
+    async def continue_generation() -> Response:
         return _outcome(await tm.control.continue_generation())
 
 
@@ -243,8 +268,7 @@ def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return PlainTextResponse("Start profiling.\n")
 
     @app.post("/stop_profile")
-    async def stop_profile(request: Request) -> Response:
-        require_json_or_no_body(request)
+    async def stop_profile() -> Response:
         out = await tm.control.stop_profile()
         if not out.success:
             return error_response(400, out.message)
@@ -252,20 +276,19 @@ def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.post("/slow_down")
     async def slow_down(request: Request) -> Response:
-        body = await json_body(SlowDownBody, request, acts=True)
+        body = await json_body(SlowDownBody, request)
         return _outcome(await tm.control.slow_down(io.SlowDownReqInput(body.forward_sleep_time)))
 
     @app.post("/freeze_gc")
-    async def freeze_gc(request: Request) -> Response:
-        require_json_or_no_body(request)
+    async def freeze_gc() -> Response:
         out = await tm.control.freeze_gc()
         return PlainTextResponse(f"Garbage collection frozen. {out.message}\n")
 
     @app.post("/set_internal_state")
     async def set_internal_state(request: Request) -> Response:
-        body = await json_body(SetInternalStateBody, request, acts=True)
+        body = await json_body(SetInternalStateBody, request)
         out = await tm.control.set_internal_state(io.SetInternalStateReq(body.server_args))
         content = {"updated": out.updated, "server_args": out.server_args}
         if out.message:
             content["message"] = out.message
-        return _json(content, 200 if out.updated else 400)
+        return _answer(content, out.updated, out.message)

@@ -88,20 +88,20 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/encode")
     async def encode(request: Request) -> Response:
-        obj = await json_body(EmbeddingReqInput, request, acts=True)
+        obj = await json_body(EmbeddingReqInput, request)
         outputs = await scoring.embed(tm, obj.items(), obj.dimensions, request)
         return _json(outputs[0] if obj.is_single else outputs)
 
     @app.post("/classify")
     async def classify_native(request: Request) -> Response:
-        obj = await json_body(EmbeddingReqInput, request, acts=True)
+        obj = await json_body(EmbeddingReqInput, request)
         _require_classifier(state)
         outputs = await scoring.embed(tm, obj.items(), None, request)
         return _json(outputs[0] if obj.is_single else outputs)
 
     @app.post("/v1/embeddings")
     async def v1_embeddings(request: Request) -> Response:
-        req = await json_body(EmbeddingRequest, request, acts=True)
+        req = await json_body(EmbeddingRequest, request)
         check_model(req.model, state.served_names)
         outputs = await scoring.embed(
             tm, _items(req.input, req.truncate_prompt_tokens), req.dimensions, request
@@ -111,7 +111,7 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/rerank")
     async def v1_rerank(request: Request) -> Response:
-        req = await json_body(RerankRequest, request, acts=True)
+        req = await json_body(RerankRequest, request)
         check_model(req.model, state.served_names)
         scored = await scoring.rerank(tm, req.query, req.documents, req.instruct, request)
         results = [
@@ -125,7 +125,7 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/score")
     async def v1_score(request: Request) -> Response:
-        req = await json_body(ScoringRequest, request, acts=True)
+        req = await json_body(ScoringRequest, request)
         check_model(req.model, state.served_names)
         scores, prompt_tokens = await scoring.score(
             tm, req.query, req.items, req.label_token_ids, req.apply_softmax, req.item_first, request
@@ -136,7 +136,7 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/classify")
     async def v1_classify(request: Request) -> Response:
-        req = await json_body(ClassifyRequest, request, acts=True)
+        req = await json_body(ClassifyRequest, request)
         check_model(req.model, state.served_names)
         info = _require_classifier(state)
         outputs = await scoring.run(tm, _items(req.input), request)

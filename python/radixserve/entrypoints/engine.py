@@ -196,11 +196,12 @@ class Engine:
         )
         return out.success, out.message
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any] | float:
         out = self._run(self._ctl.get_weights_by_name(io.GetWeightsByNameReqInput(name, truncate_size)))
         if not out.success:
             raise ValueError(out.message)
-        return out.parameter
+        param = out.parameter  # an array, or one per replica with --dp-size > 1; lists as SGLang's
+        return [_as_list(p) for p in param] if isinstance(param, list) else _as_list(param)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         out = self._run(self._ctl.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags)))
@@ -378,3 +379,8 @@ def _request(
         top_logprobs_num=top_logprobs_num or 0,
         return_text_in_logprobs=return_text_in_logprobs,
     )
+
+
+def _as_list(value: np.ndarray | float) -> list[Any] | float:
+    """A weight read back as SGLang's Engine returns it: nested lists of floats (a 0-d one a float)."""
+    return value.tolist() if isinstance(value, np.ndarray) else value

@@ -4,9 +4,10 @@ A server on 127.0.0.1 without --api-key is reachable from any web page the user 
 
 - **Host** (DNS rebinding: a page on evil.example whose name resolves to 127.0.0.1 talks to us as
   "same origin"): the Host header must name the bind address, unless --allowed-hosts widens it.
-- **Content-Type** on POST routes that act (/generate, the completions, /abort_request,
-  /flush_cache): only `application/json`. A cross-site page can send text/plain or a form without a
-  CORS preflight, but not JSON; the preflight (OPTIONS) is never approved here.
+- **Content-Type** on every POST/PUT route: only `application/json` (`require_json_body`, a
+  dependency of the whole app, so no route can leave it out). A cross-site page can send
+  text/plain or a form without a CORS preflight, but not JSON; the preflight (OPTIONS) is never
+  approved here.
 - **Body size**: a body over --max-request-body-bytes is refused (413) before it is read.
 
 docs/http_api.md ("Security") states the rules for users.
@@ -134,22 +135,32 @@ def is_json_type(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def require_json_type(request: Request) -> None:
-    """Routes that act take JSON only (a cross-site page cannot send it without a preflight)."""
-    if not is_json_type(request.headers.get("content-type")):
-        got = request.headers.get("content-type", "none")
-        raise HTTPException(
-            415,
-            f"This route needs 'Content-Type: application/json' (got {got}); "
-            "with curl, add -H 'Content-Type: application/json' or use --json.",
-        )
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
-def require_json_or_no_body(request: Request) -> None:
-    """A route without a body (/flush_cache) also accepts a request with no Content-Type, from a
-    client that is not a browser: browsers send Origin on every POST, curl and SDKs never do."""
-    if "content-type" in request.headers or "origin" in request.headers:
-        require_json_type(request)
+def _has_body(headers: Headers) -> bool:
+    """HTTP/1.1 frames a request body with Content-Length or Transfer-Encoding; neither is none."""
+    return headers.get("content-length", "0").strip() != "0" or "transfer-encoding" in headers
+
+
+async def require_json_body(request: Request) -> None:
+    """Every POST/PUT takes JSON only (a cross-site page cannot send it without a preflight).
+
+    A request with no body, no Content-Type and no Origin passes (`curl -X POST url`, SDKs): a
+    browser sends Origin on every POST, so a page cannot make one. A route that needs a body then
+    refuses the empty one with a 400."""
+    if request.method not in BODY_METHODS:
+        return
+    headers = request.headers
+    if is_json_type(headers.get("content-type")):
+        return
+    if "content-type" not in headers and "origin" not in headers and not _has_body(headers):
+        return
+    raise HTTPException(
+        415,
+        f"This route needs 'Content-Type: application/json' (got {headers.get('content-type', 'none')}); "
+        "with curl, add -H 'Content-Type: application/json' or use --json.",
+    )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -169,12 +180,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def json_body(model: type[BodyT], request: Request, *, acts: bool) -> BodyT:
+async def json_body(model: type[BodyT], request: Request) -> BodyT:
     """The body parsed strictly as `model`: a wrong JSON type ("yes" for a bool, "10" for an int)
-    or NaN/Infinity is a ValidationError (400). `acts`: the route changes state or runs the
-    model, so it takes JSON only; read-only routes (/v1/tokenize, ...) read JSON whatever the
-    Content-Type says, so plain `curl -d` works there."""
-    if acts:
-        require_json_type(request)
+    or NaN/Infinity is a ValidationError (400). The Content-Type was checked by require_json_body."""
     body = await read_body(request, request.app.state.max_body_bytes)
     return model.model_validate_json(body, strict=True)

@@ -2,16 +2,15 @@
 
 Every error leaves in OpenAI's envelope `{"error": {...}}`: 400 for validation (FastAPI's 422
 is overridden) and a Host that is not allowed, 401 for a wrong API key, 404 for unknown routes and
-models, 405 (with Allow) for a wrong method, 413 for a body over the size limit, 415 for a route
-that acts called without a JSON Content-Type, 503 when the server cannot take the request
-(starting, a child died, queue full), and 500 for anything unforeseen (logged with its
-traceback). The error handlers are in http_errors.py, the guards in http_guards.py; the OpenAPI
-document (/openapi.json) is completed in openapi_spec.py.
+models, 405 (with Allow) for a wrong method, 413 for a body over the size limit, 415 for a POST
+or PUT whose body is not JSON, 503 when the server cannot take the request (starting, a child
+died, queue full), and 500 for anything unforeseen (logged with its traceback). The error
+handlers are in http_errors.py, the guards in http_guards.py; the OpenAPI document
+(/openapi.json) is completed in openapi_spec.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -20,19 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.control_routes import add_control_routes
 from radixserve.entrypoints.embedding_routes import add_embedding_routes
+from radixserve.entrypoints.health import generation_failure
 from radixserve.entrypoints.http_errors import CatchAllMiddleware, add_error_handlers
 from radixserve.entrypoints.http_guards import (
     GuardMiddleware,
     allowed_host_names,
     error_response,
     json_body,
-    require_json_or_no_body,
+    require_json_body,
 )
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -55,8 +54,6 @@ from radixserve.entrypoints.openai.serving_common import (
 )
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
 from radixserve.entrypoints.openapi_spec import AbortRequestBody, install_openapi
-from radixserve.managers import scoring
-from radixserve.managers.embedding_request import make_item
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import (
     InvalidRequestError,
@@ -67,7 +64,6 @@ from radixserve.managers.tokenizer_manager import (
 logger = logging.getLogger(__name__)
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
-HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 @dataclass
@@ -112,24 +108,13 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     async def health_generate() -> Response:
         if state.dead or not state.ready:
             return error_response(503, "The server is not ready.")
-        probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        if tm.server_args.disaggregation_mode != "null":
-            # One half of a PD pair has no peer for a probe: the fake host moves no KV (as SGLang).
-            probe.bootstrap_host, probe.bootstrap_room = FAKE_BOOTSTRAP_HOST, 0
-        try:
-            if tm.is_generation:
-                out = await asyncio.wait_for(tm.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
-                raise_if_failed(out)  # refused (queue full, waiting timeout) is not healthy either
-            else:  # a model that cannot generate is probed with one embedding
-                await asyncio.wait_for(scoring.run(tm, [make_item([0])], None), HEALTH_GENERATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RequestAbortedError) as exc:
-            return error_response(503, f"Generation failed: {exc!r}")
-        return _text()
+        failure = await generation_failure(tm)
+        return _text() if failure is None else error_response(503, failure)
 
     @app.post("/generate")
     @app.put("/generate")  # as SGLang; PUT is never a simple cross-site request
     async def generate(request: Request) -> Response:
-        obj = await json_body(GenerateReqInput, request, acts=True)
+        obj = await json_body(GenerateReqInput, request)
         if obj.stream:
             outputs = await first_output_checked(await tm.stream(obj, request))
             return _sse_stream(sse_errors(_native_chunks(outputs)))
@@ -170,15 +155,14 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
     @app.post("/flush_cache")
-    async def flush_cache(request: Request) -> Response:
-        require_json_or_no_body(request)
+    async def flush_cache() -> Response:
         if tm.num_in_flight > 0 or not await tm.flush_cache():
             return error_response(400, "Cannot flush the cache while requests are running.")
         return _text("Cache flushed.")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await json_body(AbortRequestBody, request, acts=True)
+        body = await json_body(AbortRequestBody, request)
         if not body.rid and not body.abort_all:
             return error_response(400, "Give 'rid' or 'abort_all'.")
         tm.abort_request(body.rid or None, abort_all=body.abort_all)
@@ -208,14 +192,14 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Response:
-        req = await json_body(CompletionRequest, request, acts=True)
+        req = await json_body(CompletionRequest, request)
         if req.stream:
             return _sse_stream(await completions.stream(req, request))
         return JSONResponse((await completions.create(req, request)).model_dump())
 
     @app.post("/v1/chat/completions")
     async def v1_chat(request: Request) -> Response:
-        req = await json_body(ChatCompletionRequest, request, acts=True)
+        req = await json_body(ChatCompletionRequest, request)
         if req.stream:
             return _sse_stream(await chat.stream(req, request))
         return JSONResponse((await chat.create(req, request)).model_dump())
@@ -230,16 +214,16 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             raise ModelNotFoundError(f"The model `{model_id}` does not exist.")
         return card().model_dump()
 
-    # Read-only routes: JSON whatever the Content-Type (curl -d works); the work runs off the loop.
+    # Read-only routes; the tokenizer work runs off the event loop.
     @app.post("/v1/tokenize")
     async def v1_tokenize(request: Request) -> dict[str, Any]:
-        req = await json_body(TokenizeRequest, request, acts=False)
+        req = await json_body(TokenizeRequest, request)
         check_model(req.model, state.served_names)
         return (await tm.run_blocking(_tokenize, tm, req)).model_dump()
 
     @app.post("/v1/detokenize")
     async def v1_detokenize(request: Request) -> dict[str, Any]:
-        req = await json_body(DetokenizeRequest, request, acts=False)
+        req = await json_body(DetokenizeRequest, request)
         check_model(req.model, state.served_names)
         return (await tm.run_blocking(_detokenize, tm, req)).model_dump()
 
@@ -269,7 +253,14 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     """The app; `lifespan` (start the TokenizerManager on the serving loop, ...) wraps serving."""
     args = state.tm.server_args
     # /openapi.json as SGLang serves it (no /docs: the Swagger page would load scripts from a CDN).
-    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    # require_json_body on the app, not on each route: a route added later cannot leave it out.
+    app = FastAPI(
+        title="radixserve",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+        dependencies=[Depends(require_json_body)],
+    )
     add_error_handlers(app)
     app.add_middleware(
         GuardMiddleware, allowed_hosts=allowed_host_names(args.host, args.allowed_hosts), api_key=args.api_key

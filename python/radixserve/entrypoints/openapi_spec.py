@@ -18,7 +18,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
-from radixserve.entrypoints.control_routes import CONTROL_BODIES, CONTROL_TEXT_ANSWERS
+from radixserve.entrypoints.control_routes import (
+    CONTROL_BODIES,
+    CONTROL_OUTCOME_ANSWERS,
+    CONTROL_TEXT_ANSWERS,
+)
+from radixserve.entrypoints.http_guards import PUBLIC_PATHS
 from radixserve.entrypoints.openai.embedding_protocol import (
     ClassifyRequest,
     ClassifyResponse,
@@ -131,38 +136,59 @@ _STREAM_EVENTS: dict[str, type[BaseModel]] = {
 _TEXT_ANSWERS = frozenset(
     {"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics", *CONTROL_TEXT_ANSWERS}
 )
-# The other control routes answer JSON ({"success", "message"}, a session id, a weight's rows).
-_OBJECT_ANSWERS = frozenset(
-    {
-        "/get_model_info",
-        "/get_server_info",
-        "/model_info",
-        "/server_info",
-        *CONTROL_BODIES,
-        "/continue_generation",
-    }
-)
+_OBJECT_ANSWERS = frozenset({"/get_model_info", "/get_server_info", "/model_info", "/server_info"})
+# The control routes' own answers: SGLang's bodies (control_routes.py).
+_OUTCOME = {
+    "type": "object",
+    "required": ["success", "message"],
+    "properties": {
+        "success": {"type": "boolean"},
+        "message": {"type": "string"},
+        "num_paused_requests": {"type": "integer"},
+    },
+}
+_INTERNAL_STATE = {
+    "type": "object",
+    "required": ["updated", "server_args"],
+    "properties": {
+        "updated": {"type": "boolean"},
+        "server_args": {"type": "object"},
+        "message": {"type": "string"},
+    },
+}
+_CONTROL_ANSWERS: dict[str, dict[str, Any]] = {
+    **{path: _OUTCOME for path in CONTROL_OUTCOME_ANSWERS},
+    "/set_internal_state": _INTERNAL_STATE,
+    "/open_session": {"type": "string"},  # the session id as a bare JSON string, as SGLang
+    # The first truncate_size rows (one such array per replica with --dp-size > 1); a 0-d weight
+    # is one number.
+    "/get_weights_by_name": {"anyOf": [{"type": "array"}, {"type": "number"}]},
+}
 
-# Error statuses per route, beyond 400 (Host; bad bodies), which every route can answer.
-_GENERATING = (404, 413, 415, 503)
+# Error statuses per route, beyond those every route can answer: 400 (the Host check, bad
+# bodies), 401 (with --api-key, except PUBLIC_PATHS), 415 on POST/PUT and 413 where a body is read.
+_SCHEDULER = (503,)  # a child died, or the scheduler did not answer in time
+_GENERATING = (404, 503)
 _ERRORS: dict[str, tuple[int, ...]] = {
     "/health": (503,),
     "/health_generate": (503,),
     "/get_load": (503,),
-    "/generate": (413, 415, 503),
-    "/flush_cache": (415,),
-    "/abort_request": (413, 415),
+    "/get_server_info": _SCHEDULER,
+    "/server_info": _SCHEDULER,
+    "/generate": (503,),
+    "/flush_cache": _SCHEDULER,
     "/v1/completions": _GENERATING,
     "/v1/chat/completions": _GENERATING,
-    "/v1/tokenize": (404, 413),
-    "/v1/detokenize": (404, 413),
+    "/v1/tokenize": (404,),
+    "/v1/detokenize": (404,),
     "/v1/models/{model_id}": (404,),
-    "/encode": (413, 415, 503),
-    "/classify": (413, 415, 503),
+    "/encode": (503,),
+    "/classify": (503,),
     "/v1/embeddings": _GENERATING,
     "/v1/rerank": _GENERATING,
     "/v1/score": _GENERATING,
     "/v1/classify": _GENERATING,
+    **{path: _SCHEDULER for path in (*CONTROL_BODIES, *CONTROL_TEXT_ANSWERS, *CONTROL_OUTCOME_ANSWERS)},
 }
 
 
@@ -200,7 +226,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             if method in ("post", "put") and path in _BODIES:
                 schema = refs[(_BODIES[path], "validation")]
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
-            op["responses"] = _responses(path, refs, error)
+            op["responses"] = _responses(path, method, refs, error)
     return doc
 
 
@@ -218,7 +244,7 @@ def sse_event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, 
     }
 
 
-def _responses(path: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[str, Any]:
+def _responses(path: str, method: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[str, Any]:
     ok: dict[str, Any] = {}
     if path in _TEXT_ANSWERS:
         ok["text/plain"] = {"schema": {"type": "string"}}
@@ -231,6 +257,8 @@ def _responses(path: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[s
         ok["application/json"] = {
             "schema": {"type": "array", "items": refs[(_ARRAY_ANSWERS[path], "serialization")]}
         }
+    elif path in _CONTROL_ANSWERS:
+        ok["application/json"] = {"schema": _CONTROL_ANSWERS[path]}
     elif path in _OBJECT_ANSWERS:
         ok["application/json"] = {"schema": {"type": "object"}}
     elif path == "/get_load":
@@ -240,6 +268,25 @@ def _responses(path: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[s
             "schema": sse_event_schema(refs[(_STREAM_EVENTS[path], "serialization")], error)
         }
     responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
-    for status in (400, *_ERRORS.get(path, ())):
-        responses[str(status)] = {"description": "Error", "content": {"application/json": {"schema": error}}}
+    for status in _error_statuses(path, method):
+        responses[str(status)] = _error(error, _CONTROL_ANSWERS.get(path) if status == 400 else None)
     return responses
+
+
+def _error_statuses(path: str, method: str) -> list[int]:
+    statuses = {400, *_ERRORS.get(path, ())}
+    if path not in PUBLIC_PATHS:
+        statuses.add(401)
+    if method in ("post", "put"):
+        statuses.add(415)  # every POST/PUT takes JSON only (http_guards.require_json_body)
+        if path in _BODIES:
+            statuses.add(413)  # a body is read up to --max-request-body-bytes
+    return sorted(statuses)
+
+
+def _error(error: dict[str, Any], answer: dict[str, Any] | None) -> dict[str, Any]:
+    """The error envelope; a control route's refusal also carries SGLang's fields beside it."""
+    schema = error
+    if answer is not None and answer.get("type") == "object":
+        schema = {"allOf": [error, {"type": "object", "properties": answer["properties"]}]}
+    return {"description": "Error (the error envelope)", "content": {"application/json": {"schema": schema}}}

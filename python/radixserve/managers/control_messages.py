@@ -144,9 +144,35 @@ class GetWeightsByNameReqInput:
 
 @dataclass(frozen=True, slots=True)
 class GetWeightsByNameReqOutput:
-    parameter: list[Any] | None  # the full tensor's first `truncate_size` rows, as nested lists
+    # The full tensor's first `truncate_size` rows: a float32 array (it crosses the sockets as
+    # bytes and is written as JSON off the event loop), a float for a 0-d tensor; with
+    # --dp-size > 1 the HTTP side collects one per replica in a list.
+    parameter: Any
     success: bool = True
     message: str = ""
+
+
+# The most values one /get_weights_by_name answer holds (16 MiB as float32, ~45 MB of JSON): the
+# first `truncate_size` rows of a large weight (the whole embedding) would otherwise be gigabytes.
+MAX_WEIGHT_REPLY_ELEMENTS = 1 << 22
+
+
+def weight_reply_error(name: str, shape: tuple[int, ...], truncate_size: int) -> str | None:
+    """Why the first `truncate_size` rows of weight `name` (of `shape`) are too many to answer, or
+    None. The message names the largest `truncate_size` that is answered."""
+    if not shape:
+        return None
+    row = 1
+    for size in shape[1:]:
+        row *= size
+    num_values = min(shape[0], max(truncate_size, 0)) * row
+    if num_values <= MAX_WEIGHT_REPLY_ELEMENTS:
+        return None
+    return (
+        f"The first {min(shape[0], truncate_size)} rows of {name!r} (shape {list(shape)}) are "
+        f"{num_values} values; an answer holds at most {MAX_WEIGHT_REPLY_ELEMENTS}: "
+        f"ask with truncate_size <= {MAX_WEIGHT_REPLY_ELEMENTS // max(row, 1)}."
+    )
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -138,6 +138,9 @@ class TokenizerManager:
         self.control = ControlClient(self)
         self._recv_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
+        # time.monotonic() of the last output from the scheduler: /health_generate's evidence of
+        # progress (entrypoints/health.py); none yet at start.
+        self.last_output_time = float("-inf")
         self._dispatch = TypeBasedDispatcher(
             [
                 (BatchStrOut, self._on_batch_str_out),
@@ -328,6 +331,7 @@ class TokenizerManager:
         return [build_embedding_output(s) for s in states]
 
     def _on_batch_embedding_out(self, msg: BatchEmbeddingOut) -> None:
+        self.last_output_time = time.monotonic()
         for i, rid in enumerate(msg.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
@@ -479,6 +483,7 @@ class TokenizerManager:
                 logger.exception("Failed to handle %s", type(msg).__name__)
 
     def _on_batch_str_out(self, msg: BatchStrOut) -> None:
+        self.last_output_time = time.monotonic()
         now = time.perf_counter()
         for state, num_new, first, reason in apply_batch_str_out(msg, self.rid_to_state, now):
             state.dp_rank = msg.dp_rank

@@ -5,7 +5,8 @@ vocabulary-parallel embedding and head), a block of columns (row-parallel projec
 the whole tensor (norms, a replicated KV head), or nothing (another pipeline stage). `read_piece`
 says which part, in the full tensor's coordinates, cut to the first `truncate_size` rows;
 `assemble` puts the pieces of every rank together. So the answer is the first `truncate_size`
-rows of the full (unsharded) checkpoint tensor at any TP/PP layout, as at a single rank.
+rows of the full (unsharded) checkpoint tensor at any TP/PP layout, as at a single rank; an
+answer of more than MAX_WEIGHT_REPLY_ELEMENTS values is refused before anything is copied.
 
 SGLang answers the same at TP>1 for row-parallel weights (it all-gathers o_proj and down_proj
 along their input dimension) and returns TP rank 0's rows for the others, which are the full
@@ -27,6 +28,7 @@ from radixserve.layers.parallel_linear import (
     RowParallelLinear,
 )
 from radixserve.layers.vocab_parallel import VocabParallelEmbedding
+from radixserve.managers.control_messages import weight_reply_error
 from radixserve.models.llama import fused_target
 
 
@@ -66,7 +68,11 @@ def read_piece(model: nn.Module, name: str, truncate_size: int) -> WeightPiece |
     if param.numel() == 0:
         raise WeightReadError("The weights are released (/resume_memory_occupation restores them).")
     owner = model.get_submodule(target.rpartition(".")[0]) if "." in target else model
-    return _cut(_locate(owner, param, shard), truncate_size)
+    piece = _locate(owner, param, shard)
+    too_large = weight_reply_error(name, piece.full_shape, truncate_size)
+    if too_large is not None:  # before any copy: every rank refuses alike (same full shape)
+        raise WeightReadError(too_large)
+    return _cut(piece, truncate_size)
 
 
 def _locate(owner: nn.Module, param: torch.Tensor, shard: str | int | None) -> WeightPiece:

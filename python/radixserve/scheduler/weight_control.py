@@ -237,4 +237,5 @@ class WeightControl:
         except WeightReadError as exc:
             message = f"The model has no weight named {msg.name!r} ({exc})."
             return GetWeightsByNameReqOutput(None, False, message)
-        return GetWeightsByNameReqOutput(tensor.tolist())
+        # An array crosses the socket as bytes; the HTTP side writes the JSON off its event loop.
+        return GetWeightsByNameReqOutput(tensor.numpy() if tensor.dim() else tensor.item())

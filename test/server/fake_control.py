@@ -1,0 +1,68 @@
+"""The fake scheduler's control plane: enough for the HTTP routes to be exercised end to end.
+
+Sessions open and close; /get_weights_by_name reads FAKE_WEIGHTS (value k of a weight is
+k / 1000, float32) with the real size limit; every other control request is refused with
+success=False, as a real scheduler refuses a bad one, so each route's refusal is exercised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from radixserve.managers import io_struct as io
+
+# Shapes of the weights the fake holds: a large embedding and a vector.
+FAKE_WEIGHTS = {"model.embed_tokens.weight": (40000, 128), "model.norm.weight": (128,)}
+REFUSED = "The fake scheduler has no such control."
+
+# Requests refused with their reply type's (success=False, message).
+_REFUSED_TYPES: dict[type, type] = {
+    io.UpdateWeightFromDiskReqInput: io.UpdateWeightFromDiskReqOutput,
+    io.UpdateWeightsFromTensorReqInput: io.UpdateWeightsFromTensorReqOutput,
+    io.InitWeightsUpdateGroupReqInput: io.InitWeightsUpdateGroupReqOutput,
+    io.UpdateWeightsFromDistributedReqInput: io.UpdateWeightsFromDistributedReqOutput,
+    io.DestroyWeightsUpdateGroupReqInput: io.DestroyWeightsUpdateGroupReqOutput,
+    io.ReleaseMemoryOccupationReqInput: io.ReleaseMemoryOccupationReqOutput,
+    io.ResumeMemoryOccupationReqInput: io.ResumeMemoryOccupationReqOutput,
+    io.PauseGenerationReqInput: io.PauseGenerationReqOutput,
+    io.ContinueGenerationReqInput: io.ContinueGenerationReqOutput,
+    io.ProfileReq: io.ProfileReqOutput,
+    io.SlowDownReqInput: io.SlowDownReqOutput,
+    io.FreezeGCReq: io.FreezeGCReqOutput,
+}
+
+
+class FakeControl:
+    def __init__(self) -> None:
+        self.sessions: set[str] = set()
+
+    def reply(self, msg: object) -> object | None:
+        """The reply to control request `msg`, or None when `msg` is not one."""
+        if isinstance(msg, io.OpenSessionReqInput):
+            fresh = msg.session_id not in self.sessions
+            self.sessions.add(msg.session_id)  # type: ignore[arg-type]
+            return io.OpenSessionReqOutput(msg.session_id, fresh, "" if fresh else "Session already open.")
+        if isinstance(msg, io.CloseSessionReqInput):
+            known = msg.session_id in self.sessions
+            self.sessions.discard(msg.session_id)
+            return io.CloseSessionReqOutput(known, "" if known else f"No session {msg.session_id!r}.")
+        if isinstance(msg, io.GetWeightsByNameReqInput):
+            return fake_weight(msg)
+        if isinstance(msg, io.SetInternalStateReq):
+            return io.SetInternalStateReqOutput(False, {}, REFUSED)
+        out_type = _REFUSED_TYPES.get(type(msg))
+        return None if out_type is None else out_type(False, REFUSED)
+
+
+def fake_weight(msg: io.GetWeightsByNameReqInput) -> io.GetWeightsByNameReqOutput:
+    shape = FAKE_WEIGHTS.get(msg.name)
+    if shape is None:
+        return io.GetWeightsByNameReqOutput(None, False, f"The model has no weight named {msg.name!r}.")
+    too_large = io.weight_reply_error(msg.name, shape, msg.truncate_size)
+    if too_large is not None:
+        return io.GetWeightsByNameReqOutput(None, False, too_large)
+    rows = min(shape[0], max(msg.truncate_size, 0))
+    values = np.arange(rows * math.prod(shape[1:]), dtype=np.float32) / 1000
+    return io.GetWeightsByNameReqOutput(values.reshape(rows, *shape[1:]))
