@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--neighbours", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--prompts-per-concurrency", type=float, default=2.0)
     p.add_argument("--min-prompts", type=int, default=4)
     p.add_argument(

@@ -47,5 +47,20 @@ def cpu_extension() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExt}
 
 
+def spin_calibration_library() -> list:
+    """`sgl_kernel/_spin_calibration*.so`: a plain C library (no Python API, no torch) that
+    radixserve loads with ctypes before torch, to give OpenMP's spin-wait in time (csrc/spin)."""
+    from setuptools import Extension
+
+    return [
+        Extension(
+            "sgl_kernel._spin_calibration",
+            ["csrc/spin/spin_calibration.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        )
+    ]
+
+
 ext_modules, cmdclass = cpu_extension()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules + spin_calibration_library(), cmdclass=cmdclass)

@@ -5,10 +5,10 @@ __version__ = "0.1.0"
 from typing import Any
 
 from radixserve.utils import log_safety
-from radixserve.utils.cpus import prefer_passive_omp_waits
+from radixserve.utils.cpus import set_omp_spin_wait
 
 # Before torch loads its OpenMP runtime: spinning workers collapse beside busy neighbours (utils/cpus).
-prefer_passive_omp_waits()
+set_omp_spin_wait()
 # Every process imports the package first: no log line of ours can carry a raw newline from a request.
 log_safety.install()
 

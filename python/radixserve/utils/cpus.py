@@ -13,21 +13,32 @@ along the cgroup's path to the root, and a container usually sees its own cgroup
 root of /sys/fs/cgroup, so every directory from the process's cgroup up to the mount is read.
 
 **How they wait.** Between two parallel regions an OpenMP worker either spins or sleeps. GNU
-OpenMP (torch's CPU wheels) spins 300,000 pause instructions by default, ~17 ms on a Cascade Lake
-core, so a team of two threads on two cores with one busy neighbour process collapses: the worker
+OpenMP (torch's CPU wheels) spins 300,000 iterations of a PAUSE loop by default (1.4 ms at the
+4.6 ns an iteration takes on the Cascade Lake this was measured on; PAUSE is 5-50 ns across CPU
+generations), so a team of two threads on two cores with one busy neighbour collapses: the worker
 that shares a core with the neighbour spends its time slices spinning, the kernel sees three
 CPU-bound tasks on two cores, and every region waits a time slice for the descheduled thread
-(32 tokens took 43 s instead of 0.5 s). Passive waiting (sleep at once) makes the workers
-short-running tasks the kernel's scheduler serves on wake-up; docs/cpu_backend.md "Threads" has the
-measurements, idle and beside busy neighbours.
+(32 tokens took 43 s instead of 0.5 s). Sleeping at once (OMP_WAIT_POLICY=PASSIVE) fixes that
+but costs a futex wake-up per region on an idle machine; a short spin, given in time, keeps both
+(docs/cpu_backend.md "Threads" has the measurements, idle and beside busy neighbours).
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import math
 import os
 from collections.abc import MutableMapping
 from pathlib import Path
+
+# How long an OpenMP worker spins after a parallel region before it sleeps. The gaps between the
+# regions of one forward are a few microseconds, so 10 us keeps a team hot through a step on an
+# idle machine; beside a busy process it is short enough that a worker sharing a core gives its
+# time back (docs/cpu_backend.md "Threads": 2.3 to 37 us measured, 10 us chosen).
+SPIN_WAIT_US = 10.0
+_CALIBRATION_ITERS = 20_000  # ~0.1 ms a round at 5 ns per iteration
+_CALIBRATION_ROUNDS = 3
 
 _V2_MOUNT = Path("sys/fs/cgroup")
 _V1_MOUNTS = (Path("sys/fs/cgroup/cpu"), Path("sys/fs/cgroup/cpu,cpuacct"), Path("sys/fs/cgroup/cpuacct,cpu"))
@@ -118,9 +129,43 @@ def _read(path: Path) -> str:
         return ""
 
 
-def prefer_passive_omp_waits(environ: MutableMapping[str, str] = os.environ) -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless the user chose a wait policy or a spin count. Must run before
-    the OpenMP runtime loads (it reads the variables once): radixserve's package import calls it, so
-    every process that imports radixserve before torch, and every child it spawns, gets it."""
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+def set_omp_spin_wait(environ: MutableMapping[str, str] = os.environ) -> None:
+    """GOMP_SPINCOUNT worth SPIN_WAIT_US on this CPU, unless the user chose a wait policy or a spin
+    count; OMP_WAIT_POLICY=PASSIVE where the spin loop cannot be timed. Must run before the OpenMP
+    runtime loads (it reads the variables once): radixserve's package import calls it, so every
+    process that imports radixserve before torch, and every child it spawns, gets it."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return
+    ns = spin_iteration_ns()
+    if ns is None:
         environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        return
+    environ["GOMP_SPINCOUNT"] = str(max(1, round(SPIN_WAIT_US * 1000.0 / ns)))
+
+
+def spin_iteration_ns() -> float | None:
+    """Nanoseconds per iteration of an OpenMP-style spin loop on this CPU, timed by sgl-kernel's
+    small C library (found without importing the sgl_kernel package, which imports torch); None
+    when it is not built or the timing is implausible."""
+    lib = _spin_library()
+    if lib is None:
+        return None
+    fn = lib.spin_iteration_ns
+    fn.restype = ctypes.c_double
+    fn.argtypes = (ctypes.c_long, ctypes.c_int)
+    ns = float(fn(_CALIBRATION_ITERS, _CALIBRATION_ROUNDS))
+    return ns if 0.05 <= ns <= 10_000.0 else None
+
+
+def _spin_library() -> ctypes.CDLL | None:
+    try:
+        spec = importlib.util.find_spec("sgl_kernel")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(Path(folder).glob("_spin_calibration*.so")):
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError:
+                continue
+    return None
