@@ -13,30 +13,16 @@ import pytest
 schemathesis = pytest.importorskip(
     "schemathesis", reason="schemathesis is not installed (a [test] extra: pip install -e '.[test]')"
 )
-from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis depends on it)
-from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis import checks as st_checks  # noqa: E402
-from schemathesis.specs.openapi import checks as oa_checks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_scheduler import write_tiny_tokenizer  # noqa: E402
+from schema_fuzz import fuzz  # noqa: E402
 from server_helpers import Server, start_servers  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
 EXAMPLES_PER_OPERATION = 20
-HANG_S = 30.0  # no answer within this is a hang
-# positive_data_acceptance is left out: the schema cannot state every cross-field rule (exactly
-# one of text / input_ids, min_new_tokens <= max_new_tokens, ...), which the server answers 400.
-CHECKS = [
-    st_checks.not_a_server_error,
-    oa_checks.status_code_conformance,
-    oa_checks.content_type_conformance,
-    oa_checks.response_headers_conformance,
-    oa_checks.response_schema_conformance,  # SSE events included
-    oa_checks.negative_data_rejection,
-]
 
 
 @pytest.fixture(scope="module")
@@ -48,31 +34,6 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
         yield start_servers({"s": server})["s"]
     finally:
         server.stop()
-
-
-def _fuzz(operation, mode) -> int:  # noqa: ANN001 - schemathesis' operation type
-    """Run one operation's generated cases; return their number. A failed check raises (a
-    FailureGroup naming every failed check, with a curl line) after hypothesis shrank the case."""
-    calls = 0
-
-    @settings(
-        max_examples=EXAMPLES_PER_OPERATION,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=operation.as_strategy(generation_mode=mode))
-    def run(case) -> None:  # noqa: ANN001
-        nonlocal calls
-        calls += 1
-        response = case.call(timeout=HANG_S)  # raises on a hang
-        case.validate_response(response, checks=CHECKS)
-
-    try:
-        run()
-    except Unsatisfiable:  # no schema-invalid request exists (an operation without parameters)
-        pass
-    return calls
 
 
 def test_every_route_conforms_and_never_fails(fuzz_server: Server) -> None:
@@ -90,5 +51,5 @@ def test_every_route_conforms_and_never_fails(fuzz_server: Server) -> None:
     assert len(operations) >= 14
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            calls += _fuzz(operation, mode)
+            calls += fuzz(operation, mode, EXAMPLES_PER_OPERATION)
     assert calls > 10 * len(operations)

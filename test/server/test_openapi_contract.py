@@ -19,15 +19,12 @@ schemathesis = pytest.importorskip(
     "schemathesis", reason="schemathesis is not installed (a [test] extra: pip install -e '.[test]')"
 )
 from fastapi import FastAPI  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402  (schemathesis depends on it)
-from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis import checks as st_checks  # noqa: E402
 from schemathesis.python import asgi  # noqa: E402
-from schemathesis.specs.openapi import checks as oa_checks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_scheduler import run_fake_scheduler, write_tiny_tokenizer  # noqa: E402
+from schema_fuzz import fuzz  # noqa: E402
 
 from radixserve.entrypoints.http_server import ServerState, create_app  # noqa: E402
 from radixserve.entrypoints.subprocesses import launch_subprocesses  # noqa: E402
@@ -38,17 +35,6 @@ from radixserve.utils.network import PortArgs  # noqa: E402
 pytestmark = pytest.mark.timeout(240)
 
 EXAMPLES_PER_OPERATION = int(os.environ.get("RADIXSERVE_CONTRACT_EXAMPLES", "6"))
-HANG_S = 30.0
-# positive_data_acceptance is left out: the schema cannot state every cross-field rule (exactly
-# one of text / input_ids, min_new_tokens <= max_new_tokens, ...), which the server answers 400.
-CHECKS = [
-    st_checks.not_a_server_error,
-    oa_checks.status_code_conformance,
-    oa_checks.content_type_conformance,
-    oa_checks.response_headers_conformance,
-    oa_checks.response_schema_conformance,
-    oa_checks.negative_data_rejection,
-]
 
 
 @pytest.fixture(scope="module")
@@ -79,31 +65,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastAPI]:
         port_args.cleanup()
 
 
-def _fuzz(operation, mode) -> int:  # noqa: ANN001 - schemathesis' operation type
-    """Run one operation's generated cases; return their number. A failed check raises (naming
-    every failed check, with a curl line) after hypothesis shrank the case."""
-    calls = 0
-
-    @settings(
-        max_examples=EXAMPLES_PER_OPERATION,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=operation.as_strategy(generation_mode=mode))
-    def run(case) -> None:  # noqa: ANN001
-        nonlocal calls
-        calls += 1
-        response = case.call(timeout=HANG_S)
-        case.validate_response(response, checks=CHECKS)
-
-    try:
-        run()
-    except Unsatisfiable:  # no schema-invalid request exists (an operation without parameters)
-        pass
-    return calls
-
-
 def test_every_operation_answers_as_documented(app: FastAPI) -> None:
     api = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [r.ok() for r in api.get_all_operations()]
@@ -111,9 +72,9 @@ def test_every_operation_answers_as_documented(app: FastAPI) -> None:
     assert {"/open_session", "/get_weights_by_name", "/update_weights_from_disk", "/generate"} <= paths
     calls = 0
     for operation in operations:
-        calls += _fuzz(operation, GenerationMode.POSITIVE)
+        calls += fuzz(operation, GenerationMode.POSITIVE, EXAMPLES_PER_OPERATION)
         if len(operation.body):  # nothing else here can be made invalid: the search only costs time
-            calls += _fuzz(operation, GenerationMode.NEGATIVE)
+            calls += fuzz(operation, GenerationMode.NEGATIVE, EXAMPLES_PER_OPERATION)
     assert calls > 3 * len(operations)
 
 
