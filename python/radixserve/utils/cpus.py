@@ -13,9 +13,9 @@ along the cgroup's path to the root, and a container usually sees its own cgroup
 root of /sys/fs/cgroup, so every directory from the process's cgroup up to the mount is read.
 
 **How they wait.** Between two parallel regions an OpenMP worker either spins or sleeps. GNU
-OpenMP (torch's CPU wheels) spins 300,000 iterations of a PAUSE loop by default (1.4 ms at the
-4.6 ns an iteration takes on the Cascade Lake this was measured on; PAUSE is 5-50 ns across CPU
-generations), so a team of two threads on two cores with one busy neighbour collapses: the worker
+OpenMP (torch's CPU wheels) spins 300,000 iterations of a PAUSE loop by default (1.5 ms at the
+5.0 ns an iteration spin_iteration_ns() measures on an Intel Cascade Lake; PAUSE's cost differs
+several-fold between CPU generations), so a team of two threads on two cores with one busy neighbour collapses: the worker
 that shares a core with the neighbour spends its time slices spinning, the kernel sees three
 CPU-bound tasks on two cores, and every region waits a time slice for the descheduled thread
 (32 tokens took 43 s instead of 0.5 s). Sleeping at once (OMP_WAIT_POLICY=PASSIVE) fixes that
@@ -35,7 +35,7 @@ from pathlib import Path
 # How long an OpenMP worker spins after a parallel region before it sleeps. The gaps between the
 # regions of one forward are a few microseconds, so 10 us keeps a team hot through a step on an
 # idle machine; beside a busy process it is short enough that a worker sharing a core gives its
-# time back (docs/cpu_backend.md "Threads": 2.3 to 37 us measured, 10 us chosen).
+# time back (docs/cpu_backend.md "Threads": spins of 2 to 37 us tried, 10 us chosen).
 SPIN_WAIT_US = 10.0
 _CALIBRATION_ITERS = 20_000  # ~0.1 ms a round at 5 ns per iteration
 _CALIBRATION_ROUNDS = 3
