@@ -10,7 +10,6 @@ the thread that started it): run the normal loop to see the forward's ops.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -38,8 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROFILE_DIR = os.environ.get("RADIXSERVE_TORCH_PROFILER_DIR", "/tmp")
-# Knobs /set_internal_state may change while serving (the others are fixed at start).
-LIVE_KNOBS = ("max_running_requests", "max_queued_requests", "waiting_timeout", "running_timeout")
 
 
 class Profiler:
@@ -141,49 +138,9 @@ class OperatorControls:
         return FreezeGCReqOutput(True, f"Froze {count} objects in the scheduler.")
 
     def set_internal_state(self, msg: SetInternalStateReq) -> SetInternalStateReqOutput:
-        s = self.control.s
         wanted = dict(msg.server_args)
-        unknown = sorted(k for k in wanted if k not in LIVE_KNOBS)
-        error = f"Only {list(LIVE_KNOBS)} can change while serving, not {unknown}." if unknown else None
-        if error is None and "max_running_requests" in wanted and getattr(s.worker, "stage_link", None):
-            error = "max_running_requests is fixed per micro-batch with pipeline parallelism."
-        if error is None:
-            error = _check_knobs(wanted, s.worker.max_req_num)
+        error = self.control.s.live_limits.update(wanted)
         if error is not None:
-            return SetInternalStateReqOutput(False, self.live_state(), error)
-        if "max_running_requests" in wanted:
-            value = wanted["max_running_requests"] or s.worker.max_req_num
-            s.max_running_requests = value
-            s.builder.limits = dataclasses.replace(s.builder.limits, max_running_requests=value)
-        limits = s.requests.limits
-        changes = {
-            k: wanted[k] for k in ("max_queued_requests", "waiting_timeout", "running_timeout") if k in wanted
-        }
-        s.requests.limits = dataclasses.replace(limits, **changes)
+            return SetInternalStateReqOutput(False, self.control.s.live_limits.as_dict(), error)
         logger.info("Internal state updated: %s", wanted)
-        return SetInternalStateReqOutput(True, self.live_state())
-
-    def live_state(self) -> dict[str, Any]:
-        s = self.control.s
-        limits = s.requests.limits
-        return {
-            "max_running_requests": s.max_running_requests,
-            "max_queued_requests": limits.max_queued_requests,
-            "waiting_timeout": limits.waiting_timeout,
-            "running_timeout": limits.running_timeout,
-        }
-
-
-def _check_knobs(wanted: dict[str, Any], max_req_num: int) -> str | None:
-    for key, value in wanted.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"{key} must be a number or null, got {value!r}."
-        if key in ("max_running_requests", "max_queued_requests") and (int(value) != value or value < 1):
-            return f"{key} must be a positive integer, got {value!r}."
-        if key == "max_running_requests" and value > max_req_num:
-            return f"max_running_requests is at most {max_req_num} (the request rows allocated at start)."
-        if key.endswith("timeout") and value <= 0:
-            return f"{key} must be > 0 seconds, got {value!r}."
-    return None
+        return SetInternalStateReqOutput(True, self.control.s.live_limits.as_dict())

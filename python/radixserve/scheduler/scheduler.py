@@ -48,12 +48,13 @@ from radixserve.scheduler.control_plane import ControlPlane
 from radixserve.scheduler.control_table import control_handlers
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
+from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.loops import NormalLoop, OverlapLoop
 from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.req import Req
-from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
+from radixserve.scheduler.requests import RequestTable, SchedulerState
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.scheduler.sessions import SessionController
 from radixserve.scheduler.weight_control import WeightControl
@@ -123,7 +124,14 @@ class Scheduler:
         self.chunked_prefill_size = (
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
-        self.max_running_requests = min(args.max_running_requests or worker.max_req_num, worker.max_req_num)
+        self.live_limits = LiveLimits(
+            min(args.max_running_requests or worker.max_req_num, worker.max_req_num),
+            args.max_queued_requests,
+            args.waiting_timeout,
+            args.running_timeout,
+            worker.max_req_num,
+            running_cap_fixed=getattr(worker, "stage_link", None) is not None,
+        )
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.output = OutputProcessor(
@@ -133,12 +141,7 @@ class Scheduler:
             report_spec=args.speculative_algorithm is not None,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
-        self.requests = RequestTable(
-            self.state,
-            self.output,
-            RequestLimits(args.max_queued_requests, max_req_len, args.waiting_timeout, args.running_timeout),
-            sync,
-        )
+        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync)
         self.grammar = constrained.GrammarManager(
             self._grammar_backend_factory(grammar_backend),
             args.grammar_compile_timeout,
@@ -159,6 +162,7 @@ class Scheduler:
             self.mem,
             self.policy,
             self._batch_limits(),
+            self.live_limits,
             self.make_batch,
             SpeculativeDecodeStep.from_server_args(args, self.mem),
         )
@@ -192,10 +196,13 @@ class Scheduler:
 
         self.disagg = create_disaggregation(self)
 
+    @property
+    def max_running_requests(self) -> int:
+        return self.live_limits.max_running_requests
+
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
         return BatchLimits(
-            max_running_requests=self.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens,
             chunked_prefill_size=self.chunked_prefill_size,
             is_mixed_chunk=self.chunked_prefill_size is not None and args.enable_mixed_chunk,
@@ -345,7 +352,7 @@ class Scheduler:
                 "memory_released": sorted(self.control.released),
                 "forward_sleep_time": self.control.forward_sleep_time,
                 "num_sessions": len(self.sessions.sessions),
-                **self.operators.live_state(),
+                **self.live_limits.as_dict(),
                 # Each rank's own pool (they must agree), gathered from every rank: all ranks
                 # receive this request in the same step.
                 "ranks": self.sync.gather(self._pool_report()),
