@@ -21,9 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-# A module import (not `from ... import GrammarManager`): constrained/ imports this package back.
-from radixserve.constrained import grammar_manager as constrained
 from radixserve.constrained.grammar_backend import GrammarBackend
+from radixserve.constrained.grammar_manager import NO_TOKENIZER, TURNED_OFF, GrammarManager
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -142,15 +141,13 @@ class Scheduler:
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
         self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync)
-        self.grammar = constrained.GrammarManager(
+        self.grammar = GrammarManager(
             self._grammar_backend_factory(grammar_backend),
             args.grammar_compile_timeout,
             self.requests.enqueue,
             self.output.finish_now,
             sync,
-            unavailable_reason=constrained.TURNED_OFF
-            if args.grammar_backend == "none"
-            else constrained.NO_TOKENIZER,
+            unavailable_reason=TURNED_OFF if args.grammar_backend == "none" else NO_TOKENIZER,
         )
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
