@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from radixserve.server_args import ServerArgs
+
 # Knobs /set_internal_state may change while serving (the others are fixed at start).
 LIVE_KNOBS = ("max_running_requests", "max_queued_requests", "waiting_timeout", "running_timeout")
 
@@ -23,6 +25,18 @@ class LiveLimits:
     max_req_num: int
     # Pipeline parallelism sizes its micro-batches from max_running_requests once, at start.
     running_cap_fixed: bool = False
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs, max_req_num: int, running_cap_fixed: bool) -> LiveLimits:
+        running = min(args.max_running_requests or max_req_num, max_req_num)
+        return cls(
+            running,
+            args.max_queued_requests,
+            args.waiting_timeout,
+            args.running_timeout,
+            max_req_num,
+            running_cap_fixed,
+        )
 
     def update(self, wanted: dict[str, Any]) -> str | None:
         """Apply `wanted` (knob -> value; None: the start-up default), or change nothing and say

@@ -1,5 +1,6 @@
 """Operators' controls of a running scheduler (seed 002 §9.2, INVENTORY §36-37): the torch
-profiler (/start_profile, /stop_profile), /slow_down, /freeze_gc and /set_internal_state.
+profiler (/start_profile, /stop_profile), /slow_down (a sleep before each forward), /freeze_gc
+and /set_internal_state (LiveLimits).
 
 Profiling traces the scheduler's steps with torch.profiler: every step between start and stop
 (or the next `num_steps` steps) is a "scheduler_step" range holding the ops it ran, and the trace
@@ -14,7 +15,7 @@ import gc
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,9 +31,7 @@ from radixserve.managers.io_struct import (
     SlowDownReqInput,
     SlowDownReqOutput,
 )
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.control_plane import ControlPlane
+from radixserve.scheduler.live_limits import LiveLimits
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +110,15 @@ class Profiler:
 
 
 class OperatorControls:
-    def __init__(self, control: ControlPlane, tp_rank: int) -> None:
-        self.control = control
+    def __init__(self, limits: LiveLimits, tp_rank: int) -> None:
+        self.limits = limits
         self.profiler = Profiler(tp_rank)
+        self.forward_sleep_time: float | None = None
+
+    def before_forward(self) -> None:
+        """Every loop calls this right before it launches a forward."""
+        if self.forward_sleep_time:
+            time.sleep(self.forward_sleep_time)
 
     def profile(self, msg: ProfileReq) -> ProfileReqOutput:
         if msg.type == ProfileReqType.START_PROFILE:
@@ -124,7 +129,7 @@ class OperatorControls:
         t = msg.forward_sleep_time
         if t is not None and not 0 <= t <= 3600:
             return SlowDownReqOutput(False, f"forward_sleep_time must be in [0, 3600] seconds, got {t}.")
-        self.control.forward_sleep_time = t or None
+        self.forward_sleep_time = t or None
         logger.warning("Forward sleep time set to %s s", t)
         return SlowDownReqOutput(True, f"forward_sleep_time = {t}")
 
@@ -139,8 +144,8 @@ class OperatorControls:
 
     def set_internal_state(self, msg: SetInternalStateReq) -> SetInternalStateReqOutput:
         wanted = dict(msg.server_args)
-        error = self.control.s.live_limits.update(wanted)
+        error = self.limits.update(wanted)
         if error is not None:
-            return SetInternalStateReqOutput(False, self.control.s.live_limits.as_dict(), error)
+            return SetInternalStateReqOutput(False, self.limits.as_dict(), error)
         logger.info("Internal state updated: %s", wanted)
-        return SetInternalStateReqOutput(True, self.control.s.live_limits.as_dict())
+        return SetInternalStateReqOutput(True, self.limits.as_dict())

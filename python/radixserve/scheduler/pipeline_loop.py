@@ -122,7 +122,7 @@ class PipelineLoop:
         s = self.scheduler
         mwb = s.get_model_worker_batch(batch)
         s._mark_launched(batch, None)
-        s.control.before_forward()
+        s.operators.before_forward()
         with torch.inference_mode():
             result = s.worker.forward_batch_generation(mwb)
         slot.inflight = batch

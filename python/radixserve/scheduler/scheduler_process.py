@@ -118,7 +118,7 @@ def _start_watchdog(server_args: ServerArgs, scheduler: Scheduler) -> None:
     from radixserve.scheduler.watchdog import SchedulerWatchdog
 
     SchedulerWatchdog(
-        server_args.watchdog_timeout, lambda: scheduler.control.steps, lambda: not scheduler.is_idle()
+        server_args.watchdog_timeout, lambda: scheduler.num_steps, lambda: not scheduler.is_idle()
     ).start()
 
 
