@@ -6,11 +6,12 @@ Three holds, applied in this order to each step's messages:
 1. BLOCK / UNBLOCK (SchedulerInputBlocker): while blocked, everything is held until every rank
    has unblocked.
 2. Barriers: requests are dispatched in arrival order, except that an operation that changes what
-   a forward reads (a weight update, a memory release or resume: `BARRIER_TYPES`) waits until no
-   forward is in flight and no request is alive (or generation is paused), so in-flight requests
-   finish on the old weights; with `abort_all_requests` they are aborted instead. Everything that
-   arrives behind a waiting operation waits with it, except the requests in `BYPASS_TYPES`
-   (aborts, queries, sessions, pause / continue, operator knobs), which take effect at once.
+   a forward reads (a weight update, a memory release or resume: `Ordering.BARRIER`) waits until
+   no forward is in flight and no request is alive (or generation is paused), so in-flight
+   requests finish on the old weights; with `abort_all_requests` they are aborted instead.
+   Everything that arrives behind a waiting operation waits with it, except `Ordering.BYPASS`
+   requests (aborts, queries, sessions, pause / continue, operator knobs), which take effect at
+   once. Each request class declares its ordering (managers/control_messages.py).
 3. Pause: while generation is paused (PauseControl), new generate requests are held until it
    continues; an abort admits the held requests it targets, so they finish at once.
 
@@ -26,22 +27,9 @@ from collections.abc import Callable, Iterable
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenizedGenerateReqInput,
-    CloseSessionReqInput,
-    ContinueGenerationReqInput,
-    FreezeGCReq,
-    GetInternalStateReq,
-    GetWeightsByNameReqInput,
-    OpenSessionReqInput,
-    PauseGenerationReqInput,
-    ProfileReq,
-    ReleaseMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqInput,
-    SetInternalStateReq,
-    SlowDownReqInput,
+    ControlReq,
+    Ordering,
     TokenizedGenerateReqInput,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightsFromDistributedReqInput,
-    UpdateWeightsFromTensorReqInput,
     rid_matches,
 )
 from radixserve.scheduler.activity import Activity
@@ -51,27 +39,13 @@ from radixserve.scheduler.requests import RequestTable
 
 logger = logging.getLogger(__name__)
 
-BARRIER_TYPES = (
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightsFromTensorReqInput,
-    UpdateWeightsFromDistributedReqInput,
-    ReleaseMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqInput,
-)
-BYPASS_TYPES = (
-    AbortReq,
-    OpenSessionReqInput,
-    CloseSessionReqInput,
-    GetInternalStateReq,
-    GetWeightsByNameReqInput,
-    PauseGenerationReqInput,
-    ContinueGenerationReqInput,
-    ProfileReq,
-    SlowDownReqInput,
-    FreezeGCReq,
-    SetInternalStateReq,
-)
 GENERATE_TYPES = (TokenizedGenerateReqInput, BatchTokenizedGenerateReqInput)
+
+
+def ordering(msg: object) -> Ordering:
+    """A control request's declared ordering; every other message (generation) is in order."""
+    return msg.ordering if isinstance(msg, ControlReq) else Ordering.IN_ORDER
+
 
 Dispatch = Callable[[object], None]
 
@@ -96,7 +70,7 @@ class ControlPlane:
                 self._admit_aborted(msg, dispatch)
             if self.pause.holds_new_requests and isinstance(msg, GENERATE_TYPES):
                 self.paused_inputs.append(msg)
-            elif self.held and isinstance(msg, BYPASS_TYPES):
+            elif self.held and ordering(msg) is Ordering.BYPASS:
                 self._dispatch(msg, dispatch)  # takes effect now, past the waiting operation
                 if isinstance(msg, AbortReq):
                     self.held.append(msg)  # also aborts held requests that arrived before it
@@ -137,7 +111,7 @@ class ControlPlane:
         self.waiting_barrier = False
         while self.held:
             msg = self.held[0]
-            if isinstance(msg, BARRIER_TYPES) and not self._ready_for_barrier(msg):
+            if ordering(msg) is Ordering.BARRIER and not self._ready_for_barrier(msg):
                 self.waiting_barrier = True
                 return
             self.held.popleft()
