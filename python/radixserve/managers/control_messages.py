@@ -28,13 +28,24 @@ class Ordering(Enum):
 
 
 class ControlReq:
-    """A request to the scheduler outside generation. Each subclass declares when it takes effect
-    (`ordering`, read by scheduler/control_plane.py) and the message the scheduler answers with
-    (`reply_type`, which ControlClient awaits; None: no answer)."""
+    """A request to the scheduler outside generation. Each subclass declares, in its class line,
+    when it takes effect (`ordering`, read by scheduler/control_plane.py; default IN_ORDER) and the
+    message the scheduler answers with (`reply`, which ControlClient awaits; default none):
+
+        class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseGenerationReqOutput):
+    """
 
     __slots__ = ()
     ordering: ClassVar[Ordering] = Ordering.IN_ORDER
     reply_type: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, ordering: Ordering | None = None, reply: type | None = None) -> None:
+        # Only what a class line names: @dataclass(slots=True) rebuilds the class without them.
+        super().__init_subclass__()
+        if ordering is not None:
+            cls.ordering = ordering
+        if reply is not None:
+            cls.reply_type = reply
 
 
 # ---------------------------------------------------------------------------------------- sessions
@@ -57,10 +68,7 @@ class OpenSessionReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class OpenSessionReqInput(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = OpenSessionReqOutput
-
+class OpenSessionReqInput(ControlReq, ordering=Ordering.BYPASS, reply=OpenSessionReqOutput):
     capacity_of_str_len: int
     session_id: str | None = None  # generated when absent
 
@@ -72,10 +80,7 @@ class CloseSessionReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class CloseSessionReqInput(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = CloseSessionReqOutput
-
+class CloseSessionReqInput(ControlReq, ordering=Ordering.BYPASS, reply=CloseSessionReqOutput):
     session_id: str
 
 
@@ -89,10 +94,9 @@ class UpdateWeightFromDiskReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightFromDiskReqInput(ControlReq):
-    ordering = Ordering.BARRIER
-    reply_type = UpdateWeightFromDiskReqOutput
-
+class UpdateWeightFromDiskReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightFromDiskReqOutput
+):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False  # False: in-flight requests finish on the old weights first
@@ -108,14 +112,13 @@ class UpdateWeightsFromTensorReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightsFromTensorReqInput(ControlReq):
+class UpdateWeightsFromTensorReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromTensorReqOutput
+):
     """Tensors as SGLang's RL frameworks send them: one serialized payload per TP rank
     (`serialized_named_tensors[tp_rank]`), bytes or base64 text, in SGLang's
     MultiprocessingSerializer encoding or radixserve's torch.save one; `load_format` None,
     "direct" or "flattened_bucket" (model_executor/tensor_payload.py, docs/rl.md)."""
-
-    ordering = Ordering.BARRIER
-    reply_type = UpdateWeightsFromTensorReqOutput
 
     serialized_named_tensors: list[bytes | str]
     load_format: str | None = None
@@ -131,10 +134,7 @@ class InitWeightsUpdateGroupReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class InitWeightsUpdateGroupReqInput(ControlReq):
-    ordering = Ordering.IN_ORDER
-    reply_type = InitWeightsUpdateGroupReqOutput
-
+class InitWeightsUpdateGroupReqInput(ControlReq, reply=InitWeightsUpdateGroupReqOutput):
     master_address: str
     master_port: int
     rank_offset: int  # this server's TP rank r joins the group as rank rank_offset + r
@@ -151,10 +151,9 @@ class UpdateWeightsFromDistributedReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightsFromDistributedReqInput(ControlReq):
-    ordering = Ordering.BARRIER
-    reply_type = UpdateWeightsFromDistributedReqOutput
-
+class UpdateWeightsFromDistributedReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromDistributedReqOutput
+):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -171,10 +170,7 @@ class DestroyWeightsUpdateGroupReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class DestroyWeightsUpdateGroupReqInput(ControlReq):
-    ordering = Ordering.IN_ORDER
-    reply_type = DestroyWeightsUpdateGroupReqOutput
-
+class DestroyWeightsUpdateGroupReqInput(ControlReq, reply=DestroyWeightsUpdateGroupReqOutput):
     group_name: str = DEFAULT_WEIGHT_GROUP
 
 
@@ -189,10 +185,7 @@ class GetWeightsByNameReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class GetWeightsByNameReqInput(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = GetWeightsByNameReqOutput
-
+class GetWeightsByNameReqInput(ControlReq, ordering=Ordering.BYPASS, reply=GetWeightsByNameReqOutput):
     name: str
     truncate_size: int = 100
 
@@ -231,10 +224,9 @@ class ReleaseMemoryOccupationReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseMemoryOccupationReqInput(ControlReq):
-    ordering = Ordering.BARRIER
-    reply_type = ReleaseMemoryOccupationReqOutput
-
+class ReleaseMemoryOccupationReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=ReleaseMemoryOccupationReqOutput
+):
     tags: list[str] | None = None  # None: every tag in MEMORY_TAGS
 
 
@@ -246,10 +238,9 @@ class ResumeMemoryOccupationReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeMemoryOccupationReqInput(ControlReq):
-    ordering = Ordering.BARRIER
-    reply_type = ResumeMemoryOccupationReqOutput
-
+class ResumeMemoryOccupationReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=ResumeMemoryOccupationReqOutput
+):
     tags: list[str] | None = None
 
 
@@ -264,10 +255,7 @@ class PauseGenerationReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class PauseGenerationReqInput(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = PauseGenerationReqOutput
-
+class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseGenerationReqOutput):
     mode: str = "abort"
 
 
@@ -278,9 +266,8 @@ class ContinueGenerationReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class ContinueGenerationReqInput(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = ContinueGenerationReqOutput
+class ContinueGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ContinueGenerationReqOutput):
+    """Release the requests held by the pause and schedule again."""
 
 
 # ---------------------------------------------------------------------------------------- operators
@@ -299,10 +286,7 @@ class ProfileReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class ProfileReq(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = ProfileReqOutput
-
+class ProfileReq(ControlReq, ordering=Ordering.BYPASS, reply=ProfileReqOutput):
     type: ProfileReqType
     output_dir: str | None = None
     start_step: int | None = None
@@ -320,10 +304,7 @@ class SlowDownReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class SlowDownReqInput(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = SlowDownReqOutput
-
+class SlowDownReqInput(ControlReq, ordering=Ordering.BYPASS, reply=SlowDownReqOutput):
     forward_sleep_time: float | None  # seconds slept before each forward; None: back to normal
 
 
@@ -334,9 +315,8 @@ class FreezeGCReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class FreezeGCReq(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = FreezeGCReqOutput
+class FreezeGCReq(ControlReq, ordering=Ordering.BYPASS, reply=FreezeGCReqOutput):
+    """Move every object alive in the scheduler to the collector's permanent generation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,10 +327,7 @@ class SetInternalStateReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class SetInternalStateReq(ControlReq):
-    ordering = Ordering.BYPASS
-    reply_type = SetInternalStateReqOutput
-
+class SetInternalStateReq(ControlReq, ordering=Ordering.BYPASS, reply=SetInternalStateReqOutput):
     server_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -363,11 +340,8 @@ class RpcReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class RpcReqInput(ControlReq):
+class RpcReqInput(ControlReq, reply=RpcReqOutput):
     """Call the scheduler's control method `method` with `parameters` (Engine.collective_rpc)."""
-
-    ordering = Ordering.IN_ORDER
-    reply_type = RpcReqOutput
 
     method: str
     parameters: dict[str, Any] | None = None

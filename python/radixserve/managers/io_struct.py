@@ -83,11 +83,9 @@ class BatchTokenizedEmbeddingReqInput:
 
 
 @dataclass(frozen=True, slots=True)
-class AbortReq(ControlReq):
+class AbortReq(ControlReq, ordering=Ordering.BYPASS):
     """Abort the request `rid` and its n > 1 samples "rid-0", "rid-1", ... (see `rid_matches`), or
-    every request when `abort_all`."""
-
-    ordering = Ordering.BYPASS  # also aborts what a waiting barrier holds (control_plane.py)
+    every request when `abort_all`. It also aborts what a waiting barrier holds (control_plane.py)."""
 
     rid: str = ""
     abort_all: bool = False
@@ -109,10 +107,8 @@ class FlushCacheReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class FlushCacheReqInput(ControlReq):
+class FlushCacheReqInput(ControlReq, reply=FlushCacheReqOutput):
     """Drop the prefix cache and reset the KV pools; refused while requests are in flight."""
-
-    reply_type = FlushCacheReqOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +117,8 @@ class GetInternalStateReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class GetInternalStateReq(ControlReq):
+class GetInternalStateReq(ControlReq, ordering=Ordering.BYPASS, reply=GetInternalStateReqOutput):
     """Ask the scheduler for a snapshot of its counters (for /get_server_info)."""
-
-    ordering = Ordering.BYPASS
-    reply_type = GetInternalStateReqOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +133,8 @@ class GetLoadReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class GetLoadReqInput(ControlReq):
+class GetLoadReqInput(ControlReq, reply=GetLoadReqOutput):
     """Ask every replica for its load (/get_load)."""
-
-    reply_type = GetLoadReqOutput
 
 
 # ---------------------------------------------------------------------------------------- outputs

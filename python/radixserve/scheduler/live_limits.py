@@ -29,14 +29,8 @@ class LiveLimits:
     @classmethod
     def from_server_args(cls, args: ServerArgs, max_req_num: int, running_cap_fixed: bool) -> LiveLimits:
         running = min(args.max_running_requests or max_req_num, max_req_num)
-        return cls(
-            running,
-            args.max_queued_requests,
-            args.waiting_timeout,
-            args.running_timeout,
-            max_req_num,
-            running_cap_fixed,
-        )
+        timeouts = (args.waiting_timeout, args.running_timeout)
+        return cls(running, args.max_queued_requests, *timeouts, max_req_num, running_cap_fixed)
 
     def update(self, wanted: dict[str, Any]) -> str | None:
         """Apply `wanted` (knob -> value; None: the start-up default), or change nothing and say
