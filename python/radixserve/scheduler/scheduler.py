@@ -181,7 +181,7 @@ class Scheduler:
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
-        self.num_steps = 0
+        self.num_steps = 0  # steps so far: the watchdog's progress counter
         self.busy_since_trim = False  # a batch ran since the heap was last trimmed
         # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
         from radixserve.disaggregation.common import create_disaggregation
@@ -234,7 +234,7 @@ class Scheduler:
     def process_input_requests(self, recv_reqs: Iterable[object]) -> None:
         # The control plane holds what must wait (BLOCK, a weight update waiting for in-flight
         # forwards, a pause) and dispatches the rest.
-        self.num_steps += 1  # the watchdog's progress counter
+        self.num_steps += 1
         self.operators.profiler.on_step()
         self.control.process(recv_reqs, self._dispatch)
 
