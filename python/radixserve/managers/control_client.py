@@ -1,34 +1,85 @@
 """The TokenizerManager's side of the control plane: one coroutine per control request, shared by
-the HTTP routes and the Engine. Each sends its message to the scheduler and awaits the reply of
-its type (TokenizerManager._control); the scheduler decides when it takes effect
-(scheduler/control_plane.py).
+the HTTP routes and the Engine. Each sends its message to the scheduler and awaits the reply its
+class declares (`reply_type`, managers/control_messages.py); the scheduler decides when it takes
+effect (scheduler/control_plane.py). The TokenizerManager hands every message it receives to
+`deliver` first: the replies someone waits for stop there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from radixserve.managers import io_struct as io
+from radixserve.managers.errors import RequestAbortedError
 from radixserve.managers.input_validation import InvalidRequestError
 
-if TYPE_CHECKING:
-    from radixserve.managers.tokenizer_manager import TokenizerManager
-
+CONTROL_TIMEOUT_S = 30.0
 # A weight update waits for in-flight requests to finish (or for a trainer's broadcast); memory
 # resume reloads the checkpoint: these may take long, unlike a query.
 LONG_CONTROL_TIMEOUT_S = 1800.0
 
 
 class ControlClient:
-    def __init__(self, tm: TokenizerManager) -> None:
-        self.tm = tm
+    def __init__(
+        self,
+        send: Callable[[object], None],  # to the scheduler (or the DataParallelController)
+        dp_size: int,  # replicas that each answer
+        check_alive: Callable[[], None],  # raises when the server can no longer answer
+        on_new_weights: Callable[[str | None, str | None], None],  # (weight_version, model_path)
+    ) -> None:
+        self._send = send
+        self._dp_size = dp_size
+        self._check_alive = check_alive
+        self._on_new_weights = on_new_weights
+        self._waiters: dict[type, list[asyncio.Future[Any]]] = {}
+        self._locks: dict[type, asyncio.Lock] = {}
 
-    async def _ask(self, msg: Any, out_type: type, long: bool = False) -> Any:  # noqa: ANN401
-        self.tm._raise_if_dead()
-        timeout = LONG_CONTROL_TIMEOUT_S if long else None
-        replies = await self.tm._control(msg, out_type, timeout)  # one per data-parallel replica
+    # ------------------------------------------------------------------ plumbing
+    async def ask_all(self, msg: io.ControlReq, timeout: float | None = None) -> list[Any]:
+        """Send a control request and await every replica's reply (one per data-parallel replica:
+        with --dp-size > 1 the DataParallelController fans the request out). One call at a time
+        per kind of request (replies of one type come back in order; different kinds never wait
+        on each other)."""
+        reply_type = msg.reply_type
+        assert reply_type is not None, f"{type(msg).__name__} has no reply to wait for"
+        limit = timeout or CONTROL_TIMEOUT_S
+        lock = self._locks.setdefault(reply_type, asyncio.Lock())
+        async with lock:
+            loop = asyncio.get_running_loop()
+            futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(self._dp_size)]
+            waiters = self._waiters.setdefault(reply_type, [])
+            waiters.extend(futures)
+            self._send(msg)
+            try:
+                return list(await asyncio.wait_for(asyncio.gather(*futures), limit))
+            except asyncio.TimeoutError:
+                raise RequestAbortedError(
+                    f"The scheduler did not answer {type(msg).__name__} within {limit:.0f} s.", 503
+                ) from None
+            finally:  # a reply that never came must not be handed to the next caller's future
+                for future in futures:
+                    if future in waiters:
+                        waiters.remove(future)
+
+    def deliver(self, msg: object) -> bool:
+        """Hand `msg` to the oldest call waiting for its type; False when it is no control reply
+        (no call ever waited for its type)."""
+        waiters = self._waiters.get(type(msg))
+        if waiters is None:
+            return False
+        if waiters:
+            future = waiters.pop(0)
+            if not future.done():
+                future.set_result(msg)
+        return True
+
+    async def _ask(self, msg: io.ControlReq, long: bool = False) -> Any:  # noqa: ANN401 - msg.reply_type
+        self._check_alive()
+        replies = await self.ask_all(msg, LONG_CONTROL_TIMEOUT_S if long else None)
         # Every replica applied the request; a replica that refused it speaks for all of them.
         failed = [r for r in replies if getattr(r, "success", True) is False]
         return failed[0] if failed else replies[0]
@@ -37,55 +88,53 @@ class ControlClient:
     async def open_session(self, obj: io.OpenSessionReqInput) -> str:
         if obj.session_id is None:
             obj = io.OpenSessionReqInput(obj.capacity_of_str_len, uuid.uuid4().hex)
-        out = await self._ask(obj, io.OpenSessionReqOutput)
+        out = await self._ask(obj)
         if not out.success:
             raise InvalidRequestError(out.message or "Failed to open the session.")
         return out.session_id
 
     async def close_session(self, obj: io.CloseSessionReqInput) -> io.CloseSessionReqOutput:
-        return await self._ask(obj, io.CloseSessionReqOutput)
+        return await self._ask(obj)
 
     # ------------------------------------------------------------------ weights
-    def _note_version(self, out: Any) -> None:  # noqa: ANN401
-        if out.success and out.weight_version is not None:
-            self.tm.weight_version = out.weight_version
+    def _note_version(self, out: Any, model_path: str | None = None) -> None:  # noqa: ANN401
+        if out.success and (out.weight_version is not None or model_path is not None):
+            self._on_new_weights(out.weight_version, model_path)
 
     async def update_weights_from_disk(
         self, obj: io.UpdateWeightFromDiskReqInput
     ) -> io.UpdateWeightFromDiskReqOutput:
-        out = await self._ask(obj, io.UpdateWeightFromDiskReqOutput, long=True)
-        self._note_version(out)
-        if out.success:
-            self.tm.model_path = obj.model_path
+        out = await self._ask(obj, long=True)
+        self._note_version(out, obj.model_path)
         return out
 
     async def update_weights_from_tensor(
         self, obj: io.UpdateWeightsFromTensorReqInput
     ) -> io.UpdateWeightsFromTensorReqOutput:
-        out = await self._ask(obj, io.UpdateWeightsFromTensorReqOutput, long=True)
+        out = await self._ask(obj, long=True)
         self._note_version(out)
         return out
 
     async def init_weights_update_group(
         self, obj: io.InitWeightsUpdateGroupReqInput
     ) -> io.InitWeightsUpdateGroupReqOutput:
-        return await self._ask(obj, io.InitWeightsUpdateGroupReqOutput, long=True)
+        return await self._ask(obj, long=True)
 
     async def update_weights_from_distributed(
         self, obj: io.UpdateWeightsFromDistributedReqInput
     ) -> io.UpdateWeightsFromDistributedReqOutput:
-        out = await self._ask(obj, io.UpdateWeightsFromDistributedReqOutput, long=True)
+        out = await self._ask(obj, long=True)
         self._note_version(out)
         return out
 
     async def destroy_weights_update_group(
         self, obj: io.DestroyWeightsUpdateGroupReqInput
     ) -> io.DestroyWeightsUpdateGroupReqOutput:
-        return await self._ask(obj, io.DestroyWeightsUpdateGroupReqOutput)
+        return await self._ask(obj)
 
     async def get_weights_by_name(self, obj: io.GetWeightsByNameReqInput) -> io.GetWeightsByNameReqOutput:
-        self.tm._raise_if_dead()
-        replies = await self.tm._control(obj, io.GetWeightsByNameReqOutput)
+        self._check_alive()
+        replies = await self.ask_all(obj)
         failed = [r for r in replies if not r.success]
         if failed or len(replies) == 1:
             return failed[0] if failed else replies[0]
@@ -96,54 +145,33 @@ class ControlClient:
     async def release_memory_occupation(
         self, obj: io.ReleaseMemoryOccupationReqInput
     ) -> io.ReleaseMemoryOccupationReqOutput:
-        return await self._ask(obj, io.ReleaseMemoryOccupationReqOutput, long=True)
+        return await self._ask(obj, long=True)
 
     async def resume_memory_occupation(
         self, obj: io.ResumeMemoryOccupationReqInput
     ) -> io.ResumeMemoryOccupationReqOutput:
-        out = await self._ask(obj, io.ResumeMemoryOccupationReqOutput, long=True)
+        out = await self._ask(obj, long=True)
         self._note_version(out)
         return out
 
     async def pause_generation(self, obj: io.PauseGenerationReqInput) -> io.PauseGenerationReqOutput:
-        return await self._ask(obj, io.PauseGenerationReqOutput)
+        return await self._ask(obj)
 
     async def continue_generation(self) -> io.ContinueGenerationReqOutput:
-        return await self._ask(io.ContinueGenerationReqInput(), io.ContinueGenerationReqOutput)
+        return await self._ask(io.ContinueGenerationReqInput())
 
     # ------------------------------------------------------------------ operators
     async def start_profile(self, obj: io.ProfileReq) -> io.ProfileReqOutput:
-        return await self._ask(obj, io.ProfileReqOutput)
+        return await self._ask(obj)
 
     async def stop_profile(self) -> io.ProfileReqOutput:
-        return await self._ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE), io.ProfileReqOutput, long=True)
+        return await self._ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE), long=True)
 
     async def slow_down(self, obj: io.SlowDownReqInput) -> io.SlowDownReqOutput:
-        return await self._ask(obj, io.SlowDownReqOutput)
+        return await self._ask(obj)
 
     async def freeze_gc(self) -> io.FreezeGCReqOutput:
-        return await self._ask(io.FreezeGCReq(), io.FreezeGCReqOutput)
+        return await self._ask(io.FreezeGCReq())
 
     async def set_internal_state(self, obj: io.SetInternalStateReq) -> io.SetInternalStateReqOutput:
-        return await self._ask(obj, io.SetInternalStateReqOutput)
-
-
-# Every reply type the TokenizerManager routes to a waiting control call.
-CONTROL_OUTPUT_TYPES: tuple[type, ...] = (
-    io.OpenSessionReqOutput,
-    io.CloseSessionReqOutput,
-    io.UpdateWeightFromDiskReqOutput,
-    io.UpdateWeightsFromTensorReqOutput,
-    io.InitWeightsUpdateGroupReqOutput,
-    io.UpdateWeightsFromDistributedReqOutput,
-    io.DestroyWeightsUpdateGroupReqOutput,
-    io.GetWeightsByNameReqOutput,
-    io.ReleaseMemoryOccupationReqOutput,
-    io.ResumeMemoryOccupationReqOutput,
-    io.PauseGenerationReqOutput,
-    io.ContinueGenerationReqOutput,
-    io.ProfileReqOutput,
-    io.SlowDownReqOutput,
-    io.FreezeGCReqOutput,
-    io.SetInternalStateReqOutput,
-)
+        return await self._ask(obj)

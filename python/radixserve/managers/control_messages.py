@@ -2,18 +2,50 @@
 release, pause, profiling, live knobs, RPC. Re-exported by io_struct, where every message lives.
 
 Names and fields are SGLang's (its io_struct), so RL frameworks that drive SGLang over HTTP or
-its Engine find the same ones. Each request that needs an answer has its own *Output type: the
-TokenizerManager matches replies to waiters by that type. Every output carries `success` and a
-`message` saying what happened (or why nothing did).
+its Engine find the same ones. Each request is a ControlReq that declares its `ordering` (when the
+scheduler lets it take effect) and its `reply_type`, its own *Output message: ControlClient matches
+replies to waiters by that type. Every output carries `success` and a `message` saying what
+happened (or why nothing did). Each *Output is defined before the request that names it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 DEFAULT_WEIGHT_GROUP = "weight_update_group"
+
+
+class Ordering(Enum):
+    """When the scheduler's ControlPlane lets a control request take effect."""
+
+    IN_ORDER = "in_order"  # in arrival order: behind a waiting barrier, it waits too
+    BYPASS = "bypass"  # at once, past a waiting barrier (queries, aborts, pause, knobs)
+    # Only once no forward is in flight and no request is alive (or generation is paused): it
+    # changes what a forward reads; what arrives behind it waits (except BYPASS requests).
+    BARRIER = "barrier"
+
+
+class ControlReq:
+    """A request to the scheduler outside generation. Each subclass declares, in its class line,
+    when it takes effect (`ordering`, read by scheduler/control_plane.py; default IN_ORDER) and the
+    message the scheduler answers with (`reply`, which ControlClient awaits; default none):
+
+        class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseGenerationReqOutput):
+    """
+
+    __slots__ = ()
+    ordering: ClassVar[Ordering] = Ordering.IN_ORDER
+    reply_type: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, ordering: Ordering | None = None, reply: type | None = None) -> None:
+        # Only what a class line names: @dataclass(slots=True) rebuilds the class without them.
+        super().__init_subclass__()
+        if ordering is not None:
+            cls.ordering = ordering
+        if reply is not None:
+            cls.reply_type = reply
 
 
 # ---------------------------------------------------------------------------------------- sessions
@@ -29,12 +61,6 @@ class SessionParams:
 
 
 @dataclass(frozen=True, slots=True)
-class OpenSessionReqInput:
-    capacity_of_str_len: int
-    session_id: str | None = None  # generated when absent
-
-
-@dataclass(frozen=True, slots=True)
 class OpenSessionReqOutput:
     session_id: str | None
     success: bool
@@ -42,8 +68,9 @@ class OpenSessionReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class CloseSessionReqInput:
-    session_id: str
+class OpenSessionReqInput(ControlReq, ordering=Ordering.BYPASS, reply=OpenSessionReqOutput):
+    capacity_of_str_len: int
+    session_id: str | None = None  # generated when absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +79,12 @@ class CloseSessionReqOutput:
     message: str = ""
 
 
-# ---------------------------------------------------------------------------------------- weights
 @dataclass(frozen=True, slots=True)
-class UpdateWeightFromDiskReqInput:
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False  # False: in-flight requests finish on the old weights first
-    flush_cache: bool = True
-    weight_version: str | None = None
+class CloseSessionReqInput(ControlReq, ordering=Ordering.BYPASS, reply=CloseSessionReqOutput):
+    session_id: str
 
 
+# ---------------------------------------------------------------------------------------- weights
 @dataclass(frozen=True, slots=True)
 class UpdateWeightFromDiskReqOutput:
     success: bool
@@ -71,7 +94,27 @@ class UpdateWeightFromDiskReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightsFromTensorReqInput:
+class UpdateWeightFromDiskReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightFromDiskReqOutput
+):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False  # False: in-flight requests finish on the old weights first
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromTensorReqOutput:
+    success: bool
+    message: str
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromTensorReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromTensorReqOutput
+):
     """Tensors as SGLang's RL frameworks send them: one serialized payload per TP rank
     (`serialized_named_tensors[tp_rank]`), bytes or base64 text, in SGLang's
     MultiprocessingSerializer encoding or radixserve's torch.save one; `load_format` None,
@@ -85,37 +128,19 @@ class UpdateWeightsFromTensorReqInput:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightsFromTensorReqOutput:
-    success: bool
-    message: str
-    weight_version: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class InitWeightsUpdateGroupReqInput:
-    master_address: str
-    master_port: int
-    rank_offset: int  # this server's TP rank r joins the group as rank rank_offset + r
-    world_size: int
-    group_name: str = DEFAULT_WEIGHT_GROUP
-    backend: str = "nccl"
-
-
-@dataclass(frozen=True, slots=True)
 class InitWeightsUpdateGroupReqOutput:
     success: bool
     message: str
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightsFromDistributedReqInput:
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
+class InitWeightsUpdateGroupReqInput(ControlReq, reply=InitWeightsUpdateGroupReqOutput):
+    master_address: str
+    master_port: int
+    rank_offset: int  # this server's TP rank r joins the group as rank rank_offset + r
+    world_size: int
     group_name: str = DEFAULT_WEIGHT_GROUP
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
+    backend: str = "nccl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +151,16 @@ class UpdateWeightsFromDistributedReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class DestroyWeightsUpdateGroupReqInput:
+class UpdateWeightsFromDistributedReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromDistributedReqOutput
+):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
     group_name: str = DEFAULT_WEIGHT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +170,8 @@ class DestroyWeightsUpdateGroupReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class GetWeightsByNameReqInput:
-    name: str
-    truncate_size: int = 100
+class DestroyWeightsUpdateGroupReqInput(ControlReq, reply=DestroyWeightsUpdateGroupReqOutput):
+    group_name: str = DEFAULT_WEIGHT_GROUP
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +182,12 @@ class GetWeightsByNameReqOutput:
     parameter: Any
     success: bool = True
     message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GetWeightsByNameReqInput(ControlReq, ordering=Ordering.BYPASS, reply=GetWeightsByNameReqOutput):
+    name: str
+    truncate_size: int = 100
 
 
 # The most values one /get_weights_by_name answer holds (16 MiB as float32, ~45 MB of JSON): the
@@ -180,19 +218,16 @@ MEMORY_TAGS = ("kv_cache", "weights")
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseMemoryOccupationReqInput:
-    tags: list[str] | None = None  # None: every tag in MEMORY_TAGS
-
-
-@dataclass(frozen=True, slots=True)
 class ReleaseMemoryOccupationReqOutput:
     success: bool
     message: str
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeMemoryOccupationReqInput:
-    tags: list[str] | None = None
+class ReleaseMemoryOccupationReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=ReleaseMemoryOccupationReqOutput
+):
+    tags: list[str] | None = None  # None: every tag in MEMORY_TAGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +237,15 @@ class ResumeMemoryOccupationReqOutput:
     weight_version: str | None = None  # the version of the reloaded weights (when they were resumed)
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeMemoryOccupationReqInput(
+    ControlReq, ordering=Ordering.BARRIER, reply=ResumeMemoryOccupationReqOutput
+):
+    tags: list[str] | None = None
+
+
 # ---------------------------------------------------------------------------------------- pause
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass(frozen=True, slots=True)
-class PauseGenerationReqInput:
-    mode: str = "abort"
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +255,19 @@ class PauseGenerationReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class ContinueGenerationReqInput:
-    pass
+class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseGenerationReqOutput):
+    mode: str = "abort"
 
 
 @dataclass(frozen=True, slots=True)
 class ContinueGenerationReqOutput:
     success: bool
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ContinueGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ContinueGenerationReqOutput):
+    """Release the requests held by the pause and schedule again."""
 
 
 # ---------------------------------------------------------------------------------------- operators
@@ -238,7 +280,13 @@ PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
 
 
 @dataclass(frozen=True, slots=True)
-class ProfileReq:
+class ProfileReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReq(ControlReq, ordering=Ordering.BYPASS, reply=ProfileReqOutput):
     type: ProfileReqType
     output_dir: str | None = None
     start_step: int | None = None
@@ -250,25 +298,14 @@ class ProfileReq:
 
 
 @dataclass(frozen=True, slots=True)
-class ProfileReqOutput:
-    success: bool
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class SlowDownReqInput:
-    forward_sleep_time: float | None  # seconds slept before each forward; None: back to normal
-
-
-@dataclass(frozen=True, slots=True)
 class SlowDownReqOutput:
     success: bool
     message: str
 
 
 @dataclass(frozen=True, slots=True)
-class FreezeGCReq:
-    pass
+class SlowDownReqInput(ControlReq, ordering=Ordering.BYPASS, reply=SlowDownReqOutput):
+    forward_sleep_time: float | None  # seconds slept before each forward; None: back to normal
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,8 +315,8 @@ class FreezeGCReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class SetInternalStateReq:
-    server_args: dict[str, Any] = field(default_factory=dict)
+class FreezeGCReq(ControlReq, ordering=Ordering.BYPASS, reply=FreezeGCReqOutput):
+    """Move every object alive in the scheduler to the collector's permanent generation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,17 +326,22 @@ class SetInternalStateReqOutput:
     message: str = ""
 
 
-# ---------------------------------------------------------------------------------------- RPC
 @dataclass(frozen=True, slots=True)
-class RpcReqInput:
-    """Call the scheduler's control method `method` with `parameters` (Engine.collective_rpc)."""
-
-    method: str
-    parameters: dict[str, Any] | None = None
+class SetInternalStateReq(ControlReq, ordering=Ordering.BYPASS, reply=SetInternalStateReqOutput):
+    server_args: dict[str, Any] = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------------------------------- RPC
 @dataclass(frozen=True, slots=True)
 class RpcReqOutput:
     success: bool
     message: str
     result: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class RpcReqInput(ControlReq, reply=RpcReqOutput):
+    """Call the scheduler's control method `method` with `parameters` (Engine.collective_rpc)."""
+
+    method: str
+    parameters: dict[str, Any] | None = None

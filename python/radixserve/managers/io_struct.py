@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any
 
 from radixserve.managers.control_messages import *  # noqa: F403 - the control plane's messages
-from radixserve.managers.control_messages import SessionParams
+from radixserve.managers.control_messages import ControlReq, Ordering, SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
 FinishReasonDict = dict[str, Any]
@@ -83,9 +83,9 @@ class BatchTokenizedEmbeddingReqInput:
 
 
 @dataclass(frozen=True, slots=True)
-class AbortReq:
+class AbortReq(ControlReq, ordering=Ordering.BYPASS):
     """Abort the request `rid` and its n > 1 samples "rid-0", "rid-1", ... (see `rid_matches`), or
-    every request when `abort_all`."""
+    every request when `abort_all`. It also aborts what a waiting barrier holds (control_plane.py)."""
 
     rid: str = ""
     abort_all: bool = False
@@ -101,19 +101,14 @@ def rid_matches(rid: str, target: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class FlushCacheReqInput:
-    """Drop the prefix cache and reset the KV pools; refused while requests are in flight."""
-
-
-@dataclass(frozen=True, slots=True)
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
-class GetInternalStateReq:
-    """Ask the scheduler for a snapshot of its counters (for /get_server_info)."""
+class FlushCacheReqInput(ControlReq, reply=FlushCacheReqOutput):
+    """Drop the prefix cache and reset the KV pools; refused while requests are in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +117,8 @@ class GetInternalStateReqOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class GetLoadReqInput:
-    """Ask every replica for its load (/get_load)."""
+class GetInternalStateReq(ControlReq, ordering=Ordering.BYPASS, reply=GetInternalStateReqOutput):
+    """Ask the scheduler for a snapshot of its counters (for /get_server_info)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +130,11 @@ class GetLoadReqOutput:
     num_reqs: int  # running + waiting
     num_waiting_reqs: int
     num_tokens: int  # KV tokens held by requests + prompt tokens of waiting requests
+
+
+@dataclass(frozen=True, slots=True)
+class GetLoadReqInput(ControlReq, reply=GetLoadReqOutput):
+    """Ask every replica for its load (/get_load)."""
 
 
 # ---------------------------------------------------------------------------------------- outputs

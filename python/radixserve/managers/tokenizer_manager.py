@@ -22,8 +22,9 @@ import zmq
 import zmq.asyncio
 
 from radixserve.constrained.validation import prewarm as prewarm_grammar
-from radixserve.managers.control_client import CONTROL_OUTPUT_TYPES, ControlClient
+from radixserve.managers.control_client import ControlClient
 from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
+from radixserve.managers.errors import RequestAbortedError
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.input_validation import InvalidRequestError, ModelLimits, prepare_items
 from radixserve.managers.io_struct import (
@@ -33,11 +34,8 @@ from radixserve.managers.io_struct import (
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
-    FlushCacheReqOutput,
     GetInternalStateReq,
-    GetInternalStateReqOutput,
     GetLoadReqInput,
-    GetLoadReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
@@ -58,18 +56,9 @@ DISCONNECT_POLL_S = 0.5
 # An aborted request stays in flight until the scheduler's final output (with the tokens generated
 # so far) arrives; this bounds the wait should that output never come.
 ABORT_GRACE_S = 10.0
-CONTROL_TIMEOUT_S = 30.0
 # Threads that tokenize off the event loop. HF fast tokenizers release the GIL while encoding, so
 # two prompts tokenize in parallel while the loop keeps serving.
 TOKENIZER_THREADS = 2
-
-
-class RequestAbortedError(RuntimeError):
-    """A request the server could not serve; `status_code` is the HTTP status to answer."""
-
-    def __init__(self, message: str, status_code: int = 500) -> None:
-        super().__init__(message)
-        self.status_code = status_code
 
 
 class ClientDisconnected(Exception):
@@ -130,12 +119,12 @@ class TokenizerManager:
         )
         self.request_logger = RequestLogger(server_args.log_requests, server_args.log_requests_level)
         self.rid_to_state: dict[str, ReqState] = {}
-        self._control_waiters: dict[type, list[asyncio.Future[Any]]] = {}
-        self._control_locks: dict[type, asyncio.Lock] = {}
         self._started = False
         self._closed = False  # after close(): sockets gone, nothing more is sent
         self.weight_version = server_args.weight_version  # reported in every meta_info
-        self.control = ControlClient(self)
+        self.control = ControlClient(
+            self._send_to_scheduler, self.dp_size, self._raise_if_dead, self._on_new_weights
+        )
         self._recv_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
         # time.monotonic() of the last output from the scheduler: /health_generate's evidence of
@@ -146,10 +135,6 @@ class TokenizerManager:
                 (BatchStrOut, self._on_batch_str_out),
                 (BatchEmbeddingOut, self._on_batch_embedding_out),
                 (AbortReq, self._on_abort),
-                (FlushCacheReqOutput, self._on_control_output),
-                (GetInternalStateReqOutput, self._on_control_output),
-                *((t, self._on_control_output) for t in CONTROL_OUTPUT_TYPES),
-                (GetLoadReqOutput, self._on_control_output),
             ]
         )
 
@@ -433,52 +418,39 @@ class TokenizerManager:
         return len(self.rid_to_state)
 
     async def flush_cache(self) -> bool:
-        outputs = await self._control(FlushCacheReqInput(), FlushCacheReqOutput)
+        outputs = await self.control.ask_all(FlushCacheReqInput())
         return all(o.success for o in outputs)
 
     async def get_internal_states(self) -> list[dict[str, Any]]:
         """One state per data-parallel replica, in dp_rank order."""
-        outputs = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+        outputs = await self.control.ask_all(GetInternalStateReq())
         states = [{"dp_rank": 0, **o.internal_state} for o in outputs]
         return sorted(states, key=lambda st: st["dp_rank"])
 
     async def get_load(self) -> list[dict[str, Any]]:
         """SGLang's /get_load: one entry per replica (dp_rank, num_reqs, num_waiting_reqs,
         num_tokens), in dp_rank order."""
-        outputs = await self._control(GetLoadReqInput(), GetLoadReqOutput)
+        outputs = await self.control.ask_all(GetLoadReqInput())
         return [dataclasses.asdict(o) for o in sorted(outputs, key=lambda o: o.dp_rank)]
 
-    async def _control(self, msg: Any, out_type: type, timeout: float | None = None) -> list[Any]:
-        """Send a control request and await every replica's reply (one per data-parallel replica:
-        with --dp-size > 1 the DataParallelController fans the request out). One call at a time
-        per kind of request (replies of one type come back in order; different kinds never wait
-        on each other)."""
+    def _send_to_scheduler(self, msg: object) -> None:
         assert self._started, "start() was not called"
-        limit = timeout or CONTROL_TIMEOUT_S
-        lock = self._control_locks.setdefault(out_type, asyncio.Lock())
-        async with lock:
-            loop = asyncio.get_running_loop()
-            futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(self.dp_size)]
-            waiters = self._control_waiters.setdefault(out_type, [])
-            waiters.extend(futures)
-            self._send.send_pyobj(msg)
-            try:
-                return list(await asyncio.wait_for(asyncio.gather(*futures), limit))
-            except asyncio.TimeoutError:
-                raise RequestAbortedError(
-                    f"The scheduler did not answer {type(msg).__name__} within {limit:.0f} s.", 503
-                ) from None
-            finally:  # a reply that never came must not be handed to the next caller's future
-                for future in futures:
-                    if future in waiters:
-                        waiters.remove(future)
+        self._send.send_pyobj(msg)
+
+    def _on_new_weights(self, weight_version: str | None, model_path: str | None) -> None:
+        """A control request loaded new weights: later outputs and /get_model_info say so."""
+        if weight_version is not None:
+            self.weight_version = weight_version
+        if model_path is not None:
+            self.model_path = model_path
 
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:
         while True:
             msg = await self._recv.recv_pyobj()
             try:
-                self._dispatch(msg)
+                if not self.control.deliver(msg):  # a control reply stops there
+                    self._dispatch(msg)
             except Exception:
                 logger.exception("Failed to handle %s", type(msg).__name__)
 
@@ -508,13 +480,6 @@ class TokenizerManager:
                 state, {"type": "abort", "message": "Aborted by the scheduler.", "status_code": None}
             )
             self._update_load_metrics()  # the in-flight gauges must not keep a finished request
-
-    def _on_control_output(self, msg: Any) -> None:
-        waiters = self._control_waiters.get(type(msg))
-        if waiters:
-            future = waiters.pop(0)
-            if not future.done():
-                future.set_result(msg)
 
     def _finish(self, state: ReqState, reason: dict[str, Any]) -> None:
         if self.rid_to_state.get(state.rid) is not state:

@@ -1,7 +1,5 @@
-"""The scheduler process's core: request state, batch construction, policies and event loops."""
+"""The scheduler process's core: request state, batch construction, policies and event loops.
 
-from radixserve.scheduler.req import Req
-from radixserve.scheduler.schedule_batch import ScheduleBatch
-from radixserve.scheduler.scheduler import NormalLoop, OverlapLoop, Scheduler
-
-__all__ = ["NormalLoop", "OverlapLoop", "Req", "ScheduleBatch", "Scheduler"]
+Nothing is re-exported here: importing a submodule (e.g. `scheduler.req`, which constrained/ does)
+must not load the Scheduler and everything it imports (test/unit/test_import_cycles.py).
+"""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.scheduler.kv_memory import KVMemory
+from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.prefill_adder import AddReqResult, PrefillAdder, remaining_new_tokens
@@ -29,7 +30,8 @@ DECODE_LOG_INTERVAL = 40  # decode steps between "Decode batch." log lines
 
 @dataclass(frozen=True)
 class BatchLimits:
-    max_running_requests: int
+    """The builder's limits fixed at start (the running cap is live: LiveLimits)."""
+
     max_prefill_tokens: int
     chunked_prefill_size: int | None
     is_mixed_chunk: bool
@@ -49,6 +51,7 @@ class BatchBuilder:
         mem: KVMemory,
         policy: SchedulePolicy,
         limits: BatchLimits,
+        live: LiveLimits,
         make_batch: Callable[[list[Req]], ScheduleBatch],
         spec_step: SpeculativeDecodeStep | None = None,  # speculative decoding on
     ) -> None:
@@ -58,6 +61,7 @@ class BatchBuilder:
         self.mem = mem
         self.policy = policy
         self.limits = limits
+        self.live = live
         self.make_batch = make_batch
         self.spec_step = spec_step
         self.num_decode_batches = 0
@@ -102,7 +106,7 @@ class BatchBuilder:
         """How many more requests this round may take. The running cap counts every request
         scheduled this round (the chunked one too: it already holds a row, and joins the running
         batch with its last chunk); the row pool counts only requests that still need a row."""
-        by_running = self.limits.max_running_requests - len(self.state.running_batch.reqs) - num_scheduled
+        by_running = self.live.max_running_requests - len(self.state.running_batch.reqs) - num_scheduled
         return min(by_running, self.mem.req_to_token_pool.available_size() - num_new_rows)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:

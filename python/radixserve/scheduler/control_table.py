@@ -1,4 +1,5 @@
-"""The control rows of the scheduler's dispatcher table (seed 002 §4.5) and the RPC methods.
+"""The control rows of the scheduler's dispatcher table (seed 002 §4.5), the RPC methods and the
+internal-state report.
 
 Each message type maps to the handler that answers it; a handler's return value (its *Output
 message) goes back to the TokenizerManager. `RpcReqInput` calls one of `RPC_METHODS` by name, the
@@ -42,7 +43,7 @@ RPC_METHODS = ("check_memory_leak", "flush_cache", "get_internal_state", "freeze
 
 
 def control_handlers(s: Scheduler) -> list[tuple[type, Callable[[Any], Any]]]:
-    w, c, ops = s.weight_control, s.control, s.operators
+    w, mem, pause, ops = s.weight_control, s.memory_occupation, s.pause, s.operators
     return [
         (OpenSessionReqInput, s.sessions.open),
         (CloseSessionReqInput, s.sessions.close),
@@ -52,10 +53,10 @@ def control_handlers(s: Scheduler) -> list[tuple[type, Callable[[Any], Any]]]:
         (UpdateWeightsFromDistributedReqInput, w.update_from_distributed),
         (DestroyWeightsUpdateGroupReqInput, w.destroy_group),
         (GetWeightsByNameReqInput, w.get_weights_by_name),
-        (ReleaseMemoryOccupationReqInput, c.release_memory),
-        (ResumeMemoryOccupationReqInput, c.resume_memory),
-        (PauseGenerationReqInput, c.pause_generation),
-        (ContinueGenerationReqInput, c.continue_generation),
+        (ReleaseMemoryOccupationReqInput, mem.release),
+        (ResumeMemoryOccupationReqInput, mem.resume),
+        (PauseGenerationReqInput, pause.pause_generation),
+        (ContinueGenerationReqInput, pause.continue_generation),
         (ProfileReq, ops.profile),
         (SlowDownReqInput, ops.slow_down),
         (FreezeGCReq, ops.freeze_gc),
@@ -70,7 +71,7 @@ def handle_rpc(s: Scheduler, msg: RpcReqInput) -> RpcReqOutput:
         "flush_cache": lambda: s.flush_cache(),
         "get_internal_state": lambda: s.get_internal_state().internal_state,
         "freeze_gc": lambda: s.operators.freeze_gc(),
-        "continue_generation": lambda: s.control.continue_generation(),
+        "continue_generation": lambda: s.pause.continue_generation(),
     }
     fn = targets.get(msg.method)
     if fn is None:
@@ -81,3 +82,45 @@ def handle_rpc(s: Scheduler, msg: RpcReqInput) -> RpcReqOutput:
         logger.warning("RPC %s failed: %s", msg.method, exc)
         return RpcReqOutput(False, f"{type(exc).__name__}: {exc}")
     return RpcReqOutput(True, "", result)
+
+
+def internal_state(s: Scheduler) -> dict[str, Any]:
+    """/get_server_info's internal_states entry: the scheduler's queues, pools and controls."""
+    stats = s.output.stats
+    return {
+        "load": s.get_load().num_tokens,
+        # Pipeline stages decode several micro-batches: the others' requests count too.
+        "num_running_reqs": len(s.state.running_batch.reqs) + len(s.state.other_running_reqs),
+        "num_waiting_reqs": len(s.state.waiting_queue),
+        "num_grammar_queue_reqs": len(s.grammar.grammar_queue),
+        "token_usage": s.mem.token_usage(),
+        "available_tokens": s.mem.available_size(),
+        "evictable_tokens": s.mem.evictable_size(),
+        "max_total_num_tokens": s.mem.total_tokens,
+        "cache_hit_tokens": stats.cache_hit_tokens,
+        "cache_query_tokens": stats.cache_query_tokens,
+        "cache_hit_rate": stats.cache_hit_tokens / max(stats.cache_query_tokens, 1),
+        "last_gen_throughput": stats.last_gen_throughput,
+        "new_token_ratio": s.state.new_token_ratio,
+        "num_retracted_reqs": stats.num_retracted_reqs,
+        "weight_version": s.weight_control.weight_version,
+        "paused": s.pause.mode,
+        "memory_released": sorted(s.memory_occupation.released),
+        "forward_sleep_time": s.operators.forward_sleep_time,
+        "num_sessions": len(s.sessions.sessions),
+        **s.live_limits.as_dict(),
+        # Each rank's own pool (they must agree), gathered from every rank: all ranks
+        # receive this request in the same step.
+        "ranks": s.sync.gather(_pool_report(s)),
+        **(s.disagg.internal_state() if s.disagg is not None else {}),
+    }
+
+
+def _pool_report(s: Scheduler) -> dict[str, object]:
+    return {
+        "available_tokens": s.mem.available_size(),
+        "evictable_tokens": s.mem.evictable_size(),
+        "max_total_num_tokens": s.mem.total_tokens,
+        "free_request_rows": s.mem.req_to_token_pool.available_size(),
+        "memory_leak": s.mem.check_leak() if s.is_idle() else None,
+    }

@@ -72,7 +72,7 @@ class OverlapLoop:
         mwb = s.get_model_worker_batch(batch, delay_sample=delay)
         future_indices = self.future_map.alloc_future_indices(batch.batch_size())
         s._mark_launched(batch, future_indices)
-        s.control.before_forward()
+        s.operators.before_forward()
         pending = self.worker.launch(mwb, future_indices)
         self.result_queue.append((batch.copy(), pending))
         if delay:

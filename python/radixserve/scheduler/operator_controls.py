@@ -1,5 +1,6 @@
 """Operators' controls of a running scheduler (seed 002 §9.2, INVENTORY §36-37): the torch
-profiler (/start_profile, /stop_profile), /slow_down, /freeze_gc and /set_internal_state.
+profiler (/start_profile, /stop_profile), /slow_down (a sleep before each forward), /freeze_gc
+and /set_internal_state (LiveLimits).
 
 Profiling traces the scheduler's steps with torch.profiler: every step between start and stop
 (or the next `num_steps` steps) is a "scheduler_step" range holding the ops it ran, and the trace
@@ -10,12 +11,11 @@ the thread that started it): run the normal loop to see the forward's ops.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -31,15 +31,11 @@ from radixserve.managers.io_struct import (
     SlowDownReqInput,
     SlowDownReqOutput,
 )
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.control_plane import ControlPlane
+from radixserve.scheduler.live_limits import LiveLimits
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROFILE_DIR = os.environ.get("RADIXSERVE_TORCH_PROFILER_DIR", "/tmp")
-# Knobs /set_internal_state may change while serving (the others are fixed at start).
-LIVE_KNOBS = ("max_running_requests", "max_queued_requests", "waiting_timeout", "running_timeout")
 
 
 class Profiler:
@@ -114,9 +110,15 @@ class Profiler:
 
 
 class OperatorControls:
-    def __init__(self, control: ControlPlane, tp_rank: int) -> None:
-        self.control = control
+    def __init__(self, limits: LiveLimits, tp_rank: int) -> None:
+        self.limits = limits
         self.profiler = Profiler(tp_rank)
+        self.forward_sleep_time: float | None = None
+
+    def before_forward(self) -> None:
+        """Every loop calls this right before it launches a forward."""
+        if self.forward_sleep_time:
+            time.sleep(self.forward_sleep_time)
 
     def profile(self, msg: ProfileReq) -> ProfileReqOutput:
         if msg.type == ProfileReqType.START_PROFILE:
@@ -127,7 +129,7 @@ class OperatorControls:
         t = msg.forward_sleep_time
         if t is not None and not 0 <= t <= 3600:
             return SlowDownReqOutput(False, f"forward_sleep_time must be in [0, 3600] seconds, got {t}.")
-        self.control.forward_sleep_time = t or None
+        self.forward_sleep_time = t or None
         logger.warning("Forward sleep time set to %s s", t)
         return SlowDownReqOutput(True, f"forward_sleep_time = {t}")
 
@@ -141,49 +143,9 @@ class OperatorControls:
         return FreezeGCReqOutput(True, f"Froze {count} objects in the scheduler.")
 
     def set_internal_state(self, msg: SetInternalStateReq) -> SetInternalStateReqOutput:
-        s = self.control.s
         wanted = dict(msg.server_args)
-        unknown = sorted(k for k in wanted if k not in LIVE_KNOBS)
-        error = f"Only {list(LIVE_KNOBS)} can change while serving, not {unknown}." if unknown else None
-        if error is None and "max_running_requests" in wanted and getattr(s.worker, "stage_link", None):
-            error = "max_running_requests is fixed per micro-batch with pipeline parallelism."
-        if error is None:
-            error = _check_knobs(wanted, s.worker.max_req_num)
+        error = self.limits.update(wanted)
         if error is not None:
-            return SetInternalStateReqOutput(False, self.live_state(), error)
-        if "max_running_requests" in wanted:
-            value = wanted["max_running_requests"] or s.worker.max_req_num
-            s.max_running_requests = value
-            s.builder.limits = dataclasses.replace(s.builder.limits, max_running_requests=value)
-        limits = s.requests.limits
-        changes = {
-            k: wanted[k] for k in ("max_queued_requests", "waiting_timeout", "running_timeout") if k in wanted
-        }
-        s.requests.limits = dataclasses.replace(limits, **changes)
+            return SetInternalStateReqOutput(False, self.limits.as_dict(), error)
         logger.info("Internal state updated: %s", wanted)
-        return SetInternalStateReqOutput(True, self.live_state())
-
-    def live_state(self) -> dict[str, Any]:
-        s = self.control.s
-        limits = s.requests.limits
-        return {
-            "max_running_requests": s.max_running_requests,
-            "max_queued_requests": limits.max_queued_requests,
-            "waiting_timeout": limits.waiting_timeout,
-            "running_timeout": limits.running_timeout,
-        }
-
-
-def _check_knobs(wanted: dict[str, Any], max_req_num: int) -> str | None:
-    for key, value in wanted.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"{key} must be a number or null, got {value!r}."
-        if key in ("max_running_requests", "max_queued_requests") and (int(value) != value or value < 1):
-            return f"{key} must be a positive integer, got {value!r}."
-        if key == "max_running_requests" and value > max_req_num:
-            return f"max_running_requests is at most {max_req_num} (the request rows allocated at start)."
-        if key.endswith("timeout") and value <= 0:
-            return f"{key} must be > 0 seconds, got {value!r}."
-    return None
+        return SetInternalStateReqOutput(True, self.limits.as_dict())

@@ -62,7 +62,9 @@ class PipelineLoop:
         self.is_last = link.next is None
         self.pp_size = len(link.earlier) + 1
         builder = scheduler.builder
-        builder.limits = dataclasses.replace(builder.limits, max_running_requests=micro_batch_size)
+        # Each micro-batch's running cap: the builder's own copy of the live limits (the knob is
+        # fixed under PP, LiveLimits.running_cap_fixed), while the reported total stays as set.
+        builder.live = dataclasses.replace(builder.live, max_running_requests=micro_batch_size)
         self.slots = [MicroBatchSlot(scheduler.make_batch([])) for _ in range(self.pp_size)]
         self.iteration = 0
         logger.info(
@@ -120,7 +122,7 @@ class PipelineLoop:
         s = self.scheduler
         mwb = s.get_model_worker_batch(batch)
         s._mark_launched(batch, None)
-        s.control.before_forward()
+        s.operators.before_forward()
         with torch.inference_mode():
             result = s.worker.forward_batch_generation(mwb)
         slot.inflight = batch

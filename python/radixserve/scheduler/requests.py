@@ -17,6 +17,7 @@ from radixserve.managers.io_struct import (
     rid_matches,
 )
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.req import FinishAbort, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -44,25 +45,19 @@ class SchedulerState:
         return not self.live and self.running_batch.is_empty() and self.chunked_req is None
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    max_queued_requests: int | None
-    max_req_len: int  # prompt + output must fit this (min of context length and KV pool size)
-    waiting_timeout: float | None
-    running_timeout: float | None
-
-
 class RequestTable:
     def __init__(
         self,
         state: SchedulerState,
         output: OutputProcessor,
-        limits: RequestLimits,
+        limits: LiveLimits,  # queue cap and timeouts, read at each use
+        max_req_len: int,  # prompt + output must fit this (min of context length and KV pool size)
         sync: RankSync | None = None,
     ) -> None:
         self.state = state
         self.output = output
         self.limits = limits
+        self.max_req_len = max_req_len
         # Timeouts read each rank's clock: ranks agree on which expired (any rank's view wins).
         self.sync: RankSync = sync or LocalSync()
         self.arrived: list[Req] = []  # accepted since the last enforce_queue_cap, in arrival order
@@ -111,7 +106,7 @@ class RequestTable:
                 self.output.finish_now(req, QUEUE_FULL, int(HTTPStatus.SERVICE_UNAVAILABLE))
 
     def _validate(self, req: Req) -> str | None:
-        input_len, max_len = len(req.origin_input_ids), self.limits.max_req_len
+        input_len, max_len = len(req.origin_input_ids), self.max_req_len
         if input_len == 0:
             return "The input is empty: at least one token is needed."
         if req.is_embedding and input_len <= max_len:

@@ -21,9 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-# A module import (not `from ... import GrammarManager`): constrained/ imports this package back.
-from radixserve.constrained import grammar_manager as constrained
 from radixserve.constrained.grammar_backend import GrammarBackend
+from radixserve.constrained.grammar_manager import NO_TOKENIZER, TURNED_OFF, GrammarManager
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -43,20 +42,23 @@ from radixserve.managers.io_struct import (
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+from radixserve.scheduler.activity import Activity
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixserve.scheduler.control_plane import ControlPlane
-from radixserve.scheduler.control_table import control_handlers
+from radixserve.scheduler.control_table import control_handlers, internal_state
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
+from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.loops import NormalLoop, OverlapLoop
 from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
+from radixserve.scheduler.pause import PauseControl
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.req import Req
-from radixserve.scheduler.requests import RequestLimits, RequestTable, SchedulerState
+from radixserve.scheduler.requests import RequestTable, SchedulerState
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.scheduler.sessions import SessionController
-from radixserve.scheduler.weight_control import WeightControl
+from radixserve.scheduler.weight_control import MemoryOccupation, WeightControl
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
 from radixserve.utils.process import release_free_memory
@@ -123,7 +125,9 @@ class Scheduler:
         self.chunked_prefill_size = (
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
-        self.max_running_requests = min(args.max_running_requests or worker.max_req_num, worker.max_req_num)
+        self.live_limits = LiveLimits.from_server_args(
+            args, worker.max_req_num, running_cap_fixed=getattr(worker, "stage_link", None) is not None
+        )
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.output = OutputProcessor(
@@ -133,21 +137,14 @@ class Scheduler:
             report_spec=args.speculative_algorithm is not None,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
-        self.requests = RequestTable(
-            self.state,
-            self.output,
-            RequestLimits(args.max_queued_requests, max_req_len, args.waiting_timeout, args.running_timeout),
-            sync,
-        )
-        self.grammar = constrained.GrammarManager(
+        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync)
+        self.grammar = GrammarManager(
             self._grammar_backend_factory(grammar_backend),
             args.grammar_compile_timeout,
             self.requests.enqueue,
             self.output.finish_now,
             sync,
-            unavailable_reason=constrained.TURNED_OFF
-            if args.grammar_backend == "none"
-            else constrained.NO_TOKENIZER,
+            unavailable_reason=TURNED_OFF if args.grammar_backend == "none" else NO_TOKENIZER,
         )
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
@@ -159,14 +156,12 @@ class Scheduler:
             self.mem,
             self.policy,
             self._batch_limits(),
+            self.live_limits,
             self.make_batch,
             SpeculativeDecodeStep.from_server_args(args, self.mem),
         )
         self.sync: RankSync = sync or LocalSync()
-        self.input_blocker = SchedulerInputBlocker(sync=self.sync)
-        self.control = ControlPlane(self)
-        self.weight_control = WeightControl(self.control, args.weight_version)
-        self.operators = OperatorControls(self.control, _tp_rank(worker))
+        self._build_controls(args)
         self.sessions = SessionController(
             self._build_session_req,
             lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),
@@ -186,16 +181,35 @@ class Scheduler:
             ]
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
+        self.num_steps = 0  # steps so far: the watchdog's progress counter
         self.busy_since_trim = False  # a batch ran since the heap was last trimmed
         # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
         from radixserve.disaggregation.common import create_disaggregation
 
         self.disagg = create_disaggregation(self)
 
+    @property
+    def max_running_requests(self) -> int:
+        return self.live_limits.max_running_requests
+
+    def _build_controls(self, args: ServerArgs) -> None:
+        """The control add-ons, each given the few objects it uses."""
+        activity = Activity(self.state, lambda: self.num_inflight_batches)
+        tp_rank = _tp_rank(self.worker)
+        weights = getattr(getattr(self.worker, "model_runner", None), "weights", None)
+        self.pause = PauseControl(self.requests, activity)
+        self.control = ControlPlane(
+            SchedulerInputBlocker(sync=self.sync), self.requests, activity, self.pause
+        )
+        self.weight_control = WeightControl(
+            weights, tp_rank, self.sync, activity, self.mem, self.flush_cache, args.weight_version
+        )
+        self.memory_occupation = MemoryOccupation(weights, self.sync, activity, self.mem, self.weight_control)
+        self.operators = OperatorControls(self.live_limits, tp_rank)
+
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
         return BatchLimits(
-            max_running_requests=self.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens,
             chunked_prefill_size=self.chunked_prefill_size,
             is_mixed_chunk=self.chunked_prefill_size is not None and args.enable_mixed_chunk,
@@ -218,10 +232,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ input
     def process_input_requests(self, recv_reqs: Iterable[object]) -> None:
-        # Flow control first (BLOCK / UNBLOCK): held requests reach the dispatcher later. Then the
-        # control plane's order: weight updates and memory release wait for in-flight forwards.
+        # The control plane holds what must wait (BLOCK, a weight update waiting for in-flight
+        # forwards, a pause) and dispatches the rest.
+        self.num_steps += 1
         self.operators.profiler.on_step()
-        self.control.process(self.input_blocker.handle(list(recv_reqs)) or [], self._dispatch)
+        self.control.process(recv_reqs, self._dispatch)
 
     def _dispatch(self, msg: object) -> None:
         reply = self.dispatcher(msg)
@@ -234,7 +249,7 @@ class Scheduler:
             req, error = self.sessions.create_req(msg)
         else:
             req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
-        released = self.control.released_message()
+        released = self.memory_occupation.released_message()
         if error is not None or released is not None:
             self.state.live[req.rid] = req
             status = HTTPStatus.BAD_REQUEST if error is not None else HTTPStatus.SERVICE_UNAVAILABLE
@@ -281,7 +296,6 @@ class Scheduler:
             self.state.is_idle()
             and not self.state.waiting_queue
             and self.num_inflight_batches == 0
-            and not self.input_blocker.at_barrier  # the UNBLOCK barrier is polled every step
             and not self.control.has_waiting_work()
         )
 
@@ -290,7 +304,7 @@ class Scheduler:
         paused with nothing in flight)."""
         if self.is_idle():
             return True
-        return self.control.stops_scheduling() and self.num_inflight_batches == 0
+        return self.pause.stops_scheduling() and self.num_inflight_batches == 0
 
     def flush_cache(self, msg: FlushCacheReqInput | None = None) -> FlushCacheReqOutput:
         if not self.is_idle():
@@ -322,45 +336,7 @@ class Scheduler:
         )
 
     def get_internal_state(self, msg: GetInternalStateReq | None = None) -> GetInternalStateReqOutput:
-        stats = self.output.stats
-        return GetInternalStateReqOutput(
-            internal_state={
-                "load": self.get_load().num_tokens,
-                # Pipeline stages decode several micro-batches: the others' requests count too.
-                "num_running_reqs": len(self.state.running_batch.reqs) + len(self.state.other_running_reqs),
-                "num_waiting_reqs": len(self.state.waiting_queue),
-                "num_grammar_queue_reqs": len(self.grammar.grammar_queue),
-                "token_usage": self.mem.token_usage(),
-                "available_tokens": self.mem.available_size(),
-                "evictable_tokens": self.mem.evictable_size(),
-                "max_total_num_tokens": self.mem.total_tokens,
-                "cache_hit_tokens": stats.cache_hit_tokens,
-                "cache_query_tokens": stats.cache_query_tokens,
-                "cache_hit_rate": stats.cache_hit_tokens / max(stats.cache_query_tokens, 1),
-                "last_gen_throughput": stats.last_gen_throughput,
-                "new_token_ratio": self.state.new_token_ratio,
-                "num_retracted_reqs": stats.num_retracted_reqs,
-                "weight_version": self.weight_control.weight_version,
-                "paused": self.control.pause_mode,
-                "memory_released": sorted(self.control.released),
-                "forward_sleep_time": self.control.forward_sleep_time,
-                "num_sessions": len(self.sessions.sessions),
-                **self.operators.live_state(),
-                # Each rank's own pool (they must agree), gathered from every rank: all ranks
-                # receive this request in the same step.
-                "ranks": self.sync.gather(self._pool_report()),
-                **(self.disagg.internal_state() if self.disagg is not None else {}),
-            }
-        )
-
-    def _pool_report(self) -> dict[str, object]:
-        return {
-            "available_tokens": self.mem.available_size(),
-            "evictable_tokens": self.mem.evictable_size(),
-            "max_total_num_tokens": self.mem.total_tokens,
-            "free_request_rows": self.mem.req_to_token_pool.available_size(),
-            "memory_leak": self.mem.check_leak() if self.is_idle() else None,
-        }
+        return GetInternalStateReqOutput(internal_state=internal_state(self))
 
     def check_memory_leak(self) -> str | None:
         """None when the pools are consistent; a description of the leak otherwise (idle only)."""
@@ -383,8 +359,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ running batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.control.stops_scheduling():
-            self.control.settle_while_stopped()
+        if self.pause.stops_scheduling():
+            self.pause.settle_while_stopped()
             return None
         self.grammar.move_ready()
         batch = self.builder.get_next_batch_to_run()
@@ -417,7 +393,7 @@ class Scheduler:
         """Synchronous forward (the normal loop); a prefill-only batch samples nothing."""
         mwb = self.get_model_worker_batch(batch)
         self._mark_launched(batch, None)
-        self.control.before_forward()
+        self.operators.before_forward()
         with torch.inference_mode():
             if mwb.is_embedding:
                 return self.worker.forward_batch_embedding(mwb)

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
     from radixserve.distributed.rank_runtime import RankRuntime
 
+    # Imported at run time in build_scheduler, once the process set its threads (torch loads then).
+    from radixserve.scheduler.scheduler import Scheduler
+
 logger = logging.getLogger(__name__)
 
 # While idle, block this long for a request before running the idle self-check again.
@@ -94,7 +97,7 @@ class SchedulerIO:
         sock = self.to_detokenizer if isinstance(msg, BatchTokenIDOut) else self.to_tokenizer
         sock.send_pyobj(msg)
 
-    def report_load(self, scheduler: Any, force: bool = False) -> None:  # noqa: ANN401 - the Scheduler
+    def report_load(self, scheduler: Scheduler, force: bool = False) -> None:
         """Send this replica's load to the controller when it changed, at most every interval s, or
         now whatever the interval (`force`): before the loop blocks waiting for input, when no later
         step would send it, the controller must not keep dispatching on the load of a busy replica."""
@@ -111,11 +114,11 @@ class SchedulerIO:
         self.to_controller.send_pyobj(load)  # the scheduler names its replica (Scheduler.dp_rank)
 
 
-def _start_watchdog(server_args: ServerArgs, scheduler: Any) -> None:  # noqa: ANN401 - the Scheduler
+def _start_watchdog(server_args: ServerArgs, scheduler: Scheduler) -> None:
     from radixserve.scheduler.watchdog import SchedulerWatchdog
 
     SchedulerWatchdog(
-        server_args.watchdog_timeout, lambda: scheduler.control.steps, lambda: not scheduler.is_idle()
+        server_args.watchdog_timeout, lambda: scheduler.num_steps, lambda: not scheduler.is_idle()
     ).start()
 
 
@@ -129,7 +132,7 @@ def _stamp_dp_rank(msg: object, dp_rank: int) -> object:
     return msg
 
 
-def recv_and_report(io: SchedulerIO, scheduler: Any) -> Callable[[], list[object]]:  # noqa: ANN401
+def recv_and_report(io: SchedulerIO, scheduler: Scheduler) -> Callable[[], list[object]]:
     """The event loop's receive step: report the load (replicas only), then read the socket."""
 
     def recv() -> list[object]:
@@ -161,7 +164,7 @@ def build_scheduler(
     send_output: Callable[[object], None],
     rank: RankRuntime | None = None,
     dp_rank: int = 0,
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[Scheduler, dict[str, Any]]:
     """Load the model and build the Scheduler; returns it with the readiness report."""
     from radixserve.configs.model_config import ModelConfig
     from radixserve.managers.tokenizer_manager import load_tokenizer
@@ -319,7 +322,7 @@ def place_rank(
 
 def _build_rank(
     server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str
-) -> tuple[RankRuntime, Any, SchedulerIO | None, dict[str, Any]]:
+) -> tuple[RankRuntime, Scheduler, SchedulerIO | None, dict[str, Any]]:
     from radixserve.distributed.rank_runtime import RankRuntime
 
     runtime = RankRuntime.for_server(server_args, rank, init_addr)
@@ -345,7 +348,7 @@ def _gather_rank_infos(runtime: RankRuntime, mine: dict[str, Any]) -> list[dict[
 def _run_rank_loop(
     server_args: ServerArgs,
     runtime: RankRuntime,
-    scheduler: Any,  # noqa: ANN401 - the Scheduler (imported lazily)
+    scheduler: Scheduler,
     io: SchedulerIO | None,
 ) -> None:
     from radixserve.distributed.communication import broadcast_pyobj

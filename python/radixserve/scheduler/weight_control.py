@@ -1,29 +1,37 @@
 """Weight updates for RL (seed 002 §4.5, INVENTORY §36): the scheduler's side of
 /update_weights_from_disk, /update_weights_from_tensor, the trainer's weight group
 (/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group)
-and /get_weights_by_name.
+and /get_weights_by_name; beside them, memory release / resume (/release_memory_occupation,
+/resume_memory_occupation), which frees and reloads the same weights and the KV pool.
 
-The ControlPlane runs the updates only when no forward is in flight and no request is alive (or
+The ControlPlane runs the updates and the memory operations only when no forward is in flight and no request is alive (or
 generation is paused), so a request never mixes old and new weights. Each rank updates its own
 shard; the outcome is agreed over the ranks (all applied, or all kept the old weights) before
-rank 0 answers. After a successful update the prefix cache is flushed (`flush_cache`, default
+rank 0 answers (`agree`). After a successful update the prefix cache is flushed (`flush_cache`, default
 true): its KV was computed with the old weights.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from radixserve.distributed.rank_runtime import RankSync
 from radixserve.managers.io_struct import (
+    MEMORY_TAGS,
     DestroyWeightsUpdateGroupReqInput,
     DestroyWeightsUpdateGroupReqOutput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
     InitWeightsUpdateGroupReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
@@ -34,13 +42,18 @@ from radixserve.managers.io_struct import (
 from radixserve.model_executor.tensor_payload import decode_entry, serialize_named_tensors
 from radixserve.model_executor.weight_read import WeightReadError, assemble, read_piece
 from radixserve.model_executor.weight_sync import WeightUpdateError
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.control_plane import ControlPlane
+from radixserve.scheduler.activity import Activity
+from radixserve.scheduler.kv_memory import KVMemory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightControl", "parse_dtype", "serialize_named_tensors"]  # the last: docs/rl.md's import
+__all__ = [
+    "MemoryOccupation",
+    "WeightControl",
+    "agree",
+    "parse_dtype",
+    "serialize_named_tensors",
+]  # the last: docs/rl.md's import
 
 # Largest tensor a trainer may announce for one broadcast (elements), so a typo in `shapes`
 # cannot make the server allocate terabytes.
@@ -61,9 +74,30 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[key]
 
 
+def agree(sync: RankSync, ok: bool, message: str) -> tuple[bool, str]:
+    """Every rank's outcome: success only if all succeeded, else the first failure's message."""
+    outcomes = sync.gather((ok, message))
+    failures = [m for o, m in outcomes if not o]  # type: ignore[misc]
+    return (True, message) if not failures else (False, str(failures[0]))
+
+
 class WeightControl:
-    def __init__(self, control: ControlPlane, weight_version: str) -> None:
-        self.control = control
+    def __init__(
+        self,
+        weights: Any,  # noqa: ANN401 - the worker's ModelWeights; None for test workers
+        tp_rank: int,
+        sync: RankSync,
+        activity: Activity,
+        mem: KVMemory,
+        flush_cache: Callable[[], object],
+        weight_version: str,
+    ) -> None:
+        self.weights = weights
+        self.tp_rank = tp_rank
+        self.sync = sync
+        self.activity = activity
+        self.mem = mem
+        self.flush_cache = flush_cache
         self.weight_version = weight_version
         self.groups: dict[str, Any] = {}  # group_name -> torch ProcessGroup with the trainer
         # The version of the last checkpoint loaded from disk: what a memory resume reloads.
@@ -74,22 +108,12 @@ class WeightControl:
         self.weight_version = self.disk_version
         return self.weight_version
 
-    @property
-    def s(self) -> Any:  # noqa: ANN401 - the Scheduler
-        return self.control.s
-
     def _weights(self) -> Any:  # noqa: ANN401 - ModelWeights
-        weights = self.control._weights()
-        if weights is None:
+        if self.weights is None:
             raise WeightUpdateError("This worker cannot update weights.")
-        if weights.released_shapes is not None:
+        if self.weights.released_shapes is not None:
             raise WeightUpdateError("The weights are released: call /resume_memory_occupation first.")
-        return weights
-
-    def _tp_rank(self) -> int:
-        runner = getattr(self.s.worker, "model_runner", None)
-        parallel = getattr(runner, "parallel", None)
-        return parallel.tp.rank if parallel is not None else 0
+        return self.weights
 
     # ------------------------------------------------------------------ updates
     def _run_update(self, what: str, update: Any, flush_cache: bool, version: str | None) -> tuple[bool, str]:  # noqa: ANN401
@@ -101,7 +125,7 @@ class WeightControl:
         except Exception as exc:  # never leave the scheduler: report the failure
             logger.exception("Weight update (%s) failed", what)
             ok, message = False, f"{type(exc).__name__}: {exc}"
-        ok, message = self.control.agree(ok, message)
+        ok, message = agree(self.sync, ok, message)
         if not ok:
             logger.warning("Weight update (%s) refused: %s", what, message)
             return False, f"Failed to update weights: {message}"
@@ -114,12 +138,11 @@ class WeightControl:
         return True, message
 
     def _flush(self) -> str:
-        s = self.s
-        if self.control.quiescent():
-            s.flush_cache()
+        if self.activity.quiescent():
+            self.flush_cache()
             return "Cache flushed."
         # Paused requests still hold their prefixes: drop every cached entry nobody holds.
-        freed = s.mem.tree_cache.evict(s.mem.evictable_size())
+        freed = self.mem.tree_cache.evict(self.mem.evictable_size())
         return f"Paused requests keep their KV; {freed} cached token(s) evicted."
 
     def update_from_disk(self, msg: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
@@ -135,7 +158,7 @@ class WeightControl:
 
     def update_from_tensor(self, msg: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
         def update() -> None:
-            rank = self._tp_rank()
+            rank = self.tp_rank
             entries = msg.serialized_named_tensors
             if not entries:
                 raise WeightUpdateError("serialized_named_tensors is empty.")
@@ -159,7 +182,7 @@ class WeightControl:
         try:
             if msg.group_name in self.groups:
                 raise WeightUpdateError(f"Weight update group {msg.group_name!r} already exists.")
-            rank = msg.rank_offset + self._tp_rank()
+            rank = msg.rank_offset + self.tp_rank
             self.groups[msg.group_name] = init_weights_group(
                 msg.master_address, msg.master_port, rank, msg.world_size, msg.group_name, msg.backend
             )
@@ -167,7 +190,7 @@ class WeightControl:
             ok, message = True, ""
         except Exception as exc:  # bad address, timeout, bad rank: report, keep serving
             ok, message = False, f"{type(exc).__name__}: {exc}"
-        ok, message = self.control.agree(ok, message)
+        ok, message = agree(self.sync, ok, message)
         if not ok:
             if created:  # another rank failed: this rank leaves the group too
                 self.groups.pop(msg.group_name, None)
@@ -210,7 +233,7 @@ class WeightControl:
 
     def destroy_group(self, msg: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:
         group = self.groups.pop(msg.group_name, None)
-        ok, message = self.control.agree(group is not None, f"No weight update group {msg.group_name!r}.")
+        ok, message = agree(self.sync, group is not None, f"No weight update group {msg.group_name!r}.")
         if not ok:
             return DestroyWeightsUpdateGroupReqOutput(False, message)
         del group  # the ProcessGroup closes its connections when collected
@@ -222,13 +245,12 @@ class WeightControl:
         (TP shards, the PP stage holding it) and the parts are gathered (weight_read.py)."""
         piece, error = None, ""
         try:
-            weights = self.control._weights()
-            if weights is None:
+            if self.weights is None:
                 raise WeightReadError("This worker cannot read weights.")
-            piece = read_piece(weights.model, msg.name, msg.truncate_size)
+            piece = read_piece(self.weights.model, msg.name, msg.truncate_size)
         except WeightReadError as exc:
             error = str(exc)
-        gathered = self.s.sync.gather((piece, error))  # every rank takes part, in rank order
+        gathered = self.sync.gather((piece, error))  # every rank takes part, in rank order
         errors = [e for _, e in gathered if e]  # type: ignore[misc]
         if errors:
             return GetWeightsByNameReqOutput(None, False, str(errors[0]))
@@ -239,3 +261,92 @@ class WeightControl:
             return GetWeightsByNameReqOutput(None, False, message)
         # An array crosses the socket as bytes; the HTTP side writes the JSON off its event loop.
         return GetWeightsByNameReqOutput(tensor.numpy() if tensor.dim() else tensor.item())
+
+
+class MemoryOccupation:
+    """/release_memory_occupation and /resume_memory_occupation: free the KV pool and / or the
+    weights while the server idles (an RL trainer takes the memory), and bring them back."""
+
+    def __init__(
+        self,
+        weights: Any,  # noqa: ANN401 - the worker's ModelWeights; None for test workers
+        sync: RankSync,
+        activity: Activity,
+        mem: KVMemory,
+        weight_control: WeightControl,
+    ) -> None:
+        self.weights = weights
+        self.sync = sync
+        self.activity = activity
+        self.mem = mem
+        self.weight_control = weight_control
+        self.released: set[str] = set()  # MEMORY_TAGS currently released
+
+    def release(self, msg: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:
+        tags, error = _tags(msg.tags)
+        if error is None and not self.activity.quiescent():
+            error = "Cannot release memory while requests are alive (paused in place?): abort or finish them first."
+        weights = self.weights
+        if error is None and weights is None:
+            error = "This worker cannot release memory."
+        if error is not None:
+            return ReleaseMemoryOccupationReqOutput(False, error)
+        before = _rss()
+        if "kv_cache" in tags:
+            self.mem.flush()  # the cached prefixes' KV is about to go
+            weights.release_kv_cache()
+        if "weights" in tags:
+            weights.release_weights()
+        self.released.update(tags)
+        message = f"Released {', '.join(sorted(tags))}: process RSS {before / 2**20:.0f} -> {_rss() / 2**20:.0f} MiB."
+        logger.info(message)
+        return ReleaseMemoryOccupationReqOutput(True, message)
+
+    def resume(self, msg: ResumeMemoryOccupationReqInput) -> ResumeMemoryOccupationReqOutput:
+        tags, error = _tags(msg.tags)
+        weights = self.weights
+        if error is None and weights is None:
+            error = "This worker cannot resume memory."
+        if error is not None:
+            return ResumeMemoryOccupationReqOutput(False, error)
+        ok, message = True, ""
+        try:
+            if "kv_cache" in tags:
+                weights.resume_kv_cache()
+            if "weights" in tags:
+                weights.resume_weights()
+        except Exception as exc:  # e.g. the checkpoint went away: stay released, say why
+            logger.exception("Resuming memory failed")
+            ok, message = False, f"Resume failed: {exc}"
+        ok, message = agree(self.sync, ok, message)
+        version = None
+        if ok:
+            self.released.difference_update(tags)
+            message = f"Resumed {', '.join(sorted(tags))}: process RSS {_rss() / 2**20:.0f} MiB."
+            if "weights" in tags:
+                version = self.weight_control.on_weights_reloaded()
+                message += f" Weights reloaded from {weights.source_path} (weight_version {version})."
+            logger.info(message)
+        return ResumeMemoryOccupationReqOutput(ok, message, version)
+
+    def released_message(self) -> str | None:
+        if not self.released:
+            return None
+        return (
+            f"The server's memory ({', '.join(sorted(self.released))}) is released: call "
+            "/resume_memory_occupation before generating."
+        )
+
+
+def _tags(tags: list[str] | None) -> tuple[set[str], str | None]:
+    chosen = set(MEMORY_TAGS if tags is None else tags)
+    unknown = sorted(chosen - set(MEMORY_TAGS))
+    if unknown:
+        return chosen, f"Unknown memory tag(s) {unknown}: use {list(MEMORY_TAGS)} or null for both."
+    return chosen, None
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
