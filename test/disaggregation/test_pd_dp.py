@@ -24,7 +24,8 @@ from server_helpers import Server, start_servers, wait_until  # noqa: E402
 from radixserve.utils.network import get_free_port  # noqa: E402
 
 # Five servers (seven scheduler processes) start in the fixture: a hang ends the test, not the run.
-pytestmark = pytest.mark.timeout(1500)
+# make test-all only (docs/testing.md): slow and covered in make test by the parts it combines
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
 POOL = "8192"
 _rooms = itertools.count(7000)

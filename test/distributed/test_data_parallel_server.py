@@ -251,6 +251,7 @@ def test_killed_replica_fails_requests_and_ends_the_server(tiny_model_dir, tmp_p
 
 
 # ----------------------------------------------------------------------------- the built-in model
+@pytest.mark.slow  # make test-all only (docs/testing.md): the tiny model's dp2 parity covers the dispatch
 def test_builtin_model_at_dp2_matches_one_replica(builtin_model_path: str) -> None:
     flags = ["--max-total-tokens", "4096", "--cpu-threads", "2"]
     servers = {

@@ -11,7 +11,8 @@ import pytest
 from radixserve import Engine
 from radixserve.testing.tiny_gguf import make_tiny_gguf
 
-pytestmark = pytest.mark.timeout(600)
+# make test-all only (docs/testing.md): slow and covered in make test by the parts it combines
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 PROMPTS = [[9, 88, 140, 23, 200, 71, 5, 301, 12], [40, 41, 42, 43, 44], list(range(100, 130)), [7, 300, 8]]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -87,18 +87,25 @@ def _assert_matches(outs: list[dict], hf: list[list[int]], single: list[dict]) -
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0  # the second round hit the cache
 
 
+# make test runs one TP, one PP (tied head) and one TP x PP (one KV head) layout; the rest, in
+# make test-all (docs/testing.md), vary the model family within a layout already run.
 LAYOUTS = [
     pytest.param("llama", {"tp_size": 2}, id="llama-tp2"),
-    pytest.param("llama_kv1", {"tp_size": 2}, id="llama_kv1-tp2"),
-    pytest.param("qwen2", {"tp_size": 2}, id="qwen2-tp2"),
-    pytest.param("qwen3", {"tp_size": 2}, id="qwen3-tp2"),
+    pytest.param("llama_kv1", {"tp_size": 2}, id="llama_kv1-tp2", marks=pytest.mark.slow),
+    pytest.param("qwen2", {"tp_size": 2}, id="qwen2-tp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", {"tp_size": 2}, id="qwen3-tp2", marks=pytest.mark.slow),
     # gloo instead of the shared-memory all-reduce (the reference path and the multi-host one)
-    pytest.param("llama", {"tp_size": 2, "disable_custom_all_reduce": True}, id="llama-tp2-gloo"),
-    pytest.param("llama", {"pp_size": 2}, id="llama-pp2"),
+    pytest.param(
+        "llama",
+        {"tp_size": 2, "disable_custom_all_reduce": True},
+        id="llama-tp2-gloo",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param("llama", {"pp_size": 2}, id="llama-pp2", marks=pytest.mark.slow),
     pytest.param("qwen2", {"pp_size": 2}, id="qwen2-pp2"),  # tied embeddings: the head on stage 1
-    pytest.param("qwen3", {"pp_size": 2}, id="qwen3-pp2"),
-    pytest.param("llama", {"tp_size": 2, "pp_size": 2}, id="llama-tp2pp2"),
-    pytest.param("qwen2", {"tp_size": 2, "pp_size": 2}, id="qwen2-tp2pp2"),
+    pytest.param("qwen3", {"pp_size": 2}, id="qwen3-pp2", marks=pytest.mark.slow),
+    pytest.param("llama", {"tp_size": 2, "pp_size": 2}, id="llama-tp2pp2", marks=pytest.mark.slow),
+    pytest.param("qwen2", {"tp_size": 2, "pp_size": 2}, id="qwen2-tp2pp2", marks=pytest.mark.slow),
     pytest.param("llama_kv1", {"tp_size": 2, "pp_size": 2}, id="llama_kv1-tp2pp2"),
 ]
 

@@ -13,7 +13,8 @@ from test_quantization_tp import ARGS, _decode_matches_prefill, _forced_stats, _
 from radixserve import Engine
 from radixserve.testing.quantized_checkpoints import write_quantized_checkpoint
 
-pytestmark = pytest.mark.timeout(600)
+# make test-all only (docs/testing.md): slow and covered in make test by the parts it combines
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 def _checkpoint(tiny_model_dir, tmp_path: Path, method: str, group: int = 32) -> tuple[str, str]:

@@ -55,6 +55,7 @@ def test_builtin_default_serves_gguf_and_decodes_as_fp32(builtin_model_path) -> 
     assert [s["output_ids"] for s in spec] == [g["output_ids"] for g in got]
 
 
+@pytest.mark.slow  # make test-all only (docs/testing.md): test/kernels/test_greedy_head.py checks the head against the full one
 def test_greedy_head_decodes_the_full_heads_tokens(builtin_model_path, monkeypatch) -> None:
     """Greedy requests without logprobs take the greedy LM head (layers/greedy_head.py) on plain
     decode, prefill and NGRAM verify steps: the same tokens as the full head's."""

@@ -46,7 +46,7 @@ def _run(workers: Workers, page_size: int, oracle: dict | None = None) -> tuple[
     return dict(run.outputs), run
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, pytest.param(16, marks=pytest.mark.slow)])  # 16: make test-all
 def test_triton_oracle_trees_are_exact(workers, page_size):
     reference, plain = _run(workers, page_size)
     plain.close()
@@ -58,6 +58,7 @@ def test_triton_oracle_trees_are_exact(workers, page_size):
     run.close()  # asserts no KV slot or row leaked
 
 
+@pytest.mark.slow  # make test-all only (docs/testing.md): the oracle tree covers the kernel's tree mask
 def test_triton_self_speculation_trees_are_exact(workers):
     """STANDALONE trees drafted by the target's first layer: the draft's own tree passes (extends
     with the tree mask) run through the Triton kernel too."""
