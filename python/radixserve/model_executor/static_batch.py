@@ -112,7 +112,7 @@ class StaticBatchRunner:
 
     def _sampling_info(self, reqs: list[StaticReq]) -> SamplingBatchInfo:
         return SamplingBatchInfo.from_reqs(
-            reqs, self.worker.vocab_size, self.worker.device, self.worker.model_config.eos_token_ids
+            reqs, self.worker.vocab_size, self.worker.info.device, self.worker.model_config.eos_token_ids
         )
 
     def _run(self, reqs: list[StaticReq], batch: ModelWorkerBatch) -> GenerationBatchResult:

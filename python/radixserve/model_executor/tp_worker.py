@@ -9,6 +9,7 @@ from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch, PPProxyTensors
 from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.model_executor.worker_api import WorkerInfo
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.draft_model import DraftModel
 from radixserve.speculative.eagle_draft import EagleDraft
@@ -36,7 +37,6 @@ class TpModelWorker:
         self.max_req_num = runner.max_req_num
         self.max_context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
-        self.device = runner.device
         # STANDALONE: drafts for verify steps from a separate draft model with its own KV pool, or
         # from the target's own first layers (self-speculation).
         self.draft: LayerSkipDraft | DraftModel | EagleDraft | None = None
@@ -53,10 +53,19 @@ class TpModelWorker:
                     server_args.speculative_eagle_topk or 1,
                     server_args.speculative_num_steps or 0,
                 )
-        self.is_generation = model_config.is_generation
-        self.embedding_config = runner.embedding_config
-        # Encoders attend bidirectionally: a token's KV depends on later tokens, so none is shared.
-        self.is_causal = runner.embedding_config.is_causal
+        self.info = WorkerInfo(
+            device=runner.device,
+            is_generation=model_config.is_generation,
+            is_causal=runner.embedding_config.is_causal,
+            embedding_config=runner.embedding_config,
+            tp_rank=runner.parallel.tp.rank,
+            tp_size=runner.parallel.tp.size,
+            pp_rank=runner.parallel.pp_rank,
+            pp_size=runner.parallel.pp_size,
+            num_attention_heads=model_config.num_heads,
+            num_kv_heads=model_config.num_kv_heads,
+            weights=runner.weights,
+        )
         self.stage_link = None
         if rank is not None and rank.layout.pp_size > 1:
             from radixserve.distributed.pipeline import StageLink

@@ -293,8 +293,7 @@ class ControlPlane:
         return chosen, None
 
     def _weights(self) -> Any:  # noqa: ANN401 - ModelWeights, or None for test workers
-        runner = getattr(self.s.worker, "model_runner", None)
-        return getattr(runner, "weights", None)
+        return self.s.worker.info.weights
 
     # ------------------------------------------------------------------ agreement
     def agree(self, ok: bool, message: str) -> tuple[bool, str]:

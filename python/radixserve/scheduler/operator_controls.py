@@ -145,7 +145,7 @@ class OperatorControls:
         wanted = dict(msg.server_args)
         unknown = sorted(k for k in wanted if k not in LIVE_KNOBS)
         error = f"Only {list(LIVE_KNOBS)} can change while serving, not {unknown}." if unknown else None
-        if error is None and "max_running_requests" in wanted and getattr(s.worker, "stage_link", None):
+        if error is None and "max_running_requests" in wanted and s.worker.info.pp_size > 1:
             error = "max_running_requests is fixed per micro-batch with pipeline parallelism."
         if error is None:
             error = _check_knobs(wanted, s.worker.max_req_num)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -43,6 +43,7 @@ from radixserve.managers.io_struct import (
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+from radixserve.model_executor.worker_api import ModelWorker
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixserve.scheduler.control_plane import ControlPlane
 from radixserve.scheduler.control_table import control_handlers
@@ -72,21 +73,6 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class ModelWorker(Protocol):
-    """What the scheduler needs from TpModelWorker (or a test fake)."""
-
-    req_to_token_pool: Any
-    token_to_kv_pool_allocator: Any
-    max_total_num_tokens: int
-    max_req_num: int
-    max_context_len: int
-    vocab_size: int
-
-    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult: ...
-
-    def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult: ...
-
-
 class Scheduler:
     def __init__(
         self,
@@ -106,16 +92,13 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.send_output = send_output
-        self.device = getattr(worker, "device", "cpu")
+        self.device = worker.info.device
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
+        self.is_generation = worker.info.is_generation
+        self.embedding_needs_all_tokens = worker.info.embedding_needs_all_tokens
         # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
         # prefix can be shared and the radix cache would only hold KV nobody may reuse.
-        self.is_generation = getattr(worker, "is_generation", True)
-        embedding_config = getattr(worker, "embedding_config", None)
-        self.embedding_needs_all_tokens = (
-            embedding_config is not None and embedding_config.pooling.needs_all_tokens
-        )
-        if args.disable_radix_cache or not getattr(worker, "is_causal", True):
+        if args.disable_radix_cache or not worker.info.is_causal:
             cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
@@ -166,7 +149,7 @@ class Scheduler:
         self.input_blocker = SchedulerInputBlocker(sync=self.sync)
         self.control = ControlPlane(self)
         self.weight_control = WeightControl(self.control, args.weight_version)
-        self.operators = OperatorControls(self.control, _tp_rank(worker))
+        self.operators = OperatorControls(self.control, worker.info.tp_rank)
         self.sessions = SessionController(
             self._build_session_req,
             lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),
@@ -492,11 +475,6 @@ class Scheduler:
                 loop.step(recv_requests())
         finally:
             loop.close()
-
-
-def _tp_rank(worker: ModelWorker) -> int:
-    rank = getattr(worker, "rank", None)
-    return rank.groups.tp_rank if rank is not None else 0
 
 
 __all__ = ["NormalLoop", "OverlapLoop", "Scheduler"]

@@ -87,9 +87,7 @@ class WeightControl:
         return weights
 
     def _tp_rank(self) -> int:
-        runner = getattr(self.s.worker, "model_runner", None)
-        parallel = getattr(runner, "parallel", None)
-        return parallel.tp.rank if parallel is not None else 0
+        return self.s.worker.info.tp_rank
 
     # ------------------------------------------------------------------ updates
     def _run_update(self, what: str, update: Any, flush_cache: bool, version: str | None) -> tuple[bool, str]:  # noqa: ANN401
