@@ -1,8 +1,6 @@
 """The contract between the scheduler and a model worker: what a worker is (`WorkerInfo`, fixed
-when it is built) and what it does (`ModelWorker`).
-
-The scheduler reads what a worker is from `info` only, never by probing its attributes.
-"""
+when it is built) and what it does (`ModelWorker`). Every layer of a worker stack
+(`worker_stack.py`) states the same contract, so the scheduler never asks which one it holds."""
 
 from __future__ import annotations
 
@@ -16,6 +14,7 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 
 if TYPE_CHECKING:
     from radixserve.configs.pooling import EmbeddingConfig
+    from radixserve.model_executor.tp_worker import TpModelWorker
     from radixserve.model_executor.weight_sync import ModelWeights
 
 
@@ -71,3 +70,23 @@ class ModelWorker(Protocol):
     def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult:
         """Forward a prefill-only batch: one vector per request, nothing sampled."""
         ...
+
+
+class WorkerLayer:
+    """A layer of a worker stack around TpModelWorker (`inner`): the same pools, sizes, info and
+    embedding path; a subclass changes forward_batch_generation only."""
+
+    def __init__(self, inner: TpModelWorker) -> None:
+        self.inner = inner
+        self.info = inner.info
+        self.model_config = inner.model_config
+        self.req_to_token_pool = inner.req_to_token_pool
+        self.token_to_kv_pool = inner.token_to_kv_pool
+        self.token_to_kv_pool_allocator = inner.token_to_kv_pool_allocator
+        self.max_total_num_tokens = inner.max_total_num_tokens
+        self.max_req_num = inner.max_req_num
+        self.max_context_len = inner.max_context_len
+        self.vocab_size = inner.vocab_size
+
+    def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult:
+        return self.inner.forward_batch_embedding(mwb)
