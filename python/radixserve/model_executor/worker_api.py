@@ -27,7 +27,7 @@ class WorkerInfo:
     is_generation: bool = True
     # Encoders attend bidirectionally: a token's KV depends on later tokens, so none is shared.
     is_causal: bool = True
-    embedding_config: EmbeddingConfig | None = None  # None: a generative model
+    embedding_config: EmbeddingConfig | None = None  # a generative model's is last-token pooling
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
