@@ -23,7 +23,7 @@ import torch
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
-from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.model_executor.worker_stack import Worker, build_model_worker
 from radixserve.model_loader.default_model import resolve_model_path
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
@@ -35,7 +35,7 @@ def _random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int)
 
 
 def bench_radixserve(
-    worker: TpModelWorker, prompts: list[list[int]], output_len: int, label: str = "radixserve"
+    worker: Worker, prompts: list[list[int]], output_len: int, label: str = "radixserve"
 ) -> dict[str, Any]:
     runner = StaticBatchRunner(worker)
     reqs = [StaticReq(p, SamplingParams(max_new_tokens=output_len, temperature=0.0)) for p in prompts]
@@ -99,7 +99,7 @@ def bench_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str,
     }
 
 
-def profile_prefill(worker: TpModelWorker, prompts: list[list[int]]) -> None:
+def profile_prefill(worker: Worker, prompts: list[list[int]]) -> None:
     """Where one prefill of `prompts` spends its time, op by op (torch profiler, self CPU time)."""
     runner = StaticBatchRunner(worker)
     reqs = [StaticReq(p, SamplingParams(max_new_tokens=1, temperature=0.0)) for p in prompts]
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         _run_ranks(server_args, args)
         return
     torch.set_num_threads(server_args.cpu_threads or torch.get_num_threads())
-    run_benchmarks(server_args, args, TpModelWorker(server_args, _model_config(server_args)))
+    run_benchmarks(server_args, args, build_model_worker(server_args, _model_config(server_args)))
 
 
 def _model_config(server_args: ServerArgs) -> ModelConfig:
@@ -200,16 +200,17 @@ def _bench_rank(server_args: ServerArgs, args: argparse.Namespace, rank: int, in
     layout = server_args.layout()
     server_args, threads, cores = place_rank(server_args, layout, layout.rank_info(rank).local_rank)
     runtime = RankRuntime.for_server(server_args, rank, init_addr)
-    worker = TpModelWorker(server_args, _model_config(server_args), runtime)
+    worker = build_model_worker(server_args, _model_config(server_args), runtime)
     if rank == 0:
         print(
             f"{layout.world_size} ranks (tp {layout.tp_size} x pp {layout.pp_size}), {threads} thread(s) each"
         )
-    run_benchmarks(server_args, args, worker, quiet=rank != 0)
+    gloo = runtime.parallel.tp.fast is None and server_args.tp_size > 1
+    run_benchmarks(server_args, args, worker, quiet=rank != 0, gloo=gloo)
 
 
 def run_benchmarks(
-    server_args: ServerArgs, args: argparse.Namespace, worker: TpModelWorker, quiet: bool = False
+    server_args: ServerArgs, args: argparse.Namespace, worker: Worker, quiet: bool = False, gloo: bool = False
 ) -> None:
     model_config = worker.model_config
     model_path = server_args.model_path
@@ -220,7 +221,7 @@ def run_benchmarks(
         hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     # The label says what differs from the defaults, so A/B rows (docs/benchmarks.md) tell apart.
     label = "radixserve" + (f" {args.server_args}" if json.loads(args.server_args) else "")
-    if worker.rank is not None and worker.rank.parallel.tp.fast is None and server_args.tp_size > 1:
+    if gloo:  # TP ranks all-reduce over gloo (no shared-memory communicator)
         label += " [gloo all-reduce]"
     if os.environ.get("RADIXSERVE_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
         label += " [compiled CPU kernels off]"

@@ -18,6 +18,7 @@ from radixserve.scheduler.req import Req
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
 from radixserve.speculative.tree import DraftTree
+from radixserve.speculative.worker import SpeculativeWorker
 from radixserve.testing.tiny_models import TINY_VOCAB
 
 # The batch-level back-off rule is off: it decides from measured step times which steps draft, and
@@ -32,15 +33,17 @@ SPEC = {
 
 
 class Workers:
-    """One TpModelWorker per (kind, backend, page_size, pool size)."""
+    """One SpeculativeWorker (no draft until a test installs one) around a TpModelWorker per
+    (kind, backend, page_size, pool size): it verifies NGRAM and oracle drafts, and runs plain
+    batches as the target does."""
 
     def __init__(self, model_dir: Any) -> None:  # noqa: ANN401 - the tiny_model_dir factory
         self.model_dir = model_dir
-        self.cache: dict[tuple, tuple[TpModelWorker, ServerArgs]] = {}
+        self.cache: dict[tuple, tuple[SpeculativeWorker, ServerArgs]] = {}
 
     def get(
         self, kind: str, backend: str, page_size: int, pool: int = 4096
-    ) -> tuple[TpModelWorker, ServerArgs]:
+    ) -> tuple[SpeculativeWorker, ServerArgs]:
         key = (kind, backend, page_size, pool)
         if key not in self.cache:
             path = self.model_dir(kind)
@@ -51,7 +54,8 @@ class Workers:
                 device="cpu",
                 attention_backend=backend,
             ).resolve()
-            self.cache[key] = (TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")), args)
+            target = TpModelWorker(args, ModelConfig.from_path(path, dtype="float32"))
+            self.cache[key] = (SpeculativeWorker(target, None), args)
         worker, args = self.cache[key]
         assert pools_are_empty(worker)
         return worker, args

@@ -87,17 +87,17 @@ def test_chain_verify_through_the_fused_decode_stack_is_exact(page_size, workers
     raised to 16 here (fp32's own is 2 rows) so that whole verify batches go through it."""
     reference = _plain(make_run, "cpu", page_size)
     worker, _ = workers.get("llama", "cpu", page_size)
-    fused = worker.model_runner.cpu_decode_runner
+    fused = worker.inner.model_runner.cpu_decode_runner
     assert fused is not None
     module_verify = make_run("cpu", page_size, **SPEC)
     use_oracle(module_verify, OracleDrafter(reference, max_drafts=3, error_rate=0.15))
     for rid, prompt, n in WORKLOAD:
         module_verify.submit(rid, prompt, n)
-    worker.model_runner.cpu_decode_runner = None  # every verify step through the module forward
+    worker.inner.model_runner.cpu_decode_runner = None  # every verify step through the module forward
     try:
         module_verify.run_until_idle()
     finally:
-        worker.model_runner.cpu_decode_runner = fused
+        worker.inner.model_runner.cpu_decode_runner = fused
     assert module_verify.outputs == reference
     module_verify.close()
     verify_rows = []
@@ -263,7 +263,7 @@ def test_self_speculation_is_exact(backend, page_size, workers, make_run):
 
     reference = _plain(make_run, backend, page_size)
     worker, _ = workers.get("llama", backend, page_size)
-    draft = LayerSkipDraft(worker.model_runner, STANDALONE["speculative_draft_layers"])
+    draft = LayerSkipDraft(worker.inner.model_runner, STANDALONE["speculative_draft_layers"])
     outputs, stats = _drafted(make_run, worker, draft, backend, page_size, STANDALONE)
     assert outputs == reference
     assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
@@ -317,7 +317,7 @@ def _with_draft_model(workers, make_run, tiny_model_dir, backend: str, page_size
 
     worker, args = workers.get("llama", backend, page_size)
     config = ModelConfig.from_path(str(tiny_model_dir(draft_kind)), dtype="float32")
-    draft = DraftModel(worker.model_runner, config, args)
+    draft = DraftModel(worker.inner.model_runner, config, args)
     return _drafted(make_run, worker, draft, backend, page_size, DRAFT_MODEL)
 
 
@@ -353,12 +353,12 @@ def test_draft_model_with_another_vocabulary_is_refused(workers, tiny_model_dir)
     worker, args = workers.get("llama", "cpu", 1)
     config = ModelConfig.from_path(str(tiny_model_dir("llama_kv1")), dtype="float32")
     with pytest.raises(ValueError, match="vocabulary"):
-        DraftModel(worker.model_runner, config, args)
+        DraftModel(worker.inner.model_runner, config, args)
 
 
 def test_worker_builds_the_draft_model_from_server_args(tiny_model_dir):
     from radixserve.configs.model_config import ModelConfig
-    from radixserve.model_executor.tp_worker import TpModelWorker
+    from radixserve.model_executor.worker_stack import build_model_worker
     from radixserve.server_args import ServerArgs
     from radixserve.speculative.draft_model import DraftModel
 
@@ -370,7 +370,7 @@ def test_worker_builds_the_draft_model_from_server_args(tiny_model_dir):
         speculative_algorithm="STANDALONE",
         speculative_draft_model_path=str(tiny_model_dir("qwen2")),
     ).resolve()
-    worker = TpModelWorker(args, ModelConfig.from_path(target, dtype="float32"))
+    worker = build_model_worker(args, ModelConfig.from_path(target, dtype="float32"))
     assert isinstance(worker.draft, DraftModel)
     assert worker.draft.req_to_token_pool is worker.req_to_token_pool  # slots shared, K/V not
     assert worker.draft.kv_pool is not worker.token_to_kv_pool

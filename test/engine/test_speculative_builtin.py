@@ -11,6 +11,7 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.layer_skip_draft import LayerSkipDraft
+from radixserve.speculative.worker import SpeculativeWorker
 
 PASSAGE = (
     "The lighthouse stood at the edge of the northern cliffs for more than two centuries. Its keepers "
@@ -45,7 +46,7 @@ def builtin():
         for t in TASKS
     ]
     args = ServerArgs(model_path=path, max_total_tokens=4096, max_running_requests=8, page_size=16).resolve()
-    worker = TpModelWorker(args, ModelConfig.from_path(path))
+    worker = SpeculativeWorker(TpModelWorker(args, ModelConfig.from_path(path)), None)
     return worker, args, prompts
 
 
@@ -76,7 +77,7 @@ def test_builtin_ngram_and_self_speculation_are_exact(builtin):
     assert ngram == plain
     # Copying the passage: most rounds accept drafts (measured: docs/benchmarks.md).
     assert stats.spec_num_accepted > stats.spec_num_rounds
-    worker.draft = LayerSkipDraft(worker.model_runner, 12)
+    worker.draft = LayerSkipDraft(worker.inner.model_runner, 12)
     try:
         self_spec, stats = _run(
             worker,
@@ -101,7 +102,7 @@ def test_builtin_with_a_draft_model_is_exact(builtin):
 
     worker, args, prompts = builtin
     plain, _ = _run(worker, args, prompts)
-    worker.draft = DraftModel(worker.model_runner, ModelConfig.from_path(args.model_path), args)
+    worker.draft = DraftModel(worker.inner.model_runner, ModelConfig.from_path(args.model_path), args)
     try:
         drafted, stats = _run(
             worker, args, prompts, speculative_algorithm="STANDALONE", speculative_num_draft_tokens=4, **SPEC
@@ -128,7 +129,7 @@ def test_builtin_draft_trees_are_exact(builtin):
     )
     assert ngram == plain
     assert stats.spec_num_accepted > stats.spec_num_rounds
-    worker.draft = LayerSkipDraft(worker.model_runner, 12, topk=2, num_steps=3)
+    worker.draft = LayerSkipDraft(worker.inner.model_runner, 12, topk=2, num_steps=3)
     try:
         tree, stats = _run(
             worker,

@@ -84,7 +84,7 @@ class _Eagle:
         self.spec = _spec(kind, head, topk)
         config = ModelConfig.from_path(head, dtype="float32", draft_head=True)
         self.draft = EagleDraft(
-            self.worker.model_runner, config, dataclasses.replace(args, **self.spec), ALGORITHM[kind]
+            self.worker.inner.model_runner, config, dataclasses.replace(args, **self.spec), ALGORITHM[kind]
         )
 
     def __enter__(self) -> EagleDraft:
@@ -242,7 +242,7 @@ def _pre_norm_last(hf, tokens: list[int]) -> torch.Tensor:
 # ------------------------------------------------------------------------------ loader
 def test_loader_keys_sharing_and_d2t(heads, workers):
     worker, args = workers.get("llama", "cpu", 1)
-    runner = worker.model_runner
+    runner = worker.inner.model_runner
     # EAGLE: the checkpoint's fc / layers load; its embed_tokens is ignored, the target's embedding
     # and LM head are used (as SGLang does).
     spec = _spec("eagle", heads["eagle"], 1)
@@ -306,7 +306,7 @@ def test_loader_keys_sharing_and_d2t(heads, workers):
 def test_worker_builds_the_head_from_server_args(heads, tiny_model_dir):
     """--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR: the worker loads the
     head (the draft-head architecture is accepted there only) and the target captures its layers."""
-    from radixserve.model_executor.tp_worker import TpModelWorker
+    from radixserve.model_executor.worker_stack import build_model_worker
     from radixserve.model_loader.errors import ModelLoadError
     from radixserve.server_args import ServerArgs
 
@@ -323,7 +323,7 @@ def test_worker_builds_the_head_from_server_args(heads, tiny_model_dir):
         1,
         4,
     )
-    worker = TpModelWorker(args, ModelConfig.from_path(target, dtype="float32"))
+    worker = build_model_worker(args, ModelConfig.from_path(target, dtype="float32"))
     assert isinstance(worker.draft, EagleDraft) and worker.draft.aux_layers == (0, 1, 2)
     assert worker.draft.hidden_pool.shape == (512 + 1, 64)  # a row per KV slot, padding page included
     with pytest.raises(ModelLoadError, match="Unsupported model architecture"):

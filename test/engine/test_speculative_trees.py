@@ -166,7 +166,7 @@ def test_self_speculation_trees_are_exact(backend, page_size, workers, make_run)
 
     reference = _plain(make_run, backend, page_size)
     worker, _ = workers.get("llama", backend, page_size)
-    draft = LayerSkipDraft(worker.model_runner, 1, topk=2, num_steps=3)
+    draft = LayerSkipDraft(worker.inner.model_runner, 1, topk=2, num_steps=3)
     outputs, stats = _drafted(make_run, worker, draft, backend, page_size)
     assert outputs == reference
     assert stats.spec_num_rounds > 0 and stats.spec_num_drafts > 0
@@ -184,7 +184,7 @@ def test_draft_model_trees(draft_kind, page_size, workers, make_run, tiny_model_
     worker, args = workers.get("llama", "cpu", page_size)
     config = ModelConfig.from_path(str(tiny_model_dir(draft_kind)), dtype="float32")
     tree_args = dataclasses.replace(args, speculative_eagle_topk=2, speculative_num_steps=3)
-    draft = DraftModel(worker.model_runner, config, tree_args)
+    draft = DraftModel(worker.inner.model_runner, config, tree_args)
     outputs, stats = _drafted(make_run, worker, draft, "cpu", page_size)
     assert outputs == reference
     if draft_kind == "llama":

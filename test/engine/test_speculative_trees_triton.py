@@ -67,7 +67,7 @@ def test_triton_self_speculation_trees_are_exact(workers):
     reference, plain = _run(workers, 16)
     plain.close()
     worker, args = workers.get("llama", "triton", 16)
-    worker.draft = LayerSkipDraft(worker.model_runner, 1, topk=2, num_steps=3)
+    worker.draft = LayerSkipDraft(worker.inner.model_runner, 1, topk=2, num_steps=3)
     try:
         run = SchedulerRun(worker, args, **STANDALONE_TREE)
         for rid, prompt, n in WORKLOAD:

@@ -26,6 +26,7 @@ from radixserve.layers.sampler import Sampler
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+from radixserve.model_executor.worker_api import WorkerInfo
 
 _PRIME = 1_000_003
 
@@ -51,7 +52,7 @@ class FakeWorker:
         self.max_req_num = max_req_num
         self.max_context_len = max_context_len
         self.vocab_size = vocab_size
-        self.device = "cpu"
+        self.info = WorkerInfo()
         # eos_token_id is emitted when the sequence hash is a multiple of eos_period (0: never).
         self.eos_token_id = eos_token_id
         self.eos_period = eos_period

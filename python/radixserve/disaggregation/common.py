@@ -92,17 +92,13 @@ def mark_scheduled(req: Req) -> None:
 
 def kv_layout(scheduler: Scheduler) -> KVLayout:
     """This rank's KV pool as the peer server must see it (its TP shard's KV heads)."""
-    worker = scheduler.worker
-    pool = worker.token_to_kv_pool
-    rank = getattr(worker, "rank", None)
-    tp_size = rank.layout.tp_size if rank is not None else 1
-    tp_rank = rank.groups.tp_rank if rank is not None else 0
-    config = getattr(worker, "model_config", None)
-    if config is None:  # a bare worker (tests): one rank holding every head
+    pool, info = scheduler.worker.token_to_kv_pool, scheduler.worker.info
+    tp_size, tp_rank = info.tp_size, info.tp_rank
+    if info.num_attention_heads is None or info.num_kv_heads is None:  # a test worker: every head
         num_kv_heads, heads = pool.num_kv_heads, (0, pool.num_kv_heads)
     else:
-        num_kv_heads = config.num_kv_heads
-        heads = kv_head_range(config.num_heads, num_kv_heads, tp_size, tp_rank)
+        num_kv_heads = info.num_kv_heads
+        heads = kv_head_range(info.num_attention_heads, num_kv_heads, tp_size, tp_rank)
     if heads[1] - heads[0] != pool.num_kv_heads:
         raise RuntimeError(f"the KV pool holds {pool.num_kv_heads} heads, the TP shard {heads}")
     return KVLayout(

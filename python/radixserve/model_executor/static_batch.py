@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.model_executor.forward_batch import ForwardMode, GenerationBatchResult, ModelWorkerBatch
+from radixserve.model_executor.stage_worker import PipelineStageWorker
 from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.model_executor.worker_api import WorkerLayer
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.sampling.sampling_params import SamplingParams
 
@@ -33,8 +35,10 @@ class StaticReq:
 
 
 class StaticBatchRunner:
-    def __init__(self, worker: TpModelWorker, return_logprob: bool = False) -> None:
+    def __init__(self, worker: TpModelWorker | WorkerLayer, return_logprob: bool = False) -> None:
         self.worker = worker
+        # Pipeline stages: every stage goes on with the last stage's tokens.
+        self.stage_link = worker.stage_link if isinstance(worker, PipelineStageWorker) else None
         self.return_logprob = return_logprob
         self.req_to_token = worker.req_to_token_pool.req_to_token  # [max_reqs, max_context_len]
 
@@ -112,14 +116,14 @@ class StaticBatchRunner:
 
     def _sampling_info(self, reqs: list[StaticReq]) -> SamplingBatchInfo:
         return SamplingBatchInfo.from_reqs(
-            reqs, self.worker.vocab_size, self.worker.device, self.worker.model_config.eos_token_ids
+            reqs, self.worker.vocab_size, self.worker.info.device, self.worker.model_config.eos_token_ids
         )
 
     def _run(self, reqs: list[StaticReq], batch: ModelWorkerBatch) -> GenerationBatchResult:
         result = self.worker.forward_batch_generation(batch)
-        link = getattr(self.worker, "stage_link", None)
-        if link is not None:  # pipeline stages: every stage goes on with the last stage's tokens
-            result = link.exchange_result(result)
+        if self.stage_link is not None:
+            result = self.stage_link.exchange_result(result)
+        assert result is not None
         for i, (req, token) in enumerate(zip(reqs, result.next_token_ids.tolist())):
             req.output_ids.append(token)
             if result.next_token_logprobs is not None:

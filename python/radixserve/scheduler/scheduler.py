@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -42,6 +42,7 @@ from radixserve.managers.io_struct import (
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+from radixserve.model_executor.worker_api import ModelWorker
 from radixserve.scheduler.activity import Activity
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixserve.scheduler.control_plane import ControlPlane
@@ -74,21 +75,6 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class ModelWorker(Protocol):
-    """What the scheduler needs from TpModelWorker (or a test fake)."""
-
-    req_to_token_pool: Any
-    token_to_kv_pool_allocator: Any
-    max_total_num_tokens: int
-    max_req_num: int
-    max_context_len: int
-    vocab_size: int
-
-    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult: ...
-
-    def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult: ...
-
-
 class Scheduler:
     def __init__(
         self,
@@ -108,16 +94,13 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.send_output = send_output
-        self.device = getattr(worker, "device", "cpu")
+        self.device = worker.info.device
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
+        self.is_generation = worker.info.is_generation
+        self.embedding_needs_all_tokens = worker.info.embedding_needs_all_tokens
         # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
         # prefix can be shared and the radix cache would only hold KV nobody may reuse.
-        self.is_generation = getattr(worker, "is_generation", True)
-        embedding_config = getattr(worker, "embedding_config", None)
-        self.embedding_needs_all_tokens = (
-            embedding_config is not None and embedding_config.pooling.needs_all_tokens
-        )
-        if args.disable_radix_cache or not getattr(worker, "is_causal", True):
+        if args.disable_radix_cache or not worker.info.is_causal:
             cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
@@ -126,7 +109,7 @@ class Scheduler:
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
         self.live_limits = LiveLimits.from_server_args(
-            args, worker.max_req_num, running_cap_fixed=getattr(worker, "stage_link", None) is not None
+            args, worker.max_req_num, running_cap_fixed=worker.info.pp_size > 1
         )
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
@@ -195,8 +178,7 @@ class Scheduler:
     def _build_controls(self, args: ServerArgs) -> None:
         """The control add-ons, each given the few objects it uses."""
         activity = Activity(self.state, lambda: self.num_inflight_batches)
-        tp_rank = _tp_rank(self.worker)
-        weights = getattr(getattr(self.worker, "model_runner", None), "weights", None)
+        tp_rank, weights = self.worker.info.tp_rank, self.worker.info.weights
         self.pause = PauseControl(self.requests, activity)
         self.control = ControlPlane(
             SchedulerInputBlocker(sync=self.sync), self.requests, activity, self.pause
@@ -468,11 +450,6 @@ class Scheduler:
                 loop.step(recv_requests())
         finally:
             loop.close()
-
-
-def _tp_rank(worker: ModelWorker) -> int:
-    rank = getattr(worker, "rank", None)
-    return rank.groups.tp_rank if rank is not None else 0
 
 
 __all__ = ["NormalLoop", "OverlapLoop", "Scheduler"]

@@ -168,7 +168,7 @@ def build_scheduler(
     """Load the model and build the Scheduler; returns it with the readiness report."""
     from radixserve.configs.model_config import ModelConfig
     from radixserve.managers.tokenizer_manager import load_tokenizer
-    from radixserve.model_executor.tp_worker import TpModelWorker
+    from radixserve.model_executor.worker_stack import build_model_worker
     from radixserve.scheduler.scheduler import Scheduler
 
     model_config = ModelConfig.from_path(
@@ -178,7 +178,7 @@ def build_scheduler(
         server_args.device,
         is_embedding=server_args.is_embedding,
     )
-    worker = TpModelWorker(server_args, model_config, rank)
+    worker = build_model_worker(server_args, model_config, rank)
     tokenizer = load_tokenizer(server_args)
     scheduler = Scheduler(
         server_args, worker, tokenizer, model_config.eos_token_ids, send_output, sync=rank, dp_rank=dp_rank

@@ -36,13 +36,13 @@ class InProcessScheduler:
         self,
         model_path: str,
         grammar_backend: Any = None,  # noqa: ANN401 - a GrammarBackend, e.g. a slow one in tests
-        worker: Any = None,  # noqa: ANN401 - reuse a TpModelWorker (must match the server args)
+        worker: Any = None,  # noqa: ANN401 - reuse a worker stack (must match the server args)
         **server_args: Any,
     ) -> None:
         from transformers import AutoTokenizer
 
         from radixserve.configs.model_config import ModelConfig
-        from radixserve.model_executor.tp_worker import TpModelWorker
+        from radixserve.model_executor.worker_stack import build_model_worker
         from radixserve.scheduler.scheduler import Scheduler
 
         # Tests choose the loop explicitly: an explicit overlap request must survive the CPU default.
@@ -52,7 +52,7 @@ class InProcessScheduler:
         self.args = ServerArgs(model_path=model_path, **server_args).resolve()
         self.model_config = ModelConfig.from_path(model_path, is_embedding=self.args.is_embedding)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.worker = worker if worker is not None else TpModelWorker(self.args, self.model_config)
+        self.worker = worker if worker is not None else build_model_worker(self.args, self.model_config)
         self.sent: list[object] = []
         self.scheduler = Scheduler(
             self.args,

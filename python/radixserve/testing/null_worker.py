@@ -11,6 +11,7 @@ import torch
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
+from radixserve.model_executor.worker_api import WorkerInfo
 
 
 class NullWorker:
@@ -28,7 +29,7 @@ class NullWorker:
         self.max_req_num = max_req_num
         self.max_context_len = max_context_len
         self.vocab_size = vocab_size
-        self.device = "cpu"
+        self.info = WorkerInfo()
         self.token = vocab_size - 1
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
