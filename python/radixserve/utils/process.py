@@ -156,15 +156,21 @@ class ChildProcesses:
         self._watchdog.start()
 
     def _watch(self, on_death: Callable[[str, int | None], None]) -> None:
+        death = self.wait_death()
+        if death is not None:
+            on_death(*death)
+
+    def wait_death(self) -> tuple[str, int | None] | None:
+        """Block until a child exits on its own: (name, exitcode); None once terminate() ran."""
         sentinels = {p.sentinel: p for p in self.procs}
         while not self._stopping.is_set():
             ready = wait(list(sentinels), timeout=0.5)
             if ready and not self._stopping.is_set():
                 proc = sentinels[ready[0]]
-                proc.join(0)
+                proc.join(1.0)  # its pipe may close a moment before the kernel can reap it
                 logger.error("Child process %s died (exit code %s)", proc.name, proc.exitcode)
-                on_death(proc.name, proc.exitcode)
-                return
+                return proc.name, proc.exitcode
+        return None
 
     def any_dead(self) -> bool:
         return any(not p.is_alive() for p in self.procs)
