@@ -61,7 +61,6 @@ class ServerRuntime:
             children,
             lambda: launch_subprocesses(server_args, self.port_args, scheduler_entry),
             RestartBudget.from_args(server_args),
-            listener=None,  # type: ignore[arg-type] - set in _lifespan, before start()
         )
         limit_threads()  # after spawning, so the scheduler does not inherit the limits
         tm = TokenizerManager(server_args, self.port_args, info, load_tokenizer(server_args))
@@ -85,10 +84,9 @@ class ServerRuntime:
     async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.loop = asyncio.get_running_loop()
         await self.state.tm.start()
-        self.supervisor.listener = RestartHandler(
-            self.state.tm, self.loop, self._on_child_death, self._set_restarting
+        self.supervisor.start(
+            RestartHandler(self.state.tm, self.loop, self._on_child_death, self._set_restarting)
         )
-        self.supervisor.start()
         threading.Thread(target=self._warmup, name="warmup", daemon=True).start()
         self.drain.loop = self.loop  # signals drain from now on
         yield

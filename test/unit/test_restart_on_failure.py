@@ -150,8 +150,8 @@ def _kill_and_wait(sup: Supervisor, rec: Recorder, index: int) -> list[int]:
 def test_supervisor_restarts_every_child_then_gives_up() -> None:
     children, _ = _launch()
     rec = Recorder()
-    sup = Supervisor(children, _launch, RestartBudget(1, 600.0), rec)
-    sup.start()
+    sup = Supervisor(children, _launch, RestartBudget(1, 600.0))
+    sup.start(rec)
     try:
         old = _kill_and_wait(sup, rec, 1)  # the second child dies: both are replaced
         assert rec.calls[0] == ("down", "second died (exit code -9)") and rec.calls[1][0] == "up"
@@ -168,8 +168,8 @@ def test_supervisor_restarts_every_child_then_gives_up() -> None:
 def test_supervisor_without_budget_gives_up_at_once() -> None:
     children, _ = _launch()
     rec = Recorder()
-    sup = Supervisor(children, _launch, RestartBudget(0, 600.0), rec)
-    sup.start()
+    sup = Supervisor(children, _launch, RestartBudget(0, 600.0))
+    sup.start(rec)
     try:
         _kill_and_wait(sup, rec, 0)
         assert [c[0] for c in rec.calls] == ["give_up"]

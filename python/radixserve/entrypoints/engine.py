@@ -63,9 +63,8 @@ class Engine:
             children,
             lambda: launch_subprocesses(self.server_args, self._port_args, scheduler_entry),
             RestartBudget.from_args(self.server_args),
-            RestartHandler(self.tokenizer_manager, self._loop, self._on_child_death),
         )
-        self._supervisor.start()
+        self._supervisor.start(RestartHandler(self.tokenizer_manager, self._loop, self._on_child_death))
         self._rpc = RpcClient(self._port_args.rpc_ipc_name)
         self._closed = False
 

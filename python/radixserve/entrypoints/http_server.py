@@ -164,6 +164,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         """SGLang's answer: one {dp_rank, num_reqs, num_waiting_reqs, num_tokens} per replica."""
         if state.dead:
             return error_response(503, "A server process died.")
+        if state.restarting:
+            return restarting_response(state)
         return JSONResponse(await tm.get_load())
 
     # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
@@ -186,7 +188,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
         @app.get("/metrics")
         async def get_metrics() -> Response:
-            if metrics.dp_size > 1 and not state.dead:
+            if metrics.dp_size > 1 and not (state.dead or state.restarting):
                 # Each replica reports its own queue, as each SGLang scheduler exports its gauges.
                 try:
                     metrics.set_replica_loads(await tm.get_load())

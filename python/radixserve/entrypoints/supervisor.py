@@ -82,13 +82,11 @@ class SupervisorListener(Protocol):
 class Supervisor:
     """Watches the current children and restarts them all while the budget allows."""
 
-    def __init__(
-        self, children: ChildProcesses, launch: Launch, budget: RestartBudget, listener: SupervisorListener
-    ) -> None:
+    def __init__(self, children: ChildProcesses, launch: Launch, budget: RestartBudget) -> None:
         self._children = children
         self._launch = launch
         self.budget = budget
-        self.listener = listener
+        self.listener: SupervisorListener | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._terminated = threading.Event()
@@ -99,7 +97,9 @@ class Supervisor:
     def children(self) -> ChildProcesses:
         return self._children
 
-    def start(self) -> None:
+    def start(self, listener: SupervisorListener) -> None:
+        """Begin watching; `listener` hears of every death, restart and the end."""
+        self.listener = listener
         self._thread.start()
 
     def stop(self, timeout: float = 3.0) -> None:
@@ -111,6 +111,7 @@ class Supervisor:
         self._terminated.set()
 
     def _run(self) -> None:
+        assert self.listener is not None
         while True:
             death = self._children.wait_death()
             if death is None:  # stop(): stay alive (and the children with us) until they are gone
@@ -136,6 +137,7 @@ class Supervisor:
 
     def _restart(self, reason: str) -> bool:
         """Replace the children; False when stopped meanwhile or when the budget ran out."""
+        assert self.listener is not None
         self._children.terminate(RESTART_TERMINATE_S)
         started = time.monotonic()
         while not self._stopped.is_set():
