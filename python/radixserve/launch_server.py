@@ -59,7 +59,7 @@ class ServerRuntime:
         self.first_start_s = time.monotonic() - started  # Retry-After until a restart is measured
         self.supervisor = Supervisor(
             children,
-            lambda: launch_subprocesses(server_args, self.port_args, scheduler_entry),
+            lambda into: launch_subprocesses(server_args, self.port_args, scheduler_entry, into),
             RestartBudget.from_args(server_args),
         )
         limit_threads()  # after spawning, so the scheduler does not inherit the limits

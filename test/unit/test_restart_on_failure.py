@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -114,8 +115,8 @@ def test_unsupported_layouts_are_refused(kwargs: dict[str, Any], message: str) -
 
 
 # ----------------------------------------------------------------------------- supervisor
-def _launch() -> tuple[ChildProcesses, dict[str, Any]]:
-    children = ChildProcesses()
+def _launch(children: ChildProcesses | None = None) -> tuple[ChildProcesses, dict[str, Any]]:
+    children = children if children is not None else ChildProcesses()
     children.start("first", ready_then_sleep, ())
     children.start("second", ready_then_sleep, ())
     infos = children.wait_ready(60)
@@ -175,3 +176,30 @@ def test_supervisor_without_budget_gives_up_at_once() -> None:
         assert [c[0] for c in rec.calls] == ["give_up"]
     finally:
         sup.stop()
+
+
+def test_stop_during_a_restart_stops_the_children_still_starting() -> None:
+    """A shutdown while a restart starts the new group: nothing it started outlives stop()."""
+    children, _ = _launch()
+    rec = Recorder()
+    starting: list[ChildProcesses] = []
+    launch_began = threading.Event()
+
+    def slow_launch(into: ChildProcesses) -> tuple[ChildProcesses, dict[str, Any]]:
+        starting.append(into)
+        into.start("first", ready_then_sleep, ())
+        launch_began.set()
+        into.wait_ready(60)
+        time.sleep(0.5)  # stop() lands here at the latest: the group is not handed over yet
+        into.start("second", ready_then_sleep, ())  # refused once stop() terminated the group
+        return into, into.wait_ready(60)[0]
+
+    sup = Supervisor(children, slow_launch, RestartBudget(3, 600.0))
+    sup.start(rec)
+    os.kill(children.procs[0].pid, signal.SIGKILL)
+    assert launch_began.wait(60)
+    sup.stop()
+    assert not any(p.is_alive() for p in starting[0].procs)  # at once, not when the launch ends
+    sup._thread.join(30)
+    assert not sup._thread.is_alive()
+    assert [c[0] for c in rec.calls] == ["down"]  # never "up": the restart was abandoned

@@ -61,7 +61,7 @@ class Engine:
         # are restarted (docs/reliability.md), else every later call fails the same way.
         self._supervisor = Supervisor(
             children,
-            lambda: launch_subprocesses(self.server_args, self._port_args, scheduler_entry),
+            lambda into: launch_subprocesses(self.server_args, self._port_args, scheduler_entry, into),
             RestartBudget.from_args(self.server_args),
         )
         self._supervisor.start(RestartHandler(self.tokenizer_manager, self._loop, self._on_child_death))

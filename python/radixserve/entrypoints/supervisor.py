@@ -27,7 +27,8 @@ from radixserve.utils.process import ChildProcesses
 
 logger = logging.getLogger(__name__)
 
-Launch = Callable[[], tuple[ChildProcesses, dict[str, Any]]]
+# Start a new group of children into the given (empty) set; return rank 0's readiness report.
+Launch = Callable[[ChildProcesses], tuple[ChildProcesses, dict[str, Any]]]
 RESTART_TERMINATE_S = 2.0  # the survivors of a crash get this long to stop before SIGKILL
 STOP_WAIT_S = 10.0
 
@@ -84,6 +85,7 @@ class Supervisor:
 
     def __init__(self, children: ChildProcesses, launch: Launch, budget: RestartBudget) -> None:
         self._children = children
+        self._starting: ChildProcesses | None = None  # the group a restart is starting
         self._launch = launch
         self.budget = budget
         self.listener: SupervisorListener | None = None
@@ -106,8 +108,10 @@ class Supervisor:
         """Stop the children (SIGTERM, then SIGKILL after `timeout` s) and the supervision."""
         with self._lock:
             self._stopped.set()
-            children = self._children
-        children.terminate(timeout)
+            groups = [self._children, self._starting]
+        for group in groups:
+            if group is not None:
+                group.terminate(timeout)
         self._terminated.set()
 
     def _run(self) -> None:
@@ -140,10 +144,16 @@ class Supervisor:
         assert self.listener is not None
         self._children.terminate(RESTART_TERMINATE_S)
         started = time.monotonic()
-        while not self._stopped.is_set():
+        while True:
+            with self._lock:
+                if self._stopped.is_set():
+                    return False
+                self._starting = starting = ChildProcesses()
             try:
-                children, info = self._launch()
+                children, info = self._launch(starting)
             except Exception as exc:
+                if self._stopped.is_set():  # stop() ended the start-up
+                    return False
                 logger.error("Restart failed: %r", exc)
                 if not self.budget.try_spend():
                     logger.error("The restart budget (%s) is spent: exiting", self.budget.describe())
@@ -151,6 +161,7 @@ class Supervisor:
                     return False
                 continue
             with self._lock:
+                self._starting = None
                 if self._stopped.is_set():  # shut down while we started them
                     children.terminate(0.5)
                     return False
@@ -159,7 +170,6 @@ class Supervisor:
             logger.warning("Child processes restarted in %.1f s; serving again", self.last_restart_s)
             self.listener.on_up(info)
             return True
-        return False
 
     def retry_after_s(self, default: float) -> int:
         """Whole seconds a client should wait before retrying: the last restart's duration."""

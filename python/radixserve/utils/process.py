@@ -117,19 +117,25 @@ class ChildProcesses:
         self.procs: list[mp.process.BaseProcess] = []
         self._pipes: list[Connection] = []
         self._stopping = threading.Event()
+        # start() and terminate() may run on two threads (a shutdown during a restart): a child
+        # is either started before terminate() looks, or not at all.
+        self._start_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
         atexit.register(self.terminate)
 
     def start(self, name: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
         """Start `target(*args, pipe)`; the child reports readiness (a dict) over `pipe`."""
-        reader, writer = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(
-            target=child_entry, args=(target, (*args, writer), name), name=name, daemon=True
-        )
-        proc.start()
-        writer.close()  # the child holds its own copy; closing ours makes EOF visible if it dies
-        self.procs.append(proc)
-        self._pipes.append(reader)
+        with self._start_lock:
+            if self._stopping.is_set():  # terminate() ran (a shutdown during a restart)
+                raise RuntimeError(f"not starting {name}: the child processes are being stopped")
+            reader, writer = self._ctx.Pipe(duplex=False)
+            proc = self._ctx.Process(
+                target=child_entry, args=(target, (*args, writer), name), name=name, daemon=True
+            )
+            proc.start()
+            writer.close()  # the child holds its own copy; closing ours makes EOF visible if it dies
+            self.procs.append(proc)
+            self._pipes.append(reader)
 
     def wait_ready(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Block until every child reported {"status": "ready", ...}; raise if one failed or died."""
@@ -177,15 +183,17 @@ class ChildProcesses:
 
     def terminate(self, timeout: float = 3.0) -> None:
         """SIGTERM every child, SIGKILL those still alive after `timeout` s. Idempotent."""
-        self._stopping.set()
-        for proc in self.procs:
+        with self._start_lock:
+            self._stopping.set()
+            procs, pipes = list(self.procs), list(self._pipes)
+            self._pipes.clear()
+        for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        for proc in self.procs:
+        for proc in procs:
             proc.join(timeout)
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
-        for pipe in self._pipes:
+        for pipe in pipes:
             pipe.close()
-        self._pipes.clear()
