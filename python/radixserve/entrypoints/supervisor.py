@@ -142,7 +142,8 @@ class Supervisor:
     def _restart(self, reason: str) -> bool:
         """Replace the children; False when stopped meanwhile or when the budget ran out."""
         assert self.listener is not None
-        self._children.terminate(RESTART_TERMINATE_S)
+        old = self._children
+        old.terminate(RESTART_TERMINATE_S)
         started = time.monotonic()
         while True:
             with self._lock:
@@ -166,6 +167,7 @@ class Supervisor:
                     children.terminate(0.5)
                     return False
                 self._children = children
+            old.reap()
             self.last_restart_s = time.monotonic() - started
             logger.warning("Child processes restarted in %.1f s; serving again", self.last_restart_s)
             self.listener.on_up(info)

@@ -178,6 +178,13 @@ class ChildProcesses:
                 return proc.name, proc.exitcode
         return None
 
+    def reap(self) -> None:
+        """Collect the exit status of children that died since terminate() gave up waiting on
+        them (one slow to die under load), so none stays a zombie."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.join(0)
+
     def any_dead(self) -> bool:
         return any(not p.is_alive() for p in self.procs)
 
