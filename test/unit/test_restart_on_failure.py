@@ -126,10 +126,12 @@ def _launch(children: ChildProcesses | None = None) -> tuple[ChildProcesses, dic
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.blamed: list[bool] = []
         self.changed = threading.Event()
 
-    def on_down(self, reason: str) -> None:
+    def on_down(self, reason: str, blame_requests: bool) -> None:
         self.calls.append(("down", reason))
+        self.blamed.append(blame_requests)
 
     def on_up(self, info: dict[str, Any]) -> None:
         self.calls.append(("up", info["pid"]))
@@ -156,6 +158,7 @@ def test_supervisor_restarts_every_child_then_gives_up() -> None:
     try:
         old = _kill_and_wait(sup, rec, 1)  # the second child dies: both are replaced
         assert rec.calls[0] == ("down", "second died (exit code -9)") and rec.calls[1][0] == "up"
+        assert rec.blamed == [False]  # a SIGKILL from outside is no request's fault
         new = [p.pid for p in sup.children.procs]
         assert set(new).isdisjoint(old) and all(p.is_alive() for p in sup.children.procs)
         assert not any(p.is_alive() for p in children.procs)  # the survivor was stopped too
@@ -203,3 +206,19 @@ def test_stop_during_a_restart_stops_the_children_still_starting() -> None:
     sup._thread.join(30)
     assert not sup._thread.is_alive()
     assert [c[0] for c in rec.calls] == ["down"]  # never "up": the restart was abandoned
+
+
+def test_a_crash_blames_the_requests_in_flight() -> None:
+    """A child that crashed (a fault signal) or ended itself gives each request in flight a
+    strike; only deaths caused from outside (SIGKILL, SIGTERM) do not."""
+    children, _ = _launch()
+    rec = Recorder()
+    sup = Supervisor(children, _launch, RestartBudget(1, 600.0))
+    sup.start(rec)
+    try:
+        rec.changed.clear()
+        os.kill(children.procs[0].pid, signal.SIGSEGV)
+        assert rec.changed.wait(60)
+        assert rec.calls[0] == ("down", "first died (exit code -11)") and rec.blamed == [True]
+    finally:
+        sup.stop()

@@ -39,9 +39,9 @@ class RestartHandler:
         self._give_up = give_up
         self._set_restarting = set_restarting
 
-    def on_down(self, reason: str) -> None:
+    def on_down(self, reason: str, blame_requests: bool) -> None:
         self._set_restarting(True)  # at once: /health must not answer 200 for a moment longer
-        self.loop.call_soon_threadsafe(self._down, reason)
+        self.loop.call_soon_threadsafe(self._down, reason, blame_requests)
 
     def on_up(self, info: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self._up, info)
@@ -49,9 +49,12 @@ class RestartHandler:
     def on_give_up(self, reason: str) -> None:
         self._give_up(reason)
 
-    def _down(self, reason: str) -> None:
+    def _down(self, reason: str, blame_requests: bool) -> None:
         if self.tm.quarantine is not None:
-            self.tm.quarantine.on_crash()  # before fail_all, which forgets what was in flight
+            if blame_requests:
+                self.tm.quarantine.on_crash()  # before fail_all, which forgets what was in flight
+            else:
+                logger.warning("%s: killed from outside, no quarantine strike for any request", reason)
         self.tm.fail_all(restarting_message(reason), 503)
         self.tm.reconnect_scheduler()
 

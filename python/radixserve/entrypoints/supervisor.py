@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import threading
 import time
 from collections import deque
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 # Start a new group of children into the given (empty) set; return rank 0's readiness report.
 Launch = Callable[[ChildProcesses], tuple[ChildProcesses, dict[str, Any]]]
 RESTART_TERMINATE_S = 2.0  # the survivors of a crash get this long to stop before SIGKILL
+# Deaths something else caused (an operator, the OOM killer, a container runtime): nothing says a
+# request did, so they give the requests in flight no quarantine strike.
+KILLED_FROM_OUTSIDE = (-signal.SIGKILL, -signal.SIGTERM)
 STOP_WAIT_S = 10.0
 
 
@@ -70,8 +74,9 @@ class RestartBudget:
 class SupervisorListener(Protocol):
     """What the owner does at each turn; called on the supervisor's thread."""
 
-    def on_down(self, reason: str) -> None:
-        """A child died and a restart begins: answer 503, fail what is in flight."""
+    def on_down(self, reason: str, blame_requests: bool) -> None:
+        """A child died and a restart begins: answer 503, fail what is in flight (giving each a
+        quarantine strike if `blame_requests`: the child crashed or ended itself)."""
 
     def on_up(self, info: dict[str, Any]) -> None:
         """The new children are ready (`info`: rank 0's readiness report): serve again."""
@@ -135,7 +140,7 @@ class Supervisor:
                 self.budget.used,
                 self.budget.describe(),
             )
-            self.listener.on_down(reason)
+            self.listener.on_down(reason, blame_requests=death[1] not in KILLED_FROM_OUTSIDE)
             if not self._restart(reason):
                 return
 

@@ -83,7 +83,7 @@ class Quarantine:
     def on_crash(self) -> list[str]:
         """A child died: one strike for each request in flight; returns the keys now refused."""
         newly: list[str] = []
-        for key in set(self._in_flight.values()):
+        for key in dict.fromkeys(self._in_flight.values()):  # admission order: oldest out first
             count = self._strikes.pop(key, 0) + 1
             if count >= self.strikes_needed:
                 self._refused[key] = None
