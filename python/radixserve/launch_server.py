@@ -5,7 +5,8 @@ uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdo
 SIGINT) drains first (entrypoints/drain.py): new requests get 503, in-flight ones get
 --graceful-shutdown-timeout to finish and are then aborted with a final event; then uvicorn stops,
 the TokenizerManager closes its sockets, the children are stopped and the process exits 0. A
-child dying on its own turns /health to 503 and the process exits 1 within a few seconds.
+child dying on its own turns /health to 503 and the process exits 1 within a few seconds, unless
+--restart-on-failure restarts the children (entrypoints/supervisor.py, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from fastapi import FastAPI
 
 from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.drain import Drain, DrainingServer, DrainMiddleware
+from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
+from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
 from radixserve.server_args import ServerArgs, prepare_server_args
 from radixserve.utils.network import PortArgs
@@ -51,8 +54,14 @@ class ServerRuntime:
     def __init__(self, server_args: ServerArgs, scheduler_entry: SchedulerEntry | None) -> None:
         self.server_args = server_args
         self.port_args = PortArgs.create()
-        self.children: ChildProcesses
-        self.children, info = launch_subprocesses(server_args, self.port_args, scheduler_entry)
+        started = time.monotonic()
+        children, info = launch_subprocesses(server_args, self.port_args, scheduler_entry)
+        self.first_start_s = time.monotonic() - started  # Retry-After until a restart is measured
+        self.supervisor = Supervisor(
+            children,
+            lambda into: launch_subprocesses(server_args, self.port_args, scheduler_entry, into),
+            RestartBudget.from_args(server_args),
+        )
         limit_threads()  # after spawning, so the scheduler does not inherit the limits
         tm = TokenizerManager(server_args, self.port_args, info, load_tokenizer(server_args))
         self.state = ServerState(tm=tm)
@@ -75,17 +84,29 @@ class ServerRuntime:
     async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.loop = asyncio.get_running_loop()
         await self.state.tm.start()
-        self.children.start_watchdog(self._on_child_death)
+        self.supervisor.start(
+            RestartHandler(self.state.tm, self.loop, self._on_child_death, self._set_restarting)
+        )
         threading.Thread(target=self._warmup, name="warmup", daemon=True).start()
         self.drain.loop = self.loop  # signals drain from now on
         yield
         await self.state.tm.close()
 
-    def _on_child_death(self, name: str, exitcode: int | None) -> None:
-        """Watchdog thread: report unhealthy, fail in-flight requests, then exit non-zero."""
+    @property
+    def children(self) -> ChildProcesses:
+        return self.supervisor.children
+
+    def _set_restarting(self, restarting: bool) -> None:
+        if restarting:
+            self.state.retry_after_s = self.supervisor.retry_after_s(self.first_start_s)
+        self.state.restarting = restarting
+
+    def _on_child_death(self, reason: str) -> None:
+        """Supervisor thread, no restart allowed: report unhealthy, fail in-flight requests, then
+        exit non-zero."""
         self.state.dead = True
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.state.tm.fail_all, f"{name} died (exit code {exitcode})", 503)
+            self.loop.call_soon_threadsafe(self.state.tm.fail_all, reason, 503)
         threading.Timer(DEATH_GRACE_S, self._request_exit).start()
         threading.Timer(DEATH_HARD_EXIT_S, self._hard_exit).start()
 
@@ -146,7 +167,7 @@ class ServerRuntime:
             self.server.run()
         finally:
             # After a child died, the others are not worth waiting for (they may be blocked on it).
-            self.children.terminate(timeout=0.5 if self.state.dead else 3.0)
+            self.supervisor.stop(timeout=0.5 if self.state.dead else 3.0)
             self.port_args.cleanup()
         if self.state.dead:
             # Children stopped, sockets removed, logs flushed: skip the interpreter's teardown

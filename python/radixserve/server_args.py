@@ -179,6 +179,20 @@ class ServerArgs:
         "final abort event and each waiting call a 503, then the server exits (docs/deploy.md). "
         "SGLang has no such flag: its drain waits without a deadline.",
     )
+    restart_on_failure: bool = _f(
+        False,
+        "When a scheduler or the detokenizer dies, restart every child process (same ports and "
+        "args, a new KV pool) instead of exiting: /health answers 503 meanwhile, in-flight requests "
+        "end with 503 + Retry-After, and a request in flight at two crashes is refused afterwards. "
+        "One machine only (any --tp-size, --pp-size, --dp-size); not with --nnodes > 1 or "
+        "--disaggregation-mode (docs/reliability.md). SGLang has no such flag: it exits.",
+    )
+    max_restarts: int = _f(
+        3,
+        "With --restart-on-failure: restarts allowed within --restart-window-minutes; one more "
+        "failure and the server exits as without the flag.",
+    )
+    restart_window_minutes: float = _f(10.0, "The sliding window --max-restarts counts restarts in.")
     enable_metrics: bool = _f(False, "Expose Prometheus metrics at /metrics.")
     log_level: str = _f("info", "Logging level.")
     log_requests: bool = _f(
@@ -579,6 +593,7 @@ class ServerArgs:
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         self._validate_dp()
         self._validate_disaggregation()
+        self._validate_restart()
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError("--pp-max-micro-batch-size must be >= 1")
         if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:
@@ -664,6 +679,21 @@ class ServerArgs:
             raise ValueError(
                 "--disaggregation-mode runs with --pp-size 1 and --nnodes 1 for now "
                 "(any --tp-size and --dp-size; docs/disaggregation.md)"
+            )
+
+    def _validate_restart(self) -> None:
+        if self.max_restarts < 0 or not self.restart_window_minutes > 0:
+            raise ValueError("--max-restarts must be >= 0 and --restart-window-minutes > 0")
+        if self.restart_on_failure and self.nnodes > 1:
+            raise ValueError(
+                "--restart-on-failure restarts the ranks of one machine; with --nnodes > 1 node 0 cannot "
+                "restart the other nodes' ranks: drop the flag and let the orchestrator restart the "
+                "whole group (docs/reliability.md)"
+            )
+        if self.restart_on_failure and self.disaggregation_mode != "null":
+            raise ValueError(
+                "--restart-on-failure is not supported with --disaggregation-mode: a restarted "
+                "scheduler would lose the KV transfers its peer server waits on (docs/reliability.md)"
             )
 
     def layout(self) -> ParallelLayout:

@@ -14,8 +14,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.rpc_client import RpcClient
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
+from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers import io_struct as io
 from radixserve.managers import scoring
 from radixserve.managers.control_client import ControlClient
@@ -26,6 +28,7 @@ from radixserve.model_executor.tensor_payload import serialize_named_tensors
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs
+from radixserve.utils.process import ChildProcesses
 
 DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens
 
@@ -46,7 +49,7 @@ class Engine:
     ) -> None:
         self.server_args = resolve_model_path(ServerArgs(model_path=model_path, **kwargs).resolve())
         self._port_args = PortArgs.create()
-        self._children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry)
+        children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
@@ -54,7 +57,14 @@ class Engine:
             self.server_args, self._port_args, info, load_tokenizer(self.server_args)
         )
         self._run(self.tokenizer_manager.start())
-        self._children.start_watchdog(self._on_child_death)
+        # A dead child fails what is in flight with 503; with restart_on_failure=True the children
+        # are restarted (docs/reliability.md), else every later call fails the same way.
+        self._supervisor = Supervisor(
+            children,
+            lambda into: launch_subprocesses(self.server_args, self._port_args, scheduler_entry, into),
+            RestartBudget.from_args(self.server_args),
+        )
+        self._supervisor.start(RestartHandler(self.tokenizer_manager, self._loop, self._on_child_death))
         self._rpc = RpcClient(self._port_args.rpc_ipc_name)
         self._closed = False
 
@@ -250,6 +260,11 @@ class Engine:
         return self._rpc.call(method, kwargs)
 
     @property
+    def _children(self) -> ChildProcesses:
+        """The current children (new ones after a restart)."""
+        return self._supervisor.children
+
+    @property
     def _ctl(self) -> ControlClient:
         return self.tokenizer_manager.control
 
@@ -301,7 +316,7 @@ class Engine:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
             self._rpc.close()
-            self._children.terminate()
+            self._supervisor.stop()
             self._port_args.cleanup()
 
     def __enter__(self) -> Engine:
@@ -340,10 +355,8 @@ class Engine:
         finally:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
 
-    def _on_child_death(self, name: str, exitcode: int | None) -> None:
-        self._loop.call_soon_threadsafe(
-            self.tokenizer_manager.fail_all, f"{name} died (exit code {exitcode})", 503
-        )
+    def _on_child_death(self, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason, 503)
 
 
 def _request(

@@ -104,8 +104,14 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(404, str(exc.args[0]), "model_not_found")
 
     @app.exception_handler(RequestAbortedError)
-    async def on_aborted(_: Request, exc: RequestAbortedError) -> JSONResponse:
-        return error_response(exc.status_code, str(exc))
+    async def on_aborted(request: Request, exc: RequestAbortedError) -> JSONResponse:
+        resp = error_response(exc.status_code, str(exc))
+        state = getattr(request.app.state, "server", None)
+        if exc.status_code == 503 and getattr(state, "restarting", False):
+            # --restart-on-failure: the request failed or was refused because the children are
+            # restarting; the header says when to retry (the last restart's duration).
+            resp.headers["Retry-After"] = str(state.retry_after_s)  # type: ignore[union-attr]
+        return resp
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:

@@ -68,15 +68,24 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 @dataclass
 class ServerState:
-    """What the routes need; `ready` flips after the warm-up, `dead` when a child process died."""
+    """What the routes need; `ready` flips after the warm-up, `dead` when a child process died,
+    `restarting` while --restart-on-failure replaces the children (503s then carry Retry-After)."""
 
     tm: TokenizerManager
     ready: bool = False
     dead: bool = False
+    restarting: bool = False
+    retry_after_s: int = 1
 
     @property
     def served_names(self) -> tuple[str, ...]:
         return (self.tm.served_model_name, self.tm.model_path)
+
+
+def restarting_response(state: ServerState) -> Response:
+    resp = error_response(503, "The server is restarting after a child process died.")
+    resp.headers["Retry-After"] = str(state.retry_after_s)
+    return resp
 
 
 def _text(content: str = "") -> PlainTextResponse:
@@ -100,12 +109,16 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if state.dead:
             return error_response(503, "A server process died.")
+        if state.restarting:
+            return restarting_response(state)
         if not state.ready:
             return error_response(503, "The server is starting.")
         return _text()
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if state.restarting:
+            return restarting_response(state)
         if state.dead or not state.ready:
             return error_response(503, "The server is not ready.")
         failure = await generation_failure(tm)
@@ -151,6 +164,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         """SGLang's answer: one {dp_rank, num_reqs, num_waiting_reqs, num_tokens} per replica."""
         if state.dead:
             return error_response(503, "A server process died.")
+        if state.restarting:
+            return restarting_response(state)
         return JSONResponse(await tm.get_load())
 
     # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
@@ -173,7 +188,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
         @app.get("/metrics")
         async def get_metrics() -> Response:
-            if metrics.dp_size > 1 and not state.dead:
+            if metrics.dp_size > 1 and not (state.dead or state.restarting):
                 # Each replica reports its own queue, as each SGLang scheduler exports its gauges.
                 try:
                     metrics.set_replica_loads(await tm.get_load())

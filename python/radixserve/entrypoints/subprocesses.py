@@ -34,16 +34,21 @@ def default_scheduler_entry() -> SchedulerEntry:
 
 
 def launch_subprocesses(
-    server_args: ServerArgs, port_args: PortArgs, scheduler_entry: SchedulerEntry | None = None
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    scheduler_entry: SchedulerEntry | None = None,
+    children: ChildProcesses | None = None,
 ) -> tuple[ChildProcesses, dict[str, Any]]:
-    """Start every child of node 0 and return them with rank 0's readiness info.
+    """Start every child of node 0 (into `children`, else a new set) and return them with rank
+    0's readiness info.
 
     `scheduler_entry` replaces the real scheduler process (tests pass a fake one, single rank
-    only); it is called as `entry(server_args, port_args, pipe)`.
+    only); it is called as `entry(server_args, port_args, pipe)`. A restart passes the set it
+    holds, so a shutdown meanwhile can stop children that are still starting.
     """
     from radixserve.managers.detokenizer_manager import run_detokenizer_process
 
-    children = ChildProcesses()
+    children = children if children is not None else ChildProcesses()
     try:
         if server_args.dp_size > 1:
             start_dp_replicas(children, server_args, port_args, scheduler_entry)

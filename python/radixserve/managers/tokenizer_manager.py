@@ -42,6 +42,7 @@ from radixserve.managers.io_struct import (
     rid_matches,
 )
 from radixserve.managers.output_applier import apply_batch_str_out
+from radixserve.managers.quarantine import Quarantine
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.managers.request_logger import RequestLogger
 from radixserve.server_args import ServerArgs
@@ -127,6 +128,8 @@ class TokenizerManager:
         )
         self._recv_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
+        # With --restart-on-failure: requests in flight at two crashes are refused (quarantine.py).
+        self.quarantine = Quarantine() if server_args.restart_on_failure else None
         # time.monotonic() of the last output from the scheduler: /health_generate's evidence of
         # progress (entrypoints/health.py); none yet at start.
         self.last_output_time = float("-inf")
@@ -175,6 +178,14 @@ class TokenizerManager:
         for state in list(self.rid_to_state.values()):
             self._finish(state, {"type": "abort", "message": message, "status_code": status_code})
         self._update_load_metrics()
+
+    def reconnect_scheduler(self) -> None:
+        """A new socket to the scheduler's input (it is restarting): what the old one still queued
+        for the dead scheduler (requests already failed here) must not reach the new one."""
+        self._send.close(linger=0)
+        self._send = get_zmq_socket(
+            self._sync_ctx, zmq.PUSH, self.port_args.scheduler_input_ipc_name, bind=False
+        )
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -243,6 +254,8 @@ class TokenizerManager:
                 raise InvalidRequestError(f"Duplicate request id {state.rid!r}.")
         received = time.time()
         reqs = [self._tokenized(state, stream, received) for state in states]
+        if self.quarantine is not None:
+            self.quarantine.admit(reqs)
         for state in states:
             self.rid_to_state[state.rid] = state
             self.request_logger.log_received(state)
@@ -304,6 +317,8 @@ class TokenizerManager:
             )
             for item, (ids, types) in zip(items, tokenized)
         ]
+        if self.quarantine is not None:
+            self.quarantine.admit(reqs)
         for state in states:
             self.rid_to_state[state.rid] = state
         self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs=reqs))
@@ -486,6 +501,8 @@ class TokenizerManager:
             return  # already finished (the rid may since belong to a new request)
         del self.rid_to_state[state.rid]
         state.finish(reason)
+        if self.quarantine is not None:
+            self.quarantine.finished(state.rid, ok=reason.get("type") != "abort")
         self.request_logger.log_finished(state)
         if self.metrics is not None:
             self.metrics.on_finish(

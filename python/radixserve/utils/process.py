@@ -117,19 +117,25 @@ class ChildProcesses:
         self.procs: list[mp.process.BaseProcess] = []
         self._pipes: list[Connection] = []
         self._stopping = threading.Event()
+        # start() and terminate() may run on two threads (a shutdown during a restart): a child
+        # is either started before terminate() looks, or not at all.
+        self._start_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
         atexit.register(self.terminate)
 
     def start(self, name: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
         """Start `target(*args, pipe)`; the child reports readiness (a dict) over `pipe`."""
-        reader, writer = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(
-            target=child_entry, args=(target, (*args, writer), name), name=name, daemon=True
-        )
-        proc.start()
-        writer.close()  # the child holds its own copy; closing ours makes EOF visible if it dies
-        self.procs.append(proc)
-        self._pipes.append(reader)
+        with self._start_lock:
+            if self._stopping.is_set():  # terminate() ran (a shutdown during a restart)
+                raise RuntimeError(f"not starting {name}: the child processes are being stopped")
+            reader, writer = self._ctx.Pipe(duplex=False)
+            proc = self._ctx.Process(
+                target=child_entry, args=(target, (*args, writer), name), name=name, daemon=True
+            )
+            proc.start()
+            writer.close()  # the child holds its own copy; closing ours makes EOF visible if it dies
+            self.procs.append(proc)
+            self._pipes.append(reader)
 
     def wait_ready(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Block until every child reported {"status": "ready", ...}; raise if one failed or died."""
@@ -156,30 +162,45 @@ class ChildProcesses:
         self._watchdog.start()
 
     def _watch(self, on_death: Callable[[str, int | None], None]) -> None:
+        death = self.wait_death()
+        if death is not None:
+            on_death(*death)
+
+    def wait_death(self) -> tuple[str, int | None] | None:
+        """Block until a child exits on its own: (name, exitcode); None once terminate() ran."""
         sentinels = {p.sentinel: p for p in self.procs}
         while not self._stopping.is_set():
             ready = wait(list(sentinels), timeout=0.5)
             if ready and not self._stopping.is_set():
                 proc = sentinels[ready[0]]
-                proc.join(0)
+                proc.join(1.0)  # its pipe may close a moment before the kernel can reap it
                 logger.error("Child process %s died (exit code %s)", proc.name, proc.exitcode)
-                on_death(proc.name, proc.exitcode)
-                return
+                return proc.name, proc.exitcode
+        return None
+
+    def reap(self) -> None:
+        """Collect the exit status of children that died since terminate() gave up waiting on
+        them (one slow to die under load), so none stays a zombie."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.join(0)
 
     def any_dead(self) -> bool:
         return any(not p.is_alive() for p in self.procs)
 
     def terminate(self, timeout: float = 3.0) -> None:
         """SIGTERM every child, SIGKILL those still alive after `timeout` s. Idempotent."""
-        self._stopping.set()
-        for proc in self.procs:
+        with self._start_lock:
+            self._stopping.set()
+            procs, pipes = list(self.procs), list(self._pipes)
+            self._pipes.clear()
+        for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        for proc in self.procs:
+        for proc in procs:
             proc.join(timeout)
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
-        for pipe in self._pipes:
+        for pipe in pipes:
             pipe.close()
-        self._pipes.clear()
