@@ -35,6 +35,8 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     rid_matches,
 )
+from radixserve.managers.tokenizer_manager import load_tokenizer
+from radixserve.scheduler.req import Req
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
 
@@ -56,6 +58,7 @@ class FakeReq:
     output_ids: list[int] = field(default_factory=list)
     reported: int = 0  # output tokens already sent
     finished_reason: dict | None = None
+    rule: Req | None = None  # the real scheduler's finish rule (length, stop tokens, stop strings)
 
 
 class FakeScheduler:
@@ -71,6 +74,7 @@ class FakeScheduler:
         self.aborted: list[str] = []
         self.num_received = 0
         self.control = FakeControl()
+        self.tokenizer = load_tokenizer(server_args)  # the scheduler matches stop strings
 
     def loop(self) -> None:
         while True:
@@ -135,6 +139,8 @@ class FakeScheduler:
         cached = max((_common_prefix(req.input_ids, p) for p in self.seen_prompts), default=0)
         self.seen_prompts.append(list(req.input_ids))
         fake = FakeReq(req, min(cached, len(req.input_ids) - 1))
+        fake.rule = Req(req.rid, req.input_ids, req.sampling_params, tokenizer=self.tokenizer)
+        fake.rule.output_ids = fake.output_ids
         if self.max_queued is not None and len(self.running) >= self.max_queued:
             fake.finished_reason = {
                 "type": "abort",
@@ -163,10 +169,9 @@ class FakeScheduler:
         ids = r.req.input_ids
         tok = ids[len(r.output_ids) % len(ids)]
         r.output_ids.append(tok)
-        if tok in (params.stop_token_ids or ()):
-            r.finished_reason = {"type": "stop", "matched": tok}
-        elif len(r.output_ids) >= params.max_new_tokens:
-            r.finished_reason = {"type": "length", "length": len(r.output_ids)}
+        r.rule.check_finished()
+        if r.rule.finished_reason is not None:
+            r.finished_reason = r.rule.finished_reason.to_json()
 
     def batch_out(self, reqs: list[FakeReq]) -> BatchTokenIDOut:
         new = [r.output_ids[r.reported :] for r in reqs]

@@ -171,9 +171,7 @@ class BatchTokenIDOut:
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
-    stop_strs: list[list[str]]  # stop strings the detokenizer trims from (and withholds in) text
-    # Per request: stop strings count only from this many output tokens on (None: all 0).
-    min_new_tokens: list[int] | None = None
+    stop_strs: list[list[str]]  # withheld from streams while they may begin; the scheduler matches
     # Per request: seconds it waited in the queue before its first prefill (None: never scheduled).
     queue_times: list[float | None] | None = None
     # Logprobs (None when no request in the message asked for them; [] for those that did not).

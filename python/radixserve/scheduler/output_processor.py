@@ -337,7 +337,6 @@ class OutputProcessor:
             spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
             no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
             stop_strs=[list(r.stop_strs) for r in reqs],
-            min_new_tokens=[r.sampling_params.min_new_tokens for r in reqs],
             queue_times=[r.times.queue_time for r in reqs],
             output_token_logprobs_val=out_val if any_logprob else None,
             output_token_logprobs_idx=out_idx if any_logprob else None,
