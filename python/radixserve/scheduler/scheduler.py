@@ -110,7 +110,6 @@ class Scheduler:
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
         # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
         # prefix can be shared and the radix cache would only hold KV nobody may reuse.
-        self.is_generation = getattr(worker, "is_generation", True)
         embedding_config = getattr(worker, "embedding_config", None)
         self.embedding_needs_all_tokens = (
             embedding_config is not None and embedding_config.pooling.needs_all_tokens
@@ -239,10 +238,6 @@ class Scheduler:
             self.state.live[req.rid] = req
             status = HTTPStatus.BAD_REQUEST if error is not None else HTTPStatus.SERVICE_UNAVAILABLE
             self.output.finish_now(req, error or released or "", int(status))
-            return
-        if not self.is_generation:  # the TokenizerManager refuses these first; never crash on one
-            self.state.live[req.rid] = req
-            self.output.finish_now(req, "This model is an embedding model and cannot generate.", 400)
             return
         if self.disagg is not None:
             self.disagg.add_request(msg, req)  # bootstrap first: PrefillBootstrapQueue / DecodePreallocQueue
