@@ -16,15 +16,21 @@ from typing import Any
 import zmq
 
 from radixserve.managers.detokenizer import DecodeState, TokenDecoder
-from radixserve.managers.io_struct import BatchStrOut, BatchTokenIDOut
+from radixserve.managers.io_struct import (
+    PARTIAL_CHAR_DROPPED,
+    BatchStrOut,
+    BatchTokenIDOut,
+    FinishMatchedStr,
+    FinishMatchedToken,
+    FinishReason,
+)
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
 from radixserve.utils.process import limit_threads
 
 logger = logging.getLogger(__name__)
 
-# finish_reason key set when the output ended inside a multi-byte character (left out of the text).
-PARTIAL_CHAR_DROPPED = "partial_char_dropped"
+__all__ = ["PARTIAL_CHAR_DROPPED", "DetokenizerManager", "run_detokenizer_process"]
 
 
 class DetokenizerManager:
@@ -43,7 +49,7 @@ class DetokenizerManager:
 
     def handle(self, msg: BatchTokenIDOut) -> BatchStrOut:
         texts: list[str] = []
-        reasons: list[dict[str, Any] | None] = []
+        reasons: list[FinishReason | None] = []
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)
             if state is None:
@@ -59,22 +65,20 @@ class DetokenizerManager:
 
     @staticmethod
     def _step(
-        state: DecodeState, new_ids: Sequence[int], reason: dict[str, Any] | None, no_stop_trim: bool
-    ) -> tuple[str, dict[str, Any] | None]:
+        state: DecodeState, new_ids: Sequence[int], reason: FinishReason | None, no_stop_trim: bool
+    ) -> tuple[str, FinishReason | None]:
         ids = list(new_ids)
-        matched = reason.get("matched") if reason is not None else None
-        if isinstance(matched, int) and not no_stop_trim and ids:
+        if isinstance(reason, FinishMatchedToken) and not no_stop_trim and ids:
             ids = ids[:-1]  # a matched stop token is not part of the text
-        stop = matched if isinstance(matched, str) else None
+        stop = reason.matched if isinstance(reason, FinishMatchedStr) else None
         text = state.step(ids, finished=reason is not None, matched_stop=stop)
         if reason is not None and state.partial_char_dropped:
-            reason = {**reason, PARTIAL_CHAR_DROPPED: True}  # the client hears what the text lacks
+            # The client hears what the text lacks.
+            reason = dataclasses.replace(reason, partial_char_dropped=True)
         return text, reason
 
 
-def _batch_str_out(
-    msg: BatchTokenIDOut, texts: list[str], reasons: list[dict[str, Any] | None]
-) -> BatchStrOut:
+def _batch_str_out(msg: BatchTokenIDOut, texts: list[str], reasons: list[FinishReason | None]) -> BatchStrOut:
     optional = {
         f.name: getattr(msg, f.name)
         for f in dataclasses.fields(BatchStrOut)

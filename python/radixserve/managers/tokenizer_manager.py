@@ -38,6 +38,8 @@ from radixserve.managers.io_struct import (
     BatchStrOut,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    FinishAbort,
+    FinishReason,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -201,7 +203,7 @@ class TokenizerManager:
         drain's deadline passed); later requests are refused with the same message."""
         self.dead_reason = message
         for state in list(self.rid_to_state.values()):
-            self._finish(state, {"type": "abort", "message": message, "status_code": status_code})
+            self._finish(state, FinishAbort(message, status_code))
         self._update_load_metrics()
 
     # ------------------------------------------------------------------ generation
@@ -395,14 +397,14 @@ class TokenizerManager:
             loop = None
         for state in targets:
             if loop is None:
-                self._finish(state, {"type": "abort", "message": "Aborted by request.", "status_code": None})
+                self._finish(state, FinishAbort("Aborted by request."))
             else:
                 loop.call_later(ABORT_GRACE_S, self._finish_abandoned, state)
 
     def _finish_abandoned(self, state: ReqState) -> None:
         if self.rid_to_state.get(state.rid) is state:
             logger.warning("No final output for aborted request %s; finishing it locally", state.rid)
-            self._finish(state, {"type": "abort", "message": "Aborted by request.", "status_code": None})
+            self._finish(state, FinishAbort("Aborted by request."))
             self._update_load_metrics()
 
     @property
@@ -481,9 +483,7 @@ class TokenizerManager:
         """The scheduler dropped a request without a final output for it."""
         state = self.rid_to_state.get(msg.rid)
         if state is not None:
-            self._finish(
-                state, {"type": "abort", "message": "Aborted by the scheduler.", "status_code": None}
-            )
+            self._finish(state, FinishAbort("Aborted by the scheduler."))
             self._update_load_metrics()  # the in-flight gauges must not keep a finished request
 
     def _on_control_output(self, msg: Any) -> None:
@@ -493,7 +493,7 @@ class TokenizerManager:
             if not future.done():
                 future.set_result(msg)
 
-    def _finish(self, state: ReqState, reason: dict[str, Any]) -> None:
+    def _finish(self, state: ReqState, reason: FinishReason) -> None:
         if self.rid_to_state.get(state.rid) is not state:
             return  # already finished (the rid may since belong to a new request)
         del self.rid_to_state[state.rid]
@@ -504,7 +504,7 @@ class TokenizerManager:
                 state.prompt_tokens or len(state.input_ids),
                 state.cached_tokens,
                 time.perf_counter() - state.created_time,
-                aborted=reason.get("type") == "abort",
+                aborted=isinstance(reason, FinishAbort),
                 dp_rank=state.dp_rank,
             )
             if state.spec is not None:

@@ -300,7 +300,7 @@ class OutputProcessor:
         aborted = [isinstance(r.finished_reason, FinishAbort) for r in reqs]
         return BatchEmbeddingOut(
             rids=[r.rid for r in reqs],
-            finished_reasons=[r.finished_reason.to_json() if r.finished_reason else {} for r in reqs],
+            finished_reasons=[r.finished_reason for r in reqs],  # collected once finished
             embeddings=[None if a else r.embedding for r, a in zip(reqs, aborted)],
             prompt_tokens=[len(r.origin_input_ids) for r in reqs],
             cached_tokens=[r.cached_tokens for r in reqs],
@@ -328,7 +328,7 @@ class OutputProcessor:
         any_logprob = any(r.return_logprob for r in reqs)
         return BatchTokenIDOut(
             rids=[r.rid for r in reqs],
-            finished_reasons=[r.finished_reason.to_json() if r.finished_reason else None for r in reqs],
+            finished_reasons=[r.finished_reason for r in reqs],
             output_ids=output_ids,
             prompt_tokens=[len(r.origin_input_ids) for r in reqs],
             completion_tokens=[len(r.output_ids) for r in reqs],

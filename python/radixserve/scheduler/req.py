@@ -7,57 +7,22 @@ DECODING -> WAITING on retraction/preemption and any state -> FINISHED on abort.
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.managers.io_struct import (
+    FinishAbort,
+    FinishLength,
+    FinishMatchedStr,
+    FinishMatchedToken,
+    FinishReason,
+)
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.base_cache import BasePrefixCache
-
-
-# ------------------------------------------------------------------------------- finish reasons
-@dataclass(frozen=True)
-class FinishReason(ABC):
-    @abstractmethod
-    def to_json(self) -> dict[str, Any]:
-        """The finish reason as it crosses processes: {"type": ..., ...}."""
-
-
-@dataclass(frozen=True)
-class FinishLength(FinishReason):
-    length: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "length", "length": self.length}
-
-
-@dataclass(frozen=True)
-class FinishMatchedToken(FinishReason):
-    matched: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True)
-class FinishMatchedStr(FinishReason):
-    matched: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True)
-class FinishAbort(FinishReason):
-    message: str = "Aborted."
-    status_code: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "abort", "message": self.message, "status_code": self.status_code}
 
 
 def first_stop(text: str, stops: list[str], ends_after: int = 0) -> str | None:
