@@ -523,17 +523,3 @@ class TokenizerManager:
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
-    ) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("The model has no chat template; pass --chat-template.")
-        prompt = self.tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-        )
-        # The template already holds BOS and friends; adding them again would duplicate them.
-        return self.tokenize(prompt, add_special_tokens=False)

@@ -160,10 +160,6 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    @property
-    def seqlen(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
-
     def holds_kv(self) -> bool:
         return self.req_pool_idx is not None
 
