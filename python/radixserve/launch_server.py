@@ -30,7 +30,7 @@ from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.drain import Drain, DrainingServer, DrainMiddleware
 from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.http_server import ServerState, create_app
-from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
+from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
 from radixserve.server_args import ServerArgs, prepare_server_args
@@ -182,7 +182,7 @@ def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | Non
     logging.basicConfig(
         level=server_args.log_level.upper(), format="[%(asctime)s %(processName)s] %(levelname)s %(message)s"
     )
-    server_args = resolve_model_path(server_args.resolve())
+    server_args = server_args.resolve()
     if server_args.node_rank > 0:
         # Not node 0: this node's ranks and a health endpoint; node 0 serves the API.
         from radixserve.entrypoints.headless_node import HeadlessNode

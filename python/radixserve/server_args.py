@@ -526,6 +526,11 @@ class ServerArgs:
         updates["load_balance_method"] = resolve_load_balance_method(
             self.load_balance_method, self.disaggregation_mode
         )
+        from radixserve.model_loader.default_model import resolve_model_path
+
+        # Last: the choices above read the path as typed ("default", a GGUF file). The built-in
+        # model's folder (converted on first use) or a GGUF file's conversion replaces it here.
+        updates["model_path"] = resolve_model_path(self.model_path)
         resolved = dataclasses.replace(self, **updates)
         resolved.validate()
         logger.info(

@@ -106,7 +106,7 @@ class SchedulerRun:
                     top = zip(msg.input_top_logprobs_val[i], msg.input_top_logprobs_idx[i])
                     self.input_top.setdefault(rid, []).extend(list(zip(v, t)) for v, t in top)
                 if msg.finished_reasons[i] is not None:
-                    self.finished[rid] = msg.finished_reasons[i]
+                    self.finished[rid] = msg.finished_reasons[i].to_json()
         self._seen = len(self.sent)
 
     def run_until_idle(self, max_steps: int = 20_000) -> int:

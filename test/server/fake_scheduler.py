@@ -25,6 +25,9 @@ from radixserve.managers.io_struct import (
     BatchTokenIDOut,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    FinishAbort,
+    FinishLength,
+    FinishReason,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -35,6 +38,8 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     rid_matches,
 )
+from radixserve.managers.tokenizer_manager import load_tokenizer
+from radixserve.scheduler.req import Req
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
 
@@ -55,7 +60,8 @@ class FakeReq:
     cached_tokens: int
     output_ids: list[int] = field(default_factory=list)
     reported: int = 0  # output tokens already sent
-    finished_reason: dict | None = None
+    finished_reason: FinishReason | None = None
+    rule: Req | None = None  # the real scheduler's finish rule (length, stop tokens, stop strings)
 
 
 class FakeScheduler:
@@ -71,6 +77,7 @@ class FakeScheduler:
         self.aborted: list[str] = []
         self.num_received = 0
         self.control = FakeControl()
+        self.tokenizer = load_tokenizer(server_args)  # the scheduler matches stop strings
 
     def loop(self) -> None:
         while True:
@@ -96,7 +103,7 @@ class FakeScheduler:
             for rid, r in self.running.items():
                 if msg.abort_all or rid_matches(rid, msg.rid):
                     self.aborted.append(rid)
-                    r.finished_reason = {"type": "abort", "message": "Aborted.", "status_code": None}
+                    r.finished_reason = FinishAbort("Aborted.")
         elif isinstance(msg, FlushCacheReqInput):
             self.seen_prompts.clear()
             self.to_tm.send_pyobj(FlushCacheReqOutput(success=not self.running))
@@ -121,7 +128,7 @@ class FakeScheduler:
         self.to_tm.send_pyobj(
             BatchEmbeddingOut(
                 rids=[r.rid for r in reqs],
-                finished_reasons=[{"type": "length", "length": 0} for _ in reqs],
+                finished_reasons=[FinishLength(0) for _ in reqs],
                 embeddings=[
                     [-1.0] * len(r.label_token_ids) if r.label_token_ids else [1.0, 0.0] for r in reqs
                 ],
@@ -135,12 +142,10 @@ class FakeScheduler:
         cached = max((_common_prefix(req.input_ids, p) for p in self.seen_prompts), default=0)
         self.seen_prompts.append(list(req.input_ids))
         fake = FakeReq(req, min(cached, len(req.input_ids) - 1))
+        fake.rule = Req(req.rid, req.input_ids, req.sampling_params, tokenizer=self.tokenizer)
+        fake.rule.output_ids = fake.output_ids
         if self.max_queued is not None and len(self.running) >= self.max_queued:
-            fake.finished_reason = {
-                "type": "abort",
-                "message": "The request queue is full.",
-                "status_code": 503,
-            }
+            fake.finished_reason = FinishAbort("The request queue is full.", 503)
         self.running[req.rid] = fake
 
     def step(self) -> None:
@@ -158,15 +163,13 @@ class FakeScheduler:
     def decode_one(self, r: FakeReq) -> None:
         params = r.req.sampling_params
         if len(r.output_ids) >= params.max_new_tokens:
-            r.finished_reason = {"type": "length", "length": len(r.output_ids)}
+            r.finished_reason = FinishLength(len(r.output_ids))
             return
         ids = r.req.input_ids
         tok = ids[len(r.output_ids) % len(ids)]
         r.output_ids.append(tok)
-        if tok in (params.stop_token_ids or ()):
-            r.finished_reason = {"type": "stop", "matched": tok}
-        elif len(r.output_ids) >= params.max_new_tokens:
-            r.finished_reason = {"type": "length", "length": len(r.output_ids)}
+        r.rule.check_finished()
+        r.finished_reason = r.rule.finished_reason
 
     def batch_out(self, reqs: list[FakeReq]) -> BatchTokenIDOut:
         new = [r.output_ids[r.reported :] for r in reqs]

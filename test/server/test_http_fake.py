@@ -101,6 +101,32 @@ def test_stop_token_and_no_stop_trim(url: str) -> None:
     assert out["text"] == "Hello wor"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_have_one_authority(url: str, stream: bool) -> None:
+    """The scheduler ends the request at the stop string a token completes (here "o" once
+    min_new_tokens allows it) and the detokenizer cuts the text there: the same text streamed or
+    whole, one finish, no AbortReq back to the scheduler. Had the detokenizer matched too, the whole
+    text would end at the first "o"; had neither, the output would run to max_new_tokens."""
+    ids = httpx.post(f"{url}/v1/tokenize", json={"prompt": "Hello world, the fox"}).json()["tokens"]
+    first_o = next(k for k in range(len(ids)) if "o" in detok(url, ids[: k + 1]))
+    rid = f"one-authority-{stream}"
+    params = {"max_new_tokens": 40, "stop": ["o"], "min_new_tokens": first_o + 2}
+    body = {"input_ids": ids, "stream": stream, "rid": rid, "sampling_params": params}
+    if stream:
+        with httpx.stream("POST", f"{url}/generate", json=body) as resp:
+            chunks = [json.loads(e) for e in sse_events(resp)[:-1]]
+        text, last = chunks[-1]["text"], chunks[-1]  # native streams carry the text so far
+        assert sum(c["meta_info"]["finish_reason"] is not None for c in chunks) == 1
+    else:
+        last = httpx.post(f"{url}/generate", json=body).json()
+        text = last["text"]
+    assert text == "Hello w"
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": "o"}
+    expected_tokens = next(k for k in range(first_o + 2, len(ids) + 1) if detok(url, ids[:k]).count("o") == 2)
+    assert last["meta_info"]["completion_tokens"] == expected_tokens
+    assert rid not in httpx.get(f"{url}/get_server_info").json()["internal_states"][0]["aborted_rids"]
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -61,7 +61,7 @@ class Harness:
                     self.logprobs.setdefault(rid, []).extend(msg.output_token_logprobs_val[i])
                     self.input_logprobs.setdefault(rid, []).extend(msg.input_token_logprobs_val[i])
                 if msg.finished_reasons[i] is not None:
-                    self.finished[rid] = msg.finished_reasons[i]
+                    self.finished[rid] = msg.finished_reasons[i].to_json()
         self._seen = len(self.sent)
 
     def run_until_idle(self, max_steps: int = 10_000) -> int:

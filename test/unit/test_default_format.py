@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from radixserve.layers import group_quant
+from radixserve.model_loader import gguf_source
 from radixserve.server_args import ServerArgs, prepare_server_args
 
 LOGGER = "radixserve.configs.default_format"
@@ -42,13 +43,15 @@ def test_unquant_serves_fp32(with_wq_kernel) -> None:
     )
 
 
-def test_other_models_are_untouched(with_wq_kernel, tiny_llama_path, tmp_path) -> None:
+def test_other_models_are_untouched(with_wq_kernel, tiny_llama_path, tmp_path, monkeypatch) -> None:
     assert _resolve(model_path=tiny_llama_path).quantization is None
     # The built-in model's converted folder named as a path is a --model-path like any other.
     assert _resolve(model_path=str(tmp_path)).quantization is None
     # A .gguf path selects gguf by SGLang's rule (load format gguf), not by this default.
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + bytes(60))
+    # resolve() also converts the file into the folder it loads: not this stand-in's business.
+    monkeypatch.setattr(gguf_source, "ensure_gguf_converted", lambda p: f"{p}.converted")
     args = _resolve(model_path=str(path))
     assert (args.quantization, args.load_format) == ("gguf", "gguf")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -15,7 +16,9 @@ from radixserve.managers.detokenizer import (
     TokenDecoder,
 )
 from radixserve.managers.detokenizer_manager import PARTIAL_CHAR_DROPPED, DetokenizerManager
-from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.managers.io_struct import BatchTokenIDOut, FinishLength, FinishReason
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.scheduler.req import FinishMatchedStr, Req, first_stop
 
 CORPUS = [
     "Hello world, this is a small test corpus for a tiny tokenizer.",
@@ -136,10 +139,18 @@ def test_per_token_decode_work_is_bounded(tokenizer: PreTrainedTokenizerFast) ->
 def run_matcher(
     chunks: list[str], stop: list[str], no_stop_trim: bool = False
 ) -> tuple[list[str], str | None]:
+    """Drives the matcher as the detokenizer does: each chunk stands for one token, and the stop
+    string it completes is the one the scheduler's rule (`first_stop`) reports."""
     matcher = StopStringMatcher(stop, no_stop_trim)
-    out = [matcher.feed(c) for c in chunks]
-    if matcher.matched is None:
-        out.append(matcher.flush())
+    out, seen = [], ""
+    for chunk in chunks:
+        hit = first_stop(seen + chunk, stop, ends_after=len(seen))
+        seen += chunk
+        if hit is not None:
+            out.append(matcher.cut("", chunk, hit))
+            return out, matcher.matched
+        out.append(matcher.feed(chunk))
+    out.append(matcher.feed("", final=True))
     return out, matcher.matched
 
 
@@ -170,16 +181,41 @@ def test_earliest_and_overlapping_stops() -> None:
     assert (matched, "".join(out)) == ("234", "1")
 
 
+def scheduler_req(tokenizer: PreTrainedTokenizerFast, stop: list[str], min_new_tokens: int = 0) -> Req:
+    """The scheduler's side of a request: its `check_finished` is the one stop-string authority."""
+    params = SamplingParams(max_new_tokens=1000, min_new_tokens=min_new_tokens, stop=stop)
+    return Req("r", [0], params, tokenizer=tokenizer)
+
+
+def run_stream(
+    tokenizer: PreTrainedTokenizerFast, ids: list[int], stop: list[str], min_new_tokens: int = 0
+) -> tuple[list[str], DecodeState]:
+    """One token per step: the scheduler checks it, the detokenizer streams what it may."""
+    req = scheduler_req(tokenizer, stop, min_new_tokens)
+    state = DecodeState(TokenDecoder(tokenizer), stop, no_stop_trim=False)
+    streamed = []
+    for i, tok in enumerate(ids):
+        req.output_ids.append(tok)
+        req.check_finished()
+        reason = req.finished_reason
+        matched = reason.matched if isinstance(reason, FinishMatchedStr) else None
+        final = reason is not None or i == len(ids) - 1
+        streamed.append(state.step([tok], finished=final, matched_stop=matched))
+        if final:
+            break
+    return streamed, state
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_stop_strings_over_token_stream(tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
     rng = random.Random(seed)
     text = rng.choice(CORPUS)
     stop = text[rng.randrange(5, len(text) - 5) :][: rng.randint(1, 6)]
-    state = DecodeState(TokenDecoder(tokenizer), [stop], no_stop_trim=False)
     ids = tokenizer.encode(text)
+    pieces, state = run_stream(tokenizer, ids, [stop])
     streamed = ""
-    for i, tok in enumerate(ids):
-        streamed += state.step([tok], finished=i == len(ids) - 1)
+    for piece in pieces:
+        streamed += piece
         assert stop not in streamed
     assert state.matched_stop == stop
     assert streamed == text[: text.index(stop)]
@@ -191,13 +227,13 @@ def test_stop_strings_wait_for_min_new_tokens(tokenizer: PreTrainedTokenizerFast
     ids = tokenizer.encode(" one, two, three, four")
     comma = [i for i, t in enumerate(ids) if "," in tokenizer.decode([t])]
     assert len(comma) == 3
-    state = DecodeState(TokenDecoder(tokenizer), [","], no_stop_trim=False, min_new_tokens=comma[0] + 2)
-    streamed = "".join(state.step([t], finished=i == len(ids) - 1) for i, t in enumerate(ids))
+    pieces, state = run_stream(tokenizer, ids, [","], min_new_tokens=comma[0] + 2)
+    streamed = "".join(pieces)
     assert state.matched_stop == ","
     assert streamed == " one, two"  # the first comma came too early; the second one stops
 
 
-def token_id_out(rid: str, ids: list[int], reason: dict | None) -> BatchTokenIDOut:
+def token_id_out(rid: str, ids: list[int], reason: FinishReason | None) -> BatchTokenIDOut:
     return BatchTokenIDOut(
         rids=[rid],
         finished_reasons=[reason],
@@ -217,16 +253,77 @@ def test_finish_reason_says_a_cut_character_was_dropped(tokenizer: PreTrainedTok
     finish reason: the dropped character is named there, never sent as U+FFFD."""
     ids = (tokenizer.encode("ok ") + tokenizer.encode("😀"))[:-1]  # max_tokens cut inside the emoji
     length = {"type": "length", "length": len(ids)}
+    cut = FinishLength(len(ids))
     manager = DetokenizerManager(tokenizer)
     streamed, reason = "", None
     for i, tok in enumerate(ids):
-        out, _ = manager.handle(token_id_out("s", [tok], length if i == len(ids) - 1 else None))
+        out = manager.handle(token_id_out("s", [tok], cut if i == len(ids) - 1 else None))
         if out is not None:
             streamed += out.output_strs[0]
-            reason = out.finished_reasons[0]
-    whole, _ = manager.handle(token_id_out("w", ids, length))
+            reason = out.finished_reasons[0] and out.finished_reasons[0].to_json()
+    whole = manager.handle(token_id_out("w", ids, cut))
     assert whole is not None
     assert streamed == whole.output_strs[0] == "ok "
-    assert reason == whole.finished_reasons[0] == {**length, PARTIAL_CHAR_DROPPED: True}
-    complete, _ = manager.handle(token_id_out("c", tokenizer.encode("ok 😀"), length))
-    assert complete is not None and complete.finished_reasons[0] == length
+    assert reason == whole.finished_reasons[0].to_json() == {**length, PARTIAL_CHAR_DROPPED: True}
+    complete = manager.handle(token_id_out("c", tokenizer.encode("ok 😀"), cut))
+    assert complete is not None and complete.finished_reasons[0].to_json() == length
+
+
+def run_manager(tokenizer: PreTrainedTokenizerFast, ids: list[int], req: Req, stream: bool) -> list[tuple]:
+    """The scheduler (`req`) and a DetokenizerManager, one token per step; a non-streaming request
+    reaches the detokenizer once, with its whole output. Returns (text, finish reason) per message."""
+    manager, sent, outs = DetokenizerManager(tokenizer), 0, []
+    for tok in ids:
+        req.output_ids.append(tok)
+        req.check_finished()
+        reason = req.finished_reason
+        if stream or reason is not None:
+            msg = replace(token_id_out("r", req.output_ids[sent:], reason), stop_strs=[req.stop_strs])
+            out = manager.handle(msg)
+            outs.append((out.output_strs[0], out.finished_reasons[0] and out.finished_reasons[0].to_json()))
+            sent = len(req.output_ids)
+        if reason is not None:
+            break
+    return outs
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_one_stop_string_authority_streaming_and_whole(
+    tokenizer: PreTrainedTokenizerFast, stream: bool
+) -> None:
+    """The scheduler decides where a stop string ends the output; the detokenizer cuts exactly
+    there. If the detokenizer matched on its own too, the whole output would be cut at the early
+    comma (before min_new_tokens); if neither matched, the output would run to the end."""
+    ids = tokenizer.encode(" one, two, three, four")
+    comma = [i for i, t in enumerate(ids) if "," in tokenizer.decode([t])]
+    outs = run_manager(tokenizer, ids, scheduler_req(tokenizer, [","], min_new_tokens=comma[0] + 2), stream)
+    assert "".join(text for text, _ in outs) == " one, two"
+    assert [reason for _, reason in outs if reason is not None] == [{"type": "stop", "matched": ","}]
+    assert len(outs) == (comma[1] + 1 if stream else 1)
+
+
+def test_a_stop_string_the_scheduler_did_not_report_is_text(tokenizer: PreTrainedTokenizerFast) -> None:
+    """The detokenizer never ends a request: a complete stop string the scheduler did not report
+    streams through, and the request goes on."""
+    ids = tokenizer.encode("Hello world, the quick")
+    manager = DetokenizerManager(tokenizer)
+    texts = []
+    for tok in ids:
+        msg = replace(token_id_out("r", [tok], None), stop_strs=[["world"]])
+        out = manager.handle(msg)
+        assert out.finished_reasons == [None]
+        texts.append(out.output_strs[0])
+    assert "".join(texts) == "Hello world, the quick" and "r" in manager.states
+
+
+@pytest.mark.parametrize("stop", ["😀", "日本語", "€ £"])
+def test_scheduler_matches_stop_strings_spanning_more_tokens_than_characters(
+    tokenizer: PreTrainedTokenizerFast, stop: str
+) -> None:
+    """A byte-level tokenizer splits a multi-byte character into several tokens: the scheduler's
+    window counts bytes, so such a stop string is still caught where it completes (with a window
+    counted in characters, the last two miss it here)."""
+    text = f"ok {stop} and more text"
+    ids = tokenizer.encode(text)
+    pieces, state = run_stream(tokenizer, ids, [stop])
+    assert state.matched_stop == stop and "".join(pieces) == "ok "

@@ -12,7 +12,7 @@ import torch
 from radixserve.configs.pooling import EmbeddingConfig, PoolingType
 from radixserve.entrypoints.embedding_routes import embeddings_body
 from radixserve.entrypoints.openai.embedding_protocol import EmbeddingResponse
-from radixserve.managers.io_struct import BatchEmbeddingOut
+from radixserve.managers.io_struct import BatchEmbeddingOut, FinishLength
 from radixserve.model_executor.embedding_outputs import embedding_outputs
 
 HIDDEN = 576
@@ -34,7 +34,7 @@ def test_vectors_cross_the_pipe_as_float32_bytes():
         assert np.array_equal(np.asarray(got, dtype=np.float32), want.numpy())
     msg = BatchEmbeddingOut(
         rids=[f"r{i}" for i in range(len(LENS))],
-        finished_reasons=[{"type": "length", "length": 0}] * len(LENS),
+        finished_reasons=[FinishLength(0)] * len(LENS),
         embeddings=vectors,
         prompt_tokens=LENS,
         cached_tokens=[0] * len(LENS),

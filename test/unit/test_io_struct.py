@@ -24,7 +24,7 @@ MESSAGES = [
     io.GetInternalStateReqOutput({"num_running_reqs": 1, "token_usage": 0.5}),
     io.BatchTokenIDOut(
         rids=["a", "b"],
-        finished_reasons=[None, {"type": "stop", "matched": 2}],
+        finished_reasons=[None, io.FinishMatchedToken(2)],
         output_ids=[[1], [2, 3]],
         prompt_tokens=[3, 4],
         completion_tokens=[1, 2],
@@ -42,7 +42,7 @@ MESSAGES = [
     ),
     io.BatchStrOut(
         rids=["a"],
-        finished_reasons=[{"type": "abort", "message": "m", "status_code": 503}],
+        finished_reasons=[io.FinishAbort("m", 503, partial_char_dropped=True)],
         output_strs=["hello"],
         output_ids=[[5]],
         prompt_tokens=[1],
@@ -57,7 +57,13 @@ def test_pickle_round_trip(msg):
     assert pickle.loads(pickle.dumps(msg)) == msg
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+# msgspec decodes a union of dataclasses only as tagged msgspec Structs, so the messages carrying
+# typed FinishReason objects are pickle-only (ZMQ send_pyobj: pickle is the wire format).
+@pytest.mark.parametrize(
+    "msg",
+    [m for m in MESSAGES if not hasattr(m, "finished_reasons")],
+    ids=lambda m: type(m).__name__,
+)
 def test_msgspec_round_trip(msg):
     data = msgspec.msgpack.encode(msg)
     assert msgspec.msgpack.decode(data, type=type(msg)) == msg

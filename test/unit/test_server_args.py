@@ -1,4 +1,5 @@
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +187,16 @@ def test_quantization_cli_and_sglang_no_op_name():
     # test_default_format.py's); SGLang's explicit "none" serves fp32 for every model.
     assert ServerArgs(device="cpu", model_path="/models/m").resolve().quantization is None
     assert ServerArgs(device="cpu", quantization="unquant").resolve().quantization is None
+
+
+def test_resolve_makes_the_model_path_final(monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve() replaces no path or "default" by the built-in model's folder and expands "~",
+    after reading the path as typed (the built-in model's CPU format): nothing rewrites it later."""
+    import radixserve.model_loader.default_model as default_model
+
+    monkeypatch.setattr(default_model, "ensure_default_model", lambda: "/cache/builtin")
+    for typed in (None, "default"):
+        resolved = ServerArgs(device="cpu", model_path=typed).resolve()
+        assert resolved.model_path == "/cache/builtin" and resolved.quantization == "gguf"
+        assert resolved.resolve().model_path == "/cache/builtin"
+    assert ServerArgs(device="cpu", model_path="~/m").resolve().model_path == os.path.expanduser("~/m")

@@ -368,14 +368,14 @@ def test_meta_info_and_metrics_from_the_scheduler_counters():
     import asyncio
 
     from radixserve.managers.generate_request import RequestItem
-    from radixserve.managers.io_struct import BatchStrOut
+    from radixserve.managers.io_struct import BatchStrOut, FinishLength
     from radixserve.managers.output_applier import apply_batch_str_out
     from radixserve.managers.req_state import ReqState, build_output
     from radixserve.utils.metrics import ServerMetrics
 
     msg = BatchStrOut(
         rids=["a"],
-        finished_reasons=[{"type": "length", "length": 9}],
+        finished_reasons=[FinishLength(9)],
         output_strs=["x"],
         output_ids=[[5] * 9],
         prompt_tokens=[3],

@@ -13,6 +13,7 @@ from radixserve.layers.weight_only import (
     quantize_int8wo,
     quantize_weight_only,
 )
+from radixserve.model_loader import gguf_source
 from radixserve.server_args import ServerArgs, prepare_server_args
 
 
@@ -108,9 +109,11 @@ def test_weight_only_args_are_checked_at_start(kwargs: dict, message: str) -> No
         ServerArgs(**{"device": "cpu", **kwargs}).resolve()
 
 
-def test_a_gguf_model_path_selects_gguf_as_sglang_does(tmp_path) -> None:
+def test_a_gguf_model_path_selects_gguf_as_sglang_does(tmp_path, monkeypatch) -> None:
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + bytes(60))
+    # resolve() also converts the file into the folder it loads: not this stand-in's business.
+    monkeypatch.setattr(gguf_source, "ensure_gguf_converted", lambda p: f"{p}.converted")
     args = ServerArgs(device="cpu", model_path=str(path)).resolve()
     assert (args.quantization, args.load_format) == ("gguf", "gguf")
     # Asking for no quantization serves the file dequantized to fp32; a torchao config quantizes that.

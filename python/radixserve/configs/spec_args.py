@@ -82,6 +82,19 @@ def validate_speculative(args: ServerArgs) -> None:
         return
     if algo not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+    _check_draft_source(args, algo)
+    _check_tree_shape(args, algo)
+    _check_ngram(args)
+    if args.pp_size > 1:
+        raise ValueError("--speculative-algorithm is not supported with --pp-size > 1")
+    if args.disaggregation_mode != "null":
+        raise ValueError("--speculative-algorithm is not supported with --disaggregation-mode yet")
+    if args.is_embedding:
+        raise ValueError("--speculative-algorithm applies to generation; drop it with --is-embedding")
+
+
+def _check_draft_source(args: ServerArgs, algo: str) -> None:
+    """Where the drafts come from: a head, a draft model, the target's first layers, n-grams."""
     if algo in ("EAGLE", "EAGLE3"):
         if not args.speculative_draft_model_path:
             raise ValueError(
@@ -107,6 +120,10 @@ def validate_speculative(args: ServerArgs) -> None:
             )
     if algo == "NGRAM" and args.speculative_draft_layers:
         raise ValueError("--speculative-draft-layers applies to STANDALONE, not NGRAM")
+
+
+def _check_tree_shape(args: ServerArgs, algo: str) -> None:
+    """Chains or trees, and how many draft tokens a verify step holds."""
     topk = args.speculative_eagle_topk
     if topk is not None and topk < 1:
         raise ValueError(f"--speculative-eagle-topk must be >= 1, got {topk}")
@@ -140,6 +157,9 @@ def validate_speculative(args: ServerArgs) -> None:
             )
     if args.speculative_num_draft_tokens is not None and args.speculative_num_draft_tokens < 2:
         raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token plus one draft)")
+
+
+def _check_ngram(args: ServerArgs) -> None:
     lo, hi = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
     if not 1 <= lo <= hi:
         raise ValueError(
@@ -153,9 +173,3 @@ def validate_speculative(args: ServerArgs) -> None:
         )
     if args.speculative_ngram_capacity < 1:
         raise ValueError("--speculative-ngram-capacity must be >= 1")
-    if args.pp_size > 1:
-        raise ValueError("--speculative-algorithm is not supported with --pp-size > 1")
-    if args.disaggregation_mode != "null":
-        raise ValueError("--speculative-algorithm is not supported with --disaggregation-mode yet")
-    if args.is_embedding:
-        raise ValueError("--speculative-algorithm applies to generation; drop it with --is-embedding")

@@ -16,7 +16,7 @@ import numpy as np
 
 from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.rpc_client import RpcClient
-from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses, resolve_model_path
+from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers import io_struct as io
 from radixserve.managers import scoring
@@ -47,7 +47,7 @@ class Engine:
     def __init__(
         self, model_path: str | None = None, scheduler_entry: SchedulerEntry | None = None, **kwargs: Any
     ) -> None:
-        self.server_args = resolve_model_path(ServerArgs(model_path=model_path, **kwargs).resolve())
+        self.server_args = ServerArgs(model_path=model_path, **kwargs).resolve()
         self._port_args = PortArgs.create()
         children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry)
         self._loop = asyncio.new_event_loop()

@@ -103,8 +103,15 @@ async def _native_chunks(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterato
 
 
 def _add_native_routes(app: FastAPI, state: ServerState) -> None:
-    tm = state.tm
+    _add_health_routes(app, state)
+    _add_generate_route(app, state.tm)
+    _add_info_routes(app, state)
+    _add_cache_routes(app, state.tm)
+    if state.tm.metrics is not None:
+        _add_metrics_route(app, state)
 
+
+def _add_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         if state.dead:
@@ -121,9 +128,11 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
             return restarting_response(state)
         if state.dead or not state.ready:
             return error_response(503, "The server is not ready.")
-        failure = await generation_failure(tm)
+        failure = await generation_failure(state.tm)
         return _text() if failure is None else error_response(503, failure)
 
+
+def _add_generate_route(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/generate")
     @app.put("/generate")  # as SGLang; PUT is never a simple cross-site request
     async def generate(request: Request) -> Response:
@@ -135,6 +144,10 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         for out in [result] if isinstance(result, dict) else result:
             raise_if_failed(out)  # an abort with an HTTP status (queue full, dead child) is an error
         return Response(orjson.dumps(result), media_type="application/json")
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    tm = state.tm
 
     @app.get("/get_model_info")
     @app.get("/model_info")  # the name the SGLang Model Gateway asks first
@@ -168,6 +181,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
             return restarting_response(state)
         return JSONResponse(await tm.get_load())
 
+
+def _add_cache_routes(app: FastAPI, tm: TokenizerManager) -> None:
     # POST only (SGLang also answers GET): any page can make a browser GET a URL (an <img> tag).
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -183,18 +198,20 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         tm.abort_request(body.rid or None, abort_all=body.abort_all)
         return _text()
 
-    if tm.metrics is not None:
-        metrics = tm.metrics
 
-        @app.get("/metrics")
-        async def get_metrics() -> Response:
-            if metrics.dp_size > 1 and not (state.dead or state.restarting):
-                # Each replica reports its own queue, as each SGLang scheduler exports its gauges.
-                try:
-                    metrics.set_replica_loads(await tm.get_load())
-                except RequestAbortedError as exc:  # a replica is stuck: serve the last gauges
-                    logger.warning("/metrics: no load report from every replica (%s)", exc)
-            return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+def _add_metrics_route(app: FastAPI, state: ServerState) -> None:
+    tm, metrics = state.tm, state.tm.metrics
+    assert metrics is not None
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        if metrics.dp_size > 1 and not (state.dead or state.restarting):
+            # Each replica reports its own queue, as each SGLang scheduler exports its gauges.
+            try:
+                metrics.set_replica_loads(await tm.get_load())
+            except RequestAbortedError as exc:  # a replica is stuck: serve the last gauges
+                logger.warning("/metrics: no load report from every replica (%s)", exc)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:

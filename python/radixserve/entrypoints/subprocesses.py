@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -15,16 +14,6 @@ logger = logging.getLogger(__name__)
 
 SchedulerEntry = Callable[..., None]  # run(server_args, port_args, pipe)
 STARTUP_TIMEOUT_S = 600.0  # the first start converts the default model's weights
-
-
-def resolve_model_path(server_args: ServerArgs) -> ServerArgs:
-    """Replace an empty / "default" --model-path by the converted default model's folder."""
-    from radixserve.model_loader.default_model import resolve_model_path as resolve_path
-
-    resolved = resolve_path(server_args.model_path)
-    if resolved == server_args.model_path:
-        return server_args
-    return dataclasses.replace(server_args, model_path=resolved)
 
 
 def default_scheduler_entry() -> SchedulerEntry:

@@ -125,11 +125,12 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Finds stop strings in streamed text without ever emitting part of one.
+    """Keeps stop strings out of the streamed text; the scheduler decides which one ended it.
 
-    The longest suffix of the text that is a prefix of some stop string is withheld until later
-    text resolves it. Invariant: the emitted text never ends with a proper prefix of a stop
-    string, so a match always starts inside the withheld buffer and only the buffer is searched.
+    The longest suffix of the text that is a proper prefix of some stop string is withheld until
+    later text resolves it, so a stream never shows part of a stop string. When the scheduler
+    reports that the newest token completed a stop string, `cut` ends the text at that occurrence.
+    A complete stop string the scheduler did not report (before min_new_tokens) is plain text.
     """
 
     def __init__(self, stop: Sequence[str] | None, no_stop_trim: bool = False) -> None:
@@ -138,34 +139,23 @@ class StopStringMatcher:
         self.pending = ""
         self.matched: str | None = None
 
-    def feed(self, text: str) -> str:
-        """Add text; return what may be emitted now. After a match, further text is dropped."""
-        if self.matched is not None:
-            return ""
-        if not self.stops:
-            return text
+    def feed(self, text: str, final: bool = False) -> str:
+        """Add text; return what may be emitted now (all of it once `final`)."""
         buf = self.pending + text
-        hit = self._earliest_match(buf)
-        if hit is not None:
-            pos, stop = hit
-            self.matched, self.pending = stop, ""
-            return buf[: pos + len(stop)] if self.no_stop_trim else buf[:pos]
-        keep = self._held_suffix_len(buf)
+        keep = 0 if final else self._held_suffix_len(buf)
         self.pending = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
-    def flush(self) -> str:
-        """Release withheld text once the request ended for another reason (EOS, length)."""
-        out, self.pending = self.pending, ""
-        return out
-
-    def _earliest_match(self, buf: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for stop in self.stops:  # longest first, so on equal positions the longest wins
-            pos = buf.find(stop)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        return best
+    def cut(self, head: str, newest: str, stop: str) -> str:
+        """The final text: `head` then `newest` (the newest token's text), cut at the first
+        occurrence of the reported `stop` that ends in `newest`."""
+        buf = self.pending + head + newest
+        self.pending = ""
+        pos = buf.find(stop, max(len(buf) - len(newest) - len(stop) + 1, 0))
+        if pos < 0:  # the scheduler's decode holds it but this text does not (skipped specials)
+            return buf
+        self.matched = stop
+        return buf[: pos + len(stop)] if self.no_stop_trim else buf[:pos]
 
     def _held_suffix_len(self, buf: str) -> int:
         longest = 0
@@ -178,18 +168,11 @@ class StopStringMatcher:
 
 
 class DecodeState:
-    """Everything the detokenizer keeps for one request: the text stream and its stop strings.
+    """Everything the detokenizer keeps for one request: the text stream and its stop strings."""
 
-    As in the scheduler, stop strings only count once `min_new_tokens` tokens exist: text of the
-    earlier steps streams unmatched and unwithheld; the step that reaches the minimum is matched."""
-
-    def __init__(
-        self, decode: DecodeFn, stop: Sequence[str] | None, no_stop_trim: bool, min_new_tokens: int = 0
-    ) -> None:
+    def __init__(self, decode: DecodeFn, stop: Sequence[str] | None, no_stop_trim: bool) -> None:
         self.detok = IncrementalDetokenizer(decode)
         self.matcher = StopStringMatcher(stop, no_stop_trim)
-        self.min_new_tokens = min_new_tokens
-        self.num_tokens = 0
 
     @property
     def matched_stop(self) -> str | None:
@@ -201,13 +184,10 @@ class DecodeState:
         string that ended the text earlier makes it moot)."""
         return self.detok.partial_char_dropped and self.matcher.matched is None
 
-    def step(self, new_ids: Sequence[int], finished: bool) -> str:
-        """Feed one step's tokens; return the text to stream. `finished` flushes held text."""
-        self.num_tokens += len(new_ids)
-        text = self.detok.append(new_ids, final=finished)
-        if self.num_tokens < self.min_new_tokens:
-            return text  # too early for a stop string to end the request
-        text = self.matcher.feed(text)
-        if finished and self.matcher.matched is None:
-            text += self.matcher.flush()
-        return text
+    def step(self, new_ids: Sequence[int], finished: bool, matched_stop: str | None = None) -> str:
+        """Feed one step's tokens; return the text to stream. `finished` flushes held text;
+        `matched_stop` is the stop string the scheduler found completed by the last of them."""
+        if matched_stop is None:
+            return self.matcher.feed(self.detok.append(new_ids, final=finished), final=finished)
+        head = self.detok.append(new_ids[:-1])
+        return self.matcher.cut(head, self.detok.append(new_ids[-1:], final=True), matched_stop)

@@ -1,4 +1,9 @@
-"""A generate call's items -> validated token ids: the TokenizerManager's CPU-heavy step.
+"""Every check a request meets after its body parsed, in one layer (400s with the reason).
+
+`expand_generate` refuses what the server cannot serve (the model kind, a replica it does not
+run); `prepare_items` turns a generate call's items into validated token ids, the TokenizerManager's
+CPU-heavy step (embedding items: `embedding_request.prepare_embedding_items`). The scheduler trusts
+what passed here.
 
 It runs on the TokenizerManager's tokenizer threads, never on the event loop: a prompt of a few
 megabytes takes about a second to tokenize (the tokenizer releases the GIL meanwhile), and /health
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.constrained.validation import validate_grammar
-from radixserve.managers.generate_request import RequestItem
+from radixserve.managers.generate_request import GenerateReqInput, RequestItem
 
 
 class InvalidRequestError(ValueError):
@@ -27,6 +32,53 @@ class ModelLimits:
     vocab_size: int
     context_len: int
     max_req_input_len: int
+    is_generation: bool = True
+    dp_size: int = 1
+    disaggregation_mode: str = "null"
+
+
+def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestItem]:
+    """The call's items (`expand` checks the body alone), refused if this model cannot generate
+    or a replica asked for does not exist; raises InvalidRequestError / ValueError (both 400)."""
+    if not limits.is_generation:
+        raise InvalidRequestError(
+            "This model is an embedding/classification model and cannot generate: use "
+            "/v1/embeddings, /encode or /classify."
+        )
+    items = obj.expand()
+    routed = items[0].routed_dp_rank if items else None
+    if routed is not None and routed >= limits.dp_size:
+        raise InvalidRequestError(
+            f"routed_dp_rank {routed} is out of range: the server runs {limits.dp_size} "
+            f"data-parallel replica(s) (--dp-size), ranks 0 to {limits.dp_size - 1}."
+        )
+    # On a prefill server the rank names one of its own replicas; on a decode server it names
+    # the prefill server's, which only its bootstrap server knows (checked there).
+    prefill_rank = items[0].disagg_prefill_dp_rank if items else None
+    if (
+        prefill_rank is not None
+        and limits.disaggregation_mode == "prefill"
+        and prefill_rank >= limits.dp_size
+    ):
+        raise InvalidRequestError(
+            f"disagg_prefill_dp_rank {prefill_rank} is out of range: this prefill server runs "
+            f"{limits.dp_size} data-parallel replica(s) (--dp-size), ranks 0 to {limits.dp_size - 1}."
+        )
+    return items
+
+
+def check_encode_kind(limits: ModelLimits, scoring: list[bool]) -> None:
+    """Plain embeddings need an embedding model, label scores a generation model (its LM head)."""
+    if any(scoring) and not limits.is_generation:
+        raise InvalidRequestError(
+            "Scoring label tokens needs a generation model (its next-token logits); this server "
+            "runs an embedding/classification model."
+        )
+    if not all(scoring) and limits.is_generation:
+        raise InvalidRequestError(
+            "This model is a generation model and does not serve embeddings: start the server "
+            "with --is-embedding (decoders trained for embeddings) or serve an embedding model."
+        )
 
 
 def prepare_items(tokenizer: Any, limits: ModelLimits, items: Sequence[RequestItem]) -> list[list[int]]:

@@ -8,15 +8,14 @@ their vectors go straight back to the TokenizerManager in a BatchEmbeddingOut (n
 
 All messages are frozen dataclasses with slots: cheap to build, safe to share between threads, and
 picklable (ZMQ `send_pyobj`). Batch messages are columnar: `rids[i]` and every other list's `[i]`
-describe the same request. Finish reasons are plain dicts so they serialize anywhere:
-
-    {"type": "stop", "matched": <token id (int) or stop string (str)>}
-    {"type": "length", "length": <number of output tokens>}
-    {"type": "abort", "message": <why>, "status_code": <HTTP status or None>}
+describe the same request. Finish reasons are the typed `FinishReason` classes below from the
+scheduler to the HTTP edge; only there do they become the native dict (`to_json`) or OpenAI's
+finish_reason string.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,7 +25,58 @@ from radixserve.managers.control_messages import *  # noqa: F403 - the control p
 from radixserve.managers.control_messages import ControlReq, Ordering, SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
-FinishReasonDict = dict[str, Any]
+# Native finish_reason key: the output ended inside a multi-byte character (left out of the text).
+PARTIAL_CHAR_DROPPED = "partial_char_dropped"
+
+
+@dataclass(frozen=True)
+class FinishReason(ABC):
+    """Why a request ended. The detokenizer may set `partial_char_dropped` (docs/http_api.md)."""
+
+    partial_char_dropped: bool = field(default=False, kw_only=True)
+
+    @abstractmethod
+    def _fields(self) -> dict[str, Any]: ...
+
+    def to_json(self) -> dict[str, Any]:
+        """The native API's finish_reason object: {"type": ..., ...}."""
+        out = self._fields()
+        if self.partial_char_dropped:
+            out[PARTIAL_CHAR_DROPPED] = True
+        return out
+
+
+@dataclass(frozen=True)
+class FinishLength(FinishReason):
+    length: int
+
+    def _fields(self) -> dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass(frozen=True)
+class FinishMatchedToken(FinishReason):
+    matched: int
+
+    def _fields(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
+class FinishMatchedStr(FinishReason):
+    matched: str
+
+    def _fields(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
+class FinishAbort(FinishReason):
+    message: str = "Aborted."
+    status_code: int | None = None
+
+    def _fields(self) -> dict[str, Any]:
+        return {"type": "abort", "message": self.message, "status_code": self.status_code}
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -162,7 +212,7 @@ class BatchTokenIDOut:
     """
 
     rids: list[str]
-    finished_reasons: list[FinishReasonDict | None]
+    finished_reasons: list[FinishReason | None]
     output_ids: list[list[int]]  # new output token ids per request
     prompt_tokens: list[int]
     completion_tokens: list[int]  # output tokens so far (all of them, not just the new ones)
@@ -171,9 +221,7 @@ class BatchTokenIDOut:
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
-    stop_strs: list[list[str]]  # stop strings the detokenizer trims from (and withholds in) text
-    # Per request: stop strings count only from this many output tokens on (None: all 0).
-    min_new_tokens: list[int] | None = None
+    stop_strs: list[list[str]]  # withheld from streams while they may begin; the scheduler matches
     # Per request: seconds it waited in the queue before its first prefill (None: never scheduled).
     queue_times: list[float | None] | None = None
     # Logprobs (None when no request in the message asked for them; [] for those that did not).
@@ -210,7 +258,7 @@ class BatchEmbeddingOut:
     """Scheduler -> TokenizerManager: embedding requests that finished this step (or were refused)."""
 
     rids: list[str]
-    finished_reasons: list[FinishReasonDict]
+    finished_reasons: list[FinishReason]
     # numpy float32 vectors (pickled as raw bytes, not one Python float each); None when aborted
     embeddings: list[Any]
     prompt_tokens: list[int]
@@ -223,7 +271,7 @@ class BatchStrOut:
     """Detokenizer -> TokenizerManager: `BatchTokenIDOut` with the new text of each request."""
 
     rids: list[str]
-    finished_reasons: list[FinishReasonDict | None]
+    finished_reasons: list[FinishReason | None]
     output_strs: list[str]  # text new since the previous message for that rid
     output_ids: list[list[int]]  # the token ids behind that text (new since last time)
     prompt_tokens: list[int]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-from radixserve.managers.io_struct import BatchStrOut
+from radixserve.managers.io_struct import BatchStrOut, FinishReason
 from radixserve.managers.req_state import LogprobAccumulator, ReqState
 
 # (state, number of new tokens, whether they are the first ones, finish reason or None)
-Update = tuple[ReqState, int, bool, dict[str, Any] | None]
+Update = tuple[ReqState, int, bool, FinishReason | None]
 
 
 def apply_batch_str_out(msg: BatchStrOut, rid_to_state: dict[str, ReqState], now: float) -> Iterator[Update]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.managers.generate_request import RequestItem
+from radixserve.managers.io_struct import FinishReason
 from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -36,7 +37,7 @@ class ReqState:
     created_time: float = field(default_factory=time.perf_counter)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    finished_reason: dict[str, Any] | None = None
+    finished_reason: FinishReason | None = None
     finished: bool = False
     dirty: bool = False
     prompt_tokens: int = 0
@@ -57,7 +58,7 @@ class ReqState:
     def rid(self) -> str:
         return self.item.rid
 
-    def finish(self, reason: dict[str, Any]) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.finished = True
         self.finished_reason = reason
         self.finished_time = time.perf_counter()
@@ -74,7 +75,7 @@ def request_meta(state: ReqState) -> dict[str, Any]:
     end = state.finished_time or time.perf_counter()  # set by finish(), exactly when finished
     return {
         "id": state.rid,
-        "finish_reason": state.finished_reason,
+        "finish_reason": state.finished_reason.to_json() if state.finished_reason else None,
         "prompt_tokens": state.prompt_tokens or len(state.input_ids),
         "completion_tokens": state.completion_tokens or len(state.output_ids),
         "cached_tokens": state.cached_tokens,

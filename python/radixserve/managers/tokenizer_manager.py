@@ -26,13 +26,21 @@ from radixserve.managers.control_client import ControlClient
 from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
 from radixserve.managers.errors import RequestAbortedError
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.input_validation import InvalidRequestError, ModelLimits, prepare_items
+from radixserve.managers.input_validation import (
+    InvalidRequestError,
+    ModelLimits,
+    check_encode_kind,
+    expand_generate,
+    prepare_items,
+)
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchEmbeddingOut,
     BatchStrOut,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    FinishAbort,
+    FinishReason,
     FlushCacheReqInput,
     GetInternalStateReq,
     GetLoadReqInput,
@@ -97,10 +105,17 @@ class TokenizerManager:
         self.context_len = int(scheduler_info["context_len"])
         self.max_req_input_len = int(scheduler_info.get("max_req_input_len", self.context_len - 1))
         self.vocab_size = int(scheduler_info.get("vocab_size", len(tokenizer)))
-        self.limits = ModelLimits(self.vocab_size, self.context_len, self.max_req_input_len)
         # Embedding / classification models (seed 000 §17): what they return, as the scheduler
         # reported it (configs/pooling.py); None for generation models.
         self.is_generation = bool(scheduler_info.get("is_generation", True))
+        self.limits = ModelLimits(
+            self.vocab_size,
+            self.context_len,
+            self.max_req_input_len,
+            self.is_generation,
+            server_args.dp_size,
+            server_args.disaggregation_mode,
+        )
         self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
         self.max_total_num_tokens = int(scheduler_info.get("max_total_num_tokens", self.context_len))
@@ -176,7 +191,7 @@ class TokenizerManager:
         drain's deadline passed); later requests are refused with the same message."""
         self.dead_reason = message
         for state in list(self.rid_to_state.values()):
-            self._finish(state, {"type": "abort", "message": message, "status_code": status_code})
+            self._finish(state, FinishAbort(message, status_code))
         self._update_load_metrics()
 
     def reconnect_scheduler(self) -> None:
@@ -234,13 +249,7 @@ class TokenizerManager:
     async def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
-        if not self.is_generation:
-            raise InvalidRequestError(
-                "This model is an embedding/classification model and cannot generate: use "
-                "/v1/embeddings, /encode or /classify."
-            )
-        items = obj.expand()
-        self._check_dp_rank(items)
+        items = expand_generate(self.limits, obj)
         if self.server_args.disaggregation_mode == "decode":
             # Prompt logprobs come from the prefill server (a PD router merges them); this side
             # reports none, so the merged list has each prompt position once.
@@ -263,26 +272,6 @@ class TokenizerManager:
         self._update_load_metrics()
         return states
 
-    def _check_dp_rank(self, items: list[Any]) -> None:
-        routed = items[0].routed_dp_rank if items else None
-        if routed is not None and routed >= self.dp_size:
-            raise InvalidRequestError(
-                f"routed_dp_rank {routed} is out of range: the server runs {self.dp_size} "
-                f"data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
-            )
-        # On a prefill server the rank names one of its own replicas; on a decode server it names
-        # the prefill server's, which only its bootstrap server knows (checked there).
-        prefill_rank = items[0].disagg_prefill_dp_rank if items else None
-        if (
-            prefill_rank is not None
-            and self.server_args.disaggregation_mode == "prefill"
-            and prefill_rank >= self.dp_size
-        ):
-            raise InvalidRequestError(
-                f"disagg_prefill_dp_rank {prefill_rank} is out of range: this prefill server runs "
-                f"{self.dp_size} data-parallel replica(s) (--dp-size), ranks 0 to {self.dp_size - 1}."
-            )
-
     # ------------------------------------------------------------------ prefill-only requests
     async def encode_items(self, items: list[EmbedItem], request: ClientRequest | None = None) -> list[dict]:
         """Run embedding / classification / label-scoring items to completion; outputs in order.
@@ -290,17 +279,7 @@ class TokenizerManager:
         Plain embeddings need an embedding model, label scores a generation model (its LM head):
         the other asks are 400s. An item that fails (queue full, server error) fails the call."""
         self._raise_if_dead()
-        scoring = [i.label_token_ids is not None for i in items]
-        if any(scoring) and not self.is_generation:
-            raise InvalidRequestError(
-                "Scoring label tokens needs a generation model (its next-token logits); this server "
-                "runs an embedding/classification model."
-            )
-        if not all(scoring) and self.is_generation:
-            raise InvalidRequestError(
-                "This model is a generation model and does not serve embeddings: start the server "
-                "with --is-embedding (decoders trained for embeddings) or serve an embedding model."
-            )
+        check_encode_kind(self.limits, [i.label_token_ids is not None for i in items])
         tokenized = await self.run_blocking(prepare_embedding_items, self.tokenizer, self.limits, items)
         self._raise_if_dead()
         group_event = asyncio.Event()
@@ -418,14 +397,14 @@ class TokenizerManager:
             loop = None
         for state in targets:
             if loop is None:
-                self._finish(state, {"type": "abort", "message": "Aborted by request.", "status_code": None})
+                self._finish(state, FinishAbort("Aborted by request."))
             else:
                 loop.call_later(ABORT_GRACE_S, self._finish_abandoned, state)
 
     def _finish_abandoned(self, state: ReqState) -> None:
         if self.rid_to_state.get(state.rid) is state:
             logger.warning("No final output for aborted request %s; finishing it locally", state.rid)
-            self._finish(state, {"type": "abort", "message": "Aborted by request.", "status_code": None})
+            self._finish(state, FinishAbort("Aborted by request."))
             self._update_load_metrics()
 
     @property
@@ -491,25 +470,23 @@ class TokenizerManager:
         """The scheduler dropped a request without a final output for it."""
         state = self.rid_to_state.get(msg.rid)
         if state is not None:
-            self._finish(
-                state, {"type": "abort", "message": "Aborted by the scheduler.", "status_code": None}
-            )
+            self._finish(state, FinishAbort("Aborted by the scheduler."))
             self._update_load_metrics()  # the in-flight gauges must not keep a finished request
 
-    def _finish(self, state: ReqState, reason: dict[str, Any]) -> None:
+    def _finish(self, state: ReqState, reason: FinishReason) -> None:
         if self.rid_to_state.get(state.rid) is not state:
             return  # already finished (the rid may since belong to a new request)
         del self.rid_to_state[state.rid]
         state.finish(reason)
         if self.quarantine is not None:
-            self.quarantine.finished(state.rid, ok=reason.get("type") != "abort")
+            self.quarantine.finished(state.rid, ok=not isinstance(reason, FinishAbort))
         self.request_logger.log_finished(state)
         if self.metrics is not None:
             self.metrics.on_finish(
                 state.prompt_tokens or len(state.input_ids),
                 state.cached_tokens,
                 time.perf_counter() - state.created_time,
-                aborted=reason.get("type") == "abort",
+                aborted=isinstance(reason, FinishAbort),
                 dp_rank=state.dp_rank,
             )
             if state.spec is not None:
@@ -528,17 +505,3 @@ class TokenizerManager:
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool
-    ) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("The model has no chat template; pass --chat-template.")
-        prompt = self.tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-        )
-        # The template already holds BOS and friends; adding them again would duplicate them.
-        return self.tokenize(prompt, add_special_tokens=False)

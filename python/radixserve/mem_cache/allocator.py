@@ -12,18 +12,13 @@ is a CPU ``int64`` tensor: slot bookkeeping is scheduler-side data, and the mode
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 
 
 class TokenToKVPoolAllocator:
     """Hands out and takes back pages of KV slots; ``page_size >= 1``."""
 
-    def __init__(self, size: int, page_size: int = 1, kvcache: MHATokenToKVPool | None = None) -> None:
+    def __init__(self, size: int, page_size: int = 1) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if size <= 0 or size % page_size != 0:
@@ -31,7 +26,6 @@ class TokenToKVPoolAllocator:
         self.size = size
         self.page_size = page_size
         self.num_pages = size // page_size
-        self._kvcache = kvcache
         self.clear()
 
     def clear(self) -> None:
@@ -44,9 +38,6 @@ class TokenToKVPoolAllocator:
         # Page-level free flags, only for catching double frees and foreign slots.
         self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)  # [num_pages + 1]
         self._page_is_free[0] = False
-
-    def get_kvcache(self) -> MHATokenToKVPool | None:
-        return self._kvcache
 
     def available_size(self) -> int:
         """Free tokens: free pages * page_size."""

@@ -90,6 +90,3 @@ class BasePrefixCache(ABC):
     def reset_counters(self) -> None:
         self.hit_tokens = 0
         self.query_tokens = 0
-
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -53,9 +53,6 @@ class ForwardMode(IntEnum):
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
 
-    def is_mixed(self) -> bool:
-        return self == ForwardMode.MIXED
-
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
 

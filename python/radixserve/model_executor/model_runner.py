@@ -215,9 +215,7 @@ class ModelRunner:
             mc.head_dim,
             self.device,
         )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            num_tokens, self.page_size, self.token_to_kv_pool
-        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(num_tokens, self.page_size)
         logger.info(
             "KV cache: max_total_num_tokens=%d (%.2f GiB, %d bytes/token), page_size=%d, max_req_num=%d",
             num_tokens,

@@ -300,7 +300,7 @@ class OutputProcessor:
         aborted = [isinstance(r.finished_reason, FinishAbort) for r in reqs]
         return BatchEmbeddingOut(
             rids=[r.rid for r in reqs],
-            finished_reasons=[r.finished_reason.to_json() if r.finished_reason else {} for r in reqs],
+            finished_reasons=[r.finished_reason for r in reqs],  # collected once finished
             embeddings=[None if a else r.embedding for r, a in zip(reqs, aborted)],
             prompt_tokens=[len(r.origin_input_ids) for r in reqs],
             cached_tokens=[r.cached_tokens for r in reqs],
@@ -328,7 +328,7 @@ class OutputProcessor:
         any_logprob = any(r.return_logprob for r in reqs)
         return BatchTokenIDOut(
             rids=[r.rid for r in reqs],
-            finished_reasons=[r.finished_reason.to_json() if r.finished_reason else None for r in reqs],
+            finished_reasons=[r.finished_reason for r in reqs],
             output_ids=output_ids,
             prompt_tokens=[len(r.origin_input_ids) for r in reqs],
             completion_tokens=[len(r.output_ids) for r in reqs],
@@ -337,7 +337,6 @@ class OutputProcessor:
             spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
             no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
             stop_strs=[list(r.stop_strs) for r in reqs],
-            min_new_tokens=[r.sampling_params.min_new_tokens for r in reqs],
             queue_times=[r.times.queue_time for r in reqs],
             output_token_logprobs_val=out_val if any_logprob else None,
             output_token_logprobs_idx=out_idx if any_logprob else None,

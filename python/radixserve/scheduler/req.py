@@ -7,57 +7,34 @@ DECODING -> WAITING on retraction/preemption and any state -> FINISHED on abort.
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.managers.io_struct import (
+    FinishAbort,
+    FinishLength,
+    FinishMatchedStr,
+    FinishMatchedToken,
+    FinishReason,
+)
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.base_cache import BasePrefixCache
 
 
-# ------------------------------------------------------------------------------- finish reasons
-@dataclass(frozen=True)
-class FinishReason(ABC):
-    @abstractmethod
-    def to_json(self) -> dict[str, Any]:
-        """The finish reason as it crosses processes: {"type": ..., ...}."""
-
-
-@dataclass(frozen=True)
-class FinishLength(FinishReason):
-    length: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "length", "length": self.length}
-
-
-@dataclass(frozen=True)
-class FinishMatchedToken(FinishReason):
-    matched: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True)
-class FinishMatchedStr(FinishReason):
-    matched: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True)
-class FinishAbort(FinishReason):
-    message: str = "Aborted."
-    status_code: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "abort", "message": self.message, "status_code": self.status_code}
+def first_stop(text: str, stops: list[str], ends_after: int = 0) -> str | None:
+    """The stop string whose occurrence ending past `ends_after` starts first in `text` (the
+    longest on a tie), so the text cut there holds no other stop string."""
+    best: tuple[int, int] | None = None
+    found: str | None = None
+    for stop in stops:
+        pos = text.find(stop, max(ends_after - len(stop) + 1, 0)) if stop else -1
+        if pos >= 0 and (best is None or (pos, -len(stop)) < best):
+            best, found = (pos, -len(stop)), stop
+    return found
 
 
 @dataclass
@@ -133,7 +110,7 @@ class Req:
         self.embedding: Any = None  # a numpy float32 vector once computed
         stops = sampling_params.stop or []
         self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
-        self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
+        self.stop_str_max_len = max((len(s.encode()) for s in self.stop_strs), default=0)  # bytes
 
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []  # origin_input_ids + output_ids, cut to the chunk being run
@@ -182,10 +159,6 @@ class Req:
     # ------------------------------------------------------------------ state
     def finished(self) -> bool:
         return self.finished_reason is not None
-
-    @property
-    def seqlen(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
 
     def holds_kv(self) -> bool:
         return self.req_pool_idx is not None
@@ -237,19 +210,24 @@ class Req:
             self.finished_reason = FinishMatchedToken(last)
             return
         if self.stop_strs and self.tokenizer is not None:
-            # A stop string of L characters spans at most L tokens plus the newest one, so decoding
-            # that tail finds every newly completed match without re-decoding the whole output.
-            tail_ids = self.output_ids[-(self.stop_str_max_len + 1) :]
-            tail = self.tokenizer.decode(tail_ids)
-            # On the first step that may stop (min_new_tokens reached) the tail can still hold a
-            # match completed earlier, which must not count: only one ending in the newest token.
-            before = (
-                self.tokenizer.decode(tail_ids[:-1]) if len(self.output_ids) == params.min_new_tokens else ""
-            )
-            for stop in self.stop_strs:
-                if stop and tail.count(stop) > before.count(stop):
-                    self.finished_reason = FinishMatchedStr(stop)
-                    return
+            stop = self._completed_stop_str()
+            if stop is not None:
+                self.finished_reason = FinishMatchedStr(stop)
+
+    def _completed_stop_str(self) -> str | None:
+        """The stop string the newest token completed (the scheduler alone decides this; the
+        detokenizer only cuts the text where it says, docs/architecture.md "A request's way")."""
+        # A stop string of B UTF-8 bytes spans at most B tokens (every token adds a byte), so the
+        # newest B + 1 tokens hold every match it can complete, without re-decoding the output.
+        tail_ids = self.output_ids[-(self.stop_str_max_len + 1) :]
+        tail = self.tokenizer.decode(tail_ids)
+        if not any(stop in tail for stop in self.stop_strs):
+            return None
+        # Only a match ending in the newest token's text counts: one completed earlier (before
+        # min_new_tokens) may still lie in the window. A character the newest token completes is
+        # U+FFFD before it, so that part counts as the newest token's text.
+        before = self.tokenizer.decode(tail_ids[:-1]).rstrip("\ufffd")
+        return first_stop(tail, self.stop_strs, ends_after=len(before))
 
     # ------------------------------------------------------------------ logprobs
     def append_output_logprob(

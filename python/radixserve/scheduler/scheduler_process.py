@@ -1,7 +1,7 @@
 """The scheduler subprocess: the model worker and the Scheduler behind ZMQ sockets.
 
-Sockets (rank 0 only): requests arrive on a PULL socket (from the TokenizerManager and, for
-stop-string aborts, the detokenizer); BatchTokenIDOut goes to the detokenizer; control replies
+Sockets (rank 0 only): requests arrive on a PULL socket (from the TokenizerManager);
+BatchTokenIDOut goes to the detokenizer; control replies
 (flush, internal state) go straight back to the TokenizerManager.
 
 With --tp-size / --pp-size above 1 there is one such process per rank (`run_rank_process`). Rank 0

@@ -111,7 +111,7 @@ class InProcessScheduler:
             if isinstance(msg, BatchEmbeddingOut):
                 for i, rid in enumerate(msg.rids):
                     res = self.results.setdefault(rid, Result())
-                    res.embedding, res.finish_reason = msg.embeddings[i], msg.finished_reasons[i]
+                    res.embedding, res.finish_reason = msg.embeddings[i], msg.finished_reasons[i].to_json()
                     res.cached_tokens = msg.cached_tokens[i]
                 continue
             if not isinstance(msg, BatchTokenIDOut):
@@ -121,7 +121,7 @@ class InProcessScheduler:
                 res.output_ids.extend(msg.output_ids[i])
                 res.cached_tokens = msg.cached_tokens[i]
                 if msg.finished_reasons[i] is not None:
-                    res.finish_reason = msg.finished_reasons[i]
+                    res.finish_reason = msg.finished_reasons[i].to_json()
         self._seen = len(self.sent)
 
     def check_memory_leak(self) -> str | None:
