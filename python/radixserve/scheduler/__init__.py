@@ -2,6 +2,6 @@
 
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
-from radixserve.scheduler.scheduler import NormalLoop, OverlapLoop, Scheduler
+from radixserve.scheduler.scheduler import Scheduler
 
-__all__ = ["NormalLoop", "OverlapLoop", "Req", "ScheduleBatch", "Scheduler"]
+__all__ = ["Req", "ScheduleBatch", "Scheduler"]

@@ -1,10 +1,10 @@
-"""The Scheduler: owns the small objects that do the work and runs the event loops (seed 001 §2).
+"""The Scheduler: the core the loop steps (seed 001 §2); it owns the small objects that do the work.
 
     scheduler = Scheduler(server_args, worker, tokenizer=None, eos_token_ids=(2,), send_output=out.append)
+    loop = build_loop(scheduler)           # scheduler/build.py: executor and hooks for the flags
     scheduler.process_input_requests([TokenizedGenerateReqInput(...)])
-    loop = scheduler.make_loop()           # OverlapLoop, or NormalLoop with --disable-overlap-schedule
     while not scheduler.is_idle(): loop.step()
-    scheduler.event_loop(recv_requests)    # the process's `while True` around the same step()
+    loop.run_forever(recv_requests)        # the process's `while True` around the same step()
 
 Collaborators: KVMemory (pools + prefix cache), RequestTable (queue, live requests, abort,
 timeouts), SchedulePolicy, BatchBuilder (next batch), OutputProcessor (results and streaming).
@@ -48,7 +48,6 @@ from radixserve.scheduler.control_plane import ControlPlane
 from radixserve.scheduler.control_table import control_handlers
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
-from radixserve.scheduler.loops import NormalLoop, OverlapLoop
 from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.policy import SchedulePolicy
@@ -187,10 +186,9 @@ class Scheduler:
         )
         self.num_inflight_batches = 0  # launched, results not processed yet
         self.busy_since_trim = False  # a batch ran since the heap was last trimmed
-        # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
-        from radixserve.disaggregation.common import create_disaggregation
-
-        self.disagg = create_disaggregation(self)
+        # Prefill/decode disaggregation: the side that admits requests into its queues and adds
+        # its hooks to the loop (scheduler/build.py attaches it; None when colocated).
+        self.disagg: Any = None  # PrefillDisaggregation / DecodeDisaggregation
 
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
@@ -413,11 +411,21 @@ class Scheduler:
         info.vocab_mask = self.grammar.vocab_mask(reqs, self.worker.vocab_size)
         info.sync_output_tokens([r.output_ids for r in reqs])
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
-        """Synchronous forward (the normal loop); a prefill-only batch samples nothing."""
-        mwb = self.get_model_worker_batch(batch)
-        self._mark_launched(batch, None)
+    def launch(
+        self, batch: ScheduleBatch, future_indices: list[int] | None = None, delay_sample: bool = False
+    ) -> ModelWorkerBatch:
+        """The launch sequence every executor runs (scheduler/loops.py): the forward's view of
+        `batch`, the batch and its requests marked in flight, the control plane told a forward
+        starts. The caller then starts the forward of the returned batch."""
+        mwb = self.get_model_worker_batch(batch, delay_sample)
+        self._mark_launched(batch, future_indices)
         self.control.before_forward()
+        return mwb
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
+        """Launch and wait for the forward (sync and pipeline executors); a prefill-only batch
+        samples nothing."""
+        mwb = self.launch(batch)
         with torch.inference_mode():
             if mwb.is_embedding:
                 return self.worker.forward_batch_embedding(mwb)
@@ -464,39 +472,10 @@ class Scheduler:
             and last.forward_mode.is_prefill()
         )
 
-    def make_loop(self) -> Any:  # noqa: ANN401 - NormalLoop, OverlapLoop, or a disaggregated side's loop
-        if self.disagg is not None:
-            return self.disagg.make_loop()  # PrefillLoop / DecodeLoop (normal, not overlapped)
-        return NormalLoop(self) if self.server_args.disable_overlap_schedule else OverlapLoop(self)
-
-    def event_loop(self, recv_requests: Callable[[], list[object]]) -> None:
-        """The scheduler process's main loop (never returns): overlap unless disabled."""
-        if self.disagg is not None:
-            loop = self.make_loop()
-            while True:
-                loop.step(recv_requests())
-        if self.server_args.disable_overlap_schedule:
-            self.event_loop_normal(recv_requests)
-        else:
-            self.event_loop_overlap(recv_requests)
-
-    def event_loop_normal(self, recv_requests: Callable[[], list[object]]) -> None:
-        loop = NormalLoop(self)
-        while True:
-            loop.step(recv_requests())
-
-    def event_loop_overlap(self, recv_requests: Callable[[], list[object]]) -> None:
-        loop = OverlapLoop(self)  # refuses speculative decoding
-        try:
-            while True:
-                loop.step(recv_requests())
-        finally:
-            loop.close()
-
 
 def _tp_rank(worker: ModelWorker) -> int:
     rank = getattr(worker, "rank", None)
     return rank.groups.tp_rank if rank is not None else 0
 
 
-__all__ = ["NormalLoop", "OverlapLoop", "Scheduler"]
+__all__ = ["Scheduler"]

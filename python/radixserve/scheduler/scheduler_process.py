@@ -237,7 +237,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Co
         not server_args.disable_overlap_schedule,
     )
     _start_watchdog(server_args, scheduler)
-    scheduler.event_loop(recv_and_report(io, scheduler))
+    from radixserve.scheduler.build import build_loop
+
+    build_loop(scheduler).run_forever(recv_and_report(io, scheduler))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,15 +365,6 @@ def _run_rank_loop(
             return msgs or []
         return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)
 
-    if runtime.layout.pp_size == 1:
-        scheduler.event_loop(recv_stage0)
-        return
-    from radixserve.scheduler.pipeline_loop import PipelineLoop
+    from radixserve.scheduler.build import build_loop, stage_recv
 
-    if not server_args.disable_overlap_schedule:
-        logger.info("Pipeline stages overlap micro-batches across stages; the overlap loop is not used")
-
-    micro = server_args.pp_max_micro_batch_size or max(
-        scheduler.max_running_requests // runtime.layout.pp_size, 1
-    )
-    PipelineLoop(scheduler, scheduler.worker.stage_link, recv_stage0, micro).run_forever()
+    build_loop(scheduler).run_forever(stage_recv(scheduler, recv_stage0))

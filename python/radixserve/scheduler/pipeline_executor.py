@@ -1,4 +1,4 @@
-"""event_loop_pp: the scheduler loop of a pipeline stage (INVENTORY §34).
+"""event_loop_pp as an executor of the one Loop: a pipeline stage (INVENTORY §34).
 
 Every stage runs the same scheduler over the same inputs. The batch is split into pp_size
 micro-batches, each with its own running batch (at most --pp-max-micro-batch-size requests), so
@@ -7,11 +7,13 @@ that while the last stage computes micro-batch k, the first stage already comput
     iteration k, slot j = k % pp_size, on every stage:
       1. receive this iteration's inputs (stage 0: the TokenizerManager via rank 0 and the TP
          broadcast; later stages: from the same TP index of the previous stage) and pass them on
+         (`stage_inputs`, the loop's receive function)
       2. process slot j's result from iteration k - pp_size (the last stage keeps its own; the
-         others receive it from the last stage)
+         others receive it from the last stage), and make slot j's running batch the
+         scheduler's (`before_schedule`)
       3. build slot j's next batch and run this stage's layers on it (hidden states arrive from
          the previous stage and leave for the next one); the last stage samples and sends the
-         result to every earlier stage
+         result to every earlier stage (`launch`); keep slot j's state (`collect`)
 
 All stages thus see inputs and results at the same logical point and make the same decisions.
 A stage never waits on a later stage except for a result it needs pp_size iterations later.
@@ -22,18 +24,19 @@ batch of the slot that ran its last chunk, and is dropped from the earlier slots
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixserve.distributed.pipeline import StageLink
 from radixserve.model_executor.forward_batch import GenerationBatchResult
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
-from radixserve.scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.loops import Finish
+    from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -47,57 +50,38 @@ class MicroBatchSlot:
     mid_chunk_req: Req | None = None  # a request `last_batch` ran a middle chunk of
 
 
-class PipelineLoop:
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        link: StageLink,
-        recv_stage0_inputs: Callable[[], list[object]],  # used by the first stage only
-        micro_batch_size: int,
-    ) -> None:
-        self.scheduler = scheduler
+def stage_inputs(link: StageLink, recv_stage0: Callable[[], list[object]]) -> Callable[[], list[object]]:
+    """The loop's receive function on a stage: stage 0 reads its own inputs, later stages get them
+    from the previous stage; every stage but the last passes them on."""
+
+    def recv() -> list[object]:
+        msgs = recv_stage0() if link.prev is None else link.recv_from_prev()
+        if link.next is not None:
+            link.send_to_next(msgs)
+        return msgs
+
+    return recv
+
+
+class PipelineExecutor:
+    """pp_size micro-batch slots, each with its own running batch, taken in turn. The builder's
+    running cap is the micro-batch size (scheduler/build.py sets it)."""
+
+    def __init__(self, core: Scheduler, link: StageLink) -> None:
+        self.core = core
         self.link = link
-        self.recv_stage0_inputs = recv_stage0_inputs
-        self.is_first = link.prev is None
         self.is_last = link.next is None
         self.pp_size = len(link.earlier) + 1
-        builder = scheduler.builder
-        builder.limits = dataclasses.replace(builder.limits, max_running_requests=micro_batch_size)
-        self.slots = [MicroBatchSlot(scheduler.make_batch([])) for _ in range(self.pp_size)]
+        self.slots = [MicroBatchSlot(core.make_batch([])) for _ in range(self.pp_size)]
         self.iteration = 0
-        logger.info(
-            "Pipeline stage %d of %d: %d micro-batches of at most %d requests",
-            link.groups.pp_rank,
-            self.pp_size,
-            self.pp_size,
-            micro_batch_size,
-        )
+        self.slot = self.slots[0]
 
-    # ------------------------------------------------------------------ one iteration
-    def step(self) -> None:
-        s = self.scheduler
-        slot = self.slots[self.iteration % self.pp_size]
-        s.process_input_requests(self._recv_inputs())
+    def before_schedule(self, finish: Finish) -> None:
+        slot = self.slot = self.slots[self.iteration % self.pp_size]
         if slot.inflight is not None:
             batch, slot.inflight = slot.inflight, None
-            s.process_batch_result(batch, self._result_of(slot))
+            finish(batch, self._result_of(slot))
         self._swap_in(slot)
-        batch = s.get_next_batch_to_run()
-        if batch is not None:
-            self._launch(slot, batch)
-        elif all(sl.inflight is None for sl in self.slots):
-            s.self_check_during_idle()
-        slot.running_batch, slot.last_batch = s.state.running_batch, batch
-        # A middle chunk: its request must not join this slot's running batch later.
-        slot.mid_chunk_req = s.state.chunked_req if batch is not None else None
-        s.output.flush()
-        self.iteration += 1
-
-    def _recv_inputs(self) -> list[object]:
-        msgs = self.recv_stage0_inputs() if self.is_first else self.link.recv_from_prev()
-        if not self.is_last:
-            self.link.send_to_next(msgs)
-        return msgs
 
     def _result_of(self, slot: MicroBatchSlot) -> GenerationBatchResult:
         if self.is_last:
@@ -107,7 +91,7 @@ class PipelineLoop:
         return self.link.recv_result()
 
     def _swap_in(self, slot: MicroBatchSlot) -> None:
-        state = self.scheduler.state
+        state = self.core.state
         if slot.last_batch is not None and slot.mid_chunk_req is not None:
             slot.last_batch.filter_batch(chunked_req_to_exclude=[slot.mid_chunk_req])
         state.running_batch, state.last_batch = slot.running_batch, slot.last_batch
@@ -116,24 +100,20 @@ class PipelineLoop:
             r for other in self.slots if other is not slot for r in other.running_batch.reqs
         ]
 
-    def _launch(self, slot: MicroBatchSlot, batch: ScheduleBatch) -> None:
-        s = self.scheduler
-        mwb = s.get_model_worker_batch(batch)
-        s._mark_launched(batch, None)
-        s.control.before_forward()
-        with torch.inference_mode():
-            result = s.worker.forward_batch_generation(mwb)
-        slot.inflight = batch
+    def launch(self, batch: ScheduleBatch, finish: Finish) -> None:
+        result = self.core.run_batch(batch)  # this stage's layers; hidden states move on
+        self.slot.inflight = batch
         if self.is_last:
-            assert result is not None
-            slot.local_result = self.link.publish_result(result)
+            assert isinstance(result, GenerationBatchResult)
+            self.slot.local_result = self.link.publish_result(result)
 
-    def close(self) -> None:
+    def collect(self, batch: ScheduleBatch | None, finish: Finish) -> bool:
+        slot, state = self.slot, self.core.state
+        slot.running_batch, slot.last_batch = state.running_batch, batch
+        # A middle chunk: its request must not join this slot's running batch later.
+        slot.mid_chunk_req = state.chunked_req if batch is not None else None
+        self.iteration += 1
+        return batch is None and all(sl.inflight is None for sl in self.slots)
+
+    def close(self, finish: Finish) -> None:
         self.link.close()
-
-    def run_forever(self) -> None:
-        try:
-            while True:
-                self.step()
-        finally:
-            self.close()

@@ -1,0 +1,106 @@
+"""The one place that looks at PD, PP, speculation and overlap: it picks the loop's executor and
+hooks for a built Scheduler. The core (scheduler.py) and the loop (loops.py) hold no such `if`.
+
+    loop = build_loop(scheduler)
+    loop.run_forever(stage_recv(scheduler, recv))     # the process (scheduler_process.py)
+
+| layout | executor | hooks |
+|---|---|---|
+| --pp-size > 1 | PipelineExecutor (micro-batch slots) | none |
+| --disaggregation-mode prefill / decode | SyncExecutor | Prefill / DecodeDisaggregation |
+| --disable-overlap-schedule (CPU default; speculation forces it) | SyncExecutor | none |
+| otherwise | OverlapScheduleExecutor (thread on CPU, streams on CUDA) | none |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from radixserve.disaggregation.utils import DisaggregationMode
+from radixserve.scheduler.loops import Executor, Loop, LoopHooks, OverlapScheduleExecutor, SyncExecutor
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def build_loop(scheduler: Scheduler) -> Loop:
+    hooks = attach_disaggregation(scheduler)
+    return Loop(scheduler, _executor(scheduler, hooks), hooks)
+
+
+def _executor(scheduler: Scheduler, hooks: LoopHooks | None) -> Executor:
+    args = scheduler.server_args
+    if args.pp_size > 1:
+        return _pipeline_executor(scheduler)
+    if hooks is not None or args.disable_overlap_schedule:
+        return SyncExecutor(scheduler)  # the PD sides run the normal loop
+    return OverlapScheduleExecutor(scheduler)  # refuses speculative decoding
+
+
+def _pipeline_executor(scheduler: Scheduler) -> Executor:
+    from radixserve.scheduler.pipeline_executor import PipelineExecutor
+
+    args, link = scheduler.server_args, scheduler.worker.stage_link
+    if not args.disable_overlap_schedule:
+        logger.info("Pipeline stages overlap micro-batches across stages; the overlap loop is not used")
+    pp_size = len(link.earlier) + 1
+    micro = args.pp_max_micro_batch_size or max(scheduler.max_running_requests // pp_size, 1)
+    # Each slot's running batch holds one micro-batch: the builder's running cap is its size.
+    builder = scheduler.builder
+    builder.limits = dataclasses.replace(builder.limits, max_running_requests=micro)
+    logger.info(
+        "Pipeline stage %d of %d: %d micro-batches of at most %d requests",
+        link.groups.pp_rank,
+        pp_size,
+        pp_size,
+        micro,
+    )
+    return PipelineExecutor(scheduler, link)
+
+
+def stage_recv(scheduler: Scheduler, recv: Callable[[], list[object]]) -> Callable[[], list[object]]:
+    """The loop's receive function: `recv` itself, or on a pipeline stage the previous stage's
+    inputs (passed on to the next stage)."""
+    if scheduler.server_args.pp_size == 1:
+        return recv
+    from radixserve.scheduler.pipeline_executor import stage_inputs
+
+    return stage_inputs(scheduler.worker.stage_link, recv)
+
+
+def attach_disaggregation(scheduler: Scheduler) -> LoopHooks | None:
+    """The PD side for --disaggregation-mode prefill / decode (None: colocated). It gets the parts
+    of the core it uses, and the scheduler hands it the requests it admits."""
+    mode = DisaggregationMode(scheduler.server_args.disaggregation_mode)
+    if mode == DisaggregationMode.NULL:
+        return None
+    from radixserve.disaggregation.common import SideParts, kv_layout
+
+    s = scheduler
+    parts = SideParts(
+        args=s.server_args,
+        kv_pool=s.worker.token_to_kv_pool,
+        layout=kv_layout(s.worker, s.mem.page_size),
+        mem=s.mem,
+        requests=s.requests,
+        output=s.output,
+        sync=s.sync,
+        dp_rank=s.dp_rank,
+        make_batch=s.make_batch,
+        max_running_requests=lambda: s.max_running_requests,
+    )
+    if mode == DisaggregationMode.PREFILL:
+        from radixserve.disaggregation.prefill import PrefillDisaggregation
+
+        side: LoopHooks = PrefillDisaggregation(parts)
+    else:
+        from radixserve.disaggregation.decode import DecodeDisaggregation
+
+        side = DecodeDisaggregation(parts)
+    s.disagg = side
+    return side
