@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from radixserve.disaggregation.utils import DisaggregationMode
-from radixserve.scheduler.loops import Executor, Loop, LoopHooks, OverlapScheduleExecutor, SyncExecutor
+from radixserve.scheduler.loops import Loop, LoopHooks, OverlapScheduleExecutor, SyncExecutor
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
@@ -33,7 +33,7 @@ def build_loop(scheduler: Scheduler) -> Loop:
     return Loop(scheduler, _executor(scheduler, hooks), hooks)
 
 
-def _executor(scheduler: Scheduler, hooks: LoopHooks | None) -> Executor:
+def _executor(scheduler: Scheduler, hooks: LoopHooks | None) -> SyncExecutor:
     args = scheduler.server_args
     if args.pp_size > 1:
         return _pipeline_executor(scheduler)
@@ -42,7 +42,7 @@ def _executor(scheduler: Scheduler, hooks: LoopHooks | None) -> Executor:
     return OverlapScheduleExecutor(scheduler)  # refuses speculative decoding
 
 
-def _pipeline_executor(scheduler: Scheduler) -> Executor:
+def _pipeline_executor(scheduler: Scheduler) -> SyncExecutor:
     from radixserve.scheduler.pipeline_executor import PipelineExecutor
 
     args, link = scheduler.server_args, scheduler.worker.stage_link
@@ -54,11 +54,7 @@ def _pipeline_executor(scheduler: Scheduler) -> Executor:
     builder = scheduler.builder
     builder.limits = dataclasses.replace(builder.limits, max_running_requests=micro)
     logger.info(
-        "Pipeline stage %d of %d: %d micro-batches of at most %d requests",
-        link.groups.pp_rank,
-        pp_size,
-        pp_size,
-        micro,
+        "Pipeline stage %d of %d: micro-batches of at most %d requests", link.groups.pp_rank, pp_size, micro
     )
     return PipelineExecutor(scheduler, link)
 
@@ -82,17 +78,10 @@ def attach_disaggregation(scheduler: Scheduler) -> LoopHooks | None:
     from radixserve.disaggregation.common import SideParts, kv_layout
 
     s = scheduler
+    pool, layout = s.worker.token_to_kv_pool, kv_layout(s.worker, s.mem.page_size)
+    live_cap = lambda: s.max_running_requests  # noqa: E731 - set_internal_state may change it
     parts = SideParts(
-        args=s.server_args,
-        kv_pool=s.worker.token_to_kv_pool,
-        layout=kv_layout(s.worker, s.mem.page_size),
-        mem=s.mem,
-        requests=s.requests,
-        output=s.output,
-        sync=s.sync,
-        dp_rank=s.dp_rank,
-        make_batch=s.make_batch,
-        max_running_requests=lambda: s.max_running_requests,
+        s.server_args, pool, layout, s.mem, s.requests, s.output, s.sync, s.dp_rank, s.make_batch, live_cap
     )
     if mode == DisaggregationMode.PREFILL:
         from radixserve.disaggregation.prefill import PrefillDisaggregation

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
@@ -39,12 +39,11 @@ PENDING_POLL_S = 0.001
 
 
 class LoopHooks:
-    """What a feature adds around the core's step (PD's queues: disaggregation/). The base class
-    adds nothing: a colocated server runs with it."""
+    """What a feature adds around the core's step (PD's queues: disaggregation/). The base adds
+    nothing: a colocated server runs with it."""
 
     def before_schedule(self) -> bool:
-        """Move what became ready into the scheduler's queues; True when that was work of its own
-        (the step is not idle even without a batch)."""
+        """Move what became ready into the scheduler's queues; True: that was work (not idle)."""
         return False
 
     def on_result(self, batch: ScheduleBatch, result: BatchResult) -> bool:
@@ -55,34 +54,38 @@ class LoopHooks:
         """Runs after the step's batch became state.last_batch, before the outputs are sent."""
 
     def has_pending(self) -> bool:
-        """Work waits outside the scheduler (a KV transfer): an idle step sleeps instead of
-        self-checking."""
+        """Work waits outside the scheduler (a KV transfer): an idle step sleeps, no self-check."""
         return False
 
     def internal_state(self) -> dict[str, Any]:
         return {}
 
-    def close(self) -> None:
+
+class SyncExecutor:
+    """How a launched batch runs and when its result is processed. This base runs it now
+    (event_loop_normal, seed 001 §2.1: the CPU waits for each forward, then processes it);
+    OverlapScheduleExecutor and PipelineExecutor change when."""
+
+    def __init__(self, core: Scheduler) -> None:
+        self.core = core
+
+    def before_schedule(self, finish: Finish) -> None:
         return None
 
-
-class Executor(Protocol):
-    """How a launched batch runs and when its result is processed."""
-
-    def before_schedule(self, finish: Finish) -> None: ...
-
-    def launch(self, batch: ScheduleBatch, finish: Finish) -> None: ...
+    def launch(self, batch: ScheduleBatch, finish: Finish) -> None:
+        finish(batch, self.core.run_batch(batch))
 
     def collect(self, batch: ScheduleBatch | None, finish: Finish) -> bool:
         """Process the results whose turn it is; True when the step was quiet (no batch, none in
         flight, nothing processed), so the idle self-check may run."""
-        ...
+        return batch is None
 
-    def close(self, finish: Finish) -> None: ...
+    def close(self, finish: Finish) -> None:
+        return None
 
 
 class Loop:
-    def __init__(self, core: Scheduler, executor: Executor, hooks: LoopHooks | None = None) -> None:
+    def __init__(self, core: Scheduler, executor: SyncExecutor, hooks: LoopHooks | None = None) -> None:
         self.core = core
         self.executor = executor
         self.hooks = hooks or LoopHooks()
@@ -123,26 +126,7 @@ class Loop:
         self.executor.close(self.finish)
 
 
-class SyncExecutor:
-    """event_loop_normal (seed 001 §2.1): the CPU waits for each forward, then processes it."""
-
-    def __init__(self, core: Scheduler) -> None:
-        self.core = core
-
-    def before_schedule(self, finish: Finish) -> None:
-        return None
-
-    def launch(self, batch: ScheduleBatch, finish: Finish) -> None:
-        finish(batch, self.core.run_batch(batch))
-
-    def collect(self, batch: ScheduleBatch | None, finish: Finish) -> bool:
-        return batch is None
-
-    def close(self, finish: Finish) -> None:
-        return None
-
-
-class OverlapScheduleExecutor:
+class OverlapScheduleExecutor(SyncExecutor):
     """event_loop_overlap (seed 001 §2.2): batch N's results are processed after batch N+1 has
     been launched (on the forward thread on CPU, the forward stream on CUDA: scheduler/overlap.py),
     so result processing hides behind the next forward. A batch with grammars or penalties keeps
@@ -152,7 +136,7 @@ class OverlapScheduleExecutor:
         if core.builder.spec_step is not None:
             # ServerArgs.resolve() refuses the combination; a hand-built ServerArgs must not slip by.
             raise ValueError("speculative decoding runs in the normal loop only (disable_overlap_schedule)")
-        self.core = core
+        super().__init__(core)
         self.future_map = FutureMap(
             core.max_running_requests, core.chunked_prefill_size, core.worker.max_context_len, core.device
         )
@@ -160,9 +144,6 @@ class OverlapScheduleExecutor:
         self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()
         # The batch launched this step with a delayed sample: (its requests, its mwb, its handle).
         self.delayed_sample: tuple[list[Req], ModelWorkerBatch, PendingResult] | None = None
-
-    def before_schedule(self, finish: Finish) -> None:
-        return None
 
     def _pop_and_process(self, finish: Finish) -> None:
         batch, future = self.result_queue.popleft()

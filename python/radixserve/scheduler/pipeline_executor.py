@@ -24,21 +24,18 @@ batch of the slot that ran its last chunk, and is dropped from the earlier slots
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixserve.distributed.pipeline import StageLink
 from radixserve.model_executor.forward_batch import GenerationBatchResult
+from radixserve.scheduler.loops import Finish, SyncExecutor
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from radixserve.scheduler.loops import Finish
     from radixserve.scheduler.scheduler import Scheduler
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,12 +60,12 @@ def stage_inputs(link: StageLink, recv_stage0: Callable[[], list[object]]) -> Ca
     return recv
 
 
-class PipelineExecutor:
+class PipelineExecutor(SyncExecutor):
     """pp_size micro-batch slots, each with its own running batch, taken in turn. The builder's
     running cap is the micro-batch size (scheduler/build.py sets it)."""
 
     def __init__(self, core: Scheduler, link: StageLink) -> None:
-        self.core = core
+        super().__init__(core)
         self.link = link
         self.is_last = link.next is None
         self.pp_size = len(link.earlier) + 1

@@ -98,27 +98,43 @@ class Scheduler:
         sync: RankSync | None = None,  # agreements with the other ranks (multi-rank layouts)
         dp_rank: int = 0,  # the data-parallel replica this scheduler belongs to (--dp-size)
     ) -> None:
-        args = server_args
-        self.server_args = args
+        self.server_args = server_args
         self.dp_rank = dp_rank
         self.worker = worker
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.send_output = send_output
         self.device = getattr(worker, "device", "cpu")
+        self.sync: RankSync = sync or LocalSync()
+        self._build_core(sync, grammar_backend)
+        self._build_addons()
+        self.dispatcher = self._build_dispatcher()
+        self.num_inflight_batches = 0  # launched, results not processed yet
+        self.busy_since_trim = False  # a batch ran since the heap was last trimmed
+        # Prefill/decode disaggregation: the side that admits requests into its queues and adds
+        # its hooks to the loop (scheduler/build.py attaches it; None when colocated).
+        self.disagg: Any = None  # PrefillDisaggregation / DecodeDisaggregation
+
+    def _build_memory(self) -> KVMemory:
+        worker, args = self.worker, self.server_args
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
         # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
         # prefix can be shared and the radix cache would only hold KV nobody may reuse.
+        if args.disable_radix_cache or not getattr(worker, "is_causal", True):
+            cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
+        else:
+            cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
+        return KVMemory(rows, allocator, cache, allocator.page_size)
+
+    def _build_core(self, sync: RankSync | None, grammar_backend: GrammarBackend | None) -> None:
+        """Memory, state, requests, grammar, policy, builder, output: what every layout runs."""
+        args, worker = self.server_args, self.worker
         self.is_generation = getattr(worker, "is_generation", True)
         embedding_config = getattr(worker, "embedding_config", None)
         self.embedding_needs_all_tokens = (
             embedding_config is not None and embedding_config.pooling.needs_all_tokens
         )
-        if args.disable_radix_cache or not getattr(worker, "is_causal", True):
-            cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
-        else:
-            cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
-        self.mem = KVMemory(rows, allocator, cache, allocator.page_size)
+        self.mem = self._build_memory()
         self.chunked_prefill_size = (
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
@@ -127,7 +143,7 @@ class Scheduler:
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.output = OutputProcessor(
             self.mem,
-            send_output,
+            self.send_output,
             on_finished=self._on_finished,
             report_spec=args.speculative_algorithm is not None,
         )
@@ -138,16 +154,7 @@ class Scheduler:
             RequestLimits(args.max_queued_requests, max_req_len, args.waiting_timeout, args.running_timeout),
             sync,
         )
-        self.grammar = constrained.GrammarManager(
-            self._grammar_backend_factory(grammar_backend),
-            args.grammar_compile_timeout,
-            self.requests.enqueue,
-            self.output.finish_now,
-            sync,
-            unavailable_reason=constrained.TURNED_OFF
-            if args.grammar_backend == "none"
-            else constrained.NO_TOKENIZER,
-        )
+        self.grammar = self._build_grammar(sync, grammar_backend)
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
         )
@@ -161,17 +168,35 @@ class Scheduler:
             self.make_batch,
             SpeculativeDecodeStep.from_server_args(args, self.mem),
         )
-        self.sync: RankSync = sync or LocalSync()
+
+    def _build_grammar(
+        self, sync: RankSync | None, grammar_backend: GrammarBackend | None
+    ) -> constrained.GrammarManager:
+        return constrained.GrammarManager(
+            self._grammar_backend_factory(grammar_backend),
+            self.server_args.grammar_compile_timeout,
+            self.requests.enqueue,
+            self.output.finish_now,
+            sync,
+            unavailable_reason=constrained.TURNED_OFF
+            if self.server_args.grammar_backend == "none"
+            else constrained.NO_TOKENIZER,
+        )
+
+    def _build_addons(self) -> None:
+        """Flow control, the control plane and its add-ons, sessions."""
         self.input_blocker = SchedulerInputBlocker(sync=self.sync)
         self.control = ControlPlane(self)
-        self.weight_control = WeightControl(self.control, args.weight_version)
-        self.operators = OperatorControls(self.control, _tp_rank(worker))
+        self.weight_control = WeightControl(self.control, self.server_args.weight_version)
+        self.operators = OperatorControls(self.control, _tp_rank(self.worker))
         self.sessions = SessionController(
             self._build_session_req,
             lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),
-            getattr(tokenizer, "bos_token_id", None),
+            getattr(self.tokenizer, "bos_token_id", None),
         )
-        self.dispatcher = TypeBasedDispatcher(
+
+    def _build_dispatcher(self) -> TypeBasedDispatcher:
+        return TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
                 (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
@@ -184,11 +209,6 @@ class Scheduler:
                 (GetLoadReqInput, self.get_load),
             ]
         )
-        self.num_inflight_batches = 0  # launched, results not processed yet
-        self.busy_since_trim = False  # a batch ran since the heap was last trimmed
-        # Prefill/decode disaggregation: the side that admits requests into its queues and adds
-        # its hooks to the loop (scheduler/build.py attaches it; None when colocated).
-        self.disagg: Any = None  # PrefillDisaggregation / DecodeDisaggregation
 
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
