@@ -1,22 +1,13 @@
 """The one place that looks at PD, PP, speculation and overlap: it picks the loop's executor and
-hooks for a built Scheduler. The core (scheduler.py) and the loop (loops.py) hold no such `if`.
+hooks for a built Scheduler (the table: docs/architecture.md, "The scheduler's loop").
 
-    loop = build_loop(scheduler)
-    loop.run_forever(stage_recv(scheduler, recv))     # the process (scheduler_process.py)
-
-| layout | executor | hooks |
-|---|---|---|
-| --pp-size > 1 | PipelineExecutor (micro-batch slots) | none |
-| --disaggregation-mode prefill / decode | SyncExecutor | Prefill / DecodeDisaggregation |
-| --disable-overlap-schedule (CPU default; speculation forces it) | SyncExecutor | none |
-| otherwise | OverlapScheduleExecutor (thread on CPU, streams on CUDA) | none |
+    build_loop(scheduler).run_forever(recv)     # the process (scheduler_process.py)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from radixserve.disaggregation.utils import DisaggregationMode
@@ -57,16 +48,6 @@ def _pipeline_executor(scheduler: Scheduler) -> SyncExecutor:
         "Pipeline stage %d of %d: micro-batches of at most %d requests", link.groups.pp_rank, pp_size, micro
     )
     return PipelineExecutor(scheduler, link)
-
-
-def stage_recv(scheduler: Scheduler, recv: Callable[[], list[object]]) -> Callable[[], list[object]]:
-    """The loop's receive function: `recv` itself, or on a pipeline stage the previous stage's
-    inputs (passed on to the next stage)."""
-    if scheduler.server_args.pp_size == 1:
-        return recv
-    from radixserve.scheduler.pipeline_executor import stage_inputs
-
-    return stage_inputs(scheduler.worker.stage_link, recv)
 
 
 def attach_disaggregation(scheduler: Scheduler) -> LoopHooks | None:

@@ -1,18 +1,7 @@
-"""The scheduler's one event loop, `Loop(core, executor, hooks).step()` (seed 001 §2).
-
-    core.process_input_requests(recv_reqs)   dispatch: blocker, control plane, requests
-    executor.before_schedule(finish)         pipeline: this slot's result, its running batch in
-    hooks.before_schedule()                  PD: ready queues feed the waiting queue / running batch
-    batch = core.get_next_batch_to_run()
-    executor.launch(batch, finish)           the one launch sequence (Scheduler.launch), then the
-                                             forward: now (sync), on the forward thread / stream
-                                             (overlap), or as this stage's layers (pipeline)
-    executor.collect(batch, finish)          process the results whose turn it is
-    last_batch = batch; hooks.after_step(); flush; idle: sleep on pending transfers or self-check
-
-`finish` processes one batch's result: a hook may take it (the PD prefill side sends its KV),
-otherwise the core's OutputProcessor. scheduler/build.py chooses the executor and the hooks;
-nothing here looks at a flag.
+"""The scheduler's one event loop, `Loop(core, executor, hooks).step()` (seed 001 §2), and the
+executors that decide when a launched batch runs and when its result is processed. The step, the
+executors and the hooks are drawn in docs/architecture.md ("The scheduler's loop");
+scheduler/build.py picks them, nothing here looks at a flag.
 """
 
 from __future__ import annotations
@@ -69,6 +58,10 @@ class SyncExecutor:
     def __init__(self, core: Scheduler) -> None:
         self.core = core
 
+    def inputs(self, recv: Callable[[], list[object]]) -> Callable[[], list[object]]:
+        """The loop's receive function, given the process's."""
+        return recv
+
     def before_schedule(self, finish: Finish) -> None:
         return None
 
@@ -116,6 +109,7 @@ class Loop:
 
     def run_forever(self, recv_requests: Callable[[], list[object]]) -> None:
         """The scheduler process's `while True` (never returns)."""
+        recv_requests = self.executor.inputs(recv_requests)
         try:
             while True:
                 self.step(recv_requests())

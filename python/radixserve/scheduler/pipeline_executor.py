@@ -7,7 +7,7 @@ that while the last stage computes micro-batch k, the first stage already comput
     iteration k, slot j = k % pp_size, on every stage:
       1. receive this iteration's inputs (stage 0: the TokenizerManager via rank 0 and the TP
          broadcast; later stages: from the same TP index of the previous stage) and pass them on
-         (`stage_inputs`, the loop's receive function)
+         (`inputs`, the loop's receive function)
       2. process slot j's result from iteration k - pp_size (the last stage keeps its own; the
          others receive it from the last stage), and make slot j's running batch the
          scheduler's (`before_schedule`)
@@ -47,19 +47,6 @@ class MicroBatchSlot:
     mid_chunk_req: Req | None = None  # a request `last_batch` ran a middle chunk of
 
 
-def stage_inputs(link: StageLink, recv_stage0: Callable[[], list[object]]) -> Callable[[], list[object]]:
-    """The loop's receive function on a stage: stage 0 reads its own inputs, later stages get them
-    from the previous stage; every stage but the last passes them on."""
-
-    def recv() -> list[object]:
-        msgs = recv_stage0() if link.prev is None else link.recv_from_prev()
-        if link.next is not None:
-            link.send_to_next(msgs)
-        return msgs
-
-    return recv
-
-
 class PipelineExecutor(SyncExecutor):
     """pp_size micro-batch slots, each with its own running batch, taken in turn. The builder's
     running cap is the micro-batch size (scheduler/build.py sets it)."""
@@ -72,6 +59,19 @@ class PipelineExecutor(SyncExecutor):
         self.slots = [MicroBatchSlot(core.make_batch([])) for _ in range(self.pp_size)]
         self.iteration = 0
         self.slot = self.slots[0]
+
+    def inputs(self, recv_stage0: Callable[[], list[object]]) -> Callable[[], list[object]]:
+        """Stage 0 reads its own inputs, later stages get them from the previous stage; every
+        stage but the last passes them on."""
+        link = self.link
+
+        def recv() -> list[object]:
+            msgs = recv_stage0() if link.prev is None else link.recv_from_prev()
+            if link.next is not None:
+                link.send_to_next(msgs)
+            return msgs
+
+        return recv
 
     def before_schedule(self, finish: Finish) -> None:
         slot = self.slot = self.slots[self.iteration % self.pp_size]

@@ -154,7 +154,16 @@ class Scheduler:
             RequestLimits(args.max_queued_requests, max_req_len, args.waiting_timeout, args.running_timeout),
             sync,
         )
-        self.grammar = self._build_grammar(sync, grammar_backend)
+        self.grammar = constrained.GrammarManager(
+            self._grammar_backend_factory(grammar_backend),
+            args.grammar_compile_timeout,
+            self.requests.enqueue,
+            self.output.finish_now,
+            sync,
+            unavailable_reason=constrained.NO_TOKENIZER
+            if args.grammar_backend != "none"
+            else constrained.TURNED_OFF,
+        )
         self.policy = SchedulePolicy(
             args.schedule_policy, self.mem.tree_cache, args.enable_priority_scheduling, args.random_seed
         )
@@ -167,20 +176,6 @@ class Scheduler:
             self._batch_limits(),
             self.make_batch,
             SpeculativeDecodeStep.from_server_args(args, self.mem),
-        )
-
-    def _build_grammar(
-        self, sync: RankSync | None, grammar_backend: GrammarBackend | None
-    ) -> constrained.GrammarManager:
-        return constrained.GrammarManager(
-            self._grammar_backend_factory(grammar_backend),
-            self.server_args.grammar_compile_timeout,
-            self.requests.enqueue,
-            self.output.finish_now,
-            sync,
-            unavailable_reason=constrained.TURNED_OFF
-            if self.server_args.grammar_backend == "none"
-            else constrained.NO_TOKENIZER,
         )
 
     def _build_addons(self) -> None:
@@ -411,15 +406,6 @@ class Scheduler:
             self.grammar.wait_for_any(GRAMMAR_WAIT_S)
         return batch
 
-    def get_model_worker_batch(self, batch: ScheduleBatch, delay_sample: bool = False) -> ModelWorkerBatch:
-        """The forward's view of `batch`. Its sampling state is prepared now, or, with
-        `delay_sample`, left to prepare_sample right before the delayed sample is launched."""
-        mwb = batch.get_model_worker_batch()
-        mwb.delay_sample_launch = delay_sample
-        if not delay_sample:
-            self.prepare_sample(batch.reqs, mwb)
-        return mwb
-
     def prepare_sample(self, reqs: list[Req], mwb: ModelWorkerBatch) -> None:
         """The sampling state that depends on earlier tokens: the grammar mask of this step and
         the penalty / min_new_tokens counts. Every earlier result of `reqs` must be processed (their
@@ -436,9 +422,18 @@ class Scheduler:
     ) -> ModelWorkerBatch:
         """The launch sequence every executor runs (scheduler/loops.py): the forward's view of
         `batch`, the batch and its requests marked in flight, the control plane told a forward
-        starts. The caller then starts the forward of the returned batch."""
-        mwb = self.get_model_worker_batch(batch, delay_sample)
-        self._mark_launched(batch, future_indices)
+        starts; the caller then starts the forward. The sampling state is prepared now, or, with
+        `delay_sample`, left to prepare_sample right before the delayed sample is launched."""
+        mwb = batch.get_model_worker_batch()
+        mwb.delay_sample_launch = delay_sample
+        if not delay_sample:
+            self.prepare_sample(batch.reqs, mwb)
+        batch.future_indices = future_indices
+        self.num_inflight_batches += 1
+        for i, req in enumerate(batch.reqs):
+            req.num_inflight += 1
+            if future_indices is not None:
+                req.pending_future = future_indices[i]
         self.control.before_forward()
         return mwb
 
@@ -449,26 +444,15 @@ class Scheduler:
         with torch.inference_mode():
             if mwb.is_embedding:
                 return self.worker.forward_batch_embedding(mwb)
-            spec = self.builder.spec_step
-            if spec is None or not (mwb.forward_mode.is_decode() or mwb.forward_mode.is_target_verify()):
-                return self.worker.forward_batch_generation(mwb)
             start = time.perf_counter()  # the batch-level back-off rule weighs step times
             result = self.worker.forward_batch_generation(mwb)
+        spec = self.builder.spec_step
+        if spec is not None and (mwb.forward_mode.is_decode() or mwb.forward_mode.is_target_verify()):
+            elapsed = time.perf_counter() - start
             spec.observe_step(
-                mwb.forward_mode.is_target_verify(),
-                mwb.batch_size,
-                int(mwb.input_ids.shape[0]),
-                time.perf_counter() - start,
+                mwb.forward_mode.is_target_verify(), mwb.batch_size, int(mwb.input_ids.shape[0]), elapsed
             )
-            return result
-
-    def _mark_launched(self, batch: ScheduleBatch, future_indices: list[int] | None) -> None:
-        batch.future_indices = future_indices
-        self.num_inflight_batches += 1
-        for i, req in enumerate(batch.reqs):
-            req.num_inflight += 1
-            if future_indices is not None:
-                req.pending_future = future_indices[i]
+        return result
 
     def process_batch_result(
         self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult

@@ -210,10 +210,10 @@ def run_scheduler_process(
     layout = server_args.layout()
     info = layout.rank_info(rank)
     dp_rank = port_args.dp_rank if port_args is not None else 0
+    name = " ".join(["scheduler"] + [f"DP{dp_rank}"] * (server_args.dp_size > 1))
+    name += "" if layout.is_single else f" TP{info.tp_rank} PP{info.pp_rank}"
     logging.basicConfig(
-        level=server_args.log_level.upper(),
-        format=f"[%(asctime)s {_process_name(server_args, info.tp_rank, info.pp_rank, dp_rank)}] "
-        "%(levelname)s %(message)s",
+        level=server_args.log_level.upper(), format=f"[%(asctime)s {name}] %(levelname)s %(message)s"
     )
     try:
         server_args, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
@@ -256,13 +256,6 @@ def run_scheduler_process(
         )
         logging.shutdown()
         os._exit(1)  # skip the process-group teardown, which would wait on the dead peer
-
-
-def _process_name(server_args: ServerArgs, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
-    dp = f"DP{dp_rank}" if server_args.dp_size > 1 else ""
-    if server_args.layout().is_single:
-        return f"scheduler {dp}".rstrip()
-    return f"scheduler {dp} TP{tp_rank} PP{pp_rank}".replace("  ", " ")
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
@@ -336,7 +329,7 @@ def _run_loop(
     scheduler: Any,  # noqa: ANN401 - the Scheduler (imported lazily)
     io: SchedulerIO | None,
 ) -> None:
-    from radixserve.scheduler.build import build_loop, stage_recv
+    from radixserve.scheduler.build import build_loop
 
     _start_watchdog(server_args, scheduler)
     recv_io = recv_and_report(io, scheduler) if io is not None else (lambda: [])
@@ -352,4 +345,4 @@ def _run_loop(
             msgs = recv_io() if io is not None else None
             return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)
 
-    build_loop(scheduler).run_forever(stage_recv(scheduler, recv))
+    build_loop(scheduler).run_forever(recv)
