@@ -49,6 +49,9 @@ class LoopHooks:
     def internal_state(self) -> dict[str, Any]:
         return {}
 
+    def close(self) -> None:
+        return None
+
 
 class SyncExecutor:
     """How a launched batch runs and when its result is processed. This base runs it now
@@ -118,6 +121,7 @@ class Loop:
 
     def close(self) -> None:
         self.executor.close(self.finish)
+        self.hooks.close()
 
 
 class OverlapScheduleExecutor(SyncExecutor):
