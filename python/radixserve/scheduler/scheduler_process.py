@@ -33,6 +33,7 @@ from radixserve.utils.network import PortArgs, get_zmq_socket
 if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
     from radixserve.distributed.rank_runtime import RankRuntime
+    from radixserve.scheduler.loops import Loop
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,8 @@ def run_scheduler_process(
     """The one scheduler process entry: place this rank, join its world (a single rank is a world
     of size 1 and joins none), load its shard, report readiness over `pipe`, run the loop.
     `port_args` is None on nodes other than 0 (headless); only the world's entry rank has sockets."""
+    from radixserve.scheduler.build import build_loop
+
     layout = server_args.layout()
     info = layout.rank_info(rank)
     dp_rank = port_args.dp_rank if port_args is not None else 0
@@ -218,6 +221,7 @@ def run_scheduler_process(
     try:
         server_args, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
         runtime, scheduler, io, ready = _build_rank(server_args, port_args, rank, init_addr)
+        loop = build_loop(scheduler)  # before readiness: the PD side binds its ports here
         if runtime is not None:
             ready["rank_info"] = {
                 **dataclasses.asdict(info),
@@ -244,7 +248,7 @@ def run_scheduler_process(
         not server_args.disable_overlap_schedule,
     )
     try:
-        _run_loop(server_args, runtime, scheduler, io)
+        _run_loop(server_args, runtime, scheduler, loop, io)
     except Exception as exc:  # a peer died, a collective timed out, or a bug: never hang
         logger.error(
             "Rank %d stops: %s: %s. A rank that stops ends the server (the others see its sockets "
@@ -327,10 +331,9 @@ def _run_loop(
     server_args: ServerArgs,
     runtime: RankRuntime | None,
     scheduler: Any,  # noqa: ANN401 - the Scheduler (imported lazily)
+    loop: Loop,
     io: SchedulerIO | None,
 ) -> None:
-    from radixserve.scheduler.build import build_loop
-
     _start_watchdog(server_args, scheduler)
     recv_io = recv_and_report(io, scheduler) if io is not None else (lambda: [])
     recv = recv_io
@@ -345,4 +348,4 @@ def _run_loop(
             msgs = recv_io() if io is not None else None
             return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)
 
-    build_loop(scheduler).run_forever(recv)
+    loop.run_forever(recv)
