@@ -231,7 +231,7 @@ def run_scheduler_process(
                 "threads": threads,
                 "cores": cores,
             }
-            ready["ranks"] = _gather_rank_infos(runtime, ready["rank_info"])
+            ready["ranks"] = runtime.gather(ready["rank_info"])
     except Exception as exc:
         who = "scheduler" if layout.is_single else f"rank {rank}"
         logger.exception("The %s failed to start", who)
@@ -317,14 +317,6 @@ def _build_rank(
     dp_rank = port_args.dp_rank if port_args is not None else 0
     scheduler, ready = build_scheduler(server_args, send_output, runtime, dp_rank)
     return runtime, scheduler, io, ready
-
-
-def _gather_rank_infos(runtime: RankRuntime, mine: dict[str, Any]) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * runtime.layout.world_size
-    dist.all_gather_object(everyone, mine, group=runtime.groups.world_cpu)
-    return everyone
 
 
 def _run_loop(
