@@ -14,6 +14,7 @@ import time
 
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.scheduler.build import build_loop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_args import ServerArgs
 from radixserve.testing.null_worker import NullWorker
@@ -27,7 +28,7 @@ def run(batch_size: int, input_len: int, output_len: int, overlap: bool, vocab_s
     ).resolve()
     sent: list[object] = []
     scheduler = Scheduler(args, worker, send_output=sent.append)
-    loop = scheduler.make_loop()
+    loop = build_loop(scheduler)
     reqs = []
     for i in range(batch_size):
         sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)

@@ -18,6 +18,7 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.scheduler.build import build_loop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_args import ServerArgs
 from radixserve.testing.tiny_models import TINY_VOCAB
@@ -68,7 +69,7 @@ class SchedulerRun:
             eos_token_ids=worker.model_config.eos_token_ids,
             send_output=self.sent.append,
         )
-        self.loop = self.scheduler.make_loop()
+        self.loop = build_loop(self.scheduler)
         self.closed = False
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, dict] = {}

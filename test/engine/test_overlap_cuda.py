@@ -59,7 +59,7 @@ def test_overlap_on_streams_matches_hf_and_normal(cuda_worker, reference):
     for overlap in (False, True):
         run = _run(worker, args, overlap)
         if overlap:
-            assert isinstance(run.loop.worker, CudaStreamOverlapExecutor)
+            assert isinstance(run.loop.executor.worker, CudaStreamOverlapExecutor)
         run.run_until_idle()
         run.close()
         outputs[overlap] = run.outputs
@@ -71,7 +71,7 @@ def test_decode_launch_never_syncs_the_host(cuda_worker, monkeypatch):
     (FutureMap resolve, graph replay, sample, store, async copy, event) must contain none."""
     worker, args = cuda_worker
     run = _run(worker, args, overlap=True)
-    executor = run.loop.worker
+    executor = run.loop.executor.worker
     real_launch = executor.launch
     checked = []
 

@@ -17,6 +17,7 @@ from fake_worker import FakeWorker  # noqa: E402
 
 from radixserve.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput  # noqa: E402
 from radixserve.sampling.sampling_params import SamplingParams  # noqa: E402
+from radixserve.scheduler.build import build_loop  # noqa: E402
 from radixserve.scheduler.scheduler import Scheduler  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
@@ -32,7 +33,7 @@ class Harness:
         self.scheduler = Scheduler(
             args, worker, tokenizer=tokenizer, eos_token_ids=eos, send_output=self.sent.append
         )
-        self.loop = self.scheduler.make_loop()
+        self.loop = build_loop(self.scheduler)
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, dict | None] = {}
         self.logprobs: dict[str, list[float]] = {}

@@ -71,7 +71,11 @@ def _record_order(h) -> list[str]:
     harness's overlap loop, by the batch's first request."""
     events: list[str] = []
     loop, sched = h.loop, h.scheduler
-    launch, launch_sample, process = loop.worker.launch, loop.worker.launch_sample, sched.process_batch_result
+    launch, launch_sample, process = (
+        loop.executor.worker.launch,
+        loop.executor.worker.launch_sample,
+        sched.process_batch_result,
+    )
 
     def on_launch(mwb, future_indices):
         events.append(f"forward{'(delayed sample)' if mwb.delay_sample_launch else ''}")
@@ -85,7 +89,7 @@ def _record_order(h) -> list[str]:
         events.append("process")
         return process(batch, result)
 
-    loop.worker.launch, loop.worker.launch_sample, sched.process_batch_result = (
+    loop.executor.worker.launch, loop.executor.worker.launch_sample, sched.process_batch_result = (
         on_launch,
         on_sample,
         on_process,

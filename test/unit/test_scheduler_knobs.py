@@ -109,7 +109,7 @@ def test_consecutive_prefills_process_the_first_before_launching_the_second(make
     after a prefill, the next decode is launched first (overlap)."""
     h = make_harness(disable_overlap_schedule=False)
     events: list[str] = []
-    launch, process = h.loop.worker.launch, h.scheduler.process_batch_result
+    launch, process = h.loop.executor.worker.launch, h.scheduler.process_batch_result
 
     def on_launch(mwb, future_indices):
         events.append(f"launch {mwb.forward_mode.name}")
@@ -119,7 +119,7 @@ def test_consecutive_prefills_process_the_first_before_launching_the_second(make
         events.append(f"process {batch.forward_mode.name}")
         return process(batch, result)
 
-    h.loop.worker.launch, h.scheduler.process_batch_result = on_launch, on_process
+    h.loop.executor.worker.launch, h.scheduler.process_batch_result = on_launch, on_process
     h.submit("A", [1, 2, 3], 3)
     h.step()  # A's prefill
     h.submit("B", [4, 5, 6], 3)

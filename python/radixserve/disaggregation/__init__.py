@@ -7,6 +7,6 @@ sends every request to both with the same `bootstrap_room`.
 - utils: the modes, KVPoll and the forward-only status every transfer keeps.
 - bootstrap_server: the prefill side's HTTP rendezvous (PUT/GET /route, /health).
 - tcp_backend / fake_backend: KV senders (prefill) and receivers (decode).
-- prefill: PrefillBootstrapQueue, the inflight queue and the prefill event loop.
-- decode: DecodePreallocQueue, DecodeTransferQueue, PREBUILT batches and the decode event loop.
+- prefill: PrefillBootstrapQueue and the inflight queue, as hooks of the scheduler's loop.
+- decode: DecodePreallocQueue, DecodeTransferQueue and PREBUILT batches, as hooks of the loop.
 """

@@ -1,10 +1,12 @@
-"""What the prefill and decode sides share: request admission and the per-mode entry point."""
+"""What the prefill and decode sides share: the parts of the core they use, request admission,
+the KV layout and the ranks' agreement on transfers."""
 
 from __future__ import annotations
 
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -12,34 +14,38 @@ from typing import TYPE_CHECKING, Any
 from radixserve.constrained.grammar_backend import grammar_key
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.heads import KVLayout, kv_head_range
-from radixserve.disaggregation.utils import DisaggregationMode, KVPoll, is_fake
+from radixserve.disaggregation.utils import KVPoll, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.scheduler.req import Req
 
 if TYPE_CHECKING:
     from radixserve.distributed.rank_runtime import RankSync
-    from radixserve.scheduler.scheduler import Scheduler
+    from radixserve.scheduler.kv_memory import KVMemory
+    from radixserve.scheduler.output_processor import OutputProcessor
+    from radixserve.scheduler.requests import RequestTable
+    from radixserve.scheduler.schedule_batch import ScheduleBatch
+    from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# When a loop step ran nothing but transfers are pending, it sleeps this long instead of spinning.
-PENDING_POLL_S = 0.001
 # Bind addresses that mean "every interface": not an address a peer can reach.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-def create_disaggregation(scheduler: Scheduler) -> Any:  # noqa: ANN401 - Prefill/DecodeDisaggregation
-    """None for --disaggregation-mode null; else the side that owns the queues and the loop."""
-    mode = DisaggregationMode(scheduler.server_args.disaggregation_mode)
-    if mode == DisaggregationMode.PREFILL:
-        from radixserve.disaggregation.prefill import PrefillDisaggregation
+@dataclass(frozen=True)
+class SideParts:
+    """What a PD side uses of the scheduler's core (scheduler/build.py hands them over)."""
 
-        return PrefillDisaggregation(scheduler)
-    if mode == DisaggregationMode.DECODE:
-        from radixserve.disaggregation.decode import DecodeDisaggregation
-
-        return DecodeDisaggregation(scheduler)
-    return None
+    args: ServerArgs
+    kv_pool: Any  # the worker's KV pool (MHATokenToKVPool): the transfers read / write its pages
+    layout: KVLayout
+    mem: KVMemory
+    requests: RequestTable  # its `state` holds the running batch the decode side merges into
+    output: OutputProcessor
+    sync: RankSync
+    dp_rank: int
+    make_batch: Callable[[list[Req]], ScheduleBatch]
+    max_running_requests: Callable[[], int]  # live: set_internal_state may change it
 
 
 def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> str | None:
@@ -61,19 +67,19 @@ def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> 
     return None
 
 
-def admit(scheduler: Scheduler, msg: TokenizedGenerateReqInput, req: Req, enqueue: Any) -> None:  # noqa: ANN401
+def admit(parts: SideParts, msg: TokenizedGenerateReqInput, req: Req, enqueue: Callable[[Req], None]) -> None:
     """Copy the bootstrap fields, refuse what cannot run here, else validate and enqueue."""
-    args = scheduler.server_args
+    args = parts.args
     req.bootstrap_host = msg.bootstrap_host
     req.bootstrap_port = msg.bootstrap_port or args.disaggregation_bootstrap_port
     req.bootstrap_room = msg.bootstrap_room if msg.bootstrap_room is not None else 0
     req.disagg_prefill_dp_rank = msg.disagg_prefill_dp_rank
     error = admission_error(msg, args.disaggregation_transfer_backend, args.disaggregation_mode)
     if error is not None:
-        scheduler.requests.state.live[req.rid] = req
-        scheduler.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
+        parts.requests.state.live[req.rid] = req
+        parts.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
         return
-    scheduler.requests.add(req, enqueue)
+    parts.requests.add(req, enqueue)
 
 
 def advertised_host(host: str) -> str:
@@ -90,9 +96,9 @@ def mark_scheduled(req: Req) -> None:
         req.times.queue_time = now - req.times.queued
 
 
-def kv_layout(scheduler: Scheduler) -> KVLayout:
+def kv_layout(worker: Any, page_size: int) -> KVLayout:  # noqa: ANN401 - the model worker
     """This rank's KV pool as the peer server must see it (its TP shard's KV heads)."""
-    pool, info = scheduler.worker.token_to_kv_pool, scheduler.worker.info
+    pool, info = worker.token_to_kv_pool, worker.info
     tp_size, tp_rank = info.tp_size, info.tp_rank
     if info.num_attention_heads is None or info.num_kv_heads is None:  # a test worker: every head
         num_kv_heads, heads = pool.num_kv_heads, (0, pool.num_kv_heads)
@@ -102,7 +108,7 @@ def kv_layout(scheduler: Scheduler) -> KVLayout:
     if heads[1] - heads[0] != pool.num_kv_heads:
         raise RuntimeError(f"the KV pool holds {pool.num_kv_heads} heads, the TP shard {heads}")
     return KVLayout(
-        page_size=scheduler.mem.page_size,
+        page_size=page_size,
         kv_cache_dtype=wire.dtype_name(pool.dtype),
         num_layers=pool.num_layers,
         num_kv_heads=num_kv_heads,

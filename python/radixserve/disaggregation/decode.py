@@ -3,37 +3,27 @@
 A request bootstraps with its prefill server in the DecodePreallocQueue, gets a request row and
 KV pages there when the pool has room (back-pressure: it waits otherwise), then waits in the
 DecodeTransferQueue until its KV and first token arrived. Those requests join the running batch
-as a PREBUILT batch: no forward, the prompt is never recomputed. Decoding is the usual loop.
+as a PREBUILT batch: no forward, the prompt is never recomputed. Decoding is the usual loop; the
+queues are its hooks (scheduler/loops.py: LoopHooks).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
-from radixserve.disaggregation.common import (
-    PENDING_POLL_S,
-    Agreed,
-    admit,
-    advertised_host,
-    agree,
-    kv_layout,
-    mark_scheduled,
-)
+from radixserve.disaggregation.common import Agreed, SideParts, admit, advertised_host, agree, mark_scheduled
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_decode import DecodeTcpManager
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import ForwardMode
+from radixserve.scheduler.loops import LoopHooks
 from radixserve.scheduler.prefill_adder import remaining_new_tokens
 from radixserve.scheduler.req import Req
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +43,7 @@ class DecodePreallocQueue:
     def pop_preallocated(self) -> list[Req]:
         side, keep, out = self.side, [], []
         blocked = False
-        agreed = agree(side.scheduler.sync, [side.receivers[id(req)] for req in self.queue])
+        agreed = agree(side.parts.sync, [side.receivers[id(req)] for req in self.queue])
         for req, status in zip(self.queue, agreed):
             if req.to_finish is not None:
                 side.abort(req)
@@ -80,7 +70,7 @@ class DecodeTransferQueue:
 
     def pop_transferred(self) -> list[Req]:
         side, keep, ready = self.side, [], []
-        agreed = agree(side.scheduler.sync, [side.receivers[id(req)] for req in self.queue])
+        agreed = agree(side.parts.sync, [side.receivers[id(req)] for req in self.queue])
         for req, status in zip(self.queue, agreed):
             if req.to_finish is not None and status.status != KVPoll.Success:
                 side.abort(req)
@@ -95,14 +85,14 @@ class DecodeTransferQueue:
         return ready
 
 
-class DecodeDisaggregation:
-    def __init__(self, scheduler: Scheduler) -> None:
-        args = scheduler.server_args
-        self.scheduler = scheduler
+class DecodeDisaggregation(LoopHooks):
+    def __init__(self, parts: SideParts) -> None:
+        args = parts.args
+        self.parts = parts
         self.backend = args.disaggregation_transfer_backend
         self.timeout_s = args.disaggregation_bootstrap_timeout
-        self.pool = scheduler.worker.token_to_kv_pool
-        self.layout = kv_layout(scheduler)
+        self.pool = parts.kv_pool
+        self.layout = parts.layout
         mooncake = MooncakeEngine(advertised_host(args.host)) if self.backend == "mooncake" else None
         self.manager = DecodeTcpManager(self.layout, self.timeout_s, mooncake)
         self.receivers: dict[int, KVReceiver] = {}
@@ -111,7 +101,7 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ arrival
     def add_request(self, msg: TokenizedGenerateReqInput, req: Req) -> None:
-        admit(self.scheduler, msg, req, self.prealloc_queue.add)
+        admit(self.parts, msg, req, self.prealloc_queue.add)
 
     def create_receiver(self, req: Req) -> KVReceiver:
         room = req.bootstrap_room or 0
@@ -127,10 +117,9 @@ class DecodeDisaggregation:
         """Whether a row and the prompt's pages are free, keeping room for the running requests'
         future tokens (scaled by new_token_ratio, as admission does) and the running cap. Requests
         admitted earlier in the same pass are already in the transfer queue, so they count once."""
-        s = self.scheduler
-        mem, st = s.mem, s.state
+        mem, st = self.parts.mem, self.parts.requests.state
         active = st.running_batch.reqs + self.transfer_queue.queue
-        if len(active) + 1 > s.max_running_requests:
+        if len(active) + 1 > self.parts.max_running_requests():
             return False
         if mem.req_to_token_pool.available_size() < 1:
             return False
@@ -139,7 +128,7 @@ class DecodeDisaggregation:
         return mem.available_size() + mem.evictable_size() - reserved >= need
 
     def preallocate(self, req: Req) -> None:
-        mem = self.scheduler.mem
+        mem = self.parts.mem
         num_tokens = len(req.origin_input_ids)
         req.req_pool_idx = mem.alloc_rows(1)[0]
         slots = mem.alloc_extend([0], [num_tokens], [-1], num_tokens)
@@ -154,7 +143,7 @@ class DecodeDisaggregation:
         """The KV arrived: write each prefill rank's heads into the request's pages (at this
         rank's local head index) and take the first token."""
         num_tokens = len(req.origin_input_ids)
-        slots = self.scheduler.mem.row_slots(req, 0, num_tokens)
+        slots = self.parts.mem.row_slots(req, 0, num_tokens)
         for msg, data in pieces:
             start = msg["heads"][0] - self.layout.heads[0] if msg.get("heads") else 0
             wire.scatter_kv(self.pool, slots, data, msg["shape"], msg["dtype"], start)
@@ -163,7 +152,7 @@ class DecodeDisaggregation:
         if req.sampling_params.max_new_tokens > 0:
             req.output_ids.append(token)
             # This server emits it: counted as a colocated server counts its first token.
-            self.scheduler.output.stats.num_generated_tokens += 1
+            self.parts.output.stats.num_generated_tokens += 1
             req.append_output_logprob(token, meta.get("logprob"), meta.get("top_val"), meta.get("top_idx"))
         req.cached_tokens = int(meta.get("cached_tokens") or 0)
         mark_scheduled(req)
@@ -174,22 +163,17 @@ class DecodeDisaggregation:
     def process_prebuilt(self, reqs: list[Req]) -> None:
         """process_batch_result_prebuilt: report the first tokens, finish what is done, and merge
         the rest into the running batch (their next step is an ordinary decode)."""
-        s = self.scheduler
-        batch = s.make_batch(reqs)
+        output = self.parts.output
+        batch = self.parts.make_batch(reqs)
         batch.forward_mode = ForwardMode.PREBUILT
         # Penalty counts need no update here: they are synced from output_ids before each sample.
         for req in reqs:
             req.check_finished()
             if req.finished():
-                s.output.release_if_idle(req)
-            s.output.collect(req)
+                output.release_if_idle(req)
+            output.collect(req)
         batch.filter_batch()
-        if batch.is_empty():
-            return
-        if s.state.running_batch.is_empty():
-            s.state.running_batch = batch
-        else:
-            s.state.running_batch.merge_batch(batch)
+        self.parts.requests.state.merge_into_running(batch)
 
     # ------------------------------------------------------------------ failures
     def abort(self, req: Req) -> None:
@@ -209,8 +193,8 @@ class DecodeDisaggregation:
     def _finish(self, req: Req, message: str, status_code: int | None) -> None:
         logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
         if req.holds_kv():  # pages allocated, KV never (completely) arrived: free, cache nothing
-            self.scheduler.mem.release_retracted(req)
-        self.scheduler.output.finish_now(req, message, status_code)
+            self.parts.mem.release_retracted(req)
+        self.parts.output.finish_now(req, message, status_code)
         self._forget(req)
 
     def _forget(self, req: Req) -> None:
@@ -218,7 +202,17 @@ class DecodeDisaggregation:
         if receiver is not None:
             receiver.close()
 
-    # ------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------ loop hooks
+    def before_schedule(self) -> bool:
+        """event_loop_normal_disagg_decode: preallocate, then collect the transferred KV into a
+        PREBUILT batch; the usual step follows (decode the running batch; re-prefill locally only
+        what was retracted)."""
+        self.prealloc_queue.pop_preallocated()
+        ready = self.transfer_queue.pop_transferred()
+        if ready:
+            self.process_prebuilt(ready)
+        return bool(ready)
+
     def has_pending(self) -> bool:
         return bool(self.prealloc_queue.queue or self.transfer_queue.queue)
 
@@ -230,37 +224,5 @@ class DecodeDisaggregation:
             "kv_transfer_bytes_received": self.manager.bytes_received,
         }
 
-    def make_loop(self) -> DecodeLoop:
-        return DecodeLoop(self)
-
     def close(self) -> None:
         self.manager.close()
-
-
-class DecodeLoop:
-    """event_loop_normal_disagg_decode: preallocate, collect transferred KV into a PREBUILT batch,
-    then the usual step (decode the running batch; re-prefill locally only what was retracted)."""
-
-    def __init__(self, side: DecodeDisaggregation) -> None:
-        self.side = side
-
-    def step(self, recv_reqs: Iterable[object] = ()) -> None:
-        s, side = self.side.scheduler, self.side
-        s.process_input_requests(recv_reqs)
-        side.prealloc_queue.pop_preallocated()
-        ready = side.transfer_queue.pop_transferred()
-        if ready:
-            side.process_prebuilt(ready)
-        batch = s.get_next_batch_to_run()
-        if batch is not None:
-            s.process_batch_result(batch, s.run_batch(batch))
-        s.state.last_batch = batch
-        s.output.flush()
-        if batch is None and not ready:
-            if side.has_pending():
-                time.sleep(PENDING_POLL_S)
-            else:
-                s.self_check_during_idle()
-
-    def close(self) -> None:
-        self.side.close()

@@ -4,7 +4,8 @@ A request waits in the PrefillBootstrapQueue until its decode server has bootstr
 allocated its pages (KVPoll.WaitingForInput), is prefilled by the usual batch builder (radix
 cache, chunking, admission), then waits in the inflight queue while its KV and first token go
 out; on the decode side's acknowledgement its KV is released (the prompt stays in the radix tree)
-and the request finishes here with that one token. Nothing here ever decodes.
+and the request finishes here with that one token. Nothing here ever decodes. The queues are hooks
+of the usual loop (scheduler/loops.py: LoopHooks).
 """
 
 from __future__ import annotations
@@ -12,34 +13,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeSender, KVSender
 from radixserve.disaggregation.bootstrap_server import BootstrapServer, RoomRegistrar
-from radixserve.disaggregation.common import (
-    PENDING_POLL_S,
-    WILDCARD_HOSTS,
-    Agreed,
-    admit,
-    advertised_host,
-    agree,
-    kv_layout,
-)
+from radixserve.disaggregation.common import WILDCARD_HOSTS, Agreed, SideParts, admit, advertised_host, agree
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_prefill import PrefillTcpManager, ReplicaInfo
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import GenerationBatchResult
+from radixserve.scheduler.loops import BatchResult, LoopHooks
 from radixserve.scheduler.output_processor import INVALID_TOKEN_MESSAGE, OutputProcessor
 from radixserve.scheduler.req import FinishLength, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.server_args import resolve_load_balance_method
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -60,35 +50,35 @@ class PrefillBootstrapQueue:
         """Bootstrapped requests (on every rank) join the waiting queue; failed or aborted ones
         finish."""
         side, keep = self.side, []
-        agreed = agree(side.scheduler.sync, [side.senders[id(req)] for req in self.queue])
+        agreed = agree(side.parts.sync, [side.senders[id(req)] for req in self.queue])
         for req, status in zip(self.queue, agreed):
             if req.to_finish is not None:
                 side.abort(req)
             elif status.status == KVPoll.Failed:
                 side.finish_agreed_failure(req, status)
             elif status.status >= KVPoll.WaitingForInput:
-                side.scheduler.requests.enqueue(req)
+                side.parts.requests.enqueue(req)
             else:
                 keep.append(req)
         self.queue = keep
 
 
-class PrefillDisaggregation:
-    def __init__(self, scheduler: Scheduler) -> None:
-        args = scheduler.server_args
-        self.scheduler = scheduler
+class PrefillDisaggregation(LoopHooks):
+    def __init__(self, parts: SideParts) -> None:
+        args = parts.args
+        self.parts = parts
         self.backend = args.disaggregation_transfer_backend
         self.timeout_s = args.disaggregation_bootstrap_timeout
-        self.pool = scheduler.worker.token_to_kv_pool
-        self.layout = kv_layout(scheduler)
+        self.pool = parts.kv_pool
+        self.layout = parts.layout
         host = advertised_host(args.host)
         method = resolve_load_balance_method(args.load_balance_method, args.disaggregation_mode)
-        self.replicas = ReplicaInfo(scheduler.dp_rank, args.dp_size, method)
+        self.replicas = ReplicaInfo(parts.dp_rank, args.dp_size, method)
         # Replica 0's TP rank 0 serves the bootstrap routes; every rank of every replica registers
         # its own KV sender there.
         self.bootstrap_server = (
             BootstrapServer(args.host, args.disaggregation_bootstrap_port, entry_ttl_s=2 * self.timeout_s)
-            if self.layout.tp_rank == 0 and scheduler.dp_rank == 0
+            if self.layout.tp_rank == 0 and parts.dp_rank == 0
             else None
         )
         port = self.bootstrap_server.port if self.bootstrap_server else args.disaggregation_bootstrap_port
@@ -99,7 +89,7 @@ class PrefillDisaggregation:
         # With --dp-size > 1 a replica's TP rank 0 tells the bootstrap server about the rooms a
         # decode server cannot place from the room alone (SGLang's /register_dp_rank).
         self.registrar = (
-            RoomRegistrar(f"http://{local}:{port}", scheduler.dp_rank)
+            RoomRegistrar(f"http://{local}:{port}", parts.dp_rank)
             if args.dp_size > 1 and self.layout.tp_rank == 0
             else None
         )
@@ -113,7 +103,7 @@ class PrefillDisaggregation:
         # The prefill side samples one token: admission need not reserve room for a whole output.
         if req.sampling_params.max_new_tokens > 1:
             req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
-        admit(self.scheduler, msg, req, self.bootstrap_queue.add)
+        admit(self.parts, msg, req, self.bootstrap_queue.add)
 
     def create_sender(self, req: Req) -> KVSender:
         room = req.bootstrap_room or 0
@@ -145,13 +135,14 @@ class PrefillDisaggregation:
         return False
 
     # ------------------------------------------------------------------ results
-    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def on_result(self, batch: ScheduleBatch, result: BatchResult) -> bool:
         """process_batch_result_disagg_prefill: a finished prompt's KV and first token go to its
         decode server; the request moves to the inflight queue (it keeps its KV until acked)."""
+        assert isinstance(result, GenerationBatchResult)  # the prefill side only generates
         next_ids, logprobs = OutputProcessor.sampled_tokens(result)
         for i, req in enumerate(batch.reqs):
             req.num_inflight -= 1
-            OutputProcessor._record_input_logprobs(batch, result, i, req)  # noqa: SLF001 - shared rule
+            self.parts.output.record_input_logprobs(batch, result, i, req)
             if req.is_chunked > 0:
                 req.is_chunked -= 1  # a middle chunk: the builder caches it before the next one
                 continue
@@ -165,6 +156,7 @@ class PrefillDisaggregation:
                 self.finish_failed(req, INVALID_TOKEN_MESSAGE, int(HTTPStatus.INTERNAL_SERVER_ERROR))
                 continue
             self._send(req, token, logprobs[i] if logprobs is not None else None, result, i)
+        return True
 
     def _send(
         self, req: Req, token: int, logprob: float | None, result: GenerationBatchResult, i: int
@@ -174,8 +166,8 @@ class PrefillDisaggregation:
         top_idx = result.top_logprobs_idx[i] if result.top_logprobs_idx is not None else None
         req.append_output_logprob(token, logprob, top_val, top_idx)
         req.times.first_token = time.monotonic()
-        self.scheduler.mem.tree_cache.cache_unfinished_req(req)  # the prompt becomes shareable now
-        self.scheduler.output.stats.num_generated_tokens += 1  # as a colocated prefill counts it
+        self.parts.mem.tree_cache.cache_unfinished_req(req)  # the prompt becomes shareable now
+        self.parts.output.stats.num_generated_tokens += 1  # as a colocated prefill counts it
         sender = self.senders[id(req)]
         meta: dict[str, Any] = {
             "first_token": token,
@@ -186,14 +178,14 @@ class PrefillDisaggregation:
         }
         num_tokens = len(req.origin_input_ids)
         meta["num_tokens"] = num_tokens
-        slots = self.scheduler.mem.row_slots(req, 0, num_tokens)
+        slots = self.parts.mem.row_slots(req, 0, num_tokens)
         sender.send(meta, lambda heads: wire.gather_kv(self.pool, slots, heads))
         self.inflight_queue.append(req)
 
     def process_inflight_queue(self) -> None:
         """Release the KV of requests whose transfer ended (the prompt stays in the radix tree)."""
         keep = []
-        agreed = agree(self.scheduler.sync, [self.senders[id(req)] for req in self.inflight_queue])
+        agreed = agree(self.parts.sync, [self.senders[id(req)] for req in self.inflight_queue])
         for req, status in zip(self.inflight_queue, agreed):
             if req.to_finish is not None and status.status != KVPoll.Success:
                 self.abort(req)
@@ -202,8 +194,8 @@ class PrefillDisaggregation:
                 if not req.finished():
                     req.finished_reason = FinishLength(len(req.output_ids))
                 req.to_finish = None
-                self.scheduler.output.release_if_idle(req)
-                self.scheduler.output.collect(req)
+                self.parts.output.release_if_idle(req)
+                self.parts.output.collect(req)
                 self._forget(req)
             elif status.status == KVPoll.Failed:
                 self.finish_agreed_failure(req, status)
@@ -229,7 +221,7 @@ class PrefillDisaggregation:
 
     def finish_failed(self, req: Req, message: str | None, status_code: int | None) -> None:
         logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
-        self.scheduler.output.finish_now(req, message or "KV transfer failed", error_status(status_code))
+        self.parts.output.finish_now(req, message or "KV transfer failed", error_status(status_code))
         self._forget(req)
 
     def sweep_finished(self) -> None:
@@ -247,7 +239,19 @@ class PrefillDisaggregation:
         if sender is not None:
             sender.close()
 
-    # ------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------ loop hooks
+    def before_schedule(self) -> bool:
+        self.bootstrap_queue.pop_bootstrapped()
+        return False
+
+    def after_step(self) -> None:
+        """event_loop_normal_disagg_prefill: release what was sent, tell the decode side about
+        requests finished elsewhere. Nothing ran here joins a running batch (this side never
+        decodes), so the step's batch is not kept as last_batch."""
+        self.process_inflight_queue()
+        self.sweep_finished()
+        self.parts.requests.state.last_batch = None
+
     def has_pending(self) -> bool:
         return bool(self.bootstrap_queue.queue or self.inflight_queue)
 
@@ -259,42 +263,9 @@ class PrefillDisaggregation:
             **self.manager.stats.as_dict(),
         }
 
-    def make_loop(self) -> PrefillLoop:
-        return PrefillLoop(self)
-
     def close(self) -> None:
         self.manager.close()
         if self.registrar is not None:
             self.registrar.close()
         if self.bootstrap_server is not None:
             self.bootstrap_server.close()
-
-
-class PrefillLoop:
-    """event_loop_normal_disagg_prefill: bootstrap, prefill, send, release. Never decodes: the last
-    batch is never merged into a running batch."""
-
-    def __init__(self, side: PrefillDisaggregation) -> None:
-        self.side = side
-
-    def step(self, recv_reqs: Iterable[object] = ()) -> None:
-        s, side = self.side.scheduler, self.side
-        s.process_input_requests(recv_reqs)
-        side.bootstrap_queue.pop_bootstrapped()
-        batch = s.get_next_batch_to_run()
-        if batch is not None:
-            result = s.run_batch(batch)
-            s.note_batch_done()
-            side.process_batch_result(batch, result)
-        side.process_inflight_queue()
-        side.sweep_finished()
-        s.state.last_batch = None
-        s.output.flush()
-        if batch is None:
-            if side.has_pending():
-                time.sleep(PENDING_POLL_S)
-            else:
-                s.self_check_during_idle()
-
-    def close(self) -> None:
-        self.side.close()

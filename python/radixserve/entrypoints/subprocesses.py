@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +66,7 @@ def start_rank_processes(
 ) -> None:
     """One scheduler process per rank of this node (`port_args` None: a headless node). A
     data-parallel replica (port_args.dp_rank) gets a torch.distributed world of its own."""
-    from radixserve.scheduler.scheduler_process import run_rank_process
+    from radixserve.scheduler.scheduler_process import run_scheduler_process
 
     layout = server_args.layout()
     check_model_layout(server_args)
@@ -88,7 +89,8 @@ def start_rank_processes(
     for rank in layout.local_ranks():
         info = layout.rank_info(rank)
         name = f"scheduler-{dp}TP{info.tp_rank}-PP{info.pp_rank}"
-        children.start(name, run_rank_process, (server_args, port_args, rank, init_addr))
+        entry = functools.partial(run_scheduler_process, rank=rank, init_addr=init_addr)
+        children.start(name, entry, (server_args, port_args))
 
 
 def start_dp_replicas(

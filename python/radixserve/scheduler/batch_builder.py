@@ -79,11 +79,7 @@ class BatchBuilder:
             # not join the decode batch.
             prompt_only = [r for r in st.last_batch.reqs if r.sampling_params.max_new_tokens == 0]
             st.last_batch.filter_batch(chunked_req_to_exclude=chunked_to_exclude + prompt_only)
-            if not st.last_batch.is_empty():
-                if st.running_batch.is_empty():
-                    st.running_batch = st.last_batch
-                else:
-                    st.running_batch.merge_batch(st.last_batch)
+            st.merge_into_running(st.last_batch)
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch  # prefill before decode

@@ -122,7 +122,7 @@ class OutputProcessor:
             if self._begin(batch, i, req):
                 continue
             if id(req) not in decoding:
-                self._record_input_logprobs(batch, result, i, req)
+                self.record_input_logprobs(batch, result, i, req)
                 if req.is_chunked > 0:  # a middle chunk: its sampled token means nothing
                     req.is_chunked -= 1
                     continue
@@ -246,7 +246,7 @@ class OutputProcessor:
         req.check_finished()
 
     @staticmethod
-    def _record_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult, i: int, req: Req) -> None:
+    def record_input_logprobs(batch: ScheduleBatch, result: GenerationBatchResult, i: int, req: Req) -> None:
         if (
             not req.return_logprob
             or result.input_token_logprobs is None

@@ -72,11 +72,7 @@ class PauseControl:
             # The prefill that just ran joins the running batch (as the builder would do).
             exclude = [st.chunked_req] if st.chunked_req is not None else []
             last.filter_batch(chunked_req_to_exclude=exclude)
-            if not last.is_empty():
-                if st.running_batch.is_empty():
-                    st.running_batch = last
-                else:
-                    st.running_batch.merge_batch(last)
+            st.merge_into_running(last)
             st.last_batch = None
         if not self._retract_pending or self.activity.num_inflight_batches() > 0:
             return

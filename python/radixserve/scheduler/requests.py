@@ -44,6 +44,16 @@ class SchedulerState:
     def is_idle(self) -> bool:
         return not self.live and self.running_batch.is_empty() and self.chunked_req is None
 
+    def merge_into_running(self, batch: ScheduleBatch) -> None:
+        """Its requests decode from the next step on (a prefill that ran, a PREBUILT batch);
+        `batch` is filtered already."""
+        if batch.is_empty():
+            return
+        if self.running_batch.is_empty():
+            self.running_batch = batch
+        else:
+            self.running_batch.merge_batch(batch)
+
 
 class RequestTable:
     def __init__(

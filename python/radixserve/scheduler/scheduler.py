@@ -1,10 +1,10 @@
-"""The Scheduler: owns the small objects that do the work and runs the event loops (seed 001 §2).
+"""The Scheduler: the core the loop steps (seed 001 §2); it owns the small objects that do the work.
 
     scheduler = Scheduler(server_args, worker, tokenizer=None, eos_token_ids=(2,), send_output=out.append)
+    loop = build_loop(scheduler)           # scheduler/build.py: executor and hooks for the flags
     scheduler.process_input_requests([TokenizedGenerateReqInput(...)])
-    loop = scheduler.make_loop()           # OverlapLoop, or NormalLoop with --disable-overlap-schedule
     while not scheduler.is_idle(): loop.step()
-    scheduler.event_loop(recv_requests)    # the process's `while True` around the same step()
+    loop.run_forever(recv_requests)        # the process's `while True` around the same step()
 
 Collaborators: KVMemory (pools + prefix cache), RequestTable (queue, live requests, abort,
 timeouts), SchedulePolicy, BatchBuilder (next batch), OutputProcessor (results and streaming).
@@ -50,7 +50,6 @@ from radixserve.scheduler.control_table import control_handlers, internal_state
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.live_limits import LiveLimits
-from radixserve.scheduler.loops import NormalLoop, OverlapLoop
 from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.pause import PauseControl
@@ -87,24 +86,45 @@ class Scheduler:
         sync: RankSync | None = None,  # agreements with the other ranks (multi-rank layouts)
         dp_rank: int = 0,  # the data-parallel replica this scheduler belongs to (--dp-size)
     ) -> None:
-        args = server_args
-        self.server_args = args
+        self.server_args = server_args
         self.dp_rank = dp_rank
         self.worker = worker
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.send_output = send_output
         self.device = worker.info.device
+        self.sync: RankSync = sync or LocalSync()
+        self._build_core(sync, grammar_backend)
+        self._build_addons()
+        self.dispatcher = self._build_dispatcher()
+        self.num_inflight_batches = 0  # launched, results not processed yet
+        self.num_steps = 0  # steps so far: the watchdog's progress counter
+        self.busy_since_trim = False  # a batch ran since the heap was last trimmed
+        # Prefill/decode disaggregation: the side that admits requests into its queues and adds
+        # its hooks to the loop (scheduler/build.py attaches it; None when colocated).
+        self.disagg: Any = None  # PrefillDisaggregation / DecodeDisaggregation
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.live_limits.max_running_requests
+
+    def _build_memory(self) -> KVMemory:
+        worker, args = self.worker, self.server_args
         allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
-        self.is_generation = worker.info.is_generation
-        self.embedding_needs_all_tokens = worker.info.embedding_needs_all_tokens
         # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
         # prefix can be shared and the radix cache would only hold KV nobody may reuse.
         if args.disable_radix_cache or not worker.info.is_causal:
             cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
-        self.mem = KVMemory(rows, allocator, cache, allocator.page_size)
+        return KVMemory(rows, allocator, cache, allocator.page_size)
+
+    def _build_core(self, sync: RankSync | None, grammar_backend: GrammarBackend | None) -> None:
+        """Memory, state, requests, grammar, policy, builder, output: what every layout runs."""
+        args, worker = self.server_args, self.worker
+        self.is_generation = worker.info.is_generation
+        self.embedding_needs_all_tokens = worker.info.embedding_needs_all_tokens
+        self.mem = self._build_memory()
         self.chunked_prefill_size = (
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
@@ -115,7 +135,7 @@ class Scheduler:
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.output = OutputProcessor(
             self.mem,
-            send_output,
+            self.send_output,
             on_finished=self._on_finished,
             report_spec=args.speculative_algorithm is not None,
         )
@@ -143,14 +163,28 @@ class Scheduler:
             self.make_batch,
             SpeculativeDecodeStep.from_server_args(args, self.mem),
         )
-        self.sync: RankSync = sync or LocalSync()
-        self._build_controls(args)
+
+    def _build_addons(self) -> None:
+        """The control add-ons, each given the few objects it uses, and sessions."""
+        activity = Activity(self.state, lambda: self.num_inflight_batches)
+        tp_rank, weights = self.worker.info.tp_rank, self.worker.info.weights
+        self.pause = PauseControl(self.requests, activity)
+        self.control = ControlPlane(
+            SchedulerInputBlocker(sync=self.sync), self.requests, activity, self.pause
+        )
+        self.weight_control = WeightControl(
+            weights, tp_rank, self.sync, activity, self.mem, self.flush_cache, self.server_args.weight_version
+        )
+        self.memory_occupation = MemoryOccupation(weights, self.sync, activity, self.mem, self.weight_control)
+        self.operators = OperatorControls(self.live_limits, tp_rank)
         self.sessions = SessionController(
             self._build_session_req,
             lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),
-            getattr(tokenizer, "bos_token_id", None),
+            getattr(self.tokenizer, "bos_token_id", None),
         )
-        self.dispatcher = TypeBasedDispatcher(
+
+    def _build_dispatcher(self) -> TypeBasedDispatcher:
+        return TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
                 (BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
@@ -163,31 +197,6 @@ class Scheduler:
                 (GetLoadReqInput, self.get_load),
             ]
         )
-        self.num_inflight_batches = 0  # launched, results not processed yet
-        self.num_steps = 0  # steps so far: the watchdog's progress counter
-        self.busy_since_trim = False  # a batch ran since the heap was last trimmed
-        # Prefill/decode disaggregation: the side's queues and loop (None in --disaggregation-mode null).
-        from radixserve.disaggregation.common import create_disaggregation
-
-        self.disagg = create_disaggregation(self)
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.live_limits.max_running_requests
-
-    def _build_controls(self, args: ServerArgs) -> None:
-        """The control add-ons, each given the few objects it uses."""
-        activity = Activity(self.state, lambda: self.num_inflight_batches)
-        tp_rank, weights = self.worker.info.tp_rank, self.worker.info.weights
-        self.pause = PauseControl(self.requests, activity)
-        self.control = ControlPlane(
-            SchedulerInputBlocker(sync=self.sync), self.requests, activity, self.pause
-        )
-        self.weight_control = WeightControl(
-            weights, tp_rank, self.sync, activity, self.mem, self.flush_cache, args.weight_version
-        )
-        self.memory_occupation = MemoryOccupation(weights, self.sync, activity, self.mem, self.weight_control)
-        self.operators = OperatorControls(self.live_limits, tp_rank)
 
     def _batch_limits(self) -> BatchLimits:
         args = self.server_args
@@ -347,15 +356,6 @@ class Scheduler:
             self.grammar.wait_for_any(GRAMMAR_WAIT_S)
         return batch
 
-    def get_model_worker_batch(self, batch: ScheduleBatch, delay_sample: bool = False) -> ModelWorkerBatch:
-        """The forward's view of `batch`. Its sampling state is prepared now, or, with
-        `delay_sample`, left to prepare_sample right before the delayed sample is launched."""
-        mwb = batch.get_model_worker_batch()
-        mwb.delay_sample_launch = delay_sample
-        if not delay_sample:
-            self.prepare_sample(batch.reqs, mwb)
-        return mwb
-
     def prepare_sample(self, reqs: list[Req], mwb: ModelWorkerBatch) -> None:
         """The sampling state that depends on earlier tokens: the grammar mask of this step and
         the penalty / min_new_tokens counts. Every earlier result of `reqs` must be processed (their
@@ -367,34 +367,42 @@ class Scheduler:
         info.vocab_mask = self.grammar.vocab_mask(reqs, self.worker.vocab_size)
         info.sync_output_tokens([r.output_ids for r in reqs])
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
-        """Synchronous forward (the normal loop); a prefill-only batch samples nothing."""
-        mwb = self.get_model_worker_batch(batch)
-        self._mark_launched(batch, None)
-        self.operators.before_forward()
-        with torch.inference_mode():
-            if mwb.is_embedding:
-                return self.worker.forward_batch_embedding(mwb)
-            spec = self.builder.spec_step
-            if spec is None or not (mwb.forward_mode.is_decode() or mwb.forward_mode.is_target_verify()):
-                return self.worker.forward_batch_generation(mwb)
-            start = time.perf_counter()  # the batch-level back-off rule weighs step times
-            result = self.worker.forward_batch_generation(mwb)
-            spec.observe_step(
-                mwb.forward_mode.is_target_verify(),
-                mwb.batch_size,
-                int(mwb.input_ids.shape[0]),
-                time.perf_counter() - start,
-            )
-            return result
-
-    def _mark_launched(self, batch: ScheduleBatch, future_indices: list[int] | None) -> None:
+    def launch(
+        self, batch: ScheduleBatch, future_indices: list[int] | None = None, delay_sample: bool = False
+    ) -> ModelWorkerBatch:
+        """The launch sequence every executor runs (scheduler/loops.py): the forward's view of
+        `batch`, the batch and its requests marked in flight, the control plane told a forward
+        starts; the caller then starts the forward. The sampling state is prepared now, or, with
+        `delay_sample`, left to prepare_sample right before the delayed sample is launched."""
+        mwb = batch.get_model_worker_batch()
+        mwb.delay_sample_launch = delay_sample
+        if not delay_sample:
+            self.prepare_sample(batch.reqs, mwb)
         batch.future_indices = future_indices
         self.num_inflight_batches += 1
         for i, req in enumerate(batch.reqs):
             req.num_inflight += 1
             if future_indices is not None:
                 req.pending_future = future_indices[i]
+        self.operators.before_forward()
+        return mwb
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
+        """Launch and wait for the forward (sync and pipeline executors); a prefill-only batch
+        samples nothing."""
+        mwb = self.launch(batch)
+        with torch.inference_mode():
+            if mwb.is_embedding:
+                return self.worker.forward_batch_embedding(mwb)
+            start = time.perf_counter()  # the batch-level back-off rule weighs step times
+            result = self.worker.forward_batch_generation(mwb)
+        spec = self.builder.spec_step
+        if spec is not None and (mwb.forward_mode.is_decode() or mwb.forward_mode.is_target_verify()):
+            elapsed = time.perf_counter() - start
+            spec.observe_step(
+                mwb.forward_mode.is_target_verify(), mwb.batch_size, int(mwb.input_ids.shape[0]), elapsed
+            )
+        return result
 
     def process_batch_result(
         self, batch: ScheduleBatch, result: GenerationBatchResult | EmbeddingBatchResult
@@ -418,34 +426,5 @@ class Scheduler:
             and last.forward_mode.is_prefill()
         )
 
-    def make_loop(self) -> Any:  # noqa: ANN401 - NormalLoop, OverlapLoop, or a disaggregated side's loop
-        if self.disagg is not None:
-            return self.disagg.make_loop()  # PrefillLoop / DecodeLoop (normal, not overlapped)
-        return NormalLoop(self) if self.server_args.disable_overlap_schedule else OverlapLoop(self)
 
-    def event_loop(self, recv_requests: Callable[[], list[object]]) -> None:
-        """The scheduler process's main loop (never returns): overlap unless disabled."""
-        if self.disagg is not None:
-            loop = self.make_loop()
-            while True:
-                loop.step(recv_requests())
-        if self.server_args.disable_overlap_schedule:
-            self.event_loop_normal(recv_requests)
-        else:
-            self.event_loop_overlap(recv_requests)
-
-    def event_loop_normal(self, recv_requests: Callable[[], list[object]]) -> None:
-        loop = NormalLoop(self)
-        while True:
-            loop.step(recv_requests())
-
-    def event_loop_overlap(self, recv_requests: Callable[[], list[object]]) -> None:
-        loop = OverlapLoop(self)  # refuses speculative decoding
-        try:
-            while True:
-                loop.step(recv_requests())
-        finally:
-            loop.close()
-
-
-__all__ = ["NormalLoop", "OverlapLoop", "Scheduler"]
+__all__ = ["Scheduler"]

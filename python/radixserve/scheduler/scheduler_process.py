@@ -4,8 +4,8 @@ Sockets (rank 0 only): requests arrive on a PULL socket (from the TokenizerManag
 BatchTokenIDOut goes to the detokenizer; control replies
 (flush, internal state) go straight back to the TokenizerManager.
 
-With --tp-size / --pp-size above 1 there is one such process per rank (`run_rank_process`). Rank 0
-alone owns the sockets: what it receives it broadcasts to its TP peers over the CPU group, later
+With --tp-size / --pp-size above 1 there is one such process per rank (the same
+`run_scheduler_process`; a single rank is a world of size 1). Rank 0 alone owns the sockets: what it receives it broadcasts to its TP peers over the CPU group, later
 pipeline stages receive it from the previous stage, every rank runs the same scheduler, and only
 rank 0 sends outputs (docs/architecture.md, "Ranks").
 """
@@ -33,6 +33,7 @@ from radixserve.utils.network import PortArgs, get_zmq_socket
 if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
     from radixserve.distributed.rank_runtime import RankRuntime
+    from radixserve.scheduler.loops import Loop
 
     # Imported at run time in build_scheduler, once the process set its threads (torch loads then).
     from radixserve.scheduler.scheduler import Scheduler
@@ -143,22 +144,6 @@ def recv_and_report(io: SchedulerIO, scheduler: Scheduler) -> Callable[[], list[
     return recv
 
 
-def _configure_threads(server_args: ServerArgs, dp_rank: int = 0) -> None:
-    """The scheduler process does the math: it gets the cores (other processes get one thread);
-    data-parallel replicas split them and are pinned to their share."""
-    import torch
-
-    if server_args.device == "cpu" and server_args.cpu_threads:
-        if server_args.dp_size == 1:
-            torch.set_num_threads(server_args.cpu_threads)
-            return
-        threads, cores = server_args.layout().cpu_cores(0, server_args.cpu_threads, dp_rank)
-        if cores:
-            os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
-        logger.info("Replica %d: %d threads on cores %s", dp_rank, threads, cores or "any")
-
-
 def build_scheduler(
     server_args: ServerArgs,
     send_output: Callable[[object], None],
@@ -216,71 +201,57 @@ def embedding_info(model_config: Any) -> dict[str, Any] | None:  # noqa: ANN401 
     }
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection) -> None:
-    """Process entry: build everything, report readiness over `pipe`, then run the event loop."""
-    name = f"scheduler DP{port_args.dp_rank}" if server_args.dp_size > 1 else "scheduler"
+def run_scheduler_process(
+    server_args: ServerArgs,
+    port_args: PortArgs | None,
+    pipe: Connection,
+    rank: int = 0,
+    init_addr: str | None = None,
+) -> None:
+    """The one scheduler process entry: place this rank, join its world (a single rank is a world
+    of size 1 and joins none), load its shard, report readiness over `pipe`, run the loop.
+    `port_args` is None on nodes other than 0 (headless); only the world's entry rank has sockets."""
+    from radixserve.scheduler.build import build_loop
+
+    layout = server_args.layout()
+    info = layout.rank_info(rank)
+    dp_rank = port_args.dp_rank if port_args is not None else 0
+    name = " ".join(["scheduler"] + [f"DP{dp_rank}"] * (server_args.dp_size > 1))
+    name += "" if layout.is_single else f" TP{info.tp_rank} PP{info.pp_rank}"
     logging.basicConfig(
         level=server_args.log_level.upper(), format=f"[%(asctime)s {name}] %(levelname)s %(message)s"
     )
     try:
-        if server_args.dp_size > 1 and server_args.device == "cuda":
-            server_args = dataclasses.replace(server_args, device=f"cuda:{port_args.dp_rank}")
-        _configure_threads(server_args, port_args.dp_rank)
-        io = SchedulerIO(port_args, server_args.load_watch_interval)
-        scheduler, info = build_scheduler(server_args, io.send_output, dp_rank=port_args.dp_rank)
-    except Exception as exc:
-        logger.exception("Scheduler failed to start")
-        pipe.send({"status": "error", "message": f"scheduler failed to start: {exc!r}"})
-        raise
-    pipe.send(info)
-    logger.info(
-        "Scheduler ready: max_total_num_tokens=%d, context_len=%d, overlap=%s",
-        info["max_total_num_tokens"],
-        info["context_len"],
-        not server_args.disable_overlap_schedule,
-    )
-    _start_watchdog(server_args, scheduler)
-    scheduler.event_loop(recv_and_report(io, scheduler))
-
-
-# ---------------------------------------------------------------------------------------------
-# Multi-rank
-# ---------------------------------------------------------------------------------------------
-
-
-def run_rank_process(
-    server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str, pipe: Connection
-) -> None:
-    """Process entry of one rank: join the world, load this rank's shard, report readiness, run
-    the TP loop or the pipeline loop. `port_args` is None on nodes other than 0 (headless)."""
-    layout = server_args.layout()
-    info = layout.rank_info(rank)
-    dp_rank = port_args.dp_rank if port_args is not None else 0
-    dp = f"DP{dp_rank} " if server_args.dp_size > 1 else ""
-    logging.basicConfig(
-        level=server_args.log_level.upper(),
-        format=f"[%(asctime)s scheduler {dp}TP{info.tp_rank} PP{info.pp_rank}] %(levelname)s %(message)s",
-    )
-    try:
         server_args, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
         runtime, scheduler, io, ready = _build_rank(server_args, port_args, rank, init_addr)
-        ready["rank_info"] = {
-            **dataclasses.asdict(info),
-            "pid": os.getpid(),
-            "host": os.uname().nodename,
-            "device": server_args.device,
-            "threads": threads,
-            "cores": cores,
-        }
-        ready["ranks"] = _gather_rank_infos(runtime, ready["rank_info"])
+        loop = build_loop(scheduler)  # before readiness: the PD side binds its ports here
+        if runtime is not None:
+            ready["rank_info"] = {
+                **dataclasses.asdict(info),
+                "pid": os.getpid(),
+                "host": os.uname().nodename,
+                "device": server_args.device,
+                "threads": threads,
+                "cores": cores,
+            }
+            ready["ranks"] = runtime.gather(ready["rank_info"])
     except Exception as exc:
-        logger.exception("Rank %d failed to start", rank)
-        pipe.send({"status": "error", "message": f"rank {rank} failed to start: {exc!r}"})
+        who = "scheduler" if layout.is_single else f"rank {rank}"
+        logger.exception("The %s failed to start", who)
+        pipe.send({"status": "error", "message": f"{who} failed to start: {exc!r}"})
         raise
     pipe.send(ready)
-    logger.info("Rank %d ready (%d threads on cores %s)", rank, threads, cores or "any")
+    logger.info(
+        "Rank %d ready (%d threads on cores %s): max_total_num_tokens=%d, context_len=%d, overlap=%s",
+        rank,
+        threads,
+        cores or "any",
+        ready["max_total_num_tokens"],
+        ready["context_len"],
+        not server_args.disable_overlap_schedule,
+    )
     try:
-        _run_rank_loop(server_args, runtime, scheduler, io)
+        _run_loop(server_args, runtime, scheduler, loop, io)
     except Exception as exc:  # a peer died, a collective timed out, or a bug: never hang
         logger.error(
             "Rank %d stops: %s: %s. A rank that stops ends the server (the others see its sockets "
@@ -307,28 +278,42 @@ def place_rank(
     server_args: ServerArgs, layout: ParallelLayout, local_rank: int, dp_rank: int = 0
 ) -> tuple[ServerArgs, int, list[int]]:
     """This rank's device and its share of the node's cores (pinned, so ranks never contend);
-    data-parallel replicas take consecutive blocks of devices and cores."""
+    data-parallel replicas take consecutive blocks of devices and cores. A single rank keeps the
+    process's threads unless --cpu-threads or --dp-size say otherwise."""
     import torch
 
     if server_args.device == "cuda":
+        if layout.is_single and server_args.dp_size == 1:
+            return server_args, torch.get_num_threads(), []
         device = f"cuda:{dp_rank * layout.ranks_per_node + local_rank}"
         return dataclasses.replace(server_args, device=device), torch.get_num_threads(), []
+    if layout.is_single and not (server_args.device == "cpu" and server_args.cpu_threads):
+        return server_args, torch.get_num_threads(), []
+    if layout.is_single and server_args.dp_size == 1:
+        torch.set_num_threads(server_args.cpu_threads)
+        return server_args, torch.get_num_threads(), []
     threads, cores = layout.cpu_cores(local_rank, server_args.cpu_threads, dp_rank)
     if cores:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
+    if layout.is_single:
+        logger.info("Replica %d: %d threads on cores %s", dp_rank, threads, cores or "any")
     return server_args, threads, cores
 
 
 def _build_rank(
-    server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str
-) -> tuple[RankRuntime, Scheduler, SchedulerIO | None, dict[str, Any]]:
+    server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str | None
+) -> tuple[RankRuntime | None, Scheduler, SchedulerIO | None, dict[str, Any]]:
     from radixserve.distributed.rank_runtime import RankRuntime
 
-    runtime = RankRuntime.for_server(server_args, rank, init_addr)
+    runtime = None
+    if not server_args.layout().is_single:
+        assert init_addr is not None, "a multi-rank world needs its rendezvous address"
+        runtime = RankRuntime.for_server(server_args, rank, init_addr)
+    is_entry = runtime is None or runtime.is_entry_rank
     io = (
         SchedulerIO(port_args, server_args.load_watch_interval)
-        if runtime.is_entry_rank and port_args is not None
+        if is_entry and port_args is not None
         else None
     )
     send_output = io.send_output if io is not None else (lambda msg: None)
@@ -337,44 +322,25 @@ def _build_rank(
     return runtime, scheduler, io, ready
 
 
-def _gather_rank_infos(runtime: RankRuntime, mine: dict[str, Any]) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * runtime.layout.world_size
-    dist.all_gather_object(everyone, mine, group=runtime.groups.world_cpu)
-    return everyone
-
-
-def _run_rank_loop(
+def _run_loop(
     server_args: ServerArgs,
-    runtime: RankRuntime,
+    runtime: RankRuntime | None,
     scheduler: Scheduler,
+    loop: Loop,
     io: SchedulerIO | None,
 ) -> None:
-    from radixserve.distributed.communication import broadcast_pyobj
-
     _start_watchdog(server_args, scheduler)
-    groups = runtime.groups
-    tp_src = runtime.layout.rank_of(groups.pp_rank, 0)
+    recv_io = recv_and_report(io, scheduler) if io is not None else (lambda: [])
+    recv = recv_io
+    if runtime is not None and runtime.layout.tp_size > 1:
+        from radixserve.distributed.communication import broadcast_pyobj
 
-    recv_io = recv_and_report(io, scheduler) if io is not None else None
+        groups = runtime.groups
+        tp_src = runtime.layout.rank_of(groups.pp_rank, 0)
 
-    def recv_stage0() -> list[object]:
-        """Rank 0 reads the socket; its TP peers get the same list over the CPU group."""
-        msgs = recv_io() if recv_io is not None else None
-        if runtime.layout.tp_size == 1:
-            return msgs or []
-        return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)
+        def recv() -> list[object]:
+            """Rank 0 reads the socket; its TP peers get the same list over the CPU group."""
+            msgs = recv_io() if io is not None else None
+            return broadcast_pyobj(msgs, tp_src, groups.tp_cpu, is_src=groups.tp_rank == 0)
 
-    if runtime.layout.pp_size == 1:
-        scheduler.event_loop(recv_stage0)
-        return
-    from radixserve.scheduler.pipeline_loop import PipelineLoop
-
-    if not server_args.disable_overlap_schedule:
-        logger.info("Pipeline stages overlap micro-batches across stages; the overlap loop is not used")
-
-    micro = server_args.pp_max_micro_batch_size or max(
-        scheduler.max_running_requests // runtime.layout.pp_size, 1
-    )
-    PipelineLoop(scheduler, scheduler.worker.stage_link, recv_stage0, micro).run_forever()
+    loop.run_forever(recv)

@@ -43,6 +43,7 @@ class InProcessScheduler:
 
         from radixserve.configs.model_config import ModelConfig
         from radixserve.model_executor.worker_stack import build_model_worker
+        from radixserve.scheduler.build import build_loop
         from radixserve.scheduler.scheduler import Scheduler
 
         # Tests choose the loop explicitly: an explicit overlap request must survive the CPU default.
@@ -62,7 +63,7 @@ class InProcessScheduler:
             self.sent.append,
             grammar_backend=grammar_backend,
         )
-        self.loop = self.scheduler.make_loop()
+        self.loop = build_loop(self.scheduler)
         self.results: dict[str, Result] = {}
         self._seen = 0
 
