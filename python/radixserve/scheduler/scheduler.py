@@ -160,7 +160,7 @@ class Scheduler:
             self.policy,
             self._batch_limits(),
             self.make_batch,
-            SpeculativeDecodeStep.from_server_args(args, self.mem),
+            SpeculativeDecodeStep.from_server_args(args, self.mem, sync),
         )
         self.sync: RankSync = sync or LocalSync()
         self.input_blocker = SchedulerInputBlocker(sync=self.sync)
@@ -354,12 +354,15 @@ class Scheduler:
         )
 
     def _pool_report(self) -> dict[str, object]:
+        stats = self.output.stats
         return {
             "available_tokens": self.mem.available_size(),
             "evictable_tokens": self.mem.evictable_size(),
             "max_total_num_tokens": self.mem.total_tokens,
             "free_request_rows": self.mem.req_to_token_pool.available_size(),
             "memory_leak": self.mem.check_leak() if self.is_idle() else None,
+            # Verify rounds, drafts, accepted drafts: every rank must have drafted and accepted alike.
+            "spec_counts": [stats.spec_num_rounds, stats.spec_num_drafts, stats.spec_num_accepted],
         }
 
     def check_memory_leak(self) -> str | None:
