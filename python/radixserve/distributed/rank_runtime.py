@@ -6,9 +6,9 @@ decisions that depend on wall-clock time or on background threads (a grammar com
 expired) are turned into agreements here: each rank proposes its local view and all take the
 element-wise AND (or OR) over the world, one small gloo all-reduce, and only when such a decision
 is pending. One is agreed on every step while it is in use: the step time the speculative back-off
-rule weighs (speculative/batch_gate.py), the slowest rank's. Each rank timing its own steps drafted
-or not on its own clock, so a busy core could make one rank verify while its peer decoded; their
-collectives then summed rows of different requests (issue 35, docs/speculative_decoding.md).
+rule weighs (speculative/batch_gate.py), the slowest rank's. While each rank weighed its own clock,
+a busy core could make one rank verify drafts in a step where its peer decoded, and their
+collectives summed rows of different requests (issue 35, docs/speculative_decoding.md).
 """
 
 from __future__ import annotations
