@@ -5,7 +5,10 @@ Every rank runs the same scheduler over the same inputs and so makes the same de
 decisions that depend on wall-clock time or on background threads (a grammar compiled, a timeout
 expired) are turned into agreements here: each rank proposes its local view and all take the
 element-wise AND (or OR) over the world, one small gloo all-reduce, and only when such a decision
-is pending.
+is pending. One is agreed on every step while it is in use: the step time the speculative back-off
+rule weighs (speculative/batch_gate.py), the slowest rank's. While each rank weighed its own clock,
+a busy core could make one rank verify drafts in a step where its peer decoded, and their
+collectives summed rows of different requests (issue 35, docs/speculative_decoding.md).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 import torch.distributed as dist
 
 from radixserve.distributed.communication import TensorParallelComm, all_reduce_ints
@@ -46,6 +50,13 @@ class RankSync(Protocol):
         """Every rank's `obj`, in rank order (for reports, e.g. each rank's KV pool)."""
         ...
 
+    def max_step_seconds(self, seconds: float) -> float:
+        """The largest of every rank's `seconds`: a step time that every rank must weigh alike
+        (the speculative back-off rule). Called once per step, on the thread that runs the
+        forward, between forwards: on one host it rides the TP group's shared-memory
+        communicator, which the forward's collectives use too."""
+        ...
+
 
 class LocalSync:
     """A single rank agrees with itself."""
@@ -61,6 +72,9 @@ class LocalSync:
 
     def gather(self, obj: object) -> list[object]:
         return [obj]
+
+    def max_step_seconds(self, seconds: float) -> float:
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,17 @@ class RankRuntime:
         everyone: list[object] = [None] * self.layout.world_size
         dist.all_gather_object(everyone, obj, group=self.groups.world_cpu)
         return everyone
+
+    def max_step_seconds(self, seconds: float) -> float:
+        fast = self.parallel.tp.fast
+        if fast is not None and self.layout.pp_size == 1:
+            # The TP group is the world. Shared memory answers in microseconds; gloo's loopback
+            # round trip (0.2-2 ms) would cost as much as a small model's decode step.
+            gathered = fast.all_gather(torch.tensor([seconds], dtype=torch.float32))
+            return float(gathered.max())
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.world_cpu)
+        return float(t.item())
 
 
 def _shm_communicator(groups: RankGroups, timeout_s: float | None) -> object | None:

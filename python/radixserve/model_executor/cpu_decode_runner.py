@@ -121,8 +121,9 @@ class CpuDecodeRunner:
         if batch.forward_mode.is_decode():
             return 0 < batch.batch_size <= self.max_bs
         # A verify step of chains whose rows all fit: see replay. Single rank only: at TP 2 it
-        # changed NGRAM's greedy tokens against one rank's (test_multi_rank_engine's
-        # test_ngram_speculation_at_tp2_matches_one_rank), not yet explained.
+        # once changed NGRAM's greedy tokens against one rank's in some test sessions; ranks then
+        # drafted by their own clocks (fixed since: docs/speculative_decoding.md, issue 35), and
+        # this path has not been re-checked at TP 2 after that fix.
         return (
             self.tp_comm is None
             and batch.forward_mode.is_target_verify()

@@ -117,10 +117,13 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
 
 
 def _pool_report(s: Scheduler) -> dict[str, object]:
+    stats = s.output.stats
     return {
         "available_tokens": s.mem.available_size(),
         "evictable_tokens": s.mem.evictable_size(),
         "max_total_num_tokens": s.mem.total_tokens,
         "free_request_rows": s.mem.req_to_token_pool.available_size(),
         "memory_leak": s.mem.check_leak() if s.is_idle() else None,
+        # Verify rounds, drafts, accepted drafts: every rank must have drafted and accepted alike.
+        "spec_counts": [stats.spec_num_rounds, stats.spec_num_drafts, stats.spec_num_accepted],
     }

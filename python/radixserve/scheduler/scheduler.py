@@ -161,7 +161,7 @@ class Scheduler:
             self._batch_limits(),
             self.live_limits,
             self.make_batch,
-            SpeculativeDecodeStep.from_server_args(args, self.mem),
+            SpeculativeDecodeStep.from_server_args(args, self.mem, sync),
         )
 
     def _build_addons(self) -> None:

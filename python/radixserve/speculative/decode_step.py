@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from radixserve.distributed.rank_runtime import LocalSync
 from radixserve.speculative.batch_gate import (
     PROBE_AFTER,
     RowCost,
@@ -19,6 +20,7 @@ from radixserve.speculative.tree import DraftTree, as_tree, depths
 from radixserve.speculative.verify_batch import prepare_for_verify, verify_tokens_needed
 
 if TYPE_CHECKING:
+    from radixserve.distributed.rank_runtime import RankSync
     from radixserve.scheduler.kv_memory import KVMemory
     from radixserve.scheduler.req import Req
     from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -37,24 +39,33 @@ class SpeculativeDecodeStep:
     and the drafts' KV fits (else, or with no drafts, the ordinary DECODE batch)."""
 
     def __init__(
-        self, drafter: Drafter, mem: KVMemory, batch_backoff: bool = True, max_drafts: int = 64
+        self,
+        drafter: Drafter,
+        mem: KVMemory,
+        batch_backoff: bool = True,
+        max_drafts: int = 64,
+        sync: RankSync | None = None,
     ) -> None:
         self.drafter = drafter
         self.mem = mem
         self.batch_backoff = batch_backoff  # the batch-level rule and draft lengths (batch_gate.py)
         self.max_drafts = max_drafts  # per request (num-draft-tokens - 1)
         self.costs = StepCosts()  # decode / verify step times, for the batch-level rule
+        # At TP > 1 every rank must draft alike, so the step times the rule weighs are agreed.
+        self.sync: RankSync = sync or LocalSync()
 
     @classmethod
-    def from_server_args(cls, args: ServerArgs, mem: KVMemory) -> SpeculativeDecodeStep | None:
+    def from_server_args(
+        cls, args: ServerArgs, mem: KVMemory, sync: RankSync | None = None
+    ) -> SpeculativeDecodeStep | None:
         if args.speculative_algorithm is None:
             return None
         gate = not args.disable_speculative_batch_backoff
         assert args.speculative_num_draft_tokens is not None, "ServerArgs.resolve() sets it"
         most = args.speculative_num_draft_tokens - 1
         if args.speculative_algorithm == "NGRAM":
-            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem, gate, most)
-        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem, gate, most)
+            return cls(NgramDrafter(NgramConfig.from_server_args(args)), mem, gate, most, sync)
+        return cls(ModelDrafter(args.speculative_num_draft_tokens), mem, gate, most, sync)
 
     def prepare(self, batch: ScheduleBatch, context_limit: int) -> None:
         cost = self.costs.row_cost(len(batch.reqs)) if self.batch_backoff else None
@@ -75,8 +86,13 @@ class SpeculativeDecodeStep:
 
     def observe_step(self, verify: bool, bs: int, rows: int, seconds: float) -> None:
         """The scheduler reports each decode / verify step's wall time and row count
-        (batch_gate.StepCosts)."""
-        self.costs.observe(verify, bs, seconds, rows)
+        (batch_gate.StepCosts). Every rank reports every step; each records the slowest rank's
+        time. A rank's own clock differs from its peers' (a busy core, a preemption), and a
+        different measured cost would make it draft differently: it would run another batch
+        than its peers, and the TP collectives would sum rows of different requests."""
+        if not self.batch_backoff:
+            return  # nothing reads the costs
+        self.costs.observe(verify, bs, self.sync.max_step_seconds(seconds), rows)
 
     def _room(self, req: Req, context_limit: int, cost: RowCost | None) -> int:
         """Drafts `req` may have this step: what its context has room for, or none when not even
