@@ -371,7 +371,7 @@ class Scheduler:
         self, batch: ScheduleBatch, future_indices: list[int] | None = None, delay_sample: bool = False
     ) -> ModelWorkerBatch:
         """The launch sequence every executor runs (scheduler/loops.py): the forward's view of
-        `batch`, the batch and its requests marked in flight, the control plane told a forward
+        `batch`, the batch and its requests marked in flight, the operator controls told a forward
         starts; the caller then starts the forward. The sampling state is prepared now, or, with
         `delay_sample`, left to prepare_sample right before the delayed sample is launched."""
         mwb = batch.get_model_worker_batch()
