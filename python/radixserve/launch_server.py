@@ -32,7 +32,8 @@ from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
-from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
+from radixserve.managers.hf_tokenizer import load_tokenizer
+from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server_args import ServerArgs, prepare_server_args
 from radixserve.utils.network import PortArgs
 from radixserve.utils.process import ChildProcesses, limit_threads

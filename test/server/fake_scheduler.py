@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 import zmq
 from fake_control import FakeControl
 
+from radixserve.managers.hf_tokenizer import load_tokenizer
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchEmbeddingOut,
@@ -38,7 +39,6 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     rid_matches,
 )
-from radixserve.managers.tokenizer_manager import load_tokenizer
 from radixserve.scheduler.req import Req
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket

@@ -28,7 +28,8 @@ from schema_fuzz import fuzz  # noqa: E402
 
 from radixserve.entrypoints.http_server import ServerState, create_app  # noqa: E402
 from radixserve.entrypoints.subprocesses import launch_subprocesses  # noqa: E402
-from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer  # noqa: E402
+from radixserve.managers.hf_tokenizer import load_tokenizer  # noqa: E402
+from radixserve.managers.tokenizer_manager import TokenizerManager  # noqa: E402
 from radixserve.server_args import prepare_server_args  # noqa: E402
 from radixserve.utils.network import PortArgs  # noqa: E402
 

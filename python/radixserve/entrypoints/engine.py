@@ -23,7 +23,8 @@ from radixserve.managers import scoring
 from radixserve.managers.control_client import ControlClient
 from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.tokenizer_manager import TokenizerManager, load_tokenizer
+from radixserve.managers.hf_tokenizer import load_tokenizer
+from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.model_executor.tensor_payload import serialize_named_tensors
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs

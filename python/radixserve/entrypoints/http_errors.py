@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.entrypoints.http_guards import error_response
 from radixserve.entrypoints.openai.serving_common import ModelNotFoundError, internal_error_message
-from radixserve.managers.tokenizer_manager import ClientDisconnected, RequestAbortedError
+from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
 
 logger = logging.getLogger(__name__)
 

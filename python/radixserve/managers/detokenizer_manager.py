@@ -100,7 +100,7 @@ def _batch_str_out(msg: BatchTokenIDOut, texts: list[str], reasons: list[FinishR
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection) -> None:
     """Process entry: load the tokenizer, report ready, then translate messages forever."""
     limit_threads()
-    from radixserve.managers.tokenizer_manager import load_tokenizer
+    from radixserve.managers.hf_tokenizer import load_tokenizer
 
     try:
         manager = DetokenizerManager(load_tokenizer(server_args))

@@ -9,3 +9,7 @@ class RequestAbortedError(RuntimeError):
     def __init__(self, message: str, status_code: int = 500) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client of a waiting call went away; its requests were aborted (logged once)."""

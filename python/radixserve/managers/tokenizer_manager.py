@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ import zmq.asyncio
 from radixserve.constrained.validation import prewarm as prewarm_grammar
 from radixserve.managers.control_client import ControlClient
 from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
-from radixserve.managers.errors import RequestAbortedError
+from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.input_validation import (
     InvalidRequestError,
@@ -70,27 +69,8 @@ ABORT_GRACE_S = 10.0
 TOKENIZER_THREADS = 2
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client of a waiting call went away; its requests were aborted (logged once)."""
-
-
 class ClientRequest(Protocol):
     async def is_disconnected(self) -> bool: ...
-
-
-def load_tokenizer(server_args: ServerArgs) -> Any:
-    """The HF tokenizer of the model folder, with --chat-template applied (a file or a string)."""
-    from transformers import AutoTokenizer
-
-    path = server_args.tokenizer_path or server_args.model_path
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    template = server_args.chat_template
-    if template:
-        if os.path.isfile(template):
-            with open(template, encoding="utf-8") as f:
-                template = f.read()
-        tokenizer.chat_template = template
-    return tokenizer
 
 
 class TokenizerManager:

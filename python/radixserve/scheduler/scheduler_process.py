@@ -152,7 +152,7 @@ def build_scheduler(
 ) -> tuple[Scheduler, dict[str, Any]]:
     """Load the model and build the Scheduler; returns it with the readiness report."""
     from radixserve.configs.model_config import ModelConfig
-    from radixserve.managers.tokenizer_manager import load_tokenizer
+    from radixserve.managers.hf_tokenizer import load_tokenizer
     from radixserve.model_executor.worker_stack import build_model_worker
     from radixserve.scheduler.scheduler import Scheduler
 
