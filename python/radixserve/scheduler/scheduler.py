@@ -246,6 +246,10 @@ class Scheduler:
             status = HTTPStatus.BAD_REQUEST if error is not None else HTTPStatus.SERVICE_UNAVAILABLE
             self.output.finish_now(req, error or released or "", int(status))
             return
+        if not self.is_generation:  # input_validation refuses these first; a direct caller must not crash it
+            self.state.live[req.rid] = req
+            self.output.finish_now(req, "This model is an embedding model and cannot generate.", 400)
+            return
         if self.disagg is not None:
             self.disagg.add_request(msg, req)  # bootstrap first: PrefillBootstrapQueue / DecodePreallocQueue
             return
