@@ -65,11 +65,13 @@ def single(tiny_model_dir):
 
 @pytest.mark.parametrize(
     "kind, method",
+    # make test runs cache_aware (round_robin is test_data_parallel_server.py's policy); the rest,
+    # in make test-all, are other policies whose choices test/unit/test_dp_policy.py checks.
     [
-        ("llama", "round_robin"),
+        pytest.param("llama", "round_robin", marks=pytest.mark.slow),
         ("llama", "cache_aware"),
-        ("qwen3", "shortest_queue"),
-        ("qwen3", "minimum_tokens"),
+        pytest.param("qwen3", "shortest_queue", marks=pytest.mark.slow),
+        pytest.param("qwen3", "minimum_tokens", marks=pytest.mark.slow),
     ],
 )
 def test_dp2_matches_one_replica(kind, method, tiny_model_dir, single):
@@ -85,6 +87,7 @@ def test_dp2_matches_one_replica(kind, method, tiny_model_dir, single):
         assert pool["memory_leak"] is None
 
 
+@pytest.mark.slow  # make test-all only (docs/testing.md): dp2 and tp2 each run in make test
 def test_dp2_of_tp2_groups_matches_one_replica(tiny_model_dir, single):
     outs, states = _run(tiny_model_dir("llama"), dp_size=2, tp_size=2, load_balance_method="round_robin")
     _assert_same(outs, single("llama"))

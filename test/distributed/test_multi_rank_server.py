@@ -72,6 +72,7 @@ def builtin_tp2(builtin_model_path: str):
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
 
 
+@pytest.mark.slow  # make test-all only (docs/testing.md): test_builtin_parity.py (one rank) and the tiny model's TP 2 parity
 def test_builtin_model_at_tp2_matches_hf(builtin_tp2: Server, builtin_model_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -281,6 +282,7 @@ def test_two_nodes_on_one_machine_and_a_killed_rank(tiny_model_dir, tmp_path) ->
         _stop(node0, node1)
 
 
+@pytest.mark.slow  # make test-all only (docs/testing.md): test_two_nodes_on_one_machine_and_a_killed_rank
 def test_killed_rank_makes_health_fail_and_the_server_exit(tiny_model_dir, tmp_path) -> None:
     server, port = _launch(tiny_model_dir("llama"), str(tmp_path / "server.log"), "--pp-size", "2")
     try:

@@ -43,7 +43,19 @@ def urls(tiny_embedding_dir):
         "cross": Server.real(tiny_embedding_dir("bert_cls")),
         "cls": Server.real(tiny_embedding_dir("qwen2_cls")),
         "reranker": Server.real(tiny_embedding_dir("qwen3_reranker")),
-        # Small pools: six servers start at once, and each would take a share of free RAM.
+    }
+    try:
+        yield {k: s.url for k, s in start_servers(started).items()}
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def xlmr_urls(tiny_embedding_dir):
+    """The XLM-R servers, started only for the make test-all test that uses them."""
+    started = {
+        # Small pools: they start beside the module's other servers, each taking a share of free RAM.
         "xlmr": Server.real(tiny_embedding_dir("xlmr"), "--max-total-tokens", "4096"),
         "xlmr_cross": Server.real(
             tiny_embedding_dir("xlmr_cls"), "--page-size", "16", "--max-total-tokens", "4096"
@@ -142,7 +154,8 @@ def test_rerank_cross_encoder_orders_as_hf(urls, tiny_embedding_dir):
     assert all(r["document"] is None for r in top)
 
 
-def test_xlm_roberta_embeddings_and_rerank_match_hf(urls, tiny_embedding_dir):
+@pytest.mark.slow  # make test-all only (docs/testing.md): test_embedding_parity.py checks XLM-R against HF
+def test_xlm_roberta_embeddings_and_rerank_match_hf(xlmr_urls, tiny_embedding_dir):
     """XLMRobertaModel (multilingual-e5 style: mean pooling, normalised) through the OpenAI client
     and XLMRobertaForSequenceClassification (a bge-reranker-style cross-encoder) through
     /v1/rerank, against HF; the longest input the position table holds is served, one more is a
@@ -154,15 +167,19 @@ def test_xlm_roberta_embeddings_and_rerank_match_hf(urls, tiny_embedding_dir):
         with torch.no_grad():
             return F.normalize(model(torch.tensor([ids])).last_hidden_state[0].mean(0), dim=-1)
 
-    resp = client(urls["xlmr"]).embeddings.create(model="default", input=TEXTS)
+    resp = client(xlmr_urls["xlmr"]).embeddings.create(model="default", input=TEXTS)
     for d, text in zip(resp.data, TEXTS):
         _close(d.embedding, ref(tok.encode(text)))
     context = model.config.max_position_embeddings - model.config.pad_token_id - 1
     long_ids = [(7 * i) % 300 + 3 for i in range(context + 1)]
-    err = assert_error(httpx.post(f"{urls['xlmr']}/v1/embeddings", json={"input": long_ids}, timeout=60), 400)
+    err = assert_error(
+        httpx.post(f"{xlmr_urls['xlmr']}/v1/embeddings", json={"input": long_ids}, timeout=60), 400
+    )
     assert "truncate_prompt_tokens" in err["message"]
     cut = httpx.post(
-        f"{urls['xlmr']}/v1/embeddings", json={"input": long_ids, "truncate_prompt_tokens": -1}, timeout=60
+        f"{xlmr_urls['xlmr']}/v1/embeddings",
+        json={"input": long_ids, "truncate_prompt_tokens": -1},
+        timeout=60,
     )
     assert cut.status_code == 200, cut.text
     assert cut.json()["usage"]["prompt_tokens"] == context
@@ -176,7 +193,7 @@ def test_xlm_roberta_embeddings_and_rerank_match_hf(urls, tiny_embedding_dir):
         with torch.no_grad():
             scores.append(torch.sigmoid(model(**tok(query, doc, return_tensors="pt")).logits[0, 0]).item())
     results = httpx.post(
-        f"{urls['xlmr_cross']}/v1/rerank", json={"query": query, "documents": DOCS}, timeout=60
+        f"{xlmr_urls['xlmr_cross']}/v1/rerank", json={"query": query, "documents": DOCS}, timeout=60
     ).json()
     assert [r["index"] for r in results] == sorted(range(len(DOCS)), key=lambda i: -scores[i])
     for r in results:
