@@ -135,8 +135,9 @@ class OverlapScheduleExecutor(SyncExecutor):
             # ServerArgs.resolve() refuses the combination; a hand-built ServerArgs must not slip by.
             raise ValueError("speculative decoding runs in the normal loop only (disable_overlap_schedule)")
         super().__init__(core)
+        # The request rows bound every batch's width, whatever the live running cap becomes.
         self.future_map = FutureMap(
-            core.max_running_requests, core.chunked_prefill_size, core.worker.max_context_len, core.device
+            core.worker.max_req_num, core.chunked_prefill_size, core.worker.max_context_len, core.device
         )
         self.worker = create_overlap_executor(core.worker, self.future_map, core.device)
         self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()
