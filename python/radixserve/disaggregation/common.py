@@ -21,6 +21,7 @@ from radixserve.scheduler.req import Req
 if TYPE_CHECKING:
     from radixserve.distributed.rank_runtime import RankSync
     from radixserve.scheduler.kv_memory import KVMemory
+    from radixserve.scheduler.live_limits import LiveLimits
     from radixserve.scheduler.output_processor import OutputProcessor
     from radixserve.scheduler.requests import RequestTable
     from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -45,7 +46,7 @@ class SideParts:
     sync: RankSync
     dp_rank: int
     make_batch: Callable[[list[Req]], ScheduleBatch]
-    max_running_requests: Callable[[], int]  # live: set_internal_state may change it
+    limits: LiveLimits  # read at each use: set_internal_state may change the running cap
 
 
 def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> str | None:
@@ -67,8 +68,11 @@ def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> 
     return None
 
 
-def admit(parts: SideParts, msg: TokenizedGenerateReqInput, req: Req, enqueue: Callable[[Req], None]) -> None:
-    """Copy the bootstrap fields, refuse what cannot run here, else validate and enqueue."""
+def admit_pd(
+    parts: SideParts, msg: TokenizedGenerateReqInput, req: Req, enqueue: Callable[[Req], None]
+) -> bool:
+    """Copy the bootstrap fields, refuse what cannot run here, else validate and enqueue. A PD
+    side takes every request (True), those it refuses included."""
     args = parts.args
     req.bootstrap_host = msg.bootstrap_host
     req.bootstrap_port = msg.bootstrap_port or args.disaggregation_bootstrap_port
@@ -78,8 +82,9 @@ def admit(parts: SideParts, msg: TokenizedGenerateReqInput, req: Req, enqueue: C
     if error is not None:
         parts.requests.state.live[req.rid] = req
         parts.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
-        return
+        return True
     parts.requests.add(req, enqueue)
+    return True
 
 
 def advertised_host(host: str) -> str:

@@ -15,7 +15,14 @@ from typing import Any
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
-from radixserve.disaggregation.common import Agreed, SideParts, admit, advertised_host, agree, mark_scheduled
+from radixserve.disaggregation.common import (
+    Agreed,
+    SideParts,
+    admit_pd,
+    advertised_host,
+    agree,
+    mark_scheduled,
+)
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_decode import DecodeTcpManager
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
@@ -100,8 +107,8 @@ class DecodeDisaggregation(LoopHooks):
         self.transfer_queue = DecodeTransferQueue(self)
 
     # ------------------------------------------------------------------ arrival
-    def add_request(self, msg: TokenizedGenerateReqInput, req: Req) -> None:
-        admit(self.parts, msg, req, self.prealloc_queue.add)
+    def admit(self, msg: TokenizedGenerateReqInput, req: Req) -> bool:
+        return admit_pd(self.parts, msg, req, self.prealloc_queue.add)
 
     def create_receiver(self, req: Req) -> KVReceiver:
         room = req.bootstrap_room or 0
@@ -119,7 +126,7 @@ class DecodeDisaggregation(LoopHooks):
         admitted earlier in the same pass are already in the transfer queue, so they count once."""
         mem, st = self.parts.mem, self.parts.requests.state
         active = st.running_batch.reqs + self.transfer_queue.queue
-        if len(active) + 1 > self.parts.max_running_requests():
+        if len(active) + 1 > self.parts.limits.max_running_requests:
             return False
         if mem.req_to_token_pool.available_size() < 1:
             return False

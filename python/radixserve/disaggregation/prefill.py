@@ -19,7 +19,14 @@ from typing import Any
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeSender, KVSender
 from radixserve.disaggregation.bootstrap_server import BootstrapServer, RoomRegistrar
-from radixserve.disaggregation.common import WILDCARD_HOSTS, Agreed, SideParts, admit, advertised_host, agree
+from radixserve.disaggregation.common import (
+    WILDCARD_HOSTS,
+    Agreed,
+    SideParts,
+    admit_pd,
+    advertised_host,
+    agree,
+)
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_prefill import PrefillTcpManager, ReplicaInfo
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
@@ -99,11 +106,11 @@ class PrefillDisaggregation(LoopHooks):
         self.inflight_queue: list[Req] = []
 
     # ------------------------------------------------------------------ arrival
-    def add_request(self, msg: TokenizedGenerateReqInput, req: Req) -> None:
+    def admit(self, msg: TokenizedGenerateReqInput, req: Req) -> bool:
         # The prefill side samples one token: admission need not reserve room for a whole output.
         if req.sampling_params.max_new_tokens > 1:
             req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
-        admit(self.parts, msg, req, self.bootstrap_queue.add)
+        return admit_pd(self.parts, msg, req, self.bootstrap_queue.add)
 
     def create_sender(self, req: Req) -> KVSender:
         room = req.bootstrap_room or 0
