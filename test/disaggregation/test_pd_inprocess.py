@@ -212,7 +212,9 @@ def test_fake_bootstrap_host_probe_on_a_tcp_pair(make_pair):
     """SGLang's health probe: bootstrap_host 2.2.2.2 needs no peer on either side."""
     pair = make_pair()
     msg = pair.message("probe", [5], 0, max_new_tokens=1)
-    msg = dataclasses.replace(msg, bootstrap_host=FAKE_BOOTSTRAP_HOST)
+    msg = dataclasses.replace(
+        msg, routing=dataclasses.replace(msg.routing, bootstrap_host=FAKE_BOOTSTRAP_HOST)
+    )
     pair.prefill.scheduler.process_input_requests([msg])
     pair.decode.scheduler.process_input_requests([msg])
     pair.run_until_idle(timeout_s=30)
@@ -303,9 +305,8 @@ def test_bootstrap_timeout_on_both_sides(make_pair):
 
 def test_unreachable_bootstrap_server_times_out(make_pair):
     pair = make_pair(disaggregation_bootstrap_timeout=0.5)
-    msg = dataclasses.replace(
-        pair.message("u", [4, 5, 6], 13, max_new_tokens=4), bootstrap_port=get_free_port()
-    )
+    msg = pair.message("u", [4, 5, 6], 13, max_new_tokens=4)
+    msg = dataclasses.replace(msg, routing=dataclasses.replace(msg.routing, bootstrap_port=get_free_port()))
     pair.decode.scheduler.process_input_requests([msg])
     pair.run_until_idle(timeout_s=30)
     reason = finish(pair, "u")

@@ -3,6 +3,7 @@ the KV layout and the ranks' agreement on transfers."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -55,15 +56,16 @@ def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> 
         return (
             "Structured outputs (json_schema, regex, ebnf) are not supported with --disaggregation-mode yet."
         )
-    if is_fake(msg.bootstrap_host, backend):
+    routing = msg.routing
+    if is_fake(routing.bootstrap_host, backend):
         return None
-    if msg.bootstrap_room is None:
+    if routing.bootstrap_room is None:
         return (
             f"This is a --disaggregation-mode {mode} server: a request needs bootstrap_room (and "
             "bootstrap_host / bootstrap_port), which a PD load balancer such as sglang-router "
             "--pd-disaggregation adds."
         )
-    if mode == "decode" and not msg.bootstrap_host:
+    if mode == "decode" and not routing.bootstrap_host:
         return "A disaggregated decode server needs bootstrap_host (the prefill server's host)."
     return None
 
@@ -73,11 +75,12 @@ def admit_pd(
 ) -> bool:
     """Copy the bootstrap fields, refuse what cannot run here, else validate and enqueue. A PD
     side takes every request (True), those it refuses included."""
-    args = parts.args
-    req.bootstrap_host = msg.bootstrap_host
-    req.bootstrap_port = msg.bootstrap_port or args.disaggregation_bootstrap_port
-    req.bootstrap_room = msg.bootstrap_room if msg.bootstrap_room is not None else 0
-    req.disagg_prefill_dp_rank = msg.disagg_prefill_dp_rank
+    args, routing = parts.args, msg.routing
+    req.routing = dataclasses.replace(
+        routing,
+        bootstrap_port=routing.bootstrap_port or args.disaggregation_bootstrap_port,
+        bootstrap_room=routing.bootstrap_room if routing.bootstrap_room is not None else 0,
+    )
     error = admission_error(msg, args.disaggregation_transfer_backend, args.disaggregation_mode)
     if error is not None:
         parts.requests.state.live[req.rid] = req

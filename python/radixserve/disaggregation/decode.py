@@ -111,12 +111,13 @@ class DecodeDisaggregation(LoopHooks):
         return admit_pd(self.parts, msg, req, self.prealloc_queue.add)
 
     def create_receiver(self, req: Req) -> KVReceiver:
-        room = req.bootstrap_room or 0
-        if is_fake(req.bootstrap_host, self.backend):
+        routing = req.routing
+        room = routing.bootstrap_room or 0
+        if is_fake(routing.bootstrap_host, self.backend):
             return FakeReceiver(room, self.timeout_s)
-        assert req.bootstrap_host is not None and req.bootstrap_port is not None
+        assert routing.bootstrap_host is not None and routing.bootstrap_port is not None
         return self.manager.create_receiver(
-            room, req.bootstrap_host, req.bootstrap_port, req.disagg_prefill_dp_rank
+            room, routing.bootstrap_host, routing.bootstrap_port, routing.disagg_prefill_dp_rank
         )
 
     # ------------------------------------------------------------------ memory
@@ -198,7 +199,7 @@ class DecodeDisaggregation(LoopHooks):
         self._finish(req, status.error or "KV transfer failed", error_status(status.status_code))
 
     def _finish(self, req: Req, message: str, status_code: int | None) -> None:
-        logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
+        logger.info("Request %s (room %s) failed: %s", req.rid, req.routing.bootstrap_room, message)
         if req.holds_kv():  # pages allocated, KV never (completely) arrived: free, cache nothing
             self.parts.mem.release_retracted(req)
         self.parts.output.finish_now(req, message, status_code)

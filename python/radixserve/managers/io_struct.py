@@ -81,6 +81,22 @@ class FinishAbort(FinishReason):
 
 # ---------------------------------------------------------------------------------------- requests
 @dataclass(frozen=True, slots=True)
+class DisaggRouting:
+    """A request's prefill/decode disaggregation fields, copied as one value from the request
+    item to the scheduler's Req: where the prefill server's bootstrap server is and the room (a
+    number the load balancer draws) that pairs the request's two halves."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    # The prefill replica holding the KV (decode side), or the one to serve it (prefill side).
+    disagg_prefill_dp_rank: int | None = None
+
+
+NO_ROUTING = DisaggRouting()  # a colocated request's: frozen, so one value serves every request
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizedGenerateReqInput:
     """One generation request, tokenized and validated by the TokenizerManager."""
 
@@ -96,13 +112,7 @@ class TokenizedGenerateReqInput:
     received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
     session_params: SessionParams | None = None  # continue a session (scheduler/sessions.py)
     routed_dp_rank: int | None = None  # with --dp-size > 1: the replica the client asked for
-    # Prefill/decode disaggregation: where the prefill server's bootstrap server is and the room
-    # (a number the load balancer draws) that pairs this request's two halves.
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    # The prefill replica holding the KV (decode side), or the one to serve it (prefill side).
-    disagg_prefill_dp_rank: int | None = None
+    routing: DisaggRouting = NO_ROUTING
 
 
 @dataclass(frozen=True, slots=True)

@@ -324,10 +324,7 @@ class TokenizerManager:
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
-            bootstrap_host=item.bootstrap_host,
-            bootstrap_port=item.bootstrap_port,
-            bootstrap_room=item.bootstrap_room,
-            disagg_prefill_dp_rank=item.disagg_prefill_dp_rank,
+            routing=item.routing,
         )
 
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:
