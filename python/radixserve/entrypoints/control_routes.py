@@ -182,7 +182,7 @@ def _add_session_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/close_session")
     async def close_session(request: Request) -> Response:
         body = await json_body(CloseSessionBody, request)
-        out = await tm.control.close_session(io.CloseSessionReqInput(body.session_id))
+        out = await tm.control.ask(io.CloseSessionReqInput(body.session_id))
         if not out.success:
             return error_response(400, out.message)
         return PlainTextResponse("")  # SGLang's empty 200, with a Content-Type as every answer
@@ -192,33 +192,31 @@ def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         body = await json_body(UpdateWeightFromDiskBody, request)
-        return _outcome(
-            await tm.control.update_weights_from_disk(io.UpdateWeightFromDiskReqInput(**body.model_dump()))
-        )
+        return _outcome(await tm.control.ask(io.UpdateWeightFromDiskReqInput(**body.model_dump())))
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Response:
         body = await json_body(UpdateWeightsFromTensorBody, request)
         msg = io.UpdateWeightsFromTensorReqInput(**body.model_dump())
-        return _outcome(await tm.control.update_weights_from_tensor(msg))
+        return _outcome(await tm.control.ask(msg))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:
         body = await json_body(InitWeightsUpdateGroupBody, request)
         msg = io.InitWeightsUpdateGroupReqInput(**body.model_dump())
-        return _outcome(await tm.control.init_weights_update_group(msg))
+        return _outcome(await tm.control.ask(msg))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> Response:
         body = await json_body(UpdateWeightsFromDistributedBody, request)
         msg = io.UpdateWeightsFromDistributedReqInput(**body.model_dump())
-        return _outcome(await tm.control.update_weights_from_distributed(msg))
+        return _outcome(await tm.control.ask(msg))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> Response:
         body = await _optional_body(DestroyWeightsUpdateGroupBody, request)
         msg = io.DestroyWeightsUpdateGroupReqInput(**body.model_dump())
-        return _outcome(await tm.control.destroy_weights_update_group(msg))
+        return _outcome(await tm.control.ask(msg))
 
     @app.post("/get_weights_by_name")
     async def get_weights_by_name(request: Request) -> Response:
@@ -233,43 +231,37 @@ def _add_memory_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(request: Request) -> Response:
         body = await _optional_body(MemoryTagsBody, request)
-        return _outcome(
-            await tm.control.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(body.tags))
-        )
+        return _outcome(await tm.control.ask(io.ReleaseMemoryOccupationReqInput(body.tags)))
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request) -> Response:
         body = await _optional_body(MemoryTagsBody, request)
-        return _outcome(
-            await tm.control.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(body.tags))
-        )
+        return _outcome(await tm.control.ask(io.ResumeMemoryOccupationReqInput(body.tags)))
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
         body = await _optional_body(PauseGenerationBody, request)
         if body.mode not in io.PAUSE_MODES:
             return error_response(400, f"mode must be one of {list(io.PAUSE_MODES)}, got {body.mode!r}.")
-        return _outcome(await tm.control.pause_generation(io.PauseGenerationReqInput(body.mode)))
+        return _outcome(await tm.control.ask(io.PauseGenerationReqInput(body.mode)))
 
     @app.post("/continue_generation")
     async def continue_generation() -> Response:
-        return _outcome(await tm.control.continue_generation())
+        return _outcome(await tm.control.ask(io.ContinueGenerationReqInput()))
 
 
 def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/start_profile")
     async def start_profile(request: Request) -> Response:
         body = await _optional_body(ProfileBody, request)
-        out = await tm.control.start_profile(
-            io.ProfileReq(io.ProfileReqType.START_PROFILE, **body.model_dump())
-        )
+        out = await tm.control.ask(io.ProfileReq(io.ProfileReqType.START_PROFILE, **body.model_dump()))
         if not out.success:
             return error_response(400, out.message)
         return PlainTextResponse("Start profiling.\n")
 
     @app.post("/stop_profile")
     async def stop_profile() -> Response:
-        out = await tm.control.stop_profile()
+        out = await tm.control.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE))
         if not out.success:
             return error_response(400, out.message)
         return PlainTextResponse(f"Stop profiling. {out.message}\n")
@@ -277,17 +269,17 @@ def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/slow_down")
     async def slow_down(request: Request) -> Response:
         body = await json_body(SlowDownBody, request)
-        return _outcome(await tm.control.slow_down(io.SlowDownReqInput(body.forward_sleep_time)))
+        return _outcome(await tm.control.ask(io.SlowDownReqInput(body.forward_sleep_time)))
 
     @app.post("/freeze_gc")
     async def freeze_gc() -> Response:
-        out = await tm.control.freeze_gc()
+        out = await tm.control.ask(io.FreezeGCReq())
         return PlainTextResponse(f"Garbage collection frozen. {out.message}\n")
 
     @app.post("/set_internal_state")
     async def set_internal_state(request: Request) -> Response:
         body = await json_body(SetInternalStateBody, request)
-        out = await tm.control.set_internal_state(io.SetInternalStateReq(body.server_args))
+        out = await tm.control.ask(io.SetInternalStateReq(body.server_args))
         content = {"updated": out.updated, "server_args": out.server_args}
         if out.message:
             content["message"] = out.message

@@ -131,7 +131,7 @@ class Engine:
         return self._run(self._ctl.open_session(io.OpenSessionReqInput(capacity_of_str_len, session_id)))
 
     def close_session(self, session_id: str) -> None:
-        out = self._run(self._ctl.close_session(io.CloseSessionReqInput(session_id)))
+        out = self._run(self._ctl.ask(io.CloseSessionReqInput(session_id)))
         if not out.success:
             raise ValueError(out.message)
 
@@ -146,7 +146,7 @@ class Engine:
         msg = io.UpdateWeightFromDiskReqInput(
             model_path, load_format, abort_all_requests, flush_cache, weight_version
         )
-        out = self._run(self._ctl.update_weights_from_disk(msg))
+        out = self._run(self._ctl.ask(msg))
         return out.success, out.message
 
     def update_weights_from_tensor(
@@ -167,7 +167,7 @@ class Engine:
         msg = io.UpdateWeightsFromTensorReqInput(
             entries, load_format, flush_cache, abort_all_requests, weight_version
         )
-        out = self._run(self._ctl.update_weights_from_tensor(msg))
+        out = self._run(self._ctl.ask(msg))
         return out.success, out.message
 
     def init_weights_update_group(
@@ -182,7 +182,7 @@ class Engine:
         msg = io.InitWeightsUpdateGroupReqInput(
             master_address, master_port, rank_offset, world_size, group_name, backend
         )
-        out = self._run(self._ctl.init_weights_update_group(msg))
+        out = self._run(self._ctl.ask(msg))
         return out.success, out.message
 
     def update_weights_from_distributed(
@@ -198,13 +198,11 @@ class Engine:
         msg = io.UpdateWeightsFromDistributedReqInput(
             names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version
         )
-        out = self._run(self._ctl.update_weights_from_distributed(msg))
+        out = self._run(self._ctl.ask(msg))
         return out.success, out.message
 
     def destroy_weights_update_group(self, group_name: str = io.DEFAULT_WEIGHT_GROUP) -> tuple[bool, str]:
-        out = self._run(
-            self._ctl.destroy_weights_update_group(io.DestroyWeightsUpdateGroupReqInput(group_name))
-        )
+        out = self._run(self._ctl.ask(io.DestroyWeightsUpdateGroupReqInput(group_name)))
         return out.success, out.message
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any] | float:
@@ -215,39 +213,39 @@ class Engine:
         return [_as_list(p) for p in param] if isinstance(param, list) else _as_list(param)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        out = self._run(self._ctl.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags)))
+        out = self._run(self._ctl.ask(io.ReleaseMemoryOccupationReqInput(tags)))
         return out.success, out.message
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        out = self._run(self._ctl.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(tags)))
+        out = self._run(self._ctl.ask(io.ResumeMemoryOccupationReqInput(tags)))
         return out.success, out.message
 
     def pause_generation(self, mode: str = "abort") -> tuple[bool, str]:
-        out = self._run(self._ctl.pause_generation(io.PauseGenerationReqInput(mode)))
+        out = self._run(self._ctl.ask(io.PauseGenerationReqInput(mode)))
         return out.success, out.message
 
     def continue_generation(self) -> tuple[bool, str]:
-        out = self._run(self._ctl.continue_generation())
+        out = self._run(self._ctl.ask(io.ContinueGenerationReqInput()))
         return out.success, out.message
 
     def start_profile(self, **kwargs: Any) -> tuple[bool, str]:
         """kwargs: output_dir, num_steps, activities, with_stack, record_shapes, profile_id."""
-        out = self._run(self._ctl.start_profile(io.ProfileReq(io.ProfileReqType.START_PROFILE, **kwargs)))
+        out = self._run(self._ctl.ask(io.ProfileReq(io.ProfileReqType.START_PROFILE, **kwargs)))
         return out.success, out.message
 
     def stop_profile(self) -> tuple[bool, str]:
-        out = self._run(self._ctl.stop_profile())
+        out = self._run(self._ctl.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE)))
         return out.success, out.message
 
     def slow_down(self, forward_sleep_time: float | None) -> tuple[bool, str]:
-        out = self._run(self._ctl.slow_down(io.SlowDownReqInput(forward_sleep_time)))
+        out = self._run(self._ctl.ask(io.SlowDownReqInput(forward_sleep_time)))
         return out.success, out.message
 
     def freeze_gc(self) -> None:
-        self._run(self._ctl.freeze_gc())
+        self._run(self._ctl.ask(io.FreezeGCReq()))
 
     def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
-        out = self._run(self._ctl.set_internal_state(io.SetInternalStateReq(server_args)))
+        out = self._run(self._ctl.ask(io.SetInternalStateReq(server_args)))
         return {"updated": out.updated, "server_args": out.server_args, "message": out.message}
 
     def get_internal_state(self) -> dict[str, Any]:
