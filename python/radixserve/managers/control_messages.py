@@ -55,6 +55,15 @@ class ControlReq:
             cls.long_running = True
 
 
+@dataclass(frozen=True, slots=True)
+class ControlOutcome:
+    """A reply that says only whether its request took effect and what happened. Each request
+    has its own subclass: ControlClient matches replies to waiters by type."""
+
+    success: bool
+    message: str
+
+
 # ---------------------------------------------------------------------------------------- sessions
 @dataclass(frozen=True, slots=True)
 class SessionParams:
@@ -134,10 +143,8 @@ class UpdateWeightsFromTensorReqInput(
     weight_version: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class InitWeightsUpdateGroupReqOutput:
-    success: bool
-    message: str
+class InitWeightsUpdateGroupReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +177,8 @@ class UpdateWeightsFromDistributedReqInput(
     weight_version: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DestroyWeightsUpdateGroupReqOutput:
-    success: bool
-    message: str
+class DestroyWeightsUpdateGroupReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +229,8 @@ def weight_reply_error(name: str, shape: tuple[int, ...], truncate_size: int) ->
 MEMORY_TAGS = ("kv_cache", "weights")
 
 
-@dataclass(frozen=True, slots=True)
-class ReleaseMemoryOccupationReqOutput:
-    success: bool
-    message: str
+class ReleaseMemoryOccupationReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,10 +258,8 @@ class ResumeMemoryOccupationReqInput(
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-@dataclass(frozen=True, slots=True)
-class PauseGenerationReqOutput:
-    success: bool
-    message: str
+class PauseGenerationReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,10 +267,8 @@ class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseG
     mode: str = "abort"
 
 
-@dataclass(frozen=True, slots=True)
-class ContinueGenerationReqOutput:
-    success: bool
-    message: str
+class ContinueGenerationReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,10 +285,8 @@ class ProfileReqType(Enum):
 PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
 
 
-@dataclass(frozen=True, slots=True)
-class ProfileReqOutput:
-    success: bool
-    message: str
+class ProfileReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,10 +306,8 @@ class ProfileReq(ControlReq, ordering=Ordering.BYPASS, reply=ProfileReqOutput):
         return self.type == ProfileReqType.STOP_PROFILE
 
 
-@dataclass(frozen=True, slots=True)
-class SlowDownReqOutput:
-    success: bool
-    message: str
+class SlowDownReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,10 +315,8 @@ class SlowDownReqInput(ControlReq, ordering=Ordering.BYPASS, reply=SlowDownReqOu
     forward_sleep_time: float | None  # seconds slept before each forward; None: back to normal
 
 
-@dataclass(frozen=True, slots=True)
-class FreezeGCReqOutput:
-    success: bool
-    message: str
+class FreezeGCReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
