@@ -1,0 +1,214 @@
+"""The Anthropic and Ollama translation layers without a server: requests -> chat requests,
+chat deltas -> Anthropic's content-block events (thinking blocks need a reasoning model, so
+they are checked here), Ollama options -> sampling fields, and the error dialects."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+
+from radixserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from radixserve.entrypoints.anthropic.stream import BlockEvents
+from radixserve.entrypoints.anthropic.translate import content_blocks, stop_reason, to_chat_request
+from radixserve.entrypoints.error_dialects import ErrorDialectMiddleware, anthropic_error, ollama_error
+from radixserve.entrypoints.ollama.options import sampling_fields
+from radixserve.entrypoints.openai.chat_tools import ChatPlan, split_output
+from radixserve.entrypoints.openai.protocol import DeltaMessage, FunctionCall, ToolCall
+from radixserve.managers.input_validation import InvalidRequestError
+
+
+def messages_request(**fields: object) -> MessagesRequest:
+    return MessagesRequest.model_validate_json(
+        json.dumps({"model": "m", "max_tokens": 8, **fields}), strict=True
+    )
+
+
+def test_tool_use_and_tool_result_become_chat_tool_calls_and_tool_messages() -> None:
+    req = messages_request(
+        system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}],
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "rain"}],
+                    },
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
+                    {"type": "text", "text": "So?"},
+                ],
+            },
+        ],
+        tools=[{"name": "w", "input_schema": {"type": "object"}}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        stop_sequences=["END"],
+        temperature=0.5,
+    )
+    chat = to_chat_request(req, reasoning_parser=None)
+    roles = [(m.role, m.text()) for m in chat.messages]
+    assert roles == [
+        ("system", "Be brief.\nUse tools."),
+        ("user", "Weather?"),
+        ("assistant", "Checking."),  # the earlier turn's thinking is not sent back
+        ("tool", "rain"),
+        ("tool", "Error: boom"),
+        ("user", "So?"),
+    ]
+    call = chat.messages[2].tool_calls[0]
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == (
+        "toolu_1",
+        "w",
+        {"city": "Paris"},
+    )
+    assert [m.tool_call_id for m in chat.messages[3:5]] == ["toolu_1", "toolu_2"]
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert (chat.stop, chat.temperature, chat.max_tokens) == (["END"], 0.5, 8)
+    assert chat.tools[0].function.parameters == {"type": "object"}
+
+
+def test_thinking_needs_a_reasoning_parser_and_disabled_keeps_reasoning_inline() -> None:
+    req = CountTokensRequest(
+        model="m", messages=[{"role": "user", "content": "x"}], thinking={"type": "enabled"}
+    )
+    with pytest.raises(InvalidRequestError, match="reasoning-parser"):
+        to_chat_request(req, reasoning_parser=None)
+    assert to_chat_request(req, reasoning_parser="qwen3").separate_reasoning is True
+    req.thinking.type = "disabled"
+    assert to_chat_request(req, reasoning_parser="qwen3").separate_reasoning is False
+
+
+def test_a_user_image_is_refused_with_its_place() -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}
+    req = messages_request(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, image]}])
+    with pytest.raises(InvalidRequestError, match=r"messages\.0\.content\.1: image"):
+        to_chat_request(req, reasoning_parser=None)
+
+
+def test_block_events_open_one_block_at_a_time() -> None:
+    blocks = BlockEvents()
+    events = blocks.feed(DeltaMessage(reasoning_content="Let me think"))
+    events += blocks.feed(DeltaMessage(reasoning_content=" more", content="Hi"))
+    events += blocks.feed(
+        DeltaMessage(
+            tool_calls=[ToolCall(index=0, id="call_ab", function=FunctionCall(name="w", arguments=""))]
+        )
+    )
+    events += blocks.feed(
+        DeltaMessage(tool_calls=[ToolCall(index=0, type=None, function=FunctionCall(arguments='{"a": 1}'))])
+    )
+    events += blocks.finish()
+    shape = [
+        (e["type"], e.get("index"), (e.get("delta") or e.get("content_block") or {}).get("type"))
+        for e in events
+    ]
+    assert shape == [
+        ("content_block_start", 0, "thinking"),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, "text"),
+        ("content_block_delta", 1, "text_delta"),
+        ("content_block_stop", 1, None),
+        ("content_block_start", 2, "tool_use"),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+    ]
+    assert events[7]["content_block"]["id"] == "toolu_ab"
+    assert events[8]["delta"]["partial_json"] == '{"a": 1}'
+    assert blocks.finish() == []
+
+
+def test_whole_output_blocks_and_stop_reasons() -> None:
+    plan = ChatPlan(input_ids=[], tool_format="hermes", reasoning_parser="qwen3")
+    text = (
+        '<think>plan</think>\n\nSure.<tool_call>\n{"name": "w", "arguments": {"city": "Rome"}}\n</tool_call>'
+    )
+    blocks = content_blocks(split_output(text, plan))
+    assert [b.type for b in blocks] == ["thinking", "text", "tool_use"]
+    assert (blocks[0].thinking, blocks[1].text, blocks[2].input) == ("plan", "Sure.", {"city": "Rome"})
+
+    def out(kind: str, matched: object = None) -> dict:
+        return {"meta_info": {"finish_reason": {"type": kind, "matched": matched}}}
+
+    assert stop_reason(out("stop", "END"), has_tool_calls=False) == ("stop_sequence", "END")
+    assert stop_reason(out("stop", 2), has_tool_calls=False) == ("end_turn", None)
+    assert stop_reason(out("stop", 2), has_tool_calls=True) == ("tool_use", None)
+    assert stop_reason(out("length"), has_tool_calls=True) == ("max_tokens", None)
+
+
+def test_ollama_options() -> None:
+    fields = sampling_fields(
+        {
+            "num_predict": 5,
+            "repeat_penalty": 1.1,
+            "top_k": 3,
+            "stop": ["x"],
+            "num_ctx": 99,
+            "new_thing": 1,
+            "seed": None,
+        }
+    )
+    assert fields == {"max_tokens": 5, "repetition_penalty": 1.1, "top_k": 3, "stop": ["x"]}
+    assert sampling_fields({"num_predict": -1})["max_tokens"] is None
+    assert sampling_fields({"mirostat": 0, "tfs_z": 1.0, "typical_p": 1}) == {"max_tokens": None}
+    for bad in (
+        {"typical_p": 0.5},
+        {"num_predict": -3},
+        {"top_k": 1.5},
+        {"temperature": True},
+        {"stop": "x"},
+    ):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            sampling_fields(bad)
+
+
+async def _through_middleware(path: str, status: int, body: bytes) -> tuple[int, dict]:
+    async def app(scope: dict, receive: object, send: object) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await ErrorDialectMiddleware(app)({"type": "http", "path": path}, None, send)
+    headers = dict(sent[0]["headers"])
+    assert int(headers[b"content-length"]) == len(sent[1]["body"])
+    return sent[0]["status"], orjson.loads(sent[1]["body"])
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "expected"),
+    [
+        ("/v1/messages", 400, anthropic_error(400, "bad")),
+        ("/v1/messages/count_tokens", 503, anthropic_error(503, "bad")),
+        ("/api/chat", 404, ollama_error(404, "bad")),
+        ("/v1/chat/completions", 400, {"error": {"message": "bad", "type": "invalid_request_error"}}),
+    ],
+)
+def test_error_dialects(path: str, status: int, expected: dict) -> None:
+    import asyncio
+
+    envelope = orjson.dumps({"error": {"message": "bad", "type": "invalid_request_error"}})
+    assert asyncio.run(_through_middleware(path, status, envelope)) == (status, expected)
+    assert anthropic_error(503, "x")["error"]["type"] == "overloaded_error"
+    assert anthropic_error(500, "x")["error"]["type"] == "api_error"
