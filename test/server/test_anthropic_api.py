@@ -179,8 +179,7 @@ def test_named_tool_choice_and_output_format(client) -> None:
         model="default",
         max_tokens=40,
         messages=[{"role": "user", "content": "Give a city as JSON."}],
-        output_config={"format": {"type": "json_schema", "schema": schema}},
-        extra_body=GREEDY,
+        extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema", "schema": schema}}},
     )
     assert isinstance(json.loads(text_of(out))["city"], str)
 
