@@ -212,3 +212,32 @@ def test_error_dialects(path: str, status: int, expected: dict) -> None:
     assert asyncio.run(_through_middleware(path, status, envelope)) == (status, expected)
     assert anthropic_error(503, "x")["error"]["type"] == "overloaded_error"
     assert anthropic_error(500, "x")["error"]["type"] == "api_error"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ([(b"x-api-key", b"k3y")], 200),  # Anthropic's clients
+        ([(b"authorization", b"Bearer k3y")], 200),
+        ([(b"x-api-key", b"K3Y")], 401),
+        ([(b"x-api-key", b"")], 401),
+        ([], 401),
+    ],
+)
+def test_the_api_key_guard_takes_x_api_key(headers: list, status: int) -> None:
+    import asyncio
+
+    from radixserve.entrypoints.http_guards import GuardMiddleware
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/messages", "headers": headers}
+    asyncio.run(GuardMiddleware(app, allowed_hosts=None, api_key="k3y")(scope, None, send))
+    assert sent[0]["status"] == status
