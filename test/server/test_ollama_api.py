@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 
 ollama = pytest.importorskip("ollama", reason="the ollama client is a [test] extra")
@@ -168,3 +169,31 @@ def test_errors_are_ollamas_shape(client, client_apis_url: str) -> None:
         f"{client_apis_url}/api/generate", json={"model": "default", "prompt": "x", "suffix": "y"}
     )
     assert resp.status_code == 400 and "suffix" in resp.json()["error"]
+
+
+def test_ndjson_lines_match_the_openapi_document(client_apis_url: str) -> None:
+    """schemathesis validates JSON and SSE answers but not NDJSON: each line is checked here."""
+    doc = httpx.get(f"{client_apis_url}/openapi.json", timeout=30).json()
+    for path, body in (
+        ("/api/chat", {"messages": QUESTION}),
+        ("/api/generate", {"prompt": "Hi"}),
+        ("/api/chat", {"messages": QUESTION, "options": {"num_predict": "x"}}),  # the error line
+    ):
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        validator = jsonschema.Draft202012Validator(
+            {**content["application/x-ndjson"]["schema"], "components": doc["components"]}
+        )
+        body = {"model": "default", "options": {"temperature": 0, "num_predict": 4}, **body}
+        resp = httpx.post(f"{client_apis_url}{path}", json=body, timeout=120)
+        lines = (
+            [json.loads(line) for line in resp.text.splitlines()]
+            if resp.status_code == 200
+            else [resp.json()]
+        )
+        for line in lines:
+            validator.validate(line)
+        # The whole (non-streamed) answer is the JSON answer's schema.
+        whole = httpx.post(f"{client_apis_url}{path}", json={**body, "stream": False}, timeout=120)
+        if whole.status_code == 200:
+            ref = content["application/json"]["schema"]
+            jsonschema.Draft202012Validator({**ref, "components": doc["components"]}).validate(whole.json())
