@@ -241,3 +241,62 @@ def test_the_api_key_guard_takes_x_api_key(headers: list, status: int) -> None:
     scope = {"type": "http", "path": "/v1/messages", "headers": headers}
     asyncio.run(GuardMiddleware(app, allowed_hosts=None, api_key="k3y")(scope, None, send))
     assert sent[0]["status"] == status
+
+
+def test_ollama_final_answer_carries_parsed_tool_calls() -> None:
+    from radixserve.entrypoints.ollama.protocol import Timings
+    from radixserve.entrypoints.ollama.serving import Final
+
+    plan = ChatPlan(input_ids=[], tool_format="hermes")
+    text = 'Ok.<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    timings = Timings(
+        total_duration=3, prompt_eval_count=1, prompt_eval_duration=1, eval_count=1, eval_duration=2
+    )
+    final = Final(split_output(text, plan), "stop", timings)
+    assert final.parts.content == "Ok."
+    assert [c.model_dump() for c in final.tool_calls()] == [
+        {"function": {"name": "w", "arguments": {"city": "Oslo"}}}
+    ]
+    assert Final(split_output("plain", plan), "stop", timings).tool_calls() is None
+
+
+def test_ollama_requests_translate_to_chat_and_completions() -> None:
+    from radixserve.entrypoints.ollama.protocol import ChatRequest, GenerateRequest
+    from radixserve.entrypoints.ollama.translate import (
+        chat_request,
+        generate_chat_request,
+        raw_completion_request,
+    )
+
+    req = ChatRequest.model_validate_json(
+        json.dumps(
+            {
+                "model": "m:latest",
+                "messages": [
+                    {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": {"c": 1}}}]},
+                    {"role": "tool", "content": "sun", "tool_name": "w"},
+                ],
+                "format": "json",
+                "options": {"num_predict": 7},
+            }
+        ),
+        strict=True,
+    )
+    chat = chat_request(req, reasoning_parser=None)
+    assert chat.model == "m" and chat.max_tokens == 7 and chat.json_schema == '{"type": "object"}'
+    assert json.loads(chat.messages[1].tool_calls[0].function.arguments) == {"c": 1}
+    assert (chat.messages[2].role, chat.messages[2].name) == ("tool", "w")
+    assert chat.separate_reasoning is True
+    with pytest.raises(InvalidRequestError, match="think"):
+        chat_request(req.model_copy(update={"think": True}), reasoning_parser=None)
+    assert (
+        chat_request(req.model_copy(update={"think": False}), reasoning_parser="qwen3").separate_reasoning
+        is False
+    )
+    gen = GenerateRequest(model="m", prompt="Hi", system="Be kind.")
+    assert [m.role for m in generate_chat_request(gen, None).messages] == ["system", "user"]
+    raw = raw_completion_request(GenerateRequest(model="m", prompt="Hi", raw=True), [1, 2, 3], context_len=10)
+    assert raw.prompt == [1, 2, 3] and raw.max_tokens == 7  # no num_predict: the rest of the context
+    with pytest.raises(InvalidRequestError, match="system"):
+        raw_completion_request(gen.model_copy(update={"raw": True}), [1], context_len=10)
