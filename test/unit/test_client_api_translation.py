@@ -300,3 +300,26 @@ def test_ollama_requests_translate_to_chat_and_completions() -> None:
     assert raw.prompt == [1, 2, 3] and raw.max_tokens == 7  # no num_predict: the rest of the context
     with pytest.raises(InvalidRequestError, match="system"):
         raw_completion_request(gen.model_copy(update={"raw": True}), [1], context_len=10)
+
+
+def test_a_draining_server_refuses_in_each_familys_shape() -> None:
+    """DrainMiddleware sits outside the app's middleware (launch_server adds it last)."""
+    import asyncio
+
+    from radixserve.entrypoints.drain import SHUTTING_DOWN, Drain, DrainMiddleware
+
+    drain = Drain(30, lambda msg: None, lambda: None)
+    drain.draining = True
+
+    async def refused(path: str) -> tuple[int, dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await DrainMiddleware(None, drain)({"type": "http", "path": path, "headers": []}, None, send)  # type: ignore[arg-type]
+        return sent[0]["status"], orjson.loads(sent[1]["body"])
+
+    assert asyncio.run(refused("/v1/messages")) == (503, anthropic_error(503, SHUTTING_DOWN))
+    assert asyncio.run(refused("/api/chat")) == (503, ollama_error(503, SHUTTING_DOWN))
+    assert asyncio.run(refused("/v1/chat/completions"))[1]["error"]["message"] == SHUTTING_DOWN
