@@ -120,8 +120,3 @@ def _pick_gloo_interface(host: str) -> None:
     hostname may resolve to an address that is not reachable in containers)."""
     if "GLOO_SOCKET_IFNAME" not in os.environ and host in ("127.0.0.1", "localhost", "::1"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-
-
-def destroy_rank_groups() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
