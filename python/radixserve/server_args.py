@@ -28,12 +28,8 @@ ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
-LOAD_BALANCE_METHODS = (
-    "round_robin",
-    "shortest_queue",
-    "minimum_tokens",
-    "cache_aware",
-    "follow_bootstrap_room",
+LOAD_BALANCE_METHODS = tuple(
+    "round_robin shortest_queue minimum_tokens cache_aware follow_bootstrap_room".split()
 )
 # "auto" (SGLang's default) resolves to follow_bootstrap_room on a prefill server, else round_robin.
 LOAD_BALANCE_CHOICES = ("auto", *LOAD_BALANCE_METHODS)
@@ -62,15 +58,7 @@ QUANTIZATION_METHODS = tuple(
 # w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load, or loads a compressed-tensors W8A8
 # one; gguf serves a GGUF file's quantized tensors; the others load pre-quantized checkpoints
 # (configs/checkpoint_quant.py).
-SUPPORTED_QUANTIZATION = (
-    "w8a8_int8",
-    "gguf",
-    "gptq",
-    "gptq_marlin",
-    "awq",
-    "awq_marlin",
-    "compressed-tensors",
-)
+SUPPORTED_QUANTIZATION = tuple("w8a8_int8 gguf gptq gptq_marlin awq awq_marlin compressed-tensors".split())
 # SGLang's explicit "no quantization": accepted, and resolved to None.
 NO_QUANTIZATION = "unquant"
 
