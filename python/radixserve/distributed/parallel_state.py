@@ -75,20 +75,14 @@ def init_rank_groups(
         timeout=timeout,
     )
     device_backend = "nccl" if cuda else "gloo"
-    tp_groups = {}
-    for pp_rank in range(layout.pp_size):
-        ranks = layout.tp_group_ranks(pp_rank)
-        tp_groups[pp_rank] = (
-            dist.new_group(ranks, timeout=timeout, backend="gloo"),
-            dist.new_group(ranks, timeout=timeout, backend=device_backend),
-        )
-    pp_groups = {}
-    for tp_rank in range(layout.tp_size):
-        ranks = layout.pp_group_ranks(tp_rank)
-        pp_groups[tp_rank] = (
-            dist.new_group(ranks, timeout=timeout, backend="gloo"),
-            dist.new_group(ranks, timeout=timeout, backend=device_backend),
-        )
+
+    def cpu_and_device(ranks: list[int]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        # new_group is collective: every rank creates every group, in this same order.
+        cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        return cpu, dist.new_group(ranks, timeout=timeout, backend=device_backend)
+
+    tp_groups = {pp: cpu_and_device(layout.tp_group_ranks(pp)) for pp in range(layout.pp_size)}
+    pp_groups = {tp: cpu_and_device(layout.pp_group_ranks(tp)) for tp in range(layout.tp_size)}
     info = layout.rank_info(rank)
     world_cpu = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
     groups = RankGroups(
