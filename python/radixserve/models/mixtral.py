@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM, MoeSpec
 
@@ -29,11 +30,13 @@ class MixtralForCausalLM(MoeForCausalLM):
     decoder_layer_cls = MixtralDecoderLayer
     renamed_modules = ((".block_sparse_moe.", ".mlp."),)
 
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
+    ) -> None:
         window = getattr(config, "sliding_window", None)
         if window is not None and window < config.max_position_embeddings:
             # Attention here is always full; a window shorter than the context would change outputs.
             raise ModelLoadError(
                 f"Mixtral with sliding_window={window} is not supported (full attention only)"
             )
-        super().__init__(config, *args, **kwargs)
+        super().__init__(config, max_position, parallel)
