@@ -16,7 +16,6 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.distributed.model_parallel import ModelParallelism
-from radixserve.layers.linear import Linear
 from radixserve.layers.moe.layer import FusedMoE, expert_param_name
 from radixserve.layers.moe.topk import select_experts
 from radixserve.layers.norm import RMSNorm
@@ -44,8 +43,10 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallelComm) -> None:
         super().__init__()
         self.top_k, self.renormalize = spec.top_k, spec.renormalize
-        # Replicated on every TP rank: each routes every token the same way.
-        self.gate = Linear(hidden_size, spec.num_experts, bias=False)
+        # Replicated on every TP rank: each routes every token the same way. A plain nn.Linear,
+        # not layers/linear.py's Linear, so the weight forms given to decoder linears (int8 under
+        # w8a8_int8, fp16 copies) never touch it: routing stays the checkpoint's, and it is tiny.
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
         self.experts = FusedMoE(spec.num_experts, hidden_size, spec.intermediate_size, tp)
         self.shared_expert = (
             LlamaMLP(hidden_size, spec.shared_intermediate_size, False, tp)
@@ -53,7 +54,7 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self.shared_expert_gate = (
-            Linear(hidden_size, 1, bias=False) if self.shared_expert and spec.shared_expert_gate else None
+            nn.Linear(hidden_size, 1, bias=False) if self.shared_expert and spec.shared_expert_gate else None
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
