@@ -125,3 +125,25 @@ def test_qwen2_moe_layers_follow_the_config(tiny_model_dir):
         assert tuple(block.experts.w2_weight.shape) == (8, 64, 32)
     assert runner.cpu_decode_runner is None
     assert create_cpu_decode_runner(runner.model, runner.token_to_kv_pool, args) is None
+
+
+def test_expert_weights_update_and_read_back_by_checkpoint_name(tiny_model_dir):
+    """Weight updates by checkpoint name reach one expert's slot of the stacked weights, and
+    /get_weights_by_name's reader answers with that expert's tensor, not the whole stack."""
+    from safetensors import safe_open
+
+    from radixserve.model_executor.weight_read import assemble, read_piece
+
+    path = tiny_model_dir("mixtral")
+    args = ServerArgs(model_path=path, max_total_tokens=1024, device="cpu").resolve()
+    model = TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")).model_runner.model
+    names = [f"model.layers.1.block_sparse_moe.experts.2.{p}.weight" for p in ("w1", "w2", "w3")]
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        for name in names:
+            piece = read_piece(model, name, 1000)
+            assert torch.equal(assemble([piece], 1000), f.get_tensor(name))
+    new = torch.full((64, 48), 0.5)  # w2: [hidden, intermediate]
+    model.load_weights([(names[1], new)], require_all=False)
+    assert torch.equal(model.model.layers[1].mlp.experts.w2_weight[2], new)
+    assert torch.equal(assemble([read_piece(model, names[1], 10)], 10), new[:10])
+    assert not torch.equal(model.model.layers[1].mlp.experts.w2_weight[1], new)

@@ -60,6 +60,23 @@ class FusedMoE(nn.Module):
             self.tp.all_reduce_(out)
         return out
 
+    def checkpoint_piece(
+        self, name: str, param: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[int, int], int, int]:
+        """Where this rank's part of per-expert checkpoint tensor `name` lies (read back by
+        /get_weights_by_name): (local tensor, the full tensor's shape, the sharded dim, start)."""
+        match = EXPERT_WEIGHT.search(name)
+        if match is None:
+            raise ModelLoadError(f"{name}: not a per-expert weight (experts.<id>.<proj>.weight)")
+        expert, proj = int(match.group(1)), match.group(2)
+        if not 0 <= expert < self.num_experts:
+            raise ModelLoadError(f"{name}: expert {expert} of a layer with {self.num_experts}")
+        full_inter, start = self.inter * self.tp.size, self.tp.rank * self.inter
+        if proj in _DOWN:  # [hidden, inter], split along its columns
+            return param[expert], (param.shape[1], full_inter), 1, start
+        offset = 0 if proj in _GATE else self.inter
+        return param[expert, offset : offset + self.inter], (full_inter, param.shape[-1]), 0, start
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         match = EXPERT_WEIGHT.search(loaded.name)
         if match is None:
