@@ -63,8 +63,9 @@ class FusedMoE(nn.Module):
     def checkpoint_piece(
         self, name: str, param: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[int, int], int, int]:
-        """Where this rank's part of per-expert checkpoint tensor `name` lies (read back by
-        /get_weights_by_name): (local tensor, the full tensor's shape, the sharded dim, start)."""
+        """Where this rank's part of per-expert checkpoint tensor `name` lies in `param`:
+        (the slot in param, the full checkpoint tensor's shape, the dim it is split along, this
+        rank's start on it). Loading copies into the slot; /get_weights_by_name reads it back."""
         match = EXPERT_WEIGHT.search(name)
         if match is None:
             raise ModelLoadError(f"{name}: not a per-expert weight (experts.<id>.<proj>.weight)")
@@ -72,31 +73,16 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ModelLoadError(f"{name}: expert {expert} of a layer with {self.num_experts}")
         full_inter, start = self.inter * self.tp.size, self.tp.rank * self.inter
-        if proj in _DOWN:  # [hidden, inter], split along its columns
+        if proj in _DOWN:  # [hidden, inter]: a rank holds a block of its columns
             return param[expert], (param.shape[1], full_inter), 1, start
-        offset = 0 if proj in _GATE else self.inter
+        offset = 0 if proj in _GATE else self.inter  # gate rows, then up rows
         return param[expert, offset : offset + self.inter], (full_inter, param.shape[-1]), 0, start
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
-        match = EXPERT_WEIGHT.search(loaded.name)
-        if match is None:
-            raise ModelLoadError(f"{loaded.name}: not a per-expert weight (experts.<id>.<proj>.weight)")
-        expert, proj = int(match.group(1)), match.group(2)
-        if not 0 <= expert < self.num_experts:
-            raise ModelLoadError(f"{loaded.name}: expert {expert} of a layer with {self.num_experts}")
-        start = self.tp.rank * self.inter  # this rank's slice of the expert's intermediate dim
-        if proj in _DOWN:
-            _expect(loaded, (param.shape[1], self.inter * self.tp.size))
-            param.data[expert].copy_(loaded.narrow(1, start, self.inter))
-            return
-        _expect(loaded, (self.inter * self.tp.size, param.shape[-1]))
-        offset = 0 if proj in _GATE else self.inter
-        param.data[expert, offset : offset + self.inter].copy_(loaded.narrow(0, start, self.inter))
-
-
-def _expect(loaded: CheckpointTensor, shape: tuple[int, ...]) -> None:
-    if tuple(loaded.shape) != shape:
-        raise ModelLoadError(
-            f"Shape mismatch for {loaded.name}: the config implies {shape}, the checkpoint has "
-            f"{tuple(loaded.shape)}"
-        )
+        slot, full_shape, dim, start = self.checkpoint_piece(loaded.name, param.data)
+        if tuple(loaded.shape) != full_shape:
+            raise ModelLoadError(
+                f"Shape mismatch for {loaded.name}: the config implies {full_shape}, the checkpoint "
+                f"has {tuple(loaded.shape)}"
+            )
+        slot.copy_(loaded.narrow(dim, start, slot.shape[dim]))
