@@ -147,3 +147,27 @@ def test_expert_weights_update_and_read_back_by_checkpoint_name(tiny_model_dir):
     assert torch.equal(model.model.layers[1].mlp.experts.w2_weight[2], new)
     assert torch.equal(assemble([read_piece(model, names[1], 10)], 10), new[:10])
     assert not torch.equal(model.model.layers[1].mlp.experts.w2_weight[1], new)
+
+
+def test_sparse_layer_choice_and_refusals():
+    """Qwen-MoE's decoder_sparse_step / mlp_only_layers pick the sparse layers as HF does; a
+    Mixtral sliding window shorter than the context is refused (attention here is always full)."""
+    from types import SimpleNamespace
+
+    from radixserve.model_loader.errors import ModelLoadError
+    from radixserve.models.mixtral import MixtralForCausalLM
+    from radixserve.models.moe_decoder import MoeDecoderLayer
+
+    config = SimpleNamespace(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [MoeDecoderLayer.is_sparse(config, i) for i in range(6)] == [
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
+    config.num_experts = 0
+    assert not any(MoeDecoderLayer.is_sparse(config, i) for i in range(6))
+    with pytest.raises(ModelLoadError, match="sliding_window"):
+        MixtralForCausalLM(SimpleNamespace(sliding_window=128, max_position_embeddings=4096))
