@@ -14,30 +14,11 @@ import random
 import time
 from typing import Any
 
-from radixserve.benchmark_utils.datasets import DatasetRow, gen_random_ids, gen_shared_prefix, vocab_choices
+from radixserve.benchmark_utils.datasets import DatasetRow, gen_random_ids, synthetic_dataset, vocab_choices
 
 
 def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[DatasetRow]:
-    rng = random.Random(args.seed)
-    choices = vocab_choices(vocab_size)
-    if args.dataset_name == "random-ids":
-        return gen_random_ids(
-            rng,
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            choices,
-        )
-    return gen_shared_prefix(
-        rng,
-        args.gsp_num_groups,
-        args.gsp_prompts_per_group,
-        args.gsp_system_prompt_len,
-        args.gsp_question_len,
-        args.gsp_output_len,
-        choices,
-    )
+    return synthetic_dataset(args, random.Random(args.seed), vocab_choices(vocab_size))
 
 
 def run(engine: Any, rows: list[DatasetRow]) -> dict[str, Any]:  # noqa: ANN401 - an Engine

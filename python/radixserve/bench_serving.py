@@ -131,28 +131,7 @@ def build_dataset(
             raise SystemExit("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
         return ds.load_sharegpt(args.dataset_path, args.num_prompts, tokenizer, rng, args.sharegpt_output_len)
     choices = token_choices(tokenizer, info, args.random_vocab_size)
-    if args.dataset_name == "random-ids":
-        return ds.gen_random_ids(
-            rng,
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            choices,
-            tokenizer,
-            as_text,
-        )
-    return ds.gen_shared_prefix(
-        rng,
-        args.gsp_num_groups,
-        args.gsp_prompts_per_group,
-        args.gsp_system_prompt_len,
-        args.gsp_question_len,
-        args.gsp_output_len,
-        choices,
-        tokenizer,
-        as_text,
-    )
+    return ds.synthetic_dataset(args, rng, choices, tokenizer, as_text)
 
 
 def warmup_row(row: ds.DatasetRow) -> ds.DatasetRow:

@@ -28,12 +28,8 @@ ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
-LOAD_BALANCE_METHODS = (
-    "round_robin",
-    "shortest_queue",
-    "minimum_tokens",
-    "cache_aware",
-    "follow_bootstrap_room",
+LOAD_BALANCE_METHODS = tuple(
+    "round_robin shortest_queue minimum_tokens cache_aware follow_bootstrap_room".split()
 )
 # "auto" (SGLang's default) resolves to follow_bootstrap_room on a prefill server, else round_robin.
 LOAD_BALANCE_CHOICES = ("auto", *LOAD_BALANCE_METHODS)
@@ -53,52 +49,16 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # SGLang's --quantization names (its QUANTIZATION_CHOICES). Only SUPPORTED_QUANTIZATION is
 # implemented here; the others are refused at start with a message (docs/quantization.md).
-QUANTIZATION_METHODS = (
-    "awq",
-    "fp8",
-    "mxfp8",
-    "gptq",
-    "marlin",
-    "gptq_marlin",
-    "awq_marlin",
-    "bitsandbytes",
-    "gguf",
-    "modelopt",
-    "modelopt_fp8",
-    "modelopt_fp4",
-    "nvfp4_online",
-    "modelopt_mixed",
-    "petit_nvfp4",
-    "w8a8_int8",
-    "w8a8_fp8",
-    "moe_wna16",
-    "w4afp8",
-    "mxfp4",
-    "auto-round",
-    "auto-round-int8",
-    "compressed-tensors",
-    "modelslim",
-    "mxfp_w4a8",
-    "quark",
-    "quark_int4fp8_moe",
-    "quark_mxfp4",
-    "mlx_q4",
-    "mlx_q8",
-    "unquant",
-    "humming",
+QUANTIZATION_METHODS = tuple(
+    "awq fp8 mxfp8 gptq marlin gptq_marlin awq_marlin bitsandbytes gguf modelopt modelopt_fp8 modelopt_fp4 "
+    "nvfp4_online modelopt_mixed petit_nvfp4 w8a8_int8 w8a8_fp8 moe_wna16 w4afp8 mxfp4 auto-round "
+    "auto-round-int8 compressed-tensors modelslim mxfp_w4a8 quark quark_int4fp8_moe quark_mxfp4 mlx_q4 "
+    "mlx_q8 unquant humming".split()
 )
 # w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load, or loads a compressed-tensors W8A8
 # one; gguf serves a GGUF file's quantized tensors; the others load pre-quantized checkpoints
 # (configs/checkpoint_quant.py).
-SUPPORTED_QUANTIZATION = (
-    "w8a8_int8",
-    "gguf",
-    "gptq",
-    "gptq_marlin",
-    "awq",
-    "awq_marlin",
-    "compressed-tensors",
-)
+SUPPORTED_QUANTIZATION = tuple("w8a8_int8 gguf gptq gptq_marlin awq awq_marlin compressed-tensors".split())
 # SGLang's explicit "no quantization": accepted, and resolved to None.
 NO_QUANTIZATION = "unquant"
 
@@ -570,19 +530,10 @@ class ServerArgs:
             )
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
-            )
-        if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
-            raise ValueError(
-                f"--radix-eviction-policy must be one of {RADIX_EVICTION_POLICIES}, "
-                f"got {self.radix_eviction_policy!r}"
-            )
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
+        _check_choice("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("radix-eviction-policy", self.radix_eviction_policy, RADIX_EVICTION_POLICIES)
+        if self.attention_backend is not None:
+            _check_choice("attention-backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_grammar_backend(self.grammar_backend)
         self._validate_quantization()
         validate_weight_only(self)
@@ -646,10 +597,7 @@ class ServerArgs:
     def _validate_dp(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
-        if self.load_balance_method not in LOAD_BALANCE_CHOICES:
-            raise ValueError(
-                f"--load-balance-method must be one of {LOAD_BALANCE_CHOICES}, got {self.load_balance_method!r}"
-            )
+        _check_choice("load-balance-method", self.load_balance_method, LOAD_BALANCE_CHOICES)
         if not 0.0 <= self.dp_cache_threshold <= 1.0:
             raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {self.dp_cache_threshold}")
         if self.dp_balance_abs_threshold < 0 or self.dp_balance_rel_threshold < 1.0:
@@ -663,15 +611,12 @@ class ServerArgs:
             )
 
     def _validate_disaggregation(self) -> None:
-        if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ValueError(
-                f"--disaggregation-mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
-            )
-        if self.disaggregation_transfer_backend not in DISAGGREGATION_TRANSFER_BACKENDS:
-            raise ValueError(
-                f"--disaggregation-transfer-backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "
-                f"got {self.disaggregation_transfer_backend!r}"
-            )
+        _check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        _check_choice(
+            "disaggregation-transfer-backend",
+            self.disaggregation_transfer_backend,
+            DISAGGREGATION_TRANSFER_BACKENDS,
+        )
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError(
                 f"--disaggregation-bootstrap-port must be a TCP port, got {self.disaggregation_bootstrap_port}"
@@ -742,6 +687,11 @@ def _cli_type(annotation: Any) -> type:
     return str
 
 
+def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:  # noqa: ANN401 - as typed
+    if value not in choices:
+        raise ValueError(f"--{flag} must be one of {choices}, got {value!r}")
+
+
 def _is_host_port(addr: str) -> bool:
     host, sep, port = addr.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
@@ -756,8 +706,7 @@ def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
 def _check_grammar_backend(name: str) -> None:
     """Refuse at start a grammar backend that is unknown, not implemented or not installed (rather
     than failing every constrained request later)."""
-    if name not in GRAMMAR_BACKENDS:
-        raise ValueError(f"--grammar-backend must be one of {GRAMMAR_BACKENDS}, got {name!r}")
+    _check_choice("grammar-backend", name, GRAMMAR_BACKENDS)
     if name in ("outlines", "llguidance"):
         raise ValueError(
             f"--grammar-backend {name} is not supported by radixserve: use xgrammar, or none to turn "

@@ -98,3 +98,14 @@ def hf_builtin(builtin_model_path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(builtin_model_path, dtype=torch.float32).eval()
+
+
+# One built-in-model server for the other client families' tests (test_anthropic_api.py,
+# test_ollama_api.py): started once, when the first of them needs it.
+@pytest.fixture(scope="session")
+def client_apis_url(builtin_model_path: str) -> str:
+    server = Server.real(builtin_model_path, "--max-total-tokens", str(BUILTIN_POOL_TOKENS))
+    try:
+        yield start_servers({"s": server})["s"].url
+    finally:
+        server.stop()

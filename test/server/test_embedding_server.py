@@ -110,6 +110,25 @@ def test_openai_client_embeddings_create(urls, tiny_embedding_dir):
     _close(cut.data[0].embedding, F.normalize(refs[0][:32], dim=-1))
 
 
+def test_ollama_client_embed(urls, tiny_embedding_dir):
+    ollama = pytest.importorskip("ollama", reason="the ollama client is a [test] extra")
+    path = tiny_embedding_dir("qwen3_last")
+    tok = _tok(path)
+    client = ollama.Client(host=urls["embed"], timeout=60)
+    resp = client.embed(model="default", input=TEXTS)
+    for got, text in zip(resp.embeddings, TEXTS):
+        _close(got, _hf_embed(path, tok.encode(text)))  # unit vectors, as Ollama's
+    assert resp.prompt_eval_count == sum(len(tok.encode(t)) for t in TEXTS)
+    assert resp.total_duration > 0 and resp.load_duration == 0
+    long_text = " ".join(["word"] * (2 * CONTEXT))
+    cut = client.embed(model="default", input=long_text)  # truncate defaults to true, as Ollama's
+    assert cut.prompt_eval_count == CONTEXT
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.embed(model="default", input=long_text, truncate=False)
+    assert exc.value.status_code == 400
+    assert client.show("default").capabilities == ["embedding"]
+
+
 def test_float_and_base64_wire_formats_and_encode(urls, tiny_embedding_dir):
     url = urls["embed"]
     tok = _tok(tiny_embedding_dir("qwen3_last"))

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from radixserve.entrypoints import client_apis
 from radixserve.entrypoints.http_guards import allowed_host_names, host_name, is_json_type
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.server_args import ServerArgs
@@ -189,11 +190,19 @@ def test_every_post_route_takes_json_only() -> None:
         for headers in cross_site:
             resp = c.request(method, path, content=b'{"name": "model.norm.weight"}', headers=headers)
             assert resp.status_code == 415, (path, method, headers, resp.text)
-            assert (
-                resp.json()["error"]["code"] == 415 and "application/json" in resp.json()["error"]["message"]
-            )
+            assert "application/json" in _error_message(path, resp.json())
         resp = c.request(method, path, headers={"Origin": "https://evil.example"})  # no body, from a page
         assert resp.status_code == 415, (path, method)
+
+
+def _error_message(path: str, body: dict) -> str:
+    """The message of an error answer, in the shape of the route's client family."""
+    dialect = client_apis.error_model(path)
+    if dialect is None:
+        assert body["error"]["code"] == 415
+        return body["error"]["message"]
+    dialect.model_validate(body)  # Anthropic's or Ollama's error shape
+    return body["error"] if isinstance(body["error"], str) else body["error"]["message"]
 
 
 def test_a_post_without_body_or_type_is_not_415() -> None:
@@ -211,13 +220,15 @@ def test_openapi_lists_415_and_the_control_answers() -> None:
     doc = client().get("/openapi.json").json()
     error = "#/components/schemas/ErrorResponse"
     for path, item in doc["paths"].items():
+        dialect = client_apis.error_model(path)  # the Anthropic and Ollama routes' own shapes
+        expected = error if dialect is None else f"#/components/schemas/{dialect.__name__}"
         for method, op in item.items():
             responses = op["responses"]
-            assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": error} or (
-                responses["400"]["content"]["application/json"]["schema"]["allOf"][0] == {"$ref": error}
+            assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": expected} or (
+                responses["400"]["content"]["application/json"]["schema"]["allOf"][0] == {"$ref": expected}
             ), path
             if method in ("post", "put"):
-                assert responses["415"]["content"]["application/json"]["schema"] == {"$ref": error}, path
+                assert responses["415"]["content"]["application/json"]["schema"] == {"$ref": expected}, path
             assert ("401" in responses) == (path not in ("/health", "/metrics")), path
     paths = doc["paths"]
     ok = paths["/open_session"]["post"]["responses"]["200"]["content"]

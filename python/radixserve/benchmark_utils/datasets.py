@@ -7,6 +7,7 @@ is re-counted, because decode/encode is not a bijection.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import random
@@ -122,6 +123,39 @@ def gen_shared_prefix(
                 )
     rng.shuffle(rows)
     return rows
+
+
+def synthetic_dataset(
+    args: argparse.Namespace,
+    rng: random.Random,
+    choices: list[int],
+    tokenizer: Any | None = None,
+    as_text: bool = False,
+) -> list[DatasetRow]:
+    """The rows of --dataset-name random-ids (the --random-* flags) or generated-shared-prefix
+    (the --gsp-* flags), as the benchmarks' command lines name them."""
+    if args.dataset_name == "random-ids":
+        return gen_random_ids(
+            rng,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            choices,
+            tokenizer,
+            as_text,
+        )
+    return gen_shared_prefix(
+        rng,
+        args.gsp_num_groups,
+        args.gsp_prompts_per_group,
+        args.gsp_system_prompt_len,
+        args.gsp_question_len,
+        args.gsp_output_len,
+        choices,
+        tokenizer,
+        as_text,
+    )
 
 
 def _first_turns(entry: dict[str, Any]) -> tuple[str, str] | None:

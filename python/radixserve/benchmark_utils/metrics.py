@@ -59,8 +59,9 @@ class BenchmarkMetrics:
     errors: list[str] = field(default_factory=list)  # one per failed request, in request order
 
 
-def _ms(values: list[float], stat: str, q: float = 0.0) -> float:
-    """One statistic of `values` (seconds) in milliseconds; 0.0 for an empty list.
+def _ms(values: list[float], stat: str) -> float:
+    """One statistic of `values` (seconds) in milliseconds: mean, median, std, max, or a
+    percentile "pNN" (numpy's default linear interpolation); 0.0 for an empty list.
 
     An empty list happens legitimately (no streaming -> no ITL; all outputs of length 1 -> no
     TPOT), and a zero keeps the JSONL record numeric instead of NaN.
@@ -68,17 +69,14 @@ def _ms(values: list[float], stat: str, q: float = 0.0) -> float:
     if not values:
         return 0.0
     arr = np.asarray(values, dtype=np.float64)
-    if stat == "mean":
-        out = arr.mean()
-    elif stat == "median":
-        out = np.median(arr)
-    elif stat == "std":
-        out = arr.std()
-    elif stat == "max":
-        out = arr.max()
-    else:  # percentile, numpy's default linear interpolation
-        out = np.percentile(arr, q)
-    return float(out) * 1000.0
+    if stat.startswith("p"):
+        return float(np.percentile(arr, float(stat[1:]))) * 1000.0
+    return float(getattr(np, stat)(arr)) * 1000.0
+
+
+def _series_ms(name: str, values: list[float], stats: tuple[str, ...]) -> dict[str, float]:
+    """BenchmarkMetrics' fields of one series: {"<stat>_<name>_ms": value} for each stat."""
+    return {f"{stat}_{name}_ms": _ms(values, stat) for stat in stats}
 
 
 def tpot_of(output: RequestFuncOutput) -> float | None:
@@ -112,24 +110,10 @@ def calculate_metrics(outputs: list[RequestFuncOutput], duration: float) -> Benc
         total_throughput=(total_input + total_output) * per_s,
         # Little's law: average number of requests in flight over the run.
         concurrency=sum(e2es) * per_s,
-        mean_ttft_ms=_ms(ttfts, "mean"),
-        median_ttft_ms=_ms(ttfts, "median"),
-        std_ttft_ms=_ms(ttfts, "std"),
-        p99_ttft_ms=_ms(ttfts, "p", 99),
-        mean_itl_ms=_ms(itls, "mean"),
-        median_itl_ms=_ms(itls, "median"),
-        std_itl_ms=_ms(itls, "std"),
-        p95_itl_ms=_ms(itls, "p", 95),
-        p99_itl_ms=_ms(itls, "p", 99),
-        max_itl_ms=_ms(itls, "max"),
-        mean_tpot_ms=_ms(tpots, "mean"),
-        median_tpot_ms=_ms(tpots, "median"),
-        std_tpot_ms=_ms(tpots, "std"),
-        p99_tpot_ms=_ms(tpots, "p", 99),
-        mean_e2e_latency_ms=_ms(e2es, "mean"),
-        median_e2e_latency_ms=_ms(e2es, "median"),
-        std_e2e_latency_ms=_ms(e2es, "std"),
-        p99_e2e_latency_ms=_ms(e2es, "p", 99),
+        **_series_ms("ttft", ttfts, ("mean", "median", "std", "p99")),
+        **_series_ms("itl", itls, ("mean", "median", "std", "p95", "p99", "max")),
+        **_series_ms("tpot", tpots, ("mean", "median", "std", "p99")),
+        **_series_ms("e2e_latency", e2es, ("mean", "median", "std", "p99")),
         errors=[o.error or "unknown error" for o in failed],
     )
 

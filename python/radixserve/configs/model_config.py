@@ -29,6 +29,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
     *NON_GENERATION_ARCHITECTURES,
 )
 # Draft heads: loadable only as --speculative-draft-model-path (ModelConfig.from_path(draft_head=True)).

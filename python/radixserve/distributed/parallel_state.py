@@ -75,20 +75,14 @@ def init_rank_groups(
         timeout=timeout,
     )
     device_backend = "nccl" if cuda else "gloo"
-    tp_groups = {}
-    for pp_rank in range(layout.pp_size):
-        ranks = layout.tp_group_ranks(pp_rank)
-        tp_groups[pp_rank] = (
-            dist.new_group(ranks, timeout=timeout, backend="gloo"),
-            dist.new_group(ranks, timeout=timeout, backend=device_backend),
-        )
-    pp_groups = {}
-    for tp_rank in range(layout.tp_size):
-        ranks = layout.pp_group_ranks(tp_rank)
-        pp_groups[tp_rank] = (
-            dist.new_group(ranks, timeout=timeout, backend="gloo"),
-            dist.new_group(ranks, timeout=timeout, backend=device_backend),
-        )
+
+    def cpu_and_device(ranks: list[int]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        # new_group is collective: every rank creates every group, in this same order.
+        cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        return cpu, dist.new_group(ranks, timeout=timeout, backend=device_backend)
+
+    tp_groups = {pp: cpu_and_device(layout.tp_group_ranks(pp)) for pp in range(layout.pp_size)}
+    pp_groups = {tp: cpu_and_device(layout.pp_group_ranks(tp)) for tp in range(layout.tp_size)}
     info = layout.rank_info(rank)
     world_cpu = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
     groups = RankGroups(
@@ -120,8 +114,3 @@ def _pick_gloo_interface(host: str) -> None:
     hostname may resolve to an address that is not reachable in containers)."""
     if "GLOO_SOCKET_IFNAME" not in os.environ and host in ("127.0.0.1", "localhost", "::1"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-
-
-def destroy_rank_groups() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()

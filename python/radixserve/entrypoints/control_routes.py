@@ -105,40 +105,41 @@ class SetInternalStateBody(_Body):
     server_args: dict[str, Any]
 
 
+# Routes that pass their body on as one control message of the same fields and answer SGLang's
+# {"success", "message"} (_outcome): path -> (body, whether it may be omitted, message), sent
+# with ControlClient.ask.
+MESSAGE_ROUTES: dict[str, tuple[type[_Body], bool, type]] = {
+    "/update_weights_from_disk": (UpdateWeightFromDiskBody, False, io.UpdateWeightFromDiskReqInput),
+    "/update_weights_from_tensor": (UpdateWeightsFromTensorBody, False, io.UpdateWeightsFromTensorReqInput),
+    "/init_weights_update_group": (InitWeightsUpdateGroupBody, False, io.InitWeightsUpdateGroupReqInput),
+    "/update_weights_from_distributed": (
+        UpdateWeightsFromDistributedBody,
+        False,
+        io.UpdateWeightsFromDistributedReqInput,
+    ),
+    "/destroy_weights_update_group": (
+        DestroyWeightsUpdateGroupBody,
+        True,
+        io.DestroyWeightsUpdateGroupReqInput,
+    ),
+    "/release_memory_occupation": (MemoryTagsBody, True, io.ReleaseMemoryOccupationReqInput),
+    "/resume_memory_occupation": (MemoryTagsBody, True, io.ResumeMemoryOccupationReqInput),
+    "/slow_down": (SlowDownBody, False, io.SlowDownReqInput),
+}
 # Request bodies by route, for /openapi.json (openapi_spec.py).
 CONTROL_BODIES: dict[str, type[BaseModel]] = {
     "/open_session": OpenSessionBody,
     "/close_session": CloseSessionBody,
-    "/update_weights_from_disk": UpdateWeightFromDiskBody,
-    "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
-    "/init_weights_update_group": InitWeightsUpdateGroupBody,
-    "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
-    "/destroy_weights_update_group": DestroyWeightsUpdateGroupBody,
+    **{path: body for path, (body, _, _) in MESSAGE_ROUTES.items()},
     "/get_weights_by_name": GetWeightsByNameBody,
-    "/release_memory_occupation": MemoryTagsBody,
-    "/resume_memory_occupation": MemoryTagsBody,
     "/pause_generation": PauseGenerationBody,
     "/start_profile": ProfileBody,
-    "/slow_down": SlowDownBody,
     "/set_internal_state": SetInternalStateBody,
 }
 CONTROL_TEXT_ANSWERS = frozenset({"/start_profile", "/stop_profile", "/freeze_gc", "/close_session"})
-# Routes answering SGLang's {"success", "message"} (_outcome); the others answer a session id
-# (/open_session), a weight's rows (/get_weights_by_name) or {"updated", ...} (/set_internal_state).
-CONTROL_OUTCOME_ANSWERS = frozenset(
-    {
-        "/update_weights_from_disk",
-        "/update_weights_from_tensor",
-        "/init_weights_update_group",
-        "/update_weights_from_distributed",
-        "/destroy_weights_update_group",
-        "/release_memory_occupation",
-        "/resume_memory_occupation",
-        "/pause_generation",
-        "/continue_generation",
-        "/slow_down",
-    }
-)
+# Routes answering _outcome; the others answer a session id (/open_session), a weight's rows
+# (/get_weights_by_name) or {"updated", ...} (/set_internal_state).
+CONTROL_OUTCOME_ANSWERS = frozenset({*MESSAGE_ROUTES, "/pause_generation", "/continue_generation"})
 
 
 def _json(content: Any, status: int = 200) -> Response:  # noqa: ANN401 - any JSON value
@@ -168,9 +169,24 @@ async def _optional_body(model: type[_Body], request: Request) -> _Body:
 
 def add_control_routes(app: FastAPI, tm: TokenizerManager) -> None:
     _add_session_routes(app, tm)
-    _add_weight_routes(app, tm)
-    _add_memory_routes(app, tm)
+    for path, (body_model, optional, message) in MESSAGE_ROUTES.items():
+        _add_message_route(app, tm, path, body_model, optional, message)
+    _add_weight_read_route(app, tm)
+    _add_pause_routes(app, tm)
     _add_operator_routes(app, tm)
+
+
+def _add_message_route(
+    app: FastAPI, tm: TokenizerManager, path: str, body_model: type[_Body], optional: bool, message: type
+) -> None:
+    name = path.removeprefix("/")  # the route's name (its OpenAPI operationId)
+    read_body_as = _optional_body if optional else json_body
+
+    async def route(request: Request) -> Response:
+        body = await read_body_as(body_model, request)
+        return _outcome(await tm.control.ask(message(**body.model_dump())))
+
+    app.post(path, name=name)(route)
 
 
 def _add_session_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -188,36 +204,7 @@ def _add_session_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return PlainTextResponse("")  # SGLang's empty 200, with a Content-Type as every answer
 
 
-def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> Response:
-        body = await json_body(UpdateWeightFromDiskBody, request)
-        return _outcome(await tm.control.ask(io.UpdateWeightFromDiskReqInput(**body.model_dump())))
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request) -> Response:
-        body = await json_body(UpdateWeightsFromTensorBody, request)
-        msg = io.UpdateWeightsFromTensorReqInput(**body.model_dump())
-        return _outcome(await tm.control.ask(msg))
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request) -> Response:
-        body = await json_body(InitWeightsUpdateGroupBody, request)
-        msg = io.InitWeightsUpdateGroupReqInput(**body.model_dump())
-        return _outcome(await tm.control.ask(msg))
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request) -> Response:
-        body = await json_body(UpdateWeightsFromDistributedBody, request)
-        msg = io.UpdateWeightsFromDistributedReqInput(**body.model_dump())
-        return _outcome(await tm.control.ask(msg))
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request) -> Response:
-        body = await _optional_body(DestroyWeightsUpdateGroupBody, request)
-        msg = io.DestroyWeightsUpdateGroupReqInput(**body.model_dump())
-        return _outcome(await tm.control.ask(msg))
-
+def _add_weight_read_route(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/get_weights_by_name")
     async def get_weights_by_name(request: Request) -> Response:
         body = await json_body(GetWeightsByNameBody, request)
@@ -227,17 +214,7 @@ def _add_weight_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return streamed_json(out.parameter)  # up to MAX_WEIGHT_REPLY_ELEMENTS values
 
 
-def _add_memory_routes(app: FastAPI, tm: TokenizerManager) -> None:
-    @app.post("/release_memory_occupation")
-    async def release_memory_occupation(request: Request) -> Response:
-        body = await _optional_body(MemoryTagsBody, request)
-        return _outcome(await tm.control.ask(io.ReleaseMemoryOccupationReqInput(body.tags)))
-
-    @app.post("/resume_memory_occupation")
-    async def resume_memory_occupation(request: Request) -> Response:
-        body = await _optional_body(MemoryTagsBody, request)
-        return _outcome(await tm.control.ask(io.ResumeMemoryOccupationReqInput(body.tags)))
-
+def _add_pause_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
         body = await _optional_body(PauseGenerationBody, request)
@@ -265,11 +242,6 @@ def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
         if not out.success:
             return error_response(400, out.message)
         return PlainTextResponse(f"Stop profiling. {out.message}\n")
-
-    @app.post("/slow_down")
-    async def slow_down(request: Request) -> Response:
-        body = await json_body(SlowDownBody, request)
-        return _outcome(await tm.control.ask(io.SlowDownReqInput(body.forward_sleep_time)))
 
     @app.post("/freeze_gc")
     async def freeze_gc() -> Response:

@@ -26,6 +26,7 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.entrypoints.error_dialects import ErrorDialectMiddleware
 from radixserve.entrypoints.http_guards import error_response
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class DrainMiddleware:
         if self.drain.draining and scope["path"] not in OPEN_PATHS:
             refusal = error_response(503, SHUTTING_DOWN)
             refusal.headers["Connection"] = "close"  # the next request must go to another server
-            await refusal(scope, receive, send)
+            await ErrorDialectMiddleware(refusal)(scope, receive, send)  # Anthropic's, Ollama's shape
             return
         self.drain.num_active += 1
         try:

@@ -84,6 +84,12 @@ def _require_classifier(state: ServerState) -> dict[str, Any]:
 
 
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
+    _add_native_routes(app, state)
+    _add_openai_routes(app, state)
+
+
+def _add_native_routes(app: FastAPI, state: ServerState) -> None:
+    """SGLang's /encode and /classify: the native request, outputs in its shape."""
     tm = state.tm
 
     @app.post("/encode")
@@ -98,6 +104,11 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         _require_classifier(state)
         outputs = await scoring.embed(tm, obj.items(), None, request)
         return _json(outputs[0] if obj.is_single else outputs)
+
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/embeddings (OpenAI's), /v1/rerank and /v1/score (SGLang's), /v1/classify."""
+    tm = state.tm
 
     @app.post("/v1/embeddings")
     async def v1_embeddings(request: Request) -> Response:

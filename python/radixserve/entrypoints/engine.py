@@ -83,16 +83,8 @@ class Engine:
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         rid: str | list[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
-        obj = _request(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-        )
-        obj.session_params, obj.rid = session_params, rid
+        # Every parameter but `stream` is a field of the request, under the same name.
+        obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
         if stream:
             return self._sync_stream(obj)
         return self._run(self.tokenizer_manager.generate(obj))
@@ -110,16 +102,8 @@ class Engine:
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         rid: str | list[str] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
-        obj = _request(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-        )
-        obj.session_params, obj.rid = session_params, rid
+        # Every parameter but `stream` is a field of the request, under the same name.
+        obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
         if stream:
             return self._async_stream(obj)
         future = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate(obj), self._loop)
@@ -146,8 +130,7 @@ class Engine:
         msg = io.UpdateWeightFromDiskReqInput(
             model_path, load_format, abort_all_requests, flush_cache, weight_version
         )
-        out = self._run(self._ctl.ask(msg))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(msg))
 
     def update_weights_from_tensor(
         self,
@@ -167,8 +150,7 @@ class Engine:
         msg = io.UpdateWeightsFromTensorReqInput(
             entries, load_format, flush_cache, abort_all_requests, weight_version
         )
-        out = self._run(self._ctl.ask(msg))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(msg))
 
     def init_weights_update_group(
         self,
@@ -182,8 +164,7 @@ class Engine:
         msg = io.InitWeightsUpdateGroupReqInput(
             master_address, master_port, rank_offset, world_size, group_name, backend
         )
-        out = self._run(self._ctl.ask(msg))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(msg))
 
     def update_weights_from_distributed(
         self,
@@ -198,12 +179,10 @@ class Engine:
         msg = io.UpdateWeightsFromDistributedReqInput(
             names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version
         )
-        out = self._run(self._ctl.ask(msg))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(msg))
 
     def destroy_weights_update_group(self, group_name: str = io.DEFAULT_WEIGHT_GROUP) -> tuple[bool, str]:
-        out = self._run(self._ctl.ask(io.DestroyWeightsUpdateGroupReqInput(group_name)))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.DestroyWeightsUpdateGroupReqInput(group_name)))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any] | float:
         out = self._run(self._ctl.get_weights_by_name(io.GetWeightsByNameReqInput(name, truncate_size)))
@@ -213,33 +192,26 @@ class Engine:
         return [_as_list(p) for p in param] if isinstance(param, list) else _as_list(param)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        out = self._run(self._ctl.ask(io.ReleaseMemoryOccupationReqInput(tags)))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.ReleaseMemoryOccupationReqInput(tags)))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        out = self._run(self._ctl.ask(io.ResumeMemoryOccupationReqInput(tags)))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.ResumeMemoryOccupationReqInput(tags)))
 
     def pause_generation(self, mode: str = "abort") -> tuple[bool, str]:
-        out = self._run(self._ctl.ask(io.PauseGenerationReqInput(mode)))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.PauseGenerationReqInput(mode)))
 
     def continue_generation(self) -> tuple[bool, str]:
-        out = self._run(self._ctl.ask(io.ContinueGenerationReqInput()))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.ContinueGenerationReqInput()))
 
     def start_profile(self, **kwargs: Any) -> tuple[bool, str]:
         """kwargs: output_dir, num_steps, activities, with_stack, record_shapes, profile_id."""
-        out = self._run(self._ctl.ask(io.ProfileReq(io.ProfileReqType.START_PROFILE, **kwargs)))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.ProfileReq(io.ProfileReqType.START_PROFILE, **kwargs)))
 
     def stop_profile(self) -> tuple[bool, str]:
-        out = self._run(self._ctl.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE)))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE)))
 
     def slow_down(self, forward_sleep_time: float | None) -> tuple[bool, str]:
-        out = self._run(self._ctl.ask(io.SlowDownReqInput(forward_sleep_time)))
-        return out.success, out.message
+        return self._outcome(self._ctl.ask(io.SlowDownReqInput(forward_sleep_time)))
 
     def freeze_gc(self) -> None:
         self._run(self._ctl.ask(io.FreezeGCReq()))
@@ -328,6 +300,11 @@ class Engine:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _outcome(self, coro: Coroutine[Any, Any, Any]) -> tuple[bool, str]:
+        """SGLang's (success, message) of a control call's *Output message."""
+        out = self._run(coro)
+        return out.success, out.message
+
     async def _open_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         return await self.tokenizer_manager.stream(obj)  # submits on the loop thread (ZMQ is single-threaded)
 
@@ -366,6 +343,8 @@ def _request(
     logprob_start_len: int | None,
     top_logprobs_num: int | None,
     return_text_in_logprobs: bool,
+    session_params: dict[str, Any] | list[dict[str, Any]] | None,
+    rid: str | list[str] | None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -382,7 +361,7 @@ def _request(
         params = [as_dict(p) for p in params]
     elif params is not None:
         params = as_dict(params)
-    return GenerateReqInput(
+    obj = GenerateReqInput(
         text=prompt,
         input_ids=input_ids,
         sampling_params=params,
@@ -391,6 +370,10 @@ def _request(
         top_logprobs_num=top_logprobs_num or 0,
         return_text_in_logprobs=return_text_in_logprobs,
     )
+    # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
+    # own parsing (parse_session_params) reports a malformed value.
+    obj.session_params, obj.rid = session_params, rid
+    return obj
 
 
 def _as_list(value: np.ndarray | float) -> list[Any] | float:

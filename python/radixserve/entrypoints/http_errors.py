@@ -78,7 +78,8 @@ def add_error_handlers(app: FastAPI) -> None:
     """The known exceptions' statuses (the rest: CatchAllMiddleware, added outermost)."""
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    @app.exception_handler(ValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
         return error_response(400, validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
@@ -90,10 +91,6 @@ def add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 405:  # Starlette names one route's methods; POST and PUT /generate are two
             resp.headers["Allow"] = ", ".join(allowed_methods(request))
         return resp
-
-    @app.exception_handler(ValidationError)
-    async def on_pydantic(_: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(400, validation_message(exc))
 
     @app.exception_handler(ValueError)
     async def on_value(_: Request, exc: ValueError) -> JSONResponse:

@@ -111,6 +111,7 @@ class GuardMiddleware:
             self.api_key
             and scope["path"] not in PUBLIC_PATHS
             and not bearer_matches(headers.get("authorization"), self.api_key)
+            and not x_api_key_matches(headers.get("x-api-key"), self.api_key)
         ):
             return error_response(401, "Incorrect API key provided.", "invalid_api_key")
         return None
@@ -124,6 +125,11 @@ def bearer_matches(header: str | None, api_key: str) -> bool:
     if len(parts) != 2 or parts[0].lower() != "bearer":
         return False
     return hmac.compare_digest(parts[1].strip().encode(), api_key.encode())
+
+
+def x_api_key_matches(header: str | None, api_key: str) -> bool:
+    """`x-api-key: <key>`, the header Anthropic's clients send their key in."""
+    return header is not None and hmac.compare_digest(header.strip().encode(), api_key.encode())
 
 
 # ----------------------------------------------------------------------------- bodies

@@ -22,6 +22,7 @@ import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from radixserve.entrypoints.client_apis import add_client_api_routes
 from radixserve.entrypoints.control_routes import add_control_routes
 from radixserve.entrypoints.embedding_routes import add_embedding_routes
 from radixserve.entrypoints.health import generation_failure
@@ -302,6 +303,7 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     add_control_routes(app, state.tm)
     _add_openai_routes(app, state)
     add_embedding_routes(app, state)
+    add_client_api_routes(app, state)  # Anthropic Messages, Ollama
     install_openapi(app)
     app.state.server = state
     app.state.max_body_bytes = args.max_request_body_bytes

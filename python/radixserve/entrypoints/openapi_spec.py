@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from radixserve.entrypoints import client_apis
 from radixserve.entrypoints.control_routes import (
     CONTROL_BODIES,
     CONTROL_OUTCOME_ANSWERS,
@@ -109,6 +110,7 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/rerank": RerankRequest,
     "/v1/score": ScoringRequest,
     "/v1/classify": ClassifyRequest,
+    **client_apis.OPENAPI_BODIES,
 }
 _JSON_ANSWERS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionResponse,
@@ -120,6 +122,7 @@ _JSON_ANSWERS: dict[str, type[BaseModel]] = {
     "/v1/embeddings": EmbeddingResponse,
     "/v1/score": ScoringResponse,
     "/v1/classify": ClassifyResponse,
+    **client_apis.OPENAPI_JSON_ANSWERS,
 }
 # Answers that are one object for a single input and an array for a batch, and plain arrays.
 _ONE_OR_MANY: dict[str, type[BaseModel]] = {
@@ -132,6 +135,7 @@ _STREAM_EVENTS: dict[str, type[BaseModel]] = {
     "/generate": GenerateOutput,
     "/v1/completions": CompletionResponse,
     "/v1/chat/completions": ChatCompletionStreamResponse,
+    **client_apis.OPENAPI_SSE_EVENTS,
 }
 _TEXT_ANSWERS = frozenset(
     {"/health", "/health_generate", "/flush_cache", "/abort_request", "/metrics", *CONTROL_TEXT_ANSWERS}
@@ -189,6 +193,7 @@ _ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/score": _GENERATING,
     "/v1/classify": _GENERATING,
     **{path: _SCHEDULER for path in (*CONTROL_BODIES, *CONTROL_TEXT_ANSWERS, *CONTROL_OUTCOME_ANSWERS)},
+    **client_apis.OPENAPI_ERRORS,
 }
 
 
@@ -214,6 +219,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 *_STREAM_EVENTS.values(),
                 *_ONE_OR_MANY.values(),
                 *_ARRAY_ANSWERS.values(),
+                *client_apis.OPENAPI_NDJSON_LINES.values(),
+                *client_apis.ERROR_MODELS,
                 ErrorResponse,
             }
         ],
@@ -226,7 +233,10 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             if method in ("post", "put") and path in _BODIES:
                 schema = refs[(_BODIES[path], "validation")]
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
-            op["responses"] = _responses(path, method, refs, error)
+            dialect = client_apis.error_model(path)  # Anthropic's and Ollama's own error shapes
+            op["responses"] = _responses(
+                path, method, refs, error if dialect is None else refs[(dialect, "serialization")]
+            )
     return doc
 
 
@@ -263,6 +273,9 @@ def _responses(path: str, method: str, refs: dict[Any, Any], error: dict[str, An
         ok["application/json"] = {"schema": {"type": "object"}}
     elif path == "/get_load":
         ok["application/json"] = {"schema": {"type": "array", "items": {"type": "object"}}}
+    if path in client_apis.OPENAPI_NDJSON_LINES:  # one JSON object per line (a line may be an error)
+        line = refs[(client_apis.OPENAPI_NDJSON_LINES[path], "serialization")]
+        ok[client_apis.NDJSON_MEDIA_TYPE] = {"schema": {"anyOf": [line, error]}}
     if path in _STREAM_EVENTS:
         ok["text/event-stream"] = {
             "schema": sse_event_schema(refs[(_STREAM_EVENTS[path], "serialization")], error)

@@ -185,6 +185,8 @@ def create_cpu_decode_runner(
         reasons.append("sgl-kernel's CPU extension is not built")
     if not isinstance(model, LlamaForCausalLM):
         reasons.append(f"{type(model).__name__} is not Llama-family")
+    elif any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers if hasattr(layer, "mlp")):
+        reasons.append("MoE layers (the fused stack runs dense MLPs only)")
     if server_args.disable_cpu_fused_decode:
         reasons.append("--disable-cpu-fused-decode")
     if reasons:

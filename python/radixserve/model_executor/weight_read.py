@@ -68,7 +68,8 @@ def read_piece(model: nn.Module, name: str, truncate_size: int) -> WeightPiece |
     if param.numel() == 0:
         raise WeightReadError("The weights are released (/resume_memory_occupation restores them).")
     owner = model.get_submodule(target.rpartition(".")[0]) if "." in target else model
-    piece = _locate(owner, param, shard)
+    per_expert = getattr(owner, "checkpoint_piece", None)  # MoE experts: one slot of a stacked weight
+    piece = WeightPiece(*per_expert(name, param)) if per_expert else _locate(owner, param, shard)
     too_large = weight_reply_error(name, piece.full_shape, truncate_size)
     if too_large is not None:  # before any copy: every rank refuses alike (same full shape)
         raise WeightReadError(too_large)

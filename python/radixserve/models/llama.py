@@ -151,7 +151,13 @@ class MissingLayer(nn.Identity):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: Any, qkv_bias: bool, qk_norm: bool, max_position: int, parallel: ModelParallelism
+        self,
+        config: Any,
+        qkv_bias: bool,
+        qk_norm: bool,
+        max_position: int,
+        parallel: ModelParallelism,
+        layer_cls: type[nn.Module] = LlamaDecoderLayer,  # MoE models swap in their layer (moe_decoder.py)
     ) -> None:
         super().__init__()
         tp = parallel.tp
@@ -163,7 +169,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, qk_norm, max_position, parallel)
+            layer_cls(config, i - self.start_layer, qkv_bias, qk_norm, max_position, parallel)
             if self.start_layer <= i < self.end_layer
             else MissingLayer()
             for i in range(config.num_hidden_layers)
@@ -206,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
     # Embedding variants (--is-embedding) and classifiers build no LM head: their checkpoints
     # (Qwen3-Embedding, *ForSequenceClassification) ship none.
     has_lm_head = True
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
@@ -215,7 +222,9 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel = parallel or ModelParallelism()
         max_position = max(max_position or 0, config.max_position_embeddings)
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position, parallel)
+        self.model = LlamaModel(
+            config, qkv_bias, self.qk_norm, max_position, parallel, self.decoder_layer_cls
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: VocabParallelEmbedding | None
         if not parallel.is_last_stage or not self.has_lm_head:

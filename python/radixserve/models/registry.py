@@ -8,8 +8,12 @@ from radixserve.model_loader.errors import ModelLoadError
 from radixserve.models.bert import BertForSequenceClassification, BertModel
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.llama_eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
+from radixserve.models.mixtral import MixtralForCausalLM
+from radixserve.models.olmoe import OlmoeForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
+from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from radixserve.models.sequence_classification import (
     LlamaForSequenceClassification,
     Qwen2ForSequenceClassification,
@@ -24,6 +28,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixture-of-experts (models/moe_decoder.py)
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,

@@ -56,7 +56,50 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "head_dim": 32,
     },
+    # Mixture-of-experts, between them: top-k 1, 2 and 8, with and without renormalisation, a
+    # shared expert with its gate, a dense layer among sparse ones (mlp_only_layers).
+    "qwen2_moe": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [1],
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "tie_word_embeddings": False,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 48,
+    },
+    "olmoe": {
+        "architectures": ["OlmoeForCausalLM"],
+        "model_type": "olmoe",
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 1,
+        "intermediate_size": 48,
+        "norm_topk_prob": False,
+        "clip_qkv": 2.0,
+    },
 }
+MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 
 
 CHATML_TEMPLATE = (
@@ -95,7 +138,8 @@ def write_tiny_tokenizer(
 
 
 def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a random `kind` ('llama', 'llama_kv1', 'qwen2', 'qwen3') checkpoint to `path`."""
+    """Write a random `kind` (a TINY_CONFIGS key: 'llama', 'qwen3', 'qwen2_moe', ...) checkpoint to
+    `path`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)

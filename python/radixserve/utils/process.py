@@ -185,9 +185,6 @@ class ChildProcesses:
             if proc.exitcode is None:
                 proc.join(0)
 
-    def any_dead(self) -> bool:
-        return any(not p.is_alive() for p in self.procs)
-
     def terminate(self, timeout: float = 3.0) -> None:
         """SIGTERM every child, SIGKILL those still alive after `timeout` s. Idempotent."""
         with self._start_lock:

@@ -110,6 +110,18 @@ class SamplingExtras(RequestModel):
     disagg_prefill_dp_rank: NonNegativeInt | None = None
 
 
+class ResponseEnvelope(BaseModel):
+    """What every completion answer (and stream chunk) carries around its choices; each answer
+    narrows `object` and `choices`."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Any]
+    usage: UsageInfo | None = None
+
+
 # ----------------------------------------------------------------------------- completions
 class CompletionRequest(SamplingExtras):
     prompt: PromptType
@@ -136,13 +148,9 @@ class CompletionChoice(BaseModel):
     matched_stop: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 # ----------------------------------------------------------------------------- chat
@@ -247,20 +255,13 @@ class ChatCompletionChoice(BaseModel):
     matched_stop: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseEnvelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionChoice]
-    usage: UsageInfo | None = None
 
 
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+class DeltaMessage(ChatResponseMessage):
+    role: str | None = None  # the first chunk of a choice only
 
 
 class ChatStreamChoice(BaseModel):
@@ -271,13 +272,9 @@ class ChatStreamChoice(BaseModel):
     matched_stop: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(ResponseEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 # ----------------------------------------------------------------------------- models, tokenize

@@ -12,15 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.entrypoints.openai.tool_calls import partial_suffix
+
 THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -72,7 +67,7 @@ class ReasoningStream:
         rest = text[self.cursor :]
         idx = rest.find(THINK_END)
         if idx < 0:
-            keep = 0 if final else _partial_suffix(rest, THINK_END)
+            keep = 0 if final else partial_suffix(rest, THINK_END)
             out.append(rest[: len(rest) - keep])
             self.cursor += len(rest) - keep
             return

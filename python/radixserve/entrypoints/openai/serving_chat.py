@@ -39,9 +39,9 @@ class ChatHandler:
         self.served_names = served_names
 
     def to_native(self, req: ChatCompletionRequest, stream: bool) -> GenerateReqInput:
-        return self._plan(req, stream)[0]
+        return self.plan(req, stream)[0]
 
-    def _plan(self, req: ChatCompletionRequest, stream: bool) -> tuple[GenerateReqInput, ChatPlan]:
+    def plan(self, req: ChatCompletionRequest, stream: bool) -> tuple[GenerateReqInput, ChatPlan]:
         """Runs on the tokenizer threads (the template and the tokenizer are CPU work)."""
         check_model(req.model, self.served_names)
         if req.top_logprobs is not None and not req.logprobs:
@@ -75,7 +75,7 @@ class ChatHandler:
     async def create(
         self, req: ChatCompletionRequest, request: ClientRequest | None
     ) -> ChatCompletionResponse:
-        native, plan = await self.tm.run_blocking(self._plan, req, False)
+        native, plan = await self.tm.run_blocking(self.plan, req, False)
         result = await self.tm.generate(native, request)
         outputs = [result] if isinstance(result, dict) else result
         choices = []
@@ -104,7 +104,7 @@ class ChatHandler:
         )
 
     async def stream(self, req: ChatCompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
-        native, plan = await self.tm.run_blocking(self._plan, req, True)
+        native, plan = await self.tm.run_blocking(self.plan, req, True)
         # Validates and waits for the first output: a 400 or a refusal (503) is answered as such.
         outputs = await first_output_checked(await self.tm.stream(native, request))
         return sse_errors(self._stream_chunks(req, outputs, plan))

@@ -23,24 +23,10 @@ from radixserve.managers.tokenizer_manager import ClientDisconnected, InvalidReq
 logger = logging.getLogger(__name__)
 
 # Fields copied verbatim (OpenAI name == SGLang name) when the client set them.
-_PASS_THROUGH = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "regex",
-    "ebnf",
-    "json_schema",
+_PASS_THROUGH = tuple(
+    "n temperature top_p top_k min_p seed frequency_penalty presence_penalty repetition_penalty "
+    "ignore_eos stop_token_ids skip_special_tokens spaces_between_special_tokens no_stop_trim "
+    "regex ebnf json_schema".split()
 )
 
 

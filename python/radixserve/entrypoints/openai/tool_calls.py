@@ -49,8 +49,9 @@ class _Call:
     args_text: str = ""
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: a marker that
+    may be split across stream steps (held back until it is resolved)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n
@@ -110,7 +111,7 @@ class ToolCallStream:
             return False
         idx = rest.find(HERMES_START)
         if idx < 0:
-            keep = 0 if final else _partial_suffix(rest, HERMES_START)
+            keep = 0 if final else partial_suffix(rest, HERMES_START)
             if len(rest) - keep > 0:
                 out.append(rest[: len(rest) - keep])
                 self.cursor += len(rest) - keep

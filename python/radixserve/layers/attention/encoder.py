@@ -49,31 +49,7 @@ def pooled_row_attention(
     layer: RadixAttention,
 ) -> torch.Tensor:
     """[bs, num_heads * head_dim]: request b's query attends to every token of request b."""
-    bs, gqa = len(extend_lens), layer.num_kv_heads != layer.num_heads
-    if len(set(extend_lens)) == 1:
-        seq = extend_lens[0]
-        out = F.scaled_dot_product_attention(
-            q.view(bs, 1, layer.num_heads, layer.head_dim).transpose(1, 2),
-            k.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
-            v.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
-            scale=layer.scaling,
-            enable_gqa=gqa,
-        )  # [bs, num_heads, 1, head_dim]
-        return out.reshape(bs, layer.num_heads * layer.head_dim)
-    out = q.new_empty(bs, layer.num_heads * layer.head_dim)
-    start = 0
-    for b, length in enumerate(extend_lens):
-        rows = slice(start, start + length)
-        o = F.scaled_dot_product_attention(
-            q[b : b + 1].transpose(0, 1)[None],
-            k[rows].transpose(0, 1)[None],
-            v[rows].transpose(0, 1)[None],
-            scale=layer.scaling,
-            enable_gqa=gqa,
-        )  # [1, num_heads, 1, head_dim]
-        out[b] = o.reshape(-1)
-        start += length
-    return out
+    return _attend_per_request(q, k, v, [1] * len(extend_lens), extend_lens, layer)
 
 
 def bidirectional_attention(
@@ -84,28 +60,41 @@ def bidirectional_attention(
     layer: RadixAttention,
 ) -> torch.Tensor:
     """[num_tokens, num_heads * head_dim]: every token attends to every token of its request."""
-    gqa = layer.num_kv_heads != layer.num_heads
-    if len(set(extend_lens)) == 1:
-        bs, seq = len(extend_lens), extend_lens[0]
+    return _attend_per_request(q, k, v, extend_lens, extend_lens, layer)
+
+
+def _attend_per_request(
+    q: torch.Tensor,  # [sum(q_lens), num_heads, head_dim]
+    k: torch.Tensor,  # [sum(kv_lens), num_kv_heads, head_dim]
+    v: torch.Tensor,  # [sum(kv_lens), num_kv_heads, head_dim]
+    q_lens: list[int],
+    kv_lens: list[int],
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """[sum(q_lens), num_heads * head_dim]: request b's q_lens[b] queries attend, unmasked, to its
+    kv_lens[b] keys. Equal lengths: one SDPA call over a [bs, heads, len, head_dim] view."""
+    bs, gqa = len(kv_lens), layer.num_kv_heads != layer.num_heads
+    if len(set(q_lens)) == 1 and len(set(kv_lens)) == 1:
+        q_len, seq = q_lens[0], kv_lens[0]
         out = F.scaled_dot_product_attention(
-            q.view(bs, seq, layer.num_heads, layer.head_dim).transpose(1, 2),
+            q.view(bs, q_len, layer.num_heads, layer.head_dim).transpose(1, 2),
             k.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
             v.view(bs, seq, layer.num_kv_heads, layer.head_dim).transpose(1, 2),
             scale=layer.scaling,
             enable_gqa=gqa,
-        )  # [bs, num_heads, seq, head_dim]
-        return out.transpose(1, 2).reshape(bs * seq, layer.num_heads * layer.head_dim)
+        )  # [bs, num_heads, q_len, head_dim]
+        return out.transpose(1, 2).reshape(bs * q_len, layer.num_heads * layer.head_dim)
     out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
-    start = 0
-    for length in extend_lens:
-        rows = slice(start, start + length)
+    q_start = kv_start = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        q_rows, kv_rows = slice(q_start, q_start + q_len), slice(kv_start, kv_start + kv_len)
         o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None],
-            k[rows].transpose(0, 1)[None],
-            v[rows].transpose(0, 1)[None],
+            q[q_rows].transpose(0, 1)[None],
+            k[kv_rows].transpose(0, 1)[None],
+            v[kv_rows].transpose(0, 1)[None],
             scale=layer.scaling,
             enable_gqa=gqa,
-        )  # [1, num_heads, length, head_dim]
-        out[rows] = o[0].transpose(0, 1).reshape(length, -1)
-        start += length
+        )  # [1, num_heads, q_len, head_dim]
+        out[q_rows] = o[0].transpose(0, 1).reshape(q_len, -1)
+        q_start, kv_start = q_start + q_len, kv_start + kv_len
     return out

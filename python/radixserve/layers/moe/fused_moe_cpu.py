@@ -1,0 +1,41 @@
+"""The grouped MoE kernel (CPU fast path; correct on any device): the (token, expert) pairs are
+sorted by expert, each expert with tokens runs once over all of them as two matmuls, and the
+weighted results are added back to their tokens. Work is proportional to num_tokens x top_k; an
+expert no token chose is never touched (its weights are not even read, which is what makes a MoE
+cheap to decode on a CPU). Python loops over the experts that got tokens, never over tokens.
+
+The matmuls go through layers/linear.py's `linear`, so small fp32 groups (decode) take sgl-kernel's
+small-M kernel where it is built; bf16 and larger groups run F.linear."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.linear import linear
+
+
+def fused_experts_grouped(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as fused_moe_native.fused_experts_native."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
+    order = torch.argsort(flat_ids, stable=True)  # pair slots grouped by expert
+    token_idx = order // top_k  # [num_tokens * top_k]: the token of each sorted pair
+    counts = torch.bincount(flat_ids, minlength=num_experts)  # [num_experts]
+    sizes, ends = counts.tolist(), counts.cumsum(0).tolist()
+    x = hidden.index_select(0, token_idx)  # [num_tokens * top_k, hidden_size]
+    out = torch.empty_like(x)
+    for e in torch.nonzero(counts).flatten().tolist():
+        start, end = ends[e] - sizes[e], ends[e]
+        act = silu_and_mul(linear(x[start:end], w13[e]))  # [n_e, inter]
+        out[start:end] = linear(act, w2[e])
+    weights = topk_weights.reshape(-1).index_select(0, order).to(out.dtype)
+    out.mul_(weights.unsqueeze(1))
+    return torch.zeros_like(hidden).index_add_(0, token_idx, out)

@@ -1,0 +1,88 @@
+"""FusedMoE: the experts of one MoE layer, their weights stacked so every kernel reads one tensor.
+
+w13_weight [num_experts, 2 * inter, hidden_size] holds each expert's gate rows then up rows (the
+layout of a dense layer's gate_up_proj); w2_weight [num_experts, hidden_size, inter] its down
+projection. Under tensor parallelism each rank holds a slice of every expert's intermediate
+dimension (inter = moe_intermediate_size / tp_size) and the combined output, a partial sum, is
+all-reduced, as a dense MLP's row-parallel down projection is. The router and the top-k choice are
+replicated, so every rank routes every token the same way.
+
+Checkpoints store one tensor per expert and projection (HF's `experts.{e}.gate_proj.weight`,
+Mixtral's `experts.{e}.w1.weight`); `weight_loader` copies each into its expert's slot, reading
+only this rank's slice.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from radixserve.distributed.communication import TensorParallelComm
+from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
+from radixserve.layers.parallel_linear import divide
+from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.weights import CheckpointTensor
+
+# `experts.{id}.{projection}.weight` -> which part of the stacked weights it fills.
+EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+
+
+def expert_param_name(name: str) -> str | None:
+    """The stacked parameter a per-expert checkpoint tensor loads into (`...experts.w13_weight` or
+    `...experts.w2_weight`), or None when `name` is not an expert weight."""
+    match = EXPERT_WEIGHT.search(name)
+    if match is None:
+        return None
+    stacked = "w2_weight" if match.group(2) in _DOWN else "w13_weight"
+    return f"{name[: match.start()]}.experts.{stacked}"
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelComm
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp = tp
+        self.inter = divide(intermediate_size, tp.size, "moe intermediate size")  # this rank's part
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
+
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [num_tokens, hidden_size], topk_* [num_tokens, top_k] -> [num_tokens, hidden_size]."""
+        out = fused_experts_grouped(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.tp.size > 1:
+            self.tp.all_reduce_(out)
+        return out
+
+    def checkpoint_piece(
+        self, name: str, param: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[int, int], int, int]:
+        """Where this rank's part of per-expert checkpoint tensor `name` lies in `param`:
+        (the slot in param, the full checkpoint tensor's shape, the dim it is split along, this
+        rank's start on it). Loading copies into the slot; /get_weights_by_name reads it back."""
+        match = EXPERT_WEIGHT.search(name)
+        if match is None:
+            raise ModelLoadError(f"{name}: not a per-expert weight (experts.<id>.<proj>.weight)")
+        expert, proj = int(match.group(1)), match.group(2)
+        if not 0 <= expert < self.num_experts:
+            raise ModelLoadError(f"{name}: expert {expert} of a layer with {self.num_experts}")
+        full_inter, start = self.inter * self.tp.size, self.tp.rank * self.inter
+        if proj in _DOWN:  # [hidden, inter]: a rank holds a block of its columns
+            return param[expert], (param.shape[1], full_inter), 1, start
+        offset = 0 if proj in _GATE else self.inter  # gate rows, then up rows
+        return param[expert, offset : offset + self.inter], (full_inter, param.shape[-1]), 0, start
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        slot, full_shape, dim, start = self.checkpoint_piece(loaded.name, param.data)
+        if tuple(loaded.shape) != full_shape:
+            raise ModelLoadError(
+                f"Shape mismatch for {loaded.name}: the config implies {full_shape}, the checkpoint "
+                f"has {tuple(loaded.shape)}"
+            )
+        slot.copy_(loaded.narrow(dim, start, slot.shape[dim]))
