@@ -198,9 +198,9 @@ def _bench_rank(server_args: ServerArgs, args: argparse.Namespace, rank: int, in
     from radixserve.scheduler.scheduler_process import place_rank
 
     layout = server_args.layout()
-    server_args, threads, cores = place_rank(server_args, layout, layout.rank_info(rank).local_rank)
-    runtime = RankRuntime.for_server(server_args, rank, init_addr)
-    worker = build_model_worker(server_args, _model_config(server_args), runtime)
+    device, threads, cores = place_rank(server_args, layout, layout.rank_info(rank).local_rank)
+    runtime = RankRuntime.for_server(server_args, rank, init_addr, device)
+    worker = build_model_worker(server_args, _model_config(server_args), runtime, device)
     if rank == 0:
         print(
             f"{layout.world_size} ranks (tp {layout.tp_size} x pp {layout.pp_size}), {threads} thread(s) each"

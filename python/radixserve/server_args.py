@@ -651,6 +651,14 @@ class ServerArgs:
 
         return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank, self.dp_size)
 
+    def rank_device(self, local_rank: int, dp_rank: int = 0) -> str:
+        """The device one rank of the resolved config runs on; each rank asks, none rewrites the
+        config. CUDA with several ranks or replicas on a node: its GPUs in order, replica-major."""
+        layout = self.layout()
+        if self.device == "cuda" and not (layout.is_single and self.dp_size == 1):
+            return f"cuda:{dp_rank * layout.ranks_per_node + local_rank}"
+        return self.device or "cpu"
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):

@@ -55,7 +55,7 @@ def step_until(step: Callable[[], None], done: Callable[[], bool], timeout_s: fl
 
 def transferring(pair: PDPair) -> bool:
     """The decode side has bootstrapped and allocated pages: it waits for the KV."""
-    return bool(pair.decode.scheduler.disagg.transfer_queue.queue)
+    return bool(pair.decode.scheduler.hooks.transfer_queue.queue)
 
 
 def has_finished(side: InProcessScheduler, rid: str) -> bool:
@@ -68,8 +68,8 @@ def assert_clean(pair: PDPair) -> None:
     for side in (pair.prefill, pair.decode):
         s = side.scheduler
         assert s.mem.available_size() + s.mem.evictable_size() == s.mem.total_tokens
-    assert not pair.prefill.scheduler.disagg.senders
-    assert not pair.decode.scheduler.disagg.receivers
+    assert not pair.prefill.scheduler.hooks.senders
+    assert not pair.decode.scheduler.hooks.receivers
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ def test_fake_backend_moves_nothing_and_frees_everything(make_pair):
     for i in range(3):
         assert finish(pair, f"f{i}")["type"] == "length" and len(pair.decode.results[f"f{i}"].output_ids) == 5
         assert prefill_finish(pair, f"f{i}")["type"] in ("length", "stop")
-    assert pair.prefill.scheduler.disagg.manager.stats.num_transfers == 0
+    assert pair.prefill.scheduler.hooks.manager.stats.num_transfers == 0
     assert_clean(pair)
 
 
@@ -212,7 +212,9 @@ def test_fake_bootstrap_host_probe_on_a_tcp_pair(make_pair):
     """SGLang's health probe: bootstrap_host 2.2.2.2 needs no peer on either side."""
     pair = make_pair()
     msg = pair.message("probe", [5], 0, max_new_tokens=1)
-    msg = dataclasses.replace(msg, bootstrap_host=FAKE_BOOTSTRAP_HOST)
+    msg = dataclasses.replace(
+        msg, routing=dataclasses.replace(msg.routing, bootstrap_host=FAKE_BOOTSTRAP_HOST)
+    )
     pair.prefill.scheduler.process_input_requests([msg])
     pair.decode.scheduler.process_input_requests([msg])
     pair.run_until_idle(timeout_s=30)
@@ -250,7 +252,7 @@ def test_decode_back_pressure_then_all_finish(tiny_llama_path, make_pair):
     while not pair.idle():
         assert time.monotonic() < deadline
         pair.step()
-        max_prealloc = max(max_prealloc, len(pair.decode.scheduler.disagg.prealloc_queue.queue))
+        max_prealloc = max(max_prealloc, len(pair.decode.scheduler.hooks.prealloc_queue.queue))
     assert max_prealloc >= 4  # most waited for pages
     got = {rid: r.output_ids for rid, r in pair.decode.results.items()}
     assert got == want
@@ -303,9 +305,8 @@ def test_bootstrap_timeout_on_both_sides(make_pair):
 
 def test_unreachable_bootstrap_server_times_out(make_pair):
     pair = make_pair(disaggregation_bootstrap_timeout=0.5)
-    msg = dataclasses.replace(
-        pair.message("u", [4, 5, 6], 13, max_new_tokens=4), bootstrap_port=get_free_port()
-    )
+    msg = pair.message("u", [4, 5, 6], 13, max_new_tokens=4)
+    msg = dataclasses.replace(msg, routing=dataclasses.replace(msg.routing, bootstrap_port=get_free_port()))
     pair.decode.scheduler.process_input_requests([msg])
     pair.run_until_idle(timeout_s=30)
     reason = finish(pair, "u")
@@ -348,7 +349,7 @@ def test_prefill_dies_mid_transfer(make_pair):
     pair = make_pair()
     pair.submit("k", prompts(11, [40])[0], room=16, max_new_tokens=8)
     step_until(pair.decode.step, lambda: transferring(pair), 10)  # pages allocated, KV expected
-    pair.prefill.scheduler.disagg.close()  # its sockets close as a killed process's do
+    pair.prefill.scheduler.hooks.close()  # its sockets close as a killed process's do
     step_until(pair.decode.step, lambda: has_finished(pair.decode, "k"), 20)
     reason = finish(pair, "k")
     assert (
@@ -364,7 +365,7 @@ def test_decode_dies_before_its_kv_is_acknowledged(make_pair):
     pair.submit("k", prompts(12, [40])[0], room=17, max_new_tokens=8)
     step_until(pair.decode.step, lambda: transferring(pair), 10)
     time.sleep(0.2)  # the init reaches the prefill side
-    pair.decode.scheduler.disagg.close()
+    pair.decode.scheduler.hooks.close()
     step_until(pair.prefill.step, lambda: has_finished(pair.prefill, "k"), 20)
     reason = prefill_finish(pair, "k")
     assert (
@@ -407,9 +408,9 @@ def test_one_pass_admits_up_to_the_running_cap(make_pair):
     decode = pair.decode.scheduler
     for i, ids in enumerate(prompts(8, [20] * 5)):
         decode.process_input_requests([pair.message(f"c{i}", ids, None, max_new_tokens=3)])
-    admitted = decode.disagg.prealloc_queue.pop_preallocated()
+    admitted = decode.hooks.prealloc_queue.pop_preallocated()
     assert [r.rid for r in admitted] == ["c0", "c1", "c2", "c3"]
-    assert [r.rid for r in decode.disagg.prealloc_queue.queue] == ["c4"]
+    assert [r.rid for r in decode.hooks.prealloc_queue.queue] == ["c4"]
 
 
 def test_generated_token_counts_match_a_colocated_server(tiny_llama_path, make_pair):

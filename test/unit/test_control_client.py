@@ -60,12 +60,12 @@ def test_a_refusing_replica_speaks_for_all_and_new_weights_are_reported() -> Non
         versions: list[tuple[str | None, str | None]] = []
         client = _client(2, [], versions)
         update = io.UpdateWeightFromDiskReqInput("/ckpt")
-        task = asyncio.ensure_future(client.update_weights_from_disk(update))
+        task = asyncio.ensure_future(client.ask(update))
         await asyncio.sleep(0)
         client.deliver(io.UpdateWeightFromDiskReqOutput(True, "ok", 0, "v2"))
         client.deliver(io.UpdateWeightFromDiskReqOutput(False, "no such file"))
         assert (await task).message == "no such file" and versions == []
-        task = asyncio.ensure_future(client.update_weights_from_disk(update))
+        task = asyncio.ensure_future(client.ask(update))
         await asyncio.sleep(0)
         for _ in range(2):
             client.deliver(io.UpdateWeightFromDiskReqOutput(True, "ok", 0, "v2"))

@@ -22,7 +22,7 @@ from radixserve.disaggregation.tcp_prefill import PrefillTcpManager, ReplicaInfo
 from radixserve.disaggregation.utils import KVPoll
 from radixserve.managers.data_parallel_controller import DataParallelController
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.managers.io_struct import DisaggRouting, TokenizedGenerateReqInput
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs, resolve_load_balance_method
@@ -110,7 +110,7 @@ def test_auto_load_balance_method_follows_the_room_on_a_prefill_server():
 
 def test_request_field_disagg_prefill_dp_rank():
     items = GenerateReqInput(text="a", disagg_prefill_dp_rank=1, sampling_params={"n": 2}).expand()
-    assert [i.disagg_prefill_dp_rank for i in items] == [1, 1]
+    assert [i.routing.disagg_prefill_dp_rank for i in items] == [1, 1]
     with pytest.raises(ValueError, match="disagg_prefill_dp_rank must be >= 0"):
         GenerateReqInput(text="a", disagg_prefill_dp_rank=-1).expand()
 
@@ -124,8 +124,7 @@ def _req(
         [1, 2],
         SamplingParams(),
         routed_dp_rank=routed,
-        bootstrap_room=room,
-        disagg_prefill_dp_rank=prefill_rank,
+        routing=DisaggRouting(bootstrap_room=room, disagg_prefill_dp_rank=prefill_rank),
     )
 
 

@@ -105,14 +105,18 @@ def test_request_fields_single_batch_and_samples():
         text="hi", bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=7, sampling_params={"n": 2}
     )
     items = single.expand()
-    assert [(i.bootstrap_host, i.bootstrap_port, i.bootstrap_room) for i in items] == [
+    assert [
+        (i.routing.bootstrap_host, i.routing.bootstrap_port, i.routing.bootstrap_room) for i in items
+    ] == [
         ("10.0.0.1", 8998, 7),
         ("10.0.0.1", 8998, 8),  # each sample is its own transfer, numbered the same on both sides
     ]
     batch = GenerateReqInput(
         text=["a", "b"], bootstrap_host=["h1", "h2"], bootstrap_port=[1, None], bootstrap_room=[3, 2**63 - 1]
     )
-    assert [(i.bootstrap_host, i.bootstrap_port, i.bootstrap_room) for i in batch.expand()] == [
+    assert [
+        (i.routing.bootstrap_host, i.routing.bootstrap_port, i.routing.bootstrap_room) for i in batch.expand()
+    ] == [
         ("h1", 1, 3),
         ("h2", None, 2**63 - 1),
     ]

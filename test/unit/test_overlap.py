@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_worker import FakeWorker, random_workload
+from fake_worker import FakeWorker, random_workload, reference_output
 from test_scheduler_core import run_workload
 
+from radixserve.managers.control_messages import SetInternalStateReq
 from radixserve.model_executor.forward_batch import ForwardMode, GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.overlap_cuda import LaunchedBatch
 from radixserve.scheduler import loops as scheduler_module  # the event loops build the executor
@@ -24,7 +25,7 @@ def _mwb(input_ids: list[int]) -> ModelWorkerBatch:
 
 
 def test_future_map_sizing_and_contiguous_wrap():
-    fm = FutureMap(max_running_requests=4, chunked_prefill_size=8, context_len=20)
+    fm = FutureMap(max_req_num=4, chunked_prefill_size=8, context_len=20)
     assert fm.future_limit == 4 * (3 + 3) and fm.future_buffer_len == fm.future_limit + 8
     seen = []
     for bs in [3, 4, 1, 4, 4, 2, 4, 4, 4, 4, 3, 4]:
@@ -125,3 +126,20 @@ def test_results_wait_for_copy_done(make_harness, monkeypatch, args):
     (executor,) = executors
     assert executor.events and all(e.synced for e in executor.events)
     assert ("MIXED" in overlap.worker.forward_modes) == bool(args.get("enable_mixed_chunk"))
+
+
+def test_future_map_fits_a_running_cap_raised_while_serving(make_harness):
+    """The FutureMap is sized from the request rows (max_req_num), not from the start-up running
+    cap: /set_internal_state may raise max_running_requests up to max_req_num, and a batch that wide
+    must still get future slots that neither overflow the buffer nor wrap onto live ones."""
+    h = make_harness(
+        worker=FakeWorker(max_req_num=16), disable_overlap_schedule=False, max_running_requests=2
+    )
+    h.step([SetInternalStateReq(server_args={"max_running_requests": 16})])
+    workload = random_workload(4, 16)
+    for rid, ids, max_new in workload:
+        h.submit(rid, ids, max_new)
+    h.run_until_idle()
+    for rid, ids, max_new in workload:
+        assert h.outputs[rid] == reference_output(ids, max_new), rid
+    assert max(h.worker.batch_sizes) > 2  # the raised cap was used

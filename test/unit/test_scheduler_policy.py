@@ -216,7 +216,7 @@ def test_cache_aware_policy_without_radix_cache_is_fcfs():
 
 # ------------------------------------------------------------------------------------ FutureMap
 def test_future_map_resolves_negative_ids():
-    fm = FutureMap(max_running_requests=4, chunked_prefill_size=None, context_len=100)
+    fm = FutureMap(max_req_num=4, chunked_prefill_size=None, context_len=100)
     idx = fm.alloc_future_indices(3)
     assert idx == [1, 2, 3]
     fm.store_to_map(idx, torch.tensor([7, 8, 9]))

@@ -200,3 +200,13 @@ def test_resolve_makes_the_model_path_final(monkeypatch: pytest.MonkeyPatch) -> 
         assert resolved.model_path == "/cache/builtin" and resolved.quantization == "gguf"
         assert resolved.resolve().model_path == "/cache/builtin"
     assert ServerArgs(device="cpu", model_path="~/m").resolve().model_path == os.path.expanduser("~/m")
+
+
+def test_rank_device_is_the_resolved_config_rule():
+    """Each rank asks the resolved config for its device; nothing rewrites the config per rank."""
+    assert ServerArgs(device="cuda").rank_device(0) == "cuda"  # one rank, one replica: as resolved
+    assert ServerArgs(device="cuda", tp_size=2).rank_device(1) == "cuda:1"
+    # Replicas take consecutive blocks of the node's GPUs, replica-major.
+    assert ServerArgs(device="cuda", tp_size=2, dp_size=2).rank_device(1, dp_rank=1) == "cuda:3"
+    assert ServerArgs(device="cuda", dp_size=2).rank_device(0, dp_rank=1) == "cuda:1"
+    assert ServerArgs(device="cpu", tp_size=2).rank_device(1) == "cpu"

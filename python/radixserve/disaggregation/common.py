@@ -3,6 +3,7 @@ the KV layout and the ranks' agreement on transfers."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -21,6 +22,7 @@ from radixserve.scheduler.req import Req
 if TYPE_CHECKING:
     from radixserve.distributed.rank_runtime import RankSync
     from radixserve.scheduler.kv_memory import KVMemory
+    from radixserve.scheduler.live_limits import LiveLimits
     from radixserve.scheduler.output_processor import OutputProcessor
     from radixserve.scheduler.requests import RequestTable
     from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -45,7 +47,7 @@ class SideParts:
     sync: RankSync
     dp_rank: int
     make_batch: Callable[[list[Req]], ScheduleBatch]
-    max_running_requests: Callable[[], int]  # live: set_internal_state may change it
+    limits: LiveLimits  # read at each use: set_internal_state may change the running cap
 
 
 def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> str | None:
@@ -54,32 +56,38 @@ def admission_error(msg: TokenizedGenerateReqInput, backend: str, mode: str) -> 
         return (
             "Structured outputs (json_schema, regex, ebnf) are not supported with --disaggregation-mode yet."
         )
-    if is_fake(msg.bootstrap_host, backend):
+    routing = msg.routing
+    if is_fake(routing.bootstrap_host, backend):
         return None
-    if msg.bootstrap_room is None:
+    if routing.bootstrap_room is None:
         return (
             f"This is a --disaggregation-mode {mode} server: a request needs bootstrap_room (and "
             "bootstrap_host / bootstrap_port), which a PD load balancer such as sglang-router "
             "--pd-disaggregation adds."
         )
-    if mode == "decode" and not msg.bootstrap_host:
+    if mode == "decode" and not routing.bootstrap_host:
         return "A disaggregated decode server needs bootstrap_host (the prefill server's host)."
     return None
 
 
-def admit(parts: SideParts, msg: TokenizedGenerateReqInput, req: Req, enqueue: Callable[[Req], None]) -> None:
-    """Copy the bootstrap fields, refuse what cannot run here, else validate and enqueue."""
-    args = parts.args
-    req.bootstrap_host = msg.bootstrap_host
-    req.bootstrap_port = msg.bootstrap_port or args.disaggregation_bootstrap_port
-    req.bootstrap_room = msg.bootstrap_room if msg.bootstrap_room is not None else 0
-    req.disagg_prefill_dp_rank = msg.disagg_prefill_dp_rank
+def admit_pd(
+    parts: SideParts, msg: TokenizedGenerateReqInput, req: Req, enqueue: Callable[[Req], None]
+) -> bool:
+    """Copy the bootstrap fields, refuse what cannot run here, else validate and enqueue. A PD
+    side takes every request (True), those it refuses included."""
+    args, routing = parts.args, msg.routing
+    req.routing = dataclasses.replace(
+        routing,
+        bootstrap_port=routing.bootstrap_port or args.disaggregation_bootstrap_port,
+        bootstrap_room=routing.bootstrap_room if routing.bootstrap_room is not None else 0,
+    )
     error = admission_error(msg, args.disaggregation_transfer_backend, args.disaggregation_mode)
     if error is not None:
         parts.requests.state.live[req.rid] = req
         parts.output.finish_now(req, error, int(HTTPStatus.BAD_REQUEST))
-        return
+        return True
     parts.requests.add(req, enqueue)
+    return True
 
 
 def advertised_host(host: str) -> str:

@@ -15,7 +15,14 @@ from typing import Any
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeReceiver, KVReceiver
-from radixserve.disaggregation.common import Agreed, SideParts, admit, advertised_host, agree, mark_scheduled
+from radixserve.disaggregation.common import (
+    Agreed,
+    SideParts,
+    admit_pd,
+    advertised_host,
+    agree,
+    mark_scheduled,
+)
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_decode import DecodeTcpManager
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
@@ -100,16 +107,17 @@ class DecodeDisaggregation(LoopHooks):
         self.transfer_queue = DecodeTransferQueue(self)
 
     # ------------------------------------------------------------------ arrival
-    def add_request(self, msg: TokenizedGenerateReqInput, req: Req) -> None:
-        admit(self.parts, msg, req, self.prealloc_queue.add)
+    def admit(self, msg: TokenizedGenerateReqInput, req: Req) -> bool:
+        return admit_pd(self.parts, msg, req, self.prealloc_queue.add)
 
     def create_receiver(self, req: Req) -> KVReceiver:
-        room = req.bootstrap_room or 0
-        if is_fake(req.bootstrap_host, self.backend):
+        routing = req.routing
+        room = routing.bootstrap_room or 0
+        if is_fake(routing.bootstrap_host, self.backend):
             return FakeReceiver(room, self.timeout_s)
-        assert req.bootstrap_host is not None and req.bootstrap_port is not None
+        assert routing.bootstrap_host is not None and routing.bootstrap_port is not None
         return self.manager.create_receiver(
-            room, req.bootstrap_host, req.bootstrap_port, req.disagg_prefill_dp_rank
+            room, routing.bootstrap_host, routing.bootstrap_port, routing.disagg_prefill_dp_rank
         )
 
     # ------------------------------------------------------------------ memory
@@ -119,7 +127,7 @@ class DecodeDisaggregation(LoopHooks):
         admitted earlier in the same pass are already in the transfer queue, so they count once."""
         mem, st = self.parts.mem, self.parts.requests.state
         active = st.running_batch.reqs + self.transfer_queue.queue
-        if len(active) + 1 > self.parts.max_running_requests():
+        if len(active) + 1 > self.parts.limits.max_running_requests:
             return False
         if mem.req_to_token_pool.available_size() < 1:
             return False
@@ -191,7 +199,7 @@ class DecodeDisaggregation(LoopHooks):
         self._finish(req, status.error or "KV transfer failed", error_status(status.status_code))
 
     def _finish(self, req: Req, message: str, status_code: int | None) -> None:
-        logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
+        logger.info("Request %s (room %s) failed: %s", req.rid, req.routing.bootstrap_room, message)
         if req.holds_kv():  # pages allocated, KV never (completely) arrived: free, cache nothing
             self.parts.mem.release_retracted(req)
         self.parts.output.finish_now(req, message, status_code)

@@ -19,7 +19,14 @@ from typing import Any
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import FakeSender, KVSender
 from radixserve.disaggregation.bootstrap_server import BootstrapServer, RoomRegistrar
-from radixserve.disaggregation.common import WILDCARD_HOSTS, Agreed, SideParts, admit, advertised_host, agree
+from radixserve.disaggregation.common import (
+    WILDCARD_HOSTS,
+    Agreed,
+    SideParts,
+    admit_pd,
+    advertised_host,
+    agree,
+)
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.tcp_prefill import PrefillTcpManager, ReplicaInfo
 from radixserve.disaggregation.utils import KVPoll, error_status, is_fake
@@ -99,15 +106,15 @@ class PrefillDisaggregation(LoopHooks):
         self.inflight_queue: list[Req] = []
 
     # ------------------------------------------------------------------ arrival
-    def add_request(self, msg: TokenizedGenerateReqInput, req: Req) -> None:
+    def admit(self, msg: TokenizedGenerateReqInput, req: Req) -> bool:
         # The prefill side samples one token: admission need not reserve room for a whole output.
         if req.sampling_params.max_new_tokens > 1:
             req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
-        admit(self.parts, msg, req, self.bootstrap_queue.add)
+        return admit_pd(self.parts, msg, req, self.bootstrap_queue.add)
 
     def create_sender(self, req: Req) -> KVSender:
-        room = req.bootstrap_room or 0
-        if is_fake(req.bootstrap_host, self.backend):
+        room = req.routing.bootstrap_room or 0
+        if is_fake(req.routing.bootstrap_host, self.backend):
             return FakeSender(room, self.timeout_s)
         if self.registrar is not None and self._room_needs_registering(req, room):
             self.registrar.add(room)
@@ -116,7 +123,7 @@ class PrefillDisaggregation(LoopHooks):
     def _room_needs_registering(self, req: Req, room: int) -> bool:
         """Whether a decode server could not find this replica without asking: no
         disagg_prefill_dp_rank names it, and the room does not either (follow_bootstrap_room)."""
-        if req.disagg_prefill_dp_rank is not None:
+        if req.routing.disagg_prefill_dp_rank is not None:
             return False
         derived = room % self.replicas.dp_size
         if self.replicas.load_balance_method != "follow_bootstrap_room":
@@ -220,7 +227,7 @@ class PrefillDisaggregation(LoopHooks):
         self.finish_failed(req, status.error, status.status_code)
 
     def finish_failed(self, req: Req, message: str | None, status_code: int | None) -> None:
-        logger.info("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room, message)
+        logger.info("Request %s (room %s) failed: %s", req.rid, req.routing.bootstrap_room, message)
         self.parts.output.finish_now(req, message or "KV transfer failed", error_status(status_code))
         self._forget(req)
 

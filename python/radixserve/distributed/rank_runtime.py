@@ -121,14 +121,14 @@ class RankRuntime:
         return cls(groups, ModelParallelism(tp, groups.pp_rank, layout.pp_size))
 
     @classmethod
-    def for_server(cls, server_args: ServerArgs, rank: int, init_addr: str) -> RankRuntime:
-        """`start` with what the server's flags say: layout, device, --dist-timeout, and the
-        shared-memory all-reduce unless --disable-custom-all-reduce."""
+    def for_server(cls, server_args: ServerArgs, rank: int, init_addr: str, device: str) -> RankRuntime:
+        """`start` with what the server's flags say: layout, --dist-timeout, and the shared-memory
+        all-reduce unless --disable-custom-all-reduce; `device` is this rank's (rank_device)."""
         return cls.start(
             server_args.layout(),
             rank,
             init_addr,
-            server_args.device or "cpu",
+            device,
             server_args.dist_timeout,
             use_shm=not server_args.disable_custom_all_reduce,
         )

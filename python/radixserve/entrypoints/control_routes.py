@@ -106,8 +106,8 @@ class SetInternalStateBody(_Body):
 
 
 # Routes that pass their body on as one control message of the same fields and answer SGLang's
-# {"success", "message"} (_outcome): path -> (body, whether it may be omitted, message). The
-# ControlClient method that sends it has the route's name.
+# {"success", "message"} (_outcome): path -> (body, whether it may be omitted, message), sent
+# with ControlClient.ask.
 MESSAGE_ROUTES: dict[str, tuple[type[_Body], bool, type]] = {
     "/update_weights_from_disk": (UpdateWeightFromDiskBody, False, io.UpdateWeightFromDiskReqInput),
     "/update_weights_from_tensor": (UpdateWeightsFromTensorBody, False, io.UpdateWeightsFromTensorReqInput),
@@ -179,13 +179,12 @@ def add_control_routes(app: FastAPI, tm: TokenizerManager) -> None:
 def _add_message_route(
     app: FastAPI, tm: TokenizerManager, path: str, body_model: type[_Body], optional: bool, message: type
 ) -> None:
-    name = path.removeprefix("/")  # the route's name (its OpenAPI operationId) and ControlClient's method
+    name = path.removeprefix("/")  # the route's name (its OpenAPI operationId)
     read_body_as = _optional_body if optional else json_body
 
     async def route(request: Request) -> Response:
         body = await read_body_as(body_model, request)
-        send = getattr(tm.control, name)
-        return _outcome(await send(message(**body.model_dump())))
+        return _outcome(await tm.control.ask(message(**body.model_dump())))
 
     app.post(path, name=name)(route)
 
@@ -199,7 +198,7 @@ def _add_session_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/close_session")
     async def close_session(request: Request) -> Response:
         body = await json_body(CloseSessionBody, request)
-        out = await tm.control.close_session(io.CloseSessionReqInput(body.session_id))
+        out = await tm.control.ask(io.CloseSessionReqInput(body.session_id))
         if not out.success:
             return error_response(400, out.message)
         return PlainTextResponse("")  # SGLang's empty 200, with a Content-Type as every answer
@@ -221,40 +220,38 @@ def _add_pause_routes(app: FastAPI, tm: TokenizerManager) -> None:
         body = await _optional_body(PauseGenerationBody, request)
         if body.mode not in io.PAUSE_MODES:
             return error_response(400, f"mode must be one of {list(io.PAUSE_MODES)}, got {body.mode!r}.")
-        return _outcome(await tm.control.pause_generation(io.PauseGenerationReqInput(body.mode)))
+        return _outcome(await tm.control.ask(io.PauseGenerationReqInput(body.mode)))
 
     @app.post("/continue_generation")
     async def continue_generation() -> Response:
-        return _outcome(await tm.control.continue_generation())
+        return _outcome(await tm.control.ask(io.ContinueGenerationReqInput()))
 
 
 def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.post("/start_profile")
     async def start_profile(request: Request) -> Response:
         body = await _optional_body(ProfileBody, request)
-        out = await tm.control.start_profile(
-            io.ProfileReq(io.ProfileReqType.START_PROFILE, **body.model_dump())
-        )
+        out = await tm.control.ask(io.ProfileReq(io.ProfileReqType.START_PROFILE, **body.model_dump()))
         if not out.success:
             return error_response(400, out.message)
         return PlainTextResponse("Start profiling.\n")
 
     @app.post("/stop_profile")
     async def stop_profile() -> Response:
-        out = await tm.control.stop_profile()
+        out = await tm.control.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE))
         if not out.success:
             return error_response(400, out.message)
         return PlainTextResponse(f"Stop profiling. {out.message}\n")
 
     @app.post("/freeze_gc")
     async def freeze_gc() -> Response:
-        out = await tm.control.freeze_gc()
+        out = await tm.control.ask(io.FreezeGCReq())
         return PlainTextResponse(f"Garbage collection frozen. {out.message}\n")
 
     @app.post("/set_internal_state")
     async def set_internal_state(request: Request) -> Response:
         body = await json_body(SetInternalStateBody, request)
-        out = await tm.control.set_internal_state(io.SetInternalStateReq(body.server_args))
+        out = await tm.control.ask(io.SetInternalStateReq(body.server_args))
         content = {"updated": out.updated, "server_args": out.server_args}
         if out.message:
             content["message"] = out.message

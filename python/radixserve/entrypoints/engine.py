@@ -115,7 +115,7 @@ class Engine:
         return self._run(self._ctl.open_session(io.OpenSessionReqInput(capacity_of_str_len, session_id)))
 
     def close_session(self, session_id: str) -> None:
-        out = self._run(self._ctl.close_session(io.CloseSessionReqInput(session_id)))
+        out = self._run(self._ctl.ask(io.CloseSessionReqInput(session_id)))
         if not out.success:
             raise ValueError(out.message)
 
@@ -130,7 +130,7 @@ class Engine:
         msg = io.UpdateWeightFromDiskReqInput(
             model_path, load_format, abort_all_requests, flush_cache, weight_version
         )
-        return self._outcome(self._ctl.update_weights_from_disk(msg))
+        return self._outcome(self._ctl.ask(msg))
 
     def update_weights_from_tensor(
         self,
@@ -150,7 +150,7 @@ class Engine:
         msg = io.UpdateWeightsFromTensorReqInput(
             entries, load_format, flush_cache, abort_all_requests, weight_version
         )
-        return self._outcome(self._ctl.update_weights_from_tensor(msg))
+        return self._outcome(self._ctl.ask(msg))
 
     def init_weights_update_group(
         self,
@@ -164,7 +164,7 @@ class Engine:
         msg = io.InitWeightsUpdateGroupReqInput(
             master_address, master_port, rank_offset, world_size, group_name, backend
         )
-        return self._outcome(self._ctl.init_weights_update_group(msg))
+        return self._outcome(self._ctl.ask(msg))
 
     def update_weights_from_distributed(
         self,
@@ -179,12 +179,10 @@ class Engine:
         msg = io.UpdateWeightsFromDistributedReqInput(
             names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version
         )
-        return self._outcome(self._ctl.update_weights_from_distributed(msg))
+        return self._outcome(self._ctl.ask(msg))
 
     def destroy_weights_update_group(self, group_name: str = io.DEFAULT_WEIGHT_GROUP) -> tuple[bool, str]:
-        return self._outcome(
-            self._ctl.destroy_weights_update_group(io.DestroyWeightsUpdateGroupReqInput(group_name))
-        )
+        return self._outcome(self._ctl.ask(io.DestroyWeightsUpdateGroupReqInput(group_name)))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any] | float:
         out = self._run(self._ctl.get_weights_by_name(io.GetWeightsByNameReqInput(name, truncate_size)))
@@ -194,34 +192,32 @@ class Engine:
         return [_as_list(p) for p in param] if isinstance(param, list) else _as_list(param)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        return self._outcome(self._ctl.release_memory_occupation(io.ReleaseMemoryOccupationReqInput(tags)))
+        return self._outcome(self._ctl.ask(io.ReleaseMemoryOccupationReqInput(tags)))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        return self._outcome(self._ctl.resume_memory_occupation(io.ResumeMemoryOccupationReqInput(tags)))
+        return self._outcome(self._ctl.ask(io.ResumeMemoryOccupationReqInput(tags)))
 
     def pause_generation(self, mode: str = "abort") -> tuple[bool, str]:
-        return self._outcome(self._ctl.pause_generation(io.PauseGenerationReqInput(mode)))
+        return self._outcome(self._ctl.ask(io.PauseGenerationReqInput(mode)))
 
     def continue_generation(self) -> tuple[bool, str]:
-        return self._outcome(self._ctl.continue_generation())
+        return self._outcome(self._ctl.ask(io.ContinueGenerationReqInput()))
 
     def start_profile(self, **kwargs: Any) -> tuple[bool, str]:
         """kwargs: output_dir, num_steps, activities, with_stack, record_shapes, profile_id."""
-        return self._outcome(
-            self._ctl.start_profile(io.ProfileReq(io.ProfileReqType.START_PROFILE, **kwargs))
-        )
+        return self._outcome(self._ctl.ask(io.ProfileReq(io.ProfileReqType.START_PROFILE, **kwargs)))
 
     def stop_profile(self) -> tuple[bool, str]:
-        return self._outcome(self._ctl.stop_profile())
+        return self._outcome(self._ctl.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE)))
 
     def slow_down(self, forward_sleep_time: float | None) -> tuple[bool, str]:
-        return self._outcome(self._ctl.slow_down(io.SlowDownReqInput(forward_sleep_time)))
+        return self._outcome(self._ctl.ask(io.SlowDownReqInput(forward_sleep_time)))
 
     def freeze_gc(self) -> None:
-        self._run(self._ctl.freeze_gc())
+        self._run(self._ctl.ask(io.FreezeGCReq()))
 
     def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
-        out = self._run(self._ctl.set_internal_state(io.SetInternalStateReq(server_args)))
+        out = self._run(self._ctl.ask(io.SetInternalStateReq(server_args)))
         return {"updated": out.updated, "server_args": out.server_args, "message": out.message}
 
     def get_internal_state(self) -> dict[str, Any]:

@@ -77,60 +77,26 @@ class ControlClient:
                 future.set_result(msg)
         return True
 
-    async def _ask(self, msg: io.ControlReq, long: bool = False) -> Any:  # noqa: ANN401 - msg.reply_type
+    async def ask(self, msg: io.ControlReq) -> Any:  # noqa: ANN401 - msg.reply_type
+        """Send a control request and return its reply: the first refusal among the replicas', else
+        the first reply. New weights a reply reports (and a checkpoint loaded) are noted."""
         self._check_alive()
-        replies = await self.ask_all(msg, LONG_CONTROL_TIMEOUT_S if long else None)
+        replies = await self.ask_all(msg, LONG_CONTROL_TIMEOUT_S if msg.long_running else None)
         # Every replica applied the request; a replica that refused it speaks for all of them.
         failed = [r for r in replies if getattr(r, "success", True) is False]
-        return failed[0] if failed else replies[0]
+        out = failed[0] if failed else replies[0]
+        version, model_path = getattr(out, "weight_version", None), getattr(msg, "model_path", None)
+        if not failed and (version is not None or model_path is not None):
+            self._on_new_weights(version, model_path)
+        return out
 
-    # ------------------------------------------------------------------ sessions
     async def open_session(self, obj: io.OpenSessionReqInput) -> str:
         if obj.session_id is None:
             obj = io.OpenSessionReqInput(obj.capacity_of_str_len, uuid.uuid4().hex)
-        out = await self._ask(obj)
+        out = await self.ask(obj)
         if not out.success:
             raise InvalidRequestError(out.message or "Failed to open the session.")
         return out.session_id
-
-    async def close_session(self, obj: io.CloseSessionReqInput) -> io.CloseSessionReqOutput:
-        return await self._ask(obj)
-
-    # ------------------------------------------------------------------ weights
-    def _note_version(self, out: Any, model_path: str | None = None) -> None:  # noqa: ANN401
-        if out.success and (out.weight_version is not None or model_path is not None):
-            self._on_new_weights(out.weight_version, model_path)
-
-    async def update_weights_from_disk(
-        self, obj: io.UpdateWeightFromDiskReqInput
-    ) -> io.UpdateWeightFromDiskReqOutput:
-        out = await self._ask(obj, long=True)
-        self._note_version(out, obj.model_path)
-        return out
-
-    async def update_weights_from_tensor(
-        self, obj: io.UpdateWeightsFromTensorReqInput
-    ) -> io.UpdateWeightsFromTensorReqOutput:
-        out = await self._ask(obj, long=True)
-        self._note_version(out)
-        return out
-
-    async def init_weights_update_group(
-        self, obj: io.InitWeightsUpdateGroupReqInput
-    ) -> io.InitWeightsUpdateGroupReqOutput:
-        return await self._ask(obj, long=True)
-
-    async def update_weights_from_distributed(
-        self, obj: io.UpdateWeightsFromDistributedReqInput
-    ) -> io.UpdateWeightsFromDistributedReqOutput:
-        out = await self._ask(obj, long=True)
-        self._note_version(out)
-        return out
-
-    async def destroy_weights_update_group(
-        self, obj: io.DestroyWeightsUpdateGroupReqInput
-    ) -> io.DestroyWeightsUpdateGroupReqOutput:
-        return await self._ask(obj)
 
     async def get_weights_by_name(self, obj: io.GetWeightsByNameReqInput) -> io.GetWeightsByNameReqOutput:
         self._check_alive()
@@ -140,38 +106,3 @@ class ControlClient:
             return failed[0] if failed else replies[0]
         # SGLang's answer with --dp-size > 1: one parameter per replica, as the replies arrive.
         return dataclasses.replace(replies[0], parameter=[r.parameter for r in replies])
-
-    # ------------------------------------------------------------------ memory, pause
-    async def release_memory_occupation(
-        self, obj: io.ReleaseMemoryOccupationReqInput
-    ) -> io.ReleaseMemoryOccupationReqOutput:
-        return await self._ask(obj, long=True)
-
-    async def resume_memory_occupation(
-        self, obj: io.ResumeMemoryOccupationReqInput
-    ) -> io.ResumeMemoryOccupationReqOutput:
-        out = await self._ask(obj, long=True)
-        self._note_version(out)
-        return out
-
-    async def pause_generation(self, obj: io.PauseGenerationReqInput) -> io.PauseGenerationReqOutput:
-        return await self._ask(obj)
-
-    async def continue_generation(self) -> io.ContinueGenerationReqOutput:
-        return await self._ask(io.ContinueGenerationReqInput())
-
-    # ------------------------------------------------------------------ operators
-    async def start_profile(self, obj: io.ProfileReq) -> io.ProfileReqOutput:
-        return await self._ask(obj)
-
-    async def stop_profile(self) -> io.ProfileReqOutput:
-        return await self._ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE), long=True)
-
-    async def slow_down(self, obj: io.SlowDownReqInput) -> io.SlowDownReqOutput:
-        return await self._ask(obj)
-
-    async def freeze_gc(self) -> io.FreezeGCReqOutput:
-        return await self._ask(io.FreezeGCReq())
-
-    async def set_internal_state(self, obj: io.SetInternalStateReq) -> io.SetInternalStateReqOutput:
-        return await self._ask(obj)

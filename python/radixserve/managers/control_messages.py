@@ -29,8 +29,10 @@ class Ordering(Enum):
 
 class ControlReq:
     """A request to the scheduler outside generation. Each subclass declares, in its class line,
-    when it takes effect (`ordering`, read by scheduler/control_plane.py; default IN_ORDER) and the
-    message the scheduler answers with (`reply`, which ControlClient awaits; default none):
+    when it takes effect (`ordering`, read by scheduler/control_plane.py; default IN_ORDER), the
+    message the scheduler answers with (`reply`, which ControlClient awaits; default none) and
+    whether its answer may take long (`long_running`: a weight update waits for in-flight requests
+    or a trainer's broadcast, a memory resume reloads the checkpoint; default no):
 
         class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseGenerationReqOutput):
     """
@@ -38,14 +40,28 @@ class ControlReq:
     __slots__ = ()
     ordering: ClassVar[Ordering] = Ordering.IN_ORDER
     reply_type: ClassVar[type | None] = None
+    long_running: ClassVar[bool] = False
 
-    def __init_subclass__(cls, ordering: Ordering | None = None, reply: type | None = None) -> None:
+    def __init_subclass__(
+        cls, ordering: Ordering | None = None, reply: type | None = None, long_running: bool = False
+    ) -> None:
         # Only what a class line names: @dataclass(slots=True) rebuilds the class without them.
         super().__init_subclass__()
         if ordering is not None:
             cls.ordering = ordering
         if reply is not None:
             cls.reply_type = reply
+        if long_running:
+            cls.long_running = True
+
+
+@dataclass(frozen=True, slots=True)
+class ControlOutcome:
+    """A reply that says only whether its request took effect and what happened. Each request
+    has its own subclass: ControlClient matches replies to waiters by type."""
+
+    success: bool
+    message: str
 
 
 # ---------------------------------------------------------------------------------------- sessions
@@ -95,7 +111,7 @@ class UpdateWeightFromDiskReqOutput:
 
 @dataclass(frozen=True, slots=True)
 class UpdateWeightFromDiskReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightFromDiskReqOutput
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightFromDiskReqOutput, long_running=True
 ):
     model_path: str
     load_format: str | None = None
@@ -113,7 +129,7 @@ class UpdateWeightsFromTensorReqOutput:
 
 @dataclass(frozen=True, slots=True)
 class UpdateWeightsFromTensorReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromTensorReqOutput
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromTensorReqOutput, long_running=True
 ):
     """Tensors as SGLang's RL frameworks send them: one serialized payload per TP rank
     (`serialized_named_tensors[tp_rank]`), bytes or base64 text, in SGLang's
@@ -127,14 +143,12 @@ class UpdateWeightsFromTensorReqInput(
     weight_version: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class InitWeightsUpdateGroupReqOutput:
-    success: bool
-    message: str
+class InitWeightsUpdateGroupReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
-class InitWeightsUpdateGroupReqInput(ControlReq, reply=InitWeightsUpdateGroupReqOutput):
+class InitWeightsUpdateGroupReqInput(ControlReq, reply=InitWeightsUpdateGroupReqOutput, long_running=True):
     master_address: str
     master_port: int
     rank_offset: int  # this server's TP rank r joins the group as rank rank_offset + r
@@ -152,7 +166,7 @@ class UpdateWeightsFromDistributedReqOutput:
 
 @dataclass(frozen=True, slots=True)
 class UpdateWeightsFromDistributedReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromDistributedReqOutput
+    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromDistributedReqOutput, long_running=True
 ):
     names: list[str]
     dtypes: list[str]
@@ -163,10 +177,8 @@ class UpdateWeightsFromDistributedReqInput(
     weight_version: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DestroyWeightsUpdateGroupReqOutput:
-    success: bool
-    message: str
+class DestroyWeightsUpdateGroupReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,15 +229,13 @@ def weight_reply_error(name: str, shape: tuple[int, ...], truncate_size: int) ->
 MEMORY_TAGS = ("kv_cache", "weights")
 
 
-@dataclass(frozen=True, slots=True)
-class ReleaseMemoryOccupationReqOutput:
-    success: bool
-    message: str
+class ReleaseMemoryOccupationReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseMemoryOccupationReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=ReleaseMemoryOccupationReqOutput
+    ControlReq, ordering=Ordering.BARRIER, reply=ReleaseMemoryOccupationReqOutput, long_running=True
 ):
     tags: list[str] | None = None  # None: every tag in MEMORY_TAGS
 
@@ -239,7 +249,7 @@ class ResumeMemoryOccupationReqOutput:
 
 @dataclass(frozen=True, slots=True)
 class ResumeMemoryOccupationReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=ResumeMemoryOccupationReqOutput
+    ControlReq, ordering=Ordering.BARRIER, reply=ResumeMemoryOccupationReqOutput, long_running=True
 ):
     tags: list[str] | None = None
 
@@ -248,10 +258,8 @@ class ResumeMemoryOccupationReqInput(
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-@dataclass(frozen=True, slots=True)
-class PauseGenerationReqOutput:
-    success: bool
-    message: str
+class PauseGenerationReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,10 +267,8 @@ class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseG
     mode: str = "abort"
 
 
-@dataclass(frozen=True, slots=True)
-class ContinueGenerationReqOutput:
-    success: bool
-    message: str
+class ContinueGenerationReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,10 +285,8 @@ class ProfileReqType(Enum):
 PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
 
 
-@dataclass(frozen=True, slots=True)
-class ProfileReqOutput:
-    success: bool
-    message: str
+class ProfileReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,11 +300,14 @@ class ProfileReq(ControlReq, ordering=Ordering.BYPASS, reply=ProfileReqOutput):
     record_shapes: bool | None = None
     profile_id: str | None = None
 
+    @property
+    def long_running(self) -> bool:  # type: ignore[override] - per message, not per class
+        """Stopping writes the trace out, which may take long; starting does not."""
+        return self.type == ProfileReqType.STOP_PROFILE
 
-@dataclass(frozen=True, slots=True)
-class SlowDownReqOutput:
-    success: bool
-    message: str
+
+class SlowDownReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,10 +315,8 @@ class SlowDownReqInput(ControlReq, ordering=Ordering.BYPASS, reply=SlowDownReqOu
     forward_sleep_time: float | None  # seconds slept before each forward; None: back to normal
 
 
-@dataclass(frozen=True, slots=True)
-class FreezeGCReqOutput:
-    success: bool
-    message: str
+class FreezeGCReqOutput(ControlOutcome):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,13 +96,13 @@ class DataParallelController:
             # The TokenizerManager refused ranks out of range (400); this is the last line.
             target = req.routed_dp_rank % self.dp_size
             self.dispatcher.routed(target, req.input_ids)
-        elif self.is_prefill and req.disagg_prefill_dp_rank is not None:
+        elif self.is_prefill and req.routing.disagg_prefill_dp_rank is not None:
             # A PD load balancer that sends one body to both halves names the prefill replica once.
-            target = req.disagg_prefill_dp_rank % self.dp_size
+            target = req.routing.disagg_prefill_dp_rank % self.dp_size
             self.dispatcher.routed(target, req.input_ids)
-        elif self.dispatcher.method == "follow_bootstrap_room" and req.bootstrap_room is not None:
+        elif self.dispatcher.method == "follow_bootstrap_room" and req.routing.bootstrap_room is not None:
             # SGLang's follow_bootstrap_room: the decode side derives the replica the same way.
-            target = req.bootstrap_room % self.dp_size
+            target = req.routing.bootstrap_room % self.dp_size
             self.dispatcher.routed(target, req.input_ids)
         else:
             target = self.dispatcher.select(req.input_ids)

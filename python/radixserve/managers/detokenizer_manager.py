@@ -23,6 +23,7 @@ from radixserve.managers.io_struct import (
     FinishMatchedStr,
     FinishMatchedToken,
     FinishReason,
+    StepOutputs,
 )
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_zmq_socket
@@ -79,22 +80,9 @@ class DetokenizerManager:
 
 
 def _batch_str_out(msg: BatchTokenIDOut, texts: list[str], reasons: list[FinishReason | None]) -> BatchStrOut:
-    optional = {
-        f.name: getattr(msg, f.name)
-        for f in dataclasses.fields(BatchStrOut)
-        if f.default is None  # the optional per-request lists, passed through as they are
-    }
-    return BatchStrOut(
-        rids=msg.rids,
-        finished_reasons=reasons,
-        output_strs=texts,
-        output_ids=msg.output_ids,
-        prompt_tokens=msg.prompt_tokens,
-        completion_tokens=msg.completion_tokens,
-        cached_tokens=msg.cached_tokens,
-        dp_rank=msg.dp_rank,
-        **optional,
-    )
+    # Everything the two messages share passes through as it is, but the finish reasons.
+    shared = {f.name: getattr(msg, f.name) for f in dataclasses.fields(StepOutputs)}
+    return BatchStrOut(**{**shared, "finished_reasons": reasons}, output_strs=texts)
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from radixserve.managers.control_messages import SessionParams
+from radixserve.managers.io_struct import NO_ROUTING, DisaggRouting
 from radixserve.sampling.sampling_params import SamplingParams, check_seed
 
 # Per-request limits (docs/http_api.md, "Limits"): one call must not buy unbounded work.
@@ -163,11 +164,13 @@ class GenerateReqInput(BaseModel):
                         routed_dp_rank=routed,
                         prompt_index=i,
                         sample_index=j,
-                        bootstrap_host=_pick(self.bootstrap_host, i),
-                        bootstrap_port=_pick(self.bootstrap_port, i),
-                        # Each sample is its own transfer: both servers derive the same rooms.
-                        bootstrap_room=None if room is None else (room + j) % 2**63,
-                        disagg_prefill_dp_rank=self.disagg_prefill_dp_rank,
+                        routing=DisaggRouting(
+                            _pick(self.bootstrap_host, i),
+                            _pick(self.bootstrap_port, i),
+                            # Each sample is its own transfer: both servers derive the same rooms.
+                            None if room is None else (room + j) % 2**63,
+                            self.disagg_prefill_dp_rank,
+                        ),
                     )
                 )
         seen: set[str] = set()
@@ -237,7 +240,4 @@ class RequestItem:
     sample_index: int
     session_params: SessionParams | None = None
     routed_dp_rank: int | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    disagg_prefill_dp_rank: int | None = None
+    routing: DisaggRouting = NO_ROUTING

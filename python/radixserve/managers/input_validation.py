@@ -54,7 +54,7 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
         )
     # On a prefill server the rank names one of its own replicas; on a decode server it names
     # the prefill server's, which only its bootstrap server knows (checked there).
-    prefill_rank = items[0].disagg_prefill_dp_rank if items else None
+    prefill_rank = items[0].routing.disagg_prefill_dp_rank if items else None
     if (
         prefill_rank is not None
         and limits.disaggregation_mode == "prefill"

@@ -81,6 +81,22 @@ class FinishAbort(FinishReason):
 
 # ---------------------------------------------------------------------------------------- requests
 @dataclass(frozen=True, slots=True)
+class DisaggRouting:
+    """A request's prefill/decode disaggregation fields, copied as one value from the request
+    item to the scheduler's Req: where the prefill server's bootstrap server is and the room (a
+    number the load balancer draws) that pairs the request's two halves."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    # The prefill replica holding the KV (decode side), or the one to serve it (prefill side).
+    disagg_prefill_dp_rank: int | None = None
+
+
+NO_ROUTING = DisaggRouting()  # a colocated request's: frozen, so one value serves every request
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizedGenerateReqInput:
     """One generation request, tokenized and validated by the TokenizerManager."""
 
@@ -96,13 +112,7 @@ class TokenizedGenerateReqInput:
     received_time: float = 0.0  # time.time() when the HTTP request arrived (for timeouts/metrics)
     session_params: SessionParams | None = None  # continue a session (scheduler/sessions.py)
     routed_dp_rank: int | None = None  # with --dp-size > 1: the replica the client asked for
-    # Prefill/decode disaggregation: where the prefill server's bootstrap server is and the room
-    # (a number the load balancer draws) that pairs this request's two halves.
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    # The prefill replica holding the KV (decode side), or the one to serve it (prefill side).
-    disagg_prefill_dp_rank: int | None = None
+    routing: DisaggRouting = NO_ROUTING
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,15 +211,10 @@ class BlockReqInput:
     type: BlockReqType
 
 
-@dataclass(frozen=True, slots=True)
-class BatchTokenIDOut:
-    """Scheduler -> Detokenizer, one per scheduler step: every request that has something to report.
-
-    A streaming request appears whenever it produced tokens; a non-streaming one only when it
-    finishes (then `output_ids` holds its whole output). `output_ids[i]` are the token ids new since
-    the previous message for that rid, and the logprob lists follow the same "new since last time"
-    rule. The detokenizer keeps per-rid decode state and drops it when `finished_reasons[i]` is set.
-    """
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOutputs:
+    """What the scheduler's step message and the detokenizer's carry alike, per request (`[i]` of
+    every list is request `rids[i]`): what is new since the previous message for that rid."""
 
     rids: list[str]
     finished_reasons: list[FinishReason | None]
@@ -217,11 +222,6 @@ class BatchTokenIDOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]  # output tokens so far (all of them, not just the new ones)
     cached_tokens: list[int]  # prompt tokens served from the prefix cache
-    # Detokenization options, per request (the detokenizer is stateless about sampling params).
-    skip_special_tokens: list[bool]
-    spaces_between_special_tokens: list[bool]
-    no_stop_trim: list[bool]
-    stop_strs: list[list[str]]  # withheld from streams while they may begin; the scheduler matches
     # Per request: seconds it waited in the queue before its first prefill (None: never scheduled).
     queue_times: list[float | None] | None = None
     # Logprobs (None when no request in the message asked for them; [] for those that did not).
@@ -241,6 +241,22 @@ class BatchTokenIDOut:
     spec_verify_tokens: list[int] | None = None
     spec_draft_token_num: list[int] | None = None
     spec_accept_token_num: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchTokenIDOut(StepOutputs):
+    """Scheduler -> Detokenizer, one per scheduler step: every request that has something to report.
+
+    A streaming request appears whenever it produced tokens; a non-streaming one only when it
+    finishes (then `output_ids` holds its whole output). The detokenizer keeps per-rid decode state
+    and drops it when `finished_reasons[i]` is set.
+    """
+
+    # Detokenization options, per request (the detokenizer is stateless about sampling params).
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]]  # withheld from streams while they may begin; the scheduler matches
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,33 +282,11 @@ class BatchEmbeddingOut:
     queue_times: list[float | None] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class BatchStrOut:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchStrOut(StepOutputs):
     """Detokenizer -> TokenizerManager: `BatchTokenIDOut` with the new text of each request."""
 
-    rids: list[str]
-    finished_reasons: list[FinishReason | None]
-    output_strs: list[str]  # text new since the previous message for that rid
-    output_ids: list[list[int]]  # the token ids behind that text (new since last time)
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    queue_times: list[float | None] | None = None
-    output_token_logprobs_val: list[list[float]] | None = None
-    output_token_logprobs_idx: list[list[int]] | None = None
-    output_top_logprobs_val: list[list[list[float]]] | None = None
-    output_top_logprobs_idx: list[list[list[int]]] | None = None
-    input_token_logprobs_val: list[list[float]] | None = None
-    input_token_logprobs_idx: list[list[int]] | None = None
-    input_top_logprobs_val: list[list[list[float]]] | None = None
-    input_top_logprobs_idx: list[list[list[int]]] | None = None
-    dp_rank: int = 0
-    # Speculative decoding (None when it is off), per request since it started: verify forwards
-    # it took part in, the tokens they produced, drafts proposed, drafts accepted.
-    spec_verify_ct: list[int] | None = None
-    spec_verify_tokens: list[int] | None = None
-    spec_draft_token_num: list[int] | None = None
-    spec_accept_token_num: list[int] | None = None
+    output_strs: list[str]  # text new since the previous message for that rid (of output_ids)
 
 
 # ------------------------------------------------------------------------------------- dispatching

@@ -188,11 +188,7 @@ class TokenizerManager:
     ) -> dict | list[dict]:
         """Run to completion; a dict for a single prompt with n == 1, else a list in input order."""
         states = await self._submit(obj, stream=False)
-        try:
-            while not all(s.finished for s in states):
-                await self._wait(states, request)
-        finally:
-            self._abort_unfinished(states)
+        await self._run_to_completion(states, request)
         outputs = [self._output(s) for s in states]
         return outputs[0] if obj.is_single and len(outputs) == 1 else outputs
 
@@ -242,15 +238,27 @@ class TokenizerManager:
             if state.rid in self.rid_to_state:
                 raise InvalidRequestError(f"Duplicate request id {state.rid!r}.")
         received = time.time()
+        for state in states:
+            self.request_logger.log_received(state)
         reqs = [self._tokenized(state, stream, received) for state in states]
+        self._send_states(states, reqs, BatchTokenizedGenerateReqInput)
+        return states
+
+    def _send_states(self, states: list[ReqState], reqs: list[Any], batch_type: type) -> None:
+        """Track `states` and send their requests, in one `batch_type` message when several."""
         if self.quarantine is not None:
             self.quarantine.admit(reqs)
         for state in states:
             self.rid_to_state[state.rid] = state
-            self.request_logger.log_received(state)
-        self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs=reqs))
+        self._send.send_pyobj(reqs[0] if len(reqs) == 1 else batch_type(reqs=reqs))
         self._update_load_metrics()
-        return states
+
+    async def _run_to_completion(self, states: list[ReqState], request: ClientRequest | None) -> None:
+        try:
+            while not all(s.finished for s in states):
+                await self._wait(states, request)
+        finally:
+            self._abort_unfinished(states)
 
     # ------------------------------------------------------------------ prefill-only requests
     async def encode_items(self, items: list[EmbedItem], request: ClientRequest | None = None) -> list[dict]:
@@ -276,17 +284,8 @@ class TokenizerManager:
             )
             for item, (ids, types) in zip(items, tokenized)
         ]
-        if self.quarantine is not None:
-            self.quarantine.admit(reqs)
-        for state in states:
-            self.rid_to_state[state.rid] = state
-        self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs=reqs))
-        self._update_load_metrics()
-        try:
-            while not all(s.finished for s in states):
-                await self._wait(states, request)
-        finally:
-            self._abort_unfinished(states)
+        self._send_states(states, reqs, BatchTokenizedEmbeddingReqInput)
+        await self._run_to_completion(states, request)
         return [build_embedding_output(s) for s in states]
 
     def _on_batch_embedding_out(self, msg: BatchEmbeddingOut) -> None:
@@ -324,10 +323,7 @@ class TokenizerManager:
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
-            bootstrap_host=item.bootstrap_host,
-            bootstrap_port=item.bootstrap_port,
-            bootstrap_room=item.bootstrap_room,
-            disagg_prefill_dp_rank=item.disagg_prefill_dp_rank,
+            routing=item.routing,
         )
 
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:

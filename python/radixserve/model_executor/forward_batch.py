@@ -53,12 +53,6 @@ class ForwardMode(IntEnum):
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
 
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
-
-    def is_prebuilt(self) -> bool:
-        return self == ForwardMode.PREBUILT
-
 
 @dataclass
 class ModelWorkerBatch:

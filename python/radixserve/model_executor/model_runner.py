@@ -65,13 +65,17 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
 
 class ModelRunner:
     def __init__(
-        self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig,
+        rank: RankRuntime | None = None,
+        device: str | None = None,
     ) -> None:
         self.server_args = server_args
         self.model_config = model_config
         self.rank = rank
         self.parallel = rank.parallel if rank is not None else ModelParallelism()
-        self.device = torch.device(server_args.device or "cpu")
+        self.device = torch.device(device or server_args.device or "cpu")
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
         start = time.perf_counter()

@@ -22,12 +22,16 @@ from radixserve.utils.process import bound_onednn_caches
 
 class TpModelWorker:
     def __init__(
-        self, server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig,
+        rank: RankRuntime | None = None,
+        device: str | None = None,  # this rank's (ServerArgs.rank_device); None: the resolved device
     ) -> None:
         bound_onednn_caches()  # before the first oneDNN primitive (the weight prepack)
         if not model_config.is_generation and rank is not None and rank.layout.pp_size > 1:
             raise ValueError("embedding and classification models do not run with --pp-size > 1")
-        self.model_runner = ModelRunner(server_args, model_config, rank)
+        self.model_runner = ModelRunner(server_args, model_config, rank, device)
         runner = self.model_runner
         self.model_config = model_config
         self.req_to_token_pool = runner.req_to_token_pool

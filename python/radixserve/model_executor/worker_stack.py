@@ -13,12 +13,15 @@ Worker = TpModelWorker | SpeculativeWorker | PipelineStageWorker
 
 
 def build_model_worker(
-    server_args: ServerArgs, model_config: ModelConfig, rank: RankRuntime | None = None
+    server_args: ServerArgs,
+    model_config: ModelConfig,
+    rank: RankRuntime | None = None,
+    device: str | None = None,
 ) -> Worker:
     """TpModelWorker, wrapped by a PipelineStageWorker with --pp-size > 1 or by a
     SpeculativeWorker with --speculative-algorithm (the two never combine: ServerArgs refuses
     speculation with --pp-size > 1)."""
-    target = TpModelWorker(server_args, model_config, rank)
+    target = TpModelWorker(server_args, model_config, rank, device)
     if rank is not None and rank.layout.pp_size > 1:
         return PipelineStageWorker.for_rank(target, rank)
     if server_args.speculative_algorithm is not None:

@@ -102,7 +102,7 @@ class BatchBuilder:
         """How many more requests this round may take. The running cap counts every request
         scheduled this round (the chunked one too: it already holds a row, and joins the running
         batch with its last chunk); the row pool counts only requests that still need a row."""
-        by_running = self.live.max_running_requests - len(self.state.running_batch.reqs) - num_scheduled
+        by_running = self.live.batch_cap - len(self.state.running_batch.reqs) - num_scheduled
         return min(by_running, self.mem.req_to_token_pool.available_size() - num_new_rows)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:

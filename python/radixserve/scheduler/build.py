@@ -6,7 +6,6 @@ hooks for a built Scheduler (the table: docs/architecture.md, "The scheduler's l
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 def build_loop(scheduler: Scheduler) -> Loop:
     hooks = attach_disaggregation(scheduler)
+    if hooks is not None:
+        scheduler.hooks = hooks  # admission and the internal state go through them too
     return Loop(scheduler, _executor(scheduler, hooks), hooks)
 
 
@@ -39,13 +40,12 @@ def _pipeline_executor(scheduler: Scheduler) -> SyncExecutor:
     args, link = scheduler.server_args, scheduler.worker.stage_link
     if not args.disable_overlap_schedule:
         logger.info("Pipeline stages overlap micro-batches across stages; the overlap loop is not used")
-    pp_size = len(link.earlier) + 1
-    micro = args.pp_max_micro_batch_size or max(scheduler.max_running_requests // pp_size, 1)
-    # Each slot's running batch holds one micro-batch: the builder's running cap is its size.
-    builder = scheduler.builder
-    builder.live = dataclasses.replace(builder.live, max_running_requests=micro)
+    micro = scheduler.live_limits.micro_batch_size  # LiveLimits sized it from the running cap
     logger.info(
-        "Pipeline stage %d of %d: micro-batches of at most %d requests", link.groups.pp_rank, pp_size, micro
+        "Pipeline stage %d of %d: micro-batches of at most %d requests",
+        link.groups.pp_rank,
+        len(link.earlier) + 1,
+        micro,
     )
     return PipelineExecutor(scheduler, link)
 
@@ -60,17 +60,22 @@ def attach_disaggregation(scheduler: Scheduler) -> LoopHooks | None:
 
     s = scheduler
     pool, layout = s.worker.token_to_kv_pool, kv_layout(s.worker, s.mem.page_size)
-    live_cap = lambda: s.max_running_requests  # noqa: E731 - set_internal_state may change it
     parts = SideParts(
-        s.server_args, pool, layout, s.mem, s.requests, s.output, s.sync, s.dp_rank, s.make_batch, live_cap
+        s.server_args,
+        pool,
+        layout,
+        s.mem,
+        s.requests,
+        s.output,
+        s.sync,
+        s.dp_rank,
+        s.make_batch,
+        s.live_limits,
     )
     if mode == DisaggregationMode.PREFILL:
         from radixserve.disaggregation.prefill import PrefillDisaggregation
 
-        side: LoopHooks = PrefillDisaggregation(parts)
-    else:
-        from radixserve.disaggregation.decode import DecodeDisaggregation
+        return PrefillDisaggregation(parts)
+    from radixserve.disaggregation.decode import DecodeDisaggregation
 
-        side = DecodeDisaggregation(parts)
-    s.disagg = side
-    return side
+    return DecodeDisaggregation(parts)

@@ -112,7 +112,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         # Each rank's own pool (they must agree), gathered from every rank: all ranks
         # receive this request in the same step.
         "ranks": s.sync.gather(_pool_report(s)),
-        **(s.disagg.internal_state() if s.disagg is not None else {}),
+        **s.hooks.internal_state(),
     }
 
 

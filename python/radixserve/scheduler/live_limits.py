@@ -23,14 +23,23 @@ class LiveLimits:
     running_timeout: float | None
     # The request rows allocated at start: the most max_running_requests can ever be.
     max_req_num: int
-    # Pipeline parallelism sizes its micro-batches from max_running_requests once, at start.
-    running_cap_fixed: bool = False
+    # Pipeline parallelism: the most requests one micro-batch (one slot's running batch) holds,
+    # sized from max_running_requests once, at start; None without pipeline parallelism.
+    micro_batch_size: int | None = None
 
     @classmethod
-    def from_server_args(cls, args: ServerArgs, max_req_num: int, running_cap_fixed: bool) -> LiveLimits:
+    def from_server_args(cls, args: ServerArgs, max_req_num: int, pp_size: int) -> LiveLimits:
         running = min(args.max_running_requests or max_req_num, max_req_num)
         timeouts = (args.waiting_timeout, args.running_timeout)
-        return cls(running, args.max_queued_requests, *timeouts, max_req_num, running_cap_fixed)
+        micro = None
+        if pp_size > 1:
+            micro = args.pp_max_micro_batch_size or max(running // pp_size, 1)
+        return cls(running, args.max_queued_requests, *timeouts, max_req_num, micro)
+
+    @property
+    def batch_cap(self) -> int:
+        """The most requests the running batch holds: a micro-batch's with pipeline parallelism."""
+        return self.micro_batch_size or self.max_running_requests
 
     def update(self, wanted: dict[str, Any]) -> str | None:
         """Apply `wanted` (knob -> value; None: the start-up default), or change nothing and say
@@ -38,7 +47,7 @@ class LiveLimits:
         unknown = sorted(k for k in wanted if k not in LIVE_KNOBS)
         if unknown:
             return f"Only {list(LIVE_KNOBS)} can change while serving, not {unknown}."
-        if "max_running_requests" in wanted and self.running_cap_fixed:
+        if "max_running_requests" in wanted and self.micro_batch_size is not None:
             return "max_running_requests is fixed per micro-batch with pipeline parallelism."
         error = _check_knobs(wanted, self.max_req_num)
         if error is not None:

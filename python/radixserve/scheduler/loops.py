@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from radixserve.managers.io_struct import EmbeddingBatchResult
+from radixserve.managers.io_struct import EmbeddingBatchResult, TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.scheduler.overlap import FutureMap, PendingResult, create_overlap_executor
 from radixserve.scheduler.req import Req
@@ -30,6 +30,11 @@ PENDING_POLL_S = 0.001
 class LoopHooks:
     """What a feature adds around the core's step (PD's queues: disaggregation/). The base adds
     nothing: a colocated server runs with it."""
+
+    def admit(self, msg: TokenizedGenerateReqInput, req: Req) -> bool:
+        """Take a generate request the core accepted into this feature's own queues; True when
+        taken (False: the core's waiting queue gets it)."""
+        return False
 
     def before_schedule(self) -> bool:
         """Move what became ready into the scheduler's queues; True: that was work (not idle)."""
@@ -135,8 +140,9 @@ class OverlapScheduleExecutor(SyncExecutor):
             # ServerArgs.resolve() refuses the combination; a hand-built ServerArgs must not slip by.
             raise ValueError("speculative decoding runs in the normal loop only (disable_overlap_schedule)")
         super().__init__(core)
+        # The request rows bound every batch's width, whatever the live running cap becomes.
         self.future_map = FutureMap(
-            core.max_running_requests, core.chunked_prefill_size, core.worker.max_context_len, core.device
+            core.worker.max_req_num, core.chunked_prefill_size, core.worker.max_context_len, core.device
         )
         self.worker = create_overlap_executor(core.worker, self.future_map, core.device)
         self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()

@@ -195,10 +195,11 @@ class OutputProcessor:
                     break
             # The newest appended token has no KV yet; x0 and the accepted drafts before it do.
             release_rejected(self.mem, req, start + appended, end)
-            req.spec_verify_ct += 1
-            req.spec_verify_tokens += appended
-            req.spec_num_drafts += num_drafts
-            req.spec_num_accepted_drafts += min(result.spec_num_accepted[i], appended)
+            counts = req.spec_counts
+            counts.verify_ct += 1
+            counts.verify_tokens += appended
+            counts.num_drafts += num_drafts
+            counts.num_accepted_drafts += min(result.spec_num_accepted[i], appended)
             if num_drafts:
                 self.stats.record_verify(num_drafts, result.spec_num_accepted[i])
                 req.spec.on_verified(num_drafts, result.spec_num_accepted[i])
@@ -346,8 +347,8 @@ class OutputProcessor:
             input_token_logprobs_idx=in_idx if any_logprob else None,
             input_top_logprobs_val=in_top_val if any_logprob else None,
             input_top_logprobs_idx=in_top_idx if any_logprob else None,
-            spec_verify_ct=[r.spec_verify_ct for r in reqs] if report_spec else None,
-            spec_verify_tokens=[r.spec_verify_tokens for r in reqs] if report_spec else None,
-            spec_draft_token_num=[r.spec_num_drafts for r in reqs] if report_spec else None,
-            spec_accept_token_num=[r.spec_num_accepted_drafts for r in reqs] if report_spec else None,
+            spec_verify_ct=[r.spec_counts.verify_ct for r in reqs] if report_spec else None,
+            spec_verify_tokens=[r.spec_counts.verify_tokens for r in reqs] if report_spec else None,
+            spec_draft_token_num=[r.spec_counts.num_drafts for r in reqs] if report_spec else None,
+            spec_accept_token_num=[r.spec_counts.num_accepted_drafts for r in reqs] if report_spec else None,
         )

@@ -63,22 +63,26 @@ class FutureMap:
     """A circular buffer of token ids indexed by future index (>= 1, so -index is negative), on the
     model's device.
 
-    Sizing follows seed 001: a running decode batch, then up to one prefill chunk per chunk of the
-    context, each at most max_running_requests wide, must fit before the buffer wraps. The slack of
-    2 * max_running_requests past future_limit means one batch's indices never wrap, so they are a
+    Sizing is SGLang's rule (v0.5 `FutureMap`): with W the widest batch, future_limit =
+    W * (3 + max_num_chunks) and the buffer is W * (5 + max_num_chunks) long: a running decode
+    batch, then up to one prefill chunk per chunk of the context must fit before the ring wraps, and
+    the slack of 2 * W past future_limit means one batch's indices never wrap, so they are a
     contiguous range and storing them is a slice assignment (no index tensor to copy to the device).
+    W is the request rows (max_req_num), as SGLang's newest FutureMap is indexed by req_pool_idx over
+    the whole req_to_token pool: SGLang's W, max_running_requests, is fixed at start, while here
+    /set_internal_state may raise the running cap up to max_req_num while serving.
     """
 
     def __init__(
         self,
-        max_running_requests: int,
+        max_req_num: int,
         chunked_prefill_size: int | None,
         context_len: int,
         device: str | torch.device = "cpu",
     ) -> None:
         max_num_chunks = -(-context_len // chunked_prefill_size) if chunked_prefill_size else 0
-        self.future_limit = max_running_requests * (3 + max_num_chunks)
-        self.future_buffer_len = self.future_limit + 2 * max_running_requests
+        self.future_limit = max_req_num * (3 + max_num_chunks)
+        self.future_buffer_len = self.future_limit + 2 * max_req_num
         self.device = torch.device(device)
         # [len + 1]: index 0 is never handed out; resolve_future reads it for non-future ids.
         self.token_ids_buf = torch.zeros(self.future_buffer_len + 1, dtype=torch.int64, device=self.device)

@@ -49,7 +49,7 @@ class MicroBatchSlot:
 
 class PipelineExecutor(SyncExecutor):
     """pp_size micro-batch slots, each with its own running batch, taken in turn. The builder's
-    running cap is the micro-batch size (scheduler/build.py sets it)."""
+    running cap is the micro-batch size (LiveLimits.batch_cap)."""
 
     def __init__(self, core: Scheduler, link: StageLink) -> None:
         super().__init__(core)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.managers.io_struct import (
+    NO_ROUTING,
+    DisaggRouting,
     FinishAbort,
     FinishLength,
     FinishMatchedStr,
@@ -64,6 +66,17 @@ class ReqLogprobs:
     sent_input: int = 0
 
 
+@dataclass
+class ReqSpecCounts:
+    """Speculative decoding, per request: the verify forwards it took part in, the tokens those
+    produced, the drafts proposed for it and how many of them were accepted (and kept)."""
+
+    verify_ct: int = 0
+    verify_tokens: int = 0
+    num_drafts: int = 0
+    num_accepted_drafts: int = 0
+
+
 class Req:
     """The input and output state of one request (field names per seed 001 §7.1)."""
 
@@ -111,7 +124,14 @@ class Req:
         stops = sampling_params.stop or []
         self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
         self.stop_str_max_len = max((len(s.encode()) for s in self.stop_strs), default=0)  # bytes
+        # Prefill/decode disaggregation: the peer's bootstrap address and the pairing room (a PD
+        # side sets them when it admits the request).
+        self.routing: DisaggRouting = NO_ROUTING
+        self.times = ReqTimes(received=received_time if received_time else time.time())
+        self._init_progress()
 
+    def _init_progress(self) -> None:
+        """What the scheduler advances as the request runs: output, KV, finish, in-flight state."""
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []  # origin_input_ids + output_ids, cut to the chunk being run
         # KV bookkeeping
@@ -138,21 +158,9 @@ class Req:
         # (kind, spec) key of its compiled grammar.
         self.grammar: Any = None
         self.grammar_key: tuple[str, str] | None = None
-        # Prefill/decode disaggregation: the peer's bootstrap address and the pairing room.
-        self.bootstrap_host: str | None = None
-        self.bootstrap_port: int | None = None
-        self.bootstrap_room: int | None = None
-        self.disagg_prefill_dp_rank: int | None = None  # the prefill replica holding the KV
-
-        # Speculative decoding: the drafter's per-request state (None: never drafted), verify
-        # forwards this request took part in, and the tokens those forwards produced.
+        # Speculative decoding: the drafter's per-request state (None: never drafted) and counts.
         self.spec: Any = None
-        self.spec_verify_ct = 0
-        self.spec_verify_tokens = 0
-        self.spec_num_drafts = 0  # drafts proposed for it
-        self.spec_num_accepted_drafts = 0  # of which accepted (and kept)
-
-        self.times = ReqTimes(received=received_time if received_time else time.time())
+        self.spec_counts = ReqSpecCounts()
         self.logprobs = ReqLogprobs()
         self.sent_output_len = 0  # output_ids already sent to the detokenizer
 

@@ -50,6 +50,7 @@ from radixserve.scheduler.control_table import control_handlers, internal_state
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.live_limits import LiveLimits
+from radixserve.scheduler.loops import LoopHooks
 from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.pause import PauseControl
@@ -100,9 +101,9 @@ class Scheduler:
         self.num_inflight_batches = 0  # launched, results not processed yet
         self.num_steps = 0  # steps so far: the watchdog's progress counter
         self.busy_since_trim = False  # a batch ran since the heap was last trimmed
-        # Prefill/decode disaggregation: the side that admits requests into its queues and adds
-        # its hooks to the loop (scheduler/build.py attaches it; None when colocated).
-        self.disagg: Any = None  # PrefillDisaggregation / DecodeDisaggregation
+        # The loop's hooks (scheduler/build.py sets them): a PD side admits requests into its
+        # own queues and reports them in the internal state.
+        self.hooks = LoopHooks()
 
     @property
     def max_running_requests(self) -> int:
@@ -128,9 +129,7 @@ class Scheduler:
         self.chunked_prefill_size = (
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
-        self.live_limits = LiveLimits.from_server_args(
-            args, worker.max_req_num, running_cap_fixed=worker.info.pp_size > 1
-        )
+        self.live_limits = LiveLimits.from_server_args(args, worker.max_req_num, worker.info.pp_size)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.output = OutputProcessor(
@@ -250,10 +249,10 @@ class Scheduler:
             self.state.live[req.rid] = req
             self.output.finish_now(req, "This model is an embedding model and cannot generate.", 400)
             return
-        if self.disagg is not None:
-            self.disagg.add_request(msg, req)  # bootstrap first: PrefillBootstrapQueue / DecodePreallocQueue
-            return
-        self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
+        if not self.hooks.admit(
+            msg, req
+        ):  # PD: bootstrap first (PrefillBootstrapQueue / DecodePreallocQueue)
+            self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
 
     def _build_session_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
         return RequestTable.build_req(replace(msg, input_ids=input_ids), self.eos_token_ids, self.tokenizer)

@@ -149,6 +149,7 @@ def build_scheduler(
     send_output: Callable[[object], None],
     rank: RankRuntime | None = None,
     dp_rank: int = 0,
+    device: str | None = None,  # this rank's (place_rank); None: the resolved device
 ) -> tuple[Scheduler, dict[str, Any]]:
     """Load the model and build the Scheduler; returns it with the readiness report."""
     from radixserve.configs.model_config import ModelConfig
@@ -163,7 +164,7 @@ def build_scheduler(
         server_args.device,
         is_embedding=server_args.is_embedding,
     )
-    worker = build_model_worker(server_args, model_config, rank)
+    worker = build_model_worker(server_args, model_config, rank, device)
     tokenizer = load_tokenizer(server_args)
     scheduler = Scheduler(
         server_args, worker, tokenizer, model_config.eos_token_ids, send_output, sync=rank, dp_rank=dp_rank
@@ -222,15 +223,15 @@ def run_scheduler_process(
         level=server_args.log_level.upper(), format=f"[%(asctime)s {name}] %(levelname)s %(message)s"
     )
     try:
-        server_args, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
-        runtime, scheduler, io, ready = _build_rank(server_args, port_args, rank, init_addr)
+        device, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
+        runtime, scheduler, io, ready = _build_rank(server_args, port_args, rank, init_addr, device)
         loop = build_loop(scheduler)  # before readiness: the PD side binds its ports here
         if runtime is not None:
             ready["rank_info"] = {
                 **dataclasses.asdict(info),
                 "pid": os.getpid(),
                 "host": os.uname().nodename,
-                "device": server_args.device,
+                "device": device,
                 "threads": threads,
                 "cores": cores,
             }
@@ -276,40 +277,38 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 def place_rank(
     server_args: ServerArgs, layout: ParallelLayout, local_rank: int, dp_rank: int = 0
-) -> tuple[ServerArgs, int, list[int]]:
-    """This rank's device and its share of the node's cores (pinned, so ranks never contend);
-    data-parallel replicas take consecutive blocks of devices and cores. A single rank keeps the
-    process's threads unless --cpu-threads or --dp-size say otherwise."""
+) -> tuple[str, int, list[int]]:
+    """This rank's device (ServerArgs.rank_device) and its share of the node's cores (pinned, so
+    ranks never contend); data-parallel replicas take consecutive blocks of cores. A single rank
+    keeps the process's threads unless --cpu-threads or --dp-size say otherwise."""
     import torch
 
-    if server_args.device == "cuda":
-        if layout.is_single and server_args.dp_size == 1:
-            return server_args, torch.get_num_threads(), []
-        device = f"cuda:{dp_rank * layout.ranks_per_node + local_rank}"
-        return dataclasses.replace(server_args, device=device), torch.get_num_threads(), []
-    if layout.is_single and not (server_args.device == "cpu" and server_args.cpu_threads):
-        return server_args, torch.get_num_threads(), []
+    device = server_args.rank_device(local_rank, dp_rank)
+    if server_args.device == "cuda" or (
+        layout.is_single and not (server_args.device == "cpu" and server_args.cpu_threads)
+    ):
+        return device, torch.get_num_threads(), []
     if layout.is_single and server_args.dp_size == 1:
         torch.set_num_threads(server_args.cpu_threads)
-        return server_args, torch.get_num_threads(), []
+        return device, torch.get_num_threads(), []
     threads, cores = layout.cpu_cores(local_rank, server_args.cpu_threads, dp_rank)
     if cores:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
     if layout.is_single:
         logger.info("Replica %d: %d threads on cores %s", dp_rank, threads, cores or "any")
-    return server_args, threads, cores
+    return device, threads, cores
 
 
 def _build_rank(
-    server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str | None
+    server_args: ServerArgs, port_args: PortArgs | None, rank: int, init_addr: str | None, device: str
 ) -> tuple[RankRuntime | None, Scheduler, SchedulerIO | None, dict[str, Any]]:
     from radixserve.distributed.rank_runtime import RankRuntime
 
     runtime = None
     if not server_args.layout().is_single:
         assert init_addr is not None, "a multi-rank world needs its rendezvous address"
-        runtime = RankRuntime.for_server(server_args, rank, init_addr)
+        runtime = RankRuntime.for_server(server_args, rank, init_addr, device)
     is_entry = runtime is None or runtime.is_entry_rank
     io = (
         SchedulerIO(port_args, server_args.load_watch_interval)
@@ -318,7 +317,7 @@ def _build_rank(
     )
     send_output = io.send_output if io is not None else (lambda msg: None)
     dp_rank = port_args.dp_rank if port_args is not None else 0
-    scheduler, ready = build_scheduler(server_args, send_output, runtime, dp_rank)
+    scheduler, ready = build_scheduler(server_args, send_output, runtime, dp_rank, device)
     return runtime, scheduler, io, ready
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import AbortReq, DisaggRouting, TokenizedGenerateReqInput
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.testing.inprocess import InProcessScheduler, Result
 from radixserve.utils.network import get_free_port
@@ -55,9 +55,7 @@ class PDPair:
             list(input_ids),
             sp,
             return_logprob=return_logprob,
-            bootstrap_host="127.0.0.1",
-            bootstrap_port=self.bootstrap_port,
-            bootstrap_room=room,
+            routing=DisaggRouting("127.0.0.1", self.bootstrap_port, room),
         )
 
     def submit(self, rid: str, input_ids: list[int], room: int, **params: Any) -> None:
