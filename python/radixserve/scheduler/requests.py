@@ -42,11 +42,7 @@ class SchedulerState:
     other_running_reqs: list[Req] = field(default_factory=list)
 
     def is_idle(self) -> bool:
-        # A request that finished in the last step stays in the running batch until the next step
-        # filters it, but it is no work (its KV is back once no launched batch holds it, which the
-        # callers check): a flush sent as soon as the last answer arrived must not be refused.
-        running = any(not r.finished() for r in self.running_batch.reqs)
-        return not self.live and not running and self.chunked_req is None
+        return not self.live and self.running_batch.is_empty() and self.chunked_req is None
 
     def merge_into_running(self, batch: ScheduleBatch) -> None:
         """Its requests decode from the next step on (a prefill that ran, a PREBUILT batch);
