@@ -247,11 +247,6 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ request hooks
 
-    def _row_slots(self, req: ReqLike) -> torch.Tensor:
-        """[kv_committed_len] int64 slots of the request's written KV."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
-        return row.to(device="cpu", dtype=torch.int64)
-
     def _cache_tokens(self, token_ids: list[int], kv: torch.Tensor) -> tuple[int, TreeNode, torch.Tensor]:
         """Insert the page-aligned part of ``token_ids`` -> ``kv`` and free the request's slots that
         duplicate ones already cached. Returns (tokens now cached, their last node, tree slots
