@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import KVResult
-from radixserve.disaggregation.decode_peers import DRoom, Link, Peer, abort_msg, get_json, post_json
+from radixserve.disaggregation.decode_peers import DRoom, Link, Peer, abort_msg, fetch_json
 from radixserve.disaggregation.heads import HeadRange, KVLayout, pull_plan
 from radixserve.disaggregation.io_thread import KVIoThread, TcpHandle
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine, kv_nbytes
@@ -162,7 +162,7 @@ class DecodeTcpManager(KVIoThread):
         peer.next_query = now + BOOTSTRAP_RETRY_S
         host, port = peer.key
         try:
-            found = post_json(f"http://{host}:{port}/query_dp_ranks", {"bootstrap_rooms": waiting})
+            found = fetch_json(f"http://{host}:{port}/query_dp_ranks", {"bootstrap_rooms": waiting})
         except (OSError, ValueError) as exc:
             logger.debug("Query of rooms' replicas at %s:%d failed: %s", host, port, exc)
             return
@@ -260,10 +260,10 @@ class DecodeTcpManager(KVIoThread):
     def _bootstrap(self, peer: Peer) -> None:
         host, port = peer.key
         try:
-            info = get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
+            info = fetch_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
             groups = [
                 [
-                    get_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group={g}")
+                    fetch_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group={g}")
                     for r in range(int(info.get("tp_size", 1)))
                 ]
                 for g in range(int(info.get("dp_size", 1)))
