@@ -35,7 +35,7 @@ class ResponseRun:
     on_cancel: Cancel  # aborts the generation of this response's rid
     output: OutputEvents = field(default_factory=OutputEvents)
     cancelled: bool = False
-    _abort_sent: bool = False
+    _submitted: bool = False  # the generate request reached the TokenizerManager
 
     @property
     def rid(self) -> str:
@@ -45,10 +45,11 @@ class ResponseRun:
         return self.response.model_dump(mode="json")
 
     def cancel(self) -> None:
-        self.cancelled = True
-        if not self._abort_sent:
-            self._abort_sent = True
-            self.on_cancel(self.rid)
+        """Stop the generation; before the request is submitted, `events` aborts it once it is."""
+        if not self.cancelled:
+            self.cancelled = True
+            if self._submitted:
+                self.on_cancel(self.rid)
 
     async def events(self, start: Steps, in_band: bool) -> AsyncIterator[Event]:
         """The response's events, without sequence numbers. `start()` submits the request (a
@@ -59,9 +60,11 @@ class ResponseRun:
         yield {"type": "response.in_progress", "response": self.dump()}
         last: dict[str, Any] | None = None
         try:
-            async for step in await start():
-                if self.cancelled and not self._abort_sent:  # cancelled before the request was sent
-                    self.cancel()
+            steps = await start()
+            self._submitted = True
+            if self.cancelled:  # cancelled while it was being submitted
+                self.on_cancel(self.rid)
+            async for step in steps:
                 for event in self.output.feed(step.delta) if step.delta is not None else []:
                     yield event
                 last = step.output

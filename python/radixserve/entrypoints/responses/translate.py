@@ -50,6 +50,9 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     for item in items:
         data = item.model_dump(exclude_none=True, by_alias=True)
         data.setdefault("id", new_id(ITEM_ID_PREFIXES[item.type]))
+        if isinstance(item, MessageItem) and isinstance(item.content, str):  # OpenAI lists parts
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            data["content"] = [{"type": kind, "text": item.content}]
         out.append(data)
     return out
 
