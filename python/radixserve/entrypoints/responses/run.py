@@ -72,8 +72,6 @@ class ResponseRun:
             if not in_band:
                 raise
             self._fail(getattr(exc, "status_code", 400), str(exc))
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - unforeseen: the server's fault, said in-band
             if not in_band:
                 raise

@@ -20,7 +20,7 @@ from radixserve.entrypoints.openai.chat_tools import ChatPlan
 from radixserve.entrypoints.openai.serving_chat import ChatHandler
 from radixserve.entrypoints.responses.events import Event, numbered
 from radixserve.entrypoints.responses.protocol import ResponseObject, ResponsesRequest
-from radixserve.entrypoints.responses.run import EventLog, ResponseRun
+from radixserve.entrypoints.responses.run import EventLog, ResponseRun, Steps
 from radixserve.entrypoints.responses.store import ResponseStore
 from radixserve.entrypoints.responses.translate import input_items, new_id, parse_items, to_chat_request
 from radixserve.managers.generate_request import GenerateReqInput
@@ -94,7 +94,7 @@ class ResponsesHandler:
             user=req.user,
         )
 
-    def _steps(self, native: GenerateReqInput, plan: ChatPlan, request: ClientRequest | None):  # noqa: ANN202
+    def _steps(self, native: GenerateReqInput, plan: ChatPlan, request: ClientRequest | None) -> Steps:
         async def start() -> AsyncIterator[ChatStep]:
             return await chat_steps(self.tm, native, plan, request)
 
@@ -135,7 +135,7 @@ class ResponsesHandler:
         job.task = asyncio.create_task(self._run_job(job, self._steps(native, plan, None)))
         return job
 
-    async def _run_job(self, job: Job, start: Any) -> None:  # noqa: ANN401 - a Steps callable
+    async def _run_job(self, job: Job, start: Steps) -> None:
         try:
             async for event in numbered(job.run.events(start, in_band=True)):
                 job.log.append(event)
