@@ -129,6 +129,12 @@ class ServerArgs:
         "Comma-separated host names the Host header may carry besides the bind address (DNS-rebinding "
         "protection); '*' accepts any. With --host 0.0.0.0 or :: any Host is accepted unless this is set.",
     )
+    storage_dir: str | None = _f(
+        None,
+        "Directory of the durable store (SQLite, WAL) of what outlives a request: stored Responses "
+        "(store: true) and background responses, kept across restarts. Default: kept in memory, "
+        "lost when the server stops (nothing a user sent is written to disk unless asked).",
+    )
     max_request_body_bytes: int = _f(
         32 * 1024 * 1024, "Largest request body in bytes; a larger one is refused with 413 before it is read."
     )

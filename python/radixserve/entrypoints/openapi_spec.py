@@ -220,6 +220,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 *_ONE_OR_MANY.values(),
                 *_ARRAY_ANSWERS.values(),
                 *client_apis.OPENAPI_NDJSON_LINES.values(),
+                *client_apis.OPENAPI_METHOD_JSON_ANSWERS.values(),
                 *client_apis.ERROR_MODELS,
                 ErrorResponse,
             }
@@ -256,6 +257,10 @@ def sse_event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, 
 
 def _responses(path: str, method: str, refs: dict[Any, Any], error: dict[str, Any]) -> dict[str, Any]:
     ok: dict[str, Any] = {}
+    by_method = client_apis.OPENAPI_METHOD_JSON_ANSWERS.get((method, path))
+    if by_method is not None:
+        ok["application/json"] = {"schema": refs[(by_method, "serialization")]}
+        return _with_errors(path, method, ok, error)
     if path in _TEXT_ANSWERS:
         ok["text/plain"] = {"schema": {"type": "string"}}
     elif path in _JSON_ANSWERS:
@@ -280,6 +285,10 @@ def _responses(path: str, method: str, refs: dict[Any, Any], error: dict[str, An
         ok["text/event-stream"] = {
             "schema": sse_event_schema(refs[(_STREAM_EVENTS[path], "serialization")], error)
         }
+    return _with_errors(path, method, ok, error)
+
+
+def _with_errors(path: str, method: str, ok: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
     responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
     for status in _error_statuses(path, method):
         responses[str(status)] = _error(error, _CONTROL_ANSWERS.get(path) if status == 400 else None)
