@@ -4,7 +4,6 @@ POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items. Errors are O
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -12,13 +11,10 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from radixserve.entrypoints.http_guards import error_response, json_body
-from radixserve.entrypoints.openai.serving_common import internal_error_message
+from radixserve.entrypoints.openai.serving_common import in_band_errors
 from radixserve.entrypoints.responses.events import Event
 from radixserve.entrypoints.responses.protocol import DeletedResponse, InputItemList, ResponsesRequest
 from radixserve.entrypoints.responses.serving import ResponseNotFoundError, ResponsesHandler
-from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
-
-logger = logging.getLogger(__name__)
 
 MAX_LIST_LIMIT = 100
 
@@ -34,32 +30,24 @@ def json_answer(data: object) -> Response:
     return Response(json.dumps(data).encode(), media_type="application/json")
 
 
-async def responses_sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+def responses_sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
     """Failures inside a run are response.failed events already; what is left (the store failing,
-    a bug) is said in-band as an `error` event, the status being sent."""
-    seq = -1
-    try:
+    a bug) is said in-band as an `error` event numbered after the last one sent, the status being
+    sent (the streaming routes' one policy, serving_common.in_band_errors)."""
+    last_seq = -1
+
+    async def chunks() -> AsyncIterator[bytes]:
+        nonlocal last_seq
         async for event in events:
-            seq = event["sequence_number"]
+            last_seq = event["sequence_number"]
             yield sse_event(event)
-    except ClientDisconnected:
-        return
-    except (ValueError, RequestAbortedError) as exc:
-        yield sse_event(
-            {"type": "error", "code": None, "message": str(exc), "param": None, "sequence_number": seq + 1}
-        )
-    except Exception as exc:
-        logger.exception("Unhandled %s in a Responses stream", type(exc).__name__)
-        message = internal_error_message(exc)
-        yield sse_event(
-            {
-                "type": "error",
-                "code": "server_error",
-                "message": message,
-                "param": None,
-                "sequence_number": seq + 1,
-            }
-        )
+
+    def error_chunk(status: int, message: str) -> bytes:
+        code = "server_error" if status >= 500 else None
+        error = {"type": "error", "code": code, "message": message, "param": None}
+        return sse_event({**error, "sequence_number": last_seq + 1})
+
+    return in_band_errors(chunks(), error_chunk, "a Responses stream")
 
 
 def _sse(events: AsyncIterator[Event]) -> StreamingResponse:
