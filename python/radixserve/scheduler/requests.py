@@ -216,6 +216,7 @@ class RequestTable:
             received_time=msg.received_time,
             eos_token_ids=eos_token_ids,
             tokenizer=tokenizer,
+            lora_id=msg.lora_id,
         )
 
     @staticmethod
