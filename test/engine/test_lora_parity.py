@@ -131,3 +131,35 @@ def test_no_prefix_reuse_across_adapters(lora_worker, reference):
     assert run.outputs["b"] == reference("llama", "mlp4")[0]
     assert run.outputs["base"] == reference("llama", None)[0]
     run.close()
+
+
+def test_ngram_speculation_with_adapters(tiny_model_dir, adapters, reference):
+    """NGRAM drafts verified under each request's adapter: the same greedy tokens as PEFT."""
+    from radixserve.speculative.worker import SpeculativeWorker
+
+    path = tiny_model_dir("llama")
+    args = ServerArgs(
+        model_path=path,
+        max_total_tokens=4096,
+        device="cpu",
+        lora_paths=tuple(f"{n}={p}" for n, p in adapters("llama").items()),
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+        disable_speculative_batch_backoff=True,
+    ).resolve()
+    worker = SpeculativeWorker(TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")), None)
+    names = [None, *TINY_ADAPTERS]
+    # Repeated prompts give the n-gram drafter something to propose.
+    prompts = [p * 2 for p in PROMPTS]
+    reqs = [(f"{name}-{i}", p, name) for name in names for i, p in enumerate(prompts)]
+    run = _run((worker, args), reqs)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    for name in names:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters("llama")[name])
+        for i, p in enumerate(prompts):
+            assert run.outputs[f"{name}-{i}"] == until_eos(hf_greedy(model.eval(), p, NUM_NEW)[0]), (name, i)
+    run.close()
