@@ -104,18 +104,41 @@ def test_each_adapter_alone_matches_peft(kind, lora_worker, reference):
     assert all(reference(kind, name) != reference(kind, None) for name in TINY_ADAPTERS)
 
 
-@pytest.mark.parametrize("max_loras_per_batch", [8, 2, 1])
-def test_adapters_mixed_with_base_in_one_batch(max_loras_per_batch, lora_worker, reference):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"max_loras_per_batch": 8},
+        {"max_loras_per_batch": 2},
+        {"max_loras_per_batch": 1},
+        # Chunks of 8 tokens with the running decodes riding along, and the overlap loop (the
+        # forward on its own thread).
+        {"max_loras_per_batch": 2, "chunked_prefill_size": 8, "enable_mixed_chunk": True},
+        {"max_loras_per_batch": 2, "enable_overlap_schedule": True, "disable_overlap_schedule": False},
+    ],
+    ids=["gate8", "gate2", "gate1", "chunked-mixed", "overlap"],
+)
+def test_adapters_mixed_with_base_in_one_batch(overrides, lora_worker, reference, monkeypatch):
     """Every adapter and the base on the same prompts at once: the outputs are each one's own
-    (so no batch mixed up rows, and no adapter reused another's cached prefix), also when the
-    gate lets only some adapters into a batch and the rest wait."""
+    (so no batch mixed up rows, and no adapter reused another's cached prefix), and no forward
+    ever holds more adapters than --max-loras-per-batch: the rest wait, and still finish."""
     names = [None, *TINY_ADAPTERS]
+    worker, args = lora_worker("llama")
+    manager = worker.info.lora
+    seen: list[set[str]] = []
+    prepare = manager.prepare
+
+    def recording_prepare(batch, num_tokens):
+        seen.append({n for n in batch.lora_ids or () if n is not None})
+        prepare(batch, num_tokens)
+
+    monkeypatch.setattr(manager, "prepare", recording_prepare)
     reqs = [(f"{name}-{i}", p, name) for name in names for i, p in enumerate(PROMPTS)]
-    run = _run(lora_worker("llama"), reqs, max_loras_per_batch=max_loras_per_batch)
+    run = _run((worker, args), reqs, **overrides)
     for name in names:
         for i, want in enumerate(reference("llama", name)):
             assert run.outputs[f"{name}-{i}"] == want, (name, i)
     run.close()
+    assert max(len(s) for s in seen) == min(overrides["max_loras_per_batch"], len(TINY_ADAPTERS))
 
 
 def test_no_prefix_reuse_across_adapters(lora_worker, reference):

@@ -285,6 +285,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         """A prefill-only forward: one pooled output per request, nothing sampled (seed 000 §17)."""
+        if self.lora is not None:  # a scoring batch: the base model (clears the last forward's rows)
+            self.lora.prepare(batch, int(batch.input_ids.numel()))
         fb = self.init_forward_batch(batch, attn_causal=self.embedding_config.is_causal)
         assert fb.extend_seq_lens_cpu is not None
         lens = fb.extend_seq_lens_cpu
