@@ -18,7 +18,12 @@ from radixserve.lora.adapter import (
     parse_lora_paths,
 )
 from radixserve.lora.batch_gate import LoRABatchGate
-from radixserve.lora.kernels import LoRASegments, lora_delta_reference, lora_delta_segmented
+from radixserve.lora.kernels import (
+    LoRASegments,
+    lora_delta_dense,
+    lora_delta_reference,
+    lora_delta_segmented,
+)
 from radixserve.lora.pool import LoRASlots
 from radixserve.server_args import ServerArgs, prepare_server_args
 
@@ -29,7 +34,8 @@ from radixserve.server_args import ServerArgs, prepare_server_args
         [-1, -1, -1],
         [0, 0, 0, 0],
         [2, -1, 0, 2, 1, -1, 0, 0],  # interleaved: gathered groups
-        [1, 1, 1, -1, -1, 3, 3],  # contiguous runs: sliced groups
+        [1, 1, 1, -1, -1, 3, 3],  # sorted runs with base rows between: gathered
+        [-1, 0, 0, 2, 2, 2],  # in slot order: a slice
     ],
 )
 def test_segmented_delta_matches_reference(slots):
@@ -37,28 +43,33 @@ def test_segmented_delta_matches_reference(slots):
     n, d_in, d_out, rank, num_slots = len(slots), 24, 40, 8, 4
     x = torch.randn(n, d_in, generator=gen)
     a = torch.randn(num_slots, rank, d_in, generator=gen)
-    b = torch.randn(num_slots, d_out, rank, generator=gen)
+    b = torch.randn(num_slots, rank, d_out, generator=gen)
     token_slots = torch.tensor(slots, dtype=torch.int64)
     base = torch.randn(n, d_out + 8, generator=gen)
-    want, got = base.clone(), base.clone()
+    want, got, dense = base.clone(), base.clone(), base.clone()
     # A column slice of a wider output, as the fused qkv / gate_up outputs are written.
     lora_delta_reference(x, a, b, token_slots, want[:, 4 : 4 + d_out])
-    lora_delta_segmented(x, a, b, LoRASegments.build(token_slots), got[:, 4 : 4 + d_out])
+    segments = LoRASegments.build(token_slots)
+    assert (segments is None) == all(s < 0 for s in slots)
+    if segments is not None:
+        lora_delta_segmented(x, a, b, segments, got[:, 4 : 4 + d_out])
+        lora_delta_dense(x, a, b, segments, dense[:, 4 : 4 + d_out])
     torch.testing.assert_close(got, want)
+    torch.testing.assert_close(dense, want)
     explicit = base.clone()
     for t, s in enumerate(slots):
         if s >= 0:
-            explicit[t, 4 : 4 + d_out] += b[s] @ (a[s] @ x[t])
+            explicit[t, 4 : 4 + d_out] += (a[s] @ x[t]) @ b[s]
     torch.testing.assert_close(got, explicit, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got[torch.tensor(slots) < 0], base[torch.tensor(slots) < 0])
+    base_rows = torch.tensor(slots) < 0
+    assert torch.equal(got[base_rows], base[base_rows]) and torch.equal(dense[base_rows], base[base_rows])
 
 
-def test_segments_group_by_slot():
+def test_segments_sort_rows_by_slot():
     seg = LoRASegments.build(torch.tensor([1, 1, -1, 0, 1]))
-    by_slot = {s.slot: s.rows for s in seg.segments}
-    assert set(by_slot) == {0, 1}
-    assert by_slot[0] == slice(3, 4)
-    assert by_slot[1].tolist() == [0, 1, 4]
+    assert seg.rows.tolist() == [3, 0, 1, 4] and seg.segments == ((0, 0, 1), (1, 1, 4))
+    prefill = LoRASegments.build(torch.tensor([-1, 2, 2, 2, 5, 5]))  # already in slot order
+    assert prefill.rows == slice(1, 6) and prefill.segments == ((2, 0, 3), (5, 3, 5))
 
 
 BASE = BaseShapes(2, {"q_proj": (8, 8), "k_proj": (8, 4), "v_proj": (8, 4), "o_proj": (8, 8),
@@ -89,7 +100,7 @@ def test_adapter_loads_with_scaling_folded_into_b(tmp_path):
     adapter = load_adapter("x", _write_adapter(tmp_path / "x"), BASE, 8, ALL)
     assert adapter.rank == 4 and adapter.scaling == 2.0
     assert adapter.target_modules == ("q_proj", "v_proj")
-    a, b = adapter.weights[(1, "v_proj")]
+    a, b = adapter.weights[(1, "v_proj")]  # as PEFT stores them: [r, in], [out, r]
     assert a.shape == (4, 8) and b.shape == (4, 4) and float(b[0, 0]) == 2.0
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.lora.adapter import BaseShapes, LoRAAdapter, LoRAError, load_adapter
-from radixserve.lora.kernels import LoRASegments, lora_delta_segmented
+from radixserve.lora.kernels import LoRASegments, lora_delta
 from radixserve.lora.pool import LoRAMemoryPool, LoRASlots
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class LoRAManager:
             x = args[0]  # [num_tokens, in_features]
             for m, offset, size in parts:
                 a, b = pool.a[m][layer], pool.b[m][layer]
-                lora_delta_segmented(x, a, b, segments, out[:, offset : offset + size])
+                lora_delta(x, a, b, segments, out[:, offset : offset + size])
 
         return add_delta
 

@@ -1,7 +1,7 @@
 """The compute pool: --max-loras-per-batch slots of adapter weights next to the model.
 
 Per adapted projection and layer, A is [num_slots, max_rank, in_features] and B
-[num_slots, out_features, max_rank], allocated once at start (no allocation while serving). An
+[num_slots, max_rank, out_features], allocated once at start (no allocation while serving). An
 adapter of rank r fills the first r ranks of its slot; the rest stays zero, so every slot has the
 same shape and a smaller rank adds exact zeros. Slots are handed out least recently used first,
 never one an adapter of the batch being prepared holds.
@@ -59,7 +59,7 @@ class LoRASlots:
 
 
 class LoRAMemoryPool:
-    """The slot buffers: a[module][layer] [num_slots, max_rank, in], b[module][layer] [num_slots, out, max_rank]."""
+    """The slot buffers: a[module][layer] [num_slots, max_rank, in], b[module][layer] [num_slots, max_rank, out]."""
 
     def __init__(
         self,
@@ -80,17 +80,17 @@ class LoRAMemoryPool:
                 i: torch.zeros(num_slots, max_rank, in_f, dtype=dtype, device=device) for i in layers
             }
             self.b[module] = {
-                i: torch.zeros(num_slots, out_f, max_rank, dtype=dtype, device=device) for i in layers
+                i: torch.zeros(num_slots, max_rank, out_f, dtype=dtype, device=device) for i in layers
             }
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter` into `slot` (zeros wherever it adapts nothing)."""
         for module, per_layer in self.a.items():
             for layer in self.layers:
-                a, b = per_layer[layer][slot], self.b[module][layer][slot]  # [max_rank, in], [out, max_rank]
+                a, b = per_layer[layer][slot], self.b[module][layer][slot]  # [max_rank, in], [max_rank, out]
                 a.zero_()
                 b.zero_()
                 pair = adapter.weights.get((layer, module))
                 if pair is not None:
                     a[: adapter.rank].copy_(pair[0])
-                    b[:, : adapter.rank].copy_(pair[1])
+                    b[: adapter.rank].copy_(pair[1].t())
