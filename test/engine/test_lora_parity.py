@@ -4,13 +4,16 @@ requests, under the --max-loras-per-batch gate and the per-adapter radix cache."
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 
 import pytest
 import torch
 from scheduler_harness import SchedulerRun, until_eos
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.managers.io_struct import AbortReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
 from radixserve.testing.tiny_lora import TINY_ADAPTERS, make_tiny_adapter
@@ -69,17 +72,17 @@ def reference(tiny_model_dir, adapters):
 
 @pytest.fixture(scope="module")
 def lora_worker(tiny_model_dir, adapters):
-    workers: dict[str, tuple[TpModelWorker, ServerArgs]] = {}
+    workers: dict[tuple[str, int], tuple[TpModelWorker, ServerArgs]] = {}
 
-    def get(kind: str) -> tuple[TpModelWorker, ServerArgs]:
-        if kind not in workers:
+    def get(kind: str, pool: int = 4096) -> tuple[TpModelWorker, ServerArgs]:
+        if (kind, pool) not in workers:
             path = tiny_model_dir(kind)
             paths = tuple(f"{n}={p}" for n, p in adapters(kind).items())
             args = ServerArgs(
-                model_path=path, max_total_tokens=4096, device="cpu", enable_lora=True, lora_paths=paths
+                model_path=path, max_total_tokens=pool, device="cpu", enable_lora=True, lora_paths=paths
             ).resolve()
-            workers[kind] = (TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")), args)
-        return workers[kind]
+            workers[(kind, pool)] = (TpModelWorker(args, ModelConfig.from_path(path, dtype="float32")), args)
+        return workers[(kind, pool)]
 
     return get
 
@@ -185,4 +188,29 @@ def test_ngram_speculation_with_adapters(tiny_model_dir, adapters, reference):
             model = PeftModel.from_pretrained(model, adapters("llama")[name])
         for i, p in enumerate(prompts):
             assert run.outputs[f"{name}-{i}"] == until_eos(hf_greedy(model.eval(), p, NUM_NEW)[0]), (name, i)
+    run.close()
+
+
+def test_retraction_and_abort_with_adapters(lora_worker, reference, caplog):
+    """A pool just above one request's need: requests of every adapter are retracted and
+    resumed, and still give their adapter's tokens; an aborted adapter request frees its KV."""
+    names = [None, *TINY_ADAPTERS]
+    largest = max(len(p) for p in PROMPTS) + NUM_NEW
+    # An optimistic admission (schedule_conservativeness near 0) overcommits the pool: decodes retract.
+    run = SchedulerRun(
+        *lora_worker("llama", largest + 8), chunked_prefill_size=16, schedule_conservativeness=0.01
+    )
+    with caplog.at_level(logging.WARNING, logger="radixserve.scheduler"):
+        for name in names:
+            for i, p in enumerate(PROMPTS):
+                run.submit(f"{name}-{i}", p, NUM_NEW, lora_id=name)
+        run.submit("gone", PROMPTS[0], NUM_NEW, lora_id="mlp4")
+        run.step()
+        run.scheduler.requests.abort(AbortReq(rid="gone"))
+        run.run_until_idle()
+    assert sum(int(n) for n in re.findall(r"#retracted_reqs: (\d+)", caplog.text)) > 0
+    assert run.finished["gone"]["type"] == "abort"
+    for name in names:
+        for i, want in enumerate(reference("llama", name)):
+            assert run.outputs[f"{name}-{i}"] == want, (name, i)
     run.close()
