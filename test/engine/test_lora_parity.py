@@ -214,3 +214,13 @@ def test_retraction_and_abort_with_adapters(lora_worker, reference, caplog):
         for i, want in enumerate(reference("llama", name)):
             assert run.outputs[f"{name}-{i}"] == want, (name, i)
     run.close()
+
+
+def test_unknown_adapter_reaching_the_scheduler_is_a_400(lora_worker):
+    """The TokenizerManager refuses unknown adapters; an in-process caller that skips it gets the
+    request finished with a 400, and the scheduler goes on."""
+    run = _run(lora_worker("llama"), [("x", PROMPTS[0], "nope"), ("ok", PROMPTS[0], "attn8")])
+    assert run.finished["x"]["type"] == "abort" and run.finished["x"]["status_code"] == 400
+    assert "nope" in run.finished["x"]["message"]
+    assert len(run.outputs["ok"]) > 0
+    run.close()

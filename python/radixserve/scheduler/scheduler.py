@@ -141,7 +141,9 @@ class Scheduler:
             report_spec=args.speculative_algorithm is not None,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
-        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync)
+        lora = worker.info.lora
+        loras = lora.adapters if lora is not None else ()  # the live dict: loads and unloads show
+        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync, loras)
         self.grammar = GrammarManager(
             self._grammar_backend_factory(grammar_backend),
             args.grammar_compile_timeout,
