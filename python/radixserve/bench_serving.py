@@ -233,6 +233,7 @@ def write_record(
     record["start_times"] = [round(o.start_time, 6) for o in outputs]
     record["ttfts"] = [round(o.ttft, 6) if o.success else None for o in outputs]
     record["latencies"] = [round(o.latency, 6) if o.success else None for o in outputs]
+    record["itls"] = [[round(gap, 6) for gap in o.itl] if o.success else None for o in outputs]
     record["input_lens"] = [o.prompt_len for o in outputs]
     record["output_lens"] = [o.output_len for o in outputs]
     with open(path, "a", encoding="utf-8") as f:

@@ -45,14 +45,21 @@ class KVReceiver(Protocol):
     def close(self) -> None: ...
 
 
-class FakeSender:
-    def __init__(self, room: int, timeout_s: float) -> None:
+class RoomHandle:
+    """What every sender and receiver holds: its room and the room's TransferStatus."""
+
+    def __init__(self, room: int, status: TransferStatus) -> None:
         self.room = room
-        self.status = TransferStatus(timeout_s)
-        self.status.advance(KVPoll.WaitingForInput)  # no decode side to wait for
+        self.status = status
 
     def poll(self) -> KVPoll:
         return self.status.poll()
+
+
+class FakeSender(RoomHandle):
+    def __init__(self, room: int, timeout_s: float) -> None:
+        super().__init__(room, TransferStatus(timeout_s))
+        self.status.advance(KVPoll.WaitingForInput)  # no decode side to wait for
 
     def send(self, meta: dict[str, Any], gather: GatherKV) -> None:
         self.status.advance(KVPoll.Success)
@@ -64,14 +71,10 @@ class FakeSender:
         return None
 
 
-class FakeReceiver:
+class FakeReceiver(RoomHandle):
     def __init__(self, room: int, timeout_s: float) -> None:
-        self.room = room
-        self.status = TransferStatus(timeout_s)
+        super().__init__(room, TransferStatus(timeout_s))
         self.status.advance(KVPoll.WaitingForInput)
-
-    def poll(self) -> KVPoll:
-        return self.status.poll()
 
     def init(self, num_tokens: int) -> None:
         self.status.advance(KVPoll.Success)

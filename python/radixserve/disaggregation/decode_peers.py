@@ -64,17 +64,12 @@ def abort_msg(room: int, reason: str) -> wire.MsgFrames:
     return wire.encode({"type": "abort", "room": room, "reason": reason})
 
 
-def get_json(url: str) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"{url}: HTTP {exc.code}") from exc
-
-
-def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
-    request.add_header("Content-Type", "application/json")
+def fetch_json(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """GET `url`, or POST `body` as JSON; an HTTP error status is a ValueError."""
+    request = urllib.request.Request(url)
+    if body is not None:
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+        request.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(request, timeout=1) as resp:
             return json.loads(resp.read())

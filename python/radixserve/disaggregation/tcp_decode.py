@@ -18,9 +18,7 @@ unregistered when it goes away.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from typing import Any
 
@@ -29,41 +27,25 @@ from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import KVResult
-from radixserve.disaggregation.decode_peers import DRoom, Link, Peer, abort_msg, get_json, post_json
+from radixserve.disaggregation.decode_peers import DRoom, Link, Peer, abort_msg, fetch_json
 from radixserve.disaggregation.heads import HeadRange, KVLayout, pull_plan
+from radixserve.disaggregation.io_thread import KVIoThread, TcpHandle
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine, kv_nbytes
 from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
 
-_ids = itertools.count()
 BOOTSTRAP_RETRY_S = 0.25
 
 
-class DecodeTcpManager:
+class DecodeTcpManager(KVIoThread):
     def __init__(self, layout: KVLayout, timeout_s: float, mooncake: MooncakeEngine | None = None) -> None:
-        self.layout = layout
-        self.mooncake = mooncake  # the mooncake backend: KV bytes arrive in registered buffers
-        self.page_size = layout.page_size
-        self.kv_cache_dtype = layout.kv_cache_dtype
-        self.timeout_s = timeout_s
-        self.ctx = zmq.Context()
-        cmd_addr = f"inproc://pd-decode-{next(_ids)}"
-        self._cmd_in = self.ctx.socket(zmq.PULL)
-        self._cmd_in.bind(cmd_addr)
-        self._cmd_out = self.ctx.socket(zmq.PUSH)
-        self._cmd_out.connect(cmd_addr)
-        self._cmd_lock = threading.Lock()
+        super().__init__("decode", layout, timeout_s, mooncake)
         self.rooms: dict[int, DRoom] = {}
         self.peers: dict[tuple[str, int], Peer] = {}
         self.bytes_received = 0
-        self._stop = False
-        # Built once (the I/O thread's only poller): sockets come and go with their peers.
-        self.poller = zmq.Poller()
-        self.poller.register(self._cmd_in, zmq.POLLIN)
         # socket -> (peer, (dp group, TP rank)), or (peer, None) for a monitor
         self._owners: dict[zmq.Socket, tuple[Peer, tuple[int, int] | None]] = {}
-        self.thread = threading.Thread(target=self._run, name="pd-decode-io", daemon=True)
         self.thread.start()
 
     # ------------------------------------------------------------------ scheduler thread
@@ -78,31 +60,12 @@ class DecodeTcpManager:
         self.command("bootstrap", room)
         return TcpReceiver(self, room, state, owner=True)
 
-    def command(self, *cmd: Any) -> None:  # noqa: ANN401
-        with self._cmd_lock:
-            self._cmd_out.send_multipart(wire.encode({"cmd": cmd}))
-
-    def close(self) -> None:
-        self._stop = True
-        self.thread.join(timeout=2)
-        self.ctx.destroy(linger=0)
-
     # ------------------------------------------------------------------ I/O thread
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                ready = dict(self.poller.poll(wire.IO_TICK_MS))
-                if self._cmd_in in ready:
-                    while self._cmd_in.poll(0):
-                        self._on_command(wire.decode(self._cmd_in.recv_multipart())[0]["cmd"])
-                for sock in [s for s in ready if s is not self._cmd_in]:
-                    self._on_ready(sock)
-                self._connect_pending()
-                self._check_timeouts()
-            except zmq.ContextTerminated:
-                return
-            except Exception:
-                logger.exception("Decode KV I/O thread error")
+    def _on_tick(self, ready: dict[zmq.Socket, int]) -> None:
+        for sock in [s for s in ready if s is not self._cmd_in]:
+            self._on_ready(sock)
+        self._connect_pending()
+        self._check_timeouts()
 
     def _on_ready(self, sock: zmq.Socket) -> None:
         owner = self._owners.get(sock)
@@ -127,7 +90,7 @@ class DecodeTcpManager:
         for link in peer.links if room is None else self._links(peer, room):
             link.dealer.send_multipart(frames)
 
-    def _on_command(self, cmd: tuple[Any, ...]) -> None:
+    def _on_command(self, cmd: tuple[Any, ...], payload: None = None) -> None:
         kind, room = cmd[0], cmd[1]
         state = self.rooms.get(room)
         if state is None:
@@ -199,7 +162,7 @@ class DecodeTcpManager:
         peer.next_query = now + BOOTSTRAP_RETRY_S
         host, port = peer.key
         try:
-            found = post_json(f"http://{host}:{port}/query_dp_ranks", {"bootstrap_rooms": waiting})
+            found = fetch_json(f"http://{host}:{port}/query_dp_ranks", {"bootstrap_rooms": waiting})
         except (OSError, ValueError) as exc:
             logger.debug("Query of rooms' replicas at %s:%d failed: %s", host, port, exc)
             return
@@ -297,10 +260,10 @@ class DecodeTcpManager:
     def _bootstrap(self, peer: Peer) -> None:
         host, port = peer.key
         try:
-            info = get_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
+            info = fetch_json(f"http://{host}:{port}/route?engine_rank=-1&target_dp_group=-1")
             groups = [
                 [
-                    get_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group={g}")
+                    fetch_json(f"http://{host}:{port}/route?engine_rank={r}&target_dp_group={g}")
                     for r in range(int(info.get("tp_size", 1)))
                 ]
                 for g in range(int(info.get("dp_size", 1)))
@@ -388,16 +351,10 @@ class DecodeTcpManager:
                     self._send_all(peer, abort_msg(room, message), room)
 
 
-class TcpReceiver:
+class TcpReceiver(TcpHandle):
     def __init__(self, manager: DecodeTcpManager, room: int, state: DRoom, owner: bool) -> None:
-        self.manager = manager
-        self.room = room
+        super().__init__(manager, room, state.status, owner)
         self.state = state
-        self.status = state.status
-        self.owner = owner
-
-    def poll(self) -> KVPoll:
-        return self.status.poll()
 
     def init(self, num_tokens: int) -> None:
         if self.status.advance(KVPoll.Transferring):
@@ -412,7 +369,3 @@ class TcpReceiver:
     def abort(self, reason: str) -> None:
         if self.owner and self.status.fail(reason, ABORTED_STATUS):
             self.manager.command("abort", self.room, reason)
-
-    def close(self) -> None:
-        if self.owner:
-            self.manager.command("forget", self.room)

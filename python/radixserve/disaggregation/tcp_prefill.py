@@ -11,7 +11,6 @@ to its identity fails with EHOSTUNREACH once ZMQ saw the TCP connection close.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
@@ -25,12 +24,12 @@ import zmq
 from radixserve.disaggregation import wire
 from radixserve.disaggregation.backend import GatherKV
 from radixserve.disaggregation.heads import KVLayout
+from radixserve.disaggregation.io_thread import KVIoThread, TcpHandle
 from radixserve.disaggregation.mooncake_engine import MooncakeEngine
 from radixserve.disaggregation.utils import ABORTED_STATUS, KVPoll, TransferStatus
 
 logger = logging.getLogger(__name__)
 
-_ids = itertools.count()
 # How long a rank retries registering with its bootstrap server (another replica may host it).
 REGISTER_TIMEOUT_S = 180
 
@@ -82,33 +81,21 @@ class TransferStats:
         }
 
 
-class PrefillTcpManager:
+class PrefillTcpManager(KVIoThread):
     def __init__(
         self, bind_host: str, layout: KVLayout, timeout_s: float, mooncake: MooncakeEngine | None = None
     ) -> None:
-        self.layout = layout
-        self.mooncake = mooncake  # the mooncake backend: KV bytes go by its one-sided writes
-        self.page_size = layout.page_size
-        self.kv_cache_dtype = layout.kv_cache_dtype
-        self.timeout_s = timeout_s
-        self.ctx = zmq.Context()
+        super().__init__("prefill", layout, timeout_s, mooncake)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
         self.rank_ip = bind_host
         self.rank_port = self.router.bind_to_random_port(f"tcp://{bind_host}")
-        cmd_addr = f"inproc://pd-prefill-{next(_ids)}"
-        self._cmd_in = self.ctx.socket(zmq.PULL)
-        self._cmd_in.bind(cmd_addr)
-        self._cmd_out = self.ctx.socket(zmq.PUSH)  # used by the scheduler thread only
-        self._cmd_out.connect(cmd_addr)
-        self._cmd_lock = threading.Lock()
+        self.poller.register(self.router, zmq.POLLIN)
         self.rooms: dict[int, _Room] = {}
         self._rooms_lock = threading.Lock()
         self.stats = TransferStats()
-        self._stop = False
         self._last_ping = 0.0
-        self.thread = threading.Thread(target=self._run, name="pd-prefill-io", daemon=True)
         self.thread.start()
 
     # ------------------------------------------------------------------ scheduler thread
@@ -161,37 +148,13 @@ class PrefillTcpManager:
             state.claimed = True
         return TcpSender(self, room, state, owner=True)
 
-    def command(self, *cmd: Any, payload: memoryview | None = None) -> None:  # noqa: ANN401
-        """Queue a command for the I/O thread; a KV payload travels as its own frame, uncopied."""
-        with self._cmd_lock:
-            self._cmd_out.send_multipart(wire.encode({"cmd": cmd}, payload), copy=payload is None)
-
-    def close(self) -> None:
-        self._stop = True
-        self.thread.join(timeout=2)
-        self.ctx.destroy(linger=0)
-
     # ------------------------------------------------------------------ I/O thread
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self._cmd_in, zmq.POLLIN)
-        while not self._stop:
-            try:
-                ready = dict(poller.poll(wire.IO_TICK_MS))
-                if self._cmd_in in ready:
-                    while self._cmd_in.poll(0):
-                        msg, payload = wire.decode(self._cmd_in.recv_multipart(copy=False))
-                        self._on_command(msg["cmd"], payload)
-                if self.router in ready:
-                    while self.router.poll(0):
-                        identity, *frames = self.router.recv_multipart()
-                        self._on_message(identity, *wire.decode(frames))
-                self._check_rooms()
-            except zmq.ContextTerminated:
-                return
-            except Exception:  # one bad message must not stop every transfer
-                logger.exception("Prefill KV I/O thread error")
+    def _on_tick(self, ready: dict[zmq.Socket, int]) -> None:
+        if self.router in ready:
+            while self.router.poll(0):
+                identity, *frames = self.router.recv_multipart()
+                self._on_message(identity, *wire.decode(frames))
+        self._check_rooms()
 
     def _send(self, identity: bytes, frames: wire.MsgFrames) -> bool:
         try:
@@ -356,16 +319,10 @@ def _fail(room: int, reason: str, status_code: int) -> dict[str, Any]:
     return {"type": "fail", "room": room, "reason": reason, "status_code": status_code}
 
 
-class TcpSender:
+class TcpSender(TcpHandle):
     def __init__(self, manager: PrefillTcpManager, room: int, state: _Room, owner: bool) -> None:
-        self.manager = manager
-        self.room = room
+        super().__init__(manager, room, state.status, owner)
         self.state = state
-        self.status = state.status
-        self.owner = owner
-
-    def poll(self) -> KVPoll:
-        return self.status.poll()
 
     def send(self, meta: dict[str, Any], gather: GatherKV) -> None:
         """One kv message per decode rank: the heads it asked this rank for (maybe none)."""
@@ -385,7 +342,3 @@ class TcpSender:
         if self.owner:
             self.manager.command("abort", self.room, reason)
         self.status.fail(reason, ABORTED_STATUS)
-
-    def close(self) -> None:
-        if self.owner:
-            self.manager.command("forget", self.room)

@@ -19,7 +19,6 @@ from radixserve.managers.req_state import ReqState, request_meta
 
 logger = logging.getLogger("radixserve.requests")
 
-LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 # Level 2 logs at most this many characters of each text or token-id list.
 MAX_PARTIAL_CHARS = 2048
 

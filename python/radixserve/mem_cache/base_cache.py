@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from radixserve.mem_cache.memory_pool import ReqToTokenPool
     from radixserve.mem_cache.radix_cache import TreeNode
 
 
@@ -40,6 +41,7 @@ def empty_indices() -> torch.Tensor:
 class BasePrefixCache(ABC):
     """Maps token prefixes to KV slots; see docs/contracts.md (Memory)."""
 
+    req_to_token_pool: ReqToTokenPool
     hit_tokens: int
     query_tokens: int
 
@@ -88,6 +90,11 @@ class BasePrefixCache(ABC):
         text = f"{type(self).__name__}(total={self.total_size()})"
         print(text)
         return text
+
+    def _row_slots(self, req: ReqLike) -> torch.Tensor:
+        """[kv_committed_len] int64 slots of the request's written KV."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
+        return row.to(device="cpu", dtype=torch.int64)
 
     def reset_counters(self) -> None:
         self.hit_tokens = 0

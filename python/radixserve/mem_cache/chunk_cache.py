@@ -43,11 +43,6 @@ class ChunkCache(BasePrefixCache):
         # Nothing is cached: the caller keeps ownership of every slot.
         return 0
 
-    def _row_slots(self, req: ReqLike) -> torch.Tensor:
-        """[kv_committed_len] int64 slots of the request's written KV."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
-        return row.to(device="cpu", dtype=torch.int64)
-
     def cache_finished_req(self, req: ReqLike) -> None:
         """Free all the request's written KV slots and its row."""
         self.token_to_kv_pool_allocator.free(self._row_slots(req))

@@ -199,19 +199,10 @@ class RadixCache(BasePrefixCache):
         if value.numel() < n:
             raise ValueError(f"insert: {value.numel()} slots for {n} tokens")
         value = value[:n].to(device="cpu", dtype=torch.int64)
-        node, i, path = self.root, 0, []
-        while i < n:
-            child = node.children.get(self._child_key(key, i, namespace))
-            if child is None:
-                leaf = self._add_leaf(node, key[i:], value[i:].clone(), namespace)
-                path.append(leaf.value)
-                return i, leaf, path
-            self._touch(child)
-            m = self._match_len(child.key, key, i)
-            if m < len(child.key):
-                child = self._split(child, m)
-            path.append(child.value)
-            node, i = child, i + m
+        path, node, i = self._walk(key, namespace)
+        if i < n:  # the rest of the key is new: one leaf holds it
+            node = self._add_leaf(node, key[i:], value[i:].clone(), namespace)
+            path.append(node.value)
         return i, node, path
 
     def inc_lock_ref(self, node: TreeNode | None) -> int:
@@ -274,11 +265,6 @@ class RadixCache(BasePrefixCache):
         return self._evictable + self._protected
 
     # ------------------------------------------------------------------ request hooks
-
-    def _row_slots(self, req: ReqLike) -> torch.Tensor:
-        """[kv_committed_len] int64 slots of the request's written KV."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
-        return row.to(device="cpu", dtype=torch.int64)
 
     def _cache_tokens(
         self, token_ids: list[int], kv: torch.Tensor, namespace: Hashable

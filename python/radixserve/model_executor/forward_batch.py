@@ -148,7 +148,6 @@ class ForwardBatch:
     token_to_kv_pool: MHATokenToKVPool
     attn_backend: AttentionBackend
     extend_seq_lens_cpu: list[int] | None = None  # [bs]
-    extend_prefix_lens_cpu: list[int] | None = None  # [bs]
     extend_num_tokens: int = 0
     sampling_info: SamplingBatchInfo | None = None
     return_logprob: bool = False
@@ -214,7 +213,6 @@ class ForwardBatch:
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
             extend_seq_lens_cpu=batch.extend_seq_lens,
-            extend_prefix_lens_cpu=batch.extend_prefix_lens,
             extend_num_tokens=batch.extend_num_tokens,
             sampling_info=batch.sampling_info,
             return_logprob=batch.return_logprob,

@@ -37,7 +37,6 @@ class StepStats:
     def __init__(self) -> None:
         self.num_generated_tokens = 0  # since the last decode log line
         self.last_log_time = time.monotonic()
-        self.num_decode_steps = 0
         self.last_gen_throughput = 0.0
         self.cache_hit_tokens = 0
         self.cache_query_tokens = 0
@@ -159,7 +158,6 @@ class OutputProcessor:
         next_token_ids: list[int | None],
         logprobs: list[float] | None,
     ) -> None:
-        self.stats.num_decode_steps += 1
         for i, req in enumerate(batch.reqs):
             if self._begin(batch, i, req):
                 continue
@@ -175,7 +173,6 @@ class OutputProcessor:
         round early), then give back the KV of every position past the last accepted token."""
         assert result.spec_output_ids is not None and result.spec_num_accepted is not None
         assert batch.spec_drafts is not None
-        self.stats.num_decode_steps += 1
         for i, req in enumerate(batch.reqs):
             start, end = batch.prefix_lens[i], batch.seq_lens[i]  # positions computed this round
             req.num_inflight -= 1

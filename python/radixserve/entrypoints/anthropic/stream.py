@@ -9,7 +9,6 @@ Anthropic's error shape, and the stream ends.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,10 +18,7 @@ from radixserve.entrypoints.anthropic.translate import stop_reason, tool_use_id
 from radixserve.entrypoints.chat_steps import ChatStep
 from radixserve.entrypoints.error_dialects import anthropic_error
 from radixserve.entrypoints.openai.protocol import DeltaMessage
-from radixserve.entrypoints.openai.serving_common import internal_error_message
-from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
-
-logger = logging.getLogger(__name__)
+from radixserve.entrypoints.openai.serving_common import in_band_errors
 
 Event = dict[str, Any]
 
@@ -122,15 +118,9 @@ def sse_event(event: Event) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
-async def anthropic_sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-    """Once streaming has started the status is sent, so errors go in-band as an `error` event."""
-    try:
-        async for event in events:
-            yield sse_event(event)
-    except ClientDisconnected:
-        return  # logged and aborted where it was noticed; nobody is left to read anything
-    except (ValueError, RequestAbortedError) as exc:
-        yield sse_event(anthropic_error(getattr(exc, "status_code", 400), str(exc)))
-    except Exception as exc:  # unforeseen: the server's fault, said in-band like the others
-        logger.exception("Unhandled %s in a Messages stream", type(exc).__name__)
-        yield sse_event(anthropic_error(500, internal_error_message(exc)))
+def anthropic_sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    """The events as SSE; an error after the stream started is an `error` event."""
+    chunks = (sse_event(event) async for event in events)
+    return in_band_errors(
+        chunks, lambda status, message: sse_event(anthropic_error(status, message)), "a Messages stream"
+    )

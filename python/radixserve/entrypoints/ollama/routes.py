@@ -4,7 +4,6 @@ after a stream started is such a line, and the stream ends."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from radixserve.entrypoints.error_dialects import ollama_error
 from radixserve.entrypoints.http_guards import json_body
 from radixserve.entrypoints.ollama import models
 from radixserve.entrypoints.ollama.protocol import (
@@ -31,16 +31,14 @@ from radixserve.entrypoints.ollama.protocol import (
 from radixserve.entrypoints.ollama.serving import Final, OllamaGenerator, Piece, collect, created_at
 from radixserve.entrypoints.ollama.translate import model_name
 from radixserve.entrypoints.openai.serving_chat import ChatHandler
-from radixserve.entrypoints.openai.serving_common import check_model, internal_error_message
+from radixserve.entrypoints.openai.serving_common import check_model, in_band_errors
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
 from radixserve.managers import scoring
 from radixserve.managers.embedding_request import make_item
-from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
 
 if TYPE_CHECKING:
     from radixserve.entrypoints.http_server import ServerState
 
-logger = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
 Line = Callable[[Piece], BaseModel | None]
@@ -55,20 +53,18 @@ def _line(body: BaseModel | dict[str, Any]) -> bytes:
     return orjson.dumps(data) + b"\n"
 
 
-async def ndjson_lines(pieces: AsyncIterator[Piece], line: Line) -> AsyncIterator[bytes]:
-    """Once streaming has started the status is sent, so errors go in-band: `{"error": ...}`."""
-    try:
-        async for piece in pieces:
-            body = line(piece)
-            if body is not None:
-                yield _line(body)
-    except ClientDisconnected:
-        return
-    except (ValueError, RequestAbortedError) as exc:
-        yield _line({"error": str(exc)})
-    except Exception as exc:  # unforeseen: the server's fault, said in-band like the others
-        logger.exception("Unhandled %s in an Ollama stream", type(exc).__name__)
-        yield _line({"error": internal_error_message(exc)})
+def ndjson_lines(pieces: AsyncIterator[Piece], line: Line) -> AsyncIterator[bytes]:
+    """The pieces' lines; an error after the stream started is a line `{"error": ...}`."""
+    return in_band_errors(
+        _lines(pieces, line), lambda status, message: _line(ollama_error(status, message)), "an Ollama stream"
+    )
+
+
+async def _lines(pieces: AsyncIterator[Piece], line: Line) -> AsyncIterator[bytes]:
+    async for piece in pieces:
+        body = line(piece)
+        if body is not None:
+            yield _line(body)
 
 
 def _chat_line(model: str, piece: Piece) -> ChatChunk | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import orjson
@@ -120,20 +120,29 @@ def sse(payload: BaseModel | dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def sse_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Once streaming has started the status is sent, so errors go in-band, then [DONE]."""
+async def in_band_errors(
+    chunks: AsyncIterator[bytes], error_chunk: Callable[[int, str], bytes], what: str, last: bytes = b""
+) -> AsyncIterator[bytes]:
+    """Once streaming has started the status is sent, so errors go in-band: the chunk
+    `error_chunk(status, message)` in the client family's shape, then `last` (if any). Every
+    streaming route (OpenAI, Anthropic, Ollama) ends its stream here; `what` names it in the log."""
     try:
         async for chunk in chunks:
             yield chunk
     except ClientDisconnected:
         return  # logged and aborted where it was noticed; nobody is left to read anything
     except (ValueError, RequestAbortedError) as exc:
-        code = getattr(exc, "status_code", 400)
-        yield _sse_error(str(exc), code)
+        yield error_chunk(getattr(exc, "status_code", 400), str(exc))
     except Exception as exc:  # unforeseen: the server's fault, said in-band like the others
-        logger.exception("Unhandled %s in a stream", type(exc).__name__)
-        yield _sse_error(internal_error_message(exc), 500)
-    yield SSE_DONE
+        logger.exception("Unhandled %s in %s", type(exc).__name__, what)
+        yield error_chunk(500, internal_error_message(exc))
+    if last:
+        yield last
+
+
+def sse_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """OpenAI's streams: an error in the error envelope, then [DONE]."""
+    return in_band_errors(chunks, _sse_error, "a stream", SSE_DONE)
 
 
 def internal_error_message(exc: BaseException) -> str:
@@ -141,7 +150,7 @@ def internal_error_message(exc: BaseException) -> str:
     return f"Internal server error ({type(exc).__name__}); the server log has the details."
 
 
-def _sse_error(message: str, code: int) -> bytes:
+def _sse_error(code: int, message: str) -> bytes:
     return b"data: " + orjson.dumps(error_body(message, error_type(code), code)) + b"\n\n"
 
 
