@@ -339,6 +339,23 @@ class ServerArgs:
         "size, and larger batches run eagerly.",
     )
 
+    # LoRA adapters (docs/lora.md)
+    enable_lora: bool = _f(False, "Serve LoRA adapters (also on when --lora-paths is given).")
+    lora_paths: tuple[str, ...] | None = _f(
+        None, "LoRA adapters loaded at start: NAME=PATH or PATH (named by its path), PEFT format.", nargs="*"
+    )
+    max_loras_per_batch: int = _f(8, "Most distinct adapters in one batch (compute slots).")
+    max_lora_rank: int | None = _f(
+        None, "Largest adapter rank served. Default: the largest rank among --lora-paths (16 without)."
+    )
+    lora_target_modules: tuple[str, ...] | None = _f(
+        None,
+        "Projections adapters may adapt (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or "
+        "all). Default: those the --lora-paths adapters adapt (all without).",
+        nargs="*",
+    )
+    max_loaded_loras: int | None = _f(None, "Most adapters held in host memory (default: no limit).")
+
     # Speculative decoding (docs/speculative_decoding.md)
     speculative_algorithm: str | None = _f(
         None,
@@ -489,6 +506,11 @@ class ServerArgs:
             # A pre-quantized checkpoint selects its method; a conflicting flag (unquant too) is an error.
             quantization = resolve_quantization(quantization, self.model_path)
         updates["quantization"] = None if quantization == NO_QUANTIZATION else quantization
+        if self.enable_lora or self.lora_paths:
+            from radixserve.lora.adapter import lora_updates
+
+            # The module forward is the path with the delta: no fused CPU decode, no decode graphs.
+            updates.update(lora_updates(self))
         updates["load_balance_method"] = resolve_load_balance_method(
             self.load_balance_method, self.disaggregation_mode
         )
@@ -554,6 +576,10 @@ class ServerArgs:
         if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         self._validate_dp()
+        if self.enable_lora:
+            from radixserve.lora.adapter import validate_lora_args
+
+            validate_lora_args(self)
         self._validate_disaggregation()
         self._validate_restart()
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
@@ -674,6 +700,8 @@ class ServerArgs:
                 parser.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
                 continue
             kwargs: dict[str, Any] = {"default": f.default, "help": f"{help_text} (default: {f.default})"}
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
             kwargs["type"] = _cli_type(f.type)

@@ -48,6 +48,13 @@ def _state(server: Server) -> dict[str, Any]:
     return httpx.get(f"{server.url}/get_server_info", timeout=30).json()["internal_states"][0]
 
 
+def test_lora_without_enable_lora_is_refused(server: Server) -> None:
+    """lora_path used to be ignored silently; without --enable-lora it is a 400 that says so."""
+    assert "--enable-lora" in assert_error(_generate(server, lora_path="x"), 400)["message"]
+    out = _post(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"})
+    assert out.status_code == 400 and "--enable-lora" in out.json()["error_message"]
+
+
 def test_session_routes(server: Server) -> None:
     resp = _post(server, "/open_session", {"capacity_of_str_len": 1000})
     assert resp.status_code == 200

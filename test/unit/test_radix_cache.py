@@ -19,6 +19,7 @@ class FakeReq:
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     kv_committed_len: int = 0
+    lora_id: str | None = None
 
 
 class Env:
@@ -46,7 +47,8 @@ class Env:
         """Admit (first chunk) or continue a request up to origin_input_ids[:end]."""
         req.fill_ids = req.origin_input_ids[:end]
         if req.req_pool_idx is None:
-            m = self.cache.match_prefix(req.fill_ids[: len(req.fill_ids) - 1])  # scheduler caps at len-1
+            # the scheduler caps the match at len-1 and matches in the request's adapter namespace
+            m = self.cache.match_prefix(req.fill_ids[: len(req.fill_ids) - 1], req.lora_id)
             req.prefix_indices, req.last_node = m.device_indices, m.last_node
             self.cache.inc_lock_ref(m.last_node)
             req.req_pool_idx = self.pool.alloc(1)[0]
@@ -75,8 +77,8 @@ class Env:
         req.output_ids.append(token)
         return True
 
-    def run_prompt(self, tokens: list[int], finish: bool = False) -> FakeReq:
-        req = FakeReq(list(tokens))
+    def run_prompt(self, tokens: list[int], finish: bool = False, lora_id: str | None = None) -> FakeReq:
+        req = FakeReq(list(tokens), lora_id=lora_id)
         assert self.prefill(req, len(tokens))
         if finish:
             self.cache.cache_finished_req(req)
@@ -385,3 +387,27 @@ def test_row_pointing_at_freed_slots_is_detected():
     with pytest.raises(RuntimeError, match="freed KV slots"):
         env.cache.cache_finished_req(req)
     assert env.cache.total_size() == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_lora_namespaces_never_share_kv(page_size):
+    """KV computed under one LoRA adapter (or the base model) is never another's prefix: the
+    same tokens cached under "a" are a miss for "b" and for the base, and each namespace keeps
+    its own copy."""
+    env = Env(size=128, page_size=page_size)
+    prompt = [A, B, C, D, F, G, H, A, B]
+    env.run_prompt(prompt, finish=True, lora_id="a")
+    assert len(env.cache.match_prefix(prompt, "a").device_indices) == len(prompt) // page_size * page_size
+    assert len(env.cache.match_prefix(prompt, "b").device_indices) == 0
+    assert len(env.cache.match_prefix(prompt).device_indices) == 0
+    base = env.run_prompt(prompt, finish=True)
+    other = env.run_prompt(prompt, finish=True, lora_id="b")
+    assert len(base.prefix_indices) == len(other.prefix_indices) == 0
+    slots = {ns: set(env.cache.match_prefix(prompt, ns).device_indices.tolist()) for ns in ("a", "b", None)}
+    assert slots["a"].isdisjoint(slots["b"]) and slots["a"].isdisjoint(slots[None])
+    again = env.run_prompt(prompt, finish=True, lora_id="b")
+    assert len(again.prefix_indices) > 0 and set(again.prefix_indices.tolist()) <= slots["b"]
+    env.check_accounting([])
+    env.cache.evict(10**6)
+    assert env.cache.total_size() == 0
+    env.check_accounting([])

@@ -105,6 +105,16 @@ class SetInternalStateBody(_Body):
     server_args: dict[str, Any]
 
 
+class LoadLoRAAdapterBody(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterBody(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 # Routes that pass their body on as one control message of the same fields and answer SGLang's
 # {"success", "message"} (_outcome): path -> (body, whether it may be omitted, message), sent
 # with ControlClient.ask.
@@ -135,7 +145,11 @@ CONTROL_BODIES: dict[str, type[BaseModel]] = {
     "/pause_generation": PauseGenerationBody,
     "/start_profile": ProfileBody,
     "/set_internal_state": SetInternalStateBody,
+    "/load_lora_adapter": LoadLoRAAdapterBody,
+    "/unload_lora_adapter": UnloadLoRAAdapterBody,
 }
+# Routes answering SGLang's LoRAUpdateOutput {"success", "error_message", "loaded_adapters"}.
+CONTROL_LORA_ANSWERS = frozenset({"/load_lora_adapter", "/unload_lora_adapter"})
 CONTROL_TEXT_ANSWERS = frozenset({"/start_profile", "/stop_profile", "/freeze_gc", "/close_session"})
 # Routes answering _outcome; the others answer a session id (/open_session), a weight's rows
 # (/get_weights_by_name) or {"updated", ...} (/set_internal_state).
@@ -174,6 +188,7 @@ def add_control_routes(app: FastAPI, tm: TokenizerManager) -> None:
     _add_weight_read_route(app, tm)
     _add_pause_routes(app, tm)
     _add_operator_routes(app, tm)
+    _add_lora_routes(app, tm)
 
 
 def _add_message_route(
@@ -256,3 +271,26 @@ def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
         if out.message:
             content["message"] = out.message
         return _answer(content, out.updated, out.message)
+
+
+def _lora_answer(out: Any) -> Response:  # noqa: ANN401 - a Load/UnloadLoRAAdapterReqOutput
+    content = {
+        "success": out.success,
+        "error_message": out.error_message,
+        "loaded_adapters": out.loaded_adapters,
+    }
+    return _answer(content, out.success, out.error_message)
+
+
+def _add_lora_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    """SGLang's LoRA routes: 200 when done, 400 with the reason when refused (docs/lora.md)."""
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await json_body(LoadLoRAAdapterBody, request)
+        return _lora_answer(await tm.lora.load(body.lora_name, body.lora_path, body.pinned))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await json_body(UnloadLoRAAdapterBody, request)
+        return _lora_answer(await tm.lora.unload(body.lora_name))

@@ -82,6 +82,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         rid: str | list[str] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -101,6 +102,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         rid: str | list[str] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -226,6 +228,16 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache())
 
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, pinned: bool = False
+    ) -> io.LoadLoRAAdapterReqOutput:
+        """Load the PEFT adapter at `lora_path` as `lora_name` while serving (docs/lora.md)."""
+        return self._run(self.tokenizer_manager.lora.load(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> io.UnloadLoRAAdapterReqOutput:
+        """Unload `lora_name` once its in-flight requests finished; new ones are refused at once."""
+        return self._run(self.tokenizer_manager.lora.unload(lora_name))
+
     def collective_rpc(self, method: str, **kwargs: Any) -> Any:  # noqa: ANN401 - the method's result
         """Call scheduler method `method` over the RPC channel (control_table.RPC_METHODS)."""
         return self._rpc.call(method, kwargs)
@@ -345,6 +357,7 @@ def _request(
     return_text_in_logprobs: bool,
     session_params: dict[str, Any] | list[dict[str, Any]] | None,
     rid: str | list[str] | None,
+    lora_path: str | list[str | None] | None = None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -369,6 +382,7 @@ def _request(
         logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
         top_logprobs_num=top_logprobs_num or 0,
         return_text_in_logprobs=return_text_in_logprobs,
+        lora_path=lora_path,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.

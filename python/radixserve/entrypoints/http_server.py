@@ -239,7 +239,12 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def v1_models() -> dict[str, Any]:
-        return ModelList(data=[card()]).model_dump()
+        # The base model, then each loaded LoRA adapter (SGLang lists them the same way).
+        adapters = [
+            ModelCard(id=name, root=path, parent=tm.served_model_name, max_model_len=tm.context_len)
+            for name, path in tm.lora.loaded().items()
+        ]
+        return ModelList(data=[card(), *adapters]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def v1_model(model_id: str) -> dict[str, Any]:

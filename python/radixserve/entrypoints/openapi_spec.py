@@ -21,6 +21,7 @@ from pydantic.json_schema import models_json_schema
 from radixserve.entrypoints import client_apis
 from radixserve.entrypoints.control_routes import (
     CONTROL_BODIES,
+    CONTROL_LORA_ANSWERS,
     CONTROL_OUTCOME_ANSWERS,
     CONTROL_TEXT_ANSWERS,
 )
@@ -160,7 +161,17 @@ _INTERNAL_STATE = {
         "message": {"type": "string"},
     },
 }
+_LORA_UPDATE = {
+    "type": "object",
+    "required": ["success", "error_message", "loaded_adapters"],
+    "properties": {
+        "success": {"type": "boolean"},
+        "error_message": {"type": "string"},
+        "loaded_adapters": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
 _CONTROL_ANSWERS: dict[str, dict[str, Any]] = {
+    **{path: _LORA_UPDATE for path in CONTROL_LORA_ANSWERS},
     **{path: _OUTCOME for path in CONTROL_OUTCOME_ANSWERS},
     "/set_internal_state": _INTERNAL_STATE,
     "/open_session": {"type": "string"},  # the session id as a bare JSON string, as SGLang

@@ -350,3 +350,41 @@ class RpcReqInput(ControlReq, reply=RpcReqOutput):
 
     method: str
     parameters: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------------------- LoRA
+@dataclass(frozen=True, slots=True)
+class LoadLoRAAdapterReqOutput:
+    """SGLang's LoRAUpdateOutput: the outcome and the adapters loaded after it ({name: path})."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLoRAAdapterReqInput(ControlReq, reply=LoadLoRAAdapterReqOutput):
+    """Read the PEFT adapter at `lora_path` into host memory as `lora_name`. `lora_id` is the
+    TokenizerManager's id for this load (the radix cache's namespace), new on every load, so a
+    name loaded again from another path never meets the old adapter's cached KV."""
+
+    lora_name: str
+    lora_path: str
+    lora_id: str
+    pinned: bool = False  # SGLang's field; accepted, every adapter is evictable here
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoRAAdapterReqOutput:
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoRAAdapterReqInput(ControlReq, reply=UnloadLoRAAdapterReqOutput):
+    """Drop adapter `lora_id` (named `lora_name`). The TokenizerManager sends it once no request
+    that uses the adapter is in flight (it refuses new ones first), as SGLang does."""
+
+    lora_name: str
+    lora_id: str

@@ -48,6 +48,8 @@ class GenerateReqInput(BaseModel):
     # the alias the SGLang Model Gateway (--dp-aware) sends.
     routed_dp_rank: int | None = None
     data_parallel_rank: int | None = None
+    # The LoRA adapter by name (SGLang's field; one per prompt for a batch); None: the base model.
+    lora_path: str | list[str | None] | None = None
 
     @property
     def dp_rank(self) -> int | None:
@@ -99,6 +101,7 @@ class GenerateReqInput(BaseModel):
             "bootstrap_host",
             "bootstrap_port",
             "bootstrap_room",
+            "lora_path",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -164,6 +167,7 @@ class GenerateReqInput(BaseModel):
                         routed_dp_rank=routed,
                         prompt_index=i,
                         sample_index=j,
+                        lora_path=_pick(self.lora_path, i),
                         routing=DisaggRouting(
                             _pick(self.bootstrap_host, i),
                             _pick(self.bootstrap_port, i),
@@ -241,3 +245,5 @@ class RequestItem:
     session_params: SessionParams | None = None
     routed_dp_rank: int | None = None
     routing: DisaggRouting = NO_ROUTING
+    lora_path: str | None = None  # the adapter's name, as the request gave it
+    lora_id: str | None = None  # its current load's id (the TokenizerManager's LoRARegistry)

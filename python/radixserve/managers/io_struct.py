@@ -113,6 +113,7 @@ class TokenizedGenerateReqInput:
     session_params: SessionParams | None = None  # continue a session (scheduler/sessions.py)
     routed_dp_rank: int | None = None  # with --dp-size > 1: the replica the client asked for
     routing: DisaggRouting = NO_ROUTING
+    lora_id: str | None = None  # the LoRA adapter to run with (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

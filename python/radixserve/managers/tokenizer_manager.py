@@ -48,6 +48,7 @@ from radixserve.managers.io_struct import (
     TypeBasedDispatcher,
     rid_matches,
 )
+from radixserve.managers.lora_registry import LoRARegistry
 from radixserve.managers.output_applier import apply_batch_str_out
 from radixserve.managers.quarantine import Quarantine
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
@@ -122,6 +123,10 @@ class TokenizerManager:
             self._send_to_scheduler, self.dp_size, self._raise_if_dead, self._on_new_weights
         )
         self._recv_task: asyncio.Task[None] | None = None
+        # LoRA adapters by name, load and unload (managers/lora_registry.py).
+        self.lora = LoRARegistry(
+            server_args, self.control.ask, lambda: [s.item.lora_id for s in self.rid_to_state.values()]
+        )
         self.dead_reason: str | None = None
         # With --restart-on-failure: requests in flight at two crashes are refused (quarantine.py).
         self.quarantine = Quarantine() if server_args.restart_on_failure else None
@@ -225,7 +230,7 @@ class TokenizerManager:
     async def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
-        items = expand_generate(self.limits, obj)
+        items = self.lora.resolve(expand_generate(self.limits, obj))
         if self.server_args.disaggregation_mode == "decode":
             # Prompt logprobs come from the prefill server (a PD router merges them); this side
             # reports none, so the merged list has each prompt position once.
@@ -324,6 +329,7 @@ class TokenizerManager:
             stream=stream,
             received_time=received,
             routing=item.routing,
+            lora_id=item.lora_id,
         )
 
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,6 +24,7 @@ class ReqLike(Protocol):
     prefix_indices: torch.Tensor | None
     last_node: Any
     kv_committed_len: int
+    lora_id: str | None  # the prefix cache's namespace: KV computed under one adapter is its own
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,10 @@ class BasePrefixCache(ABC):
     query_tokens: int
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult: ...
+    def match_prefix(self, key: list[int], namespace: Hashable = None) -> MatchResult: ...
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int: ...
+    def insert(self, key: list[int], value: torch.Tensor, namespace: Hashable = None) -> int: ...
 
     @abstractmethod
     def cache_finished_req(self, req: ReqLike) -> None: ...

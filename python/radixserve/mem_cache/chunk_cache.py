@@ -7,7 +7,7 @@ its own slots as ``prefix_indices`` so the next chunk extends them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,11 +35,11 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         self.reset_counters()
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], namespace: Hashable = None) -> MatchResult:
         self.query_tokens += len(key)
         return MatchResult(device_indices=empty_indices(), last_node=None)
 
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int], value: torch.Tensor, namespace: Hashable = None) -> int:
         # Nothing is cached: the caller keeps ownership of every slot.
         return 0
 

@@ -26,15 +26,29 @@ _node_ids = itertools.count()
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access_time", "hit_count", "id")
+    __slots__ = (
+        "key",
+        "value",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access_time",
+        "hit_count",
+        "id",
+        "namespace",
+    )
 
     def __init__(
         self,
         key: list[int] | None = None,
         value: torch.Tensor | None = None,
         parent: TreeNode | None = None,
+        namespace: Hashable = None,
     ) -> None:
         self.key: list[int] = key if key is not None else []  # token ids of this edge
+        # Whose KV this is (a LoRA adapter's id; None for the base model). Part of every child
+        # key, so a walk in one namespace never enters another's nodes.
+        self.namespace = namespace
         self.value: torch.Tensor = value if value is not None else empty_indices()  # [len(key)] int64
         self.children: dict[Hashable, TreeNode] = {}  # first token (or first page tuple) -> child
         self.parent = parent
@@ -79,10 +93,10 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ key helpers
 
-    def _child_key(self, key: Sequence[int], start: int) -> Hashable:
-        if self.page_size == 1:
-            return key[start]
-        return tuple(key[start : start + self.page_size])
+    def _child_key(self, key: Sequence[int], start: int, namespace: Hashable = None) -> Hashable:
+        first = key[start] if self.page_size == 1 else tuple(key[start : start + self.page_size])
+        # The base model's keys stay plain tokens; other namespaces pair theirs with the name.
+        return first if namespace is None else (namespace, first)
 
     def _match_len(self, edge: list[int], key: list[int], start: int) -> int:
         """Common prefix length of ``edge`` and ``key[start:]``, a page multiple."""
@@ -107,21 +121,23 @@ class RadixCache(BasePrefixCache):
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after n tokens; return the new upper node (same locks and stats)."""
-        upper = TreeNode(child.key[:n], child.value[:n], child.parent)
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.namespace)
         upper.lock_ref = child.lock_ref  # every lock through child also passes through upper
         upper.last_access_time = child.last_access_time
         upper.hit_count = child.hit_count
         assert child.parent is not None
-        child.parent.children[self._child_key(child.key, 0)] = upper
+        child.parent.children[self._child_key(child.key, 0, child.namespace)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = upper
-        upper.children[self._child_key(child.key, 0)] = child
+        upper.children[self._child_key(child.key, 0, child.namespace)] = child
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor) -> TreeNode:
-        leaf = TreeNode(key, value, parent)
-        parent.children[self._child_key(key, 0)] = leaf
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, namespace: Hashable
+    ) -> TreeNode:
+        leaf = TreeNode(key, value, parent, namespace)
+        parent.children[self._child_key(key, 0, namespace)] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
         self._evictable += len(key)
@@ -130,19 +146,19 @@ class RadixCache(BasePrefixCache):
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
-        del parent.children[self._child_key(leaf.key, 0)]
+        del parent.children[self._child_key(leaf.key, 0, leaf.namespace)]
         self._leaves.discard(leaf)
         self._evictable -= len(leaf.key)
         if parent is not self.root and not parent.children:
             self._leaves.add(parent)
         return parent
 
-    def _walk(self, key: list[int]) -> tuple[list[torch.Tensor], TreeNode, int]:
+    def _walk(self, key: list[int], namespace: Hashable) -> tuple[list[torch.Tensor], TreeNode, int]:
         """Follow ``key`` (already page-aligned) from the root, splitting the last edge if the match
         ends inside it. Returns (slot tensors along the path, deepest node, matched length)."""
         node, i, values = self.root, 0, []
         while i < len(key):
-            child = node.children.get(self._child_key(key, i))
+            child = node.children.get(self._child_key(key, i, namespace))
             if child is None:
                 break
             self._touch(child)
@@ -155,34 +171,37 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ public API
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``key`` (cut to a page multiple). Counts toward hit_tokens."""
+    def match_prefix(self, key: Sequence[int], namespace: Hashable = None) -> MatchResult:
+        """Longest cached prefix of ``key`` (cut to a page multiple) among the prefixes cached in
+        ``namespace`` (a LoRA adapter's id, None for the base model). Counts toward hit_tokens."""
         key = key.tolist() if isinstance(key, torch.Tensor) else list(key)
-        values, node, matched = self._walk(key[: self._aligned(len(key))])
+        values, node, matched = self._walk(key[: self._aligned(len(key))], namespace)
         self.query_tokens += len(key)
         self.hit_tokens += matched
         indices = torch.cat(values) if values else empty_indices()
         return MatchResult(device_indices=indices, last_node=node)
 
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
-        """Cache ``key`` -> ``value`` slots (both cut to a page multiple).
+    def insert(self, key: Sequence[int], value: torch.Tensor, namespace: Hashable = None) -> int:
+        """Cache ``key`` -> ``value`` slots (both cut to a page multiple) in ``namespace``.
 
         Returns how many leading tokens were already cached; the caller still owns value[:that]
         (now duplicates to free) while the tree takes ownership of the rest.
         """
         key = key.tolist() if isinstance(key, torch.Tensor) else list(key)
-        return self._insert_path(key[: self._aligned(len(key))], value)[0]
+        return self._insert_path(key[: self._aligned(len(key))], value, namespace)[0]
 
-    def _insert_path(self, key: list[int], value: torch.Tensor) -> tuple[int, TreeNode, list[torch.Tensor]]:
+    def _insert_path(
+        self, key: list[int], value: torch.Tensor, namespace: Hashable
+    ) -> tuple[int, TreeNode, list[torch.Tensor]]:
         """Insert an aligned key. Returns (length already cached, deepest node of the key's path,
         the tree's slot tensors along that path, covering all of key)."""
         n = len(key)
         if value.numel() < n:
             raise ValueError(f"insert: {value.numel()} slots for {n} tokens")
         value = value[:n].to(device="cpu", dtype=torch.int64)
-        path, node, i = self._walk(key)
+        path, node, i = self._walk(key, namespace)
         if i < n:  # the rest of the key is new: one leaf holds it
-            node = self._add_leaf(node, key[i:], value[i:].clone())
+            node = self._add_leaf(node, key[i:], value[i:].clone(), namespace)
             path.append(node.value)
         return i, node, path
 
@@ -247,7 +266,9 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ request hooks
 
-    def _cache_tokens(self, token_ids: list[int], kv: torch.Tensor) -> tuple[int, TreeNode, torch.Tensor]:
+    def _cache_tokens(
+        self, token_ids: list[int], kv: torch.Tensor, namespace: Hashable
+    ) -> tuple[int, TreeNode, torch.Tensor]:
         """Insert the page-aligned part of ``token_ids`` -> ``kv`` and free the request's slots that
         duplicate ones already cached. Returns (tokens now cached, their last node, tree slots
         [that many] int64)."""
@@ -259,7 +280,7 @@ class RadixCache(BasePrefixCache):
         # token_ids may be shorter than the written KV (e.g. fill_ids not yet extended with decoded
         # tokens): only what has a token id is cached; the rest stays the request's own tail.
         aligned = self._aligned(min(len(token_ids), kv.numel()))
-        prefix_len, node, path = self._insert_path(token_ids[:aligned], kv)
+        prefix_len, node, path = self._insert_path(token_ids[:aligned], kv, namespace)
         tree_slots = torch.cat(path) if path else empty_indices()  # [aligned]
         # Where the row already holds the tree's slot the KV is shared (matched earlier); elsewhere
         # in the already-cached range the request computed its own copy, which is now redundant.
@@ -277,7 +298,7 @@ class RadixCache(BasePrefixCache):
         unaligned tail, free the request's row and drop its lock."""
         kv = self._row_slots(req)
         token_ids = (req.origin_input_ids + req.output_ids)[: req.kv_committed_len]
-        aligned, _, _ = self._cache_tokens(token_ids, kv)
+        aligned, _, _ = self._cache_tokens(token_ids, kv, req.lora_id)
         self._free(kv[aligned:])
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
@@ -286,7 +307,8 @@ class RadixCache(BasePrefixCache):
         """Cache fill_ids[:kv_committed_len] so others can share it, point the request's row at the
         cached slots, move its lock to the new last node, and keep the unaligned tail private."""
         kv = self._row_slots(req)
-        aligned, new_node, tree_slots = self._cache_tokens(list(req.fill_ids[: req.kv_committed_len]), kv)
+        fill = list(req.fill_ids[: req.kv_committed_len])
+        aligned, new_node, tree_slots = self._cache_tokens(fill, kv, req.lora_id)
         if not torch.equal(kv[:aligned], tree_slots):
             table = self.req_to_token_pool.req_to_token
             table[req.req_pool_idx, :aligned] = tree_slots.to(device=table.device, dtype=table.dtype)
@@ -320,7 +342,12 @@ class RadixCache(BasePrefixCache):
             child_locks = 0
             for k, child in node.children.items():
                 _check(child.parent is node, f"{child!r} has a wrong parent")
-                _check(k == self._child_key(child.key, 0), f"{child!r} filed under key {k!r}")
+                _check(
+                    k == self._child_key(child.key, 0, child.namespace), f"{child!r} filed under key {k!r}"
+                )
+                _check(
+                    node is self.root or child.namespace == node.namespace, f"{child!r} left its namespace"
+                )
                 _check(len(child.key) == child.value.numel() > 0, f"{child!r} key/value length mismatch")
                 _check(len(child.key) % self.page_size == 0, f"{child!r} not page-aligned")
                 child_locks += child.lock_ref

@@ -87,6 +87,8 @@ class ModelWorkerBatch:
     # of each of its rows (-1 for the root; speculative/tree.py). None: every request is a chain
     # (plain causal extend).
     spec_tree_parents: list[list[int]] | None = None
+    # [bs] each request's LoRA adapter (None: the base model); None when no request has one.
+    lora_ids: tuple[str | None, ...] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -29,6 +30,9 @@ from radixserve.model_executor.weight_only_forms import WeightOnlyForms, create_
 from radixserve.model_executor.weight_sync import ModelWeights
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,12 @@ class ModelRunner:
             self.cpu_decode_runner = create_cpu_decode_runner(
                 self.model, self.token_to_kv_pool, server_args, self.parallel
             )
+        # LoRA adapters (lora/manager.py): none of it exists without --enable-lora.
+        self.lora: LoRAManager | None = None
+        if server_args.enable_lora:
+            from radixserve.lora.manager import LoRAManager, LoRAServeConfig
+
+            self.lora = LoRAManager(LoRAServeConfig.of(server_args), model_config, self.model, self.device)
         # Weight updates, reads and memory release / resume (model_executor/weight_sync.py).
         self.weights = ModelWeights(self)
 
@@ -257,6 +267,8 @@ class ModelRunner:
         those layers, in the returned ForwardBatch's spec_hidden."""
         if self.parallel.pp_size > 1:
             return self._forward_stage(batch, pp_proxy)
+        if self.lora is not None:
+            self.lora.prepare(batch, int(batch.input_ids.numel()))
         # The fused decode stacks return the final states only.
         fast_path = None if aux_layers else self._decode_fast_path(batch)
         # The fast paths read the pools themselves.
@@ -273,6 +285,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         """A prefill-only forward: one pooled output per request, nothing sampled (seed 000 §17)."""
+        if self.lora is not None:  # a scoring batch: the base model (clears the last forward's rows)
+            self.lora.prepare(batch, int(batch.input_ids.numel()))
         fb = self.init_forward_batch(batch, attn_causal=self.embedding_config.is_causal)
         assert fb.extend_seq_lens_cpu is not None
         lens = fb.extend_seq_lens_cpu

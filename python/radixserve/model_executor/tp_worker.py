@@ -53,6 +53,7 @@ class TpModelWorker:
             num_attention_heads=model_config.num_heads,
             num_kv_heads=model_config.num_kv_heads,
             weights=runner.weights,
+            lora=runner.lora,
         )
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:

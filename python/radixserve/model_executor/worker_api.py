@@ -14,6 +14,7 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 
 if TYPE_CHECKING:
     from radixserve.configs.pooling import EmbeddingConfig
+    from radixserve.lora.manager import LoRAManager
     from radixserve.model_executor.tp_worker import TpModelWorker
     from radixserve.model_executor.weight_sync import ModelWeights
 
@@ -38,6 +39,8 @@ class WorkerInfo:
     num_kv_heads: int | None = None
     # Weight updates, reads and memory release / resume; None for a worker without real weights.
     weights: ModelWeights | None = None
+    # LoRA adapters and their compute slots; None without --enable-lora.
+    lora: LoRAManager | None = None
 
     @property
     def embedding_needs_all_tokens(self) -> bool:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.lora.batch_gate import LoRABatchGate
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
@@ -54,6 +55,7 @@ class BatchBuilder:
         live: LiveLimits,
         make_batch: Callable[[list[Req]], ScheduleBatch],
         spec_step: SpeculativeDecodeStep | None = None,  # speculative decoding on
+        lora_gate: LoRABatchGate | None = None,  # with --enable-lora
     ) -> None:
         self.state = state
         self.requests = requests
@@ -64,6 +66,7 @@ class BatchBuilder:
         self.live = live
         self.make_batch = make_batch
         self.spec_step = spec_step
+        self.lora_gate = lora_gate
         self.num_decode_batches = 0
 
     # ------------------------------------------------------------------ entry point
@@ -144,6 +147,10 @@ class BatchBuilder:
     def _admit(self, adder: PrefillAdder, prefix_computed: bool) -> None:
         """Offer waiting requests in policy order until a budget runs out."""
         tree = None if prefix_computed else self.mem.tree_cache
+        gate, adapters = self.lora_gate, set()
+        if gate is not None:
+            st = self.state
+            adapters = gate.adapters_of([*st.running_batch.reqs, *st.other_running_reqs, *adder.can_run_list])
         for req in list(self.state.waiting_queue):
             num_new = sum(1 for r in adder.can_run_list if r.req_pool_idx is None)
             cap = self.limits.prefill_max_requests
@@ -153,6 +160,8 @@ class BatchBuilder:
                 continue  # in-batch prefix caching: a sibling caches the shared prefix first
             if adder.can_run_list and req.is_embedding != adder.can_run_list[0].is_embedding:
                 continue  # a batch either samples or pools: the other kind runs in the next one
+            if gate is not None and not gate.admits(req, adapters):
+                continue  # its adapter would be one too many: it waits for a later batch
             req.init_next_round_input(tree)
             if self._num_allocatable(len(adder.can_run_list), num_new) <= 0 and not self._preempt_for(
                 req, adder, need_slot=True
@@ -160,6 +169,8 @@ class BatchBuilder:
                 break
             result = adder.add_one_req(req)
             added = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+            if added and req.lora_id is not None:
+                adapters.add(req.lora_id)
             if (
                 not added
                 and result == AddReqResult.NO_TOKEN

@@ -19,6 +19,7 @@ from radixserve.managers.io_struct import (
     FreezeGCReq,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
     OpenSessionReqInput,
     PauseGenerationReqInput,
     ProfileReq,
@@ -28,6 +29,7 @@ from radixserve.managers.io_struct import (
     RpcReqOutput,
     SetInternalStateReq,
     SlowDownReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -62,6 +64,8 @@ def control_handlers(s: Scheduler) -> list[tuple[type, Callable[[Any], Any]]]:
         (FreezeGCReq, ops.freeze_gc),
         (SetInternalStateReq, ops.set_internal_state),
         (RpcReqInput, lambda msg: handle_rpc(s, msg)),
+        (LoadLoRAAdapterReqInput, s.lora_control.load),
+        (UnloadLoRAAdapterReqInput, s.lora_control.unload),
     ]
 
 

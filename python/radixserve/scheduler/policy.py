@@ -126,11 +126,11 @@ class SchedulePolicy:
                 continue
             if cached <= IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 key = r.fill_ids
-                in_batch = len(tree.match_prefix(key).device_indices)
+                in_batch = len(tree.match_prefix(key, r.lora_id).device_indices)
                 if in_batch >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                     deprioritized.add(id(r))
                 else:
-                    tree.insert(key, torch.zeros(len(key), dtype=torch.int64))
+                    tree.insert(key, torch.zeros(len(key), dtype=torch.int64), r.lora_id)
         return deprioritized
 
     def _sort_by_dfs_weight(self, waiting_queue: list[Req]) -> None:

@@ -99,8 +99,11 @@ class Req:
         token_type_ids: list[int] | None = None,
         label_token_ids: list[int] | None = None,
         needs_all_tokens: bool = False,
+        lora_id: str | None = None,
     ) -> None:
         self.rid = rid
+        # The LoRA adapter (None: the base model); also the radix cache namespace of its KV.
+        self.lora_id = lora_id
         self.session_id: str | None = None  # set when the request continues a session
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
@@ -188,7 +191,7 @@ class Req:
             # Prompt logprobs need the logits of every position from logprob_start_len.
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)
         if tree_cache is not None:
-            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)])
+            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.lora_id)
             self.prefix_indices = match.device_indices
             self.last_node = match.last_node
         self.extend_input_len = input_len - len(self.prefix_indices)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
@@ -63,8 +63,10 @@ class RequestTable:
         limits: LiveLimits,  # queue cap and timeouts, read at each use
         max_req_len: int,  # prompt + output must fit this (min of context length and KV pool size)
         sync: RankSync | None = None,
+        loras: Container[str] = (),  # the loaded LoRA adapters' ids (the worker's, live)
     ) -> None:
         self.state = state
+        self.loras = loras
         self.output = output
         self.limits = limits
         self.max_req_len = max_req_len
@@ -119,6 +121,9 @@ class RequestTable:
         input_len, max_len = len(req.origin_input_ids), self.max_req_len
         if input_len == 0:
             return "The input is empty: at least one token is needed."
+        if req.lora_id is not None and req.lora_id not in self.loras:
+            # The TokenizerManager refuses these first; an in-process caller may not have.
+            return f"LoRA adapter {req.lora_id!r} is not loaded (or the server runs without --enable-lora)."
         if req.is_embedding and input_len <= max_len:
             return None  # nothing is generated: the whole context is the prompt's
         if input_len >= max_len:
@@ -216,6 +221,7 @@ class RequestTable:
             received_time=msg.received_time,
             eos_token_ids=eos_token_ids,
             tokenizer=tokenizer,
+            lora_id=msg.lora_id,
         )
 
     @staticmethod

@@ -284,7 +284,12 @@ class ScheduleBatch:
             token_type_ids=self.token_type_ids if is_extend else None,
             label_token_ids=[r.label_token_ids for r in self.reqs] if self.is_embedding else None,
             spec_tree_parents=self.spec_tree_parents if self.forward_mode.is_target_verify() else None,
+            lora_ids=self._lora_ids(),
         )
+
+    def _lora_ids(self) -> tuple[str | None, ...] | None:
+        ids = tuple(r.lora_id for r in self.reqs)
+        return ids if any(ids) else None
 
     def copy(self) -> ScheduleBatch:
         """What result processing needs, detached from later filter/merge of the live batch."""

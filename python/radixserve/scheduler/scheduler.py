@@ -24,6 +24,7 @@ import torch
 from radixserve.constrained.grammar_backend import GrammarBackend
 from radixserve.constrained.grammar_manager import NO_TOKENIZER, TURNED_OFF, GrammarManager
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
+from radixserve.lora.batch_gate import LoRABatchGate
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenizedEmbeddingReqInput,
@@ -51,6 +52,7 @@ from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.loops import LoopHooks
+from radixserve.scheduler.lora_control import LoRAControl
 from radixserve.scheduler.operator_controls import OperatorControls
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.pause import PauseControl
@@ -139,7 +141,9 @@ class Scheduler:
             report_spec=args.speculative_algorithm is not None,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
-        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync)
+        lora = worker.info.lora
+        loras = lora.adapters if lora is not None else ()  # the live dict: loads and unloads show
+        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync, loras)
         self.grammar = GrammarManager(
             self._grammar_backend_factory(grammar_backend),
             args.grammar_compile_timeout,
@@ -161,6 +165,7 @@ class Scheduler:
             self.live_limits,
             self.make_batch,
             SpeculativeDecodeStep.from_server_args(args, self.mem, sync),
+            LoRABatchGate(args.max_loras_per_batch) if args.enable_lora else None,
         )
 
     def _build_addons(self) -> None:
@@ -176,6 +181,7 @@ class Scheduler:
         )
         self.memory_occupation = MemoryOccupation(weights, self.sync, activity, self.mem, self.weight_control)
         self.operators = OperatorControls(self.live_limits, tp_rank)
+        self.lora_control = LoRAControl(self.worker.info.lora, self.state.live)
         self.sessions = SessionController(
             self._build_session_req,
             lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),

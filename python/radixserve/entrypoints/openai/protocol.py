@@ -284,6 +284,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "radixserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (SGLang's field)
     max_model_len: int | None = None
 
 

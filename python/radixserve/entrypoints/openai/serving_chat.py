@@ -20,9 +20,9 @@ from radixserve.entrypoints.openai.protocol import (
     random_id,
 )
 from radixserve.entrypoints.openai.serving_common import (
-    check_model,
     finish_reason,
     first_output_checked,
+    model_lora,
     raise_if_failed,
     sampling_params,
     sse,
@@ -43,7 +43,7 @@ class ChatHandler:
 
     def plan(self, req: ChatCompletionRequest, stream: bool) -> tuple[GenerateReqInput, ChatPlan]:
         """Runs on the tokenizer threads (the template and the tokenizer are CPU work)."""
-        check_model(req.model, self.served_names)
+        lora = model_lora(req.model, self.served_names)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs is only allowed when logprobs is true.")
         # Tools (prompt + forcing grammar) and reasoning are decided in chat_tools.
@@ -69,6 +69,7 @@ class ChatHandler:
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
             disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
+            lora_path=lora,
         )
         return native, plan
 

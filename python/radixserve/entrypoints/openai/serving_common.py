@@ -40,6 +40,17 @@ def check_model(name: str | None, served_names: tuple[str, ...]) -> None:
         raise ModelNotFoundError(f"The model `{name}` does not exist.")
 
 
+def model_lora(name: str | None, served_names: tuple[str, ...]) -> str | None:
+    """check_model, also for SGLang's "base:adapter" form: the LoRA adapter it names (None: the
+    base model). Whether that adapter is loaded is the TokenizerManager's check (a 400)."""
+    if name is not None and name not in served_names and ":" in name:
+        base, _, adapter = name.rpartition(":")
+        check_model(base, served_names)
+        return adapter
+    check_model(name, served_names)
+    return None
+
+
 def sampling_params(req: SamplingExtras, max_new_tokens: int | None) -> dict[str, Any]:
     """Map an OpenAI request onto SGLang sampling parameters (unset fields keep their defaults)."""
     if getattr(req, "logit_bias", None):

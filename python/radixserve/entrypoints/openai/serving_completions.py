@@ -13,9 +13,9 @@ from radixserve.entrypoints.openai.protocol import (
     random_id,
 )
 from radixserve.entrypoints.openai.serving_common import (
-    check_model,
     finish_reason,
     first_output_checked,
+    model_lora,
     raise_if_failed,
     sampling_params,
     sse,
@@ -32,7 +32,7 @@ class CompletionsHandler:
         self.served_names = served_names
 
     def to_native(self, req: CompletionRequest, stream: bool) -> GenerateReqInput:
-        check_model(req.model, self.served_names)
+        lora = model_lora(req.model, self.served_names)
         if req.suffix:
             raise InvalidRequestError("suffix is not supported.")
         if req.best_of is not None and req.best_of != req.n:
@@ -57,6 +57,7 @@ class CompletionsHandler:
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
             disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
+            lora_path=lora,
         )
 
     def _prompt_texts(self, obj: GenerateReqInput) -> list[str]:
