@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from radixserve.entrypoints import client_apis
 from radixserve.entrypoints.http_guards import allowed_host_names, host_name, is_json_type
 from radixserve.entrypoints.http_server import ServerState, create_app
+from radixserve.managers.lora_registry import LoRARegistry
 from radixserve.server_args import ServerArgs
 
 
@@ -27,6 +28,8 @@ class StubTokenizerManager:
         self.weight_version = "default"
         self.is_generation = True
         self.embedding_info = None
+        # No adapters (no --enable-lora); /v1/models lists what it holds. Nothing reaches `ask`.
+        self.lora = LoRARegistry(self.server_args, ask=None, live_lora_ids=list)  # type: ignore[arg-type]
 
 
 def client(ready: bool = True, **args: object) -> TestClient:
