@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from abc import ABC, abstractmethod
 from typing import Any
 
 import zmq
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
-class KVIoThread:
+class KVIoThread(ABC):
     """A manager's sockets and the one thread that serves them. A subclass registers its sockets
     on `poller`, then starts `thread`; it handles commands in `_on_command` and the rest of a tick
     (ready sockets, timeouts) in `_on_tick`."""
@@ -74,11 +75,13 @@ class KVIoThread:
             except Exception:  # one bad message must not stop every transfer
                 logger.exception("%s KV I/O thread error", self.side.capitalize())
 
+    @abstractmethod
     def _on_command(self, cmd: tuple[Any, ...], payload: Any) -> None:  # noqa: ANN401 - a zmq.Frame
-        raise NotImplementedError
+        """Handle one queued command (tcp_prefill.py, tcp_decode.py)."""
 
+    @abstractmethod
     def _on_tick(self, ready: dict[zmq.Socket, int]) -> None:
-        raise NotImplementedError
+        """Serve the ready sockets and check timeouts, once per poll."""
 
 
 class TcpHandle(RoomHandle):
