@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 # sgl-kernel's compiled CPU kernels, built against the venv's torch (hence no build isolation);
 # rebuilt when their sources change.
 $(KERNEL_STAMP): $(STAMP) sgl-kernel/setup.py $(wildcard sgl-kernel/csrc/cpu/*) $(wildcard sgl-kernel/csrc/spin/*)
-	$(BIN)/python -m pip install -q 'setuptools>=70' wheel
+	$(BIN)/python -m pip install -q 'setuptools>=70' wheel ninja
 	$(BIN)/python -m pip install -q --no-build-isolation -e sgl-kernel
 	$(BIN)/python -c "from sgl_kernel import cpu; print('sgl-kernel CPU extension:', 'built' if cpu.available() else 'NOT built (pure-torch fallback)')"
 	touch $(KERNEL_STAMP)

@@ -15,6 +15,7 @@ from pathlib import Path
 from setuptools import setup
 
 HERE = Path(__file__).parent
+TORCH_EXTENSION = "sgl_kernel._cpu"
 
 
 def cpu_extension() -> tuple[list, dict]:
@@ -27,14 +28,16 @@ def cpu_extension() -> tuple[list, dict]:
     arch = os.environ.get("SGL_KERNEL_CPU_ARCH_FLAGS", "-march=native").split()
     sources = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc" / "cpu").glob("*.cpp"))
     ext = CppExtension(
-        "sgl_kernel._cpu",
+        TORCH_EXTENSION,
         sources,
         extra_compile_args=["-O3", "-fopenmp", *arch],
         # libgomp.so.1 resolves to the copy torch already loaded, so there is one OpenMP pool.
         extra_link_args=["-fopenmp"],
         optional=True,
     )
-    base = BuildExtension.with_options(use_ninja=False)
+    # Ninja (installed by `make setup`) compiles the sources in parallel, MAX_JOBS at a time (torch's
+    # default: every core); without it torch falls back to one source at a time, with a warning.
+    base = BuildExtension.with_options(use_ninja=True)
 
     class BuildExt(base):  # type: ignore[misc, valid-type]
         def run(self) -> None:
@@ -43,6 +46,33 @@ def cpu_extension() -> tuple[list, dict]:
             for stale in (HERE / "sgl_kernel").glob("_cpu*.so"):
                 stale.unlink()
             super().run()
+
+        def build_extensions(self) -> None:
+            # torch's BuildExtension compiles every source of every extension as C++ (and with
+            # ninja, through its own compile command): the plain C library is built first, by
+            # setuptools' own build_ext, before torch takes over the compiler.
+            from setuptools.command.build_ext import build_ext as plain_build_ext
+
+            torch_exts = [e for e in self.extensions if e.name == TORCH_EXTENSION]
+            for ext in self.extensions:
+                if ext.name != TORCH_EXTENSION:
+                    with self._filter_build_errors(ext):
+                        plain_build_ext.build_extension(self, ext)
+            all_exts, self.extensions = self.extensions, torch_exts
+            try:
+                super().build_extensions()
+            finally:
+                self.extensions = all_exts
+
+        def build_extension(self, ext: object) -> None:
+            try:
+                super().build_extension(ext)
+            except RuntimeError as exc:
+                # torch's ninja path reports a failed compile as RuntimeError, which setuptools'
+                # `optional=True` does not catch; as CompileError it warns and goes on, as before.
+                from distutils.errors import CompileError
+
+                raise CompileError(str(exc)) from exc
 
     return [ext], {"build_ext": BuildExt}
 
