@@ -100,12 +100,8 @@ def hf_builtin(builtin_model_path: str):
     return AutoModelForCausalLM.from_pretrained(builtin_model_path, dtype=torch.float32).eval()
 
 
-# One built-in-model server for the other client families' tests (test_anthropic_api.py,
-# test_ollama_api.py): started once, when the first of them needs it.
+# The other client families' tests (test_anthropic_api.py, test_ollama_api.py,
+# test_responses_api.py) talk to the session's built-in-model server: one start-up fewer.
 @pytest.fixture(scope="session")
-def client_apis_url(builtin_model_path: str) -> str:
-    server = Server.real(builtin_model_path, "--max-total-tokens", str(BUILTIN_POOL_TOKENS))
-    try:
-        yield start_servers({"s": server})["s"].url
-    finally:
-        server.stop()
+def client_apis_url(servers: dict[str, Server]) -> str:
+    return servers["builtin"].url

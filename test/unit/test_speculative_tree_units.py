@@ -104,7 +104,7 @@ def test_tree_rejection_keeps_the_target_distribution_at_the_root(children):
     probs = torch.softmax(torch.randn(1 + len(children), 6, generator=gen) * 1.5, dim=-1)
     row_ids = [4, *children]
     parents = [-1] + [0] * len(children)
-    n = 20000
+    n = 8000
     counts = torch.zeros(6)
     for _ in range(n):
         u = torch.rand(len(children) + 1, generator=gen)
@@ -124,7 +124,7 @@ def test_tree_rejection_keeps_the_joint_distribution_of_two_levels():
     row_ids, parents = [2, 0, 1, 2], [-1, 0, 0, 1]
     probs = torch.softmax(torch.randn(4, v, generator=gen) * 1.5, dim=-1)
     counts = torch.zeros(v, v)
-    n = 30000
+    n = 12000
     for _ in range(n):
         u = torch.rand(4, generator=gen)
         tokens, path = tree_rejection_accept(probs, row_ids, parents, u[:3].tolist(), u[3:])

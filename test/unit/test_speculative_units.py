@@ -321,7 +321,7 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
     p = torch.tensor([0.35, 0.05, 0.2, 0.15, 0.2, 0.05])  # vocab 6
     probs = torch.stack([p, torch.full((6,), 1 / 6)])  # row 1 only matters after an acceptance
     counts = torch.zeros(6)
-    n = 30_000
+    n = 12_000
     u = torch.rand(n, 2, generator=gen)
     for i in range(n):
         tokens, _ = rejection_accept(probs, [draft], [float(u[i, 0])], u[i, 1:2])
@@ -341,7 +341,7 @@ def test_rejection_sampling_chain_keeps_the_joint_distribution():
     drafts = [1, 0]  # d1 = 1 (p1 = 0.3), then d2 = 0 (T[1, 0] = 0.25)
     probs = torch.stack([p1, trans[drafts[0]], trans[drafts[1]]])
     counts = torch.zeros(16)
-    n = 40_000
+    n = 16_000
     u = torch.rand(n, 4, generator=gen)
     for i in range(n):
         tokens, _ = rejection_accept(probs, drafts, u[i, :2].tolist(), u[i, 2:3])
