@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml Makefile
 # rebuilt when their sources change.
 $(KERNEL_STAMP): $(STAMP) sgl-kernel/setup.py $(wildcard sgl-kernel/csrc/cpu/*) $(wildcard sgl-kernel/csrc/spin/*)
 	$(BIN)/python -m pip install -q 'setuptools>=70' wheel ninja
-	$(BIN)/python -m pip install -q --no-build-isolation -e sgl-kernel
+	# The venv's bin/ first on PATH, so torch finds the ninja installed just above.
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pip install -q --no-build-isolation -e sgl-kernel
 	$(BIN)/python -c "from sgl_kernel import cpu; print('sgl-kernel CPU extension:', 'built' if cpu.available() else 'NOT built (pure-torch fallback)')"
 	touch $(KERNEL_STAMP)
 
