@@ -176,6 +176,29 @@ def test_extreme_repetition_penalty_is_served(tiny_engine: Engine) -> None:
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
 
 
+def test_logit_bias_matches_hf_with_the_same_bias(tiny_engine: Engine, hf_tiny: Any) -> None:
+    """OpenAI/SGLang logit_bias (token id -> value added to its logit at every step) against HF
+    greedy decoding with the same bias; biased and plain requests share one batch."""
+    prompts = _prompts(3, seed=9)
+    plain = [o["output_ids"] for o in tiny_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    biases = [{str(out[0]): -100.0, "7": 2.5} for out in plain]  # ban the first choice, lift one
+    params = [dict(GREEDY, logit_bias=b) for b in biases] + [GREEDY]
+    outs = tiny_engine.generate(input_ids=prompts + prompts[:1], sampling_params=params)
+    for prompt, bias, out in zip(prompts, biases, outs):
+        vector = torch.zeros(TINY_VOCAB)
+        for token, value in bias.items():
+            vector[int(token)] = value
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(GREEDY["max_new_tokens"]):
+                ids.append(int((hf_tiny(torch.tensor([ids])).logits[0, -1].float() + vector).argmax()))
+        assert out["output_ids"] == ids[len(prompt) :]
+        assert int(next(iter(bias))) not in out["output_ids"]  # the banned token never comes
+    assert outs[3]["output_ids"] == plain[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        tiny_engine.generate("Hello", dict(GREEDY, logit_bias={str(TINY_VOCAB): 1.0}))
+
+
 def test_context_manager_and_shutdown_leave_no_children(tiny_llama_path: str) -> None:
     before = set(_descendants())
     with Engine(model_path=tiny_llama_path, max_total_tokens=4096) as engine:

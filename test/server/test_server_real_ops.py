@@ -136,7 +136,12 @@ def test_metrics(tiny: str) -> None:
             "/v1/chat/completions",
             b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}',
         ),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}}'),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}',
+        ),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"99999999": 1}}'),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"a": 1}}'),
         ("/v1/tokenize", b'{"prompt": 5}'),
         ("/v1/detokenize", b'{"tokens": ["a"]}'),
         ("/v1/detokenize", b'{"tokens": [-1]}'),

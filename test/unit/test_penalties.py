@@ -1,5 +1,6 @@
 """Penalties: exact logit changes, HF repetition parity, min_new_tokens, state lifecycle."""
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -181,3 +182,56 @@ def test_state_filter_merge_rows_follow():
 
 def penalized_or_raw(info: SamplingBatchInfo, row: torch.Tensor) -> torch.Tensor:
     return row.clone() if info.penalizer is None else penalized(info, row.unsqueeze(0))[0]
+
+
+def test_logit_bias_adds_to_its_tokens_as_hf_sequence_bias_does():
+    from transformers import SequenceBiasLogitsProcessor
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, V)
+    biases = [{"2": 5.0, "6": -100.0}, {"0": 0.5}]
+    reqs = [Req(SamplingParams(logit_bias=b), [1], [3]) for b in biases]
+    info = SamplingBatchInfo.from_reqs(reqs, V, "cpu")
+    assert info.penalizer is not None and info.penalizer.output_counts is None
+    ours = penalized(info, logits)
+    for i, bias in enumerate(biases):
+        hf = SequenceBiasLogitsProcessor([[[int(t)], v] for t, v in bias.items()])
+        want = hf(torch.tensor([[1, 3]]), logits[i : i + 1].clone())
+        torch.testing.assert_close(ours[i : i + 1], want, rtol=0, atol=1e-6)
+
+
+def test_logit_bias_follows_filter_and_merge_and_bans_under_greedy():
+    logits = torch.zeros(1, V)
+    logits[0, 4] = 3.0  # the greedy choice without a bias
+    plain = SamplingParams(temperature=0.0)
+    banned = SamplingParams(temperature=0.0, logit_bias={"4": -100, "5": 2})
+    for p in (plain, banned):
+        p.normalize()
+    a = SamplingBatchInfo.from_reqs([Req(plain)], V, "cpu")
+    b = SamplingBatchInfo.from_reqs([Req(banned)], V, "cpu")
+    a.merge(b)  # a plain batch (no state) merged with a biased one
+    tokens = Sampler()(logits.repeat(2, 1), a, torch.tensor([1, 1]), False, None).next_token_ids
+    assert tokens.tolist() == [4, 5]
+    a.filter([1])
+    assert Sampler()(logits, a, torch.tensor([1]), False, None).next_token_ids.tolist() == [5]
+    a.filter([0])
+    c = SamplingBatchInfo.from_reqs([Req(plain)], V, "cpu")
+    c.merge(a)
+    c.filter([0])
+    assert c.penalizer is None  # the last biased row left: no state kept
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [({"8": 1.0}, "token ids in [0, 8)"), ({"-1": 1.0}, "token ids"), ({"3": 100.5}, "[-100, 100]")],
+)
+def test_logit_bias_out_of_range_is_refused(bias, message):
+    p = SamplingParams.from_dict({"logit_bias": bias})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        p.verify(V)
+
+
+@pytest.mark.parametrize("bias", [[1], {"x": 1.0}, {"1": "a"}, {"1": float("nan")}, {"1": True}, {"1.5": 1}])
+def test_logit_bias_of_the_wrong_type_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": bias})

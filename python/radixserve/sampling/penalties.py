@@ -1,4 +1,4 @@
-"""Batched logit penalties: frequency, presence, repetition and min_new_tokens.
+"""Batched logit penalties: frequency, presence, repetition, logit_bias and min_new_tokens.
 
 All state is dense per-batch tensors so applying penalties is a handful of tensor ops with no
 per-request Python loop. Each piece of state exists only when some row of the batch needs it; a batch
@@ -8,9 +8,10 @@ Semantics (per row, `t` a token id):
   repetition (t in prompt or output): logit = logit / rp if logit > 0 else logit * rp
   frequency:                         logit -= fp * count_out[t]
   presence:                          logit -= pp * (count_out[t] > 0)
+  logit_bias:                        logit += bias[t]
   min_new_tokens:                    logit = -inf for t in suppress_ids while len(output) < min_new
-Repetition is applied first (it scales the raw logit, as HF does), then the additive penalties, then
-the -inf suppression so nothing can lift a suppressed token back.
+Repetition is applied first (it scales the raw logit, as HF does), then the additive penalties and
+the bias, then the -inf suppression so nothing can lift a suppressed token back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class PenaltyState:
     output_counts: Tensor | None  # [bs, vocab] fp32; only if a row has frequency/presence penalty
     seen_mask: Tensor | None  # [bs, vocab] bool, prompt ∪ output; only if a row has repetition
     suppress_mask: Tensor | None  # [bs, vocab] bool, eos ∪ stop ids; only if a row has min_new_tokens
+    logit_bias: Tensor | None  # [bs, vocab] fp32; only if a row has a logit_bias
     vocab_size: int
     # Per row, how many of the request's output tokens the counts above include (host-side, so
     # `sync` finds the new ones without reading the device).
@@ -52,7 +54,8 @@ class PenaltyState:
         use_count = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         use_min = any(p.min_new_tokens > 0 and ids for p, ids in zip(params, suppress_ids))
-        if not (use_count or use_rep or use_min):
+        use_bias = any(p.logit_bias for p in params)
+        if not (use_count or use_rep or use_min or use_bias):
             return None
 
         def col(name: str) -> Tensor:  # [bs, 1] fp32
@@ -79,6 +82,7 @@ class PenaltyState:
             output_counts=counts,
             seen_mask=seen,
             suppress_mask=suppress,
+            logit_bias=_bias_matrix(params, vocab_size, device) if use_bias else None,
             vocab_size=vocab_size,
             counted=[len(o) for o in outputs],
         )
@@ -97,6 +101,7 @@ class PenaltyState:
             output_counts=None,
             seen_mask=None,
             suppress_mask=None,
+            logit_bias=None,
             vocab_size=vocab_size,
             counted=[0] * bs,
         )
@@ -116,6 +121,8 @@ class PenaltyState:
             counts = self.output_counts  # [bs, vocab]
             logits.sub_(counts * self.frequency_penalties)
             logits.sub_((counts > 0).to(logits.dtype) * self.presence_penalties)
+        if self.logit_bias is not None:
+            logits.add_(self.logit_bias)
         if self.suppress_mask is not None:
             active = self.output_lens < self.min_new_tokens  # [bs]
             logits.masked_fill_(self.suppress_mask & active.unsqueeze(1), float("-inf"))
@@ -185,6 +192,8 @@ class PenaltyState:
             return True
         if self.seen_mask is not None and bool((self.repetition_penalties != 1).any()):
             return True
+        if self.logit_bias is not None and bool((self.logit_bias != 0).any()):
+            return True
         return self.suppress_mask is not None and bool((self.min_new_tokens > 0).any())
 
 
@@ -237,6 +246,15 @@ def _count_matrix(
     r, t = _flat_indices(rows, vocab_size, device)
     counts.index_put_((r, t), torch.ones_like(t, dtype=torch.float32), accumulate=True)
     return counts
+
+
+def _bias_matrix(params: Sequence[Any], vocab_size: int, device: str | torch.device) -> Tensor:
+    """[bs, vocab] fp32: each row's logit_bias (verified: ids in the vocabulary), zeros elsewhere."""
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
+    for row, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            bias[row, int(token)] = value
+    return bias.to(device)
 
 
 def _membership_matrix(

@@ -31,6 +31,9 @@ TEMPERATURE_MAX = 1e4
 # the seeds in [0, SEED_MAX]; anything else would alias one of them (it used to be folded mod 2**63).
 SEED_MAX = (1 << 63) - 1
 
+# OpenAI's range for logit_bias values: -100 bans a token, +100 all but forces it.
+LOGIT_BIAS_MAX = 100.0
+
 # Accepted JSON types per field. bool is excluded from numbers explicitly (isinstance(True, int)).
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
 _FLOAT_FIELDS = (
@@ -67,6 +70,8 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Token id (as a string, as in JSON and OpenAI) -> value added to that token's logit.
+    logit_bias: dict[str, float] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -117,7 +122,8 @@ class SamplingParams:
           repetition_penalty in [MIN_REPETITION_PENALTY, 2];
         - max_new_tokens >= 0; min_new_tokens in [0, max_new_tokens]; n >= 1;
         - stop_token_ids in [0, vocab_size); at most one of json_schema, regex, ebnf;
-        - seed in [0, SEED_MAX] (GenerateReqInput.expand checks that seed + n - 1 fits too).
+        - seed in [0, SEED_MAX] (GenerateReqInput.expand checks that seed + n - 1 fits too);
+        - logit_bias keys are token ids in [0, vocab_size), values in [-100, 100].
 
         Values inside these ranges can still be numerically extreme: the sampler keeps them finite
         and finishes a request whose logits still end up non-finite with an error instead of
@@ -161,6 +167,14 @@ class SamplingParams:
         for tok in self.stop_token_ids or ():
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {tok}.")
+        self._verify_logit_bias(vocab_size)
+
+    def _verify_logit_bias(self, vocab_size: int) -> None:
+        for key, value in (self.logit_bias or {}).items():
+            if not 0 <= int(key) < vocab_size:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key}.")
+            if not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}.")
 
     def _verify_seed(self) -> None:
         if self.seed is not None:
@@ -203,4 +217,24 @@ def _check_type(key: str, value: Any) -> Any:
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return list(value)
         raise ValueError("stop_token_ids must be a list of integers")
+    if key == "logit_bias":
+        return _check_logit_bias(value)
     raise AssertionError(f"unhandled sampling field {key}")  # every dataclass field is listed above
+
+
+def _check_logit_bias(value: Any) -> dict[str, float]:
+    """{token id: bias}: keys are decimal token ids (strings, as JSON object keys must be; ints
+    are accepted from Python callers), values finite numbers."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"logit_bias must be an object mapping token ids to numbers, got {type(value).__name__}"
+        )
+    out: dict[str, float] = {}
+    for key, bias in value.items():
+        token = str(key).strip()
+        if isinstance(key, bool) or not token.lstrip("-").isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {key}")
+        out[str(int(token))] = float(bias)
+    return out

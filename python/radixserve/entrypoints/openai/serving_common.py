@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _PASS_THROUGH = tuple(
     "n temperature top_p top_k min_p seed frequency_penalty presence_penalty repetition_penalty "
     "ignore_eos stop_token_ids skip_special_tokens spaces_between_special_tokens no_stop_trim "
-    "regex ebnf json_schema".split()
+    "regex ebnf json_schema logit_bias".split()
 )
 
 
@@ -53,8 +53,6 @@ def model_lora(name: str | None, served_names: tuple[str, ...]) -> str | None:
 
 def sampling_params(req: SamplingExtras, max_new_tokens: int | None) -> dict[str, Any]:
     """Map an OpenAI request onto SGLang sampling parameters (unset fields keep their defaults)."""
-    if getattr(req, "logit_bias", None):
-        raise InvalidRequestError("logit_bias is not supported.")
     params: dict[str, Any] = {k: getattr(req, k) for k in _PASS_THROUGH if getattr(req, k) is not None}
     if req.stop is not None:
         params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
