@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from typing import Any
 
 import psutil
@@ -197,6 +198,25 @@ def test_logit_bias_matches_hf_with_the_same_bias(tiny_engine: Engine, hf_tiny: 
     assert outs[3]["output_ids"] == plain[0]
     with pytest.raises(ValueError, match="logit_bias"):
         tiny_engine.generate("Hello", dict(GREEDY, logit_bias={str(TINY_VOCAB): 1.0}))
+
+
+def test_stop_regex_ends_on_the_completing_token_and_keeps_the_text(tiny_engine: Engine) -> None:
+    prompt = _prompts(1, seed=11)[0]
+    long = dict(GREEDY, max_new_tokens=24)
+    plain = tiny_engine.generate(input_ids=prompt, sampling_params=long)
+    # A pattern that first matches inside the plain output: two of its characters (whole ones).
+    text = plain["text"]
+    start = next(i for i in range(len(text) // 2, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    pattern = re.escape(text[start : start + 2])
+    out = tiny_engine.generate(
+        input_ids=prompt, sampling_params=dict(long, stop_regex=[r"\A\Z(?!x)y", pattern])
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    ids = out["output_ids"]
+    assert ids == plain["output_ids"][: len(ids)] and len(ids) < len(plain["output_ids"])
+    assert out["text"] == text[: len(out["text"])] and re.search(pattern, out["text"])
+    with pytest.raises(ValueError, match="stop_regex"):
+        tiny_engine.generate("Hello", dict(GREEDY, stop_regex="(("))
 
 
 def test_context_manager_and_shutdown_leave_no_children(tiny_llama_path: str) -> None:

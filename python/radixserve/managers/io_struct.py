@@ -71,6 +71,17 @@ class FinishMatchedStr(FinishReason):
 
 
 @dataclass(frozen=True)
+class FinishMatchedRegex(FinishReason):
+    """A `stop_regex` pattern matched (SGLang's FINISHED_MATCHED_REGEX); `matched` is the pattern.
+    The text keeps what matched: parts of it may have streamed before the match was complete."""
+
+    matched: str
+
+    def _fields(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
 class FinishAbort(FinishReason):
     message: str = "Aborted."
     status_code: int | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,10 @@ SEED_MAX = (1 << 63) - 1
 
 # OpenAI's range for logit_bias values: -100 bans a token, +100 all but forces it.
 LOGIT_BIAS_MAX = 100.0
+
+# A stop_regex is searched in the text of the newest this-many output tokens after each token
+# (the decode is per token and request, so the window bounds its cost); a match must fit in it.
+STOP_REGEX_TAIL_TOKENS = 128
 
 # Accepted JSON types per field. bool is excluded from numbers explicitly (isinstance(True, int)).
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
@@ -60,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     stop: list[str] | None = None
+    stop_regex: list[str] | None = None  # SGLang's: Python regular expressions (re.search)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -102,6 +108,8 @@ class SamplingParams:
         """Canonicalize in place; idempotent."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
         if self.temperature < GREEDY_EPS:
             # Greedy is expressed as top_k = 1 so the sampler has a single greedy test; temperature
             # 1.0 keeps any later division harmless.
@@ -123,7 +131,8 @@ class SamplingParams:
         - max_new_tokens >= 0; min_new_tokens in [0, max_new_tokens]; n >= 1;
         - stop_token_ids in [0, vocab_size); at most one of json_schema, regex, ebnf;
         - seed in [0, SEED_MAX] (GenerateReqInput.expand checks that seed + n - 1 fits too);
-        - logit_bias keys are token ids in [0, vocab_size), values in [-100, 100].
+        - logit_bias keys are token ids in [0, vocab_size), values in [-100, 100];
+        - every stop_regex compiles (Python `re`) and does not match the empty string.
 
         Values inside these ranges can still be numerically extreme: the sampler keeps them finite
         and finishes a request whose logits still end up non-finite with an error instead of
@@ -168,6 +177,16 @@ class SamplingParams:
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {tok}.")
         self._verify_logit_bias(vocab_size)
+        self._verify_stop_regex()
+
+    def _verify_stop_regex(self) -> None:
+        for pattern in self.stop_regex or ():
+            try:
+                compiled = re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"Invalid stop_regex {pattern!r}: {exc}.") from None
+            if compiled.fullmatch("") is not None:
+                raise ValueError(f"stop_regex {pattern!r} matches the empty string: it would stop at once.")
 
     def _verify_logit_bias(self, vocab_size: int) -> None:
         for key, value in (self.logit_bias or {}).items():
@@ -207,12 +226,12 @@ def _check_type(key: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {type(value).__name__}")
         return value
-    if key == "stop":
+    if key in ("stop", "stop_regex"):
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return list(value)
-        raise ValueError("stop must be a string or a list of strings")
+        raise ValueError(f"{key} must be a string or a list of strings")
     if key == "stop_token_ids":
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return list(value)

@@ -6,6 +6,7 @@ DECODING -> WAITING on retraction/preemption and any state -> FINISHED on abort.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,11 +18,12 @@ from radixserve.managers.io_struct import (
     DisaggRouting,
     FinishAbort,
     FinishLength,
+    FinishMatchedRegex,
     FinishMatchedStr,
     FinishMatchedToken,
     FinishReason,
 )
-from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.sampling.sampling_params import STOP_REGEX_TAIL_TOKENS, SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.base_cache import BasePrefixCache
@@ -127,6 +129,8 @@ class Req:
         stops = sampling_params.stop or []
         self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
         self.stop_str_max_len = max((len(s.encode()) for s in self.stop_strs), default=0)  # bytes
+        regexes = sampling_params.stop_regex or []
+        self.stop_regexes = [re.compile(p) for p in ([regexes] if isinstance(regexes, str) else regexes)]
         # Prefill/decode disaggregation: the peer's bootstrap address and the pairing room (a PD
         # side sets them when it admits the request).
         self.routing: DisaggRouting = NO_ROUTING
@@ -224,6 +228,23 @@ class Req:
             stop = self._completed_stop_str()
             if stop is not None:
                 self.finished_reason = FinishMatchedStr(stop)
+                return
+        if self.stop_regexes and self.tokenizer is not None:
+            pattern = self._completed_stop_regex()
+            if pattern is not None:
+                self.finished_reason = FinishMatchedRegex(pattern)
+
+    def _completed_stop_regex(self) -> str | None:
+        """The first stop_regex with a non-empty match in the newest STOP_REGEX_TAIL_TOKENS
+        tokens' text that ends in the newest token's text (so one found before min_new_tokens
+        does not count later)."""
+        tail_ids = self.output_ids[-STOP_REGEX_TAIL_TOKENS:]
+        tail = self.tokenizer.decode(tail_ids)
+        ends_after = len(self.tokenizer.decode(tail_ids[:-1]).rstrip("\ufffd"))
+        for pattern in self.stop_regexes:
+            if any(m.end() > max(ends_after, m.start()) for m in pattern.finditer(tail)):
+                return pattern.pattern
+        return None
 
     def _completed_stop_str(self) -> str | None:
         """The stop string the newest token completed (the scheduler alone decides this; the

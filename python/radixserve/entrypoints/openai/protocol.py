@@ -93,6 +93,7 @@ class SamplingExtras(RequestModel):
     ignore_eos: bool | None = None
     min_tokens: NonNegativeInt | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _PASS_THROUGH = tuple(
     "n temperature top_p top_k min_p seed frequency_penalty presence_penalty repetition_penalty "
     "ignore_eos stop_token_ids skip_special_tokens spaces_between_special_tokens no_stop_trim "
-    "regex ebnf json_schema logit_bias".split()
+    "regex ebnf json_schema logit_bias stop_regex".split()
 )
 
 
