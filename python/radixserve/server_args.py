@@ -264,6 +264,11 @@ class ServerArgs:
         "step's batch is built; that step's arrivals beyond it are refused (503), lowest priority "
         "then newest first. Requests the step admits do not count.",
     )
+    allow_auto_truncate: bool = _f(
+        False,
+        "Cut an input longer than the context to its first tokens (and a max_new_tokens past the "
+        "context to what is left of it) instead of refusing the request with a 400.",
+    )
     max_prefill_tokens: int = _f(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _f(None, "Chunk size for long prompts; -1 disables chunking.")
     page_size: int = _f(1, "Tokens per KV-cache page.")

@@ -104,3 +104,24 @@ def test_samples_of_a_prompt_share_one_tokenization():
     items = GenerateReqInput(text=["a", "b"], sampling_params=[{"n": 3}, {}]).expand()
     ids = prepare_items(Tok(), ModelLimits(vocab_size=10, context_len=64, max_req_input_len=63), items)
     assert ids == [[1, 2]] * 4 and calls == ["a", "b"]
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_allow_auto_truncate_cuts_the_input_and_the_budget_instead_of_refusing(allow):
+    """--allow-auto-truncate (SGLang): an input past the context keeps its first tokens, and a
+    max_new_tokens past what is left shrinks to it; without the flag both are 400s."""
+    limits = ModelLimits(vocab_size=100, context_len=16, max_req_input_len=15, allow_auto_truncate=allow)
+    long_input = GenerateReqInput(
+        input_ids=list(range(1, 30)), sampling_params={"max_new_tokens": 1}
+    ).expand()
+    big_budget = GenerateReqInput(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 50}).expand()
+    if not allow:
+        with pytest.raises(ValueError, match="longer than the model's context length"):
+            prepare_items(None, limits, long_input)
+        with pytest.raises(ValueError, match="exceeds the model's maximum context length of 16"):
+            prepare_items(None, limits, big_budget)
+        return
+    assert prepare_items(None, limits, long_input) == [list(range(1, 16))]
+    assert long_input[0].sampling_params.max_new_tokens == 1
+    assert prepare_items(None, limits, big_budget) == [[5, 6, 7]]
+    assert big_budget[0].sampling_params.max_new_tokens == 13

@@ -13,12 +13,15 @@ state or its sockets, which belong to the event loop's thread.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from radixserve.constrained.validation import validate_grammar
 from radixserve.managers.generate_request import GenerateReqInput, RequestItem
+
+logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
@@ -35,6 +38,7 @@ class ModelLimits:
     is_generation: bool = True
     dp_size: int = 1
     disaggregation_mode: str = "null"
+    allow_auto_truncate: bool = False  # --allow-auto-truncate: cut instead of refusing
 
 
 def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestItem]:
@@ -106,6 +110,11 @@ def prompt_ids(tokenizer: Any, limits: ModelLimits, item: RequestItem) -> list[i
     if any(not 0 <= t < limits.vocab_size for t in ids):
         raise InvalidRequestError(f"Token ids must be in [0, {limits.vocab_size}).")
     if len(ids) > limits.max_req_input_len:
+        if limits.allow_auto_truncate:  # SGLang's rule: keep the first tokens, room for one more
+            logger.warning(
+                "Input of %d tokens cut to %d (--allow-auto-truncate)", len(ids), limits.max_req_input_len
+            )
+            return ids[: limits.max_req_input_len]
         raise InvalidRequestError(
             f"The input ({len(ids)} tokens) is longer than the model's context length "
             f"({limits.context_len} tokens)."
@@ -125,7 +134,7 @@ def _check_item(limits: ModelLimits, item: RequestItem, ids: list[int]) -> None:
     params.verify(limits.vocab_size)
     validate_grammar(params)  # a bad json_schema / regex / ebnf is a 400 with the reason
     if len(ids) + params.max_new_tokens > limits.context_len:
-        if item.max_new_tokens_set:
+        if item.max_new_tokens_set and not limits.allow_auto_truncate:
             raise InvalidRequestError(
                 f"Requested token count exceeds the model's maximum context length of {limits.context_len} "
                 f"tokens: {len(ids)} tokens from the input and {params.max_new_tokens} for the completion."

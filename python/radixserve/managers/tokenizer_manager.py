@@ -96,6 +96,7 @@ class TokenizerManager:
             self.is_generation,
             server_args.dp_size,
             server_args.disaggregation_mode,
+            server_args.allow_auto_truncate,
         )
         self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
