@@ -64,8 +64,8 @@ def _add_batch_api(app: FastAPI, state: ServerState, chat: ChatHandler) -> None:
             try:
                 yield
             finally:
+                # The store stays open: an app's lifespan may run again (in-process test apps).
                 await runner.close()
-                store.close()
 
     app.router.lifespan_context = lifespan
 
