@@ -66,7 +66,7 @@ class BatchRunner:
         # Finalizing: the lines are all done and the files being written; let it complete.
         if batch["status"] in ("validating", "in_progress"):
             batch.update(status="cancelling", cancelling_at=int(time.time()))
-            await self.store.run(self.store.db.update_batch, batch)
+            await self.store.run(self.store.db.update_batch, _snapshot(batch))
             if task is not None:
                 task.cancel()
         if task is not None:
@@ -85,7 +85,7 @@ class BatchRunner:
         try:
             if batch["status"] == "validating":
                 batch.update(status="in_progress", in_progress_at=int(time.time()))
-                await self.store.run(self.store.db.update_batch, batch)
+                await self.store.run(self.store.db.update_batch, _snapshot(batch))
             if batch["status"] == "in_progress":
                 expired = await self._run_lines(batch)
                 await self._finish(batch, "expired" if expired else "completed")
@@ -133,7 +133,7 @@ class BatchRunner:
                 outcome = await self.lines.run(request["url"], request["body"])
         batch["request_counts"]["completed" if outcome.ok else "failed"] += 1
         result = output_line(request["custom_id"], outcome)
-        await self.store.run(self.store.db.finish_line, batch, line, result, not outcome.ok)
+        await self.store.run(self.store.db.finish_line, _snapshot(batch), line, result, not outcome.ok)
 
     async def _finish(self, batch: Batch, final: str) -> None:
         """Write the output and error files, then the batch's last state. Lines that never ran
@@ -141,27 +141,26 @@ class BatchRunner:
         db, now = self.store.db, int(time.time())
         if final == "completed" and batch["status"] != "finalizing":
             batch.update(status="finalizing", finalizing_at=now)
-            await self.store.run(db.update_batch, batch)
+            await self.store.run(db.update_batch, _snapshot(batch))
         unrun = [
             unrun_line(req["custom_id"], f"batch_{final}", f"The batch was {final} before this request ran.")
             for _, req in await self.store.run(db.pending_lines, batch["id"])
         ]
-        batch["request_counts"]["failed"] += len(unrun)
-        done = await self.store.run(db.results, batch["id"], False)
-        failed = await self.store.run(db.results, batch["id"], True)
+        # Built apart and applied last: a _finish interrupted before its write counts nothing twice.
+        ended = _snapshot(batch)
+        ended["request_counts"]["failed"] += len(unrun)
         files = []
-        for key, lines, name in (("output_file_id", done, "output"), ("error_file_id", failed, "error")):
-            content = "".join(f"{text}\n" for text in lines).encode()
-            if key == "error_file_id":
-                content += b"".join(_jsonl(u) for u in unrun)
-            if content:
+        for key, failed, name in (("output_file_id", False, "output"), ("error_file_id", True, "error")):
+            content = "".join(f"{text}\n" for text in await self.store.run(db.results, batch["id"], failed))
+            data = content.encode() + (b"".join(_jsonl(u) for u in unrun) if failed else b"")
+            if data:
                 file_id, filename = f"file-{secrets.token_hex(12)}", f"{batch['id']}_{name}.jsonl"
-                file = file_object(file_id, filename, "batch_output", content, now)
-                files.append((file, content))
-                batch[key] = file["id"]
-        batch.update(status=final)
-        batch[f"{final}_at"] = now
-        await self.store.run(db.finalize, batch, files)
+                file = file_object(file_id, filename, "batch_output", data, now)
+                files.append((file, data))
+                ended[key] = file["id"]
+        ended.update({"status": final, f"{final}_at": now})
+        await self.store.run(db.finalize, ended, files)
+        batch.update(ended)
 
     async def _fail(self, batch: Batch, message: str) -> None:
         error = BatchError(code="server_error", message=message)
@@ -169,9 +168,14 @@ class BatchRunner:
             status="failed", failed_at=int(time.time()), errors=BatchErrors(data=[error]).model_dump()
         )
         try:
-            await self.store.run(self.store.db.update_batch, batch)
+            await self.store.run(self.store.db.update_batch, _snapshot(batch))
         except Exception:  # noqa: BLE001 - the store itself failed: said in the log, kept in memory
             logger.exception("Could not store the failure of batch %s", batch["id"])
+
+
+def _snapshot(batch: Batch) -> Batch:
+    """What the store thread writes: a copy, since the loop goes on changing the live object."""
+    return {**batch, "request_counts": dict(batch["request_counts"])}
 
 
 def _jsonl(value: dict[str, Any]) -> bytes:
