@@ -61,10 +61,11 @@ def ttft_s(client: httpx.Client, question: str, max_tokens: int) -> float:
     start = time.perf_counter()
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
+        lines = resp.iter_lines()
+        for line in lines:
             if line.startswith("data: ") and '"content"' in line:
                 first = time.perf_counter() - start
-                for _ in resp.iter_lines():  # read to the end, as a client would
+                for _ in lines:  # read to the end, as a client would
                     pass
                 return first
     raise RuntimeError("the stream ended without a token")

@@ -139,8 +139,9 @@ class ServerArgs:
     batch_max_concurrent_requests: int | None = _f(
         None,
         "Most requests of OpenAI batches (/v1/batches) in flight at once, all batches together; they "
-        "run at the lowest priority. Default: 16 with --enable-priority-scheduling (interactive "
-        "requests go first and preempt them), else 2 (a batch never floods the queue).",
+        "run at the lowest priority, and the bound keeps a batch from flooding the queue. Default: 2 "
+        "on CPU (each decoding line slows every step: docs/benchmarks.md); on CUDA 16 with "
+        "--enable-priority-scheduling (interactive requests go first and preempt them), else 4.",
     )
     max_request_body_bytes: int = _f(
         32 * 1024 * 1024, "Largest request body in bytes; a larger one is refused with 413 before it is read."
@@ -497,7 +498,8 @@ class ServerArgs:
         if self.attention_backend is None:
             updates["attention_backend"] = _default_attention_backend(device)
         if self.batch_max_concurrent_requests is None:
-            updates["batch_max_concurrent_requests"] = 16 if self.enable_priority_scheduling else 2
+            gpu_bound = 16 if self.enable_priority_scheduling else 4
+            updates["batch_max_concurrent_requests"] = 2 if device == "cpu" else gpu_bound
         if self.mem_fraction_static is None and device == "cuda":
             updates["mem_fraction_static"] = 0.85
         if self.cpu_threads is None and device == "cpu":
