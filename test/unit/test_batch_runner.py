@@ -230,3 +230,30 @@ def test_a_multipart_upload_is_read_byte_for_byte() -> None:
     assert form["purpose"].value == b"batch" and form["purpose"].filename is None
     with pytest.raises(InvalidRequestError):
         parse_form("application/json", b"{}")
+
+
+class StubEncoder:
+    """The TokenizerManager as the embeddings path uses it: encode_items and its model info."""
+
+    served_model_name = "emb"
+    embedding_info = {"normalize": False}
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    async def encode_items(self, items: list[Any], request: Any) -> list[dict[str, Any]]:  # noqa: ANN401
+        self.items.extend(items)
+        return [
+            {"embedding": [1.0, 2.0], "meta_info": {"prompt_tokens": 2, "finish_reason": None}} for _ in items
+        ]
+
+
+def test_an_embeddings_line_runs_at_the_batch_priority() -> None:
+    tm = StubEncoder()
+    runner = LineRunner(tm, None, None, ("emb",))  # type: ignore[arg-type]
+    outcome = asyncio.run(runner.run("/v1/embeddings", {"input": ["a", "b"], "encoding_format": "float"}))
+    assert outcome.status_code == 200, outcome.body
+    assert [d["embedding"] for d in outcome.body["data"]] == [[1.0, 2.0], [1.0, 2.0]]
+    assert outcome.body["usage"]["prompt_tokens"] == 4 and outcome.body["model"] == "emb"
+    assert [item.priority for item in tm.items] == [BATCH_PRIORITY, BATCH_PRIORITY]
+    assert asyncio.run(runner.run("/v1/embeddings", {"input": "a", "model": "other"})).status_code == 404
