@@ -132,8 +132,16 @@ class ServerArgs:
     storage_dir: str | None = _f(
         None,
         "Directory of the durable store (SQLite, WAL) of what outlives a request: stored Responses "
-        "(store: true) and background responses, kept across restarts. Default: kept in memory, "
+        "(store: true), background responses, and Batch API files and batches (a running batch "
+        "resumes after a restart), kept across restarts. Default: kept in memory, "
         "lost when the server stops (nothing a user sent is written to disk unless asked).",
+    )
+    batch_max_concurrent_requests: int | None = _f(
+        None,
+        "Most requests of OpenAI batches (/v1/batches) in flight at once, all batches together; they "
+        "run at the lowest priority, and the bound keeps a batch from flooding the queue. Default: 2 "
+        "on CPU (each decoding line slows every step: docs/benchmarks.md); on CUDA 16 with "
+        "--enable-priority-scheduling (interactive requests go first and preempt them), else 4.",
     )
     max_request_body_bytes: int = _f(
         32 * 1024 * 1024, "Largest request body in bytes; a larger one is refused with 413 before it is read."
@@ -494,6 +502,9 @@ class ServerArgs:
             updates["disable_overlap_schedule"] = True
         if self.attention_backend is None:
             updates["attention_backend"] = _default_attention_backend(device)
+        if self.batch_max_concurrent_requests is None:
+            gpu_bound = 16 if self.enable_priority_scheduling else 4
+            updates["batch_max_concurrent_requests"] = 2 if device == "cpu" else gpu_bound
         if self.mem_fraction_static is None and device == "cuda":
             updates["mem_fraction_static"] = 0.85
         if self.cpu_threads is None and device == "cpu":
@@ -563,6 +574,10 @@ class ServerArgs:
             )
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.batch_max_concurrent_requests is not None and self.batch_max_concurrent_requests < 1:
+            raise ValueError(
+                f"--batch-max-concurrent-requests must be >= 1, got {self.batch_max_concurrent_requests}"
+            )
         _check_choice("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("radix-eviction-policy", self.radix_eviction_policy, RADIX_EVICTION_POLICIES)
         if self.attention_backend is not None:

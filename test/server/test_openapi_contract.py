@@ -71,6 +71,12 @@ def test_every_operation_answers_as_documented(app: FastAPI) -> None:
     operations = [r.ok() for r in api.get_all_operations()]
     paths = {op.path for op in operations}
     assert {"/open_session", "/get_weights_by_name", "/update_weights_from_disk", "/generate"} <= paths
+    assert {
+        "/v1/files",
+        "/v1/files/{file_id}/content",
+        "/v1/batches",
+        "/v1/batches/{batch_id}/cancel",
+    } <= paths
     calls = 0
     for operation in operations:
         calls += fuzz(operation, GenerationMode.POSITIVE, EXAMPLES_PER_OPERATION)

@@ -10,7 +10,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from radixserve.entrypoints import client_apis
-from radixserve.entrypoints.http_guards import allowed_host_names, host_name, is_json_type
+from radixserve.entrypoints.http_guards import MULTIPART_PATHS, allowed_host_names, host_name, is_json_type
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.managers.lora_registry import LoRARegistry
 from radixserve.server_args import ServerArgs
@@ -191,6 +191,9 @@ def test_every_post_route_takes_json_only() -> None:
     ]
     for path, method in routes:
         for headers in cross_site:
+            if path in MULTIPART_PATHS and "multipart" in headers.get("Content-Type", ""):
+                # A file upload takes a form, but not from a page (a browser always sends Origin).
+                headers = {**headers, "Origin": "https://evil.example"}
             resp = c.request(method, path, content=b'{"name": "model.norm.weight"}', headers=headers)
             assert resp.status_code == 415, (path, method, headers, resp.text)
             assert "application/json" in _error_message(path, resp.json())
@@ -243,3 +246,16 @@ def test_openapi_lists_415_and_the_control_answers() -> None:
     assert refused[0] == {"$ref": error} and {"success", "message"} <= set(refused[1]["properties"])
     rows = paths["/get_weights_by_name"]["post"]["responses"]["200"]["content"]["application/json"]
     assert {"type": "array"} in rows["schema"]["anyOf"]
+
+
+def test_a_file_upload_takes_a_form_only_without_origin() -> None:
+    """POST /v1/files reads multipart/form-data from SDKs and curl (no Origin); the same form
+    from a page (Origin) is refused like any cross-site body."""
+    c = client()
+    form = {"Content-Type": "multipart/form-data; boundary=b"}
+    body = b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b--\r\n'
+    resp = c.post("/v1/files", content=body, headers=form)
+    assert resp.status_code == 400 and "file" in resp.json()["error"]["message"]  # read: no file part
+    resp = c.post("/v1/files", content=body, headers={**form, "Origin": "https://evil.example"})
+    assert resp.status_code == 415
+    assert c.post("/v1/tokenize", content=body, headers=form).status_code == 415  # other routes: JSON only

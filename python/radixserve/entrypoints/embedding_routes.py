@@ -41,7 +41,7 @@ def _json(payload: Any) -> Response:  # noqa: ANN401 - any JSON-able value
     return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
 
-def _items(value: EmbeddingInput, truncate: int | None = None) -> list[EmbedItem]:
+def embedding_items(value: EmbeddingInput, truncate: int | None = None) -> list[EmbedItem]:
     """OpenAI's `input`: a string, a list of strings, token ids, or a list of token-id lists."""
     if isinstance(value, str):
         return [make_item(value, truncate=truncate)]
@@ -115,7 +115,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         req = await json_body(EmbeddingRequest, request)
         check_model(req.model, state.served_names)
         outputs = await scoring.embed(
-            tm, _items(req.input, req.truncate_prompt_tokens), req.dimensions, request
+            tm, embedding_items(req.input, req.truncate_prompt_tokens), req.dimensions, request
         )
         body = embeddings_body(outputs, req.encoding_format, req.model or tm.served_model_name)
         return Response(body, media_type="application/json")
@@ -150,7 +150,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         req = await json_body(ClassifyRequest, request)
         check_model(req.model, state.served_names)
         info = _require_classifier(state)
-        outputs = await scoring.run(tm, _items(req.input), request)
+        outputs = await scoring.run(tm, embedding_items(req.input), request)
         labels = {int(k): v for k, v in (info.get("id2label") or {}).items()}
         data = [
             ClassifyData(index=i, **scoring.classification(o["embedding"], labels))

@@ -9,6 +9,9 @@ A server on 127.0.0.1 without --api-key is reachable from any web page the user 
   text/plain or a form without a CORS preflight, but not JSON; the preflight (OPTIONS) is never
   approved here.
 - **Body size**: a body over --max-request-body-bytes is refused (413) before it is read.
+- **File uploads** (`MULTIPART_PATHS`, OpenAI's POST /v1/files) take multipart/form-data, which a
+  page can send cross-site; so only without an Origin header (SDKs and curl send none, a
+  browser always does on a POST).
 
 docs/http_api.md ("Security") states the rules for users.
 """
@@ -142,6 +145,17 @@ def is_json_type(content_type: str | None) -> bool:
 
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+MULTIPART_PATHS = frozenset({"/v1/files"})  # routes whose body is multipart/form-data
+
+
+def is_multipart_upload(request: Request) -> bool:
+    """A form upload to a MULTIPART_PATHS route, not sent by a browser page (no Origin)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return (
+        media == "multipart/form-data"
+        and request.scope["path"] in MULTIPART_PATHS
+        and "origin" not in request.headers
+    )
 
 
 def _has_body(headers: Headers) -> bool:
@@ -158,7 +172,7 @@ async def require_json_body(request: Request) -> None:
     if request.method not in BODY_METHODS:
         return
     headers = request.headers
-    if is_json_type(headers.get("content-type")):
+    if is_json_type(headers.get("content-type")) or is_multipart_upload(request):
         return
     if "content-type" not in headers and "origin" not in headers and not _has_body(headers):
         return

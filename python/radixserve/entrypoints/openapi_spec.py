@@ -245,6 +245,9 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             if method in ("post", "put") and path in _BODIES:
                 schema = refs[(_BODIES[path], "validation")]
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+            elif method == "post" and path in client_apis.OPENAPI_MULTIPART_BODIES:
+                form = client_apis.OPENAPI_MULTIPART_BODIES[path]
+                op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form}}}
             dialect = client_apis.error_model(path)  # Anthropic's and Ollama's own error shapes
             op["responses"] = _responses(
                 path, method, refs, error if dialect is None else refs[(dialect, "serialization")]
@@ -274,6 +277,8 @@ def _responses(path: str, method: str, refs: dict[Any, Any], error: dict[str, An
         return _with_errors(path, method, ok, error)
     if path in _TEXT_ANSWERS:
         ok["text/plain"] = {"schema": {"type": "string"}}
+    elif path in client_apis.OPENAPI_BINARY_ANSWERS:
+        ok["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
     elif path in _JSON_ANSWERS:
         ok["application/json"] = {"schema": refs[(_JSON_ANSWERS[path], "serialization")]}
     elif path in _ONE_OR_MANY:
@@ -311,8 +316,8 @@ def _error_statuses(path: str, method: str) -> list[int]:
     if path not in PUBLIC_PATHS:
         statuses.add(401)
     if method in ("post", "put"):
-        statuses.add(415)  # every POST/PUT takes JSON only (http_guards.require_json_body)
-        if path in _BODIES:
+        statuses.add(415)  # JSON only, or a form upload (http_guards.require_json_body)
+        if path in _BODIES or path in client_apis.OPENAPI_MULTIPART_BODIES:
             statuses.add(413)  # a body is read up to --max-request-body-bytes
     return sorted(statuses)
 

@@ -74,9 +74,12 @@ class ChatHandler:
         return native, plan
 
     async def create(
-        self, req: ChatCompletionRequest, request: ClientRequest | None
+        self, req: ChatCompletionRequest, request: ClientRequest | None, priority: int | None = None
     ) -> ChatCompletionResponse:
+        """`priority`: set by the server's own callers (a batch line runs below every client)."""
         native, plan = await self.tm.run_blocking(self.plan, req, False)
+        if priority is not None:
+            native.priority = priority
         result = await self.tm.generate(native, request)
         outputs = [result] if isinstance(result, dict) else result
         choices = []

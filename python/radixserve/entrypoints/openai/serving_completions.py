@@ -67,8 +67,13 @@ class CompletionsHandler:
         batches = [ids] if obj.is_single else ids
         return [self.tm.detokenize(b) for b in batches]  # type: ignore[arg-type]
 
-    async def create(self, req: CompletionRequest, request: ClientRequest | None) -> CompletionResponse:
+    async def create(
+        self, req: CompletionRequest, request: ClientRequest | None, priority: int | None = None
+    ) -> CompletionResponse:
+        """`priority`: set by the server's own callers (a batch line runs below every client)."""
         obj = self.to_native(req, stream=False)
+        if priority is not None:
+            obj.priority = priority
         result = await self.tm.generate(obj, request)
         outputs = [result] if isinstance(result, dict) else result
         for out in outputs:

@@ -1,9 +1,7 @@
 """The durable store of stored responses (store: true): SQLite, stdlib sqlite3.
 
-With --storage-dir the database is `<dir>/responses.sqlite3` in WAL mode (readers never wait for
-the writer, and a crash loses at most the last transaction); without it the database lives in
-memory and ends with the server. Every call runs on one dedicated thread (`ResponseStore`), so a
-disk write never blocks the event loop and the connection is only ever used by that thread.
+With --storage-dir the database is `<dir>/responses.sqlite3` in WAL mode, else in memory
+(sqlite_store.py); every call runs on the store's own thread (`ResponseStore`).
 
 A row keeps the response object as last seen, the request's input items (with their ids), and,
 for background responses, the event stream (for GET ?stream=true after the job ended). At open,
@@ -13,15 +11,11 @@ failed (docs/http_api.md says why they are not resumed).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sqlite3
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from radixserve.entrypoints.sqlite_store import StoreThread, open_sqlite
+from radixserve.entrypoints.sqlite_store import dumps as _dumps
 
 DB_NAME = "responses.sqlite3"
 INTERRUPTED = "The server stopped while this response was running; it was not resumed."
@@ -37,26 +31,11 @@ CREATE TABLE IF NOT EXISTS responses (
 """
 
 
-def _dumps(value: object) -> str:
-    # The stdlib encoder, not orjson: a request may carry integers past 64 bits (in a schema) and
-    # lone surrogates (escaped here as \\udXXX), which orjson refuses.
-    return json.dumps(value)
-
-
 class SqliteResponses:
     """The synchronous store; use it from one thread only (ResponseStore does)."""
 
     def __init__(self, storage_dir: str | None) -> None:
-        if storage_dir is None:
-            self.conn = sqlite3.connect(":memory:", check_same_thread=False)
-        else:
-            os.makedirs(storage_dir, exist_ok=True)
-            path = os.path.join(storage_dir, DB_NAME)
-            self.conn = sqlite3.connect(path, check_same_thread=False)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint, as WAL intends
-        with self.conn:
-            self.conn.execute(_SCHEMA)
+        self.conn = open_sqlite(storage_dir, DB_NAME, _SCHEMA)
         self.fail_interrupted()
 
     def fail_interrupted(self) -> int:
@@ -145,12 +124,10 @@ class ResponseStore:
     """The async face of the store: each call runs on the store's own thread."""
 
     def __init__(self, storage_dir: str | None) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="response-store")
         self.storage_dir = storage_dir
-        self._db: SqliteResponses = self._executor.submit(SqliteResponses, storage_dir).result()
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:  # noqa: ANN401
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._thread = StoreThread("response-store", lambda: SqliteResponses(storage_dir))
+        self._db: SqliteResponses = self._thread.db
+        self._run = self._thread.run
 
     async def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         await self._run(self._db.put, response, input_items)
@@ -174,5 +151,4 @@ class ResponseStore:
         return await self._run(self._db.history, rid)
 
     def close(self) -> None:
-        self._executor.submit(self._db.close).result()
-        self._executor.shutdown(wait=True)
+        self._thread.close()

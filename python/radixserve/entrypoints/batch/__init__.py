@@ -1,0 +1,1 @@
+"""OpenAI's Files and Batch APIs (docs/http_api.md, "Batch")."""
