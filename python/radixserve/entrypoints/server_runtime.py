@@ -1,8 +1,8 @@
-"""`python -m radixserve.launch_server --model-path ... --port 30000`
+"""The HTTP server process: its children, uvicorn, the warm-up request and the health state.
 
-Start-up: resolve the arguments, start the scheduler(s) and the detokenizer, serve the app with
-uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdown (SIGTERM or
-SIGINT) drains first (entrypoints/drain.py): new requests get 503, in-flight ones get
+Start-up: start the scheduler(s) and the detokenizer, load the tokenizer, serve the
+app with uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdown
+(SIGTERM or SIGINT) drains first (entrypoints/drain.py): new requests get 503, in-flight ones get
 --graceful-shutdown-timeout to finish and are then aborted with a final event; then uvicorn stops,
 the TokenizerManager closes its sockets, the children are stopped and the process exits 0. A
 child dying on its own turns /health to 503 and the process exits 1 within a few seconds, unless
@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import urllib.request
@@ -34,7 +33,7 @@ from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subproces
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers.hf_tokenizer import load_tokenizer
 from radixserve.managers.tokenizer_manager import TokenizerManager
-from radixserve.server_args import ServerArgs, prepare_server_args
+from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs
 from radixserve.utils.process import ChildProcesses, limit_threads
 
@@ -176,22 +175,3 @@ class ServerRuntime:
             logging.shutdown()
             os._exit(1)
         return 0
-
-
-def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | None = None) -> None:
-    """Run a server until SIGTERM/SIGINT; `scheduler_entry` replaces the scheduler (tests)."""
-    logging.basicConfig(
-        level=server_args.log_level.upper(), format="[%(asctime)s %(processName)s] %(levelname)s %(message)s"
-    )
-    server_args = server_args.resolve()
-    if server_args.node_rank > 0:
-        # Not node 0: this node's ranks and a health endpoint; node 0 serves the API.
-        from radixserve.entrypoints.headless_node import HeadlessNode
-
-        sys.exit(HeadlessNode(server_args).run())
-    runtime = ServerRuntime(server_args, scheduler_entry)
-    sys.exit(runtime.run())
-
-
-if __name__ == "__main__":
-    launch_server(prepare_server_args())
