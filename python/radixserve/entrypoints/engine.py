@@ -28,6 +28,7 @@ from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.model_executor.tensor_payload import serialize_named_tensors
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from radixserve.utils.background import BackgroundCall
 from radixserve.utils.network import PortArgs
 from radixserve.utils.process import ChildProcesses
 
@@ -50,13 +51,13 @@ class Engine:
     ) -> None:
         self.server_args = ServerArgs(model_path=model_path, **kwargs).resolve()
         self._port_args = PortArgs.create()
+        # The tokenizer (seconds of transformers import) loads while the children start.
+        tokenizer = BackgroundCall(load_tokenizer, self.server_args, name="load-tokenizer")
         children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
-        self.tokenizer_manager = TokenizerManager(
-            self.server_args, self._port_args, info, load_tokenizer(self.server_args)
-        )
+        self.tokenizer_manager = TokenizerManager(self.server_args, self._port_args, info, tokenizer.result())
         self._run(self.tokenizer_manager.start())
         # A dead child fails what is in flight with 503; with restart_on_failure=True the children
         # are restarted (docs/reliability.md), else every later call fails the same way.

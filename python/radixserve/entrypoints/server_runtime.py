@@ -1,6 +1,6 @@
 """The HTTP server process: its children, uvicorn, the warm-up request and the health state.
 
-Start-up: start the scheduler(s) and the detokenizer, load the tokenizer, serve the
+Start-up: start the scheduler(s) and the detokenizer (the tokenizer loads meanwhile), serve the
 app with uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdown
 (SIGTERM or SIGINT) drains first (entrypoints/drain.py): new requests get 503, in-flight ones get
 --graceful-shutdown-timeout to finish and are then aborted with a final event; then uvicorn stops,
@@ -34,6 +34,7 @@ from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers.hf_tokenizer import load_tokenizer
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server_args import ServerArgs
+from radixserve.utils.background import BackgroundCall
 from radixserve.utils.network import PortArgs
 from radixserve.utils.process import ChildProcesses, limit_threads
 
@@ -54,6 +55,8 @@ class ServerRuntime:
     def __init__(self, server_args: ServerArgs, scheduler_entry: SchedulerEntry | None) -> None:
         self.server_args = server_args
         self.port_args = PortArgs.create()
+        # The tokenizer (seconds of transformers import) loads while the children start.
+        tokenizer = BackgroundCall(load_tokenizer, server_args, name="load-tokenizer")
         started = time.monotonic()
         children, info = launch_subprocesses(server_args, self.port_args, scheduler_entry)
         self.first_start_s = time.monotonic() - started  # Retry-After until a restart is measured
@@ -62,8 +65,10 @@ class ServerRuntime:
             lambda into: launch_subprocesses(server_args, self.port_args, scheduler_entry, into),
             RestartBudget.from_args(server_args),
         )
+        # Joined first: limit_threads() must not meet a torch that the loader is half-way importing.
+        loaded_tokenizer = tokenizer.result()
         limit_threads()  # after spawning, so the scheduler does not inherit the limits
-        tm = TokenizerManager(server_args, self.port_args, info, load_tokenizer(server_args))
+        tm = TokenizerManager(server_args, self.port_args, info, loaded_tokenizer)
         self.state = ServerState(tm=tm)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain = Drain(server_args.graceful_shutdown_timeout, self._abort_in_flight, self._request_exit)
