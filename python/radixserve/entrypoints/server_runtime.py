@@ -1,7 +1,7 @@
 """The HTTP server process: its children, uvicorn, the warm-up request and the health state.
 
-Start-up: start the scheduler(s) and the detokenizer (the tokenizer loads meanwhile), serve the
-app with uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdown
+Start-up (launch_server.py starts the children and loads the tokenizer before building it): serve
+the app with uvicorn on uvloop, send one warm-up request, then log the readiness line. Shutdown
 (SIGTERM or SIGINT) drains first (entrypoints/drain.py): new requests get 503, in-flight ones get
 --graceful-shutdown-timeout to finish and are then aborted with a final event; then uvicorn stops,
 the TokenizerManager closes its sockets, the children are stopped and the process exits 0. A
@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -29,12 +30,10 @@ from radixserve.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from radixserve.entrypoints.drain import Drain, DrainingServer, DrainMiddleware
 from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.http_server import ServerState, create_app
-from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses
+from radixserve.entrypoints.subprocesses import SchedulerEntry, StartedChildren, launch_subprocesses
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
-from radixserve.managers.hf_tokenizer import load_tokenizer
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server_args import ServerArgs
-from radixserve.utils.background import BackgroundCall
 from radixserve.utils.network import PortArgs
 from radixserve.utils.process import ChildProcesses, limit_threads
 
@@ -52,23 +51,26 @@ WARMUP_TIMEOUT_S = 600.0
 class ServerRuntime:
     """Owns the children, the uvicorn server and the health state of one server process."""
 
-    def __init__(self, server_args: ServerArgs, scheduler_entry: SchedulerEntry | None) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        started: StartedChildren,
+        tokenizer: Any,
+        scheduler_entry: SchedulerEntry | None,
+    ) -> None:
+        """`started`: the children, already ready (launch_server starts them before this module is
+        imported); `tokenizer`: the loaded HF tokenizer; `scheduler_entry` restarts them alike."""
         self.server_args = server_args
-        self.port_args = PortArgs.create()
-        # The tokenizer (seconds of transformers import) loads while the children start.
-        tokenizer = BackgroundCall(load_tokenizer, server_args, name="load-tokenizer")
-        started = time.monotonic()
-        children, info = launch_subprocesses(server_args, self.port_args, scheduler_entry)
-        self.first_start_s = time.monotonic() - started  # Retry-After until a restart is measured
+        self.port_args = port_args
+        self.first_start_s = started.start_s  # Retry-After until a restart is measured
         self.supervisor = Supervisor(
-            children,
-            lambda into: launch_subprocesses(server_args, self.port_args, scheduler_entry, into),
+            started.children,
+            lambda into: launch_subprocesses(server_args, port_args, scheduler_entry, into),
             RestartBudget.from_args(server_args),
         )
-        # Joined first: limit_threads() must not meet a torch that the loader is half-way importing.
-        loaded_tokenizer = tokenizer.result()
         limit_threads()  # after spawning, so the scheduler does not inherit the limits
-        tm = TokenizerManager(server_args, self.port_args, info, loaded_tokenizer)
+        tm = TokenizerManager(server_args, port_args, started.info, tokenizer)
         self.state = ServerState(tm=tm)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain = Drain(server_args.graceful_shutdown_timeout, self._abort_in_flight, self._request_exit)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve.server_args import ServerArgs
@@ -21,6 +23,24 @@ def default_scheduler_entry() -> SchedulerEntry:
     from radixserve.scheduler.scheduler_process import run_scheduler_process
 
     return run_scheduler_process
+
+
+@dataclass(frozen=True)
+class StartedChildren:
+    """The children of node 0, all ready, and what their start reported and took."""
+
+    children: ChildProcesses
+    info: dict[str, Any]  # rank 0's readiness report (merged over data-parallel replicas)
+    start_s: float  # seconds from the first spawn to the last readiness report
+
+
+def start_children(
+    server_args: ServerArgs, port_args: PortArgs, scheduler_entry: SchedulerEntry | None = None
+) -> StartedChildren:
+    """`launch_subprocesses`, timed."""
+    started = time.monotonic()
+    children, info = launch_subprocesses(server_args, port_args, scheduler_entry)
+    return StartedChildren(children, info, time.monotonic() - started)
 
 
 def launch_subprocesses(
