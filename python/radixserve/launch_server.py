@@ -37,26 +37,29 @@ def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | Non
 
 
 def _serve(server_args: ServerArgs, scheduler_entry: SchedulerEntry | None) -> int:
-    """Start the children first: the scheduler loads the model while this process imports the
-    HTTP server and loads the tokenizer (seconds of imports) on a thread."""
+    """Start the children first: the scheduler loads the model while this process loads the
+    tokenizer (which the detokenizer then starts from), then imports the HTTP server, on threads."""
     from radixserve.entrypoints.subprocesses import start_children
+    from radixserve.managers.decode_tokenizer import decode_spec
+    from radixserve.managers.hf_tokenizer import load_tokenizer
     from radixserve.utils.background import BackgroundCall
     from radixserve.utils.network import PortArgs
 
-    server_side = BackgroundCall(_import_server_and_load_tokenizer, server_args, name="server-imports")
+    tokenizer = BackgroundCall(load_tokenizer, server_args, name="load-tokenizer")
+    runtime_cls = BackgroundCall(_import_server_runtime, tokenizer, name="import-server")
     port_args = PortArgs.create()
-    started = start_children(server_args, port_args, scheduler_entry)
-    # An import or tokenizer error is raised here, as it was when nothing overlapped; the
-    # children are then stopped at exit (ChildProcesses' atexit hook).
-    runtime_cls, tokenizer = server_side.result()
-    return runtime_cls(server_args, port_args, started, tokenizer, scheduler_entry).run()
+    started = start_children(server_args, port_args, scheduler_entry, lambda: decode_spec(tokenizer.result()))
+    # An import error is raised here, as it was when nothing overlapped (a tokenizer error already
+    # was, by start_children); the children are then stopped at exit (ChildProcesses' atexit hook).
+    return runtime_cls.result()(server_args, port_args, started, tokenizer.result(), scheduler_entry).run()
 
 
-def _import_server_and_load_tokenizer(server_args: ServerArgs) -> tuple[type, Any]:
+def _import_server_runtime(after: Any) -> type:
+    """After `after` (the tokenizer's load): one import at a time, the one awaited first first."""
+    after.wait()
     from radixserve.entrypoints.server_runtime import ServerRuntime
-    from radixserve.managers.hf_tokenizer import load_tokenizer
 
-    return ServerRuntime, load_tokenizer(server_args)
+    return ServerRuntime
 
 
 if __name__ == "__main__":

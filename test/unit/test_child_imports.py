@@ -52,3 +52,36 @@ def test_the_probe_sees_the_http_stack_where_it_is_imported():
     """The check above can fail: the server's own runtime module does import the stack."""
     modules = _modules_after("radixserve.entrypoints.server_runtime")
     assert {"fastapi", "uvicorn"} <= modules
+
+
+# The detokenizer's start, given the spec its parent hands it (launch_subprocesses).
+DETOKENIZER_PROBE = """
+import json, pickle, runpy, sys
+runpy.run_module("radixserve.launch_server", run_name="__mp_main__", alter_sys=True)
+from radixserve.managers.detokenizer_manager import DetokenizerManager, load_decode_tokenizer
+spec = pickle.loads(bytes.fromhex(sys.argv[1]))
+manager = DetokenizerManager(load_decode_tokenizer(None, spec))
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_the_detokenizer_with_a_spec_imports_neither_torch_nor_transformers(tiny_llama_path: str):
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    from radixserve.managers.decode_tokenizer import decode_spec
+
+    spec = decode_spec(AutoTokenizer.from_pretrained(tiny_llama_path))
+    assert spec is not None
+    out = subprocess.run(
+        [sys.executable, "-c", DETOKENIZER_PROBE, pickle.dumps(spec).hex()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ,
+    )
+    assert out.returncode == 0, out.stderr
+    modules = set(json.loads(out.stdout.splitlines()[-1]))
+    assert "tokenizers" in modules
+    assert not modules & {"torch", "transformers", *HTTP_STACK}, sorted(modules & {"torch", "transformers"})

@@ -21,6 +21,7 @@ from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers import io_struct as io
 from radixserve.managers import scoring
 from radixserve.managers.control_client import ControlClient
+from radixserve.managers.decode_tokenizer import decode_spec
 from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.hf_tokenizer import load_tokenizer
@@ -53,7 +54,8 @@ class Engine:
         self._port_args = PortArgs.create()
         # The tokenizer (seconds of transformers import) loads while the children start.
         tokenizer = BackgroundCall(load_tokenizer, self.server_args, name="load-tokenizer")
-        children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry)
+        spec = lambda: decode_spec(tokenizer.result())  # noqa: E731 - also for restarts
+        children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry, None, spec)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
@@ -63,7 +65,7 @@ class Engine:
         # are restarted (docs/reliability.md), else every later call fails the same way.
         self._supervisor = Supervisor(
             children,
-            lambda into: launch_subprocesses(self.server_args, self._port_args, scheduler_entry, into),
+            lambda into: launch_subprocesses(self.server_args, self._port_args, scheduler_entry, into, spec),
             RestartBudget.from_args(self.server_args),
         )
         self._supervisor.start(RestartHandler(self.tokenizer_manager, self._loop, self._on_child_death))

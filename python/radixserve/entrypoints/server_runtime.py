@@ -32,6 +32,7 @@ from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.subprocesses import SchedulerEntry, StartedChildren, launch_subprocesses
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
+from radixserve.managers.decode_tokenizer import decode_spec
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs
@@ -66,7 +67,9 @@ class ServerRuntime:
         self.first_start_s = started.start_s  # Retry-After until a restart is measured
         self.supervisor = Supervisor(
             started.children,
-            lambda into: launch_subprocesses(server_args, port_args, scheduler_entry, into),
+            lambda into: launch_subprocesses(
+                server_args, port_args, scheduler_entry, into, lambda: decode_spec(tokenizer)
+            ),
             RestartBudget.from_args(server_args),
         )
         limit_threads()  # after spawning, so the scheduler does not inherit the limits

@@ -30,6 +30,10 @@ class BackgroundCall(Generic[T]):
         except BaseException as exc:  # result() raises it in the caller's thread
             self._error = exc
 
+    def wait(self) -> None:
+        """Until the call has finished, whatever its outcome (result() then returns at once)."""
+        self._thread.join()
+
     def result(self) -> T:
         self._thread.join()
         if self._error is not None:
