@@ -21,6 +21,7 @@ from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers import io_struct as io
 from radixserve.managers import scoring
 from radixserve.managers.control_client import ControlClient
+from radixserve.managers.decode_tokenizer import decode_spec
 from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.hf_tokenizer import load_tokenizer
@@ -28,6 +29,7 @@ from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.model_executor.tensor_payload import serialize_named_tensors
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from radixserve.utils.background import BackgroundCall
 from radixserve.utils.network import PortArgs
 from radixserve.utils.process import ChildProcesses
 
@@ -50,19 +52,20 @@ class Engine:
     ) -> None:
         self.server_args = ServerArgs(model_path=model_path, **kwargs).resolve()
         self._port_args = PortArgs.create()
-        children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry)
+        # The tokenizer (seconds of transformers import) loads while the children start.
+        tokenizer = BackgroundCall(load_tokenizer, self.server_args, name="load-tokenizer")
+        spec = lambda: decode_spec(tokenizer.result())  # noqa: E731 - also for restarts
+        children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry, None, spec)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
-        self.tokenizer_manager = TokenizerManager(
-            self.server_args, self._port_args, info, load_tokenizer(self.server_args)
-        )
+        self.tokenizer_manager = TokenizerManager(self.server_args, self._port_args, info, tokenizer.result())
         self._run(self.tokenizer_manager.start())
         # A dead child fails what is in flight with 503; with restart_on_failure=True the children
         # are restarted (docs/reliability.md), else every later call fails the same way.
         self._supervisor = Supervisor(
             children,
-            lambda into: launch_subprocesses(self.server_args, self._port_args, scheduler_entry, into),
+            lambda into: launch_subprocesses(self.server_args, self._port_args, scheduler_entry, into, spec),
             RestartBudget.from_args(self.server_args),
         )
         self._supervisor.start(RestartHandler(self.tokenizer_manager, self._loop, self._on_child_death))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from radixserve.managers.decode_tokenizer import DecodeSpec
 from radixserve.server_args import ServerArgs
 from radixserve.utils.network import PortArgs, get_free_port
 from radixserve.utils.process import ChildProcesses
@@ -14,6 +17,9 @@ from radixserve.utils.process import ChildProcesses
 logger = logging.getLogger(__name__)
 
 SchedulerEntry = Callable[..., None]  # run(server_args, port_args, pipe)
+# Called once the schedulers are started: the detokenizer's decode-only tokenizer, from the HF
+# tokenizer the caller loads meanwhile (None: the detokenizer loads the HF tokenizer itself).
+DetokenizerSpec = Callable[[], DecodeSpec | None]
 STARTUP_TIMEOUT_S = 600.0  # the first start converts the default model's weights
 
 
@@ -23,18 +29,42 @@ def default_scheduler_entry() -> SchedulerEntry:
     return run_scheduler_process
 
 
+@dataclass(frozen=True)
+class StartedChildren:
+    """The children of node 0, all ready, and what their start reported and took."""
+
+    children: ChildProcesses
+    info: dict[str, Any]  # rank 0's readiness report (merged over data-parallel replicas)
+    start_s: float  # seconds from the first spawn to the last readiness report
+
+
+def start_children(
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    scheduler_entry: SchedulerEntry | None = None,
+    detokenizer_spec: DetokenizerSpec | None = None,
+) -> StartedChildren:
+    """`launch_subprocesses`, timed."""
+    started = time.monotonic()
+    children, info = launch_subprocesses(server_args, port_args, scheduler_entry, None, detokenizer_spec)
+    return StartedChildren(children, info, time.monotonic() - started)
+
+
 def launch_subprocesses(
     server_args: ServerArgs,
     port_args: PortArgs,
     scheduler_entry: SchedulerEntry | None = None,
     children: ChildProcesses | None = None,
+    detokenizer_spec: DetokenizerSpec | None = None,
 ) -> tuple[ChildProcesses, dict[str, Any]]:
     """Start every child of node 0 (into `children`, else a new set) and return them with rank
     0's readiness info.
 
     `scheduler_entry` replaces the real scheduler process (tests pass a fake one, single rank
     only); it is called as `entry(server_args, port_args, pipe)`. A restart passes the set it
-    holds, so a shutdown meanwhile can stop children that are still starting.
+    holds, so a shutdown meanwhile can stop children that are still starting. The detokenizer
+    starts after the schedulers, once `detokenizer_spec()` returns (an error it raises stops the
+    children and is raised here).
     """
     from radixserve.managers.detokenizer_manager import run_detokenizer_process
 
@@ -47,7 +77,8 @@ def launch_subprocesses(
             children.start("scheduler", entry, (server_args, port_args))
         else:
             start_rank_processes(children, server_args, port_args)
-        children.start("detokenizer", run_detokenizer_process, (server_args, port_args))
+        spec = detokenizer_spec() if detokenizer_spec is not None else None
+        children.start("detokenizer", run_detokenizer_process, (server_args, port_args, spec))
         infos = children.wait_ready(STARTUP_TIMEOUT_S)
     except BaseException:
         children.terminate()

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from radixserve.managers.decode_tokenizer import DecodeSpec
 from radixserve.managers.detokenizer import DecodeState, TokenDecoder
 from radixserve.managers.io_struct import (
     PARTIAL_CHAR_DROPPED,
@@ -85,13 +86,13 @@ def _batch_str_out(msg: BatchTokenIDOut, texts: list[str], reasons: list[FinishR
     return BatchStrOut(**{**shared, "finished_reasons": reasons}, output_strs=texts)
 
 
-def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe: Connection) -> None:
+def run_detokenizer_process(
+    server_args: ServerArgs, port_args: PortArgs, spec: DecodeSpec | None, pipe: Connection
+) -> None:
     """Process entry: load the tokenizer, report ready, then translate messages forever."""
     limit_threads()
-    from radixserve.managers.hf_tokenizer import load_tokenizer
-
     try:
-        manager = DetokenizerManager(load_tokenizer(server_args))
+        manager = DetokenizerManager(load_decode_tokenizer(server_args, spec))
         context = zmq.Context(2)
         recv = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
         send_out = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
@@ -105,3 +106,15 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe: 
             logger.error("Detokenizer got an unexpected %s", type(msg).__name__)
             continue
         send_out.send_pyobj(manager.handle(msg))
+
+
+def load_decode_tokenizer(server_args: ServerArgs, spec: DecodeSpec | None) -> Any:
+    """The tokenizer backend the parent handed over, when it has proven it decodes alike (no
+    torch, no transformers here: managers/decode_tokenizer.py); else the HF tokenizer."""
+    if spec is not None:
+        from radixserve.managers.decode_tokenizer import BackendDecoder
+
+        return BackendDecoder(spec)
+    from radixserve.managers.hf_tokenizer import load_tokenizer
+
+    return load_tokenizer(server_args)
