@@ -39,12 +39,13 @@ def launch_server(server_args: ServerArgs, scheduler_entry: SchedulerEntry | Non
 def _serve(server_args: ServerArgs, scheduler_entry: SchedulerEntry | None) -> int:
     """Start the children first: the scheduler loads the model while this process loads the
     tokenizer (which the detokenizer then starts from), then imports the HTTP server, on threads."""
-    from radixserve.entrypoints.subprocesses import start_children
+    from radixserve.entrypoints.subprocesses import import_transformers_before_threads, start_children
     from radixserve.managers.decode_tokenizer import decode_spec
     from radixserve.managers.hf_tokenizer import load_tokenizer
     from radixserve.utils.background import BackgroundCall
     from radixserve.utils.network import PortArgs
 
+    import_transformers_before_threads(server_args)
     tokenizer = BackgroundCall(load_tokenizer, server_args, name="load-tokenizer")
     runtime_cls = BackgroundCall(_import_server_runtime, tokenizer, name="import-server")
     port_args = PortArgs.create()

@@ -16,7 +16,11 @@ import numpy as np
 
 from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.rpc_client import RpcClient
-from radixserve.entrypoints.subprocesses import SchedulerEntry, launch_subprocesses
+from radixserve.entrypoints.subprocesses import (
+    SchedulerEntry,
+    import_transformers_before_threads,
+    launch_subprocesses,
+)
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers import io_struct as io
 from radixserve.managers import scoring
@@ -53,6 +57,7 @@ class Engine:
         self.server_args = ServerArgs(model_path=model_path, **kwargs).resolve()
         self._port_args = PortArgs.create()
         # The tokenizer (seconds of transformers import) loads while the children start.
+        import_transformers_before_threads(self.server_args)
         tokenizer = BackgroundCall(load_tokenizer, self.server_args, name="load-tokenizer")
         spec = lambda: decode_spec(tokenizer.result())  # noqa: E731 - also for restarts
         children, info = launch_subprocesses(self.server_args, self._port_args, scheduler_entry, None, spec)

@@ -170,6 +170,16 @@ def merge_replica_infos(infos: list[dict[str, Any]], server_args: ServerArgs) ->
     return merged
 
 
+def import_transformers_before_threads(server_args: ServerArgs) -> None:
+    """Import transformers now, on the calling thread, when starting the children will read the
+    model's config (check_model_layout: a layout of several ranks, or DP replicas) while the
+    tokenizer loads on another thread. transformers' package import is not safe in two threads
+    at once: its __init__ swaps its module for a lazy one at the end, and a thread that meets the
+    half-made module fails with "cannot import name 'AutoConfig'". One rank needs nothing here."""
+    if server_args.dp_size > 1 or not server_args.layout().is_single:
+        import transformers  # noqa: F401
+
+
 def check_model_layout(server_args: ServerArgs) -> None:
     """Refuse, before any rank starts, a layout the model cannot be split into."""
     from radixserve.configs.model_config import ModelConfig
