@@ -26,6 +26,7 @@ class StubTokenizerManager:
         self.served_model_name = "tiny"
         self.context_len = 128
         self.metrics = None
+        self.is_generation = True  # the Batch API's routes ask which endpoints the model serves
 
 
 @pytest.fixture(scope="module")
