@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.entrypoints.http_guards import error_response
 from radixserve.entrypoints.openai.serving_common import ModelNotFoundError, internal_error_message
-from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
+from radixserve.managers.errors import ClientDisconnected, RequestAbortedError, StoredObjectNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,10 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelNotFoundError)
     async def on_model(_: Request, exc: ModelNotFoundError) -> JSONResponse:
         return error_response(404, str(exc.args[0]), "model_not_found")
+
+    @app.exception_handler(StoredObjectNotFound)
+    async def on_not_found(_: Request, exc: StoredObjectNotFound) -> JSONResponse:
+        return error_response(404, str(exc), "not_found")
 
     @app.exception_handler(RequestAbortedError)
     async def on_aborted(request: Request, exc: RequestAbortedError) -> JSONResponse:

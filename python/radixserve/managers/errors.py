@@ -13,3 +13,8 @@ class RequestAbortedError(RuntimeError):
 
 class ClientDisconnected(Exception):
     """The HTTP client of a waiting call went away; its requests were aborted (logged once)."""
+
+
+class StoredObjectNotFound(LookupError):
+    """No stored object (a response, a file, a batch) has the id a route names: HTTP 404, type
+    not_found (one handler in entrypoints/http_errors.py)."""

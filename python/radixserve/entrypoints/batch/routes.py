@@ -11,17 +11,13 @@ from fastapi.responses import Response
 
 from radixserve.entrypoints.batch.multipart import parse_form
 from radixserve.entrypoints.batch.protocol import BatchCreateRequest, FileDeleted
-from radixserve.entrypoints.batch.service import BatchService, NotFoundError
-from radixserve.entrypoints.http_guards import error_response, json_body, read_body
+from radixserve.entrypoints.batch.service import BatchService
+from radixserve.entrypoints.http_guards import json_body, read_body
 from radixserve.entrypoints.responses.routes import json_answer
 from radixserve.managers.input_validation import InvalidRequestError
 
 MAX_FILE_LIST = 10_000  # OpenAI's largest page of files
 MAX_BATCH_LIST = 100
-
-
-def _not_found(exc: NotFoundError) -> Response:
-    return error_response(404, str(exc), "not_found")
 
 
 def add_batch_routes(app: FastAPI, service: BatchService) -> None:
@@ -54,35 +50,23 @@ def _add_file_routes(app: FastAPI, service: BatchService) -> None:
 
     @app.get("/v1/files/{file_id}")
     async def v1_file(file_id: str) -> Response:
-        try:
-            return json_answer(await service.file(file_id))
-        except NotFoundError as exc:
-            return _not_found(exc)
+        return json_answer(await service.file(file_id))
 
     @app.delete("/v1/files/{file_id}")
     async def v1_delete_file(file_id: str) -> Response:
-        try:
-            await service.delete_file(file_id)
-        except NotFoundError as exc:
-            return _not_found(exc)
+        await service.delete_file(file_id)
         return json_answer(FileDeleted(id=file_id).model_dump())
 
     @app.get("/v1/files/{file_id}/content")
     async def v1_file_content(file_id: str) -> Response:
-        try:
-            return Response(await service.content(file_id), media_type="application/octet-stream")
-        except NotFoundError as exc:
-            return _not_found(exc)
+        return Response(await service.content(file_id), media_type="application/octet-stream")
 
 
 def _add_batches_routes(app: FastAPI, service: BatchService) -> None:
     @app.post("/v1/batches")
     async def v1_create_batch(request: Request) -> Response:
         req = await json_body(BatchCreateRequest, request)
-        try:
-            return json_answer(await service.create(req))
-        except NotFoundError as exc:
-            return _not_found(exc)
+        return json_answer(await service.create(req))
 
     @app.get("/v1/batches")
     async def v1_batches(
@@ -92,14 +76,8 @@ def _add_batches_routes(app: FastAPI, service: BatchService) -> None:
 
     @app.get("/v1/batches/{batch_id}")
     async def v1_batch(batch_id: str) -> Response:
-        try:
-            return json_answer(await service.batch(batch_id))
-        except NotFoundError as exc:
-            return _not_found(exc)
+        return json_answer(await service.batch(batch_id))
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def v1_cancel_batch(batch_id: str) -> Response:
-        try:
-            return json_answer(await service.cancel(batch_id))
-        except NotFoundError as exc:
-            return _not_found(exc)
+        return json_answer(await service.cancel(batch_id))

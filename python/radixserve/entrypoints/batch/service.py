@@ -20,10 +20,11 @@ from radixserve.entrypoints.batch.protocol import (
 )
 from radixserve.entrypoints.batch.runner import BatchRunner
 from radixserve.entrypoints.batch.store import BatchStore
+from radixserve.managers.errors import StoredObjectNotFound
 from radixserve.managers.input_validation import InvalidRequestError
 
 
-class NotFoundError(LookupError):
+class NotFoundError(StoredObjectNotFound):
     """No file or batch has this id (HTTP 404)."""
 
 

@@ -10,11 +10,11 @@ from typing import Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from radixserve.entrypoints.http_guards import error_response, json_body
+from radixserve.entrypoints.http_guards import json_body
 from radixserve.entrypoints.openai.serving_common import in_band_errors
 from radixserve.entrypoints.responses.events import Event
 from radixserve.entrypoints.responses.protocol import DeletedResponse, InputItemList, ResponsesRequest
-from radixserve.entrypoints.responses.serving import ResponseNotFoundError, ResponsesHandler
+from radixserve.entrypoints.responses.serving import ResponsesHandler
 
 MAX_LIST_LIMIT = 100
 
@@ -56,10 +56,6 @@ def _sse(events: AsyncIterator[Event]) -> StreamingResponse:
     )
 
 
-def _not_found(exc: ResponseNotFoundError) -> Response:
-    return error_response(404, str(exc), "not_found")
-
-
 def add_responses_routes(app: FastAPI, handler: ResponsesHandler) -> None:
     @app.post("/v1/responses")
     async def v1_responses(request: Request) -> Response:
@@ -77,27 +73,18 @@ def add_responses_routes(app: FastAPI, handler: ResponsesHandler) -> None:
     async def v1_response(
         response_id: str, stream: bool = False, starting_after: int = Query(default=-1, ge=-1)
     ) -> Response:
-        try:
-            if stream:
-                return _sse(await handler.replay(response_id, starting_after))
-            return json_answer(await handler.retrieve(response_id))
-        except ResponseNotFoundError as exc:
-            return _not_found(exc)
+        if stream:
+            return _sse(await handler.replay(response_id, starting_after))
+        return json_answer(await handler.retrieve(response_id))
 
     @app.delete("/v1/responses/{response_id}")
     async def v1_delete_response(response_id: str) -> Response:
-        try:
-            await handler.delete(response_id)
-        except ResponseNotFoundError as exc:
-            return _not_found(exc)
+        await handler.delete(response_id)
         return json_answer(DeletedResponse(id=response_id).model_dump())
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def v1_cancel_response(response_id: str) -> Response:
-        try:
-            return json_answer(await handler.cancel(response_id))
-        except ResponseNotFoundError as exc:
-            return _not_found(exc)
+        return json_answer(await handler.cancel(response_id))
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def v1_response_input_items(
@@ -106,10 +93,7 @@ def add_responses_routes(app: FastAPI, handler: ResponsesHandler) -> None:
         limit: int = Query(default=20, ge=1, le=MAX_LIST_LIMIT),
         order: Literal["asc", "desc"] = "desc",
     ) -> Response:
-        try:
-            items = await handler.input_items(response_id)
-        except ResponseNotFoundError as exc:
-            return _not_found(exc)
+        items = await handler.input_items(response_id)
         return json_answer(page(items, after, limit, order).model_dump())
 
 

@@ -23,12 +23,13 @@ from radixserve.entrypoints.responses.protocol import ResponseObject, ResponsesR
 from radixserve.entrypoints.responses.run import EventLog, ResponseRun, Steps
 from radixserve.entrypoints.responses.store import ResponseStore
 from radixserve.entrypoints.responses.translate import input_items, new_id, parse_items, to_chat_request
+from radixserve.managers.errors import StoredObjectNotFound
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.input_validation import InvalidRequestError
 from radixserve.managers.tokenizer_manager import ClientRequest, TokenizerManager
 
 
-class ResponseNotFoundError(LookupError):
+class ResponseNotFoundError(StoredObjectNotFound):
     """No stored response has this id (HTTP 404)."""
 
 
