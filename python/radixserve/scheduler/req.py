@@ -240,9 +240,12 @@ class Req:
         does not count later)."""
         tail_ids = self.output_ids[-STOP_REGEX_TAIL_TOKENS:]
         tail = self.tokenizer.decode(tail_ids)
+        found = [(p, [m.span() for m in p.finditer(tail) if m.end() > m.start()]) for p in self.stop_regexes]
+        if not any(spans for _, spans in found):
+            return None  # the common step: one decode, no second one for the newest token's start
         ends_after = len(self.tokenizer.decode(tail_ids[:-1]).rstrip("\ufffd"))
-        for pattern in self.stop_regexes:
-            if any(m.end() > max(ends_after, m.start()) for m in pattern.finditer(tail)):
+        for pattern, spans in found:
+            if any(end > ends_after for _, end in spans):
                 return pattern.pattern
         return None
 
