@@ -277,6 +277,12 @@ class ServerArgs:
         "Cut an input longer than the context to its first tokens (and a max_new_tokens past the "
         "context to what is left of it) instead of refusing the request with a 400.",
     )
+    enable_return_hidden_states: bool = _f(
+        False,
+        "Let requests ask for the model's final hidden states (return_hidden_states): every prompt "
+        "position and each generated token's, in meta_info. Such a request recomputes its whole "
+        "prompt (no prefix-cache hit) and never drafts.",
+    )
     max_prefill_tokens: int = _f(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _f(None, "Chunk size for long prompts; -1 disables chunking.")
     page_size: int = _f(1, "Tokens per KV-cache page.")

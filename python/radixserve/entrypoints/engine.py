@@ -91,6 +91,7 @@ class Engine:
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         rid: str | list[str] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_hidden_states: bool | list[bool] = False,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -111,6 +112,7 @@ class Engine:
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         rid: str | list[str] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_hidden_states: bool | list[bool] = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -366,6 +368,7 @@ def _request(
     session_params: dict[str, Any] | list[dict[str, Any]] | None,
     rid: str | list[str] | None,
     lora_path: str | list[str | None] | None = None,
+    return_hidden_states: bool | list[bool] = False,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -391,6 +394,7 @@ def _request(
         top_logprobs_num=top_logprobs_num or 0,
         return_text_in_logprobs=return_text_in_logprobs,
         lora_path=lora_path,
+        return_hidden_states=return_hidden_states,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.

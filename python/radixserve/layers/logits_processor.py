@@ -26,6 +26,8 @@ class LogitsOutput:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    # The final (normed) states of every row, when some request asked for them (return_hidden_states).
+    hidden_states: torch.Tensor | None = None  # [rows, hidden_size]
 
 
 def head_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:

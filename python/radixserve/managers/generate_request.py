@@ -40,6 +40,9 @@ class GenerateReqInput(BaseModel):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    # The final (normed) hidden states: the prompt's rows, then one per generated token but the
+    # last (SGLang's field; the server needs --enable-return-hidden-states).
+    return_hidden_states: bool | list[bool] = False
     stream: bool = False
     priority: int | list[int] | None = None  # larger = sooner (with --enable-priority-scheduling)
     # Continue a session: {id, rid, offset, replace, drop_previous_output} (scheduler/sessions.py).
@@ -96,6 +99,7 @@ class GenerateReqInput(BaseModel):
             "return_logprob",
             "logprob_start_len",
             "top_logprobs_num",
+            "return_hidden_states",
             "priority",
             "session_params",
             "bootstrap_host",
@@ -160,6 +164,7 @@ class GenerateReqInput(BaseModel):
                         max_new_tokens_set=raw.get("max_new_tokens") is not None,
                         return_logprob=bool(_pick(self.return_logprob, i)),
                         return_text_in_logprobs=self.return_text_in_logprobs,
+                        return_hidden_states=bool(_pick(self.return_hidden_states, i)),
                         logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num,
                         priority=_pick(self.priority, i),
@@ -247,3 +252,4 @@ class RequestItem:
     routing: DisaggRouting = NO_ROUTING
     lora_path: str | None = None  # the adapter's name, as the request gave it
     lora_id: str | None = None  # its current load's id (the TokenizerManager's LoRARegistry)
+    return_hidden_states: bool = False

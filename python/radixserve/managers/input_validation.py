@@ -39,6 +39,7 @@ class ModelLimits:
     dp_size: int = 1
     disaggregation_mode: str = "null"
     allow_auto_truncate: bool = False  # --allow-auto-truncate: cut instead of refusing
+    enable_return_hidden_states: bool = False  # --enable-return-hidden-states
 
 
 def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestItem]:
@@ -50,6 +51,8 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
             "/v1/embeddings, /encode or /classify."
         )
     items = obj.expand()
+    if any(item.return_hidden_states for item in items):
+        _check_hidden_states(limits)
     routed = items[0].routed_dp_rank if items else None
     if routed is not None and routed >= limits.dp_size:
         raise InvalidRequestError(
@@ -69,6 +72,17 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
             f"{limits.dp_size} data-parallel replica(s) (--dp-size), ranks 0 to {limits.dp_size - 1}."
         )
     return items
+
+
+def _check_hidden_states(limits: ModelLimits) -> None:
+    if not limits.enable_return_hidden_states:  # SGLang's rule: the operator opts in
+        raise InvalidRequestError(
+            "The server is not configured to return the hidden states: start it with "
+            "--enable-return-hidden-states."
+        )
+    if limits.disaggregation_mode != "null":
+        # The prompt's rows are computed on the prefill server and never sent with the KV.
+        raise InvalidRequestError("return_hidden_states is not supported with prefill/decode disaggregation.")
 
 
 def check_encode_kind(limits: ModelLimits, scoring: list[bool]) -> None:

@@ -125,6 +125,7 @@ class TokenizedGenerateReqInput:
     routed_dp_rank: int | None = None  # with --dp-size > 1: the replica the client asked for
     routing: DisaggRouting = NO_ROUTING
     lora_id: str | None = None  # the LoRA adapter to run with (None: the base model)
+    return_hidden_states: bool = False  # (checked against --enable-return-hidden-states)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +248,9 @@ class StepOutputs:
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
     dp_rank: int = 0  # the data-parallel replica that sent it (metrics label)
+    # return_hidden_states: per request its final hidden states (the prompt's rows, then one row
+    # per generated token but the last), sent once with its finish; None when none asked.
+    output_hidden_states: list[list[Any] | None] | None = None
     # Speculative decoding (None when it is off), per request since it started: verify forwards
     # it took part in, the tokens they produced, drafts proposed, drafts accepted.
     spec_verify_ct: list[int] | None = None

@@ -53,6 +53,7 @@ class ReqState:
     # proposed, drafts accepted), as last reported by the scheduler.
     spec: tuple[int, int, int, int] | None = None
     embedding: list[float] | None = None  # prefill-only requests: the scheduler's vector
+    hidden_states: list[Any] | None = None  # return_hidden_states: sent with the finish
 
     @property
     def rid(self) -> str:
@@ -93,6 +94,8 @@ def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> di
         meta.update(spec_meta(*state.spec))
     if state.item.return_logprob:
         meta.update(_logprob_meta(state.logprobs, token_text))
+    if state.hidden_states is not None:
+        meta["hidden_states"] = state.hidden_states
     return {
         "text": state.text,
         "output_ids": list(state.output_ids),

@@ -97,6 +97,7 @@ class TokenizerManager:
             server_args.dp_size,
             server_args.disaggregation_mode,
             server_args.allow_auto_truncate,
+            server_args.enable_return_hidden_states,
         )
         self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
@@ -323,6 +324,7 @@ class TokenizerManager:
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
+            return_hidden_states=item.return_hidden_states,
             priority=item.priority,
             session_params=item.session_params,
             routed_dp_rank=item.routed_dp_rank,

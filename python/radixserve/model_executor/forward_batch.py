@@ -89,6 +89,8 @@ class ModelWorkerBatch:
     spec_tree_parents: list[list[int]] | None = None
     # [bs] each request's LoRA adapter (None: the base model); None when no request has one.
     lora_ids: tuple[str | None, ...] | None = None
+    # [bs] whether each request asked for its final hidden states; None when none did.
+    return_hidden_states: tuple[bool, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -121,6 +123,9 @@ class GenerationBatchResult:
     # target), and how many of its drafts were accepted. None for every other mode.
     spec_output_ids: list[list[int]] | None = None
     spec_num_accepted: list[int] | None = None
+    # Per request, the final hidden states of its rows in this forward ([rows, hidden] fp32 on the
+    # CPU) if it asked for them (ModelWorkerBatch.return_hidden_states), else None.
+    hidden_states: list[torch.Tensor | None] | None = None
 
 
 @dataclass

@@ -280,7 +280,13 @@ class ModelRunner:
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
         if capture_hidden and not aux_layers:
             fb.spec_hidden = hidden
-        return fb, self.logits_processor(hidden, self.lm_head, fb)
+        return fb, self._logits(batch, hidden, fb)
+
+    def _logits(self, batch: ModelWorkerBatch, hidden: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
+        out = self.logits_processor(hidden, self.lm_head, fb)
+        if batch.return_hidden_states is not None:
+            out.hidden_states = hidden
+        return out
 
     @torch.inference_mode()
     def forward_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
@@ -311,7 +317,7 @@ class ModelRunner:
         if isinstance(out, PPProxyTensors):
             return fb, out
         assert self.lm_head is not None
-        return fb, self.logits_processor(out, self.lm_head, fb)
+        return fb, self._logits(batch, out, fb)
 
     def _decode_fast_path(self, batch: ModelWorkerBatch) -> CudaGraphRunner | CpuDecodeRunner | None:
         """A CUDA graph or the CPU fused decode when one can take `batch`; None for the module forward."""

@@ -73,6 +73,7 @@ class TpModelWorker:
             input_token_logprobs=logits_output.input_token_logprobs,
             input_top_logprobs_val=logits_output.input_top_logprobs_val,
             input_top_logprobs_idx=logits_output.input_top_logprobs_idx,
+            hidden_states=hidden_rows(batch, logits_output.hidden_states),
         )
 
         def sample() -> None:
@@ -92,3 +93,20 @@ class TpModelWorker:
     def forward_batch_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         """Forward a prefill-only batch: one vector per request, nothing sampled."""
         return self.model_runner.forward_embedding(batch)
+
+
+def hidden_rows(batch: ModelWorkerBatch, hidden: torch.Tensor | None) -> list[torch.Tensor | None] | None:
+    """Each asking request's rows of the final states, copied to fp32 CPU tensors now: a fast
+    decode path (CPU fused decode, CUDA graph) writes the next forward's states into the same
+    buffer, which may also be padded past the batch."""
+    asked = batch.return_hidden_states
+    if asked is None or hidden is None:
+        return None
+    counts = batch.extend_seq_lens if batch.forward_mode.is_extend() else [1] * batch.batch_size
+    assert counts is not None
+    out: list[torch.Tensor | None] = []
+    start = 0
+    for wants, n in zip(asked, counts):
+        out.append(hidden[start : start + n].to("cpu", torch.float32, copy=True) if wants else None)
+        start += n
+    return out

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from http import HTTPStatus
+from typing import Any
 
 import torch
 
@@ -122,9 +123,12 @@ class OutputProcessor:
                 continue
             if id(req) not in decoding:
                 self.record_input_logprobs(batch, result, i, req)
+                record_hidden(result, i, req, prompt=True)
                 if req.is_chunked > 0:  # a middle chunk: its sampled token means nothing
                     req.is_chunked -= 1
                     continue
+            else:
+                record_hidden(result, i, req, prompt=False)
             if req.sampling_params.max_new_tokens == 0:
                 req.check_finished()  # a prompt-only request (echo / prompt logprobs): no token
             else:
@@ -161,6 +165,7 @@ class OutputProcessor:
         for i, req in enumerate(batch.reqs):
             if self._begin(batch, i, req):
                 continue
+            record_hidden(result, i, req, prompt=False)
             self._append_token(req, next_token_ids[i], result, logprobs, i)
             if req.finished():
                 self.release_if_idle(req)
@@ -183,6 +188,7 @@ class OutputProcessor:
                 self.release_if_idle(req)
                 continue
             num_drafts = len(batch.spec_drafts[i])
+            record_hidden(result, i, req, prompt=False)  # asked only by requests that do not draft
             appended = 0
             for token_id in result.spec_output_ids[i]:
                 # Logprobs are only asked by requests that do not draft: one token, row i.
@@ -344,8 +350,26 @@ class OutputProcessor:
             input_token_logprobs_idx=in_idx if any_logprob else None,
             input_top_logprobs_val=in_top_val if any_logprob else None,
             input_top_logprobs_idx=in_top_idx if any_logprob else None,
+            output_hidden_states=_finished_hidden_states(reqs),
             spec_verify_ct=[r.spec_counts.verify_ct for r in reqs] if report_spec else None,
             spec_verify_tokens=[r.spec_counts.verify_tokens for r in reqs] if report_spec else None,
             spec_draft_token_num=[r.spec_counts.num_drafts for r in reqs] if report_spec else None,
             spec_accept_token_num=[r.spec_counts.num_accepted_drafts for r in reqs] if report_spec else None,
         )
+
+
+def record_hidden(result: GenerationBatchResult, i: int, req: Req, prompt: bool) -> None:
+    """Keep request i's final hidden states of this forward, if it asked for them."""
+    rows = result.hidden_states[i] if result.hidden_states is not None else None
+    if rows is not None:
+        # Called before a middle chunk's countdown: is_chunked == 0 is the prompt's last chunk.
+        req.add_hidden_rows(rows, prompt, last_chunk=req.is_chunked == 0)
+
+
+def _finished_hidden_states(reqs: list[Req]) -> list[list[Any] | None] | None:
+    """SGLang's meta_info hidden_states of each finished request that asked: the prompt's rows,
+    then a row per generated token; sent once, as lists (the detokenizer imports no torch)."""
+    done = [r.return_hidden_states and r.finished() for r in reqs]
+    if not any(done):
+        return None
+    return [[h.tolist() for h in r.hidden_states] if d else None for r, d in zip(reqs, done)]

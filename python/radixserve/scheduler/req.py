@@ -102,6 +102,7 @@ class Req:
         label_token_ids: list[int] | None = None,
         needs_all_tokens: bool = False,
         lora_id: str | None = None,
+        return_hidden_states: bool = False,
     ) -> None:
         self.rid = rid
         # The LoRA adapter (None: the base model); also the radix cache namespace of its KV.
@@ -113,6 +114,11 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        # The final hidden states (scheduler/hidden_states.py): the prompt's rows as one entry,
+        # then one row per generated token but the last.
+        self.return_hidden_states = return_hidden_states
+        self.hidden_states: list[torch.Tensor] = []  # [prompt_len, hidden], then [hidden] each
+        self.hidden_chunks: list[torch.Tensor] = []  # the prompt's rows of the chunks run so far
         self.stream = stream
         self.priority = priority if priority is not None else 0  # larger = more important
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -181,6 +187,19 @@ class Req:
     def set_finish_with_abort(self, message: str, status_code: int | None = None) -> None:
         self.finished_reason = FinishAbort(message, status_code)
 
+    def add_hidden_rows(self, rows: torch.Tensor, prompt: bool, last_chunk: bool) -> None:
+        """One forward's final states of this request: a prompt chunk's rows (the prompt's entry is
+        whole with its last chunk), or a decode step's row of the token it fed."""
+        if prompt and not self.hidden_states:
+            self.hidden_chunks.append(rows)
+            if last_chunk:
+                self.hidden_states.append(torch.cat(self.hidden_chunks))
+                self.hidden_chunks = []
+        elif last_chunk:
+            # A decode step, or the re-prefill of a retracted request: its prompt's rows were
+            # recorded before, so only the last row (the newest token's) is new.
+            self.hidden_states.append(rows[-1])
+
     # ------------------------------------------------------------------ scheduling
     def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
         """Set fill_ids and match the longest cached prefix (seed 001 §8).
@@ -194,6 +213,8 @@ class Req:
         if self.return_logprob and self.logprob_start_len >= 0:
             # Prompt logprobs need the logits of every position from logprob_start_len.
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)
+        if self.return_hidden_states and not self.hidden_states:
+            max_prefix_len = 0  # every prompt row is reported, so none may come from the cache
         if tree_cache is not None:
             match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.lora_id)
             self.prefix_indices = match.device_indices

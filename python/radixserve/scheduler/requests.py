@@ -216,6 +216,7 @@ class RequestTable:
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
+            return_hidden_states=msg.return_hidden_states,
             stream=msg.stream,
             priority=msg.priority,
             received_time=msg.received_time,

@@ -285,7 +285,12 @@ class ScheduleBatch:
             label_token_ids=[r.label_token_ids for r in self.reqs] if self.is_embedding else None,
             spec_tree_parents=self.spec_tree_parents if self.forward_mode.is_target_verify() else None,
             lora_ids=self._lora_ids(),
+            return_hidden_states=self._hidden_flags(),
         )
+
+    def _hidden_flags(self) -> tuple[bool, ...] | None:
+        flags = tuple(r.return_hidden_states for r in self.reqs)
+        return flags if any(flags) else None
 
     def _lora_ids(self) -> tuple[str | None, ...] | None:
         ids = tuple(r.lora_id for r in self.reqs)

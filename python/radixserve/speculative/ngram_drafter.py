@@ -1,7 +1,7 @@
 """NGRAM drafting for the requests of a decode step, and the back-off rule.
 
-Who drafts: requests without a grammar, penalties, a logit_bias, logprobs, a seed or a pending
-min_new_tokens.
+Who drafts: requests without a grammar, penalties, a logit_bias, logprobs, hidden states, a seed
+or a pending min_new_tokens.
 Greedy ones (temperature 0 or top_k 1) accept while the target's argmax agrees, so the output is
 exactly what plain greedy decoding gives; sampled ones are verified by rejection sampling, which
 keeps the target's distribution (speculative/verify.py). Every other request rides in the same
@@ -171,6 +171,7 @@ def can_speculate(req: Req) -> bool:
         (greedy or p.seed is None)
         and req.grammar is None
         and not req.return_logprob
+        and not req.return_hidden_states  # its rows are one per token, as without speculation
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
         and p.repetition_penalty == 1.0

@@ -100,6 +100,8 @@ class SamplingExtras(RequestModel):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None
+    # The last generated token's final hidden state on each choice (--enable-return-hidden-states).
+    return_hidden_states: bool = False
     rid: str | None = Field(default=None, max_length=MAX_RID_LEN)
     # With --dp-size > 1: the replica to serve the request (the Gateway's --dp-aware sends it).
     routed_dp_rank: NonNegativeInt | None = None
@@ -109,6 +111,11 @@ class SamplingExtras(RequestModel):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     disagg_prefill_dp_rank: NonNegativeInt | None = None
+
+
+def hidden_states_field() -> Any:  # noqa: ANN401 - a pydantic FieldInfo
+    """SGLang's `hidden_states` on a choice: left out of the JSON unless the request asked."""
+    return Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ResponseEnvelope(BaseModel):
@@ -147,6 +154,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    hidden_states: list[float] | None = hidden_states_field()
 
 
 class CompletionResponse(ResponseEnvelope):
@@ -254,6 +262,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    hidden_states: list[float] | None = hidden_states_field()
 
 
 class ChatCompletionResponse(ResponseEnvelope):
@@ -271,6 +280,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    hidden_states: list[float] | None = hidden_states_field()
 
 
 class ChatCompletionStreamResponse(ResponseEnvelope):

@@ -20,6 +20,7 @@ from radixserve.entrypoints.openai.protocol import (
     random_id,
 )
 from radixserve.entrypoints.openai.serving_common import (
+    choice_hidden_states,
     finish_reason,
     first_output_checked,
     model_lora,
@@ -70,6 +71,7 @@ class ChatHandler:
             bootstrap_room=req.bootstrap_room,
             disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
             lora_path=lora,
+            return_hidden_states=req.return_hidden_states,
         )
         return native, plan
 
@@ -100,6 +102,7 @@ class ChatHandler:
                     logprobs=self._logprobs(out) if req.logprobs else None,
                     finish_reason=reason,
                     matched_stop=matched,
+                    hidden_states=choice_hidden_states(out, req.return_hidden_states),
                 )
             )
         model = req.model or self.served_names[0]
@@ -147,6 +150,7 @@ class ChatHandler:
                 logprobs=logprobs,
                 finish_reason=reason,
                 matched_stop=matched,
+                hidden_states=choice_hidden_states(out, req.return_hidden_states),
             )
             yield chunk(choice)
             raise_if_failed(out)  # after its finish_reason "abort" chunk, as in completions

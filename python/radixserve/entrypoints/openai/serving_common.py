@@ -89,6 +89,15 @@ def finish_reason(output: dict[str, Any]) -> tuple[str | None, int | str | None]
     return kind, reason.get("matched")
 
 
+def choice_hidden_states(output: dict[str, Any], asked: bool) -> list[float] | None:
+    """SGLang's choice field: the final hidden state of the last generated token ([] when the
+    prompt's rows are all there is); None (left out) unless asked and finished."""
+    states = output["meta_info"].get("hidden_states") if asked else None
+    if states is None:
+        return None
+    return states[-1] if len(states) > 1 else []
+
+
 def raise_if_failed(output: dict[str, Any]) -> None:
     """An abort with an HTTP status (queue full, server failure) becomes an error response."""
     reason = output["meta_info"]["finish_reason"] or {}

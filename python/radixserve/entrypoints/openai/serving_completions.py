@@ -13,6 +13,7 @@ from radixserve.entrypoints.openai.protocol import (
     random_id,
 )
 from radixserve.entrypoints.openai.serving_common import (
+    choice_hidden_states,
     finish_reason,
     first_output_checked,
     model_lora,
@@ -58,6 +59,7 @@ class CompletionsHandler:
             bootstrap_room=req.bootstrap_room,
             disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
             lora_path=lora,
+            return_hidden_states=req.return_hidden_states,
         )
 
     def _prompt_texts(self, obj: GenerateReqInput) -> list[str]:
@@ -92,6 +94,7 @@ class CompletionsHandler:
                     logprobs=self._logprobs(out, req.echo) if req.logprobs is not None else None,
                     finish_reason=reason,
                     matched_stop=matched,
+                    hidden_states=choice_hidden_states(out, req.return_hidden_states),
                 )
             )
         model = req.model or self.served_names[0]
@@ -121,7 +124,13 @@ class CompletionsHandler:
             reason, matched = finish_reason(out)
             if reason is not None:
                 finals[idx] = out
-            choice = CompletionChoice(index=idx, text=delta, finish_reason=reason, matched_stop=matched)
+            choice = CompletionChoice(
+                index=idx,
+                text=delta,
+                finish_reason=reason,
+                matched_stop=matched,
+                hidden_states=choice_hidden_states(out, req.return_hidden_states),
+            )
             yield sse(CompletionResponse(id=rid, model=model, choices=[choice]))
             # A failed choice (aborted at shutdown, a dead child) first ends with finish_reason
             # "abort" like any other choice, then sse_errors sends the error event and [DONE].
