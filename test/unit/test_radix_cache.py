@@ -21,6 +21,10 @@ class FakeReq:
     kv_committed_len: int = 0
     lora_id: str | None = None
 
+    @property
+    def cache_namespace(self) -> str | None:  # the scheduler's Req: its adapter's namespace
+        return self.lora_id
+
 
 class Env:
     """The three memory levels plus the scheduler-side steps that use them."""

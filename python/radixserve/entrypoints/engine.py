@@ -92,6 +92,7 @@ class Engine:
         rid: str | list[str] | None = None,
         lora_path: str | list[str | None] | None = None,
         return_hidden_states: bool | list[bool] = False,
+        input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -113,6 +114,7 @@ class Engine:
         rid: str | list[str] | None = None,
         lora_path: str | list[str | None] | None = None,
         return_hidden_states: bool | list[bool] = False,
+        input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -369,6 +371,7 @@ def _request(
     rid: str | list[str] | None,
     lora_path: str | list[str | None] | None = None,
     return_hidden_states: bool | list[bool] = False,
+    input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -395,6 +398,7 @@ def _request(
         return_text_in_logprobs=return_text_in_logprobs,
         lora_path=lora_path,
         return_hidden_states=return_hidden_states,
+        input_embeds=input_embeds,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.

@@ -34,6 +34,9 @@ class GenerateReqInput(BaseModel):
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
+    # Instead of tokens: one embedding row ([hidden_size] floats) per prompt position, for one
+    # prompt or a batch (SGLang's field). The model reads them in place of its token embeddings.
+    input_embeds: list[list[float]] | list[list[list[float]]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
@@ -74,16 +77,24 @@ class GenerateReqInput(BaseModel):
     def is_single(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, str)
+        if self.input_embeds is not None:  # rows of floats, or prompts of rows
+            return not (
+                self.input_embeds and self.input_embeds[0] and isinstance(self.input_embeds[0][0], list)
+            )
         return not (self.input_ids and isinstance(self.input_ids[0], list))
 
     @property
     def num_prompts(self) -> int:
         if self.is_single:
             return 1
-        return len(self.text if self.text is not None else self.input_ids or [])
+        given = next(x for x in (self.text, self.input_ids, self.input_embeds) if x is not None)
+        return len(given)
 
     def validate_shape(self) -> None:
-        if (self.text is None) == (self.input_ids is None):
+        if self.input_embeds is not None:
+            if self.text is not None or self.input_ids is not None:
+                raise ValueError("Give one of 'text', 'input_ids' and 'input_embeds', not several.")
+        elif (self.text is None) == (self.input_ids is None):
             raise ValueError("Exactly one of 'text' and 'input_ids' must be given.")
         if (
             self.input_ids is not None
@@ -160,6 +171,7 @@ class GenerateReqInput(BaseModel):
                         rid=base_rid if n == 1 else f"{base_rid}-{j}",
                         text=self._prompt(self.text, i),
                         input_ids=self._prompt(self.input_ids, i),
+                        input_embeds=self._prompt(self.input_embeds, i),
                         sampling_params=_sample_params(params, j),
                         max_new_tokens_set=raw.get("max_new_tokens") is not None,
                         return_logprob=bool(_pick(self.return_logprob, i)),
@@ -253,3 +265,4 @@ class RequestItem:
     lora_path: str | None = None  # the adapter's name, as the request gave it
     lora_id: str | None = None  # its current load's id (the TokenizerManager's LoRARegistry)
     return_hidden_states: bool = False
+    input_embeds: list[list[float]] | None = None  # instead of text / input_ids

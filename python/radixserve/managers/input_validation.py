@@ -40,6 +40,7 @@ class ModelLimits:
     disaggregation_mode: str = "null"
     allow_auto_truncate: bool = False  # --allow-auto-truncate: cut instead of refusing
     enable_return_hidden_states: bool = False  # --enable-return-hidden-states
+    hidden_size: int = 0  # what each input_embeds row must hold (0: unknown, none accepted)
 
 
 def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestItem]:
@@ -53,6 +54,8 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
     items = obj.expand()
     if any(item.return_hidden_states for item in items):
         _check_hidden_states(limits)
+    if any(item.input_embeds is not None for item in items):
+        _check_embeds_request(limits, items)
     routed = items[0].routed_dp_rank if items else None
     if routed is not None and routed >= limits.dp_size:
         raise InvalidRequestError(
@@ -83,6 +86,42 @@ def _check_hidden_states(limits: ModelLimits) -> None:
     if limits.disaggregation_mode != "null":
         # The prompt's rows are computed on the prefill server and never sent with the KV.
         raise InvalidRequestError("return_hidden_states is not supported with prefill/decode disaggregation.")
+
+
+def _check_embeds_request(limits: ModelLimits, items: list[RequestItem]) -> None:
+    """What input_embeds cannot serve: its prompt has no token ids to hand a PD pair's other side,
+    to continue a session from, or to score and penalize."""
+    if limits.disaggregation_mode != "null":
+        raise InvalidRequestError("input_embeds is not supported with prefill/decode disaggregation.")
+    for item in items:
+        if item.session_params is not None:
+            raise InvalidRequestError("input_embeds cannot continue a session (session_params).")
+        if item.return_logprob and item.logprob_start_len >= 0:
+            raise InvalidRequestError(
+                "Prompt logprobs (logprob_start_len >= 0) need token ids, not input_embeds."
+            )
+        if item.sampling_params.repetition_penalty != 1.0:
+            raise InvalidRequestError(
+                "repetition_penalty counts prompt tokens, which input_embeds does not have."
+            )
+
+
+def embeds_prompt_ids(limits: ModelLimits, rows: list[list[float]]) -> list[int]:
+    """Placeholder ids for an input_embeds prompt (one per row; the model reads the rows instead,
+    and the request's KV is cached under its own namespace, so the ids never match another's)."""
+    if not rows:
+        raise InvalidRequestError("The input is empty.")
+    bad = next((i for i, row in enumerate(rows) if len(row) != limits.hidden_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"input_embeds row {bad} has {len(rows[bad])} values; the model's hidden size is {limits.hidden_size}."
+        )
+    if len(rows) > limits.max_req_input_len:
+        raise InvalidRequestError(
+            f"The input ({len(rows)} embeddings) is longer than the model's context length "
+            f"({limits.context_len} tokens)."
+        )
+    return [0] * len(rows)
 
 
 def check_encode_kind(limits: ModelLimits, scoring: list[bool]) -> None:
@@ -118,6 +157,8 @@ def prepare_items(tokenizer: Any, limits: ModelLimits, items: Sequence[RequestIt
 
 def prompt_ids(tokenizer: Any, limits: ModelLimits, item: RequestItem) -> list[int]:
     """Tokenize (or take) the prompt and check it against the model."""
+    if item.input_embeds is not None:
+        return embeds_prompt_ids(limits, item.input_embeds)
     ids = list(item.input_ids) if item.input_ids is not None else tokenizer.encode(item.text or "")
     if not ids:
         raise InvalidRequestError("The input is empty.")

@@ -126,6 +126,9 @@ class TokenizedGenerateReqInput:
     routing: DisaggRouting = NO_ROUTING
     lora_id: str | None = None  # the LoRA adapter to run with (None: the base model)
     return_hidden_states: bool = False  # (checked against --enable-return-hidden-states)
+    # Prompt embeddings instead of tokens ([len(input_ids)] rows of hidden_size floats; the ids
+    # are placeholders then).
+    input_embeds: list[list[float]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

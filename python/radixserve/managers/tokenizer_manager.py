@@ -98,6 +98,7 @@ class TokenizerManager:
             server_args.disaggregation_mode,
             server_args.allow_auto_truncate,
             server_args.enable_return_hidden_states,
+            int(scheduler_info.get("hidden_size", 0)),
         )
         self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
@@ -325,6 +326,7 @@ class TokenizerManager:
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
             return_hidden_states=item.return_hidden_states,
+            input_embeds=item.input_embeds,
             priority=item.priority,
             session_params=item.session_params,
             routed_dp_rank=item.routed_dp_rank,

@@ -24,7 +24,9 @@ class ReqLike(Protocol):
     prefix_indices: torch.Tensor | None
     last_node: Any
     kv_committed_len: int
-    lora_id: str | None  # the prefix cache's namespace: KV computed under one adapter is its own
+    # The prefix cache's namespace: KV computed under one LoRA adapter (or from one request's
+    # input_embeds) is its own.
+    cache_namespace: Hashable
 
 
 @dataclass(frozen=True)

@@ -298,7 +298,7 @@ class RadixCache(BasePrefixCache):
         unaligned tail, free the request's row and drop its lock."""
         kv = self._row_slots(req)
         token_ids = (req.origin_input_ids + req.output_ids)[: req.kv_committed_len]
-        aligned, _, _ = self._cache_tokens(token_ids, kv, req.lora_id)
+        aligned, _, _ = self._cache_tokens(token_ids, kv, req.cache_namespace)
         self._free(kv[aligned:])
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
@@ -308,7 +308,7 @@ class RadixCache(BasePrefixCache):
         cached slots, move its lock to the new last node, and keep the unaligned tail private."""
         kv = self._row_slots(req)
         fill = list(req.fill_ids[: req.kv_committed_len])
-        aligned, new_node, tree_slots = self._cache_tokens(fill, kv, req.lora_id)
+        aligned, new_node, tree_slots = self._cache_tokens(fill, kv, req.cache_namespace)
         if not torch.equal(kv[:aligned], tree_slots):
             table = self.req_to_token_pool.req_to_token
             table[req.req_pool_idx, :aligned] = tree_slots.to(device=table.device, dtype=table.dtype)

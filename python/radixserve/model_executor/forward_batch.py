@@ -21,6 +21,22 @@ if TYPE_CHECKING:
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 
+@dataclass(frozen=True)
+class InputEmbeds:
+    """Rows of a forward whose input is an embedding given with the request (input_embeds) instead
+    of its token's: the model's embedding output at `rows` ([k] int64) becomes `values` ([k,
+    hidden_size])."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def to(self, device: torch.device | str) -> InputEmbeds:
+        return InputEmbeds(self.rows.to(device, non_blocking=True), self.values.to(device, non_blocking=True))
+
+    def apply(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.index_copy(0, self.rows, self.values.to(hidden.dtype))
+
+
 class ForwardMode(IntEnum):
     EXTEND = 1  # prefill of new tokens, possibly on top of a cached prefix
     DECODE = 2  # exactly one new token per request
@@ -91,6 +107,7 @@ class ModelWorkerBatch:
     lora_ids: tuple[str | None, ...] | None = None
     # [bs] whether each request asked for its final hidden states; None when none did.
     return_hidden_states: tuple[bool, ...] | None = None
+    input_embeds: InputEmbeds | None = None  # extend rows given as embeddings (None: none)
 
     @property
     def batch_size(self) -> int:
@@ -164,6 +181,7 @@ class ForwardBatch:
     extend_logprob_start_lens: list[int] | None = None
     extend_logprob_next_token_ids: list[int] | None = None
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64
+    input_embeds: InputEmbeds | None = None  # on the model's device
     # False for encoder models: every token attends to every token of its request.
     attn_causal: bool = True
     # A draft tree (ModelWorkerBatch.spec_tree_parents): per request its [e_b, e_b] ancestor mask
@@ -230,6 +248,7 @@ class ForwardBatch:
                 if batch.token_type_ids is not None
                 else None
             ),
+            input_embeds=batch.input_embeds.to(device) if batch.input_embeds is not None else None,
             attn_causal=attn_causal,
             spec_tree_mask=tree_mask,
         )

@@ -186,6 +186,8 @@ class LlamaModel(nn.Module):
         if pp_proxy is None:
             assert self.embed_tokens is not None, "a later pipeline stage needs the previous stage's states"
             hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
+            if forward_batch.input_embeds is not None:
+                hidden = forward_batch.input_embeds.apply(hidden)
         else:
             hidden, residual = pp_proxy.hidden, pp_proxy.residual
         capture = forward_batch.capture_aux_layers

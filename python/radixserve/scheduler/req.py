@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,10 +104,13 @@ class Req:
         needs_all_tokens: bool = False,
         lora_id: str | None = None,
         return_hidden_states: bool = False,
+        input_embeds: torch.Tensor | None = None,
     ) -> None:
         self.rid = rid
         # The LoRA adapter (None: the base model); also the radix cache namespace of its KV.
         self.lora_id = lora_id
+        # [prompt_len, hidden_size] fp32: the prompt as embeddings (its ids are placeholders).
+        self.input_embeds = input_embeds
         self.session_id: str | None = None  # set when the request continues a session
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
@@ -184,6 +188,12 @@ class Req:
     def holds_kv(self) -> bool:
         return self.req_pool_idx is not None
 
+    @property
+    def cache_namespace(self) -> Hashable:
+        """Whose KV the prefix cache files this request's under: its LoRA adapter's (None: the base
+        model's); an input_embeds prompt's placeholder ids describe nothing, so its own."""
+        return ("input_embeds", self.rid) if self.input_embeds is not None else self.lora_id
+
     def set_finish_with_abort(self, message: str, status_code: int | None = None) -> None:
         self.finished_reason = FinishAbort(message, status_code)
 
@@ -216,7 +226,7 @@ class Req:
         if self.return_hidden_states and not self.hidden_states:
             max_prefix_len = 0  # every prompt row is reported, so none may come from the cache
         if tree_cache is not None:
-            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.lora_id)
+            match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.cache_namespace)
             self.prefix_indices = match.device_indices
             self.last_node = match.last_node
         self.extend_input_len = input_len - len(self.prefix_indices)

@@ -9,6 +9,8 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
+import torch
+
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -217,6 +219,9 @@ class RequestTable:
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
             return_hidden_states=msg.return_hidden_states,
+            input_embeds=None
+            if msg.input_embeds is None
+            else torch.tensor(msg.input_embeds, dtype=torch.float32),
             stream=msg.stream,
             priority=msg.priority,
             received_time=msg.received_time,

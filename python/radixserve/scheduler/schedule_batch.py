@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.model_executor.forward_batch import ForwardMode, InputEmbeds, ModelWorkerBatch
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import Req
@@ -56,6 +56,7 @@ class ScheduleBatch:
         # TARGET_VERIFY with a draft tree: each request's row parents (speculative/tree.py).
         self.spec_tree_parents: list[list[int]] | None = None
         self.token_type_ids: torch.Tensor | None = None  # [num_tokens], extend only (BERT segments)
+        self.input_embeds: InputEmbeds | None = None  # extend only: rows given as embeddings
 
     @classmethod
     def init_new(
@@ -107,6 +108,7 @@ class ScheduleBatch:
         )
         self._write_req_to_token(reqs)
         self.token_type_ids = self._token_type_ids()
+        self.input_embeds = self._input_embeds()
         for r, p, s in zip(reqs, self.prefix_lens, self.seq_lens):
             r.cached_tokens += max(p - r.already_computed, 0)
             r.already_computed = s
@@ -122,6 +124,18 @@ class ScheduleBatch:
         for r, p, s in zip(self.reqs, self.prefix_lens, self.seq_lens):
             ids.extend(r.token_type_ids[p:s] if r.token_type_ids else [0] * (s - p))
         return _i64(ids)
+
+    def _input_embeds(self) -> InputEmbeds | None:
+        """This step's prompt rows whose requests gave embeddings, at their rows in the batch."""
+        rows, values, offset = [], [], 0
+        for r, p, s in zip(self.reqs, self.prefix_lens, self.seq_lens):
+            if r.input_embeds is not None:
+                end = min(s, r.input_embeds.shape[0])  # the outputs after the prompt are tokens
+                if p < end:
+                    rows.append(torch.arange(offset, offset + end - p))
+                    values.append(r.input_embeds[p:end])
+            offset += s - p
+        return InputEmbeds(torch.cat(rows), torch.cat(values)) if rows else None
 
     def _write_req_to_token(self, reqs: list[Req]) -> None:
         """req_to_token[row, :seq_len] = prefix slots ++ new slots, as one scatter for the batch."""
@@ -171,6 +185,7 @@ class ScheduleBatch:
         self.extend_num_tokens = len(reqs)
         self.extend_logprob_start_lens = None
         self.token_type_ids = None
+        self.input_embeds = None
         rows = [r.req_pool_idx for r in reqs]
         table = self.mem.req_to_token_pool.req_to_token
         rows_t, pos_t = _i64(rows), _i64(self.prefix_lens)
@@ -282,6 +297,7 @@ class ScheduleBatch:
             ),
             is_embedding=self.is_embedding,
             token_type_ids=self.token_type_ids if is_extend else None,
+            input_embeds=self.input_embeds if self.forward_mode.is_prefill() else None,
             label_token_ids=[r.label_token_ids for r in self.reqs] if self.is_embedding else None,
             spec_tree_parents=self.spec_tree_parents if self.forward_mode.is_target_verify() else None,
             lora_ids=self._lora_ids(),

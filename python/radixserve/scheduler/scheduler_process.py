@@ -176,6 +176,7 @@ def build_scheduler(
         "max_req_input_len": max_req_len - 1,
         "context_len": model_config.context_len,
         "vocab_size": model_config.vocab_size,
+        "hidden_size": model_config.hidden_size,
         "pid": os.getpid(),
         "is_generation": model_config.is_generation,
         "embedding": embedding_info(model_config),

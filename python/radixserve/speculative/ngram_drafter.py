@@ -172,6 +172,7 @@ def can_speculate(req: Req) -> bool:
         and req.grammar is None
         and not req.return_logprob
         and not req.return_hidden_states  # its rows are one per token, as without speculation
+        and req.input_embeds is None  # its prompt's ids are placeholders: nothing to draft from
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
         and p.repetition_penalty == 1.0

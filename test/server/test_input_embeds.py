@@ -1,0 +1,89 @@
+"""input_embeds (SGLang's field): a prompt given as embedding rows instead of tokens, against HF
+transformers greedy decoding from the same inputs_embeds; chunked, batched with token prompts,
+never matched against another request's cached KV."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.testing.tiny_models import TINY_VOCAB
+
+pytestmark = pytest.mark.timeout(300)
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path: str):
+    with Engine(model_path=tiny_llama_path, max_total_tokens=4096, chunked_prefill_size=CHUNK) as e:
+        yield e
+
+
+def _hf_greedy_from_embeds(hf: Any, embeds: torch.Tensor, steps: int) -> list[int]:
+    table = hf.get_input_embeddings()
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            rows = torch.cat([embeds, table(torch.tensor(out, dtype=torch.long))]) if out else embeds
+            out.append(int(hf(inputs_embeds=rows.unsqueeze(0)).logits[0, -1].argmax()))
+    return out
+
+
+def _random_embeds(hf: Any, n: int, seed: int) -> torch.Tensor:
+    """Rows near the model's own embeddings' scale, matching no token's."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = hf.get_input_embeddings().weight.std()
+    return torch.randn(n, hf.config.hidden_size, generator=gen) * scale
+
+
+def test_greedy_output_matches_hf_from_the_same_embeddings(engine: Engine, hf_tiny: Any) -> None:
+    lengths = [5, CHUNK + 3, 2 * CHUNK + 9]  # one chunk, two, three
+    embeds = [_random_embeds(hf_tiny, n, seed) for seed, n in enumerate(lengths)]
+    rng = random.Random(1)
+    tokens = [rng.randrange(3, TINY_VOCAB) for _ in range(CHUNK + 4)]
+    outs = engine.generate(input_embeds=[e.tolist() for e in embeds], sampling_params=GREEDY)
+    token_out = engine.generate(input_ids=tokens, sampling_params=GREEDY)  # ids in the same engine
+    for e, out in zip(embeds, outs):
+        assert out["output_ids"] == _hf_greedy_from_embeds(hf_tiny, e, GREEDY["max_new_tokens"])
+        assert out["meta_info"]["prompt_tokens"] == e.shape[0]
+    with torch.no_grad():
+        as_embeds = hf_tiny.get_input_embeddings()(torch.tensor(tokens)).tolist()
+    assert (
+        engine.generate(input_embeds=as_embeds, sampling_params=GREEDY)["output_ids"]
+        == token_out["output_ids"]
+    )
+
+
+def test_an_embeds_prompt_never_reuses_cached_kv(engine: Engine, hf_tiny: Any) -> None:
+    """Its placeholder ids are alike for every prompt of a length: a prefix match would serve
+    another prompt's KV."""
+    first, second = _random_embeds(hf_tiny, 20, seed=7), _random_embeds(hf_tiny, 20, seed=8)
+    a = engine.generate(input_embeds=first.tolist(), sampling_params=GREEDY)
+    b = engine.generate(input_embeds=second.tolist(), sampling_params=GREEDY)
+    again = engine.generate(input_embeds=first.tolist(), sampling_params=GREEDY)
+    assert [o["meta_info"]["cached_tokens"] for o in (a, b, again)] == [0, 0, 0]
+    assert b["output_ids"] == _hf_greedy_from_embeds(hf_tiny, second, GREEDY["max_new_tokens"])
+    assert again["output_ids"] == a["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"input_embeds": [[0.0] * 3]}, "hidden size"),
+        ({"input_embeds": []}, "empty"),
+        ({"prompt": "hi", "input_embeds": [[0.0]]}, "not several"),
+        ({"input_embeds": [[0.0]], "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+        ({"input_embeds": [[0.0]], "return_logprob": True, "logprob_start_len": 0}, "token ids"),
+    ],
+)
+def test_what_embeddings_cannot_serve_is_refused(
+    engine: Engine, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
