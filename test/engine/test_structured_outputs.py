@@ -134,6 +134,33 @@ def test_regexes_and_ebnf_fully_match(tiny: str, temperature: float) -> None:
         assert re.fullmatch(pattern, res.text), (rid, res.text)
 
 
+def test_structural_tag_format_fully_matches(tiny: str) -> None:
+    """xgrammar's structural tag (its own JSON form, SGLang's structural_tag field): a tag whose
+    content is a JSON schema, so the whole output is begin + valid JSON + end."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<f>",
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "</f>",
+        },
+    }
+    sched = make(tiny)
+    ids = sched.tokenizer.encode(PROMPT)
+    for j, t in enumerate((0.0, 0.8, 1.0)):
+        sched.submit(
+            f"tag-{j}", ids, max_new_tokens=200, temperature=t, seed=j, structural_tag=json.dumps(tag)
+        )
+    results = finish(sched)
+    for rid, res in results.items():
+        assert res.finish_reason["type"] == "stop", (rid, res.finish_reason, res.text)
+        m = re.fullmatch(r"<f>(.*)</f>", res.text, re.DOTALL)
+        assert m is not None, (rid, res.text)
+        jsonschema.validate(json.loads(m.group(1)), schema)
+
+
 def test_unconstrained_neighbours_unchanged(tiny: str) -> None:
     """Greedy unconstrained outputs are identical with and without constrained requests alongside."""
     prompts = [f"Hello world number {i}" for i in range(6)]

@@ -16,6 +16,7 @@ def test_grammar_key_order() -> None:
     assert grammar_key(SamplingParams(json_schema="{}")) == ("json", "{}")
     assert grammar_key(SamplingParams(regex="a+")) == ("regex", "a+")
     assert grammar_key(SamplingParams(ebnf='root ::= "a"')) == ("ebnf", 'root ::= "a"')
+    assert grammar_key(SamplingParams(structural_tag="{}")) == ("structural_tag", "{}")
 
 
 def test_unpack_bitmask_matches_bit_layout() -> None:
@@ -62,6 +63,9 @@ def test_validation_messages() -> None:
         (SamplingParams(json_schema='{"type": "objectx"}'), "objectx"),
         (SamplingParams(regex="(a"), "parenthesis"),
         (SamplingParams(ebnf="root ::= missing"), "missing"),
+        (SamplingParams(structural_tag="[1]"), "JSON object"),
+        (SamplingParams(structural_tag='{"structures": [{"begin": "<f>"}], "triggers": []}'), "'end'"),
+        (SamplingParams(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'), "nope"),
     ]:
         with pytest.raises(ValueError, match=needle):
             validate_grammar(params)
@@ -90,3 +94,37 @@ def test_compile_cache_is_bounded_in_entries_and_bytes(tiny_model_dir) -> None:
     assert by_count.cache_stats() == (4, 12000)
     for backend, kept in ((by_bytes, 3), (by_count, 4)):
         assert list(backend._cache) == [("regex", f"a{k}") for k in range(10 - kept, 10)]  # the newest
+
+
+SGLANG_TAG = {
+    "type": "structural_tag",
+    "structures": [
+        {
+            "begin": "<f>",
+            "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            "end": "</f>",
+        }
+    ],
+    "triggers": ["<f>"],
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        ('free text <f>{"a": 1}</f> more', True),  # free until the trigger, then the structure
+        ("no trigger at all", True),
+        ("<f>not json", False),
+        ('<f>{"b": 1}</f>', False),  # the schema requires "a"
+    ],
+)
+def test_sglang_structural_tag_constrains_only_after_its_trigger(text: str, accepted: bool) -> None:
+    """SGLang's form of the structural tag (structures + triggers), compiled as the backend does."""
+    import json
+
+    xgr = pytest.importorskip("xgrammar")
+    from radixserve.constrained.grammar_backend import structural_tag_args
+
+    grammar = xgr.Grammar.from_structural_tag(*structural_tag_args(xgr, json.dumps(SGLANG_TAG)))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
+    assert xgr.GrammarMatcher(compiled).accept_string(text) is accepted

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
@@ -14,6 +16,7 @@ from radixserve.entrypoints.openai.serving_common import (
     sampling_params,
     usage,
 )
+from radixserve.managers.input_validation import InvalidRequestError
 from radixserve.server_args import ServerArgs
 
 
@@ -94,6 +97,25 @@ def test_sampling_params_mapping() -> None:
     assert sampling_params(CompletionRequest(prompt="x", logit_bias={"1": 2.0}), 1)["logit_bias"] == {
         "1": 2.0
     }
+
+
+def test_structural_tag_response_format_and_field() -> None:
+    """SGLang's response_format {"type": "structural_tag", structures, triggers} becomes the
+    structural_tag sampling parameter; the extension field passes through as given."""
+    fmt = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format=fmt)
+    assert json.loads(sampling_params(req, 4)["structural_tag"]) == fmt
+    raw = '{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'
+    assert sampling_params(CompletionRequest(prompt="x", structural_tag=raw), 1)["structural_tag"] == raw
+    empty = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], response_format={"type": "structural_tag"}
+    )
+    with pytest.raises(InvalidRequestError, match="structures or format"):
+        sampling_params(empty, 4)
 
 
 def test_usage_counts_prompt_once_per_prompt() -> None:

@@ -72,7 +72,7 @@ def test_normalize_greedy_stop_and_top_k():
         ({"n": 0}, "n must be at least 1, got 0."),
         (
             {"regex": "a+", "ebnf": "root ::= 'a'"},
-            "Only one of json_schema, regex, ebnf can be set, got regex, ebnf.",
+            "Only one of json_schema, regex, ebnf, structural_tag can be set, got regex, ebnf.",
         ),
         ({"stop_token_ids": [3, VOCAB]}, f"stop_token_ids must be in [0, {VOCAB}), got {VOCAB}."),
         ({"stop_token_ids": [-1]}, f"stop_token_ids must be in [0, {VOCAB}), got -1."),

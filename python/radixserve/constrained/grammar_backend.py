@@ -1,7 +1,7 @@
 """Grammar compilation for constrained decoding, on xgrammar (seed INVENTORY §25).
 
 A request's grammar is identified by a key `(kind, spec)`: `("json", schema)`, `("regex", r)` or
-`("ebnf", g)`, checked in that order. `GrammarBackend.get_cached_or_future_value(key)` returns a
+`("ebnf", g)` or `("structural_tag", t)`, checked in that order. `GrammarBackend.get_cached_or_future_value(key)` returns a
 Future of the compiled grammar: compilation runs on a small thread pool so the scheduler thread
 never blocks on it, and the Future is cached by key so the same schema compiles once. A spec that
 fails to compile resolves to `InvalidGrammar(message)` instead of raising, so a bad request is
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 GrammarKey = tuple[str, str]  # (kind, spec), kind in GRAMMAR_KINDS
 
-GRAMMAR_KINDS = ("json", "regex", "ebnf")
+GRAMMAR_KINDS = ("json", "regex", "ebnf", "structural_tag")
 
 # SGLang's json_schema value meaning "any JSON value" (xgrammar's built-in JSON grammar).
 ANY_JSON = "$$ANY$$"
@@ -63,7 +63,26 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
         return ("regex", params.regex)
     if params.ebnf is not None:
         return ("ebnf", params.ebnf)
+    if params.structural_tag is not None:
+        return ("structural_tag", params.structural_tag)
     return None
+
+
+def structural_tag_args(xgr: Any, spec: str) -> tuple[Any, ...]:  # noqa: ANN401 - the xgrammar module
+    """The arguments of xgrammar's from_structural_tag / compile_structural_tag for `spec`:
+    SGLang's form ({"structures": [{"begin", "schema", "end"}], "triggers"}) becomes xgrammar's
+    tag items and triggers; any other object is xgrammar's own structural-tag JSON."""
+    tag = json.loads(spec)
+    if not isinstance(tag, dict):
+        raise ValueError(f"a structural tag is a JSON object, got {type(tag).__name__}")
+    if "structures" not in tag:
+        return (spec,)
+    items = []
+    for s in tag["structures"]:
+        if not isinstance(s, dict) or not {"begin", "schema", "end"} <= set(s):
+            raise ValueError("each of structures needs 'begin', 'schema' and 'end'")
+        items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]))
+    return (items, tag.get("triggers") or [])
 
 
 def clean_compiler_error(exc: BaseException) -> str:
@@ -212,6 +231,8 @@ class GrammarBackend:
             return self.compiler.compile_regex(spec)
         if kind == "ebnf":
             return self.compiler.compile_grammar(spec)
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(*structural_tag_args(self._xgr, spec))
         raise ValueError(f"Unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
 
     # ------------------------------------------------------------------ matching

@@ -47,7 +47,7 @@ def nesting_depth(text: str, tokens: re.Pattern[str], stop_above: int | None = N
 
 
 def nesting_error(kind: str, spec: str) -> str | None:
-    """Why a grammar of `kind` ("json", "regex", "ebnf") is nested too deep, or None."""
+    """Why a grammar of `kind` (one of GRAMMAR_KINDS) is nested too deep, or None."""
     field, tokens, limit, what = _RULES[kind]
     if nesting_depth(spec, tokens, stop_above=limit) <= limit:
         return None
@@ -59,4 +59,5 @@ _RULES = {
     "json": ("json_schema", _JSON_TOKENS, MAX_JSON_SCHEMA_DEPTH, "objects and arrays"),
     "regex": ("regex", _REGEX_TOKENS, MAX_GROUP_DEPTH, "parentheses"),
     "ebnf": ("ebnf", _EBNF_TOKENS, MAX_GROUP_DEPTH, "parentheses"),
+    "structural_tag": ("structural_tag", _JSON_TOKENS, MAX_JSON_SCHEMA_DEPTH, "objects and arrays"),
 }

@@ -1,5 +1,5 @@
 """Cheap up-front validation of a request's grammar, in the TokenizerManager: a bad json_schema /
-regex / ebnf is answered with HTTP 400 and the compiler's reason before the request is queued.
+regex / ebnf / structural_tag is answered with HTTP 400 and the compiler's reason before the request is queued.
 
 Only the tokenizer-independent part of compilation runs here (xgrammar parses the spec into its
 grammar IR, which is where syntax and unsupported-feature errors come from); the scheduler still
@@ -18,6 +18,7 @@ from radixserve.constrained.grammar_backend import (
     clean_compiler_error,
     grammar_key,
     import_xgrammar,
+    structural_tag_args,
 )
 from radixserve.constrained.grammar_limits import nesting_error
 from radixserve.sampling.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ def _grammar_error(key: GrammarKey) -> str | None:
             xgr.Grammar.from_json_schema(spec)
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(*structural_tag_args(xgr, spec))
         else:
             xgr.Grammar.from_ebnf(spec)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the reason

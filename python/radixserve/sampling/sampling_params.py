@@ -50,7 +50,7 @@ _FLOAT_FIELDS = (
     "repetition_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-_OPT_STR_FIELDS = ("json_schema", "regex", "ebnf")
+_OPT_STR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -76,6 +76,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # xgrammar's structural tag as JSON: SGLang's {"structures": [{"begin", "schema", "end"}],
+    # "triggers": [...]} or xgrammar's {"type": "structural_tag", "format": {...}}.
+    structural_tag: str | None = None
     # Token id (as a string, as in JSON and OpenAI) -> value added to that token's logit.
     logit_bias: dict[str, float] | None = None
 
@@ -129,7 +132,7 @@ class SamplingParams:
         - frequency_penalty and presence_penalty in [-2, 2];
           repetition_penalty in [MIN_REPETITION_PENALTY, 2];
         - max_new_tokens >= 0; min_new_tokens in [0, max_new_tokens]; n >= 1;
-        - stop_token_ids in [0, vocab_size); at most one of json_schema, regex, ebnf;
+        - stop_token_ids in [0, vocab_size); at most one of json_schema, regex, ebnf, structural_tag;
         - seed in [0, SEED_MAX] (GenerateReqInput.expand checks that seed + n - 1 fits too);
         - logit_bias keys are token ids in [0, vocab_size), values in [-100, 100];
         - every stop_regex compiles (Python `re`) and does not match the empty string.
@@ -172,7 +175,9 @@ class SamplingParams:
         self._verify_seed()
         grammars = [g for g in _OPT_STR_FIELDS if getattr(self, g) is not None]
         if len(grammars) > 1:
-            raise ValueError(f"Only one of json_schema, regex, ebnf can be set, got {', '.join(grammars)}.")
+            raise ValueError(
+                f"Only one of {', '.join(_OPT_STR_FIELDS)} can be set, got {', '.join(grammars)}."
+            )
         for tok in self.stop_token_ids or ():
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {tok}.")

@@ -62,7 +62,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, server_args: Any) -> t
     if req.separate_reasoning and server_args.reasoning_parser:
         plan.reasoning_parser = server_args.reasoning_parser
     if active and (choice == "required" or isinstance(choice, NamedToolChoice)):
-        if req.response_format is not None or req.regex or req.ebnf or req.json_schema:
+        if req.response_format is not None or req.regex or req.ebnf or req.json_schema or req.structural_tag:
             raise ValueError(
                 "tool_choice 'required' or a named function cannot be combined with another grammar."
             )

@@ -100,6 +100,7 @@ class SamplingExtras(RequestModel):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None
+    structural_tag: str | None = None
     # The last generated token's final hidden state on each choice (--enable-return-hidden-states).
     return_hidden_states: bool = False
     rid: str | None = Field(default=None, max_length=MAX_RID_LEN)
@@ -215,8 +216,13 @@ class ChatMessage(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
+    # type structural_tag (SGLang's): [{"begin", "schema", "end"}] and the strings that start them,
+    # or xgrammar's own `format` object.
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingExtras):

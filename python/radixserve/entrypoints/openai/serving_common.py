@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _PASS_THROUGH = tuple(
     "n temperature top_p top_k min_p seed frequency_penalty presence_penalty repetition_penalty "
     "ignore_eos stop_token_ids skip_special_tokens spaces_between_special_tokens no_stop_trim "
-    "regex ebnf json_schema logit_bias stop_regex".split()
+    "regex ebnf json_schema structural_tag logit_bias stop_regex".split()
 )
 
 
@@ -75,6 +75,10 @@ def _response_format(req: ChatCompletionRequest) -> dict[str, Any]:
         if schema is None:
             raise InvalidRequestError("response_format.json_schema.schema is required.")
         return {"json_schema": json.dumps(schema)}
+    if fmt.type == "structural_tag":  # SGLang's extension: its structures and triggers
+        if fmt.structures is None and fmt.format is None:
+            raise InvalidRequestError("response_format of type structural_tag needs structures or format.")
+        return {"structural_tag": fmt.model_dump_json(exclude_none=True)}
     return {}
 
 
