@@ -1,6 +1,8 @@
 // A small time-series line chart on a canvas: no library, no build step.
 // chart.draw(series, now) with series = [{name, color, points: [[t_seconds, value|null], ...]}];
-// a null value breaks the line. The x axis spans the last `spanS` seconds.
+// a null value breaks the line. The x axis spans the last `spanS` seconds. Only
+// window.RadixCharts is global.
+(() => {
 "use strict";
 
 const PALETTE = ["#2f6fde", "#e8743b", "#19a979", "#945ecf", "#ed4a7b", "#13a4b4", "#6f7d8c", "#bf9a00"];
@@ -80,9 +82,9 @@ class LineChart {
       ctx.stroke();
       ctx.fillText(formatNumber(v) + this.unit, pad.left - 6, y(v));
     }
-    ctx.textAlign = "center";
     ctx.textBaseline = "top";
     for (let i = 0; i <= 4; i++) {
+      ctx.textAlign = i === 4 ? "right" : "center"; // "now" stays inside the canvas
       const ago = this.spanS - (this.spanS * i) / 4;
       ctx.fillText(ago === 0 ? "now" : `-${Math.round(ago)}s`, pad.left + (plotW * i) / 4, pad.top + plotH + 4);
     }
@@ -120,3 +122,4 @@ function formatNumber(v) {
 }
 
 window.RadixCharts = {LineChart, PALETTE, formatNumber};
+})();
