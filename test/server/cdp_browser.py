@@ -106,15 +106,15 @@ class Page:
         await self.send("Page.navigate", url=url)
         await self.wait_for("document.readyState === 'complete'", 30, f"{url} to load")
 
-    async def screenshot(self, path: str) -> None:
-        """The whole page (beyond the viewport) as a PNG."""
-        width = await self.evaluate("document.documentElement.scrollWidth")
-        height = await self.evaluate("document.documentElement.scrollHeight")
+    async def screenshot(self, path: str, selector: str | None = None) -> None:
+        """The whole page (beyond the viewport), or the element `selector` names, as a PNG."""
+        target = f"document.querySelector({selector!r})" if selector else "document.documentElement"
+        box = await self.evaluate(
+            f"(() => {{ const r = {target}.getBoundingClientRect();"
+            " return {x: r.left + scrollX, y: r.top + scrollY, width: r.width, height: r.height}; })()"
+        )
         shot = await self.send(
-            "Page.captureScreenshot",
-            format="png",
-            captureBeyondViewport=True,
-            clip={"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
+            "Page.captureScreenshot", format="png", captureBeyondViewport=True, clip={**box, "scale": 1}
         )
         with open(path, "wb") as f:
             f.write(base64.b64decode(shot["data"]))

@@ -236,3 +236,14 @@ def test_state_asks_each_scheduler_once_per_call() -> None:
     assert [m.max_rows for m in tm.control.asked] == [7]
     asyncio.run(asyncio.sleep(0))  # nothing is polled in the background
     assert len(tm.control.asked) == 1
+
+
+def test_hit_rate_falls_back_to_the_longer_window() -> None:
+    from radixserve.entrypoints.dashboard.state import _hit_rate
+
+    window = MetricsWindow()
+    window.observe(Snapshot(0.0, {"0/cache_hit_tokens": 0.0, "0/cache_query_tokens": 0.0}))
+    window.observe(Snapshot(20.0, {"0/cache_hit_tokens": 30.0, "0/cache_query_tokens": 40.0}))
+    now = Snapshot(22.0, {"0/cache_hit_tokens": 30.0, "0/cache_query_tokens": 40.0})  # no lookup since 20 s
+    assert window.ratio(now, "0/cache_hit_tokens", "0/cache_query_tokens") is None
+    assert _hit_rate(now, window, 0) == pytest.approx(0.75)

@@ -56,12 +56,20 @@ def _replica_view(
         "prefill_tokens_per_s": window.rate(snap, f"{d}/num_prefill_tokens"),
         "decode_tokens_per_s": window.rate(snap, f"{d}/num_decode_tokens"),
         "batches_per_s": window.rate(snap, f"{d}/num_batches"),
-        "cache_hit_rate": window.ratio(snap, f"{d}/cache_hit_tokens", f"{d}/cache_query_tokens"),
+        "cache_hit_rate": _hit_rate(snap, window, d),
         "cache_hit_rate_total": report["cache_hit_tokens"] / max(report["cache_query_tokens"], 1),
     }
     for name, bounds in HISTOGRAMS:
         view[name] = window.percentiles(snap, f"{d}/{name}", bounds) if with_latency else None
     return view
+
+
+def _hit_rate(snap: Snapshot, window: MetricsWindow, d: int) -> float | None:
+    """Over the rate window, or the latency window when no prompt was looked up in the former
+    (prefills are rare when requests are long): the chart keeps a line instead of dots."""
+    hits, queries = f"{d}/cache_hit_tokens", f"{d}/cache_query_tokens"
+    rate = window.ratio(snap, hits, queries)
+    return rate if rate is not None else window.ratio(snap, hits, queries, LATENCY_WINDOW_S)
 
 
 async def dashboard_state(tm: TokenizerManager, window: MetricsWindow, max_rows: int) -> dict[str, Any]:

@@ -99,10 +99,10 @@ function recordState(state) {
     add("hits", n("hit rate %"), r.cache_hit_rate === null ? null : 100 * r.cache_hit_rate);
     add("throughput", n("prefill tok/s"), r.prefill_tokens_per_s);
     add("throughput", n("decode tok/s"), r.decode_tokens_per_s);
-    for (const [chart, key] of [["ttft", "ttft"], ["itl", "itl"]]) {
-      const p = r[key];
+    for (const [chart, label] of [["ttft", "TTFT"], ["itl", "ITL"]]) {
+      const p = r[chart];
       for (const q of ["p50", "p90", "p99"]) {
-        add(chart, n(q), p && p[q] !== null ? 1000 * p[q] : null);
+        add(chart, n(`${label} ${q}`), p && p[q] !== null ? 1000 * p[q] : null);
       }
     }
   }
