@@ -27,6 +27,7 @@ def add_dashboard_routes(app: FastAPI, state: ServerState) -> None:
     for path, (name, media_type) in ASSETS.items():
         _add_asset_route(app, path, name, media_type)
     window = MetricsWindow()  # shared by every open page: one snapshot per half second at most
+    app.state.dashboard_window = window
 
     @app.get("/dashboard/state", include_in_schema=False)
     async def dashboard_state_route(max_rows: int = Query(DEFAULT_ROWS, ge=0, le=MAX_ROWS)) -> Response:
