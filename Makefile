@@ -4,11 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.radixserve-setup
 KERNEL_STAMP := $(VENV)/.radixserve-kernels
+BROWSER_STAMP := $(VENV)/.radixserve-browser
 TORCH_VERSION := 2.13.0
 
 .PHONY: setup serve test test-all lint bench clean-cache
 
-setup: $(STAMP) $(KERNEL_STAMP)
+setup: $(STAMP) $(KERNEL_STAMP) $(BROWSER_STAMP)
 
 # Re-run setup only when the dependency list changes (idempotent).
 $(STAMP): pyproject.toml Makefile
@@ -30,6 +31,12 @@ $(KERNEL_STAMP): $(STAMP) sgl-kernel/setup.py $(wildcard sgl-kernel/csrc/cpu/*) 
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pip install -q --no-build-isolation -e sgl-kernel
 	$(BIN)/python -c "from sgl_kernel import cpu; print('sgl-kernel CPU extension:', 'built' if cpu.available() else 'NOT built (pure-torch fallback)')"
 	touch $(KERNEL_STAMP)
+
+# Headless Chromium for the dashboard's browser test: Debian's chromium where apt-get runs as root.
+# Never fails: elsewhere the script prints why it skipped (and the test is skipped, saying so); the
+# stamp is written only once a browser is present, so a later setup tries again.
+$(BROWSER_STAMP): $(STAMP) scripts/install_browser.sh
+	sh scripts/install_browser.sh $(BROWSER_STAMP)
 
 serve: setup
 	$(BIN)/python -m radixserve.launch_server $(ARGS)

@@ -168,6 +168,11 @@ class ServerArgs:
     )
     restart_window_minutes: float = _f(10.0, "The sliding window --max-restarts counts restarts in.")
     enable_metrics: bool = _f(False, "Expose Prometheus metrics at /metrics.")
+    disable_dashboard: bool = _f(
+        False,
+        "Do not serve the live dashboard at /dashboard (and its data at /dashboard/state). "
+        "SGLang has no dashboard, hence no such flag (docs/observability.md).",
+    )
     log_level: str = _f("info", "Logging level.")
     log_requests: bool = _f(
         False, "Log every request when received and when finished; --log-requests-level sets the detail."

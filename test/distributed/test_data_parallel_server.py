@@ -127,6 +127,23 @@ def test_server_info_and_load_list_every_replica(tiny: dict[str, Server]) -> Non
     assert httpx.get(f"{tiny['dp1'].url}/get_load", timeout=30).json()[0]["dp_rank"] == 0
 
 
+def test_dashboard_state_has_each_replica(tiny: dict[str, Server]) -> None:
+    """/dashboard/state asks both replicas (through the controller) and lists them in order, each
+    with its own pool, batches and latency percentiles (docs/observability.md)."""
+    url = tiny["dp2"].url
+    for i in range(4):  # round robin: two requests on each replica
+        body = {"text": f"dashboard {i}", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200
+    state = httpx.get(f"{url}/dashboard/state", timeout=30).json()
+    assert state["dp_size"] == 2 and state["metrics_enabled"] is True
+    replicas = state["replicas"]
+    assert [r["dp_rank"] for r in replicas] == [0, 1]
+    for r in replicas:
+        assert r["num_batches"] >= 2 and r["batches"] and r["num_prefill_tokens"] > 0
+        assert r["ttft"]["count"] >= 2 and r["ttft"]["p50"] is not None
+        assert [(k["tp_rank"], k["pp_rank"]) for k in r["ranks"]] == [(0, 0)]
+
+
 def test_routed_dp_rank_picks_the_replica(tiny: dict[str, Server]) -> None:
     url = tiny["dp2"].url
     before = [s["cache_query_tokens"] for s in _states(url)]

@@ -168,6 +168,19 @@ def test_every_feature_gives_the_same_greedy_outputs_at_tp2_and_pp2(tiny_servers
         assert state["num_retracted_reqs"] > 0  # the small pool made decodes retract
 
 
+@pytest.mark.parametrize(("name", "ranks"), [("tp2", [(0, 0), (1, 0)]), ("pp2", [(0, 0), (0, 1)])])
+def test_dashboard_state_has_every_rank(tiny_servers: dict[str, Server], name: str, ranks: list) -> None:
+    """Every rank answers the dashboard's request in the same step (a gather): its pool and its
+    own batch times, in rank order (docs/observability.md)."""
+    url = tiny_servers[name].url
+    body = {"text": "dashboard", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200
+    (replica,) = httpx.get(f"{url}/dashboard/state", timeout=30).json()["replicas"]
+    assert [(k["tp_rank"], k["pp_rank"]) for k in replica["ranks"]] == ranks
+    assert all(k["mean_batch_ms"] is not None and k["max_total_num_tokens"] > 0 for k in replica["ranks"])
+    assert replica["num_batches"] > 0 and replica["batches"]
+
+
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
 def test_aborts_disconnects_and_abort_all_leave_every_rank_full(
     tiny_servers: dict[str, Server], name: str

@@ -22,6 +22,8 @@ MESSAGES = [
     io.FlushCacheReqOutput(False, "busy"),
     io.GetInternalStateReq(),
     io.GetInternalStateReqOutput({"num_running_reqs": 1, "token_usage": 0.5}),
+    io.GetDashboardStateReq(max_rows=3),
+    io.GetDashboardStateReqOutput({"dp_rank": 0, "batches": [{"mode": "decode", "ms": 1.5}], "requests": []}),
     io.BatchTokenIDOut(
         rids=["a", "b"],
         finished_reasons=[None, io.FinishMatchedToken(2)],

@@ -29,11 +29,13 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.entrypoints.dashboard.assets import PUBLIC_ASSET_PATHS
 from radixserve.entrypoints.openai.protocol import error_body, error_type
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
-PUBLIC_PATHS = ("/health", "/metrics")  # no API key needed
+# No API key needed: health, metrics, and the dashboard's static files (no data; dashboard/assets.py).
+PUBLIC_PATHS = ("/health", "/metrics", *PUBLIC_ASSET_PATHS)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from radixserve.entrypoints.client_apis import add_client_api_routes
 from radixserve.entrypoints.control_routes import add_control_routes
+from radixserve.entrypoints.dashboard.routes import add_dashboard_routes
 from radixserve.entrypoints.embedding_routes import add_embedding_routes
 from radixserve.entrypoints.health import generation_failure
 from radixserve.entrypoints.http_errors import CatchAllMiddleware, add_error_handlers
@@ -309,6 +310,7 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     _add_openai_routes(app, state)
     add_embedding_routes(app, state)
     add_client_api_routes(app, state)  # Anthropic Messages, Ollama
+    add_dashboard_routes(app, state)  # /dashboard, unless --disable-dashboard
     install_openapi(app)
     app.state.server = state
     app.state.max_body_bytes = args.max_request_body_bytes

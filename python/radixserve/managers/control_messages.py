@@ -336,6 +336,23 @@ class SetInternalStateReq(ControlReq, ordering=Ordering.BYPASS, reply=SetInterna
     server_args: dict[str, Any] = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------------------------------- dashboard
+@dataclass(frozen=True, slots=True)
+class GetDashboardStateReqOutput:
+    """One replica's view for /dashboard/state (scheduler/dashboard_report.py): queues, pools,
+    cache counters, batch counters, its recent batches, a bounded table of its live requests and
+    each rank's pool."""
+
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class GetDashboardStateReq(ControlReq, ordering=Ordering.BYPASS, reply=GetDashboardStateReqOutput):
+    """Ask every replica for its dashboard view; sent only while someone polls the dashboard."""
+
+    max_rows: int = 50  # live requests listed at most (the oldest first)
+
+
 # ---------------------------------------------------------------------------------------- RPC
 @dataclass(frozen=True, slots=True)
 class RpcReqOutput:

@@ -17,6 +17,7 @@ from radixserve.managers.io_struct import (
     ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
     FreezeGCReq,
+    GetDashboardStateReq,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
     LoadLoRAAdapterReqInput,
@@ -66,6 +67,7 @@ def control_handlers(s: Scheduler) -> list[tuple[type, Callable[[Any], Any]]]:
         (RpcReqInput, lambda msg: handle_rpc(s, msg)),
         (LoadLoRAAdapterReqInput, s.lora_control.load),
         (UnloadLoRAAdapterReqInput, s.lora_control.unload),
+        (GetDashboardStateReq, s.dashboard.report),
     ]
 
 

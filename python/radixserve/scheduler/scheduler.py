@@ -46,8 +46,10 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 from radixserve.model_executor.worker_api import ModelWorker
 from radixserve.scheduler.activity import Activity
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
+from radixserve.scheduler.batch_log import BatchLog
 from radixserve.scheduler.control_plane import ControlPlane
 from radixserve.scheduler.control_table import control_handlers, internal_state
+from radixserve.scheduler.dashboard_report import DashboardReport
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.live_limits import LiveLimits
@@ -134,6 +136,7 @@ class Scheduler:
         self.live_limits = LiveLimits.from_server_args(args, worker.max_req_num, worker.info.pp_size)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
+        self.batch_log = BatchLog()  # recent batches and batch counters, for the dashboard
         self.output = OutputProcessor(
             self.mem,
             self.send_output,
@@ -182,6 +185,16 @@ class Scheduler:
         self.memory_occupation = MemoryOccupation(weights, self.sync, activity, self.mem, self.weight_control)
         self.operators = OperatorControls(self.live_limits, tp_rank)
         self.lora_control = LoRAControl(self.worker.info.lora, self.state.live)
+        self.dashboard = DashboardReport(
+            self.state,
+            self.mem,
+            self.output.stats,
+            self.batch_log,
+            self.sync,
+            lambda: len(self.grammar.grammar_queue),
+            self.dp_rank,
+            (tp_rank, self.worker.info.pp_rank),
+        )
         self.sessions = SessionController(
             self._build_session_req,
             lambda req: self.requests.abort_req(req, "Replaced by a new branch of its session."),
@@ -393,6 +406,7 @@ class Scheduler:
             self.prepare_sample(batch.reqs, mwb)
         batch.future_indices = future_indices
         self.num_inflight_batches += 1
+        self.batch_log.on_launch(batch)
         for i, req in enumerate(batch.reqs):
             req.num_inflight += 1
             if future_indices is not None:
@@ -427,6 +441,7 @@ class Scheduler:
         """Bookkeeping of every batch whose result comes back, whoever processes it (the output
         processor, or a disaggregated prefill side)."""
         self.num_inflight_batches -= 1
+        self.batch_log.on_done()
         self.busy_since_trim = True  # heap trimmed at the next idle step
 
     def is_disable_overlap_for_batch(self, batch: ScheduleBatch | None) -> bool:
