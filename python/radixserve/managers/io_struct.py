@@ -129,6 +129,9 @@ class TokenizedGenerateReqInput:
     # Prompt embeddings instead of tokens ([len(input_ids)] rows of hidden_size floats; the ids
     # are placeholders then).
     input_embeds: list[list[float]] | None = None
+    # /health_generate's probe: on a busy scheduler it is answered by the next batch result
+    # instead of queueing (scheduler/health_probes.py).
+    health_check: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -327,6 +327,7 @@ class TokenizerManager:
             top_logprobs_num=item.top_logprobs_num,
             return_hidden_states=item.return_hidden_states,
             input_embeds=item.input_embeds,
+            health_check=item.health_check,
             priority=item.priority,
             session_params=item.session_params,
             routed_dp_rank=item.routed_dp_rank,
