@@ -58,6 +58,9 @@ class GenerateReqInput(BaseModel):
     # The LoRA adapter by name (SGLang's field; one per prompt for a batch); None: the base model.
     lora_path: str | list[str | None] | None = None
     no_logs: bool = False  # keep this request out of --log-requests (SGLang's field, for ZDR)
+    # Only requests with the same salt share cached prefixes (SGLang's and vLLM's field: tenants
+    # cannot probe each other's prompts through cache-hit timing); one per prompt for a batch.
+    cache_salt: str | list[str] | None = None
     # Set by /health_generate only, never from a body: its probe (scheduler/health_probes.py).
     _health_check: bool = PrivateAttr(default=False)
 
@@ -127,6 +130,7 @@ class GenerateReqInput(BaseModel):
             "bootstrap_port",
             "bootstrap_room",
             "lora_path",
+            "cache_salt",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -196,6 +200,7 @@ class GenerateReqInput(BaseModel):
                         sample_index=j,
                         lora_path=_pick(self.lora_path, i),
                         no_logs=self.no_logs,
+                        cache_salt=_pick(self.cache_salt, i),
                         health_check=self._health_check,
                         routing=DisaggRouting(
                             _pick(self.bootstrap_host, i),
@@ -280,3 +285,4 @@ class RequestItem:
     input_embeds: list[list[float]] | None = None  # instead of text / input_ids
     no_logs: bool = False
     health_check: bool = False
+    cache_salt: str | None = None

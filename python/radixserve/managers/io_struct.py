@@ -132,6 +132,7 @@ class TokenizedGenerateReqInput:
     # /health_generate's probe: on a busy scheduler it is answered by the next batch result
     # instead of queueing (scheduler/health_probes.py).
     health_check: bool = False
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes
 
 
 @dataclass(frozen=True, slots=True)

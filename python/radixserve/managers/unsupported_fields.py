@@ -40,7 +40,6 @@ REFUSED: dict[str, str] = {
     "multi_item_delimiter_indices": "multi-item scoring is not supported",
     "session_id": "use session_params to continue a session",
     "extra_key": "extra cache keys are not supported",
-    "cache_salt": "cache salts are not supported",
     "bootstrap_pair_key": "prefill/decode pairing keys other than bootstrap_room are not supported",
     "decode_tp_size": "the decode side's layout comes from its bootstrap, not the request",
 }
