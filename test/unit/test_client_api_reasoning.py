@@ -28,6 +28,9 @@ class ChatTemplateTokenizer:
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> str:  # noqa: ANN401
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]  # one token per character, as the scripted outputs count
+
 
 class ReasoningTokenizerManager:
     """What the chat path uses of a TokenizerManager; every request "generates" OUTPUT."""
@@ -56,7 +59,10 @@ class ReasoningTokenizerManager:
             "completion_tokens": len(text),
             "cached_tokens": 0,
         }
-        return {"text": text, "meta_info": meta, "index": 0}
+        return {"text": text, "output_ids": [ord(c) for c in text], "meta_info": meta, "index": 0}
+
+    def abort_request(self, rid: str) -> None:  # a Responses cancel: nothing runs here
+        pass
 
     async def generate(self, obj: Any, request: Any) -> dict[str, Any]:  # noqa: ANN401
         return self._output(OUTPUT, True, len(obj.input_ids))
@@ -117,3 +123,35 @@ def test_ollama_think_whole_and_streamed(http: TestClient) -> None:
     assert (generated["thinking"], generated["response"]) == ("Paris is the capital.", "It is Paris.")
     inline = http.post("/api/chat", json={**body, "think": False, "stream": False}).json()
     assert inline["message"]["content"] == OUTPUT and "thinking" not in inline["message"]
+
+
+REASONING_TOKENS = len("<think>Paris is the capital.</think>")  # one token per character here
+
+
+def test_usage_counts_reasoning_tokens(http: TestClient) -> None:
+    """OpenAI's reasoning_tokens: chat's usage.completion_tokens_details (whole and in the stream's
+    usage chunk) and Responses' usage.output_tokens_details."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Capital of France?"}]}
+    whole = http.post("/v1/chat/completions", json=body).json()
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": REASONING_TOKENS}
+    streamed = http.post(
+        "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": REASONING_TOKENS}
+    response = http.post("/v1/responses", json={"model": "tiny", "input": "Capital of France?"}).json()
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": REASONING_TOKENS}
+
+
+def test_reasoning_token_count_reads_a_single_end_token() -> None:
+    """Where </think> is one token (Qwen3, DeepSeek-R1), the count runs through it exactly."""
+    from radixserve.entrypoints.openai.reasoning import reasoning_token_count
+
+    class OneTokenEnd:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [7] if text == "</think>" else [1] * len(text)
+
+    text = "<think>abc</think>answer"
+    assert reasoning_token_count(text, [5, 6, 8, 7, 9, 9], "qwen3", OneTokenEnd()) == 4
+    assert reasoning_token_count("<think>still thinking", [5, 6, 8], "qwen3", OneTokenEnd()) == 3
+    assert reasoning_token_count("just an answer", [5, 6], "qwen3", OneTokenEnd()) == 0

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.entrypoints.openai.chat_tools import ChatPlan, ChoiceStream
+from radixserve.entrypoints.openai.chat_tools import ChatPlan, ChoiceStream, choice_reasoning_tokens
 from radixserve.entrypoints.openai.protocol import DeltaMessage
 from radixserve.entrypoints.openai.serving_common import finish_reason, first_output_checked, raise_if_failed
 from radixserve.managers.generate_request import GenerateReqInput
@@ -24,6 +24,7 @@ class ChatStep:
     output: dict[str, Any]  # the native output: cumulative text, meta_info
     finished: bool
     has_tool_calls: bool  # some tool call has started so far
+    reasoning_tokens: int = 0  # on the finished step, with a reasoning parser: see reasoning.py
 
 
 async def chat_steps(
@@ -32,16 +33,22 @@ async def chat_steps(
     """Submit `native` (a streaming request) and yield its steps. The first output is awaited
     here, before any answer starts, so a refusal (400, 503) is answered with its status."""
     outputs = await first_output_checked(await tm.stream(native, request))
-    return _steps(outputs, plan)
+    return _steps(outputs, plan, tm.tokenizer)
 
 
-async def _steps(outputs: AsyncIterator[dict[str, Any]], plan: ChatPlan) -> AsyncIterator[ChatStep]:
+async def _steps(
+    outputs: AsyncIterator[dict[str, Any]],
+    plan: ChatPlan,
+    tokenizer: Any,  # noqa: ANN401
+) -> AsyncIterator[ChatStep]:
     splitter = ChoiceStream(plan)
     async for out in outputs:
         reason, _ = finish_reason(out)
         delta = splitter.feed(out["text"], final=reason is not None)
         raise_if_failed(out)  # an abort with a status ends the answer as an error
-        yield ChatStep(delta, out, reason is not None, splitter.has_tool_calls)
+        counted = reason is not None and plan.reasoning_parser is not None
+        thought = choice_reasoning_tokens(out, plan, tokenizer) if counted else 0
+        yield ChatStep(delta, out, reason is not None, splitter.has_tool_calls, thought)
 
 
 def tool_input(arguments: str | None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from radixserve.entrypoints.openai.protocol import (
     Tool,
     ToolCall,
 )
-from radixserve.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
+from radixserve.entrypoints.openai.reasoning import ReasoningStream, reasoning_token_count, split_reasoning
 from radixserve.entrypoints.openai.tool_calls import (
     HERMES_END,
     HERMES_START,
@@ -262,3 +262,10 @@ class ChoiceStream:
                 function=FunctionCall(name=name, arguments=arguments),
             )
         return ToolCall(index=index, type=None, function=FunctionCall(arguments=arguments))
+
+
+def choice_reasoning_tokens(output: dict[str, Any], plan: ChatPlan, tokenizer: Any) -> int:  # noqa: ANN401
+    """One finished choice's reasoning tokens (0 without a reasoning parser)."""
+    if plan.reasoning_parser is None:
+        return 0
+    return reasoning_token_count(output["text"], output["output_ids"], plan.reasoning_parser, tokenizer)

@@ -65,11 +65,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # With --reasoning-parser (chat): the output tokens spent reasoning; left out otherwise.
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class SamplingExtras(RequestModel):

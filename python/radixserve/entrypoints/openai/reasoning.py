@@ -11,6 +11,7 @@ pieces; a tag split across steps is held back until it is resolved.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve.entrypoints.openai.tool_calls import partial_suffix
 
@@ -75,6 +76,24 @@ class ReasoningStream:
         self.cursor += idx + len(THINK_END)
         self.mode = "content"
         self.after_reasoning = True
+
+
+def reasoning_token_count(text: str, output_ids: list[int], parser: str, tokenizer: Any) -> int:  # noqa: ANN401
+    """Output tokens spent reasoning (OpenAI's usage reasoning_tokens): every token through the
+    one that closes the reasoning where THINK_END is a single token (Qwen3's and DeepSeek-R1's
+    tokenizers), all of them when the output stopped inside its reasoning; elsewhere the
+    reasoning re-tokenized with its tags (an estimate: a re-tokenization need not be the tokens
+    that were generated)."""
+    reasoning, content = split_reasoning(text, parser)
+    if reasoning is None:
+        return 0
+    end = tokenizer.encode(THINK_END, add_special_tokens=False)
+    if len(end) == 1 and end[0] in output_ids:
+        return output_ids.index(end[0]) + 1
+    if THINK_END not in text:  # stopped (length, abort) while still reasoning
+        return len(output_ids)
+    estimate = tokenizer.encode(f"{THINK_START}{reasoning}{THINK_END}", add_special_tokens=False)
+    return min(len(estimate), len(output_ids))
 
 
 def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from radixserve.entrypoints.openai.chat_tools import ChatPlan, ChoiceStream, plan_chat, split_output
+from radixserve.entrypoints.openai.chat_tools import (
+    ChatPlan,
+    ChoiceStream,
+    choice_reasoning_tokens,
+    plan_chat,
+    split_output,
+)
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -108,7 +114,10 @@ class ChatHandler:
             )
         model = req.model or self.served_names[0]
         return ChatCompletionResponse(
-            id=random_id("chatcmpl"), model=model, choices=choices, usage=usage(outputs, req.n)
+            id=random_id("chatcmpl"),
+            model=model,
+            choices=choices,
+            usage=usage(outputs, req.n, self._reasoning_tokens(outputs, plan)),
         )
 
     async def stream(self, req: ChatCompletionRequest, request: ClientRequest | None) -> AsyncIterator[bytes]:
@@ -157,8 +166,14 @@ class ChatHandler:
             raise_if_failed(out)  # after its finish_reason "abort" chunk, as in completions
         if req.stream_options is not None and req.stream_options.include_usage:
             ordered = [finals[i] for i in sorted(finals)]
-            final = ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=usage(ordered, req.n))
+            counted = usage(ordered, req.n, self._reasoning_tokens(ordered, plan))
+            final = ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=counted)
             yield sse(final)
+
+    def _reasoning_tokens(self, outputs: list[dict[str, Any]], plan: ChatPlan) -> int | None:
+        if plan.reasoning_parser is None:
+            return None
+        return sum(choice_reasoning_tokens(out, plan, self.tm.tokenizer) for out in outputs)
 
     def _logprobs(self, out: dict[str, Any], start: int = 0) -> ChatLogprobs:
         meta = out["meta_info"]

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    CompletionTokensDetails,
     PromptTokensDetails,
     SamplingExtras,
     UsageInfo,
@@ -109,17 +110,20 @@ def raise_if_failed(output: dict[str, Any]) -> None:
         raise RequestAbortedError(reason.get("message", "Request aborted."), int(reason["status_code"]))
 
 
-def usage(outputs: list[dict[str, Any]], n: int) -> UsageInfo:
-    """Prompt tokens count once per prompt (the n samples share it); completions count per sample."""
+def usage(outputs: list[dict[str, Any]], n: int, reasoning_tokens: int | None = None) -> UsageInfo:
+    """Prompt tokens count once per prompt (the n samples share it); completions count per sample.
+    `reasoning_tokens` (with a reasoning parser): the completions' tokens spent reasoning."""
     firsts = outputs[::n]
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in firsts)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in firsts)
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=details,
     )
 
 

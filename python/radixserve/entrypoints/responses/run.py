@@ -36,6 +36,7 @@ class ResponseRun:
     output: OutputEvents = field(default_factory=OutputEvents)
     cancelled: bool = False
     _submitted: bool = False  # the generate request reached the TokenizerManager
+    _reasoning_tokens: int = 0  # of the finished output (chat_steps)
 
     @property
     def rid(self) -> str:
@@ -59,6 +60,7 @@ class ResponseRun:
         self.response.status = "in_progress"
         yield {"type": "response.in_progress", "response": self.dump()}
         last: dict[str, Any] | None = None
+        self._reasoning_tokens = 0
         try:
             steps = await start()
             self._submitted = True
@@ -68,6 +70,7 @@ class ResponseRun:
                 for event in self.output.feed(step.delta) if step.delta is not None else []:
                     yield event
                 last = step.output
+                self._reasoning_tokens = step.reasoning_tokens
         except (ValueError, RequestAbortedError) as exc:
             if not in_band:
                 raise
@@ -109,7 +112,7 @@ class ResponseRun:
                 input_tokens=meta["prompt_tokens"],
                 input_tokens_details=InputTokensDetails(cached_tokens=meta.get("cached_tokens", 0)),
                 output_tokens=meta["completion_tokens"],
-                output_tokens_details=OutputTokensDetails(),
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=self._reasoning_tokens),
                 total_tokens=meta["prompt_tokens"] + meta["completion_tokens"],
             )
 
