@@ -93,6 +93,7 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_hidden_states: bool | list[bool] = False,
         input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
+        token_ids_logprob: list[int] | list[list[int] | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -115,6 +116,7 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_hidden_states: bool | list[bool] = False,
         input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
+        token_ids_logprob: list[int] | list[list[int] | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -372,6 +374,7 @@ def _request(
     lora_path: str | list[str | None] | None = None,
     return_hidden_states: bool | list[bool] = False,
     input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
+    token_ids_logprob: list[int] | list[list[int] | None] | None = None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -399,6 +402,7 @@ def _request(
         lora_path=lora_path,
         return_hidden_states=return_hidden_states,
         input_embeds=input_embeds,
+        token_ids_logprob=token_ids_logprob,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.
