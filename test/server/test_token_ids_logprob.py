@@ -82,7 +82,8 @@ def test_values_match_hf_across_chunks_in_a_mixed_batch(engine: Engine, hf_tiny:
     assert len(outs[0]["meta_info"]["output_top_logprobs"][0]) == 2
 
 
-def test_streaming_gives_the_same_values(engine: Engine) -> None:
+def test_a_lone_request_streams_the_same_values(engine: Engine, hf_tiny: Any) -> None:
+    """One request alone (small decode batches may run a fused decode step), streamed and not."""
     prompt = list(range(3, 3 + CHUNK + 4))
     kwargs: dict[str, Any] = dict(
         input_ids=prompt,
@@ -96,6 +97,9 @@ def test_streaming_gives_the_same_values(engine: Engine) -> None:
     last = chunks[-1]["meta_info"]
     assert last["output_token_ids_logprobs"] == whole["output_token_ids_logprobs"]
     assert last["input_token_ids_logprobs"] == whole["input_token_ids_logprobs"]
+    lp = _hf_logprobs(hf_tiny, prompt + chunks[-1]["output_ids"][:-1])
+    for k, entries in enumerate(whole["output_token_ids_logprobs"]):
+        _check_entries(entries, [9, 4], lp[len(prompt) - 1 + k])
 
 
 @pytest.mark.parametrize(
