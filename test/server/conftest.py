@@ -15,7 +15,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from real_helpers import BUILTIN_SERVER_POOL_TOKENS  # noqa: E402
-from server_helpers import BUILTIN_POOL_TOKENS, TINY_POOL_TOKENS, Server, start_servers  # noqa: E402
+from server_helpers import (  # noqa: E402
+    BUILTIN_POOL_TOKENS,
+    FIELDS_CHUNK,
+    TINY_POOL_TOKENS,
+    Server,
+    start_servers,
+)
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +29,21 @@ def tiny_engine(tiny_llama_path: str):
     from radixserve import Engine
 
     with Engine(model_path=tiny_llama_path, max_total_tokens=TINY_POOL_TOKENS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def fields_engine(tiny_llama_path: str):
+    """The tiny model in small chunks, with the request fields that need a flag allowed
+    (return_hidden_states): test_hidden_states.py, test_request_fields.py."""
+    from radixserve import Engine
+
+    with Engine(
+        model_path=tiny_llama_path,
+        max_total_tokens=4096,
+        chunked_prefill_size=FIELDS_CHUNK,
+        enable_return_hidden_states=True,
+    ) as engine:
         yield engine
 
 

@@ -17,6 +17,7 @@ from radixserve.utils.network import get_free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 # KV pool sizes of the real-model servers and Engines: small, so a leak shows quickly.
 TINY_POOL_TOKENS = 16384
+FIELDS_CHUNK = 16  # conftest's fields_engine prefills prompts longer than this in chunks
 BUILTIN_POOL_TOKENS = 8192
 
 

@@ -120,3 +120,24 @@ def test_request_logger_cuts_long_text_at_level_2() -> None:
     cut = RequestLogger(True, 2)._cut(text)
     assert cut.startswith("x" * MAX_PARTIAL_CHARS) and cut.endswith("(10 more characters)")
     assert RequestLogger(True, 2)._cut([1, 2]) == [1, 2]
+
+
+def test_no_logs_keeps_a_request_out_of_the_request_log(caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's no_logs (zero data retention): nothing of that request is logged, even at level 3."""
+    import asyncio
+    import logging
+
+    from radixserve.managers.generate_request import GenerateReqInput
+    from radixserve.managers.req_state import ReqState
+    from radixserve.managers.request_logger import RequestLogger
+
+    request_log = RequestLogger(True, 3)
+    with caplog.at_level(logging.INFO, logger="radixserve.requests"):
+        for rid, no_logs in (("hidden", True), ("shown", False)):
+            item = GenerateReqInput(text="secret", rid=rid, no_logs=no_logs).expand()[0]
+            state = ReqState(item, [1, 2], asyncio.Event())
+            request_log.log_received(state)
+            request_log.log_finished(state)
+    lines = [r.getMessage() for r in caplog.records if r.name == "radixserve.requests"]
+    assert len(lines) == 2 and all("shown" in m for m in lines) and not any("hidden" in m for m in lines)
+    assert "secret" in lines[0]  # level 3 logs the prompt of a request that allows it

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from server_helpers import FIELDS_CHUNK as CHUNK
 
 from radixserve import Engine
 from radixserve.entrypoints.openai.protocol import CompletionRequest
@@ -21,21 +22,24 @@ from radixserve.testing.tiny_models import TINY_VOCAB
 pytestmark = pytest.mark.timeout(300)
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-CHUNK = 16  # prompts longer than this are prefilled in several chunks
 
 
-@pytest.fixture(scope="module", params=["normal", "overlap"])
-def engine(request: pytest.FixtureRequest, tiny_llama_path: str):
-    overlap = request.param == "overlap"
+@pytest.fixture(scope="module")
+def overlap_engine(tiny_llama_path: str):
     with Engine(
         model_path=tiny_llama_path,
         max_total_tokens=4096,
         chunked_prefill_size=CHUNK,
         enable_return_hidden_states=True,
-        enable_overlap_schedule=overlap,
-        disable_overlap_schedule=not overlap,
+        enable_overlap_schedule=True,
     ) as e:
         yield e
+
+
+@pytest.fixture(params=["normal", "overlap"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """The session's fields_engine (the normal loop on CPU), and the same with the overlap loop."""
+    return request.getfixturevalue("fields_engine" if request.param == "normal" else "overlap_engine")
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

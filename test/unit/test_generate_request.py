@@ -125,3 +125,28 @@ def test_allow_auto_truncate_cuts_the_input_and_the_budget_instead_of_refusing(a
     assert long_input[0].sampling_params.max_new_tokens == 1
     assert prepare_items(None, limits, big_budget) == [[5, 6, 7]]
     assert big_budget[0].sampling_params.max_new_tokens == 13
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ('{"text": "a", "image_data": "https://example.com/cat.png"}', "image_data"),
+        ('{"text": "a", "audio_data": ["x"]}', "audio_data"),
+        ('{"text": "a", "custom_logit_processor": "{}"}', "custom_logit_processor"),
+        ('{"text": "a", "return_entropy": true}', "return_entropy"),
+        ('{"text": "a", "max_thinking_tokens": 0}', "max_thinking_tokens"),  # 0 is a budget, not "off"
+    ],
+)
+def test_sglang_fields_the_server_cannot_honour_are_refused(body: str, field: str) -> None:
+    """A 400 naming the field, never an answer that silently left it out (issue 42)."""
+    with pytest.raises(ValueError, match=f"'{field}' is not supported"):
+        GenerateReqInput.model_validate_json(body, strict=True)
+
+
+def test_off_values_and_ignorable_hints_are_accepted() -> None:
+    body = (
+        '{"text": "a", "image_data": null, "modalities": [], "return_entropy": false, '
+        '"log_metrics": true, "custom_labels": {"team": "x"}, "routing_key": "k", "no_logs": true}'
+    )
+    item = GenerateReqInput.model_validate_json(body, strict=True).expand()[0]
+    assert item.text == "a" and item.no_logs

@@ -227,3 +227,30 @@ def test_max_new_tokens_zero_prefills_only(make_harness, overlap):
     assert h.finished["prompt-only"]["type"] == "length"
     assert len(h.input_logprobs["prompt-only"]) == 28  # positions 1 .. 28
     assert len(h.outputs["normal"]) == 3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_health_probe_on_a_busy_scheduler_is_answered_by_the_next_batch(make_harness, overlap):
+    """The seeds' return_health_check_ct: a /health_generate probe never waits behind work, nor
+    is it refused by a full queue (a load balancer would take the busy server for a dead one)."""
+    h = make_harness(max_queued_requests=1, max_running_requests=1, disable_overlap_schedule=not overlap)
+    for i in range(2):
+        h.submit(f"w{i}", [1, 2, 3, i], 20)
+    h.step()
+    assert [r.rid for r in h.scheduler.state.waiting_queue] == ["w1"]  # the queue is at its cap
+    h.submit("probe", [0], 1, health_check=True)
+    assert all(r.rid != "probe" for r in h.scheduler.state.waiting_queue)
+    for _ in range(3):  # the overlap loop answers it when the in-flight batch's result is back
+        h.step()
+    assert h.finished["probe"] == {"type": "length", "length": 0}
+    assert h.outputs.get("probe", []) == [] and "w0" not in h.finished
+    h.run_until_idle()
+    assert h.finished["w0"]["type"] == h.finished["w1"]["type"] == "length"
+    assert pool_is_full(h)
+
+
+def test_health_probe_on_an_idle_scheduler_runs_the_model(make_harness):
+    h = make_harness()
+    h.submit("probe", [0], 1, health_check=True)
+    h.run_until_idle()
+    assert h.finished["probe"] == {"type": "length", "length": 1} and len(h.outputs["probe"]) == 1

@@ -93,6 +93,7 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_hidden_states: bool | list[bool] = False,
         input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
+        cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
@@ -116,6 +117,7 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_hidden_states: bool | list[bool] = False,
         input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
+        cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
@@ -374,6 +376,7 @@ def _request(
     lora_path: str | list[str | None] | None = None,
     return_hidden_states: bool | list[bool] = False,
     input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
+    cache_salt: str | list[str] | None = None,
     token_ids_logprob: list[int] | list[list[int] | None] | None = None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
@@ -402,6 +405,7 @@ def _request(
         lora_path=lora_path,
         return_hidden_states=return_hidden_states,
         input_embeds=input_embeds,
+        cache_salt=cache_salt,
         token_ids_logprob=token_ids_logprob,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's

@@ -57,6 +57,7 @@ async def _probe(tm: TokenizerManager) -> None:
         await scoring.run(tm, [make_item([0])], None)
         return
     probe = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    probe._health_check = True  # a busy scheduler answers it with its next batch, never queues it
     if tm.server_args.disaggregation_mode != "null":
         # One half of a PD pair has no peer for a probe: the fake host moves no KV (as SGLang).
         probe.bootstrap_host, probe.bootstrap_room = FAKE_BOOTSTRAP_HOST, 0

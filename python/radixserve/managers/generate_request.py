@@ -12,10 +12,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from radixserve.managers.control_messages import SessionParams
 from radixserve.managers.io_struct import NO_ROUTING, DisaggRouting
+from radixserve.managers.unsupported_fields import refuse_unsupported
 from radixserve.sampling.sampling_params import SamplingParams, check_seed
 
 # Per-request limits (docs/http_api.md, "Limits"): one call must not buy unbounded work.
@@ -60,6 +61,18 @@ class GenerateReqInput(BaseModel):
     data_parallel_rank: int | None = None
     # The LoRA adapter by name (SGLang's field; one per prompt for a batch); None: the base model.
     lora_path: str | list[str | None] | None = None
+    no_logs: bool = False  # keep this request out of --log-requests (SGLang's field, for ZDR)
+    # Only requests with the same salt share cached prefixes (SGLang's and vLLM's field: tenants
+    # cannot probe each other's prompts through cache-hit timing); one per prompt for a batch.
+    cache_salt: str | list[str] | None = None
+    # Set by /health_generate only, never from a body: its probe (scheduler/health_probes.py).
+    _health_check: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:  # noqa: ANN401 - the raw body
+        refuse_unsupported(data)  # SGLang fields this server cannot honour: a 400, never dropped
+        return data
 
     @property
     def dp_rank(self) -> int | None:
@@ -121,6 +134,7 @@ class GenerateReqInput(BaseModel):
             "bootstrap_port",
             "bootstrap_room",
             "lora_path",
+            "cache_salt",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -190,6 +204,9 @@ class GenerateReqInput(BaseModel):
                         prompt_index=i,
                         sample_index=j,
                         lora_path=_pick(self.lora_path, i),
+                        no_logs=self.no_logs,
+                        cache_salt=_pick(self.cache_salt, i),
+                        health_check=self._health_check,
                         token_ids_logprob=token_ids,
                         routing=DisaggRouting(
                             _pick(self.bootstrap_host, i),
@@ -297,4 +314,7 @@ class RequestItem:
     lora_id: str | None = None  # its current load's id (the TokenizerManager's LoRARegistry)
     return_hidden_states: bool = False
     input_embeds: list[list[float]] | None = None  # instead of text / input_ids
+    no_logs: bool = False
+    health_check: bool = False
+    cache_salt: str | None = None
     token_ids_logprob: tuple[int, ...] | None = None  # score these ids at each logprob position

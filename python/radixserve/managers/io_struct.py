@@ -129,6 +129,10 @@ class TokenizedGenerateReqInput:
     # Prompt embeddings instead of tokens ([len(input_ids)] rows of hidden_size floats; the ids
     # are placeholders then).
     input_embeds: list[list[float]] | None = None
+    # /health_generate's probe: on a busy scheduler it is answered by the next batch result
+    # instead of queueing (scheduler/health_probes.py).
+    health_check: bool = False
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes
     token_ids_logprob: tuple[int, ...] | None = None  # score these ids at each logprob position
 
 

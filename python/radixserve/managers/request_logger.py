@@ -29,7 +29,7 @@ class RequestLogger:
         self.level = level
 
     def log_received(self, state: ReqState) -> None:
-        if not self.enabled:
+        if not self.enabled or state.item.no_logs:
             return
         item = state.item
         fields: dict[str, Any] = {"rid": item.rid, "prompt_tokens": len(state.input_ids)}
@@ -42,7 +42,7 @@ class RequestLogger:
         logger.info("Receive: %s", _format(fields))
 
     def log_finished(self, state: ReqState) -> None:
-        if not self.enabled:
+        if not self.enabled or state.item.no_logs:
             return
         meta = request_meta(state)
         fields: dict[str, Any] = {

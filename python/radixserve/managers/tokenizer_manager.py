@@ -328,6 +328,8 @@ class TokenizerManager:
             token_ids_logprob=item.token_ids_logprob,
             return_hidden_states=item.return_hidden_states,
             input_embeds=item.input_embeds,
+            health_check=item.health_check,
+            cache_salt=item.cache_salt,
             priority=item.priority,
             session_params=item.session_params,
             routed_dp_rank=item.routed_dp_rank,

@@ -108,6 +108,7 @@ class Req:
         lora_id: str | None = None,
         return_hidden_states: bool = False,
         input_embeds: torch.Tensor | None = None,
+        cache_salt: str | None = None,
         token_ids_logprob: tuple[int, ...] | None = None,
     ) -> None:
         self.rid = rid
@@ -115,6 +116,7 @@ class Req:
         self.lora_id = lora_id
         # [prompt_len, hidden_size] fp32: the prompt as embeddings (its ids are placeholders).
         self.input_embeds = input_embeds
+        self.cache_salt = cache_salt  # only requests with the same salt share cached prefixes
         self.session_id: str | None = None  # set when the request continues a session
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
@@ -196,8 +198,13 @@ class Req:
     @property
     def cache_namespace(self) -> Hashable:
         """Whose KV the prefix cache files this request's under: its LoRA adapter's (None: the base
-        model's); an input_embeds prompt's placeholder ids describe nothing, so its own."""
-        return ("input_embeds", self.rid) if self.input_embeds is not None else self.lora_id
+        model's), within its cache_salt if it has one; an input_embeds prompt's placeholder ids
+        describe nothing, so its own."""
+        if self.input_embeds is not None:
+            return ("input_embeds", self.rid)
+        if self.cache_salt is not None:
+            return ("cache_salt", self.cache_salt, self.lora_id)
+        return self.lora_id
 
     def set_finish_with_abort(self, message: str, status_code: int | None = None) -> None:
         self.finished_reason = FinishAbort(message, status_code)

@@ -223,6 +223,7 @@ class RequestTable:
             input_embeds=None
             if msg.input_embeds is None
             else torch.tensor(msg.input_embeds, dtype=torch.float32),
+            cache_salt=msg.cache_salt,
             stream=msg.stream,
             priority=msg.priority,
             received_time=msg.received_time,

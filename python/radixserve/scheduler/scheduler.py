@@ -50,6 +50,7 @@ from radixserve.scheduler.batch_log import BatchLog
 from radixserve.scheduler.control_plane import ControlPlane
 from radixserve.scheduler.control_table import control_handlers, internal_state
 from radixserve.scheduler.dashboard_report import DashboardReport
+from radixserve.scheduler.health_probes import HealthProbes
 from radixserve.scheduler.input_blocker import SchedulerInputBlocker
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.live_limits import LiveLimits
@@ -147,6 +148,7 @@ class Scheduler:
         lora = worker.info.lora
         loras = lora.adapters if lora is not None else ()  # the live dict: loads and unloads show
         self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync, loras)
+        self.health_probes = HealthProbes(self.state.live, self.output.collect)
         self.grammar = GrammarManager(
             self._grammar_backend_factory(grammar_backend),
             args.grammar_compile_timeout,
@@ -267,6 +269,9 @@ class Scheduler:
         if not self.is_generation:  # input_validation refuses these first; a direct caller must not crash it
             self.state.live[req.rid] = req
             self.output.finish_now(req, "This model is an embedding model and cannot generate.", 400)
+            return
+        if msg.health_check and self._has_work():
+            self.health_probes.defer(req)  # answered by the next batch result, never queued
             return
         if not self.hooks.admit(
             msg, req
@@ -442,7 +447,14 @@ class Scheduler:
         processor, or a disaggregated prefill side)."""
         self.num_inflight_batches -= 1
         self.batch_log.on_done()
+        self.health_probes.answer()
         self.busy_since_trim = True  # heap trimmed at the next idle step
+
+    def _has_work(self) -> bool:
+        st = self.state
+        return (
+            bool(st.running_batch.reqs or st.waiting_queue or st.chunked_req) or self.num_inflight_batches > 0
+        )
 
     def is_disable_overlap_for_batch(self, batch: ScheduleBatch | None) -> bool:
         """Two consecutive prefills do not overlap: the first one's tokens come out sooner (TTFT)."""

@@ -103,6 +103,8 @@ class SamplingExtras(RequestModel):
     structural_tag: str | None = None
     # The last generated token's final hidden state on each choice (--enable-return-hidden-states).
     return_hidden_states: bool = False
+    # Only requests with the same salt share cached prefixes (vLLM's and SGLang's extension).
+    cache_salt: str | None = None
     rid: str | None = Field(default=None, max_length=MAX_RID_LEN)
     # With --dp-size > 1: the replica to serve the request (the Gateway's --dp-aware sends it).
     routed_dp_rank: NonNegativeInt | None = None

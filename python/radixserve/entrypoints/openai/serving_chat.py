@@ -72,6 +72,7 @@ class ChatHandler:
             disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
             lora_path=lora,
             return_hidden_states=req.return_hidden_states,
+            cache_salt=req.cache_salt,
         )
         return native, plan
 

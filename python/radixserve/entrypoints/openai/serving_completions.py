@@ -60,6 +60,7 @@ class CompletionsHandler:
             disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
             lora_path=lora,
             return_hidden_states=req.return_hidden_states,
+            cache_salt=req.cache_salt,
         )
 
     def _prompt_texts(self, obj: GenerateReqInput) -> list[str]:

@@ -1,6 +1,7 @@
-"""input_embeds (SGLang's field): a prompt given as embedding rows instead of tokens, against HF
-transformers greedy decoding from the same inputs_embeds; chunked, batched with token prompts,
-never matched against another request's cached KV."""
+"""Request fields on the tiny model (the session's fields_engine, small chunks): input_embeds
+(SGLang's field: a prompt given as embedding rows instead of tokens) against HF transformers
+greedy decoding from the same inputs_embeds, chunked, batched with token prompts, never matched
+against another request's cached KV; cache_salt (only equal salts share cached prefixes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from server_helpers import FIELDS_CHUNK as CHUNK
 
 from radixserve import Engine
 from radixserve.testing.tiny_models import TINY_VOCAB
@@ -16,13 +18,11 @@ from radixserve.testing.tiny_models import TINY_VOCAB
 pytestmark = pytest.mark.timeout(300)
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-CHUNK = 16
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path: str):
-    with Engine(model_path=tiny_llama_path, max_total_tokens=4096, chunked_prefill_size=CHUNK) as e:
-        yield e
+@pytest.fixture
+def engine(fields_engine: Engine) -> Engine:
+    return fields_engine
 
 
 def _hf_greedy_from_embeds(hf: Any, embeds: torch.Tensor, steps: int) -> list[int]:
@@ -87,3 +87,17 @@ def test_what_embeddings_cannot_serve_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         engine.generate(**kwargs)
+
+
+def test_cache_salt_shares_cached_prefixes_only_within_a_salt(engine: Engine) -> None:
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(2 * CHUNK + 3)]
+
+    def cached(salt: str | None) -> int:
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY, cache_salt=salt)
+        return out["meta_info"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # another tenant's identical prompt is not a hit
+    assert cached(None) == 0  # nor is an unsalted one
+    assert cached("tenant-a") > 0 and cached(None) > 0  # each namespace hits its own
