@@ -141,6 +141,9 @@ def test_stop_strings_have_one_authority(url: str, stream: bool) -> None:
         b'{"text": ["a", "b"], "rid": "same"}',  # one rid for two prompts
         b'{"text": ["a", "b"], "rid": ["x", "x"]}',
         b'{"text": ["a", "b"], "rid": ["x", "x-1"], "sampling_params": [{"n": 2}, {}]}',  # x's sample x-1
+        b'{"text": "a", "token_ids_logprob": [1]}',  # without return_logprob: not silently dropped
+        b'{"text": "a", "return_logprob": true, "token_ids_logprob": [100000000]}',
+        b'{"text": "a", "return_logprob": true, "token_ids_logprob": ["1"]}',
     ],
 )
 def test_generate_validation_is_400(url: str, body: bytes) -> None:

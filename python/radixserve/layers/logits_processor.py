@@ -26,6 +26,8 @@ class LogitsOutput:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    # token_ids_logprob: per request, per prompt position reported, the requested ids' logprobs.
+    input_token_ids_logprobs_val: list[list[list[float]]] | None = None
     # The final (normed) states of every row, when some request asked for them (return_hidden_states).
     hidden_states: torch.Tensor | None = None  # [rows, hidden_size]
 
@@ -98,12 +100,16 @@ class LogitsProcessor:
         starts = forward_batch.extend_logprob_start_lens or []
         top_nums = forward_batch.top_logprobs_nums or [0] * len(extend_lens)
         next_ids = forward_batch.extend_logprob_next_token_ids or [-1] * len(extend_lens)
+        tid_lists = forward_batch.token_ids_logprobs or [None] * len(extend_lens)
+        tid_vals: list[list[list[float]]] = []
         input_ids = forward_batch.input_ids
         token_logprobs: list[list[float]] = []
         top_vals: list[list[list[float]]] = []
         top_idx: list[list[list[int]]] = []
         offset = 0
-        for extend_len, start, top_k, next_id in zip(extend_lens, starts, top_nums, next_ids):
+        for extend_len, start, top_k, next_id, tids in zip(
+            extend_lens, starts, top_nums, next_ids, tid_lists
+        ):
             lo, hi = offset + max(start, 0), offset + extend_len - 1  # predicting rows lo .. hi - 1
             targets = input_ids[lo + 1 : hi + 1]
             if next_id >= 0 and hi >= lo:  # the last row predicts the next chunk's first token
@@ -119,7 +125,9 @@ class LogitsProcessor:
                 else:
                     top_vals.append([])
                     top_idx.append([])
+                tid_vals.append(lp[:, list(tids)].tolist() if tids is not None else [])
             else:
+                tid_vals.append([])
                 token_logprobs.append([])
                 top_vals.append([])
                 top_idx.append([])
@@ -127,3 +135,6 @@ class LogitsProcessor:
         output.input_token_logprobs = token_logprobs
         output.input_top_logprobs_val = top_vals
         output.input_top_logprobs_idx = top_idx
+        output.input_token_ids_logprobs_val = (
+            tid_vals if forward_batch.token_ids_logprobs is not None else None
+        )

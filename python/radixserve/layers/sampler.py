@@ -35,6 +35,8 @@ class SampleOutput:
     # [bs] bool: rows with no valid draw (NaN logits, nothing allowed, an id outside the vocab);
     # their next_token_ids hold a placeholder in range, never to be kept (see _guard).
     invalid_rows: Tensor | None = None
+    # token_ids_logprob: per row, the logprob of each requested id ([] for rows without); or None.
+    token_ids_logprobs_val: list[list[float]] | None = None
 
 
 class Sampler:
@@ -48,6 +50,7 @@ class Sampler:
         positions: Tensor,
         return_logprob: bool,
         top_logprobs_nums: list[int] | None,
+        token_ids_logprobs: list[tuple[int, ...] | None] | None = None,
     ) -> SampleOutput:
         """logits [bs, vocab] raw; positions [bs] int64 = position of the token being sampled."""
         logits = logits.float()
@@ -62,7 +65,8 @@ class Sampler:
             return SampleOutput(next_ids, None, None, None, invalid)
         chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [bs]
         top_val, top_idx = _top_logprobs(raw_logprobs, top_logprobs_nums)
-        return SampleOutput(next_ids, chosen, top_val, top_idx, invalid)
+        tid_val = gather_token_ids(raw_logprobs, token_ids_logprobs)
+        return SampleOutput(next_ids, chosen, top_val, top_idx, invalid, tid_val)
 
 
 def _guard(next_ids: Tensor, logits: Tensor, drawn: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -271,3 +275,24 @@ def _top_logprobs(
     vals, idx = logprobs.topk(k, dim=-1)  # [bs, k], sorted descending
     vals_l, idx_l = vals.tolist(), idx.tolist()
     return [v[:n] for v, n in zip(vals_l, nums)], [i[:n] for i, n in zip(idx_l, nums)]
+
+
+def gather_token_ids(
+    logprobs: Tensor, token_ids: list[tuple[int, ...] | None] | None
+) -> list[list[float]] | None:
+    """Per row of logprobs [rows, vocab], the logprobs of that row's requested ids (token_ids_logprob;
+    [] for a row with None), in the requested order; None when no row asked."""
+    if token_ids is None:
+        return None
+    rows = [i for i, ids in enumerate(token_ids) if ids is not None]
+    if not rows:
+        return [[] for _ in token_ids]
+    width = max(len(token_ids[i] or ()) for i in rows)
+    # One padded gather (pad id 0, cut off below) and one copy to the host for the whole batch.
+    padded = [list(token_ids[i] or ()) + [0] * (width - len(token_ids[i] or ())) for i in rows]
+    index = torch.tensor(padded, dtype=torch.int64, device=logprobs.device)
+    picked = logprobs[torch.tensor(rows, device=logprobs.device)].gather(1, index).tolist()
+    out: list[list[float]] = [[] for _ in token_ids]
+    for i, vals in zip(rows, picked):
+        out[i] = vals[: len(token_ids[i] or ())]
+    return out

@@ -23,6 +23,7 @@ from radixserve.sampling.sampling_params import SamplingParams, check_seed
 MAX_N = 128  # samples per prompt; OpenAI's cap on `n`
 MAX_TOP_LOGPROBS_NUM = 20  # alternatives per token; OpenAI's cap on `top_logprobs`
 MAX_RID_LEN = 256  # characters of a request id (a uuid4 hex is 32)
+MAX_TOKEN_IDS_LOGPROB = 128  # token ids scored per position (token_ids_logprob)
 
 
 class GenerateReqInput(BaseModel):
@@ -44,6 +45,9 @@ class GenerateReqInput(BaseModel):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    # At every reported position, the logprobs of these token ids (SGLang's field; one list per
+    # prompt for a batch, null for a prompt without). Needs return_logprob.
+    token_ids_logprob: list[int] | list[list[int] | None] | None = None
     # The final (normed) hidden states: the prompt's rows, then one per generated token but the
     # last (SGLang's field; the server needs --enable-return-hidden-states).
     return_hidden_states: bool | list[bool] = False
@@ -178,6 +182,7 @@ class GenerateReqInput(BaseModel):
             if logprob_start_len < -1:  # its upper bound, the prompt length, is checked once tokenized
                 raise ValueError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
             session = parse_session_params(_pick(self.session_params, i))
+            token_ids = token_ids_logprob_of(self, i)
             for j in range(n):
                 items.append(
                     RequestItem(
@@ -202,6 +207,7 @@ class GenerateReqInput(BaseModel):
                         no_logs=self.no_logs,
                         cache_salt=_pick(self.cache_salt, i),
                         health_check=self._health_check,
+                        token_ids_logprob=token_ids,
                         routing=DisaggRouting(
                             _pick(self.bootstrap_host, i),
                             _pick(self.bootstrap_port, i),
@@ -246,6 +252,31 @@ def parse_session_params(raw: dict[str, Any] | None) -> SessionParams | None:
     return SessionParams(**raw)
 
 
+def token_ids_logprob_of(obj: GenerateReqInput, i: int) -> tuple[int, ...] | None:
+    """Prompt i's token_ids_logprob (None: not asked); ValueError (400) on a bad shape, a count over
+    MAX_TOKEN_IDS_LOGPROB, or without return_logprob. SGLang drops the field silently then; here
+    that would be a silent drop (issue 42), so it is refused instead."""
+    value = obj.token_ids_logprob
+    if value is None:
+        return None
+    nested = bool(value) and all(x is None or isinstance(x, list) for x in value)
+    if obj.is_single == nested or (nested and len(value) != obj.num_prompts):
+        raise ValueError(
+            "'token_ids_logprob' must be a list of token ids for one prompt, or one such list "
+            "(or null) per prompt."
+        )
+    if nested and value[i] is None:
+        return None
+    ids = tuple(value[i] if nested else value)
+    if not 1 <= len(ids) <= MAX_TOKEN_IDS_LOGPROB:
+        raise ValueError(
+            f"token_ids_logprob must hold 1 to {MAX_TOKEN_IDS_LOGPROB} token ids, got {len(ids)}."
+        )
+    if not _pick(obj.return_logprob, i):
+        raise ValueError("token_ids_logprob needs return_logprob=true.")
+    return ids
+
+
 def _pick(value: Any, i: int) -> Any:
     """The i-th entry of a per-prompt list, or the scalar shared by all prompts."""
     return value[i] if isinstance(value, list) else value
@@ -286,3 +317,4 @@ class RequestItem:
     no_logs: bool = False
     health_check: bool = False
     cache_salt: str | None = None
+    token_ids_logprob: tuple[int, ...] | None = None  # score these ids at each logprob position

@@ -56,6 +56,7 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
         _check_hidden_states(limits)
     if any(item.input_embeds is not None for item in items):
         _check_embeds_request(limits, items)
+    _check_token_ids_logprob(limits, items)
     routed = items[0].routed_dp_rank if items else None
     if routed is not None and routed >= limits.dp_size:
         raise InvalidRequestError(
@@ -75,6 +76,23 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
             f"{limits.dp_size} data-parallel replica(s) (--dp-size), ranks 0 to {limits.dp_size - 1}."
         )
     return items
+
+
+def _check_token_ids_logprob(limits: ModelLimits, items: list[RequestItem]) -> None:
+    """token_ids_logprob's ids must be in the vocabulary; a disaggregated pair does not carry them
+    from the prefill to the decode server, so it refuses the field rather than drop it."""
+    for item in items:
+        if item.token_ids_logprob is None:
+            continue
+        if limits.disaggregation_mode != "null":
+            raise InvalidRequestError(
+                "token_ids_logprob is not supported with prefill/decode disaggregation."
+            )
+        bad = [t for t in item.token_ids_logprob if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token_ids_logprob ids must be in [0, {limits.vocab_size}), got {bad[:5]}."
+            )
 
 
 def _check_hidden_states(limits: ModelLimits) -> None:

@@ -133,6 +133,7 @@ class TokenizedGenerateReqInput:
     # instead of queueing (scheduler/health_probes.py).
     health_check: bool = False
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes
+    token_ids_logprob: tuple[int, ...] | None = None  # score these ids at each logprob position
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +255,10 @@ class StepOutputs:
     # Per new prompt position, its top-k logprobs ([] per position without top_logprobs_num).
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    # token_ids_logprob: per new output token / new prompt position, the logprob of each requested
+    # id, in the request's order ([] for requests without the field; the ids are the request's).
+    output_token_ids_logprobs_val: list[list[list[float]]] | None = None
+    input_token_ids_logprobs_val: list[list[list[float]]] | None = None
     dp_rank: int = 0  # the data-parallel replica that sent it (metrics label)
     # return_hidden_states: per request its final hidden states (the prompt's rows, then one row
     # per generated token but the last), sent once with its finish; None when none asked.

@@ -41,6 +41,8 @@ def apply_batch_str_out(msg: BatchStrOut, rid_to_state: dict[str, ReqState], now
             _add_logprobs(state.logprobs, msg, i, new_ids, state.input_ids, state.item.logprob_start_len)
             if state.item.top_logprobs_num > 0:
                 _add_input_top(state.logprobs, msg, i)
+            if state.item.token_ids_logprob is not None:
+                _add_token_ids(state.logprobs, msg, i)
         yield state, len(new_ids), first, msg.finished_reasons[i]
 
 
@@ -80,3 +82,15 @@ def _add_input_top(acc: LogprobAccumulator, msg: BatchStrOut, i: int) -> None:
         acc.input_top.append(None)
     for vals, idxs in zip(msg.input_top_logprobs_val[i], msg.input_top_logprobs_idx[i]):
         acc.input_top.append(list(zip(vals, idxs)))
+
+
+def _add_token_ids(acc: LogprobAccumulator, msg: BatchStrOut, i: int) -> None:
+    """token_ids_logprob values; the prompt's align with acc.input_token, whose first entry (the
+    position at logprob_start_len) has no logprob: None here too."""
+    if msg.output_token_ids_logprobs_val is not None:
+        acc.output_tid.extend(list(v) for v in msg.output_token_ids_logprobs_val[i])
+    if msg.input_token_ids_logprobs_val is None or not acc.input_token:
+        return
+    if not acc.input_tid:
+        acc.input_tid.append(None)
+    acc.input_tid.extend(list(v) for v in msg.input_token_ids_logprobs_val[i])

@@ -21,6 +21,9 @@ class LogprobAccumulator:
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token: list[tuple[float | None, int]] = field(default_factory=list)
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)  # per input_token
+    # token_ids_logprob: the requested ids' logprobs per output token / per input_token entry.
+    output_tid: list[list[float]] = field(default_factory=list)
+    input_tid: list[list[float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -94,6 +97,8 @@ def build_output(state: ReqState, token_text: Callable[[int], str] | None) -> di
         meta.update(spec_meta(*state.spec))
     if state.item.return_logprob:
         meta.update(_logprob_meta(state.logprobs, token_text))
+        if state.item.token_ids_logprob is not None:
+            meta.update(_token_ids_meta(state.logprobs, state.item.token_ids_logprob, token_text))
     if state.hidden_states is not None:
         meta["hidden_states"] = state.hidden_states
     return {
@@ -128,6 +133,23 @@ def _logprob_meta(acc: LogprobAccumulator, token_text: Callable[[int], str] | No
         "output_token_logprobs": [triple(lp, tok) for lp, tok in acc.output_token],
         "output_top_logprobs": [top(t) for t in acc.output_top],
         "input_top_logprobs": [top(t) for t in acc.input_top],
+    }
+
+
+def _token_ids_meta(
+    acc: LogprobAccumulator, ids: tuple[int, ...], token_text: Callable[[int], str] | None
+) -> dict[str, Any]:
+    """SGLang's token_ids_logprob fields: per position, [logprob, token_id, text] of each requested
+    id in the request's order (None for the prompt position at logprob_start_len, as top-k)."""
+
+    def entries(vals: list[float] | None) -> list[list[Any]] | None:
+        if vals is None:
+            return None
+        return [[lp, tok, token_text(tok) if token_text else None] for lp, tok in zip(vals, ids)]
+
+    return {
+        "input_token_ids_logprobs": [entries(v) for v in acc.input_tid],
+        "output_token_ids_logprobs": [entries(v) for v in acc.output_tid],
     }
 
 

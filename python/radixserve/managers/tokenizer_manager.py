@@ -325,6 +325,7 @@ class TokenizerManager:
             return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len,
             top_logprobs_num=item.top_logprobs_num,
+            token_ids_logprob=item.token_ids_logprob,
             return_hidden_states=item.return_hidden_states,
             input_embeds=item.input_embeds,
             health_check=item.health_check,

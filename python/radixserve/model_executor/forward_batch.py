@@ -85,6 +85,8 @@ class ModelWorkerBatch:
     extend_num_tokens: int = 0
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
+    # [bs] token_ids_logprob per request (None for those without); None when no request has it.
+    token_ids_logprobs: list[tuple[int, ...] | None] | None = None
     # Prompt logprobs are returned from this offset into each request's extend chunk (or None).
     extend_logprob_start_lens: list[int] | None = None
     # [bs] the prompt token right after each request's chunk (-1: the chunk ends the prompt): the
@@ -131,6 +133,9 @@ class GenerationBatchResult:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    # token_ids_logprob, per request: per output token / per prompt position, the ids' logprobs.
+    token_ids_logprobs_val: list[list[float]] | None = None
+    input_token_ids_logprobs_val: list[list[list[float]]] | None = None
     # [bs] bool: rows the sampler could not draw a valid token for (see layers/sampler.py); their
     # requests are finished with an error and the placeholder token is never kept.
     invalid_rows: torch.Tensor | None = None
@@ -178,6 +183,7 @@ class ForwardBatch:
     # hold -inf away from each row's possible maxima (layers/greedy_head.py).
     argmax_only: bool = False
     top_logprobs_nums: list[int] | None = None
+    token_ids_logprobs: list[tuple[int, ...] | None] | None = None
     extend_logprob_start_lens: list[int] | None = None
     extend_logprob_next_token_ids: list[int] | None = None
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64
@@ -241,6 +247,7 @@ class ForwardBatch:
             return_logprob=batch.return_logprob,
             argmax_only=is_argmax_only(batch),
             top_logprobs_nums=batch.top_logprobs_nums,
+            token_ids_logprobs=batch.token_ids_logprobs,
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
             extend_logprob_next_token_ids=batch.extend_logprob_next_token_ids,
             token_type_ids=(

@@ -336,4 +336,5 @@ class ModelRunner:
             fb.seq_lens,
             fb.return_logprob,
             fb.top_logprobs_nums,
+            fb.token_ids_logprobs,
         )

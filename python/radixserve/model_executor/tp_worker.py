@@ -73,6 +73,7 @@ class TpModelWorker:
             input_token_logprobs=logits_output.input_token_logprobs,
             input_top_logprobs_val=logits_output.input_top_logprobs_val,
             input_top_logprobs_idx=logits_output.input_top_logprobs_idx,
+            input_token_ids_logprobs_val=logits_output.input_token_ids_logprobs_val,
             hidden_states=hidden_rows(batch, logits_output.hidden_states),
         )
 
@@ -82,6 +83,7 @@ class TpModelWorker:
             result.next_token_logprobs = drawn.next_token_logprobs
             result.top_logprobs_val = drawn.top_logprobs_val
             result.top_logprobs_idx = drawn.top_logprobs_idx
+            result.token_ids_logprobs_val = drawn.token_ids_logprobs_val
             result.invalid_rows = drawn.invalid_rows
 
         if batch.delay_sample_launch:

@@ -241,6 +241,7 @@ class OutputProcessor:
                 logprobs[i] if logprobs is not None else None,
                 result.top_logprobs_val[i] if result.top_logprobs_val is not None else None,
                 result.top_logprobs_idx[i] if result.top_logprobs_idx is not None else None,
+                _row(result.token_ids_logprobs_val, i),
             )
         if req.grammar is not None:
             # Imported here: constrained/ imports the scheduler package (a cycle at module level).
@@ -261,7 +262,13 @@ class OutputProcessor:
         start = batch.prefix_lens[i] + batch.extend_logprob_start_lens[i] + 1
         top_val = result.input_top_logprobs_val[i] if result.input_top_logprobs_val is not None else None
         top_idx = result.input_top_logprobs_idx[i] if result.input_top_logprobs_idx is not None else None
-        req.append_input_logprobs(result.input_token_logprobs[i], start, top_val, top_idx)
+        req.append_input_logprobs(
+            result.input_token_logprobs[i],
+            start,
+            top_val,
+            top_idx,
+            _row(result.input_token_ids_logprobs_val, i),
+        )
 
     # ------------------------------------------------------------------ finishing
     def release_if_idle(self, req: Req) -> None:
@@ -314,7 +321,7 @@ class OutputProcessor:
     @staticmethod
     def _build_message(reqs: list[Req], report_spec: bool = False) -> BatchTokenIDOut:
         output_ids, out_val, out_idx, top_val, top_idx, in_val, in_idx = [], [], [], [], [], [], []
-        in_top_val, in_top_idx = [], []
+        in_top_val, in_top_idx, out_tid, in_tid = [], [], [], []
         for req in reqs:
             output_ids.append(req.output_ids[req.sent_output_len :])
             req.sent_output_len = len(req.output_ids)
@@ -323,13 +330,16 @@ class OutputProcessor:
             out_idx.append(lp.output_idx[lp.sent_output :])
             top_val.append(lp.top_val[lp.sent_output :])
             top_idx.append(lp.top_idx[lp.sent_output :])
+            out_tid.append(lp.output_tid_val[lp.sent_output :])
             lp.sent_output = len(lp.output_val)
             in_val.append(lp.input_val[lp.sent_input :])
             in_idx.append(lp.input_idx[lp.sent_input :])
             in_top_val.append(lp.input_top_val[lp.sent_input :])
             in_top_idx.append(lp.input_top_idx[lp.sent_input :])
+            in_tid.append(lp.input_tid_val[lp.sent_input :])
             lp.sent_input = len(lp.input_val)
         any_logprob = any(r.return_logprob for r in reqs)
+        any_tid = any(r.return_logprob and r.token_ids_logprob is not None for r in reqs)
         return BatchTokenIDOut(
             rids=[r.rid for r in reqs],
             finished_reasons=[r.finished_reason for r in reqs],
@@ -350,6 +360,8 @@ class OutputProcessor:
             input_token_logprobs_idx=in_idx if any_logprob else None,
             input_top_logprobs_val=in_top_val if any_logprob else None,
             input_top_logprobs_idx=in_top_idx if any_logprob else None,
+            output_token_ids_logprobs_val=out_tid if any_tid else None,
+            input_token_ids_logprobs_val=in_tid if any_tid else None,
             output_hidden_states=_finished_hidden_states(reqs),
             spec_verify_ct=[r.spec_counts.verify_ct for r in reqs] if report_spec else None,
             spec_verify_tokens=[r.spec_counts.verify_tokens for r in reqs] if report_spec else None,
@@ -373,3 +385,8 @@ def _finished_hidden_states(reqs: list[Req]) -> list[list[Any] | None] | None:
     if not any(done):
         return None
     return [[h.tolist() for h in r.hidden_states] if d else None for r, d in zip(reqs, done)]
+
+
+def _row(rows: list[Any] | None, i: int) -> Any:  # noqa: ANN401 - one row of a per-request list
+    """Row i of an optional per-request result list (None when the list is)."""
+    return rows[i] if rows is not None else None

@@ -65,6 +65,9 @@ class ReqLogprobs:
     # Per prompt position in input_val, its top-k (only with top_logprobs_num > 0).
     input_top_val: list[list[float]] = field(default_factory=list)
     input_top_idx: list[list[int]] = field(default_factory=list)
+    # token_ids_logprob: per output token / per prompt position in input_val, the requested ids' logprobs.
+    output_tid_val: list[list[float]] = field(default_factory=list)
+    input_tid_val: list[list[float]] = field(default_factory=list)
     sent_output: int = 0
     sent_input: int = 0
 
@@ -106,6 +109,7 @@ class Req:
         return_hidden_states: bool = False,
         input_embeds: torch.Tensor | None = None,
         cache_salt: str | None = None,
+        token_ids_logprob: tuple[int, ...] | None = None,
     ) -> None:
         self.rid = rid
         # The LoRA adapter (None: the base model); also the radix cache namespace of its KV.
@@ -120,6 +124,7 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = token_ids_logprob  # ids scored at each logprob position (or None)
         # The final hidden states (scheduler/hidden_states.py): the prompt's rows as one entry,
         # then one row per generated token but the last.
         self.return_hidden_states = return_hidden_states
@@ -304,7 +309,12 @@ class Req:
 
     # ------------------------------------------------------------------ logprobs
     def append_output_logprob(
-        self, token_id: int, logprob: float | None, top_val: list[float] | None, top_idx: list[int] | None
+        self,
+        token_id: int,
+        logprob: float | None,
+        top_val: list[float] | None,
+        top_idx: list[int] | None,
+        tid_val: list[float] | None = None,
     ) -> None:
         if not self.return_logprob:
             return
@@ -314,6 +324,8 @@ class Req:
         if self.top_logprobs_num > 0:
             lp.top_val.append(list(top_val or []))
             lp.top_idx.append(list(top_idx or []))
+        if self.token_ids_logprob is not None:
+            lp.output_tid_val.append(list(tid_val or []))
 
     def append_input_logprobs(
         self,
@@ -321,6 +333,7 @@ class Req:
         start_pos: int,
         top_val: list[list[float]] | None = None,
         top_idx: list[list[int]] | None = None,
+        tid_val: list[list[float]] | None = None,
     ) -> None:
         """Prompt logprobs for positions start_pos .. start_pos + len(values) - 1 (and, with
         top_logprobs_num, each position's top-k in top_val / top_idx), keeping only prompt
@@ -343,6 +356,9 @@ class Req:
             idxs = (top_idx or [])[lo - start_pos : hi - start_pos]
             lp.input_top_val.extend([list(v) for v in vals] + [[] for _ in range(n - len(vals))])
             lp.input_top_idx.extend([list(v) for v in idxs] + [[] for _ in range(n - len(idxs))])
+        if self.token_ids_logprob is not None:
+            tids = (tid_val or [])[lo - start_pos : hi - start_pos]
+            lp.input_tid_val.extend([list(v) for v in tids] + [[] for _ in range(hi - lo - len(tids))])
 
     def __repr__(self) -> str:
         return (

@@ -218,6 +218,7 @@ class RequestTable:
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
+            token_ids_logprob=msg.token_ids_logprob,
             return_hidden_states=msg.return_hidden_states,
             input_embeds=None
             if msg.input_embeds is None

@@ -170,6 +170,13 @@ class ScheduleBatch:
             for r, s in zip(self.reqs, self.seq_lens)
         ]
 
+    def _token_ids_logprobs(self) -> list[tuple[int, ...] | None] | None:
+        """[bs] each request's token_ids_logprob (None without it); None when no request has it, so
+        the forward skips the gather entirely."""
+        if not self.return_logprob or all(r.token_ids_logprob is None for r in self.reqs):
+            return None
+        return [r.token_ids_logprob if r.return_logprob else None for r in self.reqs]
+
     # ------------------------------------------------------------------ decode
     def prepare_for_decode(self) -> None:
         """One new token per request: its input is the newest output token (a FutureMap reference
@@ -289,6 +296,7 @@ class ScheduleBatch:
             extend_num_tokens=self.extend_num_tokens,
             return_logprob=self.return_logprob,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if self.return_logprob else None,
+            token_ids_logprobs=self._token_ids_logprobs(),
             extend_logprob_start_lens=self.extend_logprob_start_lens if is_extend else None,
             extend_logprob_next_token_ids=(
                 self._logprob_next_token_ids()
