@@ -48,6 +48,27 @@ def fields_engine(tiny_llama_path: str):
 
 
 @pytest.fixture(scope="session")
+def fields_overlap_engine(tiny_llama_path: str):
+    """fields_engine with the overlap loop (the CPU default is the normal one)."""
+    from radixserve import Engine
+
+    with Engine(
+        model_path=tiny_llama_path,
+        max_total_tokens=4096,
+        chunked_prefill_size=FIELDS_CHUNK,
+        enable_return_hidden_states=True,
+        enable_overlap_schedule=True,
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(params=["normal", "overlap"])
+def fields_engines(request: pytest.FixtureRequest):
+    """The request-field Engines of both loops, one after the other."""
+    return request.getfixturevalue("fields_engine" if request.param == "normal" else "fields_overlap_engine")
+
+
+@pytest.fixture(scope="session")
 def builtin_engine(builtin_model_path: str):
     from radixserve import Engine
 

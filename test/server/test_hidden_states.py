@@ -24,22 +24,9 @@ pytestmark = pytest.mark.timeout(300)
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def overlap_engine(tiny_llama_path: str):
-    with Engine(
-        model_path=tiny_llama_path,
-        max_total_tokens=4096,
-        chunked_prefill_size=CHUNK,
-        enable_return_hidden_states=True,
-        enable_overlap_schedule=True,
-    ) as e:
-        yield e
-
-
-@pytest.fixture(params=["normal", "overlap"])
-def engine(request: pytest.FixtureRequest) -> Engine:
-    """The session's fields_engine (the normal loop on CPU), and the same with the overlap loop."""
-    return request.getfixturevalue("fields_engine" if request.param == "normal" else "overlap_engine")
+@pytest.fixture
+def engine(fields_engines: Engine) -> Engine:
+    return fields_engines
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

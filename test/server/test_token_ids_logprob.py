@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from server_helpers import FIELDS_CHUNK as CHUNK
 
 from radixserve import Engine
 from radixserve.managers.generate_request import MAX_TOKEN_IDS_LOGPROB, GenerateReqInput
@@ -19,20 +20,12 @@ from radixserve.testing.tiny_models import TINY_VOCAB
 pytestmark = pytest.mark.timeout(300)
 
 GREEDY = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-CHUNK = 16  # prompts longer than this are prefilled in several chunks
 
 
-@pytest.fixture(scope="module", params=["normal", "overlap"])
-def engine(request: pytest.FixtureRequest, tiny_llama_path: str):
-    overlap = request.param == "overlap"
-    with Engine(
-        model_path=tiny_llama_path,
-        max_total_tokens=4096,
-        chunked_prefill_size=CHUNK,
-        enable_overlap_schedule=overlap,
-        disable_overlap_schedule=not overlap,
-    ) as e:
-        yield e
+@pytest.fixture
+def engine(fields_engines: Engine) -> Engine:
+    """conftest's request-field Engines (chunks of FIELDS_CHUNK tokens), normal and overlap loop."""
+    return fields_engines
 
 
 def _hf_logprobs(hf: Any, ids: list[int]) -> torch.Tensor:
