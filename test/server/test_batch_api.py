@@ -80,6 +80,10 @@ def test_a_batch_answers_as_the_route_does(client: OpenAI, client_apis_url: str)
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     outputs = file_lines(client, done.output_file_id)
     assert [o["custom_id"] for o in outputs] == ["q0", "q1", "q2"]
+    line_usage = [o["response"]["body"]["usage"] for o in outputs]
+    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in line_usage)
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in line_usage)
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens > 0
     for out, question in zip(outputs, questions):
         assert out["error"] is None and out["response"]["status_code"] == 200
         body = httpx.post(

@@ -23,6 +23,8 @@ from radixserve.entrypoints.openai.protocol import ChatCompletionResponse, Compl
 from radixserve.managers.errors import RequestAbortedError
 from radixserve.managers.input_validation import InvalidRequestError
 
+LINE_USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}
+
 
 class StubLines:
     """Answers each line with its custom_id's text; `gate` holds lines whose id is not in `free`."""
@@ -47,7 +49,7 @@ class StubLines:
             if cid in self.refuse_once:
                 self.refuse_once.discard(cid)
                 return LineOutcome(503, {"error": {"message": "queue full"}})
-            return LineOutcome(200, {"text": cid})
+            return LineOutcome(200, {"text": cid, "usage": LINE_USAGE})
         finally:
             self.in_flight -= 1
 
@@ -97,6 +99,14 @@ def test_lines_in_flight_are_bounded_and_a_refused_line_runs_again() -> None:
         done = await until_ended(store, batch["id"])
         assert done["status"] == "completed" and done["request_counts"]["completed"] == 6
         assert lines.max_in_flight == 2 and lines.calls.count("r1") == 2
+        # The six completed lines' usage, the refused try of r1 not counted.
+        assert done["usage"] == {
+            "input_tokens": 30,
+            "input_tokens_details": {"cached_tokens": 12},
+            "output_tokens": 18,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 48,
+        }
         assert [o["custom_id"] for o in await output(store, done["output_file_id"])] == [
             f"r{i}" for i in range(6)
         ]

@@ -69,6 +69,24 @@ class BatchRequestCounts(BaseModel):
     failed: int = 0
 
 
+class BatchInputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class BatchOutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    """OpenAI's batch usage: the sums over the lines that completed."""
+
+    input_tokens: int = 0
+    input_tokens_details: BatchInputTokensDetails = Field(default_factory=BatchInputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: BatchOutputTokensDetails = Field(default_factory=BatchOutputTokensDetails)
+    total_tokens: int = 0
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -89,6 +107,7 @@ class BatchObject(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts = Field(default_factory=BatchRequestCounts)
+    usage: BatchUsage = Field(default_factory=BatchUsage)
     metadata: dict[str, str] | None = None
     model: str | None = None
 

@@ -13,6 +13,7 @@ the store: the lines without a result run again at the next start (`start`).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import secrets
 import time
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixserve.entrypoints.batch.lines import RETRY_STATUSES, LineRunner, output_line, unrun_line
-from radixserve.entrypoints.batch.protocol import BatchError, BatchErrors, file_object
+from radixserve.entrypoints.batch.protocol import BatchError, BatchErrors, BatchUsage, file_object
 from radixserve.entrypoints.batch.store import BatchStore
 from radixserve.entrypoints.openai.serving_common import internal_error_message
 from radixserve.entrypoints.sqlite_store import dumps
@@ -132,6 +133,8 @@ class BatchRunner:
                 wait_s = min(2 * wait_s, RETRY_MAX_S)
                 outcome = await self.lines.run(request["url"], request["body"])
         batch["request_counts"]["completed" if outcome.ok else "failed"] += 1
+        if outcome.ok:
+            add_usage(batch, outcome.body.get("usage") or {})
         result = output_line(request["custom_id"], outcome)
         await self.store.run(self.store.db.finish_line, _snapshot(batch), line, result, not outcome.ok)
 
@@ -175,7 +178,26 @@ class BatchRunner:
 
 def _snapshot(batch: Batch) -> Batch:
     """What the store thread writes: a copy, since the loop goes on changing the live object."""
-    return {**batch, "request_counts": dict(batch["request_counts"])}
+    return {
+        **batch,
+        "request_counts": dict(batch["request_counts"]),
+        "usage": copy.deepcopy(batch.get("usage")),
+    }
+
+
+def add_usage(batch: Batch, line: dict[str, Any]) -> None:
+    """Add one completed line's usage (chat/completions' or embeddings' field names) to the batch's
+    (the Responses API's names, as OpenAI's batch object has them)."""
+    total = batch.get("usage") or BatchUsage().model_dump()
+    prompt, completion = line.get("prompt_tokens", 0), line.get("completion_tokens", 0)
+    total["input_tokens"] += prompt
+    total["output_tokens"] += completion
+    total["total_tokens"] += prompt + completion
+    cached = (line.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    total["input_tokens_details"]["cached_tokens"] += cached
+    reasoning = (line.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    total["output_tokens_details"]["reasoning_tokens"] += reasoning
+    batch["usage"] = total
 
 
 def _jsonl(value: dict[str, Any]) -> bytes:
