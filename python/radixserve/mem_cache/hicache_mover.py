@@ -3,13 +3,15 @@
 Every call moves one batch: the tree gathers all the pages of an eviction round, an insert or a
 load-back into one slot list, so the per-layer copies run once per batch, not once per node. The
 copies run synchronously on the scheduler thread: on a CPU both tiers are RAM, and a batch costs
-about 1% of the prefill it saves (docs/hicache.md has the measurement), which a background thread
-sharing the same cores would not win back.
+a few percent of the prefill it saves (docs/hicache.md has the measurement), which a background
+thread competing with the forward for the same cores would not win back.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +33,27 @@ class MoverStats:
     num_load_back_batches: int = 0
 
 
+@contextmanager
+def one_intra_op_thread(enabled: bool) -> Iterator[None]:
+    """Run the copies on the calling thread alone. They are memory-bound, and on a loaded CPU the
+    intra-op pool's barriers cost more than a second core gains (docs/hicache.md: 2000 tokens of
+    SmolLM2's KV moved in 60 ms on one thread, 150-200 ms on two while the cores were busy)."""
+    num = torch.get_num_threads()
+    if not enabled or num == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num)
+
+
 class HiCacheMover:
     def __init__(self, host_pool: HostKVPool) -> None:
         self.host_pool = host_pool
         self.stats = MoverStats()
+        self.on_cpu = host_pool.device_pool.device.type == "cpu"
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy one batch device -> host ([N] int64 slots each)."""
@@ -45,7 +64,8 @@ class HiCacheMover:
         if device_slots.numel() == 0:
             return
         start = time.perf_counter()
-        self.host_pool.write_from_device(host_slots, device_slots)
+        with one_intra_op_thread(self.on_cpu):
+            self.host_pool.write_from_device(host_slots, device_slots)
         s = self.stats
         s.backup_time_s += time.perf_counter() - start
         s.num_backup_tokens += host_slots.numel()
@@ -62,7 +82,8 @@ class HiCacheMover:
         if host_slots.numel() == 0:
             return
         start = time.perf_counter()
-        self.host_pool.read_to_device(host_slots, device_slots)
+        with one_intra_op_thread(self.on_cpu):
+            self.host_pool.read_to_device(host_slots, device_slots)
         s = self.stats
         s.load_back_time_s += time.perf_counter() - start
         s.num_load_back_tokens += host_slots.numel()

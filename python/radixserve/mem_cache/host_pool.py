@@ -54,6 +54,7 @@ class HostKVPool:
             self.kv_buffer = torch.zeros(shape5, dtype=dp.dtype, pin_memory=pin)
         else:
             raise ValueError(f"unknown host KV layout {layout!r}")
+        self._buffers: dict[tuple[bool, int], torch.Tensor] = {}
         self.bytes_per_token = MHATokenToKVPool.kv_bytes_per_token(
             dp.num_layers, dp.num_kv_heads, dp.head_dim, dp.dtype
         )
@@ -61,32 +62,72 @@ class HostKVPool:
     def clear(self) -> None:
         self.allocator.clear()
 
+    # Copies go through 2-D row views ([rows, num_kv_heads * head_dim]) and reused staging
+    # buffers: on CPU, index_copy_ of 3-D rows and freshly allocated temporaries (page faults)
+    # each cost several times the copy itself (docs/hicache.md).
+
+    def _stage(self, num_tokens: int, wide: bool) -> torch.Tensor:
+        """A [num_tokens, row] buffer (row: one layer's K of a token, or all layers' when wide)."""
+        dp = self.device_pool
+        row = dp.num_kv_heads * dp.head_dim * (dp.num_layers if wide else 1)
+        key = (wide, row)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < num_tokens:
+            buf = torch.empty((max(num_tokens, 256), row), dtype=dp.dtype)
+            self._buffers[key] = buf
+        return buf[:num_tokens]
+
     def write_from_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy the device pool's K/V at device_slots ([N] int64) into host_slots ([N] int64)."""
-        dp, dev = self.device_pool, device_slots.to(self.device_pool.device)
-        for layer in range(dp.num_layers):
-            k = dp.k_buffer[layer].index_select(0, dev).to("cpu")  # [N, num_kv_heads, head_dim]
-            v = dp.v_buffer[layer].index_select(0, dev).to("cpu")
-            if self.layout == "layer_first":
-                self.k_buffer[layer].index_copy_(0, host_slots, k)
-                self.v_buffer[layer].index_copy_(0, host_slots, v)
-            else:
-                self.kv_buffer[0, host_slots, layer] = k
-                self.kv_buffer[1, host_slots, layer] = v
+        dp, n = self.device_pool, host_slots.numel()
+        dev = device_slots.to(dp.device)
+        buf = self._stage(n, wide=False)  # [N, heads * head_dim]
+        wide = None if self.layout == "layer_first" else self._stage(n, wide=True).view(n, dp.num_layers, -1)
+        for kv, (dev_bufs, host_bufs) in enumerate(
+            ((dp.k_buffer, self._k_rows()), (dp.v_buffer, self._v_rows()))
+        ):
+            for layer in range(dp.num_layers):
+                src = dev_bufs[layer].view(dev_bufs[layer].shape[0], -1)
+                if dp.device.type == "cpu":
+                    torch.index_select(src, 0, dev, out=buf)
+                else:
+                    buf.copy_(src.index_select(0, dev))
+                if wide is None:
+                    host_bufs[layer].index_copy_(0, host_slots, buf)
+                else:
+                    wide[:, layer] = buf
+            if wide is not None:  # one scatter of whole-token rows per K / V
+                self.kv_buffer[kv].view(self.kv_buffer.shape[1], -1).index_copy_(
+                    0, host_slots, wide.view(n, -1)
+                )
 
     def read_to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy host_slots' K/V ([N] int64) into the device pool at device_slots ([N] int64)."""
-        dp, dev = self.device_pool, device_slots.to(self.device_pool.device)
-        if self.layout != "layer_first":
-            block = self.kv_buffer[:, host_slots]  # [2, N, num_layers, num_kv_heads, head_dim]: one gather
-        for layer in range(dp.num_layers):
-            if self.layout == "layer_first":
-                k = self.k_buffer[layer].index_select(0, host_slots)
-                v = self.v_buffer[layer].index_select(0, host_slots)
-            else:
-                k, v = block[0, :, layer], block[1, :, layer]
-            dp.k_buffer[layer].index_copy_(0, dev, k.to(dp.device, non_blocking=True))
-            dp.v_buffer[layer].index_copy_(0, dev, v.to(dp.device, non_blocking=True))
+        dp, n = self.device_pool, host_slots.numel()
+        dev = device_slots.to(dp.device)
+        buf = self._stage(n, wide=False)
+        wide = None if self.layout == "layer_first" else self._stage(n, wide=True).view(n, dp.num_layers, -1)
+        for kv, (dev_bufs, host_bufs) in enumerate(
+            ((dp.k_buffer, self._k_rows()), (dp.v_buffer, self._v_rows()))
+        ):
+            if wide is not None:  # one gather of whole-token rows per K / V
+                torch.index_select(
+                    self.kv_buffer[kv].view(self.kv_buffer.shape[1], -1), 0, host_slots, out=wide.view(n, -1)
+                )
+            for layer in range(dp.num_layers):
+                if wide is None:
+                    torch.index_select(host_bufs[layer], 0, host_slots, out=buf)
+                else:
+                    buf.copy_(wide[:, layer])
+                dst = dev_bufs[layer].view(dev_bufs[layer].shape[0], -1)
+                dst.index_copy_(0, dev, buf.to(dp.device, non_blocking=True))
+
+    def _k_rows(self) -> list[torch.Tensor]:
+        """layer_first's K buffers as [rows, heads * head_dim] views (empty for page_first)."""
+        return [b.view(b.shape[0], -1) for b in self.k_buffer] if self.layout == "layer_first" else []
+
+    def _v_rows(self) -> list[torch.Tensor]:
+        return [b.view(b.shape[0], -1) for b in self.v_buffer] if self.layout == "layer_first" else []
 
     def size_bytes(self) -> int:
         if self.layout == "layer_first":
