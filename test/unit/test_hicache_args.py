@@ -19,13 +19,18 @@ def test_flags_parse_with_sglangs_defaults():
     )
     assert args.enable_hierarchical_cache and args.hicache_ratio == 3.0
     validate_hicache(args)
-    assert hicache_updates(args, "cpu") == {}
+    assert hicache_updates(args, "cpu") == {"disable_overlap_schedule": True}
 
 
-def test_kernel_io_backend_resolves_to_direct_on_cpu():
+def test_kernel_io_backend_resolves_to_direct_on_cpu_and_the_loop_to_normal():
     args = prepare_server_args(["--enable-hierarchical-cache"])
-    assert hicache_updates(args, "cpu") == {"hicache_io_backend": "direct"}
-    assert hicache_updates(args, "cuda") == {}
+    assert hicache_updates(args, "cpu") == {"hicache_io_backend": "direct", "disable_overlap_schedule": True}
+    assert hicache_updates(args, "cuda") == {"disable_overlap_schedule": True}
+    assert hicache_updates(prepare_server_args([]), "cuda") == {}
+    with pytest.raises(ValueError, match="drop --enable-overlap-schedule"):
+        hicache_updates(
+            prepare_server_args(["--enable-hierarchical-cache", "--enable-overlap-schedule"]), "cpu"
+        )
 
 
 @pytest.mark.parametrize(

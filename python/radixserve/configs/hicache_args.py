@@ -20,11 +20,21 @@ _DRAFT_POOL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 
 
 def hicache_updates(args: ServerArgs, device: str) -> dict[str, Any]:
-    """The automatic values: on CPU there is no copy kernel, so "kernel" (SGLang's default) runs
-    as torch index copies, which is what "direct" names."""
-    if args.enable_hierarchical_cache and device == "cpu" and args.hicache_io_backend == "kernel":
-        return {"hicache_io_backend": "direct"}
-    return {}
+    """The automatic values. On CPU there is no copy kernel, so "kernel" (SGLang's default) runs
+    as torch index copies, which is what "direct" names. The normal loop: in the overlap loop a
+    chunk's KV is cached while its forward may still be writing it, and the copies to the host
+    tier are not ordered after that forward yet."""
+    if not args.enable_hierarchical_cache:
+        return {}
+    if args.enable_overlap_schedule:
+        raise ValueError(
+            "--enable-hierarchical-cache runs with the normal loop for now: drop --enable-overlap-schedule "
+            "(docs/hicache.md)"
+        )
+    updates: dict[str, Any] = {"disable_overlap_schedule": True}
+    if device == "cpu" and args.hicache_io_backend == "kernel":
+        updates["hicache_io_backend"] = "direct"
+    return updates
 
 
 def validate_hicache(args: ServerArgs) -> None:
