@@ -65,7 +65,9 @@ class HiRadixCache(RadixCache):
         super().reset()
         self.host_allocator.clear()
         self._host_tokens = 0  # tokens with an L2 copy
-        self.host_hit_tokens = 0  # matched tokens found on L2 only
+        # Prefix tokens served from L2 (loaded back for admitted requests). Counted here, not per
+        # match: the scheduler matches a waiting request again at every admission attempt.
+        self.host_hit_tokens = 0
 
     def reset_counters(self) -> None:
         super().reset_counters()
@@ -134,7 +136,6 @@ class HiRadixCache(RadixCache):
         host_len = matched - sum(len(n.key) for n in on_device)
         self.query_tokens += len(key)
         self.hit_tokens += matched - host_len
-        self.host_hit_tokens += host_len
         indices = torch.cat([n.value for n in on_device]) if on_device else empty_indices()
         return MatchResult(indices, last_device, host_len, deepest if host_len else last_device)
 
@@ -299,6 +300,7 @@ class HiRadixCache(RadixCache):
         if slots is None:
             return None
         self.mover.load_back(torch.cat([n.host_value for n in path]), slots)
+        self.host_hit_tokens += num_tokens
         pos = 0
         for n in path:
             n.value = slots[pos : pos + len(n.key)]
@@ -341,7 +343,6 @@ class HiRadixCache(RadixCache):
             "host_tokens": self.host_size(),
             "host_bytes": self.mover.host_pool.size_bytes(),
             "host_used_tokens": self._host_tokens,
-            "device_hit_tokens": self.hit_tokens,
             "host_hit_tokens": self.host_hit_tokens,
             "backup_tokens": s.num_backup_tokens,
             "backup_bytes": s.backup_bytes,
