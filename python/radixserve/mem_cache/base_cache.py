@@ -93,6 +93,14 @@ class BasePrefixCache(ABC):
     def check_invariants(self) -> int:
         """Verify internal accounting (raise AssertionError if broken); return total cached tokens."""
 
+    def load_back(
+        self, last_node: TreeNode | None, last_host_node: TreeNode | None
+    ) -> tuple[torch.Tensor, TreeNode] | None:
+        """Bring a match's host-tier part (MatchResult.host_hit_length > 0) into the device pool:
+        (its new [n] int64 device slots, the new deepest device node), or None when nothing was
+        loaded. A single-tier cache never reports a host part."""
+        return None
+
     def evict_stale(self) -> int:
         """Drop every cached entry nobody holds, from every tier (the weights changed: that KV is
         stale). Returns device tokens freed."""
