@@ -11,9 +11,9 @@ A node's KV is on L1 (``value``), on L2 (``host_value``) or on both. Invariants:
 When a node gets its L2 copy depends on --hicache-write-policy: write_through copies a node when
 it is cached (hit_count >= 1), write_through_selective once it has been hit twice (SGLang's
 threshold), write_back only when L1 evicts it. Evicting an L1 node that has a copy just frees its
-device slots (it is *demoted*); one without a copy is copied first under write_back, or when it
-has L2-only descendants (they would be unreachable without it), else dropped. L2 evicts L2-only
-leaves, least recently used first. A match reaching into L2 is loaded back by ``load_back``
+device slots (it is *demoted*); one without a copy is copied first under write_back, else dropped
+(with any L2-only descendants, which only write_back can leave under an uncopied node, and only
+when L2 is full). L2 evicts L2-only leaves, least recently used first. A match reaching into L2 is loaded back by ``load_back``
 (the prefill adder calls it when it admits the request) in one batch per request.
 """
 
@@ -229,7 +229,7 @@ class HiRadixCache(RadixCache):
         pending = set(keep)
         while freed < num_tokens and heap:
             _, _, nd = heapq.heappop(heap)
-            if nd.host_value is None and (self.write_policy == "write_back" or nd.children):
+            if nd.host_value is None and self.write_policy == "write_back":
                 self._backup_later(nd, pending)
             victims.append(nd)
             pending.add(nd)  # demoted below: L2 eviction must not take it before its copy
@@ -375,6 +375,14 @@ class HiRadixCache(RadixCache):
             _check(not on_l2 or node.host_value.numel() == len(node.key), f"{node!r} L2 length mismatch")
             _check(len(node.key) % self.page_size == 0, f"{node!r} not page-aligned")
             host += len(node.key) if on_l2 else 0
+            # The write-through policies copy a path parents first (and a parent is hit whenever
+            # its child is), so L2-only nodes always hang below a node with an L2 copy.
+            _check(
+                self.write_policy == "write_back"
+                or on_l2
+                or all(c.value is not None for c in node.children.values()),
+                f"{node!r} has L2-only children but no L2 copy",
+            )
             if on_l1:
                 evictable += len(node.key) if node.lock_ref == 0 else 0
                 protected += len(node.key) if node.lock_ref else 0
