@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.configs.checkpoint_quant import resolve_quantization
+from radixserve.configs.hicache_args import (
+    HICACHE_IO_BACKENDS,
+    HICACHE_MEM_LAYOUTS,
+    HICACHE_STORAGE_PREFETCH_POLICIES,
+    HICACHE_WRITE_POLICIES,
+    hicache_updates,
+    validate_hicache,
+)
 from radixserve.configs.quant_args import validate_weight_only
 from radixserve.configs.spec_args import speculative_updates, validate_speculative
 from radixserve.utils.cpus import available_cpus
@@ -300,6 +308,38 @@ class ServerArgs:
         "recently used) or 'lfu' (fewest prefix hits; ties go to the least recently used).",
         choices=RADIX_EVICTION_POLICIES,
     )
+    # Hierarchical KV cache (docs/hicache.md): SGLang's flags, names and defaults
+    enable_hierarchical_cache: bool = _f(
+        False, "Back the radix cache with a host-memory KV tier (L2): evicted prefixes are kept there."
+    )
+    hicache_ratio: float = _f(2.0, "Host KV tier size as a multiple of the device KV pool (must be > 1).")
+    hicache_size: int = _f(0, "Host KV tier size in GB; overrides --hicache-ratio when > 0.")
+    hicache_write_policy: str = _f(
+        "write_through",
+        "When KV is copied to the host tier: write_through (when cached), write_through_selective "
+        "(once a prefix is hit twice) or write_back (when evicted from the device pool).",
+        choices=HICACHE_WRITE_POLICIES,
+    )
+    hicache_io_backend: str = _f(
+        "kernel",
+        "How KV moves between the tiers: kernel or direct (on CPU both are torch index copies: "
+        "resolved to direct).",
+        choices=HICACHE_IO_BACKENDS,
+    )
+    hicache_mem_layout: str = _f(
+        "layer_first",
+        "Host tier layout: layer_first (one buffer per layer, like the device pool) or "
+        "page_first / page_first_direct (one buffer, a token's layers contiguous).",
+        choices=HICACHE_MEM_LAYOUTS,
+    )
+    hicache_storage_backend: str | None = _f(
+        None, "The L3 storage tier's backend (SGLang's names); not implemented yet: refused."
+    )
+    hicache_storage_prefetch_policy: str = _f(
+        "best_effort",
+        "How long a request waits for an L3 prefetch; L3 is not implemented yet.",
+        choices=HICACHE_STORAGE_PREFETCH_POLICIES,
+    )
     disable_overlap_schedule: bool = _f(False, "Run the normal (non-overlapped) scheduler loop.")
     enable_overlap_schedule: bool = _f(
         False,
@@ -523,6 +563,7 @@ class ServerArgs:
             updates["cpu_threads"] = available_cpus()
         if self.speculative_algorithm is not None:
             updates.update(speculative_updates(self, device))
+        updates.update(hicache_updates(self, device))
         from radixserve.configs.default_format import default_quantization
         from radixserve.configs.quant_args import gguf_updates
 
@@ -613,6 +654,7 @@ class ServerArgs:
             validate_lora_args(self)
         self._validate_disaggregation()
         self._validate_restart()
+        validate_hicache(self)
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError("--pp-max-micro-batch-size must be >= 1")
         if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:

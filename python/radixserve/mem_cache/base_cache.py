@@ -33,6 +33,10 @@ class ReqLike(Protocol):
 class MatchResult:
     device_indices: torch.Tensor  # [prefix_len] int64 KV slots of the matched prefix
     last_node: TreeNode | None  # deepest matched node (lock it to protect the prefix)
+    # HiCache: the matched tokens past device_indices whose KV is on the host tier only, and the
+    # deepest node holding them (load_back brings them into the device pool before the prefill).
+    host_hit_length: int = 0
+    last_host_node: TreeNode | None = None
 
 
 def empty_indices() -> torch.Tensor:
@@ -46,6 +50,9 @@ class BasePrefixCache(ABC):
     req_to_token_pool: ReqToTokenPool
     hit_tokens: int
     query_tokens: int
+    # Whether matches can reach into a host tier (HiRadixCache): the scheduler then matches each
+    # request again when admitting it, as loading another request's prefix may evict.
+    is_hierarchical: bool = False
 
     @abstractmethod
     def match_prefix(self, key: list[int], namespace: Hashable = None) -> MatchResult: ...
@@ -87,6 +94,23 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def check_invariants(self) -> int:
         """Verify internal accounting (raise AssertionError if broken); return total cached tokens."""
+
+    def load_back(
+        self, last_node: TreeNode | None, last_host_node: TreeNode | None
+    ) -> tuple[torch.Tensor, TreeNode] | None:
+        """Bring a match's host-tier part (MatchResult.host_hit_length > 0) into the device pool:
+        (its new [n] int64 device slots, the new deepest device node), or None when nothing was
+        loaded. A single-tier cache never reports a host part."""
+        return None
+
+    def evict_stale(self) -> int:
+        """Drop every cached entry nobody holds, from every tier (the weights changed: that KV is
+        stale). Returns device tokens freed."""
+        return self.evict(self.evictable_size())
+
+    def tier_stats(self) -> dict[str, object]:
+        """Per-tier sizes and traffic for /get_server_info; empty for a single-tier cache."""
+        return {}
 
     def pretty_print(self) -> str:
         text = f"{type(self).__name__}(total={self.total_size()})"

@@ -36,6 +36,7 @@ class TreeNode:
         "hit_count",
         "id",
         "namespace",
+        "host_value",
     )
 
     def __init__(
@@ -56,6 +57,9 @@ class TreeNode:
         self.last_access_time = next(_access_clock)
         self.hit_count = 0
         self.id = next(_node_ids)
+        # HiCache (hiradix_cache.py): the node's slots in the host tier, None while it has no copy
+        # there; `value` is then None while the node is on the host tier only.
+        self.host_value: torch.Tensor | None = None  # [len(key)] int64
 
     def __repr__(self) -> str:
         head = self.key[:6]

@@ -146,7 +146,10 @@ class BatchBuilder:
 
     def _admit(self, adder: PrefillAdder, prefix_computed: bool) -> None:
         """Offer waiting requests in policy order until a budget runs out."""
-        tree = None if prefix_computed else self.mem.tree_cache
+        tree = self.mem.tree_cache
+        # A hierarchical cache's load-backs evict while requests are admitted: match each again.
+        if prefix_computed and not tree.is_hierarchical:
+            tree = None
         gate, adapters = self.lora_gate, set()
         if gate is not None:
             st = self.state

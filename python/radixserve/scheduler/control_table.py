@@ -114,12 +114,19 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "memory_released": sorted(s.memory_occupation.released),
         "forward_sleep_time": s.operators.forward_sleep_time,
         "num_sessions": len(s.sessions.sessions),
+        **_tiers(s),
         **s.live_limits.as_dict(),
         # Each rank's own pool (they must agree), gathered from every rank: all ranks
         # receive this request in the same step.
         "ranks": s.sync.gather(_pool_report(s)),
         **s.hooks.internal_state(),
     }
+
+
+def _tiers(s: Scheduler) -> dict[str, object]:
+    """HiCache's tier sizes and traffic (SGLang reports the host pool in the same entry)."""
+    stats = s.mem.tree_cache.tier_stats()
+    return {"hicache": stats} if stats else {}
 
 
 def _pool_report(s: Scheduler) -> dict[str, object]:

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any
 
+import torch
+
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import Req
 
@@ -124,8 +126,20 @@ class PrefillAdder:
         self._update_prefill_budget(0, req.extend_input_len, 0 if truncated else remaining_new_tokens(req))
         return req if truncated else None
 
+    def _load_host_prefix(self, req: Req) -> None:
+        """HiCache: bring the host-tier part of the request's match into the device pool, so it
+        is a prefix like any other (if the pool cannot make room, those tokens are computed)."""
+        loaded = self.tree_cache.load_back(req.last_node, req.last_host_node)
+        req.host_hit_length, req.last_host_node = 0, None
+        if loaded is not None:
+            slots, req.last_node = loaded
+            req.prefix_indices = torch.cat([req.prefix_indices, slots])
+            req.extend_input_len -= slots.numel()
+
     def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` whole, or its first chunk, if the budgets allow (seed 001 L389-416)."""
+        if req.host_hit_length > 0:
+            self._load_host_prefix(req)
         total_tokens = req.extend_input_len + remaining_new_tokens(req)
         input_tokens = self.mem.ceil_paged(req.extend_input_len)
         prefix_len = len(req.prefix_indices)

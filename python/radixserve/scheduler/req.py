@@ -162,6 +162,10 @@ class Req:
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = torch.empty((0,), dtype=torch.int64)  # [prefix_len]
         self.last_node: Any = None  # RadixCache TreeNode locked for this request
+        # HiCache: matched tokens past prefix_indices that are on the host tier only, and their
+        # deepest node; the prefill adder loads them back when it admits the request.
+        self.host_hit_length = 0
+        self.last_host_node: Any = None
         self.extend_input_len = 0
         # Positions whose KV is written or being written by an already launched forward: the worker
         # runs forwards in launch order, so anything launched later may read them.
@@ -237,10 +241,12 @@ class Req:
             max_prefix_len = min(max_prefix_len, self.logprob_start_len)
         if self.return_hidden_states and not self.hidden_states:
             max_prefix_len = 0  # every prompt row is reported, so none may come from the cache
+        self.host_hit_length = 0
         if tree_cache is not None:
             match = tree_cache.match_prefix(self.fill_ids[: max(max_prefix_len, 0)], self.cache_namespace)
             self.prefix_indices = match.device_indices
             self.last_node = match.last_node
+            self.host_hit_length, self.last_host_node = match.host_hit_length, match.last_host_node
         self.extend_input_len = input_len - len(self.prefix_indices)
 
     def set_extend_input_len(self, extend_input_len: int) -> None:

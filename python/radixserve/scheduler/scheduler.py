@@ -41,6 +41,7 @@ from radixserve.managers.io_struct import (
     TypeBasedDispatcher,
 )
 from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.hiradix_cache import build_hiradix_cache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.worker_api import ModelWorker
@@ -121,6 +122,17 @@ class Scheduler:
         # prefix can be shared and the radix cache would only hold KV nobody may reuse.
         if args.disable_radix_cache or not worker.info.is_causal:
             cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
+        elif args.enable_hierarchical_cache:
+            cache = build_hiradix_cache(
+                rows,
+                allocator,
+                worker.token_to_kv_pool,
+                args.hicache_ratio,
+                args.hicache_size,
+                args.hicache_mem_layout,
+                args.hicache_write_policy,
+                args.radix_eviction_policy,
+            )
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)
         return KVMemory(rows, allocator, cache, allocator.page_size)

@@ -142,7 +142,7 @@ class WeightControl:
             self.flush_cache()
             return "Cache flushed."
         # Paused requests still hold their prefixes: drop every cached entry nobody holds.
-        freed = self.mem.tree_cache.evict(self.mem.evictable_size())
+        freed = self.mem.tree_cache.evict_stale()
         return f"Paused requests keep their KV; {freed} cached token(s) evicted."
 
     def update_from_disk(self, msg: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:

@@ -1,0 +1,96 @@
+"""ServerArgs' hierarchical-cache (HiCache) flags: SGLang's names, choices and defaults, and the
+checks resolve() runs once (docs/hicache.md). `args` is the ServerArgs being resolved."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.server_args import ServerArgs
+
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_IO_BACKENDS = ("direct", "kernel")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# SGLang's L3 backends; none is implemented here yet (stage 2 of issue 41).
+HICACHE_STORAGE_BACKENDS = ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic")
+HICACHE_STORAGE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# Speculative algorithms whose draft model keeps its own K/V pool at the target's slots: a page
+# loaded back from L2 would bring the target's KV but not the draft's.
+_DRAFT_POOL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+
+
+def hicache_updates(args: ServerArgs, device: str) -> dict[str, Any]:
+    """The automatic values. On CPU there is no copy kernel, so "kernel" (SGLang's default) runs
+    as torch index copies, which is what "direct" names. The normal loop: in the overlap loop a
+    chunk's KV is cached while its forward may still be writing it, and the copies to the host
+    tier are not ordered after that forward yet."""
+    if not args.enable_hierarchical_cache:
+        return {}
+    if args.enable_overlap_schedule:
+        raise ValueError(
+            "--enable-hierarchical-cache runs with the normal loop for now: drop --enable-overlap-schedule "
+            "(docs/hicache.md)"
+        )
+    updates: dict[str, Any] = {"disable_overlap_schedule": True}
+    if device == "cpu" and args.hicache_io_backend == "kernel":
+        updates["hicache_io_backend"] = "direct"
+    return updates
+
+
+def validate_hicache(args: ServerArgs) -> None:
+    """Refuse what HiCache cannot do (yet), with the flag to change."""
+    _choice("hicache-write-policy", args.hicache_write_policy, HICACHE_WRITE_POLICIES)
+    _choice("hicache-io-backend", args.hicache_io_backend, HICACHE_IO_BACKENDS)
+    _choice("hicache-mem-layout", args.hicache_mem_layout, HICACHE_MEM_LAYOUTS)
+    _choice(
+        "hicache-storage-prefetch-policy",
+        args.hicache_storage_prefetch_policy,
+        HICACHE_STORAGE_PREFETCH_POLICIES,
+    )
+    if args.hicache_storage_backend is not None:
+        _choice("hicache-storage-backend", args.hicache_storage_backend, HICACHE_STORAGE_BACKENDS)
+        raise ValueError(
+            f"--hicache-storage-backend {args.hicache_storage_backend}: the L3 storage tier is not "
+            "implemented yet; HiCache runs with the host-memory tier (L2) only (docs/hicache.md)"
+        )
+    if args.hicache_storage_prefetch_policy != "best_effort":
+        raise ValueError(
+            "--hicache-storage-prefetch-policy applies to the L3 storage tier, which is not implemented "
+            "yet: drop the flag (docs/hicache.md)"
+        )
+    if not args.enable_hierarchical_cache:
+        return
+    if args.disable_radix_cache:
+        raise ValueError(
+            "--enable-hierarchical-cache extends the radix cache: it cannot run with --disable-radix-cache"
+        )
+    if args.hicache_size < 0:
+        raise ValueError(f"--hicache-size must be >= 0 GB, got {args.hicache_size}")
+    if args.hicache_size == 0 and not args.hicache_ratio > 1:
+        raise ValueError(
+            f"--hicache-ratio must be > 1 (the host tier must be larger than the device pool it "
+            f"backs), got {args.hicache_ratio}"
+        )
+    _refuse_layouts(args)
+
+
+def _refuse_layouts(args: ServerArgs) -> None:
+    if args.tp_size > 1 or args.pp_size > 1:
+        raise ValueError(
+            "--enable-hierarchical-cache runs with one rank for now (--tp-size 1 --pp-size 1); "
+            "multi-rank HiCache is not implemented yet (docs/hicache.md)"
+        )
+    if args.disaggregation_mode != "null":
+        raise ValueError(
+            "--enable-hierarchical-cache is not implemented with --disaggregation-mode yet (docs/hicache.md)"
+        )
+    if args.speculative_algorithm in _DRAFT_POOL_ALGORITHMS:
+        raise ValueError(
+            f"--enable-hierarchical-cache does not run with --speculative-algorithm "
+            f"{args.speculative_algorithm}: the draft model's KV pool has no host tier (NGRAM works)"
+        )
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"--{flag} must be one of {', '.join(choices)}; got {value!r}")
