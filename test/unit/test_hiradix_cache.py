@@ -30,6 +30,10 @@ class FakeReq:
     kv_committed_len: int = 0
     lora_id: str | None = None
 
+    @property
+    def cache_namespace(self) -> str | None:  # the scheduler's Req: its adapter's namespace
+        return self.lora_id
+
 
 def expected_kv(tokens: list[int]) -> torch.Tensor:
     """[len(tokens)] the value every test writes for each position: a hash of the prefix."""
@@ -135,10 +139,10 @@ def test_evicted_prefix_is_demoted_and_loaded_back(page_size, policy):
             env.serve(d + [8])  # the second hit makes it worth a copy
     first = env.cache.match_prefix(docs[0] + [9])
     assert first.host_hit_length == 48 and len(first.device_indices) == 0
-    before = env.cache.mover.stats.num_load_back_tokens
+    before = env.cache.mover.stats.load_back.tokens
     req = env.start(docs[0] + [9, 9])  # asserts the loaded prefix holds docs[0]'s KV
     assert req is not None and len(req.prefix_indices) == 48
-    assert env.cache.mover.stats.num_load_back_tokens - before == 48
+    assert env.cache.mover.stats.load_back.tokens - before == 48
     assert env.cache.host_hit_tokens >= 48
     env.cache.cache_finished_req(req)
     env.check()
@@ -151,7 +155,7 @@ def test_layouts_round_trip(layout):
     env.serve(a + [1])
     env.serve(b + [1])  # evicts most of a
     env.serve(a + [2])  # loads a back: KV checked
-    assert env.cache.mover.stats.num_load_back_tokens > 0
+    assert env.cache.mover.stats.load_back.tokens > 0
 
 
 def test_write_policies_decide_when_kv_is_copied():
@@ -162,10 +166,10 @@ def test_write_policies_decide_when_kv_is_copied():
 
     back = TierEnv(policy="write_back")
     back.serve(a + [1])
-    assert back.node_of(a).host_value is None and back.cache.mover.stats.num_backup_tokens == 0
+    assert back.node_of(a).host_value is None and back.cache.mover.stats.backup.tokens == 0
     back.cache.evict(back.size)
     assert back.node_of(a).value is None and back.node_of(a).host_value is not None  # copied on eviction
-    assert back.cache.mover.stats.num_backup_tokens == 9
+    assert back.cache.mover.stats.backup.tokens == 9
 
     selective = TierEnv(policy="write_through_selective")
     selective.serve(a + [1])
@@ -183,7 +187,7 @@ def test_uncopied_selective_leaf_is_dropped_not_demoted():
     env.serve(a)
     env.cache.evict(env.size)
     assert env.cache.root.children == {}
-    assert env.cache.mover.stats.num_backup_tokens == 0
+    assert env.cache.mover.stats.backup.tokens == 0
     env.check()
 
 
@@ -263,7 +267,7 @@ def test_mixed_load_with_aborts_leaks_no_slot_in_either_tier(page_size, policy):
         env.cache.cache_finished_req(req)
     env.check()
     assert env.cache.protected_size() == 0
-    assert env.cache.mover.stats.num_load_back_tokens > 0
+    assert env.cache.mover.stats.load_back.tokens > 0
     env.cache.reset()
     env.alloc.clear()
     assert env.cache.host_allocator.available_size() == env.cache.host_size()

@@ -10,9 +10,9 @@ thread competing with the forward for the same cores would not win back.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,17 +20,19 @@ from radixserve.mem_cache.host_pool import HostKVPool
 
 
 @dataclass
-class MoverStats:
-    """Cumulative traffic between the tiers (counters: /flush_cache does not reset them)."""
+class Traffic:
+    """Cumulative copies in one direction (counters: /flush_cache does not reset them)."""
 
-    num_backup_tokens: int = 0  # device -> host
-    backup_bytes: int = 0
-    backup_time_s: float = 0.0
-    num_load_back_tokens: int = 0  # host -> device
-    load_back_bytes: int = 0
-    load_back_time_s: float = 0.0
-    num_backup_batches: int = 0
-    num_load_back_batches: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    time_s: float = 0.0
+    batches: int = 0
+
+
+@dataclass
+class MoverStats:
+    backup: Traffic = field(default_factory=Traffic)  # device -> host
+    load_back: Traffic = field(default_factory=Traffic)  # host -> device
 
 
 @contextmanager
@@ -57,35 +59,30 @@ class HiCacheMover:
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy one batch device -> host ([N] int64 slots each)."""
-        if device_slots.numel() != host_slots.numel():
-            raise ValueError(
-                f"backup: {device_slots.numel()} device slots for {host_slots.numel()} host slots"
-            )
-        if device_slots.numel() == 0:
-            return
-        start = time.perf_counter()
-        with one_intra_op_thread(self.on_cpu):
-            self.host_pool.write_from_device(host_slots, device_slots)
-        s = self.stats
-        s.backup_time_s += time.perf_counter() - start
-        s.num_backup_tokens += host_slots.numel()
-        s.backup_bytes += host_slots.numel() * self.host_pool.bytes_per_token
-        s.num_backup_batches += 1
+        self._copy("backup", self.stats.backup, host_slots, device_slots, self.host_pool.write_from_device)
 
     def load_back(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy one batch host -> device ([N] int64 slots each); done when this returns (a CUDA
         copy is queued on the current stream, ahead of the forward that reads it)."""
-        if device_slots.numel() != host_slots.numel():
-            raise ValueError(
-                f"load_back: {host_slots.numel()} host slots for {device_slots.numel()} device slots"
-            )
-        if host_slots.numel() == 0:
+        self._copy("load_back", self.stats.load_back, host_slots, device_slots, self.host_pool.read_to_device)
+
+    def _copy(
+        self,
+        what: str,
+        traffic: Traffic,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        copy: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        n = host_slots.numel()
+        if device_slots.numel() != n:
+            raise ValueError(f"{what}: {device_slots.numel()} device slots for {n} host slots")
+        if n == 0:
             return
         start = time.perf_counter()
         with one_intra_op_thread(self.on_cpu):
-            self.host_pool.read_to_device(host_slots, device_slots)
-        s = self.stats
-        s.load_back_time_s += time.perf_counter() - start
-        s.num_load_back_tokens += host_slots.numel()
-        s.load_back_bytes += host_slots.numel() * self.host_pool.bytes_per_token
-        s.num_load_back_batches += 1
+            copy(host_slots, device_slots)
+        traffic.time_s += time.perf_counter() - start
+        traffic.tokens += n
+        traffic.bytes += n * self.host_pool.bytes_per_token
+        traffic.batches += 1

@@ -94,22 +94,6 @@ class HiRadixCache(RadixCache):
         upper.children[self._child_key(child.key, 0, child.namespace)] = child
         return upper
 
-    def _walk_nodes(self, key: list[int], namespace: Hashable) -> tuple[list[TreeNode], TreeNode, int]:
-        """Follow an aligned key across both tiers, splitting where the match ends inside an edge.
-        Returns (nodes along the path, deepest node, matched length)."""
-        node, i, nodes = self.root, 0, []
-        while i < len(key):
-            child = node.children.get(self._child_key(key, i, namespace))
-            if child is None:
-                break
-            self._touch(child)
-            n = self._match_len(child.key, key, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            nodes.append(child)
-            node, i = child, i + n
-        return nodes, node, i
-
     def _remove_node(self, node: TreeNode) -> None:
         """Unlink a childless, unlocked node and free its host copy (its L1 slots, if any, are the
         caller's to free)."""
@@ -344,12 +328,12 @@ class HiRadixCache(RadixCache):
             "host_bytes": self.mover.host_pool.size_bytes(),
             "host_used_tokens": self._host_tokens,
             "host_hit_tokens": self.host_hit_tokens,
-            "backup_tokens": s.num_backup_tokens,
-            "backup_bytes": s.backup_bytes,
-            "backup_time_s": s.backup_time_s,
-            "load_back_tokens": s.num_load_back_tokens,
-            "load_back_bytes": s.load_back_bytes,
-            "load_back_time_s": s.load_back_time_s,
+            "backup_tokens": s.backup.tokens,
+            "backup_bytes": s.backup.bytes,
+            "backup_time_s": s.backup.time_s,
+            "load_back_tokens": s.load_back.tokens,
+            "load_back_bytes": s.load_back.bytes,
+            "load_back_time_s": s.load_back.time_s,
         }
 
     def all_values(self) -> torch.Tensor:

@@ -160,7 +160,12 @@ class RadixCache(BasePrefixCache):
     def _walk(self, key: list[int], namespace: Hashable) -> tuple[list[torch.Tensor], TreeNode, int]:
         """Follow ``key`` (already page-aligned) from the root, splitting the last edge if the match
         ends inside it. Returns (slot tensors along the path, deepest node, matched length)."""
-        node, i, values = self.root, 0, []
+        nodes, node, i = self._walk_nodes(key, namespace)
+        return [n.value for n in nodes], node, i
+
+    def _walk_nodes(self, key: list[int], namespace: Hashable) -> tuple[list[TreeNode], TreeNode, int]:
+        """As _walk, with the nodes along the path instead of their slots."""
+        node, i, nodes = self.root, 0, []
         while i < len(key):
             child = node.children.get(self._child_key(key, i, namespace))
             if child is None:
@@ -169,9 +174,9 @@ class RadixCache(BasePrefixCache):
             n = self._match_len(child.key, key, i)
             if n < len(child.key):
                 child = self._split(child, n)
-            values.append(child.value)
+            nodes.append(child)
             node, i = child, i + n
-        return values, node, i
+        return nodes, node, i
 
     # ------------------------------------------------------------------ public API
 
