@@ -150,3 +150,12 @@ def test_off_values_and_ignorable_hints_are_accepted() -> None:
     )
     item = GenerateReqInput.model_validate_json(body, strict=True).expand()[0]
     assert item.text == "a" and item.no_logs
+
+
+def test_only_the_server_marks_a_health_probe() -> None:
+    """/health_generate's probe is marked by the server (a private attribute); a body cannot."""
+    probe = GenerateReqInput(input_ids=[0])
+    probe._health_check = True
+    assert probe.expand()[0].health_check
+    forged = GenerateReqInput.model_validate_json('{"input_ids": [0], "_health_check": true}', strict=True)
+    assert not forged.expand()[0].health_check
