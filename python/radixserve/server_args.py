@@ -19,10 +19,8 @@ from radixserve.configs.hicache_args import (
     HICACHE_STORAGE_PREFETCH_POLICIES,
     HICACHE_WRITE_POLICIES,
     hicache_updates,
-    validate_hicache,
 )
-from radixserve.configs.quant_args import validate_weight_only
-from radixserve.configs.spec_args import speculative_updates, validate_speculative
+from radixserve.configs.spec_args import speculative_updates
 from radixserve.utils.cpus import available_cpus
 
 if TYPE_CHECKING:
@@ -616,140 +614,11 @@ class ServerArgs:
         return resolved
 
     def validate(self) -> None:
-        if self.enable_overlap_schedule and self.disable_overlap_schedule:
-            raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
-        if not self.watchdog_timeout > 0:
-            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
-        if not self.graceful_shutdown_timeout >= 0:
-            raise ValueError(
-                f"--graceful-shutdown-timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout}"
-            )
-        if self.page_size < 1:
-            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.batch_max_concurrent_requests is not None and self.batch_max_concurrent_requests < 1:
-            raise ValueError(
-                f"--batch-max-concurrent-requests must be >= 1, got {self.batch_max_concurrent_requests}"
-            )
-        _check_choice("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
-        _check_choice("radix-eviction-policy", self.radix_eviction_policy, RADIX_EVICTION_POLICIES)
-        if self.attention_backend is not None:
-            _check_choice("attention-backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_grammar_backend(self.grammar_backend)
-        self._validate_quantization()
-        validate_weight_only(self)
-        if self.log_requests_level not in (0, 1, 2, 3):
-            raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
-        validate_speculative(self)
-        self.layout().check()  # LayoutError (a ValueError) says which flag to change
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError(
-                "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
-            )
-        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
-            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
-        self._validate_dp()
-        if self.enable_lora:
-            from radixserve.lora.adapter import validate_lora_args
+        """Raise ValueError (the flag and what to change) for a contradictory or unsupported
+        configuration (configs/server_args_checks.py)."""
+        from radixserve.configs.server_args_checks import validate_server_args
 
-            validate_lora_args(self)
-        self._validate_disaggregation()
-        self._validate_restart()
-        validate_hicache(self)
-        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
-            raise ValueError("--pp-max-micro-batch-size must be >= 1")
-        if self.cpu_bf16_gemm and self.disable_cpu_weight_prepack:
-            raise ValueError(
-                "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"
-            )
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ValueError("--max-total-tokens must hold at least one page")
-        if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
-            # Chunks are cut at page boundaries: a chunk smaller than a page could never be cut, and
-            # a prompt longer than the chunk size would wait forever.
-            raise ValueError(
-                f"--chunked-prefill-size ({self.chunked_prefill_size}) must be at least --page-size "
-                f"({self.page_size}), or -1 to disable chunking"
-            )
-
-    def _validate_quantization(self) -> None:
-        method = self.quantization
-        if method is None:
-            return
-        supported = ", ".join(SUPPORTED_QUANTIZATION)
-        if method not in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"--quantization {method!r} is not a quantization method SGLang defines; supported "
-                f"here: {supported} (docs/quantization.md)"
-            )
-        if method not in SUPPORTED_QUANTIZATION:
-            raise ValueError(
-                f"--quantization {method} is not supported by radixserve yet; supported: {supported} "
-                "(w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load; gguf serves a GGUF file's "
-                "quantized tensors; the others load pre-quantized checkpoints, on CPU; docs/quantization.md)"
-            )
-        if self.device != "cpu":
-            raise ValueError(f"--quantization {method} runs on CPU only for now (got --device {self.device})")
-        if self.dtype not in ("auto", "float32", "float"):
-            raise ValueError(
-                f"--quantization {method} quantizes the fp32 model (bf16/fp16 checkpoints load as fp32 "
-                f"first): drop --dtype {self.dtype}"
-            )
-        if self.is_embedding:
-            raise ValueError(
-                f"--quantization {method} applies to generation models for now: drop --is-embedding"
-            )
-
-    def _validate_dp(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
-        _check_choice("load-balance-method", self.load_balance_method, LOAD_BALANCE_CHOICES)
-        if not 0.0 <= self.dp_cache_threshold <= 1.0:
-            raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {self.dp_cache_threshold}")
-        if self.dp_balance_abs_threshold < 0 or self.dp_balance_rel_threshold < 1.0:
-            raise ValueError("--dp-balance-abs-threshold must be >= 0 and --dp-balance-rel-threshold >= 1")
-        if self.load_watch_interval <= 0:
-            raise ValueError(f"--load-watch-interval must be > 0, got {self.load_watch_interval}")
-        if self.dp_size > 1 and self.nnodes > 1:
-            raise ValueError(
-                "--dp-size > 1 runs its replicas on one machine; across machines run one server per "
-                "machine behind the SGLang Model Gateway (docs/deploy.md)"
-            )
-
-    def _validate_disaggregation(self) -> None:
-        _check_choice("disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
-        _check_choice(
-            "disaggregation-transfer-backend",
-            self.disaggregation_transfer_backend,
-            DISAGGREGATION_TRANSFER_BACKENDS,
-        )
-        if not 0 < self.disaggregation_bootstrap_port < 65536:
-            raise ValueError(
-                f"--disaggregation-bootstrap-port must be a TCP port, got {self.disaggregation_bootstrap_port}"
-            )
-        if self.disaggregation_bootstrap_timeout <= 0:
-            raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
-        if self.disaggregation_mode != "null" and self.is_embedding:
-            raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
-        if self.disaggregation_mode != "null" and (self.pp_size > 1 or self.nnodes > 1):
-            raise ValueError(
-                "--disaggregation-mode runs with --pp-size 1 and --nnodes 1 for now "
-                "(any --tp-size and --dp-size; docs/disaggregation.md)"
-            )
-
-    def _validate_restart(self) -> None:
-        if self.max_restarts < 0 or not self.restart_window_minutes > 0:
-            raise ValueError("--max-restarts must be >= 0 and --restart-window-minutes > 0")
-        if self.restart_on_failure and self.nnodes > 1:
-            raise ValueError(
-                "--restart-on-failure restarts the ranks of one machine; with --nnodes > 1 node 0 cannot "
-                "restart the other nodes' ranks: drop the flag and let the orchestrator restart the "
-                "whole group (docs/reliability.md)"
-            )
-        if self.restart_on_failure and self.disaggregation_mode != "null":
-            raise ValueError(
-                "--restart-on-failure is not supported with --disaggregation-mode: a restarted "
-                "scheduler would lose the KV transfers its peer server waits on (docs/reliability.md)"
-            )
+        validate_server_args(self)
 
     def layout(self) -> ParallelLayout:
         from radixserve.distributed.layout import ParallelLayout
@@ -794,39 +663,10 @@ def _cli_type(annotation: Any) -> type:
     return str
 
 
-def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:  # noqa: ANN401 - as typed
-    if value not in choices:
-        raise ValueError(f"--{flag} must be one of {choices}, got {value!r}")
-
-
-def _is_host_port(addr: str) -> bool:
-    host, sep, port = addr.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
-
-
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="python -m radixserve.launch_server")
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))
-
-
-def _check_grammar_backend(name: str) -> None:
-    """Refuse at start a grammar backend that is unknown, not implemented or not installed (rather
-    than failing every constrained request later)."""
-    _check_choice("grammar-backend", name, GRAMMAR_BACKENDS)
-    if name in ("outlines", "llguidance"):
-        raise ValueError(
-            f"--grammar-backend {name} is not supported by radixserve: use xgrammar, or none to turn "
-            "constrained decoding off"
-        )
-    if name == "xgrammar":
-        import importlib.util
-
-        if importlib.util.find_spec("xgrammar") is None:
-            raise ValueError(
-                "--grammar-backend xgrammar needs the 'xgrammar' package, which is not installed: "
-                "pip install xgrammar, or pass --grammar-backend none to run without constrained decoding"
-            )
 
 
 def _default_attention_backend(device: str) -> str:

@@ -31,7 +31,7 @@ def gguf_updates(args: ServerArgs) -> dict[str, Any]:
 
 def validate_weight_only(args: ServerArgs) -> None:
     """What --quantization gguf and --torchao-config need (the device, dtype and model checks of
-    --quantization are ServerArgs._validate_quantization's)."""
+    --quantization are configs/server_args_checks.py's)."""
     if args.quantization == "gguf" and args.load_format == "dummy":
         raise ValueError("--quantization gguf serves a GGUF file's tensors: drop --load-format dummy")
     config = args.torchao_config

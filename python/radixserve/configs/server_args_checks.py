@@ -1,0 +1,190 @@
+"""ServerArgs.validate: every check of a configuration that does not need the machine (the
+resolved device and attention backend are checked where resolve() sets them). Each ValueError
+names the flag and what to change."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from radixserve.configs.hicache_args import validate_hicache
+from radixserve.configs.quant_args import validate_weight_only
+from radixserve.configs.spec_args import validate_speculative
+from radixserve.server_args import (
+    ATTENTION_BACKENDS,
+    DISAGGREGATION_MODES,
+    DISAGGREGATION_TRANSFER_BACKENDS,
+    GRAMMAR_BACKENDS,
+    LOAD_BALANCE_CHOICES,
+    QUANTIZATION_METHODS,
+    RADIX_EVICTION_POLICIES,
+    SCHEDULE_POLICIES,
+    SUPPORTED_QUANTIZATION,
+    ServerArgs,
+)
+
+
+def validate_server_args(args: ServerArgs) -> None:
+    if args.enable_overlap_schedule and args.disable_overlap_schedule:
+        raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
+    if not args.watchdog_timeout > 0:
+        raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {args.watchdog_timeout}")
+    if not args.graceful_shutdown_timeout >= 0:
+        raise ValueError(
+            f"--graceful-shutdown-timeout must be >= 0 seconds, got {args.graceful_shutdown_timeout}"
+        )
+    if args.page_size < 1:
+        raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
+    if args.batch_max_concurrent_requests is not None and args.batch_max_concurrent_requests < 1:
+        raise ValueError(
+            f"--batch-max-concurrent-requests must be >= 1, got {args.batch_max_concurrent_requests}"
+        )
+    _check_choice("schedule-policy", args.schedule_policy, SCHEDULE_POLICIES)
+    _check_choice("radix-eviction-policy", args.radix_eviction_policy, RADIX_EVICTION_POLICIES)
+    if args.attention_backend is not None:
+        _check_choice("attention-backend", args.attention_backend, ATTENTION_BACKENDS)
+    _check_grammar_backend(args.grammar_backend)
+    _validate_quantization(args)
+    validate_weight_only(args)
+    if args.log_requests_level not in (0, 1, 2, 3):
+        raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {args.log_requests_level}")
+    validate_speculative(args)
+    args.layout().check()  # LayoutError (a ValueError) says which flag to change
+    if args.nnodes > 1 and not args.dist_init_addr:
+        raise ValueError(
+            "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
+        )
+    if args.dist_init_addr is not None and not _is_host_port(args.dist_init_addr):
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {args.dist_init_addr!r}")
+    _validate_dp(args)
+    if args.enable_lora:
+        from radixserve.lora.adapter import validate_lora_args
+
+        validate_lora_args(args)
+    _validate_disaggregation(args)
+    _validate_restart(args)
+    validate_hicache(args)
+    if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
+        raise ValueError("--pp-max-micro-batch-size must be >= 1")
+    if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
+        raise ValueError(
+            "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"
+        )
+    if args.max_total_tokens is not None and args.max_total_tokens < args.page_size:
+        raise ValueError("--max-total-tokens must hold at least one page")
+    if args.chunked_prefill_size is not None and 0 < args.chunked_prefill_size < args.page_size:
+        # Chunks are cut at page boundaries: a chunk smaller than a page could never be cut, and
+        # a prompt longer than the chunk size would wait forever.
+        raise ValueError(
+            f"--chunked-prefill-size ({args.chunked_prefill_size}) must be at least --page-size "
+            f"({args.page_size}), or -1 to disable chunking"
+        )
+
+
+def _validate_quantization(args: ServerArgs) -> None:
+    method = args.quantization
+    if method is None:
+        return
+    supported = ", ".join(SUPPORTED_QUANTIZATION)
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"--quantization {method!r} is not a quantization method SGLang defines; supported "
+            f"here: {supported} (docs/quantization.md)"
+        )
+    if method not in SUPPORTED_QUANTIZATION:
+        raise ValueError(
+            f"--quantization {method} is not supported by radixserve yet; supported: {supported} "
+            "(w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load; gguf serves a GGUF file's "
+            "quantized tensors; the others load pre-quantized checkpoints, on CPU; docs/quantization.md)"
+        )
+    if args.device != "cpu":
+        raise ValueError(f"--quantization {method} runs on CPU only for now (got --device {args.device})")
+    if args.dtype not in ("auto", "float32", "float"):
+        raise ValueError(
+            f"--quantization {method} quantizes the fp32 model (bf16/fp16 checkpoints load as fp32 "
+            f"first): drop --dtype {args.dtype}"
+        )
+    if args.is_embedding:
+        raise ValueError(f"--quantization {method} applies to generation models for now: drop --is-embedding")
+
+
+def _validate_dp(args: ServerArgs) -> None:
+    if args.dp_size < 1:
+        raise ValueError(f"--dp-size must be >= 1, got {args.dp_size}")
+    _check_choice("load-balance-method", args.load_balance_method, LOAD_BALANCE_CHOICES)
+    if not 0.0 <= args.dp_cache_threshold <= 1.0:
+        raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {args.dp_cache_threshold}")
+    if args.dp_balance_abs_threshold < 0 or args.dp_balance_rel_threshold < 1.0:
+        raise ValueError("--dp-balance-abs-threshold must be >= 0 and --dp-balance-rel-threshold >= 1")
+    if args.load_watch_interval <= 0:
+        raise ValueError(f"--load-watch-interval must be > 0, got {args.load_watch_interval}")
+    if args.dp_size > 1 and args.nnodes > 1:
+        raise ValueError(
+            "--dp-size > 1 runs its replicas on one machine; across machines run one server per "
+            "machine behind the SGLang Model Gateway (docs/deploy.md)"
+        )
+
+
+def _validate_disaggregation(args: ServerArgs) -> None:
+    _check_choice("disaggregation-mode", args.disaggregation_mode, DISAGGREGATION_MODES)
+    _check_choice(
+        "disaggregation-transfer-backend",
+        args.disaggregation_transfer_backend,
+        DISAGGREGATION_TRANSFER_BACKENDS,
+    )
+    if not 0 < args.disaggregation_bootstrap_port < 65536:
+        raise ValueError(
+            f"--disaggregation-bootstrap-port must be a TCP port, got {args.disaggregation_bootstrap_port}"
+        )
+    if args.disaggregation_bootstrap_timeout <= 0:
+        raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
+    if args.disaggregation_mode != "null" and args.is_embedding:
+        raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
+    if args.disaggregation_mode != "null" and (args.pp_size > 1 or args.nnodes > 1):
+        raise ValueError(
+            "--disaggregation-mode runs with --pp-size 1 and --nnodes 1 for now "
+            "(any --tp-size and --dp-size; docs/disaggregation.md)"
+        )
+
+
+def _validate_restart(args: ServerArgs) -> None:
+    if args.max_restarts < 0 or not args.restart_window_minutes > 0:
+        raise ValueError("--max-restarts must be >= 0 and --restart-window-minutes > 0")
+    if args.restart_on_failure and args.nnodes > 1:
+        raise ValueError(
+            "--restart-on-failure restarts the ranks of one machine; with --nnodes > 1 node 0 cannot "
+            "restart the other nodes' ranks: drop the flag and let the orchestrator restart the "
+            "whole group (docs/reliability.md)"
+        )
+    if args.restart_on_failure and args.disaggregation_mode != "null":
+        raise ValueError(
+            "--restart-on-failure is not supported with --disaggregation-mode: a restarted "
+            "scheduler would lose the KV transfers its peer server waits on (docs/reliability.md)"
+        )
+
+
+def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:  # noqa: ANN401 - as typed
+    if value not in choices:
+        raise ValueError(f"--{flag} must be one of {choices}, got {value!r}")
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _check_grammar_backend(name: str) -> None:
+    """Refuse at start a grammar backend that is unknown, not implemented or not installed (rather
+    than failing every constrained request later)."""
+    _check_choice("grammar-backend", name, GRAMMAR_BACKENDS)
+    if name in ("outlines", "llguidance"):
+        raise ValueError(
+            f"--grammar-backend {name} is not supported by radixserve: use xgrammar, or none to turn "
+            "constrained decoding off"
+        )
+    if name == "xgrammar":
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ValueError(
+                "--grammar-backend xgrammar needs the 'xgrammar' package, which is not installed: "
+                "pip install xgrammar, or pass --grammar-backend none to run without constrained decoding"
+            )
