@@ -294,6 +294,18 @@ class ServerArgs:
         "position and each generated token's, in meta_info. Such a request recomputes its whole "
         "prompt (no prefix-cache hit) and never drafts.",
     )
+    enable_custom_logit_processor: bool = _f(
+        False,
+        "Let requests name a custom logit processor (custom_logit_processor, SGLang's form): a "
+        "built-in one or a class from --custom-logit-processor-modules. The request's pickle is "
+        "read, never executed (docs/http_api.md).",
+    )
+    custom_logit_processor_modules: tuple[str, ...] = _f(
+        (),
+        "Python modules whose CustomLogitProcessor subclasses requests may name, besides the "
+        "built-in ones (radixserve.sampling.custom_logit_processor).",
+        nargs="*",
+    )
     max_prefill_tokens: int = _f(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _f(None, "Chunk size for long prompts; -1 disables chunking.")
     page_size: int = _f(1, "Tokens per KV-cache page.")

@@ -35,7 +35,8 @@ def tiny_engine(tiny_llama_path: str):
 @pytest.fixture(scope="session")
 def fields_engine(tiny_llama_path: str):
     """The tiny model in small chunks, with the request fields that need a flag allowed
-    (return_hidden_states): test_hidden_states.py, test_request_fields.py."""
+    (return_hidden_states, custom_logit_processor): test_hidden_states.py, test_request_fields.py,
+    test_token_ids_logprob.py."""
     from radixserve import Engine
 
     with Engine(
@@ -43,6 +44,8 @@ def fields_engine(tiny_llama_path: str):
         max_total_tokens=4096,
         chunked_prefill_size=FIELDS_CHUNK,
         enable_return_hidden_states=True,
+        enable_custom_logit_processor=True,
+        custom_logit_processor_modules=("radixserve.testing.logit_processors",),
     ) as engine:
         yield engine
 

@@ -5,6 +5,7 @@ against another request's cached KV; cache_salt (only equal salts share cached p
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -13,6 +14,8 @@ import torch
 from server_helpers import FIELDS_CHUNK as CHUNK
 
 from radixserve import Engine
+from radixserve.sampling.custom_logit_processor import SGLANG_MODULE
+from radixserve.testing.logit_processors import FailingLogitProcessor, OnlyTokensLogitProcessor
 from radixserve.testing.tiny_models import TINY_VOCAB
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,3 +104,39 @@ def test_cache_salt_shares_cached_prefixes_only_within_a_salt(engine: Engine) ->
     assert cached("tenant-b") == 0  # another tenant's identical prompt is not a hit
     assert cached(None) == 0  # nor is an unsalted one
     assert cached("tenant-a") > 0 and cached(None) > 0  # each namespace hits its own
+
+
+def test_custom_logit_processor_in_sglangs_form_matches_hf_with_the_ban(engine: Engine, hf_tiny: Any) -> None:
+    """SGLang's client-side to_str() of its DisallowedTokensLogitsProcessor (a class reference under
+    SGLang's module), against HF greedy decoding with the same token's logit at -inf."""
+    prompt = [random.Random(21).randrange(3, TINY_VOCAB) for _ in range(12)]
+    plain = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    banned = plain[0]
+    spec = json.dumps({"callable": f"c{SGLANG_MODULE}\nDisallowedTokensLogitsProcessor\n.".encode().hex()})
+    params = dict(GREEDY, custom_params={"token_ids": [banned]})
+    out = engine.generate(input_ids=prompt, sampling_params=params, custom_logit_processor=spec)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(GREEDY["max_new_tokens"]):
+            logits = hf_tiny(torch.tensor([ids])).logits[0, -1].float()
+            logits[banned] = -float("inf")
+            ids.append(int(logits.argmax()))
+    assert out["output_ids"] == ids[len(prompt) :] and banned not in out["output_ids"]
+
+
+def test_an_operators_processor_runs_and_a_failing_one_fails_alone(engine: Engine) -> None:
+    prompt = [random.Random(22).randrange(3, TINY_VOCAB) for _ in range(12)]
+    allowed = [5, 9, 11]
+    only = dict(GREEDY, temperature=1.0, seed=3, custom_params={"token_ids": allowed})
+    outs = engine.generate(
+        input_ids=[prompt, prompt],
+        sampling_params=[only, GREEDY],
+        custom_logit_processor=[OnlyTokensLogitProcessor.to_str(), FailingLogitProcessor.to_str()],
+    )
+    assert set(outs[0]["output_ids"]) <= set(allowed) and len(outs[0]["output_ids"]) == 8
+    failed = outs[1]["meta_info"]["finish_reason"]
+    assert failed["type"] == "abort" and failed["status_code"] == 500
+    assert len(engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]) == 8  # serves on
+    with pytest.raises(ValueError, match="not allowed"):
+        class_from_main = json.dumps({"callable": b"c__main__\nMine\n.".hex()})
+        engine.generate(input_ids=prompt, sampling_params=GREEDY, custom_logit_processor=class_from_main)

@@ -132,7 +132,7 @@ def test_allow_auto_truncate_cuts_the_input_and_the_budget_instead_of_refusing(a
     [
         ('{"text": "a", "image_data": "https://example.com/cat.png"}', "image_data"),
         ('{"text": "a", "audio_data": ["x"]}', "audio_data"),
-        ('{"text": "a", "custom_logit_processor": "{}"}', "custom_logit_processor"),
+        ('{"text": "a", "positional_embed_overrides": [[0.5]]}', "positional_embed_overrides"),
         ('{"text": "a", "return_entropy": true}', "return_entropy"),
         ('{"text": "a", "max_thinking_tokens": 0}', "max_thinking_tokens"),  # 0 is a budget, not "off"
     ],

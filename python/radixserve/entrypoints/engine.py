@@ -95,6 +95,7 @@ class Engine:
         input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
         cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
+        custom_logit_processor: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -119,6 +120,7 @@ class Engine:
         input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
         cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
+        custom_logit_processor: str | list[str | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -378,6 +380,7 @@ def _request(
     input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
     cache_salt: str | list[str] | None = None,
     token_ids_logprob: list[int] | list[list[int] | None] | None = None,
+    custom_logit_processor: str | list[str | None] | None = None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -407,6 +410,7 @@ def _request(
         input_embeds=input_embeds,
         cache_salt=cache_salt,
         token_ids_logprob=token_ids_logprob,
+        custom_logit_processor=custom_logit_processor,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.

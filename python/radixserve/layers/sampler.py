@@ -90,8 +90,9 @@ _LOGIT_MAX = 1e30
 
 
 def _constrain(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
-    """Penalties, min_new_tokens and grammar mask, on a copy so the caller's logits stay raw."""
-    if info.penalizer is None and info.vocab_mask is None:
+    """Penalties, min_new_tokens, grammar mask and custom processors (in SGLang's order), on a
+    copy so the caller's logits stay raw."""
+    if info.penalizer is None and info.vocab_mask is None and info.custom is None:
         return logits
     logits = logits.clone()
     if info.penalizer is not None:
@@ -102,6 +103,8 @@ def _constrain(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
         logits.clamp_(max=_LOGIT_MAX)
     if info.vocab_mask is not None:
         info.vocab_mask.apply_(logits)  # touches the constrained rows only
+    if info.custom is not None:
+        info.custom.apply(logits)
     return logits
 
 

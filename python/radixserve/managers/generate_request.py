@@ -65,6 +65,9 @@ class GenerateReqInput(BaseModel):
     # Only requests with the same salt share cached prefixes (SGLang's and vLLM's field: tenants
     # cannot probe each other's prompts through cache-hit timing); one per prompt for a batch.
     cache_salt: str | list[str] | None = None
+    # SGLang's CustomLogitProcessor.to_str() (one per prompt for a batch), with
+    # --enable-custom-logit-processor; read, never unpickled (sampling/custom_logit_processor.py).
+    custom_logit_processor: str | list[str | None] | None = None
     # Set by /health_generate only, never from a body: its probe (scheduler/health_probes.py).
     _health_check: bool = PrivateAttr(default=False)
 
@@ -135,6 +138,7 @@ class GenerateReqInput(BaseModel):
             "bootstrap_room",
             "lora_path",
             "cache_salt",
+            "custom_logit_processor",
         ):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_prompts:
@@ -206,6 +210,7 @@ class GenerateReqInput(BaseModel):
                         lora_path=_pick(self.lora_path, i),
                         no_logs=self.no_logs,
                         cache_salt=_pick(self.cache_salt, i),
+                        custom_logit_processor=_pick(self.custom_logit_processor, i),
                         health_check=self._health_check,
                         token_ids_logprob=token_ids,
                         routing=DisaggRouting(
@@ -317,4 +322,5 @@ class RequestItem:
     no_logs: bool = False
     health_check: bool = False
     cache_salt: str | None = None
+    custom_logit_processor: str | None = None
     token_ids_logprob: tuple[int, ...] | None = None  # score these ids at each logprob position

@@ -20,6 +20,7 @@ from typing import Any
 
 from radixserve.constrained.validation import validate_grammar
 from radixserve.managers.generate_request import GenerateReqInput, RequestItem
+from radixserve.sampling.custom_logit_processor import load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class ModelLimits:
     allow_auto_truncate: bool = False  # --allow-auto-truncate: cut instead of refusing
     enable_return_hidden_states: bool = False  # --enable-return-hidden-states
     hidden_size: int = 0  # what each input_embeds row must hold (0: unknown, none accepted)
+    enable_custom_logit_processor: bool = False
+    custom_logit_processor_modules: tuple[str, ...] = ()
 
 
 def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestItem]:
@@ -56,6 +59,8 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
         _check_hidden_states(limits)
     if any(item.input_embeds is not None for item in items):
         _check_embeds_request(limits, items)
+    for spec in {item.custom_logit_processor for item in items} - {None}:
+        check_custom_logit_processor(limits, spec)
     _check_token_ids_logprob(limits, items)
     routed = items[0].routed_dp_rank if items else None
     if routed is not None and routed >= limits.dp_size:
@@ -104,6 +109,19 @@ def _check_hidden_states(limits: ModelLimits) -> None:
     if limits.disaggregation_mode != "null":
         # The prompt's rows are computed on the prefill server and never sent with the KV.
         raise InvalidRequestError("return_hidden_states is not supported with prefill/decode disaggregation.")
+
+
+def check_custom_logit_processor(limits: ModelLimits, spec: str) -> None:
+    """SGLang's rule (the operator opts in), then the processor must load (read, never unpickled)."""
+    if not limits.enable_custom_logit_processor:
+        raise InvalidRequestError(
+            "The server is not configured to enable custom logit processors: start it with "
+            "--enable-custom-logit-processor."
+        )
+    try:
+        load_processor(spec, limits.custom_logit_processor_modules)
+    except ValueError as exc:
+        raise InvalidRequestError(f"Invalid custom_logit_processor: {exc}") from None
 
 
 def _check_embeds_request(limits: ModelLimits, items: list[RequestItem]) -> None:

@@ -133,6 +133,7 @@ class TokenizedGenerateReqInput:
     # instead of queueing (scheduler/health_probes.py).
     health_check: bool = False
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes
+    custom_logit_processor: str | None = None  # SGLang's to_str() form, checked by the TokenizerManager
     token_ids_logprob: tuple[int, ...] | None = None  # score these ids at each logprob position
 
 

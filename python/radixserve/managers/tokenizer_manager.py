@@ -99,6 +99,8 @@ class TokenizerManager:
             server_args.allow_auto_truncate,
             server_args.enable_return_hidden_states,
             int(scheduler_info.get("hidden_size", 0)),
+            server_args.enable_custom_logit_processor,
+            tuple(server_args.custom_logit_processor_modules),
         )
         self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
@@ -330,6 +332,7 @@ class TokenizerManager:
             input_embeds=item.input_embeds,
             health_check=item.health_check,
             cache_salt=item.cache_salt,
+            custom_logit_processor=item.custom_logit_processor,
             priority=item.priority,
             session_params=item.session_params,
             routed_dp_rank=item.routed_dp_rank,

@@ -26,7 +26,6 @@ REFUSED: dict[str, str] = {
     "min_dynamic_patch": _MULTIMODAL,
     "image_max_dynamic_patch": _MULTIMODAL,
     "video_max_dynamic_patch": _MULTIMODAL,
-    "custom_logit_processor": "custom logit processors are not supported",
     "positional_embed_overrides": "use input_embeds for a prompt given as embeddings",
     "return_sampling_mask": "sampling masks are not returned",
     "return_flat_raw_top_logprobs": "top logprobs are returned as nested lists only",

@@ -284,4 +284,5 @@ def is_argmax_only(batch: ModelWorkerBatch) -> bool:
         and info.is_all_greedy
         and info.penalizer is None
         and info.vocab_mask is None
+        and info.custom is None
     )

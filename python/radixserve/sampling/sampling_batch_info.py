@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from radixserve.sampling.custom_rows import CustomRows
 from radixserve.sampling.penalties import PenaltyState, merge_optional
 from radixserve.sampling.sampling_params import GREEDY_EPS
 from radixserve.sampling.vocab_mask import VocabMask
@@ -41,6 +42,7 @@ class SamplingBatchInfo:
     vocab_size: int
     device: torch.device
     vocab_mask: VocabMask | None = None  # the constrained rows' allowed tokens; set per step by grammar
+    custom: CustomRows | None = None  # rows with a custom logit processor (None: no row has one)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -80,6 +82,7 @@ class SamplingBatchInfo:
             penalizer=PenaltyState.from_reqs(reqs, vocab_size, device, suppress_ids),
             vocab_size=vocab_size,
             device=device,
+            custom=CustomRows.from_reqs(reqs),
         )
         info._update_flags()
         return info
@@ -112,6 +115,8 @@ class SamplingBatchInfo:
             self.seeds = self.seeds.index_select(0, keep)
         if self.penalizer is not None:
             self.penalizer = self.penalizer.filter(keep, keep_indices)
+        if self.custom is not None:
+            self.custom = self.custom.filter(keep_indices)
         self._update_flags()
 
     def merge(self, other: SamplingBatchInfo) -> None:
@@ -124,6 +129,7 @@ class SamplingBatchInfo:
         )
         self.seeds = _cat_optional(self.seeds, other.seeds, bs_a, bs_b, -1)
         self.vocab_mask = VocabMask.merge(self.vocab_mask, other.vocab_mask, bs_a)
+        self.custom = CustomRows.merge(self.custom, other.custom, bs_a, bs_b)
         self.temperatures = torch.cat([self.temperatures, other.temperatures])
         self.top_ps = torch.cat([self.top_ps, other.top_ps])
         self.top_ks = torch.cat([self.top_ks, other.top_ks])

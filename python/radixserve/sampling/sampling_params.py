@@ -81,6 +81,8 @@ class SamplingParams:
     structural_tag: str | None = None
     # Token id (as a string, as in JSON and OpenAI) -> value added to that token's logit.
     logit_bias: dict[str, float] | None = None
+    # Handed to the request's custom logit processor (SGLang's field; custom_logit_processor.py).
+    custom_params: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -243,6 +245,10 @@ def _check_type(key: str, value: Any) -> Any:
         raise ValueError("stop_token_ids must be a list of integers")
     if key == "logit_bias":
         return _check_logit_bias(value)
+    if key == "custom_params":
+        if not isinstance(value, dict):
+            raise ValueError(f"custom_params must be an object, got {type(value).__name__}")
+        return value
     raise AssertionError(f"unhandled sampling field {key}")  # every dataclass field is listed above
 
 

@@ -117,6 +117,8 @@ class Req:
         # [prompt_len, hidden_size] fp32: the prompt as embeddings (its ids are placeholders).
         self.input_embeds = input_embeds
         self.cache_salt = cache_salt  # only requests with the same salt share cached prefixes
+        # A CustomLogitProcessor instance (set by the scheduler from the request's spec), or None.
+        self.custom_logit_processor: Any = None
         self.session_id: str | None = None  # set when the request continues a session
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
