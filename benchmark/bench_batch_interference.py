@@ -18,14 +18,10 @@ import contextlib
 import io
 import json
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-from peers.process import ServerProcess, free_port
+from peers.process import radixserve_server
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -37,17 +33,8 @@ QUESTIONS = [
 ]
 
 
-@contextlib.contextmanager
-def server(model: str | None, flags: list[str]) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), "--log-level", "warning"]
-    if model:
-        cmd += ["--model-path", model]
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.gettempdir()) / f"bench_batch_interference_{port}.log"
-    with ServerProcess("radixserve", [*cmd, *flags], log, url) as proc:
-        proc.wait_healthy(600)
-        yield url
+def server(model: str | None, flags: list[str]) -> contextlib.AbstractContextManager[str]:
+    return radixserve_server(model, flags, "bench_batch_interference")
 
 
 def ttft_s(client: httpx.Client, question: str, max_tokens: int) -> float:

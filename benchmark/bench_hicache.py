@@ -20,28 +20,15 @@ import contextlib
 import json
 import random
 import statistics
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-from peers.process import ServerProcess, free_port
+from peers.process import radixserve_server
 
 
-@contextlib.contextmanager
-def server(model: str | None, flags: list[str]) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), "--log-level", "warning"]
-    if model:
-        cmd += ["--model-path", model]
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.gettempdir()) / f"bench_hicache_{port}.log"
-    with ServerProcess("radixserve", [*cmd, *flags], log, url) as proc:
-        proc.wait_healthy(600)
-        yield url
+def server(model: str | None, flags: list[str]) -> contextlib.AbstractContextManager[str]:
+    return radixserve_server(model, flags, "bench_hicache")
 
 
 def conversations(n: int, doc_len: int, turns: int, seed: int) -> list[list[list[int]]]:

@@ -11,9 +11,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -126,3 +129,18 @@ class ServerProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def radixserve_server(model: str | None, flags: list[str], log_name: str) -> Iterator[str]:
+    """A radixserve server on a free 127.0.0.1 port, healthy, its log in the temp folder as
+    `<log_name>_<port>.log`; yields its URL and stops it on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), "--log-level", "warning"]
+    if model:
+        cmd += ["--model-path", model]
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.gettempdir()) / f"{log_name}_{port}.log"
+    with ServerProcess("radixserve", [*cmd, *flags], log, url) as proc:
+        proc.wait_healthy(600)
+        yield url

@@ -6,33 +6,16 @@ as a KV mismatch, not only as wrong bookkeeping."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
+from cache_fakes import FakeReq
 
 from radixserve.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.hiradix_cache import HiRadixCache, build_hiradix_cache
 from radixserve.mem_cache.host_pool import host_pool_size
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
-@dataclass
-class FakeReq:
-    origin_input_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    fill_ids: list[int] = field(default_factory=list)
-    req_pool_idx: int | None = None
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: Any = None
-    kv_committed_len: int = 0
-    lora_id: str | None = None
-
-    @property
-    def cache_namespace(self) -> str | None:  # the scheduler's Req: its adapter's namespace
-        return self.lora_id
 
 
 def expected_kv(tokens: list[int]) -> torch.Tensor:
