@@ -177,7 +177,7 @@ def test_logits_processor_takes_it_for_argmax_only_steps(monkeypatch):
 
 
 def _batch(**changes: object) -> SimpleNamespace:
-    info = SimpleNamespace(is_all_greedy=True, penalizer=None, vocab_mask=None)
+    info = SimpleNamespace(is_all_greedy=True, penalizer=None, vocab_mask=None, custom=None)
     batch = SimpleNamespace(sampling_info=info, delay_sample_launch=False, return_logprob=False)
     for key, value in changes.items():
         setattr(info if hasattr(info, key) else batch, key, value)
@@ -190,6 +190,7 @@ def _batch(**changes: object) -> SimpleNamespace:
         {"is_all_greedy": False},  # a sampled row reads the whole distribution
         {"penalizer": object()},  # penalties move logits before the argmax
         {"vocab_mask": object()},  # a grammar masks them
+        {"custom": object()},  # a custom logit processor rewrites them
         {"return_logprob": True},
         {"delay_sample_launch": True},  # the mask and penalties are not known yet
         {"sampling_info": None},
