@@ -406,6 +406,15 @@ class ServerArgs:
         "(the sizes sgl-kernel's small-batch linears serve) as one compiled call.",
     )
     disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.")
+    expert_distribution_recorder_mode: str | None = _f(
+        None,
+        "MoE models: 'stat' makes /start_expert_distribution_record ... /dump_expert_distribution_record "
+        "count the router's expert choices per layer and forward pass (docs/models.md). Decode CUDA "
+        "graphs are off with it (their replay skips the counting).",
+    )
+    expert_distribution_recorder_buffer_size: int = _f(
+        1000, "Forward passes the expert-distribution recorder keeps (the latest); -1 keeps every one."
+    )
     cuda_graph_max_bs: int = _f(
         64,
         "Largest decode batch captured in a CUDA graph. Sizes 1, 2, 4, 8, then multiples of 8 (16 "

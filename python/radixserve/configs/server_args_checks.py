@@ -64,6 +64,7 @@ def validate_server_args(args: ServerArgs) -> None:
     _validate_disaggregation(args)
     _validate_restart(args)
     validate_hicache(args)
+    _validate_expert_distribution(args)
     if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")
     if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
@@ -145,6 +146,25 @@ def _validate_disaggregation(args: ServerArgs) -> None:
             "--disaggregation-mode runs with --pp-size 1 and --nnodes 1 for now "
             "(any --tp-size and --dp-size; docs/disaggregation.md)"
         )
+
+
+def _validate_expert_distribution(args: ServerArgs) -> None:
+    mode = args.expert_distribution_recorder_mode
+    if mode is None:
+        return
+    if mode != "stat":
+        raise ValueError(
+            f"--expert-distribution-recorder-mode {mode!r} is not supported: only 'stat' (SGLang's "
+            "per_token, per_pass and stat_approx modes are not served)"
+        )
+    if args.pp_size > 1:
+        raise ValueError(
+            "--expert-distribution-recorder-mode with --pp-size > 1 is not supported: each stage holds "
+            "other layers and no rank sees every layer's counts"
+        )
+    size = args.expert_distribution_recorder_buffer_size
+    if size == 0 or size < -1:
+        raise ValueError(f"--expert-distribution-recorder-buffer-size must be >= 1 or -1, got {size}")
 
 
 def _validate_restart(args: ServerArgs) -> None:

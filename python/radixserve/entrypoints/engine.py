@@ -230,6 +230,19 @@ class Engine:
     def stop_profile(self) -> tuple[bool, str]:
         return self._outcome(self._ctl.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE)))
 
+    def start_expert_distribution_record(self) -> tuple[bool, str]:
+        return self._expert_distribution(io.ExpertDistributionReqType.START_RECORD)
+
+    def stop_expert_distribution_record(self) -> tuple[bool, str]:
+        return self._expert_distribution(io.ExpertDistributionReqType.STOP_RECORD)
+
+    def dump_expert_distribution_record(self) -> tuple[bool, str]:
+        """(success, the path of the file written) on TP rank 0's side."""
+        return self._expert_distribution(io.ExpertDistributionReqType.DUMP_RECORD)
+
+    def _expert_distribution(self, action: io.ExpertDistributionReqType) -> tuple[bool, str]:
+        return self._outcome(self._ctl.ask(io.ExpertDistributionReq(action)))
+
     def slow_down(self, forward_sleep_time: float | None) -> tuple[bool, str]:
         return self._outcome(self._ctl.ask(io.SlowDownReqInput(forward_sleep_time)))
 

@@ -54,6 +54,7 @@ class TpModelWorker:
             num_kv_heads=model_config.num_kv_heads,
             weights=runner.weights,
             lora=runner.lora,
+            expert_recorder=runner.expert_recorder,
         )
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:

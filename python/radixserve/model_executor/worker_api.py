@@ -14,6 +14,7 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 
 if TYPE_CHECKING:
     from radixserve.configs.pooling import EmbeddingConfig
+    from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder
     from radixserve.lora.manager import LoRAManager
     from radixserve.model_executor.tp_worker import TpModelWorker
     from radixserve.model_executor.weight_sync import ModelWeights
@@ -41,6 +42,8 @@ class WorkerInfo:
     weights: ModelWeights | None = None
     # LoRA adapters and their compute slots; None without --enable-lora.
     lora: LoRAManager | None = None
+    # The MoE routing counts; None without --expert-distribution-recorder-mode.
+    expert_recorder: ExpertDistributionRecorder | None = None
 
     @property
     def embedding_needs_all_tokens(self) -> bool:
