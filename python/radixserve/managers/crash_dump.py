@@ -18,10 +18,13 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.managers.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +124,11 @@ class CrashDump:
             return None
         logger.error("%s; crash dump of the last %d requests written to %s", reason, len(self._ring), path)
         return path
+
+
+def write_crash_dump(tm: TokenizerManager, reason: str) -> str | None:
+    """A child died: write the TokenizerManager's ring (with --crash-dump-folder). Call it on the
+    TokenizerManager's loop, before fail_all forgets which requests were in flight."""
+    if tm.crash_dump is None:
+        return None
+    return tm.crash_dump.write(reason, set(tm.rid_to_state))
