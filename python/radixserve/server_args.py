@@ -179,6 +179,22 @@ class ServerArgs:
         "Do not serve the live dashboard at /dashboard (and its data at /dashboard/state). "
         "SGLang has no dashboard, hence no such flag (docs/observability.md).",
     )
+    enable_trace: bool = _f(
+        False,
+        "Export one OpenTelemetry trace per request (HTTP, tokenize, queue wait, prefill chunks, "
+        "decode, detokenize spans) over OTLP/HTTP; a W3C traceparent header continues the client's "
+        "trace. Needs the trace extra: pip install 'radixserve[trace]' (docs/observability.md).",
+    )
+    otlp_traces_endpoint: str = _f(
+        "localhost:4318",
+        "Where --enable-trace sends spans: an OTLP/HTTP collector as HOST:PORT (then "
+        "http://HOST:PORT/v1/traces) or a full URL. SGLang's default, localhost:4317, is OTLP/gRPC.",
+    )
+    crash_dump_folder: str | None = _f(
+        None,
+        "When a scheduler or the detokenizer dies, write the last requests received (bounded) and the "
+        "server args to a JSON file in this folder; scripts/replay_crash_dump.py replays it.",
+    )
     log_level: str = _f("info", "Logging level.")
     log_requests: bool = _f(
         False, "Log every request when received and when finished; --log-requests-level sets the detail."

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from typing import Any
+from urllib.parse import urlsplit
 
 from radixserve.configs.hicache_args import validate_hicache
 from radixserve.configs.quant_args import validate_weight_only
@@ -44,6 +45,7 @@ def validate_server_args(args: ServerArgs) -> None:
     if args.attention_backend is not None:
         _check_choice("attention-backend", args.attention_backend, ATTENTION_BACKENDS)
     _check_grammar_backend(args.grammar_backend)
+    _check_trace(args)
     _validate_quantization(args)
     validate_weight_only(args)
     if args.log_requests_level not in (0, 1, 2, 3):
@@ -191,6 +193,24 @@ def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:  # n
 def _is_host_port(addr: str) -> bool:
     host, sep, port = addr.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _check_trace(args: ServerArgs) -> None:
+    """--enable-trace without OpenTelemetry is refused at start, not at the first request."""
+    from radixserve.utils.tracing import missing_trace_modules, traces_url
+
+    if not args.enable_trace:
+        return
+    missing = missing_trace_modules()
+    if missing:
+        raise ValueError(
+            f"--enable-trace needs OpenTelemetry ({', '.join(missing)} not installed): "
+            "pip install 'radixserve[trace]'"
+        )
+    if not urlsplit(traces_url(args.otlp_traces_endpoint)).hostname:
+        raise ValueError(
+            f"--otlp-traces-endpoint must be HOST:PORT or a URL, got {args.otlp_traces_endpoint!r}"
+        )
 
 
 def _check_grammar_backend(name: str) -> None:

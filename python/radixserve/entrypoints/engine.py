@@ -25,6 +25,7 @@ from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers import io_struct as io
 from radixserve.managers import scoring
 from radixserve.managers.control_client import ControlClient
+from radixserve.managers.crash_dump import write_crash_dump
 from radixserve.managers.decode_tokenizer import decode_spec
 from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
@@ -375,6 +376,7 @@ class Engine:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
 
     def _on_child_death(self, reason: str) -> None:
+        self._loop.call_soon_threadsafe(write_crash_dump, self.tokenizer_manager, reason)  # before fail_all
         self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason, 503)
 
 

@@ -22,6 +22,7 @@ from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.req import FinishAbort, Req
+from radixserve.scheduler.req_timeline import ReqTimeline
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class RequestTable:
     def build_req(
         msg: TokenizedGenerateReqInput, eos_token_ids: tuple[int, ...], tokenizer: object | None
     ) -> Req:
-        return Req(
+        req = Req(
             msg.rid,
             msg.input_ids,
             msg.sampling_params,
@@ -231,6 +232,9 @@ class RequestTable:
             tokenizer=tokenizer,
             lora_id=msg.lora_id,
         )
+        if msg.trace is not None:  # only a traced request is timed (--enable-trace)
+            req.timeline = ReqTimeline()
+        return req
 
     @staticmethod
     def build_embedding_req(msg: TokenizedEmbeddingReqInput, needs_all_tokens: bool) -> Req:
