@@ -96,6 +96,7 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        image_data: str | list[str | list[str] | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -121,6 +122,7 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        image_data: str | list[str | list[str] | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -381,6 +383,7 @@ def _request(
     cache_salt: str | list[str] | None = None,
     token_ids_logprob: list[int] | list[list[int] | None] | None = None,
     custom_logit_processor: str | list[str | None] | None = None,
+    image_data: str | list[str | list[str] | None] | None = None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -411,6 +414,7 @@ def _request(
         cache_salt=cache_salt,
         token_ids_logprob=token_ids_logprob,
         custom_logit_processor=custom_logit_processor,
+        image_data=image_data,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.

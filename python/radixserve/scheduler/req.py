@@ -116,6 +116,9 @@ class Req:
         self.lora_id = lora_id
         # [prompt_len, hidden_size] fp32: the prompt as embeddings (its ids are placeholders).
         self.input_embeds = input_embeds
+        # Its images (multimodal/inputs.py: MultimodalInputs); the prompt's image tokens are
+        # their pad values then.
+        self.multimodal_inputs: Any = None
         self.cache_salt = cache_salt  # only requests with the same salt share cached prefixes
         # A CustomLogitProcessor instance (set by the scheduler from the request's spec), or None.
         self.custom_logit_processor: Any = None

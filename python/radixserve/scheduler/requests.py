@@ -18,6 +18,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     rid_matches,
 )
+from radixserve.multimodal.inputs import attach_mm_inputs
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
@@ -210,7 +211,7 @@ class RequestTable:
     def build_req(
         msg: TokenizedGenerateReqInput, eos_token_ids: tuple[int, ...], tokenizer: object | None
     ) -> Req:
-        return Req(
+        req = Req(
             msg.rid,
             msg.input_ids,
             msg.sampling_params,
@@ -231,6 +232,9 @@ class RequestTable:
             tokenizer=tokenizer,
             lora_id=msg.lora_id,
         )
+        if msg.mm_inputs is not None:
+            attach_mm_inputs(req, msg.mm_inputs)
+        return req
 
     @staticmethod
     def build_embedding_req(msg: TokenizedEmbeddingReqInput, needs_all_tokens: bool) -> Req:
