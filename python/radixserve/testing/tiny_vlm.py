@@ -131,19 +131,20 @@ def image_data_url(image: Any) -> str:  # noqa: ANN401 - a PIL image
 def hf_vlm_greedy(
     model: Any, ids: list[int], pixel_values: Any, grid_thw: Any, max_new_tokens: int
 ) -> list[int]:  # noqa: ANN401
-    """HF transformers' greedy tokens for a prompt whose image tokens are already expanded."""
-    kwargs: dict[str, Any] = {}
-    if pixel_values is not None:
-        # The processor's mm_token_type_ids (1 at image tokens) switch on HF's M-RoPE positions.
-        types = torch.tensor([[int(t == IMAGE_TOKEN_ID) for t in ids]], dtype=torch.int32)
-        kwargs = {"pixel_values": pixel_values, "image_grid_thw": grid_thw, "mm_token_type_ids": types}
+    """HF transformers' greedy tokens for a prompt whose image tokens are already expanded, by full
+    recomputation each step (EOS is a token like any other, as with ignore_eos)."""
+    out = list(ids)
     with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            **kwargs,
-        )
-    return out[0, len(ids) :].tolist()
+        for _ in range(max_new_tokens):
+            kwargs: dict[str, Any] = {}
+            if pixel_values is not None:
+                # The processor's mm_token_type_ids (1 at image tokens) switch on HF's M-RoPE.
+                types = torch.tensor([[int(t == IMAGE_TOKEN_ID) for t in out]], dtype=torch.int32)
+                kwargs = {
+                    "pixel_values": pixel_values,
+                    "image_grid_thw": grid_thw,
+                    "mm_token_type_ids": types,
+                }
+            logits = model(input_ids=torch.tensor([out]), **kwargs).logits[0, -1]
+            out.append(int(logits.argmax()))
+    return out[len(ids) :]

@@ -1,0 +1,129 @@
+"""Qwen2.5-VL through a real Scheduler vs HF transformers: greedy tokens identical with one and two
+images and text alone, with prefill chunks cutting through an image; the encoder runs once per
+image; the radix cache reuses a prefix past an image only for the same image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scheduler_harness import SchedulerRun, WorkerCache
+
+from radixserve.managers.io_struct import MultimodalPayload, TokenizedGenerateReqInput
+from radixserve.multimodal.processor import ImageInputProcessor, load_image_processor
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.testing.tiny_vlm import (
+    IMAGE_PLACEHOLDER,
+    hf_vlm_greedy,
+    image_data_url,
+    make_tiny_qwen2_5_vl,
+    random_image,
+)
+
+NUM_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def setup(vlm_dir: str):
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    processor = load_image_processor(vlm_dir)
+    assert processor is not None
+    return hf, processor, AutoTokenizer.from_pretrained(vlm_dir), WorkerCache(lambda _: vlm_dir)
+
+
+def _prompt(
+    tok, processor: ImageInputProcessor, text: str, images: list
+) -> tuple[list[int], MultimodalPayload | None]:
+    ids = tok.encode(text)
+    if not images:
+        return ids, None
+    return processor.process(ids, [image_data_url(img) for img in images])
+
+
+def _reference(hf, ids: list[int], mm: MultimodalPayload | None) -> list[int]:
+    if mm is None:
+        return hf_vlm_greedy(hf, ids, None, None, NUM_NEW)
+    pixels = torch.cat([i.pixel_values for i in mm.items])
+    grids = torch.tensor([i.grid_thw for i in mm.items])
+    return hf_vlm_greedy(hf, ids, pixels, grids, NUM_NEW)
+
+
+def _submit(run: SchedulerRun, rid: str, ids: list[int], mm: MultimodalPayload | None) -> None:
+    params = SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    params.normalize()
+    run.scheduler.process_input_requests([TokenizedGenerateReqInput(rid, "", ids, params, mm_inputs=mm)])
+
+
+def _encoder_runs(run: SchedulerRun) -> int:
+    return run.worker.model_runner.model.num_encoder_runs
+
+
+def _cases(tok, processor) -> dict[str, tuple[list[int], MultimodalPayload | None]]:
+    cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
+    return {
+        "one": _prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat]),
+        "two": _prompt(tok, processor, f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}: the same?", [dog, cat]),
+        "text": _prompt(tok, processor, "The capital of France is", []),
+    }
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
+    hf, processor, tok, workers = setup
+    cases = _cases(tok, processor)
+    run = SchedulerRun(*workers.get("vlm", page_size))
+    before = _encoder_runs(run)
+    for rid, (ids, mm) in cases.items():  # one batch: the text-only request rides with the images
+        _submit(run, rid, ids, mm)
+    run.run_until_idle()
+    for rid, (ids, mm) in cases.items():
+        assert run.outputs[rid] == _reference(hf, ids, mm), rid
+    assert _encoder_runs(run) - before == 3  # each image once
+    run.close()
+
+
+def test_chunked_prefill_through_images(setup) -> None:
+    """Chunks of 3 tokens cut through both images of a prompt: the output equals HF's and each
+    image is encoded once, its output kept across the chunks it spans."""
+    hf, processor, tok, workers = setup
+    ids, mm = _cases(tok, processor)["two"]
+    assert mm is not None and all(i.num_tokens > 3 for i in mm.items)
+    run = SchedulerRun(*workers.get("vlm", 1), chunked_prefill_size=3)
+    before = _encoder_runs(run)
+    _submit(run, "chunked", ids, mm)
+    run.run_until_idle()
+    assert run.outputs["chunked"] == _reference(hf, ids, mm)
+    assert _encoder_runs(run) - before == 2
+    run.close()
+
+
+def test_prefix_reuse_only_for_the_same_image(setup) -> None:
+    hf, processor, tok, workers = setup
+    text = f"Describe {IMAGE_PLACEHOLDER} in detail, please."
+    cat, dog = random_image(84, 56, seed=1), random_image(84, 56, seed=3)
+    first_ids, first_mm = _prompt(tok, processor, text, [cat])
+    same_ids, same_mm = _prompt(tok, processor, text, [cat])
+    other_ids, other_mm = _prompt(tok, processor, text, [dog])
+    assert first_mm is not None and other_mm is not None
+    image_start, image_end = first_mm.items[0].offset, first_mm.items[0].offset + first_mm.items[0].num_tokens
+    assert first_ids == other_ids  # the same tokens: only the pad values tell the images apart
+    run = SchedulerRun(*workers.get("vlm", 1))
+    _submit(run, "first", first_ids, first_mm)
+    run.run_until_idle()
+    before = _encoder_runs(run)
+    _submit(run, "same", same_ids, same_mm)
+    run.run_until_idle()
+    assert run.cached_tokens["same"] > image_end  # the prefix reaches past the image ...
+    assert _encoder_runs(run) == before  # ... so the encoder does not run again
+    _submit(run, "other", other_ids, other_mm)
+    run.run_until_idle()
+    assert run.cached_tokens["other"] <= image_start  # nothing past the first image token
+    for rid, (ids, mm) in {"same": (same_ids, same_mm), "other": (other_ids, other_mm)}.items():
+        assert run.outputs[rid] == _reference(hf, ids, mm), rid
+    run.close()
