@@ -88,13 +88,15 @@ def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
     run.close()
 
 
-def test_chunked_prefill_through_images(setup) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chunked_prefill_through_images(setup, overlap: bool) -> None:
     """Chunks of 3 tokens cut through both images of a prompt: the output equals HF's and each
-    image is encoded once, its output kept across the chunks it spans."""
+    image is encoded once, its output kept across the chunks it spans (also when the overlap loop
+    processes a chunk's result after the next chunk was launched)."""
     hf, processor, tok, workers = setup
     ids, mm = _cases(tok, processor)["two"]
     assert mm is not None and all(i.num_tokens > 3 for i in mm.items)
-    run = SchedulerRun(*workers.get("vlm", 1), chunked_prefill_size=3)
+    run = SchedulerRun(*workers.get("vlm", 1), chunked_prefill_size=3, disable_overlap_schedule=not overlap)
     before = _encoder_runs(run)
     _submit(run, "chunked", ids, mm)
     run.run_until_idle()
@@ -126,4 +128,27 @@ def test_prefix_reuse_only_for_the_same_image(setup) -> None:
     assert run.cached_tokens["other"] <= image_start  # nothing past the first image token
     for rid, (ids, mm) in {"same": (same_ids, same_mm), "other": (other_ids, other_mm)}.items():
         assert run.outputs[rid] == _reference(hf, ids, mm), rid
+    run.close()
+
+
+def test_retracted_image_request_encodes_again(setup) -> None:
+    """A pool that admits several requests but cannot hold them to their end (admission is made
+    optimistic) forces a retraction: the retracted image request computes its prompt again,
+    encoding its image again from the pixels it kept, and still matches HF."""
+    hf, processor, tok, workers = setup
+    cases = [
+        _prompt(tok, processor, f"Look {IMAGE_PLACEHOLDER} {i}:", [random_image(84, 56, seed=10 + i)])
+        for i in range(6)
+    ]
+    largest = max(len(ids) for ids, _ in cases) + NUM_NEW
+    run = SchedulerRun(*workers.get("vlm", 1, max_total_tokens=largest * 2), schedule_conservativeness=0.3)
+    before = _encoder_runs(run)
+    for i, (ids, mm) in enumerate(cases):
+        _submit(run, f"r{i}", ids, mm)
+    run.run_until_idle()
+    retracted = run.scheduler.output.stats.num_retracted_reqs
+    assert retracted > 0, "the pool never forced a retraction"
+    assert _encoder_runs(run) - before == len(cases) + retracted
+    for i, (ids, mm) in enumerate(cases):
+        assert run.outputs[f"r{i}"] == _reference(hf, ids, mm), i
     run.close()

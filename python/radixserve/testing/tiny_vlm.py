@@ -131,20 +131,23 @@ def image_data_url(image: Any) -> str:  # noqa: ANN401 - a PIL image
 def hf_vlm_greedy(
     model: Any, ids: list[int], pixel_values: Any, grid_thw: Any, max_new_tokens: int
 ) -> list[int]:  # noqa: ANN401
-    """HF transformers' greedy tokens for a prompt whose image tokens are already expanded, by full
-    recomputation each step (EOS is a token like any other, as with ignore_eos)."""
-    out = list(ids)
+    """HF transformers' greedy tokens for a prompt whose image tokens are already expanded: one
+    prefill with the images, then one step per token over HF's KV cache (EOS is a token like any
+    other, as with ignore_eos; a generated image-pad id is a plain token too)."""
+    from transformers import DynamicCache
+
+    kwargs: dict[str, Any] = {}
+    if pixel_values is not None:
+        # The processor's mm_token_type_ids (1 at image tokens) switch on HF's M-RoPE positions.
+        types = torch.tensor([[int(t == IMAGE_TOKEN_ID) for t in ids]], dtype=torch.int32)
+        kwargs = {"pixel_values": pixel_values, "image_grid_thw": grid_thw, "mm_token_type_ids": types}
+    cache = DynamicCache(config=model.config)
+    model.model.rope_deltas = None  # HF keeps the last prompt's delta on the model: not this one's
+    out: list[int] = []
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            kwargs: dict[str, Any] = {}
-            if pixel_values is not None:
-                # The processor's mm_token_type_ids (1 at image tokens) switch on HF's M-RoPE.
-                types = torch.tensor([[int(t == IMAGE_TOKEN_ID) for t in out]], dtype=torch.int32)
-                kwargs = {
-                    "pixel_values": pixel_values,
-                    "image_grid_thw": grid_thw,
-                    "mm_token_type_ids": types,
-                }
-            logits = model(input_ids=torch.tensor([out]), **kwargs).logits[0, -1]
-            out.append(int(logits.argmax()))
-    return out[len(ids) :]
+        logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, **kwargs).logits
+        for step in range(max_new_tokens):
+            out.append(int(logits[0, -1].argmax()))
+            if step + 1 < max_new_tokens:
+                logits = model(input_ids=torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits
+    return out
