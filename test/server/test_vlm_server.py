@@ -126,3 +126,15 @@ def test_bad_image_inputs_are_400(vlm_url: str, body: dict, message: str) -> Non
     assert message in err["message"], err["message"]
     # The server still serves afterwards.
     assert _generate(vlm_url, {"text": "hello"}).status_code == 200
+
+
+def test_engine_generate_with_image_data(vlm_dir: str, reference) -> None:
+    from radixserve import Engine
+
+    cat = image_data_url(random_image(84, 56, seed=1))
+    prompt = f"Hello {IMAGE_PLACEHOLDER} what is this?"
+    with Engine(model_path=vlm_dir, max_total_tokens=2048, log_level="warning") as engine:
+        out = engine.generate(prompt, GREEDY, image_data=cat)
+        assert out["output_ids"] == reference(prompt, [cat])
+        with pytest.raises(ValueError, match="image placeholder"):
+            engine.generate("no placeholder", GREEDY, image_data=[cat])

@@ -99,3 +99,24 @@ def test_a_text_only_model_refuses_image_data() -> None:
     ):
         expand_generate(limits, GenerateReqInput(text="a", image_data="data:image/png;base64,AAAA"))
     assert expand_generate(limits, GenerateReqInput(text="a", image_data=None))[0].image_data is None
+
+
+def test_an_image_request_survives_pickle() -> None:
+    """ZMQ send_pyobj is the wire: the payload's tensors travel inside the frozen message."""
+    import dataclasses
+    import pickle
+
+    from radixserve.managers.io_struct import TokenizedGenerateReqInput
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    payload = _payload(10, [(2, 4, 1), (7, 2, 2)])
+    msg = TokenizedGenerateReqInput("r", "", list(range(10)), SamplingParams(), mm_inputs=payload)
+    back = pickle.loads(pickle.dumps(msg)).mm_inputs
+    assert back is not None and len(back.items) == 2
+    for a, b in zip(payload.items, back.items):
+        assert torch.equal(a.pixel_values, b.pixel_values)
+        assert (a.grid_thw, a.offset, a.num_tokens, a.hash) == (b.grid_thw, b.offset, b.num_tokens, b.hash)
+    assert torch.equal(back.mrope_positions, payload.mrope_positions)
+    assert back.mrope_position_delta == payload.mrope_position_delta
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        payload.items[0].offset = 3  # type: ignore[misc]
