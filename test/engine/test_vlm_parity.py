@@ -85,23 +85,36 @@ def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
     for rid, (ids, mm) in cases.items():
         assert run.outputs[rid] == _reference(hf, ids, mm), rid
     assert _encoder_runs(run) - before == 3  # each image once
+    # Text alone: its decode batches have 1-D positions and may take the fused CPU decode.
+    ids, _ = cases["text"]
+    _submit(run, "text-alone", ids, None)
+    run.run_until_idle()
+    assert run.outputs["text-alone"] == run.outputs["text"]
     run.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_chunked_prefill_through_images(setup, overlap: bool) -> None:
-    """Chunks of 3 tokens cut through both images of a prompt: the output equals HF's and each
+@pytest.mark.parametrize("loop", ["normal", "overlap", "mixed"])
+def test_chunked_prefill_through_images(setup, loop: str) -> None:
+    """Chunks of 3 tokens cut through the images of two prompts: the outputs equal HF's and each
     image is encoded once, its output kept across the chunks it spans (also when the overlap loop
-    processes a chunk's result after the next chunk was launched)."""
+    processes a chunk's result after the next chunk was launched, and when the first request's
+    decodes ride in the second's chunks, --enable-mixed-chunk)."""
     hf, processor, tok, workers = setup
-    ids, mm = _cases(tok, processor)["two"]
-    assert mm is not None and all(i.num_tokens > 3 for i in mm.items)
-    run = SchedulerRun(*workers.get("vlm", 1), chunked_prefill_size=3, disable_overlap_schedule=not overlap)
+    cases = _cases(tok, processor)
+    assert all(i.num_tokens > 3 for rid in ("one", "two") for i in cases[rid][1].items)
+    run = SchedulerRun(
+        *workers.get("vlm", 1),
+        chunked_prefill_size=3,
+        disable_overlap_schedule=loop != "overlap",
+        enable_mixed_chunk=loop == "mixed",
+    )
     before = _encoder_runs(run)
-    _submit(run, "chunked", ids, mm)
+    for rid in ("one", "two"):
+        _submit(run, rid, *cases[rid])
     run.run_until_idle()
-    assert run.outputs["chunked"] == _reference(hf, ids, mm)
-    assert _encoder_runs(run) - before == 2
+    for rid in ("one", "two"):
+        assert run.outputs[rid] == _reference(hf, *cases[rid]), rid
+    assert _encoder_runs(run) - before == 3
     run.close()
 
 
