@@ -165,3 +165,18 @@ def test_retracted_image_request_encodes_again(setup) -> None:
     for i, (ids, mm) in enumerate(cases):
         assert run.outputs[f"r{i}"] == _reference(hf, ids, mm), i
     run.close()
+
+
+def test_a_text_model_scheduler_refuses_an_image_request(setup, tiny_model_dir) -> None:
+    """An in-process caller that skipped the TokenizerManager's check gets a 400, and the
+    scheduler serves on (the pad values would otherwise reach a text model's embedding)."""
+    _, processor, tok, _ = setup
+    ids, mm = _cases(tok, processor)["one"]
+    run = SchedulerRun(*WorkerCache(tiny_model_dir).get("llama", 1))
+    _submit(run, "image", ids, mm)
+    _submit(run, "text", ids[:4], None)
+    run.run_until_idle()
+    assert run.finished["image"]["type"] == "abort" and run.finished["image"]["status_code"] == 400
+    assert "text-only" in run.finished["image"]["message"]
+    assert len(run.outputs["text"]) == NUM_NEW
+    run.close()

@@ -41,6 +41,7 @@ class WorkerInfo:
     weights: ModelWeights | None = None
     # LoRA adapters and their compute slots; None without --enable-lora.
     lora: LoRAManager | None = None
+    takes_images: bool = False  # the model has a vision tower (requests may carry images)
 
     @property
     def embedding_needs_all_tokens(self) -> bool:
