@@ -22,6 +22,7 @@ import torch
 
 from radixserve.configs.model_config import VISION_LANGUAGE_ARCHITECTURES
 from radixserve.managers.io_struct import ImageItemPayload, MultimodalPayload
+from radixserve.model_loader.errors import ModelLoadError
 from radixserve.multimodal.mrope import prompt_mrope_positions
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,13 @@ class ImageInputProcessor:
     def __init__(self, model_path: str, config: dict[str, Any]) -> None:
         from transformers import AutoImageProcessor
 
-        self.image_processor = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"{model_path} takes images but its image processor cannot be loaded (the folder "
+                f"needs the model's preprocessor_config.json): {exc}"
+            ) from exc
         self.image_token_id = int(config["image_token_id"])
         self.merge = int(config["vision_config"].get("spatial_merge_size", 2))
 
