@@ -63,6 +63,8 @@ def _generate(url: str, body: dict) -> httpx.Response:
 
 
 def test_generate_with_images_matches_hf(vlm_url: str, reference) -> None:
+    info = httpx.get(f"{vlm_url}/get_model_info", timeout=30).json()
+    assert info["has_image_understanding"] is True and info["has_audio_understanding"] is False
     cat, dog = image_data_url(random_image(84, 56, seed=1)), image_data_url(random_image(56, 84, seed=2))
     bare_cat = cat.partition(",")[2]  # plain base64 works too
     one = f"Hello {IMAGE_PLACEHOLDER} what is this?"
