@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -110,7 +110,7 @@ def image_slices(
     slices: list[ImageSlice] = []
     row = 0
     for r, p, s in zip(reqs, prefix_lens, seq_lens):
-        mm: MultimodalInputs | None = r.multimodal_inputs
+        mm = r.multimodal_inputs
         if mm is not None:
             for item in mm.mm_items:
                 lo, hi = max(p, item.offset), min(s, item.end)
@@ -129,7 +129,7 @@ def mrope_batch_positions(
         return None
     parts = []
     for r, p, e in zip(reqs, prefix_lens, extend_lens):
-        mm: MultimodalInputs | None = r.multimodal_inputs
+        mm = r.multimodal_inputs
         if mm is not None:
             parts.append(mm.positions(p, p + e))
         else:
@@ -141,7 +141,7 @@ def maybe_clear_mm_inputs(reqs: Sequence[Req], seq_lens: Sequence[int]) -> None:
     """After a prefill's results: drop the encoder output of every image whose tokens are all
     computed (a later chunk of the same prompt starts past it)."""
     for r, s in zip(reqs, seq_lens):
-        mm: Any = r.multimodal_inputs
+        mm = r.multimodal_inputs
         if mm is None:
             continue
         for item in mm.mm_items:

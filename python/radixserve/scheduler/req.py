@@ -28,6 +28,7 @@ from radixserve.sampling.sampling_params import STOP_REGEX_TAIL_TOKENS, Sampling
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.base_cache import BasePrefixCache
+    from radixserve.multimodal.inputs import MultimodalInputs
 
 
 def first_stop(text: str, stops: list[str], ends_after: int = 0) -> str | None:
@@ -118,7 +119,7 @@ class Req:
         self.input_embeds = input_embeds
         # Its images (multimodal/inputs.py: MultimodalInputs); the prompt's image tokens are
         # their pad values then.
-        self.multimodal_inputs: Any = None
+        self.multimodal_inputs: MultimodalInputs | None = None
         self.cache_salt = cache_salt  # only requests with the same salt share cached prefixes
         # A CustomLogitProcessor instance (set by the scheduler from the request's spec), or None.
         self.custom_logit_processor: Any = None
