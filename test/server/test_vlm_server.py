@@ -72,6 +72,11 @@ def test_generate_with_images_matches_hf(vlm_url: str, reference) -> None:
     out = _generate(vlm_url, {"text": one, "image_data": cat})
     assert out.status_code == 200, out.text
     assert out.json()["output_ids"] == reference(one, [cat])
+    # n > 1: the samples share one processing of the image; each request encodes it itself.
+    greedy_pair = {"text": one, "image_data": [cat], "sampling_params": {**GREEDY, "n": 2}}
+    pair = httpx.post(f"{vlm_url}/generate", json=greedy_pair, timeout=120)
+    assert pair.status_code == 200, pair.text
+    assert [o["output_ids"] for o in pair.json()] == [reference(one, [cat])] * 2
     batch = _generate(
         vlm_url,
         {"text": [two, "The capital of France is", one], "image_data": [[dog, cat], None, bare_cat]},
