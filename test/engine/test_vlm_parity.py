@@ -180,3 +180,22 @@ def test_a_text_model_scheduler_refuses_an_image_request(setup, tiny_model_dir) 
     assert "text-only" in run.finished["image"]["message"]
     assert len(run.outputs["text"]) == NUM_NEW
     run.close()
+
+
+def test_image_in_the_second_turn(setup) -> None:
+    """A text-only first turn, then the conversation continues with an image: the second request
+    reuses the first turn's prefix (text before the image) and matches HF."""
+    hf, processor, tok, workers = setup
+    first_text = "<|im_start|>user\nHello there, the quick brown fox<|im_end|>\n"
+    second_text = first_text + f"<|im_start|>user\n{IMAGE_PLACEHOLDER} and this one?<|im_end|>\n"
+    first_ids, _ = _prompt(tok, processor, first_text, [])
+    second_ids, second_mm = _prompt(tok, processor, second_text, [random_image(84, 56, seed=4)])
+    assert second_ids[: len(first_ids)] == first_ids
+    run = SchedulerRun(*workers.get("vlm", 1))
+    _submit(run, "turn1", first_ids, None)
+    run.run_until_idle()
+    _submit(run, "turn2", second_ids, second_mm)
+    run.run_until_idle()
+    assert run.cached_tokens["turn2"] >= len(first_ids) - 1
+    assert run.outputs["turn2"] == _reference(hf, second_ids, second_mm)
+    run.close()
