@@ -199,3 +199,17 @@ def test_image_in_the_second_turn(setup) -> None:
     assert run.cached_tokens["turn2"] >= len(first_ids) - 1
     assert run.outputs["turn2"] == _reference(hf, second_ids, second_mm)
     run.close()
+
+
+def test_repetition_penalty_counts_only_real_prompt_tokens(setup) -> None:
+    """The penalty reads the prompt's ids; an image's pad values lie past the vocabulary and are
+    left out (the penalty refuses ids outside the vocabulary), so an image request runs with one."""
+    _, processor, tok, workers = setup
+    ids, mm = _cases(tok, processor)["one"]
+    run = SchedulerRun(*workers.get("vlm", 1))
+    params = SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    params.normalize()
+    run.scheduler.process_input_requests([TokenizedGenerateReqInput("rep", "", ids, params, mm_inputs=mm)])
+    run.run_until_idle()
+    assert run.finished["rep"]["type"] == "length" and len(run.outputs["rep"]) == NUM_NEW
+    run.close()
