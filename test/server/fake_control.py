@@ -31,6 +31,7 @@ _REFUSED_TYPES: dict[type, type] = {
     io.ProfileReq: io.ProfileReqOutput,
     io.SlowDownReqInput: io.SlowDownReqOutput,
     io.FreezeGCReq: io.FreezeGCReqOutput,
+    io.ExpertDistributionReq: io.ExpertDistributionReqOutput,
 }
 
 

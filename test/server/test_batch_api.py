@@ -122,6 +122,35 @@ def test_cancel_stops_the_batch_and_keeps_what_finished(client: OpenAI) -> None:
     assert client.batches.cancel(batch.id).status == "cancelled"  # an ended batch stays as it is
 
 
+def test_files_expire_as_the_client_asks(client: OpenAI) -> None:
+    """The openai client's expires_after and output_expires_after (the expiry itself, with a fake
+    clock: test/unit/test_batch_file_expiry.py)."""
+    content = jsonl([line("e", chat_body("hi", max_tokens=1))])
+    default = upload(client, content)
+    assert default.expires_at == default.created_at + 30 * 24 * 3600
+    hour = {"anchor": "created_at", "seconds": 3600}
+    short = client.files.create(file=("e.jsonl", io.BytesIO(content)), purpose="batch", expires_after=hour)  # type: ignore[arg-type]
+    assert short.expires_at == short.created_at + 3600
+    with pytest.raises(BadRequestError, match="expires_after.seconds: 60 is outside"):
+        client.files.create(
+            file=("e.jsonl", io.BytesIO(content)),
+            purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 60},
+        )  # type: ignore[arg-type]
+    with pytest.raises(BadRequestError, match="output_expires_after"):
+        client.batches.create(input_file_id=short.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 1})  # type: ignore[arg-type]  # fmt: skip
+    batch = client.batches.create(
+        input_file_id=short.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    done = wait_ended(client, batch.id)
+    out = client.files.retrieve(done.output_file_id)
+    assert done.status == "completed" and out.expires_at == out.created_at + 7200
+
+
 @pytest.mark.parametrize(
     ("content", "purpose", "message"),
     [

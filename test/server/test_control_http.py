@@ -170,6 +170,9 @@ def test_operator_routes(server: Server, tmp_path) -> None:
     assert _post(server, "/slow_down", {"forward_sleep_time": None}).status_code == 200
     assert _post(server, "/slow_down", {"forward_sleep_time": -1}).status_code == 400
     assert _post(server, "/freeze_gc").status_code == 200
+    # A dense model without --expert-distribution-recorder-mode: a 400 naming the flag.
+    err = assert_error(_post(server, "/start_expert_distribution_record"), 400)
+    assert "--expert-distribution-recorder-mode stat" in err["message"]
 
     resp = _post(server, "/set_internal_state", {"server_args": {"max_running_requests": 4}})
     assert resp.status_code == 200 and resp.json()["updated"] is True

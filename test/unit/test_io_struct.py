@@ -16,6 +16,13 @@ MESSAGES = [
         "r1", "hi", [1, 2, 3], SamplingParams(max_new_tokens=4, stop=["x"]), True, 0, 2, True, 3, 1.5
     ),
     io.BatchTokenizedGenerateReqInput([io.TokenizedGenerateReqInput("r2", "", [4], SamplingParams())]),
+    io.TokenizedGenerateReqInput(
+        "r3",
+        "",
+        [5],
+        SamplingParams(),
+        trace=io.TraceContext("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"),
+    ),
     io.AbortReq("abc"),
     io.AbortReq(abort_all=True),
     io.FlushCacheReqInput(),
@@ -35,6 +42,7 @@ MESSAGES = [
         spaces_between_special_tokens=[True, True],
         no_stop_trim=[False, False],
         stop_strs=[[], ["</s>"]],
+        traces=[None, io.ReqTrace(1.0, 1.5, ((1.5, 2.0, 3),), 2.0, 2.5, 1, 2.6)],
         output_token_logprobs_val=[[-0.1], [-0.2, -0.3]],
         output_token_logprobs_idx=[[1], [2, 3]],
         output_top_logprobs_val=[[], []],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from typing import Any
+from urllib.parse import urlsplit
 
 from radixserve.configs.hicache_args import validate_hicache
 from radixserve.configs.quant_args import validate_weight_only
@@ -44,6 +45,7 @@ def validate_server_args(args: ServerArgs) -> None:
     if args.attention_backend is not None:
         _check_choice("attention-backend", args.attention_backend, ATTENTION_BACKENDS)
     _check_grammar_backend(args.grammar_backend)
+    _check_trace(args)
     _validate_quantization(args)
     validate_weight_only(args)
     if args.log_requests_level not in (0, 1, 2, 3):
@@ -64,6 +66,7 @@ def validate_server_args(args: ServerArgs) -> None:
     _validate_disaggregation(args)
     _validate_restart(args)
     validate_hicache(args)
+    _validate_expert_distribution(args)
     if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")
     if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
@@ -147,6 +150,25 @@ def _validate_disaggregation(args: ServerArgs) -> None:
         )
 
 
+def _validate_expert_distribution(args: ServerArgs) -> None:
+    mode = args.expert_distribution_recorder_mode
+    if mode is None:
+        return
+    if mode != "stat":
+        raise ValueError(
+            f"--expert-distribution-recorder-mode {mode!r} is not supported: only 'stat' (SGLang's "
+            "per_token, per_pass and stat_approx modes are not served)"
+        )
+    if args.pp_size > 1:
+        raise ValueError(
+            "--expert-distribution-recorder-mode with --pp-size > 1 is not supported: each stage holds "
+            "other layers and no rank sees every layer's counts"
+        )
+    size = args.expert_distribution_recorder_buffer_size
+    if size == 0 or size < -1:
+        raise ValueError(f"--expert-distribution-recorder-buffer-size must be >= 1 or -1, got {size}")
+
+
 def _validate_restart(args: ServerArgs) -> None:
     if args.max_restarts < 0 or not args.restart_window_minutes > 0:
         raise ValueError("--max-restarts must be >= 0 and --restart-window-minutes > 0")
@@ -171,6 +193,24 @@ def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:  # n
 def _is_host_port(addr: str) -> bool:
     host, sep, port = addr.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _check_trace(args: ServerArgs) -> None:
+    """--enable-trace without OpenTelemetry is refused at start, not at the first request."""
+    from radixserve.utils.tracing import missing_trace_modules, traces_url
+
+    if not args.enable_trace:
+        return
+    missing = missing_trace_modules()
+    if missing:
+        raise ValueError(
+            f"--enable-trace needs OpenTelemetry ({', '.join(missing)} not installed): "
+            "pip install 'radixserve[trace]'"
+        )
+    if not urlsplit(traces_url(args.otlp_traces_endpoint)).hostname:
+        raise ValueError(
+            f"--otlp-traces-endpoint must be HOST:PORT or a URL, got {args.otlp_traces_endpoint!r}"
+        )
 
 
 def _check_grammar_backend(name: str) -> None:

@@ -8,6 +8,7 @@ POST: they change state, and a browser can be made to send a GET.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -258,6 +259,26 @@ def _add_operator_routes(app: FastAPI, tm: TokenizerManager) -> None:
             return error_response(400, out.message)
         return PlainTextResponse(f"Stop profiling. {out.message}\n")
 
+    async def expert_distribution(action: io.ExpertDistributionReqType, said: str) -> Response:
+        out = await tm.control.ask(io.ExpertDistributionReq(action))
+        if not out.success:
+            return error_response(400, out.message)
+        # The dump's answer also names the file written (on the server's machine).
+        written = f" Written to {out.message}." if action == io.ExpertDistributionReqType.DUMP_RECORD else ""
+        return PlainTextResponse(f"{said}{written}\n")
+
+    # SGLang's routes and answers, by GET or POST (one OpenAPI operation per method).
+    for action, said in (
+        (io.ExpertDistributionReqType.START_RECORD, "Start recording the expert distribution."),
+        (io.ExpertDistributionReqType.STOP_RECORD, "Stop recording the expert distribution."),
+        (io.ExpertDistributionReqType.DUMP_RECORD, "Dump expert distribution record."),
+    ):
+        route = f"/{action.name.split('_')[0].lower()}_expert_distribution_record"
+
+        handler = _bound(expert_distribution, action, said)  # no parameters: nothing in the OpenAPI
+        for method in ("GET", "POST"):
+            app.add_api_route(route, handler, methods=[method], operation_id=f"{route[1:]}_{method.lower()}")
+
     @app.post("/freeze_gc")
     async def freeze_gc() -> Response:
         out = await tm.control.ask(io.FreezeGCReq())
@@ -294,3 +315,16 @@ def _add_lora_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def unload_lora_adapter(request: Request) -> Response:
         body = await json_body(UnloadLoRAAdapterBody, request)
         return _lora_answer(await tm.lora.unload(body.lora_name))
+
+
+def _bound(
+    fn: Callable[[io.ExpertDistributionReqType, str], Awaitable[Response]],
+    action: io.ExpertDistributionReqType,
+    said: str,
+) -> Callable[[], Awaitable[Response]]:
+    """A route handler without parameters that calls fn(action, said)."""
+
+    async def handler() -> Response:
+        return await fn(action, said)
+
+    return handler

@@ -25,6 +25,7 @@ from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
 from radixserve.managers import io_struct as io
 from radixserve.managers import scoring
 from radixserve.managers.control_client import ControlClient
+from radixserve.managers.crash_dump import write_crash_dump
 from radixserve.managers.decode_tokenizer import decode_spec
 from radixserve.managers.embedding_request import EmbeddingReqInput
 from radixserve.managers.generate_request import GenerateReqInput
@@ -232,6 +233,19 @@ class Engine:
     def stop_profile(self) -> tuple[bool, str]:
         return self._outcome(self._ctl.ask(io.ProfileReq(io.ProfileReqType.STOP_PROFILE)))
 
+    def start_expert_distribution_record(self) -> tuple[bool, str]:
+        return self._expert_distribution(io.ExpertDistributionReqType.START_RECORD)
+
+    def stop_expert_distribution_record(self) -> tuple[bool, str]:
+        return self._expert_distribution(io.ExpertDistributionReqType.STOP_RECORD)
+
+    def dump_expert_distribution_record(self) -> tuple[bool, str]:
+        """(success, the path of the file written) on TP rank 0's side."""
+        return self._expert_distribution(io.ExpertDistributionReqType.DUMP_RECORD)
+
+    def _expert_distribution(self, action: io.ExpertDistributionReqType) -> tuple[bool, str]:
+        return self._outcome(self._ctl.ask(io.ExpertDistributionReq(action)))
+
     def slow_down(self, forward_sleep_time: float | None) -> tuple[bool, str]:
         return self._outcome(self._ctl.ask(io.SlowDownReqInput(forward_sleep_time)))
 
@@ -364,6 +378,7 @@ class Engine:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
 
     def _on_child_death(self, reason: str) -> None:
+        self._loop.call_soon_threadsafe(write_crash_dump, self.tokenizer_manager, reason)  # before fail_all
         self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason, 503)
 
 

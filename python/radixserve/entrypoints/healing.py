@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from radixserve.managers.crash_dump import write_crash_dump
 from radixserve.managers.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class RestartHandler:
         self._give_up(reason)
 
     def _down(self, reason: str, blame_requests: bool) -> None:
+        write_crash_dump(self.tm, reason)  # --crash-dump-folder: while the requests are in flight
         if self.tm.quarantine is not None:
             if blame_requests:
                 self.tm.quarantine.on_crash()  # before fail_all, which forgets what was in flight

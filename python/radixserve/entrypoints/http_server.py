@@ -62,6 +62,7 @@ from radixserve.managers.tokenizer_manager import (
     RequestAbortedError,
     TokenizerManager,
 )
+from radixserve.utils.tracing import TraceMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +309,8 @@ def create_app(state: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         GuardMiddleware, allowed_hosts=allowed_host_names(args.host, args.allowed_hosts), api_key=args.api_key
     )
     app.add_middleware(CatchAllMiddleware)  # added last = outermost: it also covers the guards
+    if args.enable_trace:  # outermost: the HTTP span holds the guards' work too
+        app.add_middleware(TraceMiddleware, tracer=state.tm.tracer)
     _add_native_routes(app, state)
     add_control_routes(app, state.tm)
     _add_openai_routes(app, state)

@@ -32,6 +32,7 @@ from radixserve.entrypoints.healing import RestartHandler
 from radixserve.entrypoints.http_server import ServerState, create_app
 from radixserve.entrypoints.subprocesses import SchedulerEntry, StartedChildren, launch_subprocesses
 from radixserve.entrypoints.supervisor import RestartBudget, Supervisor
+from radixserve.managers.crash_dump import write_crash_dump
 from radixserve.managers.decode_tokenizer import decode_spec
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server_args import ServerArgs
@@ -116,6 +117,7 @@ class ServerRuntime:
         exit non-zero."""
         self.state.dead = True
         if self.loop is not None:
+            self.loop.call_soon_threadsafe(write_crash_dump, self.state.tm, reason)  # before fail_all
             self.loop.call_soon_threadsafe(self.state.tm.fail_all, reason, 503)
         threading.Timer(DEATH_GRACE_S, self._request_exit).start()
         threading.Timer(DEATH_HARD_EXIT_S, self._hard_exit).start()

@@ -306,6 +306,23 @@ class ProfileReq(ControlReq, ordering=Ordering.BYPASS, reply=ProfileReqOutput):
         return self.type == ProfileReqType.STOP_PROFILE
 
 
+class ExpertDistributionReqType(Enum):
+    START_RECORD = 1
+    STOP_RECORD = 2
+    DUMP_RECORD = 3
+
+
+class ExpertDistributionReqOutput(ControlOutcome):
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertDistributionReq(ControlReq, ordering=Ordering.BYPASS, reply=ExpertDistributionReqOutput):
+    """Start, stop or dump the MoE routing counts (--expert-distribution-recorder-mode)."""
+
+    action: ExpertDistributionReqType
+
+
 class SlowDownReqOutput(ControlOutcome):
     __slots__ = ()
 

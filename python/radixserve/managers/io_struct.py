@@ -108,6 +108,31 @@ NO_ROUTING = DisaggRouting()  # a colocated request's: frozen, so one value serv
 
 
 @dataclass(frozen=True, slots=True)
+class TraceContext:
+    """The W3C trace context of a traced request (--enable-trace): the trace and the span the
+    scheduler's spans belong under. The scheduler times a request only when it carries one."""
+
+    # Lowercase hex, as in a `traceparent` header (msgspec cannot carry a 128-bit int).
+    trace_id: str  # 32 hex digits
+    span_id: str  # 16 hex digits: the request's span in the HTTP process
+
+
+@dataclass(frozen=True, slots=True)
+class ReqTrace:
+    """What the scheduler timed of one traced request, sent once with its finish; the HTTP
+    process turns it into spans. Times are time.time() seconds (one clock for every process of a
+    node). `chunks`: (launch, result processed, prompt tokens computed) per prefill forward."""
+
+    arrived: float  # the scheduler received it
+    first_scheduled: float | None  # its first prefill was launched (None: never scheduled)
+    chunks: tuple[tuple[float, float, int], ...]
+    decode_start: float | None  # its first decode step was launched (None: never decoded)
+    decode_end: float | None  # its last decode step's result was processed
+    num_decode_steps: int
+    sent: float  # the scheduler sent its final output
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizedGenerateReqInput:
     """One generation request, tokenized and validated by the TokenizerManager."""
 
@@ -138,6 +163,7 @@ class TokenizedGenerateReqInput:
     # Images (multimodal/processor.py): input_ids hold each image's expanded image tokens; the
     # scheduler replaces them with the image's pad value (multimodal/inputs.py).
     mm_inputs: MultimodalPayload | None = None
+    trace: TraceContext | None = None  # --enable-trace: time it, for the spans of this trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +319,8 @@ class StepOutputs:
     spec_verify_tokens: list[int] | None = None
     spec_draft_token_num: list[int] | None = None
     spec_accept_token_num: list[int] | None = None
+    # --enable-trace: per request its ReqTrace, sent once with its finish (None: nothing traced).
+    traces: list[ReqTrace | None] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,6 +35,8 @@ def apply_batch_str_out(msg: BatchStrOut, rid_to_state: dict[str, ReqState], now
                 msg.spec_draft_token_num[i] if msg.spec_draft_token_num is not None else 0,
                 msg.spec_accept_token_num[i] if msg.spec_accept_token_num is not None else 0,
             )
+        if msg.traces is not None and msg.traces[i] is not None:
+            state.sched_trace = msg.traces[i]
         if msg.output_hidden_states is not None and msg.output_hidden_states[i] is not None:
             state.hidden_states = msg.output_hidden_states[i]
         if state.item.return_logprob:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.managers.generate_request import RequestItem
-from radixserve.managers.io_struct import FinishReason
+from radixserve.managers.io_struct import FinishReason, ReqTrace
 from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -57,6 +57,9 @@ class ReqState:
     spec: tuple[int, int, int, int] | None = None
     embedding: list[float] | None = None  # prefill-only requests: the scheduler's vector
     hidden_states: list[Any] | None = None  # return_hidden_states: sent with the finish
+    # --enable-trace: the request's span (utils/tracing.RequestSpan) and the scheduler's times.
+    trace: Any = None
+    sched_trace: ReqTrace | None = None
 
     @property
     def rid(self) -> str:

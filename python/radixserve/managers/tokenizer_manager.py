@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from radixserve.constrained.validation import prewarm as prewarm_grammar
 from radixserve.managers.control_client import ControlClient
+from radixserve.managers.crash_dump import CrashDump
 from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
 from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
 from radixserve.managers.generate_request import GenerateReqInput
@@ -54,10 +55,12 @@ from radixserve.managers.output_applier import apply_batch_str_out
 from radixserve.managers.quarantine import Quarantine
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.managers.request_logger import RequestLogger
+from radixserve.managers.request_metrics import observe_finish, observe_load, observe_output
 from radixserve.multimodal.processor import load_image_processor
 from radixserve.server_args import ServerArgs
 from radixserve.utils.metrics import ServerMetrics
 from radixserve.utils.network import PortArgs, get_zmq_socket
+from radixserve.utils.tracing import RequestTracer, tokenize_span
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,6 +114,8 @@ class TokenizerManager:
             else None
         )
         self.request_logger = RequestLogger(server_args.log_requests, server_args.log_requests_level)
+        self.tracer = RequestTracer.from_server_args(server_args)  # None unless --enable-trace
+        self.crash_dump = CrashDump.from_server_args(server_args)  # None without --crash-dump-folder
         self.rid_to_state: dict[str, ReqState] = {}
         self._started = False
         self._closed = False  # after close(): sockets gone, nothing more is sent
@@ -162,6 +167,8 @@ class TokenizerManager:
         self._sync_ctx.term()
         self._async_ctx.term()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.tracer is not None:
+            self.tracer.shutdown()  # export the spans still buffered
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-heavy work (tokenizing, chat templates, grammar checks) off the event loop."""
@@ -231,13 +238,18 @@ class TokenizerManager:
             # Prompt logprobs come from the prefill server (a PD router merges them); this side
             # reports none, so the merged list has each prompt position once.
             items = [dataclasses.replace(item, logprob_start_len=-1) for item in items]
-        prompts = await self.run_blocking(prepare_prompts, self.tokenizer, self.limits, items, self.images)
+        with tokenize_span(self.tracer):
+            prompts = await self.run_blocking(
+                prepare_prompts, self.tokenizer, self.limits, items, self.images
+            )
         self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
         states = [ReqState(item, ids, group_event) for item, (ids, _) in zip(items, prompts)]
         for state in states:
             if state.rid in self.rid_to_state:
                 raise InvalidRequestError(f"Duplicate request id {state.rid!r}.")
+            if self.tracer is not None:
+                state.trace = self.tracer.start_request(state.rid)
         received = time.time()
         for state in states:
             self.request_logger.log_received(state)
@@ -249,6 +261,8 @@ class TokenizerManager:
         """Track `states` and send their requests, in one `batch_type` message when several."""
         if self.quarantine is not None:
             self.quarantine.admit(reqs)
+        if self.crash_dump is not None:
+            self.crash_dump.record(reqs)
         for state in states:
             self.rid_to_state[state.rid] = state
         self._send.send_pyobj(reqs[0] if len(reqs) == 1 else batch_type(reqs=reqs))
@@ -335,6 +349,7 @@ class TokenizerManager:
             routing=item.routing,
             lora_id=item.lora_id,
             mm_inputs=mm,
+            trace=state.trace.context if state.trace is not None else None,
         )
 
     async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:
@@ -441,11 +456,7 @@ class TokenizerManager:
         for state, num_new, first, reason in apply_batch_str_out(msg, self.rid_to_state, now):
             state.dp_rank = msg.dp_rank
             if self.metrics is not None:
-                if first:
-                    self.metrics.on_first_token(now - state.created_time, state.queue_time, msg.dp_rank)
-                self.metrics.on_tokens(
-                    num_new, None if first else now - (state.last_token_time or now), msg.dp_rank
-                )
+                observe_output(self.metrics, state, num_new, first, now)
             state.last_token_time = now
             if reason is not None:
                 self._finish(state, reason)
@@ -469,22 +480,13 @@ class TokenizerManager:
             self.quarantine.finished(state.rid, ok=not isinstance(reason, FinishAbort))
         self.request_logger.log_finished(state)
         if self.metrics is not None:
-            self.metrics.on_finish(
-                state.prompt_tokens or len(state.input_ids),
-                state.cached_tokens,
-                time.perf_counter() - state.created_time,
-                aborted=isinstance(reason, FinishAbort),
-                dp_rank=state.dp_rank,
-            )
-            if state.spec is not None:
-                self.metrics.on_spec(*state.spec)
+            observe_finish(self.metrics, state, reason)
+        if state.trace is not None:
+            state.trace.finish(state, reason)
 
     def _update_load_metrics(self) -> None:
-        if self.metrics is None:
-            return
-        running = sum(1 for s in self.rid_to_state.values() if s.first_token_time is not None)
-        tokens = sum(len(s.input_ids) + len(s.output_ids) for s in self.rid_to_state.values())
-        self.metrics.set_load(running, len(self.rid_to_state) - running, tokens)
+        if self.metrics is not None:
+            observe_load(self.metrics, self.rid_to_state.values())
 
     # ------------------------------------------------------------------ tokenizer helpers
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -16,6 +16,7 @@ from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.linear import prepare_cpu_linears, quantize_linears, quantize_lm_head
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
+from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder, attach_recorder
 from radixserve.layers.pooler import pooled_rows
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.layers.vocab_parallel import make_lm_head
@@ -112,6 +113,15 @@ class ModelRunner:
                 f"torch_native attention backends implement (got --attention-backend {backend})"
             )
         self.attn_backend = create_attention_backend(backend, self.device)
+        # --expert-distribution-recorder-mode: the MoE blocks count the router's choices.
+        self.expert_recorder: ExpertDistributionRecorder | None = None
+        if server_args.expert_distribution_recorder_mode is not None:
+            self.expert_recorder = attach_recorder(
+                self.model,
+                model_config.num_layers,
+                server_args.expert_distribution_recorder_buffer_size,
+                self.device,
+            )
         self.logits_processor = LogitsProcessor()
         # Its own generator, seeded alike on every rank: ranks draw the same tokens from the same
         # (gathered) logits whatever else consumed torch's global RNG while they loaded.
@@ -278,6 +288,8 @@ class ModelRunner:
             hidden = fast_path.replay(fb)  # [bs, hidden_size]
         else:
             hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+        if self.expert_recorder is not None:
+            self.expert_recorder.end_pass()
         if capture_hidden and not aux_layers:
             fb.spec_hidden = hidden
         return fb, self._logits(batch, hidden, fb)

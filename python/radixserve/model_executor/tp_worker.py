@@ -55,6 +55,7 @@ class TpModelWorker:
             weights=runner.weights,
             lora=runner.lora,
             takes_images=bool(getattr(runner.model, "takes_images", False)),
+            expert_recorder=runner.expert_recorder,
         )
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:

@@ -14,6 +14,7 @@ from radixserve.model_executor.forward_batch import GenerationBatchResult, Model
 
 if TYPE_CHECKING:
     from radixserve.configs.pooling import EmbeddingConfig
+    from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder
     from radixserve.lora.manager import LoRAManager
     from radixserve.model_executor.tp_worker import TpModelWorker
     from radixserve.model_executor.weight_sync import ModelWeights
@@ -42,6 +43,8 @@ class WorkerInfo:
     # LoRA adapters and their compute slots; None without --enable-lora.
     lora: LoRAManager | None = None
     takes_images: bool = False  # the model has a vision tower (requests may carry images)
+    # The MoE routing counts; None without --expert-distribution-recorder-mode.
+    expert_recorder: ExpertDistributionRecorder | None = None
 
     @property
     def embedding_needs_all_tokens(self) -> bool:

@@ -16,6 +16,7 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.distributed.model_parallel import ModelParallelism
+from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder
 from radixserve.layers.moe.layer import FusedMoE, expert_param_name
 from radixserve.layers.moe.topk import select_experts
 from radixserve.layers.norm import RMSNorm
@@ -40,9 +41,12 @@ class SparseMoeBlock(nn.Module):
     Parameter names are HF's (`gate` is the router, `shared_expert`, `shared_expert_gate`), so the
     checkpoint's names load unchanged; the routed experts are one FusedMoE (`experts`)."""
 
-    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallelComm) -> None:
+    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallelComm, layer_id: int = 0) -> None:
         super().__init__()
         self.top_k, self.renormalize = spec.top_k, spec.renormalize
+        self.layer_id, self.num_experts = layer_id, spec.num_experts  # the model's layer index
+        # Set by --expert-distribution-recorder-mode (layers/moe/expert_distribution.py).
+        self.expert_recorder: ExpertDistributionRecorder | None = None
         # Replicated on every TP rank: each routes every token the same way. A plain nn.Linear,
         # not layers/linear.py's Linear, so the weight forms given to decoder linears (int8 under
         # w8a8_int8, fp16 copies) never touch it: routing stays the checkpoint's, and it is tiny.
@@ -60,6 +64,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.expert_recorder is not None and self.expert_recorder.recording:
+            self.expert_recorder.on_select(self.layer_id, topk_ids)
         out = self.experts(hidden, topk_weights, topk_ids)  # [num_tokens, hidden_size]
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
@@ -90,7 +96,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         global_id = parallel.stage_layers(config.num_hidden_layers)[0] + layer_id
         self.mlp: nn.Module
         if self.is_sparse(config, global_id):
-            self.mlp = SparseMoeBlock(config.hidden_size, self.moe_spec(config), parallel.tp)
+            self.mlp = SparseMoeBlock(config.hidden_size, self.moe_spec(config), parallel.tp, global_id)
         else:
             bias = getattr(config, "mlp_bias", False)
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, parallel.tp)

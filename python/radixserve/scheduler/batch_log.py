@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from radixserve.scheduler.req_timeline import TraceTimer
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 # Batches kept for the dashboard's "recent batches" table and the per-rank step times.
@@ -44,7 +45,9 @@ class BatchRecord:
 
 
 class BatchLog:
-    def __init__(self, size: int = BATCH_LOG_SIZE) -> None:
+    def __init__(self, size: int = BATCH_LOG_SIZE, trace: bool = False) -> None:
+        # --enable-trace: the traced requests' times ride on the same launch/result pairing.
+        self.timer = TraceTimer() if trace else None
         self.recent: deque[BatchRecord] = deque(maxlen=size)
         # (wall time, perf_counter, mode, reqs, prefill tokens, decode tokens) of launched batches
         # whose results are not processed yet, oldest first.
@@ -67,8 +70,12 @@ class BatchLog:
         self.num_batches += 1
         self.num_prefill_tokens += prefill
         self.num_decode_tokens += decode
+        if self.timer is not None:
+            self.timer.on_launch(batch)
 
     def on_done(self) -> None:
+        if self.timer is not None:
+            self.timer.on_done()
         if not self._launched:  # a result of a batch launched before this log existed
             return
         wall, start, mode, num_reqs, prefill, decode = self._launched.popleft()

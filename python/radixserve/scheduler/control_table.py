@@ -16,6 +16,7 @@ from radixserve.managers.io_struct import (
     CloseSessionReqInput,
     ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
+    ExpertDistributionReq,
     FreezeGCReq,
     GetDashboardStateReq,
     GetWeightsByNameReqInput,
@@ -35,6 +36,7 @@ from radixserve.managers.io_struct import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
+from radixserve.scheduler.expert_distribution_control import ExpertDistributionControl
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
@@ -68,6 +70,10 @@ def control_handlers(s: Scheduler) -> list[tuple[type, Callable[[Any], Any]]]:
         (LoadLoRAAdapterReqInput, s.lora_control.load),
         (UnloadLoRAAdapterReqInput, s.lora_control.unload),
         (GetDashboardStateReq, s.dashboard.report),
+        (
+            ExpertDistributionReq,
+            ExpertDistributionControl(s.worker.info.expert_recorder, s.worker.info.tp_rank).handle,
+        ),
     ]
 
 

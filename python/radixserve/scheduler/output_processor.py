@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from radixserve.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut, EmbeddingBatchResult
+from radixserve.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut, EmbeddingBatchResult, ReqTrace
 from radixserve.model_executor.forward_batch import GenerationBatchResult
 from radixserve.multimodal.inputs import maybe_clear_mm_inputs
 from radixserve.scheduler.kv_memory import KVMemory
@@ -62,9 +62,11 @@ class OutputProcessor:
         send_output: Callable[[object], None],
         on_finished: Callable[[Req], None],
         report_spec: bool = False,  # speculative decoding on: report its counters per request
+        report_traces: bool = False,  # --enable-trace: send traced requests' times with their finish
     ) -> None:
         self.mem = mem
         self.report_spec = report_spec
+        self.report_traces = report_traces
         self.send_output = send_output
         self.on_finished = on_finished
         self.stats = StepStats()
@@ -300,7 +302,7 @@ class OutputProcessor:
         generated = [r for r in reqs if not r.is_embedding]
         embedded = [r for r in reqs if r.is_embedding]
         if generated:
-            self.send_output(self._build_message(generated, self.report_spec))
+            self.send_output(self._build_message(generated, self.report_spec, self.report_traces))
         if embedded:
             self.send_output(self._build_embedding_message(embedded))
         for req in reqs:
@@ -321,7 +323,9 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _build_message(reqs: list[Req], report_spec: bool = False) -> BatchTokenIDOut:
+    def _build_message(
+        reqs: list[Req], report_spec: bool = False, report_traces: bool = False
+    ) -> BatchTokenIDOut:
         output_ids, out_val, out_idx, top_val, top_idx, in_val, in_idx = [], [], [], [], [], [], []
         in_top_val, in_top_idx, out_tid, in_tid = [], [], [], []
         for req in reqs:
@@ -365,6 +369,7 @@ class OutputProcessor:
             output_token_ids_logprobs_val=out_tid if any_tid else None,
             input_token_ids_logprobs_val=in_tid if any_tid else None,
             output_hidden_states=_finished_hidden_states(reqs),
+            traces=_finished_traces(reqs) if report_traces else None,
             spec_verify_ct=[r.spec_counts.verify_ct for r in reqs] if report_spec else None,
             spec_verify_tokens=[r.spec_counts.verify_tokens for r in reqs] if report_spec else None,
             spec_draft_token_num=[r.spec_counts.num_drafts for r in reqs] if report_spec else None,
@@ -387,6 +392,14 @@ def _finished_hidden_states(reqs: list[Req]) -> list[list[Any] | None] | None:
     if not any(done):
         return None
     return [[h.tolist() for h in r.hidden_states] if d else None for r, d in zip(reqs, done)]
+
+
+def _finished_traces(reqs: list[Req]) -> list[ReqTrace | None] | None:
+    """--enable-trace: each finished traced request's times, sent once with its finish."""
+    done = [r.timeline is not None and r.finished() for r in reqs]
+    if not any(done):
+        return None
+    return [r.timeline.export() if d and r.timeline is not None else None for r, d in zip(reqs, done)]
 
 
 def _row(rows: list[Any] | None, i: int) -> Any:  # noqa: ANN401 - one row of a per-request list

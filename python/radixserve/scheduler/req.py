@@ -29,6 +29,7 @@ from radixserve.sampling.sampling_params import STOP_REGEX_TAIL_TOKENS, Sampling
 if TYPE_CHECKING:
     from radixserve.mem_cache.base_cache import BasePrefixCache
     from radixserve.multimodal.inputs import MultimodalInputs
+    from radixserve.scheduler.req_timeline import ReqTimeline
 
 
 def first_stop(text: str, stops: list[str], ends_after: int = 0) -> str | None:
@@ -158,6 +159,7 @@ class Req:
         # side sets them when it admits the request).
         self.routing: DisaggRouting = NO_ROUTING
         self.times = ReqTimes(received=received_time if received_time else time.time())
+        self.timeline: ReqTimeline | None = None  # --enable-trace, for a request with a trace context
         self._init_progress()
 
     def _init_progress(self) -> None:

@@ -23,6 +23,7 @@ from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.req import FinishAbort, Req
+from radixserve.scheduler.req_timeline import ReqTimeline
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -239,6 +240,8 @@ class RequestTable:
         )
         if msg.mm_inputs is not None:
             attach_mm_inputs(req, msg.mm_inputs)
+        if msg.trace is not None:  # only a traced request is timed (--enable-trace)
+            req.timeline = ReqTimeline()
         return req
 
     @staticmethod

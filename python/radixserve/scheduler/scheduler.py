@@ -150,16 +150,16 @@ class Scheduler:
         self.live_limits = LiveLimits.from_server_args(args, worker.max_req_num, worker.info.pp_size)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
-        self.batch_log = BatchLog()  # recent batches and batch counters, for the dashboard
+        self.batch_log = BatchLog(trace=args.enable_trace)  # recent batches (dashboard), traced requests
         self.output = OutputProcessor(
             self.mem,
             self.send_output,
             on_finished=self._on_finished,
             report_spec=args.speculative_algorithm is not None,
+            report_traces=args.enable_trace,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
-        lora = worker.info.lora
-        loras = lora.adapters if lora is not None else ()  # the live dict: loads and unloads show
+        loras = worker.info.lora.adapters if worker.info.lora is not None else ()  # the live dict
         self.requests = RequestTable(
             self.state, self.output, self.live_limits, max_req_len, sync, loras, worker.info.takes_images
         )

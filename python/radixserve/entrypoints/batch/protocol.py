@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixserve.entrypoints.batch.expiry import ExpiresAfter
+
 # The routes a batch line may call (OpenAI's `url`, the batch's `endpoint`).
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 BatchStatus = Literal[
@@ -49,6 +51,7 @@ class BatchCreateRequest(BaseModel):
     endpoint: str
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None  # for the output and error files
 
 
 class BatchError(BaseModel):
@@ -131,11 +134,14 @@ class BatchLine(BaseModel):
     body: dict[str, Any]
 
 
-def file_object(file_id: str, filename: str, purpose: str, content: bytes, created_at: int) -> dict[str, Any]:
+def file_object(
+    file_id: str, filename: str, purpose: str, content: bytes, created_at: int, expires_s: int | None = None
+) -> dict[str, Any]:
     return FileObject(
         id=file_id,
         bytes=len(content),
         created_at=created_at,
         filename=filename,
         purpose=purpose,  # type: ignore[arg-type]
+        expires_at=None if expires_s is None else created_at + expires_s,
     ).model_dump(mode="json")

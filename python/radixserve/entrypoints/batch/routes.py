@@ -9,6 +9,7 @@ from typing import Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
+from radixserve.entrypoints.batch.expiry import form_expires_after
 from radixserve.entrypoints.batch.multipart import parse_form
 from radixserve.entrypoints.batch.protocol import BatchCreateRequest, FileDeleted
 from radixserve.entrypoints.batch.service import BatchService
@@ -35,9 +36,9 @@ def _add_file_routes(app: FastAPI, service: BatchService) -> None:
             raise InvalidRequestError("file: a file part (with a filename) is required.")
         if purpose is None:
             raise InvalidRequestError("purpose: required ('batch').")
-        return json_answer(
-            await service.upload(file.filename, purpose.value.decode("utf-8", "replace"), file.value)
-        )
+        expires_s = form_expires_after(form)
+        purpose_text = purpose.value.decode("utf-8", "replace")
+        return json_answer(await service.upload(file.filename, purpose_text, file.value, expires_s))
 
     @app.get("/v1/files")
     async def v1_files(

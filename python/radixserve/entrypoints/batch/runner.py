@@ -17,7 +17,7 @@ import copy
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from radixserve.entrypoints.batch.lines import RETRY_STATUSES, LineRunner, output_line, unrun_line
@@ -34,10 +34,17 @@ Pending = Iterator[tuple[int, dict[str, Any]]]
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, lines: LineRunner, max_concurrent: int) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        lines: LineRunner,
+        max_concurrent: int,
+        clock: Callable[[], float] = time.time,  # a test's fake clock (expiries), shared with the service
+    ) -> None:
         self.store = store
         self.lines = lines
         self.max_concurrent = max_concurrent
+        self.clock = clock
         self.live: dict[str, Batch] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slots: asyncio.Semaphore | None = None  # made on the serving loop, in start()
@@ -66,7 +73,7 @@ class BatchRunner:
         batch, task = self.live[batch_id], self._tasks.get(batch_id)
         # Finalizing: the lines are all done and the files being written; let it complete.
         if batch["status"] in ("validating", "in_progress"):
-            batch.update(status="cancelling", cancelling_at=int(time.time()))
+            batch.update(status="cancelling", cancelling_at=int(self.clock()))
             await self.store.run(self.store.db.update_batch, _snapshot(batch))
             if task is not None:
                 task.cancel()
@@ -85,7 +92,7 @@ class BatchRunner:
     async def _drive(self, batch: Batch) -> None:
         try:
             if batch["status"] == "validating":
-                batch.update(status="in_progress", in_progress_at=int(time.time()))
+                batch.update(status="in_progress", in_progress_at=int(self.clock()))
                 await self.store.run(self.store.db.update_batch, _snapshot(batch))
             if batch["status"] == "in_progress":
                 expired = await self._run_lines(batch)
@@ -113,7 +120,7 @@ class BatchRunner:
         async def worker() -> None:
             nonlocal expired
             for line, request in pending:  # one iterator shared by the workers: each line runs once
-                if time.time() >= batch["expires_at"]:
+                if self.clock() >= batch["expires_at"]:
                     expired = True
                     return
                 await self._line(batch, line, request)
@@ -141,7 +148,7 @@ class BatchRunner:
     async def _finish(self, batch: Batch, final: str) -> None:
         """Write the output and error files, then the batch's last state. Lines that never ran
         (expired, cancelled) go to the error file with code batch_<final>, counted as failed."""
-        db, now = self.store.db, int(time.time())
+        db, now = self.store.db, int(self.clock())
         if final == "completed" and batch["status"] != "finalizing":
             batch.update(status="finalizing", finalizing_at=now)
             await self.store.run(db.update_batch, _snapshot(batch))
@@ -168,7 +175,7 @@ class BatchRunner:
     async def _fail(self, batch: Batch, message: str) -> None:
         error = BatchError(code="server_error", message=message)
         batch.update(
-            status="failed", failed_at=int(time.time()), errors=BatchErrors(data=[error]).model_dump()
+            status="failed", failed_at=int(self.clock()), errors=BatchErrors(data=[error]).model_dump()
         )
         try:
             await self.store.run(self.store.db.update_batch, _snapshot(batch))

@@ -4,9 +4,9 @@ ValueError, 404 as NotFoundError) before anything is stored."""
 from __future__ import annotations
 
 import secrets
-import time
 from typing import Any
 
+from radixserve.entrypoints.batch.expiry import DEFAULT_BATCH_FILE_EXPIRES_S
 from radixserve.entrypoints.batch.jsonl import parse_batch_file, supported_endpoints
 from radixserve.entrypoints.batch.protocol import (
     COMPLETION_WINDOW_S,
@@ -29,41 +29,62 @@ class NotFoundError(StoredObjectNotFound):
 
 
 class BatchService:
-    def __init__(self, store: BatchStore, runner: BatchRunner, is_generation: bool, model: str) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        runner: BatchRunner,
+        is_generation: bool,
+        model: str,
+    ) -> None:
         self.store = store
         self.db = store.db
         self.runner = runner
         self.is_generation = is_generation
         self.model = model
+        self.clock = runner.clock  # one clock for creation times and expiries
 
     # ------------------------------------------------------------------ files
-    async def upload(self, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+    async def upload(
+        self, filename: str, purpose: str, content: bytes, expires_s: int | None = None
+    ) -> dict[str, Any]:
         if purpose != "batch":
             raise InvalidRequestError(
                 f"purpose: {purpose!r} is not accepted here; this server stores files with purpose 'batch'."
             )
         parse_batch_file(content, self.is_generation)  # refused now rather than when a batch runs
-        file = file_object(f"file-{secrets.token_hex(12)}", filename, purpose, content, int(time.time()))
+        expires_s = DEFAULT_BATCH_FILE_EXPIRES_S if expires_s is None else expires_s
+        now = await self._purge_expired()
+        file = file_object(f"file-{secrets.token_hex(12)}", filename, purpose, content, now, expires_s)
         await self.store.run(self.db.put_file, file, content)
         return file
 
+    async def _purge_expired(self) -> int:
+        """Delete the files past their expiry before any file is read or listed; the time now."""
+        now = int(self.clock())
+        await self.store.run(self.db.purge_expired, now)
+        return now
+
     async def file(self, file_id: str) -> dict[str, Any]:
+        await self._purge_expired()
         found = await self.store.run(self.db.get_file, file_id)
         if found is None:
             raise NotFoundError(f"No file with id {file_id!r}.")
         return found
 
     async def content(self, file_id: str) -> bytes:
+        await self._purge_expired()
         found = await self.store.run(self.db.file_content, file_id)
         if found is None:
             raise NotFoundError(f"No file with id {file_id!r}.")
         return found
 
     async def delete_file(self, file_id: str) -> None:
+        await self._purge_expired()
         if not await self.store.run(self.db.delete_file, file_id):
             raise NotFoundError(f"No file with id {file_id!r}.")
 
     async def files(self, purpose: str | None, after: str | None, limit: int, order: str) -> FileList:
+        await self._purge_expired()
         data, more = await self.store.run(self.db.list_files, purpose, after, limit, order == "desc")
         files = [FileObject.model_validate(f) for f in data]
         ids = [f.id for f in files]
@@ -88,7 +109,7 @@ class BatchService:
                 raise InvalidRequestError(
                     f"Line {n}: url {line.url!r} differs from the batch's endpoint {req.endpoint!r}."
                 )
-        now = int(time.time())
+        now = int(self.clock())
         batch = BatchObject(
             id=f"batch_{secrets.token_hex(12)}",
             endpoint=req.endpoint,
@@ -101,7 +122,9 @@ class BatchService:
             metadata=req.metadata,
             model=self.model,
         ).model_dump(mode="json")
-        await self.store.run(self.db.put_batch, batch, [line.model_dump() for line in lines])
+        expiry = req.output_expires_after
+        requests = [line.model_dump() for line in lines]
+        await self.store.run(self.db.put_batch, batch, requests, expiry.seconds if expiry else None)
         self.runner.launch(batch)
         return dict(batch)
 

@@ -24,13 +24,15 @@ CREATE TABLE IF NOT EXISTS files (
     id TEXT UNIQUE NOT NULL,
     purpose TEXT NOT NULL,
     file TEXT NOT NULL,
-    content BLOB NOT NULL
+    content BLOB NOT NULL,
+    expires_at INTEGER
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT UNIQUE NOT NULL,
     status TEXT NOT NULL,
-    batch TEXT NOT NULL
+    batch TEXT NOT NULL,
+    output_expires_s INTEGER
 );
 CREATE TABLE IF NOT EXISTS batch_lines (
     batch_id TEXT NOT NULL,
@@ -41,6 +43,8 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     PRIMARY KEY (batch_id, line)
 );
 """
+# Columns added after the first release of the store: a database written before them gains them.
+_ADDED_COLUMNS = (("files", "expires_at", "INTEGER"), ("batches", "output_expires_s", "INTEGER"))
 Page = tuple[list[dict[str, Any]], bool]  # (objects, has_more)
 
 
@@ -49,14 +53,28 @@ class SqliteBatches:
 
     def __init__(self, storage_dir: str | None) -> None:
         self.conn = open_sqlite(storage_dir, DB_NAME, _SCHEMA)
+        with self.conn:
+            for table, column, kind in _ADDED_COLUMNS:
+                names = {row[1] for row in self.conn.execute(f"PRAGMA table_info({table})")}
+                if column not in names:
+                    self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            self.conn.execute("CREATE INDEX IF NOT EXISTS files_expiry ON files (expires_at)")
 
     # ------------------------------------------------------------------ files
     def put_file(self, file: dict[str, Any], content: bytes) -> None:
         with self.conn:
-            self.conn.execute(
-                "INSERT INTO files (id, purpose, file, content) VALUES (?, ?, ?, ?)",
-                (file["id"], file["purpose"], dumps(file), content),
-            )
+            self._insert_file(file, content)
+
+    def _insert_file(self, file: dict[str, Any], content: bytes) -> None:
+        self.conn.execute(
+            "INSERT INTO files (id, purpose, file, content, expires_at) VALUES (?, ?, ?, ?, ?)",
+            (file["id"], file["purpose"], dumps(file), content, file.get("expires_at")),
+        )
+
+    def purge_expired(self, now: int) -> int:
+        """Delete the files whose expiry has come; how many went."""
+        with self.conn:
+            return self.conn.execute("DELETE FROM files WHERE expires_at <= ?", (now,)).rowcount
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
         row = self.conn.execute("SELECT file FROM files WHERE id = ?", (file_id,)).fetchone()
@@ -75,11 +93,13 @@ class SqliteBatches:
         return self._page("files", "file", where, args, after, limit, desc)
 
     # ------------------------------------------------------------------ batches
-    def put_batch(self, batch: dict[str, Any], requests: list[dict[str, Any]]) -> None:
+    def put_batch(
+        self, batch: dict[str, Any], requests: list[dict[str, Any]], output_expires_s: int | None = None
+    ) -> None:
         with self.conn:
             self.conn.execute(
-                "INSERT INTO batches (id, status, batch) VALUES (?, ?, ?)",
-                (batch["id"], batch["status"], dumps(batch)),
+                "INSERT INTO batches (id, status, batch, output_expires_s) VALUES (?, ?, ?, ?)",
+                (batch["id"], batch["status"], dumps(batch), output_expires_s),
             )
             self.conn.executemany(
                 "INSERT INTO batch_lines (batch_id, line, request) VALUES (?, ?, ?)",
@@ -134,13 +154,17 @@ class SqliteBatches:
         return [r[0] for r in rows.fetchall()]
 
     def finalize(self, batch: dict[str, Any], files: list[tuple[dict[str, Any], bytes]]) -> None:
-        """The output and error files and the batch's last state, together."""
+        """The output and error files (expiring as the batch's output_expires_after says) and the
+        batch's last state, together."""
+        row = self.conn.execute(
+            "SELECT output_expires_s FROM batches WHERE id = ?", (batch["id"],)
+        ).fetchone()
+        expires_s = row[0] if row is not None else None
         with self.conn:
             for file, content in files:
-                self.conn.execute(
-                    "INSERT INTO files (id, purpose, file, content) VALUES (?, ?, ?, ?)",
-                    (file["id"], file["purpose"], dumps(file), content),
-                )
+                if expires_s is not None:
+                    file = {**file, "expires_at": file["created_at"] + expires_s}
+                self._insert_file(file, content)
             self._set_batch(batch)
             # The results now live in the files; the lines are not needed any more.
             self.conn.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch["id"],))
