@@ -159,9 +159,10 @@ class Scheduler:
             report_traces=args.enable_trace,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
-        lora = worker.info.lora
-        loras = lora.adapters if lora is not None else ()  # the live dict: loads and unloads show
-        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync, loras)
+        loras = worker.info.lora.adapters if worker.info.lora is not None else ()  # the live dict
+        self.requests = RequestTable(
+            self.state, self.output, self.live_limits, max_req_len, sync, loras, worker.info.takes_images
+        )
         self.health_probes = HealthProbes(self.state.live, self.output.collect)
         self.grammar = GrammarManager(
             self._grammar_backend_factory(grammar_backend),
