@@ -45,7 +45,7 @@ from radixserve.mem_cache.hiradix_cache import build_hiradix_cache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.worker_api import ModelWorker
-from radixserve.sampling.custom_logit_processor import load_processor
+from radixserve.sampling.custom_logit_processor import processor_for
 from radixserve.scheduler.activity import Activity
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixserve.scheduler.batch_log import BatchLog
@@ -276,7 +276,7 @@ class Scheduler:
         else:
             req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
         if error is None and msg.custom_logit_processor is not None:
-            error = self._attach_processor(req, msg.custom_logit_processor)
+            req.custom_logit_processor, error = processor_for(msg.custom_logit_processor, self.server_args)
         released = self.memory_occupation.released_message()
         if error is not None or released is not None:
             self.state.live[req.rid] = req
@@ -294,18 +294,6 @@ class Scheduler:
             msg, req
         ):  # PD: bootstrap first (PrefillBootstrapQueue / DecodePreallocQueue)
             self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
-
-    def _attach_processor(self, req: Req, spec: str) -> str | None:
-        """The request's custom logit processor (checked by the TokenizerManager; again here for
-        in-process callers), or why it cannot have one."""
-        args = self.server_args
-        if not args.enable_custom_logit_processor or args.speculative_algorithm is not None:
-            return "custom_logit_processor needs --enable-custom-logit-processor and no speculative decoding."
-        try:
-            req.custom_logit_processor = load_processor(spec, tuple(args.custom_logit_processor_modules))
-        except ValueError as exc:
-            return f"Invalid custom_logit_processor: {exc}"
-        return None
 
     def _build_session_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
         return RequestTable.build_req(replace(msg, input_ids=input_ids), self.eos_token_ids, self.tokenizer)
