@@ -165,5 +165,6 @@ def test_lora_flags_parse_and_resolve(tmp_path):
     assert resolved["lora_target_modules"] == ("q_proj", "down_proj")
     with pytest.raises(ValueError, match="twice"):
         parse_lora_paths(["a=x", "a=y"])
-    with pytest.raises(ValueError, match="--tp-size 1"):
-        ServerArgs(enable_lora=True, tp_size=2, device="cpu").validate()
+    with pytest.raises(ValueError, match="--pp-size 1"):
+        ServerArgs(enable_lora=True, pp_size=2, device="cpu").validate()
+    ServerArgs(enable_lora=True, tp_size=2, device="cpu").validate()  # adapters are sharded

@@ -19,6 +19,8 @@ of a fused layer ("q"/"k"/"v", or the index of gate/up).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -142,6 +144,9 @@ class RowParallelLinear(Linear):
         self.total_in_features = in_features
         super().__init__(self.input_size, out_features, bias=bias)
         self.tp = tp
+        # Added to the rank's partial output before the all-reduce (LoRA at --tp-size > 1:
+        # lora/tp_shards.py): (x, out) -> None, adding into out.
+        self.partial_delta: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias: whole on every rank, added after the reduction
@@ -154,5 +159,7 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         out = linear(x, self.weight, None, *self.derived_forms())  # [n, out] partial
+        if self.partial_delta is not None:
+            self.partial_delta(x, out)
         self.tp.all_reduce_(out)
         return out if self.bias is None else out.add_(self.bias)

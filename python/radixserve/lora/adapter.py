@@ -222,10 +222,10 @@ def validate_lora_args(args: Any) -> None:  # noqa: ANN401 - a resolved ServerAr
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
         raise ValueError("--max-loaded-loras must be at least --max-loras-per-batch")
-    if args.tp_size > 1 or args.pp_size > 1:
+    if args.pp_size > 1:
         raise ValueError(
-            "--enable-lora runs with --tp-size 1 and --pp-size 1 for now: adapters are not sharded "
-            "across ranks yet (docs/lora.md)"
+            "--enable-lora runs with --pp-size 1 for now: adapters are not split across pipeline "
+            "stages yet (docs/lora.md); --tp-size shards them"
         )
     if args.is_embedding:
         raise ValueError("--enable-lora applies to generation models: drop --is-embedding")

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from radixserve.layers.parallel_linear import RowParallelLinear
 from radixserve.lora.adapter import BaseShapes, LoRAAdapter, LoRAError, load_adapter
 from radixserve.lora.kernels import LoRASegments, lora_delta
 from radixserve.lora.pool import LoRAMemoryPool, LoRASlots
+from radixserve.lora.tp_shards import local_shapes, rank_slices
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ModelWorkerBatch
@@ -71,11 +73,15 @@ class LoRAManager:
         self.base = BaseShapes.of_model(model_config)
         layers = range(model.model.start_layer, model.model.end_layer)
         dtype = model_config.dtype
+        # This rank's part of every projection (all of it at TP 1): the slots hold the same part.
+        slices = rank_slices(model.model.layers[layers.start])
+        self.local_shapes = local_shapes(slices, self.base.shapes)
         self.pool = LoRAMemoryPool(
             config.max_loras_per_batch,
             config.max_lora_rank,
             config.target_modules,
-            self.base,
+            self.local_shapes,
+            slices,
             layers,
             dtype,
             device,
@@ -142,22 +148,27 @@ class LoRAManager:
             for parent, attr, peft_modules in _FUSED:
                 proj = getattr(getattr(layer, parent), attr)
                 parts, offset = [], 0
-                for m in peft_modules:
-                    size = self.base.shapes[m][1]
+                for m in peft_modules:  # this rank's output columns of each, in the fused order
+                    size = self.local_shapes[m][1]
                     if m in self.config.target_modules:
                         parts.append((m, offset, size))
                     offset += size
-                if parts:
-                    proj.register_forward_hook(self._hook(i, tuple(parts)))
+                if not parts:
+                    continue
+                add = self._delta(i, tuple(parts))
+                if isinstance(proj, RowParallelLinear) and proj.tp.size > 1:
+                    proj.partial_delta = add  # a partial sum: before the layer's all-reduce
+                else:
+                    proj.register_forward_hook(lambda _module, args, out, add=add: add(args[0], out))
 
-    def _hook(self, layer: int, parts: tuple[tuple[str, int, int], ...]) -> Callable[..., None]:
+    def _delta(self, layer: int, parts: tuple[tuple[str, int, int], ...]) -> Callable[..., None]:
         pool = self.pool
 
-        def add_delta(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        def add_delta(x: torch.Tensor, out: torch.Tensor) -> None:
+            """x [num_tokens, in_features] (this rank's), out [num_tokens, out_features]."""
             segments = self.segments
             if segments is None:
                 return
-            x = args[0]  # [num_tokens, in_features]
             for m, offset, size in parts:
                 a, b = pool.a[m][layer], pool.b[m][layer]
                 lora_delta(x, a, b, segments, out[:, offset : offset + size])

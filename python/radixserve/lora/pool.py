@@ -13,7 +13,8 @@ import itertools
 
 import torch
 
-from radixserve.lora.adapter import BaseShapes, LoRAAdapter
+from radixserve.lora.adapter import LoRAAdapter
+from radixserve.lora.tp_shards import Slices
 
 
 class LoRASlots:
@@ -59,23 +60,26 @@ class LoRASlots:
 
 
 class LoRAMemoryPool:
-    """The slot buffers: a[module][layer] [num_slots, max_rank, in], b[module][layer] [num_slots, max_rank, out]."""
+    """The slot buffers: a[module][layer] [num_slots, max_rank, in], b[module][layer] [num_slots, max_rank, out],
+    in and out being this rank's part of the projection (`slices`; the whole one at TP 1)."""
 
     def __init__(
         self,
         num_slots: int,
         max_rank: int,
         modules: tuple[str, ...],
-        base: BaseShapes,
+        shapes: dict[str, tuple[int, int]],
+        slices: Slices,
         layers: range,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.layers = layers
+        self.slices = slices
         self.a: dict[str, dict[int, torch.Tensor]] = {}
         self.b: dict[str, dict[int, torch.Tensor]] = {}
         for module in modules:
-            in_f, out_f = base.shapes[module]
+            in_f, out_f = shapes[module]
             self.a[module] = {
                 i: torch.zeros(num_slots, max_rank, in_f, dtype=dtype, device=device) for i in layers
             }
@@ -91,6 +95,7 @@ class LoRAMemoryPool:
                 a.zero_()
                 b.zero_()
                 pair = adapter.weights.get((layer, module))
-                if pair is not None:
-                    a[: adapter.rank].copy_(pair[0])
-                    b[: adapter.rank].copy_(pair[1].t())
+                if pair is not None:  # A [rank, in], B [out, rank]: this rank's columns / rows
+                    cols, rows = self.slices[module]
+                    a[: adapter.rank].copy_(pair[0][:, cols])
+                    b[: adapter.rank].copy_(pair[1][rows].t())

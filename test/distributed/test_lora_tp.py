@@ -1,0 +1,53 @@
+"""LoRA at --tp-size 2 through the Engine (gloo on 127.0.0.1): three adapters of different ranks and
+target modules and the base model, mixed in one batch, give HF transformers + PEFT's greedy tokens,
+as one rank does (test/engine/test_lora_parity.py). Each rank holds its part of every adapter
+(lora/tp_shards.py): all of A and its rows of B for q/k/v and gate/up, its columns of A for o and
+down, whose partial delta rides the layer's own all-reduce."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.testing.tiny_lora import TINY_ADAPTERS, make_tiny_adapter
+from radixserve.testing.tiny_models import TINY_VOCAB, hf_greedy
+
+pytest.importorskip("peft")
+
+NEW = 12
+EOS = 2
+
+
+def _until_eos(ids: list[int]) -> list[int]:
+    return ids[: ids.index(EOS)] if EOS in ids else ids
+
+
+@pytest.mark.timeout(900)
+def test_adapters_mixed_with_base_at_tp2_match_peft(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("llama")
+    adapters = {n: str(make_tiny_adapter(path, n, tmp_path / n, seed=i)) for i, n in enumerate(TINY_ADAPTERS)}
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(5, 60))] for _ in range(8)]
+    names: list[str | None] = [[None, *adapters][i % (len(adapters) + 1)] for i in range(len(prompts))]
+    expected = []
+    for prompt, name in zip(prompts, names):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name])
+        expected.append(_until_eos(hf_greedy(model.eval(), prompt, NEW)[0]))
+    paths = [f"{n}={p}" for n, p in adapters.items()]
+    with Engine(
+        model_path=path, tp_size=2, enable_lora=True, lora_paths=paths, max_total_tokens=4096,
+        chunked_prefill_size=32, log_level="warning",
+    ) as engine:  # fmt: skip
+        outs = engine.generate(
+            input_ids=prompts, sampling_params={"max_new_tokens": NEW, "temperature": 0}, lora_path=names
+        )
+    for out, want, name in zip(outs, expected, names):
+        assert _until_eos(out["output_ids"]) == want, name
