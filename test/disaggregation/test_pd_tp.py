@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 import threading
 import time
@@ -93,7 +94,8 @@ def assert_full(*servers: Server) -> None:
 
 def metric(server: Server, name: str) -> float:
     for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"radixserve:{name} "):
+        # SGLang's form: sglang:<name>{model_name="<served model>"} <value>
+        if re.match(rf"sglang:{name}(\{{[^}}]*\}})? ", line):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
 

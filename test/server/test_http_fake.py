@@ -349,7 +349,7 @@ def test_models_tokenize_metrics(url: str) -> None:
     assert text == "Hello world"
     metrics = httpx.get(f"{url}/metrics").text
     for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_bucket"):
-        assert f"radixserve:{name}" in metrics
+        assert f"sglang:{name}" in metrics
 
 
 # ----------------------------------------------------------------------------- auth, lifecycle

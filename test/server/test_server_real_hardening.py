@@ -56,7 +56,7 @@ def _tm_in_flight(url: str) -> tuple[float, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
 
     def gauge(name: str) -> float:
-        match = re.search(rf"^radixserve:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        match = re.search(rf"^sglang:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
         assert match, name
         return float(match.group(1))
 

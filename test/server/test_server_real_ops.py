@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -64,7 +65,8 @@ def test_models_tokenize_detokenize(tiny: str, tiny_llama_path: str, tiny_tokeni
 
 def _metric(text: str, name: str) -> float:
     for line in text.splitlines():
-        if line.startswith(f"radixserve:{name} "):
+        # SGLang's form: sglang:<name>{model_name="<served model>"} <value>
+        if re.match(rf"sglang:{name}(\{{[^}}]*\}})? ", line):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
 
@@ -78,7 +80,8 @@ def test_metrics(tiny: str) -> None:
     assert _metric(after, "num_requests_total") == _metric(before, "num_requests_total") + 1
     assert _metric(after, "generation_tokens_total") >= _metric(before, "generation_tokens_total") + 5
     assert _metric(after, "prompt_tokens_total") > _metric(before, "prompt_tokens_total")
-    assert "radixserve:time_to_first_token_seconds_bucket" in after
+    assert "sglang:time_to_first_token_seconds_bucket{" in after
+    assert 'sglang:num_requests_total{model_name="' in after  # SGLang's label, on every series
     # The scheduler reports each request's queue time with its first output.
     assert _metric(after, "queue_time_seconds_count") == _metric(before, "queue_time_seconds_count") + 1
 

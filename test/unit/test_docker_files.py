@@ -134,16 +134,16 @@ def test_grafana_queries_only_exported_metrics() -> None:
             assert names, f"{panel['title']}: {expr} queries no radixserve metric"
             assert names <= exported, f"{panel['title']}: {sorted(names - exported)} are not exported"
             for group in re.findall(r"\bby \(([^)]*)\)", expr):  # labels the server sets, and le
-                assert {g.strip() for g in group.split(",")} <= {"le", "dp_rank"}, expr
+                assert {g.strip() for g in group.split(",")} <= {"le", "dp_rank", "model_name"}, expr
             queried |= names
     # The panels the dashboard promises: load, KV, cache, throughput and the three latencies.
     for base in ("num_running_reqs", "num_queue_reqs", "token_usage", "cached_tokens_total"):
-        assert f"radixserve:{base}" in queried
+        assert f"sglang:{base}" in queried
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
-        assert f"radixserve:{hist}_bucket" in queried
-    assert "radixserve:generation_tokens_total" in queried
+        assert f"sglang:{hist}_bucket" in queried
+    assert "sglang:generation_tokens_total" in queried
 
 
 def test_the_name_check_catches_a_drifted_name() -> None:
-    assert "radixserve:time_to_first_token_seconds_bucket" in exported_series()
-    assert "radixserve:num_running_requests" not in exported_series()  # a plausible typo
+    assert "sglang:time_to_first_token_seconds_bucket" in exported_series()
+    assert "sglang:num_running_requests" not in exported_series()  # a plausible typo

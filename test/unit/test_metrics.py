@@ -22,14 +22,14 @@ def test_histograms_and_counters_per_replica():
     m.on_finish(10, 0, 0.3, aborted=False, dp_rank=1)
     m.on_finish(7, 0, 0.03, aborted=False, dp_rank=0)
     got = samples(m.render())
-    assert got['radixserve:time_to_first_token_seconds_count{dp_rank="1"}'] == 1
-    assert got['radixserve:time_to_first_token_seconds_count{dp_rank="0"}'] == 0
-    assert got['radixserve:time_to_first_token_seconds_bucket{dp_rank="1",le="0.025"}'] == 1
-    assert got['radixserve:inter_token_latency_seconds_count{dp_rank="1"}'] == 4
-    assert got['radixserve:e2e_request_latency_seconds_sum{dp_rank="0"}'] == 0.03
-    assert got['radixserve:e2e_request_latency_seconds_bucket{dp_rank="1",le="+Inf"}'] == 1
-    assert got['radixserve:prompt_tokens_total{dp_rank="1"}'] == 10
-    assert not any(k.startswith("radixserve:e2e_request_latency_seconds_count ") for k in got)
+    assert got['sglang:time_to_first_token_seconds_count{dp_rank="1"}'] == 1
+    assert got['sglang:time_to_first_token_seconds_count{dp_rank="0"}'] == 0
+    assert got['sglang:time_to_first_token_seconds_bucket{dp_rank="1",le="0.025"}'] == 1
+    assert got['sglang:inter_token_latency_seconds_count{dp_rank="1"}'] == 4
+    assert got['sglang:e2e_request_latency_seconds_sum{dp_rank="0"}'] == 0.03
+    assert got['sglang:e2e_request_latency_seconds_bucket{dp_rank="1",le="+Inf"}'] == 1
+    assert got['sglang:prompt_tokens_total{dp_rank="1"}'] == 10
+    assert not any(k.startswith("sglang:e2e_request_latency_seconds_count ") for k in got)
 
 
 def test_load_gauges_come_from_each_replicas_report():
@@ -42,12 +42,12 @@ def test_load_gauges_come_from_each_replicas_report():
         ]
     )
     got = samples(m.render())
-    assert got['radixserve:num_running_reqs{dp_rank="0"}'] == 2
-    assert got['radixserve:num_queue_reqs{dp_rank="0"}'] == 1
-    assert got['radixserve:num_running_reqs{dp_rank="1"}'] == 2
-    assert got['radixserve:token_usage{dp_rank="0"}'] == 0.25  # 250 of the replica's 1000
-    assert got['radixserve:token_usage{dp_rank="1"}'] == 1.0  # waiting prompts count: capped
-    assert "radixserve:num_running_reqs" not in got  # no unlabeled series beside the replicas'
+    assert got['sglang:num_running_reqs{dp_rank="0"}'] == 2
+    assert got['sglang:num_queue_reqs{dp_rank="0"}'] == 1
+    assert got['sglang:num_running_reqs{dp_rank="1"}'] == 2
+    assert got['sglang:token_usage{dp_rank="0"}'] == 0.25  # 250 of the replica's 1000
+    assert got['sglang:token_usage{dp_rank="1"}'] == 1.0  # waiting prompts count: capped
+    assert "sglang:num_running_reqs" not in got  # no unlabeled series beside the replicas'
 
 
 def test_one_replica_keeps_unlabeled_series():
@@ -58,7 +58,7 @@ def test_one_replica_keeps_unlabeled_series():
     text = m.render()
     assert "dp_rank" not in text
     got = samples(text)
-    assert got["radixserve:time_to_first_token_seconds_count"] == 1
-    assert got['radixserve:time_to_first_token_seconds_bucket{le="0.025"}'] == 1
-    assert got["radixserve:num_queue_reqs"] == 2 and got["radixserve:token_usage"] == 0.1
-    assert got["radixserve:cache_hit_rate"] == 0.4
+    assert got["sglang:time_to_first_token_seconds_count"] == 1
+    assert got['sglang:time_to_first_token_seconds_bucket{le="0.025"}'] == 1
+    assert got["sglang:num_queue_reqs"] == 2 and got["sglang:token_usage"] == 0.1
+    assert got["sglang:cache_hit_rate"] == 0.4

@@ -411,6 +411,6 @@ def test_meta_info_and_metrics_from_the_scheduler_counters():
     metrics.on_spec(*state.spec)
     metrics.on_spec(1, 1, 3, 0)
     text = metrics.render()
-    assert "radixserve:spec_accept_length 3\n" in text  # (8 + 1) / (2 + 1)
-    assert "radixserve:spec_verify_ct_total 3" in text
+    assert "sglang:spec_accept_length 3\n" in text  # (8 + 1) / (2 + 1)
+    assert "sglang:spec_verify_ct_total 3" in text
     assert "spec_accept_length" not in ServerMetrics(100).render()

@@ -109,6 +109,7 @@ class TokenizerManager:
                 self.max_total_num_tokens * self.dp_size,
                 self.dp_size,
                 speculative=server_args.speculative_algorithm is not None,
+                model_name=self.served_model_name,
             )
             if server_args.enable_metrics
             else None

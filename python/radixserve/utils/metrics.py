@@ -10,7 +10,9 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-PREFIX = "radixserve"
+# SGLang's names and labels (`sglang:<name>{model_name="..."}`), so its Grafana dashboards, the
+# Gateway and autoscalers that scrape SGLang read these unchanged.
+PREFIX = "sglang"
 
 # Bucket upper bounds in seconds: fine below 1 s where interactive latencies live.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -132,6 +134,22 @@ def _replica(dp_rank: int | None, dp_size: int) -> int:
     return dp_rank if dp_rank is not None and 0 <= dp_rank < dp_size else 0
 
 
+def _escape(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _with_label(line: str, label: str) -> str:
+    """`label` added first to a sample line's labels (comment lines unchanged)."""
+    if line.startswith("#"):
+        return line
+    name, _, rest = line.partition(" ")
+    if name.endswith("}"):
+        head, _, labels = name.partition("{")
+        return f"{head}{{{label},{labels} {rest}"
+    return f"{name}{{{label}}} {rest}"
+
+
 def _fmt(value: float) -> str:
     if math.isinf(value):
         return "+Inf"
@@ -141,11 +159,19 @@ def _fmt(value: float) -> str:
 class ServerMetrics:
     """Request-level metrics as seen by the TokenizerManager."""
 
-    def __init__(self, max_total_num_tokens: int, dp_size: int = 1, speculative: bool = False) -> None:
+    def __init__(
+        self,
+        max_total_num_tokens: int,
+        dp_size: int = 1,
+        speculative: bool = False,
+        model_name: str | None = None,
+    ) -> None:
         """`max_total_num_tokens`: the KV tokens of every replica together. With `dp_size` > 1 the
         counters and histograms carry a `dp_rank` label (the replica that served the request) and
         the load gauges come per replica from the replicas' load reports (`set_replica_loads`).
-        `speculative`: render the speculative-decoding series."""
+        `speculative`: render the speculative-decoding series. `model_name`: every series carries
+        it as SGLang's `model_name` label (the served model name)."""
+        self.model_label = None if model_name is None else f'model_name="{_escape(model_name)}"'
         self.max_total_num_tokens = max(1, max_total_num_tokens)
         self.dp_size = dp_size
         self.speculative = speculative  # render the speculative-decoding series
@@ -284,4 +310,7 @@ class ServerMetrics:
                 self.spec_accept_length,
                 self.spec_accept_rate,
             ]
-        return "\n".join(line for p in parts for line in p.render()) + "\n"
+        lines = (line for p in parts for line in p.render())
+        if self.model_label is not None:
+            lines = (_with_label(line, self.model_label) for line in lines)
+        return "\n".join(lines) + "\n"
