@@ -81,28 +81,39 @@ def test_restart_serves_a_repeated_prompt_from_disk(workers, l3_dir, page_size):
     assert tiers["storage_corrupt_files"] == 0
 
 
-def test_flipped_truncated_and_foreign_files_are_not_served(workers, l3_dir):
+def damage(files: list[str], how: str) -> None:
+    """Damage every page file, so the first page a lookup reads is bad whichever it is."""
+    blobs = []
+    for name in files:
+        with open(name, "rb") as f:
+            blobs.append(f.read())
+    for i, name in enumerate(files):
+        blob = bytearray(blobs[i])
+        if how == "flipped":  # one payload bit
+            blob[-5] ^= 0x40
+        elif how == "truncated":  # a write cut short
+            blob = blob[: len(blob) // 2]
+        else:  # another page's file under this name
+            blob = bytearray(blobs[(i + 1) % len(blobs)])
+        with open(name, "wb") as f:
+            f.write(blob)
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "foreign"])
+def test_damaged_files_are_detected_and_recomputed(workers, l3_dir, how):
     page_size = 16
     reqs = prompts(2, n=1)
     base, _, _ = serve(workers, page_size, reqs)
     serve(workers, page_size, reqs, **l3_args())
     files = page_files(l3_dir)
-    assert len(files) >= 4
-    with open(files[0], "r+b") as f:  # a flipped payload byte
-        f.seek(-5, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-5, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0x40]))
-    with open(files[1], "r+b") as f:  # a truncated write
-        f.truncate(os.path.getsize(files[1]) // 2)
-    with open(files[2], "rb") as src, open(files[3], "wb") as dst:  # another page under this name
-        dst.write(src.read())
+    assert len(files) >= 9
+    damage(files, how)
     out, tiers, cached = serve(workers, page_size, reqs, **l3_args())
     assert out == base
-    # Whichever of the three comes first in the prompt's chain is found bad; the pages after it
-    # are not read (a prefix is contiguous), so at least one is counted and none is served.
-    assert tiers["storage_corrupt_files"] >= 1, tiers
-    assert cached["p0"] < (DOC - 1) // page_size * page_size
+    # The first page read is bad: it is deleted and counted, and the pages after it are not read
+    # (a prefix is contiguous), so the whole prompt is computed.
+    assert tiers["storage_corrupt_files"] == 1, tiers
+    assert tiers["storage_hit_tokens"] == 0 and cached["p0"] == 0, (tiers, cached)
 
 
 def test_another_models_pages_are_not_found(workers, l3_dir):
