@@ -2,7 +2,6 @@
 with the same directory serves a repeated prompt from disk with the same greedy output; a
 flipped byte, a truncated file and another model's file are never served."""
 
-import os
 import random
 
 import pytest
@@ -12,6 +11,7 @@ from radixserve.configs.hicache_args import STORAGE_DIR_ENV
 from radixserve.managers.io_struct import AbortReq, GetInternalStateReq
 from radixserve.mem_cache.hicache_storage import SUFFIX
 from radixserve.testing.tiny_models import TINY_VOCAB
+from radixserve.utils.hicache_metrics import render_hicache
 
 POOL = 512
 DOC = 160
@@ -79,6 +79,10 @@ def test_restart_serves_a_repeated_prompt_from_disk(workers, l3_dir, page_size):
     assert tiers["storage_hit_tokens"] >= len(reqs) * aligned, tiers
     assert all(cached[rid] >= aligned for rid, _ in reqs), cached
     assert tiers["storage_corrupt_files"] == 0
+    text = render_hicache([{"dp_rank": 0, "hicache": tiers}])
+    read = tiers["storage_hit_pages"] * page_size
+    assert f"radixserve:prefetched_tokens_total {read}\n" in text and read >= tiers["storage_hit_tokens"]
+    assert "# TYPE radixserve:hicache_storage_corrupt_files_total counter" in text
 
 
 def damage(files: list[str], how: str) -> None:

@@ -236,6 +236,8 @@ class HiRadixStorageCache(HiRadixCache):
             "storage_max_bytes": st.max_bytes,
             "prefetch_policy": self.prefetch_policy,
             "storage_hit_tokens": self.storage_hit_tokens,
+            "storage_read_tokens": s.hit_pages * self.page_size,
+            "storage_written_tokens": s.written_pages * self.page_size,
             "storage_hit_pages": s.hit_pages,
             "storage_miss_pages": s.miss_pages,
             "storage_read_bytes": s.read_bytes,
