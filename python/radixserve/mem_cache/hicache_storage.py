@@ -17,6 +17,7 @@ The directory has a size cap: past it, whole page files are deleted, least recen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -140,6 +141,10 @@ class FileStorage:
             with open(self._path(key), "rb") as f:
                 blob = f.read()
             page = decode_page(key, blob, shape, dtype)
+        except FileNotFoundError:  # deleted by the size cap since the lookup, or by hand
+            self._delete(key)
+            self.stats.miss_pages += 1
+            return None
         except (OSError, CorruptPage) as e:
             self._discard(key, e)
             return None
@@ -171,8 +176,13 @@ class FileStorage:
         start = time.perf_counter()
         blob = encode_page(key, page)
         tmp = f"{self._path(key)}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(blob)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # a full disk must not leave half files behind
+            raise
         with self._lock:
             os.replace(tmp, self._path(key))
             self._files[key] = len(blob)
