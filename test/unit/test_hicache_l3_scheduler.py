@@ -108,3 +108,14 @@ def test_best_effort_and_timeout_admit_without_the_pages_and_cancel_cleanly(
     h.step()
     assert tiers(h)["storage_hit_tokens"] == 0
     assert h.scheduler.mem.check_leak() is None
+
+
+def test_pages_from_before_a_weight_update_are_not_matched(make_harness, gate):
+    warm(make_harness, 16, [1])
+    h = start(make_harness, 16, hicache_storage_prefetch_policy="wait_complete")
+    h.scheduler.mem.tree_cache.weights_updated()  # what a successful weight update calls
+    ids = doc(1) + [5, 6]
+    h.submit("r", ids, 4)
+    h.run_until_idle()
+    assert h.outputs["r"] == reference_output(ids, 4)
+    assert tiers(h)["storage_hit_tokens"] == 0

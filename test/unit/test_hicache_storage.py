@@ -2,6 +2,7 @@
 prefetch threads (FileStorage, storage_keys, StorageMover)."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -131,4 +132,30 @@ def test_the_threads_write_pages_and_prefetch_the_run_of_hits(tmp_path):
         assert len(op.pages) == 2  # stops at the miss: pages past it are no prefix
         assert all(torch.equal(a, page(i)) for i, a in enumerate(op.pages))
     finally:
+        mover.close()
+
+
+def test_a_full_write_queue_drops_and_counts_the_batch(tmp_path, monkeypatch):
+    st = FileStorage(str(tmp_path))
+    gate, entered = threading.Event(), threading.Event()
+    put = FileStorage.put
+
+    def gated(self, key, page):
+        entered.set()
+        assert gate.wait(60)
+        return put(self, key, page)
+
+    monkeypatch.setattr(FileStorage, "put", gated)
+    mover = StorageMover(st, SHAPE, torch.float32, max_queue=1)
+    try:
+        assert mover.backup([key(0)], page(0))
+        assert entered.wait(60)  # the thread holds batch 0; the queue is empty again
+        assert mover.backup([key(1)], page(1))  # queued
+        assert not mover.backup([key(2)], page(2))  # the queue is full: dropped
+        gate.set()
+        mover.drain()
+        assert st.stats.dropped_writes == 1
+        assert [st.exists(key(i)) for i in range(3)] == [True, True, False]
+    finally:
+        gate.set()
         mover.close()
