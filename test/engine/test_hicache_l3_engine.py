@@ -43,9 +43,11 @@ def l3_args(**kw) -> dict:
     )
 
 
-def serve(workers, page_size: int, reqs, **overrides) -> tuple[dict[str, list[int]], dict, dict[str, int]]:
+def serve(
+    workers, page_size: int, reqs, kind: str = "llama", **overrides
+) -> tuple[dict[str, list[int]], dict, dict[str, int]]:
     """One scheduler (a fresh tree: a "restart"), the requests one after another, then closed."""
-    worker, args = workers.get("llama", page_size, POOL)
+    worker, args = workers.get(kind, page_size, POOL)
     run = SchedulerRun(worker, args, **overrides)
     try:
         for rid, ids in reqs:
@@ -121,12 +123,15 @@ def test_damaged_files_are_detected_and_recomputed(workers, l3_dir, how):
 
 
 def test_another_models_pages_are_not_found(workers, l3_dir):
-    """Same tokens, same directory, a different config (page size is part of the identity and
-    of the layout): the keys differ, so nothing is looked up, let alone served."""
+    """Same tokens, same directory, same KV shape and page size, another checkpoint (tiny qwen2:
+    another config.json and weight files): its keys differ, so nothing is read, let alone served;
+    the llama's own pages are still found."""
     reqs = prompts(3, n=1)
     serve(workers, 16, reqs, **l3_args())
-    _, tiers, _ = serve(workers, 1, reqs, **l3_args())
+    _, tiers, _ = serve(workers, 16, reqs, kind="qwen2", **l3_args())
     assert tiers["storage_hit_pages"] == 0 and tiers["storage_hit_tokens"] == 0, tiers
+    _, tiers, _ = serve(workers, 16, reqs, **l3_args())
+    assert tiers["storage_hit_tokens"] > 0, tiers
 
 
 def test_aborts_during_prefetch_leak_no_slot(workers, l3_dir):

@@ -15,7 +15,7 @@ from radixserve.mem_cache.hicache_storage import (
     decode_page,
     encode_page,
 )
-from radixserve.mem_cache.storage_keys import ModelIdentity, chain_keys
+from radixserve.mem_cache.storage_keys import ModelIdentity, chain_keys, model_files_digests
 from radixserve.mem_cache.storage_mover import PrefetchOp, StorageMover
 
 SHAPE = (4, 2, 3, 2, 8)  # [page_size, K/V, layers, heads, head_dim]
@@ -159,3 +159,16 @@ def test_a_full_write_queue_drops_and_counts_the_batch(tmp_path, monkeypatch):
     finally:
         gate.set()
         mover.close()
+
+
+def test_the_identity_fingerprints_the_config_and_the_weight_files(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2}')
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = model_files_digests(str(tmp_path))
+    assert all(first) and model_files_digests(str(tmp_path)) == first
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3}')
+    second = model_files_digests(str(tmp_path))
+    assert second[0] != first[0] and second[1] == first[1]
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
+    assert model_files_digests(str(tmp_path))[1] != second[1]
+    assert model_files_digests(None) == ("", "")
