@@ -69,13 +69,15 @@ def page_files(directory) -> list[str]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_restart_serves_a_repeated_prompt_from_disk(workers, l3_dir, page_size):
+@pytest.mark.parametrize("chunked", [64, -1], ids=["chunk64", "nochunk"])
+def test_restart_serves_a_repeated_prompt_from_disk(workers, l3_dir, page_size, chunked):
     reqs = prompts(1)
-    base, _, _ = serve(workers, page_size, reqs)
-    first, tiers, _ = serve(workers, page_size, reqs, **l3_args())
+    base, _, _ = serve(workers, page_size, reqs, chunked_prefill_size=chunked)
+    first, tiers, _ = serve(workers, page_size, reqs, chunked_prefill_size=chunked, **l3_args())
     assert first == base
     assert tiers["storage_written_pages"] > 0 and page_files(l3_dir), tiers
-    again, tiers, cached = serve(workers, page_size, reqs, **l3_args())  # an empty tree: all from L3
+    # A new scheduler, its tree empty: the prompts' pages come from L3.
+    again, tiers, cached = serve(workers, page_size, reqs, chunked_prefill_size=chunked, **l3_args())
     assert again == base
     aligned = (DOC - 1) // page_size * page_size
     assert tiers["storage_hit_tokens"] >= len(reqs) * aligned, tiers

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
-from radixserve.mem_cache.radix_cache import TreeNode
+from radixserve.mem_cache.radix_cache import TreeNode, _check
 from radixserve.mem_cache.storage_keys import ModelIdentity, chain_keys
 from radixserve.mem_cache.storage_mover import PrefetchOp, StorageMover
 
@@ -221,6 +221,20 @@ class HiRadixStorageCache(HiRadixCache):
         self._leaves.add(leaf)
         self._host_tokens += kv.shape[0]
         self.storage_hit_tokens += kv.shape[0]
+
+    def check_invariants(self) -> int:
+        """HiRadixCache's checks, plus: a node's cached keys are one per page and chain on from
+        its parent's last key (a split that forgot to cut them would break the chain)."""
+        ps = self.page_size
+        for nd in self._nodes():
+            if nd.hash_value is None:
+                continue
+            _check(len(nd.hash_value) * ps == len(nd.key), f"{nd!r}: keys are not one per page")
+            parent = nd.parent
+            if parent is not self.root and parent is not None and parent.hash_value is not None:
+                first = chain_keys(parent.hash_value[-1], nd.key[:ps], ps)[0]
+                _check(first == nd.hash_value[0], f"{nd!r}: its key chain is broken")
+        return super().check_invariants()
 
     # ------------------------------------------------------------------ reporting
     def tier_stats(self) -> dict[str, object]:
