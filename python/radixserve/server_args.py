@@ -215,6 +215,13 @@ class ServerArgs:
         "vocabulary) and all-reduce after each layer (docs/parallelism.md).",
         aliases=("--tp", "--tensor-parallel-size"),
     )
+    ep_size: int = _f(
+        1,
+        "Expert-parallel size (MoE models): the experts of each layer are split whole over this many "
+        "of the --tp-size ranks (each expert's width over the other tp-size/ep-size); attention stays "
+        "tensor-parallel. Must divide --tp-size and the number of experts (docs/models.md).",
+        aliases=("--ep", "--expert-parallel-size"),
+    )
     pp_size: int = _f(
         1,
         "Pipeline-parallel size: stages that each hold a contiguous block of layers; hidden states "
@@ -665,7 +672,9 @@ class ServerArgs:
     def layout(self) -> ParallelLayout:
         from radixserve.distributed.layout import ParallelLayout
 
-        return ParallelLayout(self.tp_size, self.pp_size, self.nnodes, self.node_rank, self.dp_size)
+        return ParallelLayout(
+            self.tp_size, self.pp_size, self.nnodes, self.node_rank, self.dp_size, self.ep_size
+        )
 
     def rank_device(self, local_rank: int, dp_rank: int = 0) -> str:
         """The device one rank of the resolved config runs on; each rank asks, none rewrites the

@@ -43,11 +43,13 @@ def moe_reference(tiny_model_dir):
     return get
 
 
-# make test runs TP 2 (the only end-to-end check of the experts' all-reduce; experts and shared
-# expert sharded, a dense layer between). The slow ones add PP 2 and TP x PP on other families:
-# PP itself is the Llama decoder's, covered by test_multi_rank_engine.py.
+# make test runs EP 2 at TP 2 (the end-to-end check of the experts' all-reduce: whole experts on
+# each rank, the shared expert and the dense layer between tensor-parallel); TP 2 alone (each
+# expert's width split) is also checked layer by layer below. The slow ones add TP 2, PP 2 and
+# TP x PP on other families: PP itself is the Llama decoder's, covered by test_multi_rank_engine.py.
 LAYOUTS = [
-    pytest.param("qwen2_moe", {"tp_size": 2}, id="qwen2_moe-tp2"),
+    pytest.param("qwen2_moe", {"tp_size": 2, "ep_size": 2}, id="qwen2_moe-ep2"),
+    pytest.param("qwen2_moe", {"tp_size": 2}, id="qwen2_moe-tp2", marks=pytest.mark.slow),
     pytest.param("mixtral", {"pp_size": 2}, id="mixtral-pp2", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", {"tp_size": 2, "pp_size": 2}, id="qwen3_moe-tp2pp2", marks=pytest.mark.slow),
     pytest.param("olmoe", {"tp_size": 2}, id="olmoe-tp2", marks=pytest.mark.slow),  # the sharded q/k norms
@@ -77,13 +79,21 @@ def _moe_layers_on_rank(rank: int, world: int) -> dict[str, float]:
     down = torch.randn(num_experts, hidden, inter, generator=gen)
     x = torch.randn(7, hidden, generator=gen)
     weights, ids = select_experts(torch.randn(7, num_experts, generator=gen), 2, False)
-    layer = FusedMoE(num_experts, hidden, inter, tp)
-    for e in range(num_experts):
-        for proj, tensor in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e])):
-            param = layer.w2_weight if proj == "down_proj" else layer.w13_weight
-            layer.weight_loader(param, CheckpointTensor.of(f"mlp.experts.{e}.{proj}.weight", tensor))
     ref = fused_experts_native(x, torch.cat([gate, up], dim=1), down, weights, ids)
-    errors = {"experts": float((layer(x, weights, ids) - ref).abs().max())}
+    errors = {}
+    # TP: every expert's width split; EP: whole experts split (3 per rank), ids on both halves.
+    for name, ep_size in (("experts", 1), ("experts_ep", world)):
+        layer = FusedMoE(num_experts, hidden, inter, tp, ep_size)
+        for e in range(num_experts):
+            for proj, tensor in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e])):
+                param = layer.w2_weight if proj == "down_proj" else layer.w13_weight
+                layer.weight_loader(param, CheckpointTensor.of(f"mlp.experts.{e}.{proj}.weight", tensor))
+        errors[name] = float((layer(x, weights, ids) - ref).abs().max())
+    assert layer.w13_weight.shape[0] == num_experts // world and layer.expert_start == rank * 3
+    mine, other = (0, 5) if rank == 0 else (5, 0)
+    assert layer.checkpoint_piece(f"mlp.experts.{other}.down_proj.weight", layer.w2_weight.data)[0] is None
+    slot = layer.checkpoint_piece(f"mlp.experts.{mine}.down_proj.weight", layer.w2_weight.data)[0]
+    errors["ep_slot"] = float((slot - down[mine]).abs().max())
 
     width, part = 32, 32 // world
     norm_weight, q = torch.rand(width, generator=gen) + 0.5, torch.randn(5, width, generator=gen)

@@ -78,6 +78,62 @@ def test_experts_without_tokens_and_lopsided_routing():
     torch.testing.assert_close(fused_experts_grouped(x, w13, w2, weights, ids), got, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("shards", [2, 4])
+@pytest.mark.parametrize("case", CASES[1:5], ids=[f"T{c[0]}-E{c[1]}-k{c[2]}" for c in CASES[1:5]])
+def test_expert_shards_add_up_to_the_layer(case, shards):
+    """Expert parallelism: each shard runs only its experts' (token, expert) pairs; the shards'
+    outputs add up to the whole layer's (what the all-reduce does), including shards none of
+    whose experts a token chose."""
+    num_tokens, num_experts, top_k, hidden, inter = case
+    gen = torch.Generator().manual_seed(11)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _route(num_tokens, num_experts, top_k, True, gen)
+    n = num_experts // shards
+    parts = [
+        fused_experts_grouped(x, w13[s * n : (s + 1) * n], w2[s * n : (s + 1) * n], weights, ids, s * n)
+        for s in range(shards)
+    ]
+    ref = fused_experts_native(x, w13, w2, weights, ids)
+    torch.testing.assert_close(sum(parts), ref, atol=2e-5, rtol=1e-4)
+    for s, part in enumerate(parts):  # each shard alone: the reference over its experts only
+        mine = ((ids >= s * n) & (ids < (s + 1) * n)).float()
+        alone = fused_experts_native(x, w13, w2, weights * mine, ids)
+        torch.testing.assert_close(part, alone, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+def test_expert_weights_load_and_read_back_at_any_ep_layout(ep_size):
+    """TP 4 with --ep-size 1 (every expert's width in 4), 2 (experts in halves, width in 2) and 4
+    (whole experts): each rank loads only its part, and the ranks' pieces assemble into the
+    checkpoint tensor (/get_weights_by_name), the ranks without the expert holding none."""
+    from radixserve.distributed.communication import TensorParallelComm
+    from radixserve.model_executor.weight_read import WeightPiece, assemble
+
+    gen = torch.Generator().manual_seed(5)
+    num_experts, hidden, inter = 8, 16, 24
+    down = torch.randn(num_experts, hidden, inter, generator=gen)
+    up = torch.randn(num_experts, inter, hidden, generator=gen)
+    layers = [
+        FusedMoE(num_experts, hidden, inter, TensorParallelComm(rank=r, size=4), ep_size) for r in range(4)
+    ]
+    for layer in layers:
+        assert layer.w2_weight.shape == (num_experts // ep_size, hidden, inter * ep_size // 4)
+        for e in range(num_experts):
+            for proj, t, param in (
+                ("down_proj", down[e], layer.w2_weight),
+                ("up_proj", up[e], layer.w13_weight),
+            ):
+                layer.weight_loader(param, CheckpointTensor.of(f"mlp.experts.{e}.{proj}.weight", t))
+    for e in range(num_experts):
+        for proj, full, attr in (("down_proj", down[e], "w2_weight"), ("up_proj", up[e], "w13_weight")):
+            name = f"mlp.experts.{e}.{proj}.weight"
+            found = [layer.checkpoint_piece(name, getattr(layer, attr).data) for layer in layers]
+            assert sum(slot is not None for slot, *_ in found) == 4 // ep_size
+            pieces = [None if slot is None else WeightPiece(slot, *rest) for slot, *rest in found]
+            torch.testing.assert_close(assemble(pieces, full.shape[0]), full, atol=0, rtol=0)
+
+
 def test_zero_tokens():
     gen = torch.Generator().manual_seed(4)
     w13, w2 = _weights(4, 16, 8, torch.float32, gen)

@@ -29,19 +29,17 @@ NUM_LOAD = 3
 LOAD_PARAMS = {"max_new_tokens": 900, "ignore_eos": True, "temperature": 0}  # running at the crash
 
 
-def _server(model: str, env: dict[str, str] | None, *flags: str) -> Server:
+def _server(model: str, env: dict[str, str], *flags: str) -> Server:
     script = os.path.join(HERE, "crashing_scheduler.py")
-    argv = [script] if env else ["-m", "radixserve.launch_server"]
-    return Server([*argv, "--model-path", model, "--max-total-tokens", "8192", *flags], env=env)
+    return Server([script, "--model-path", model, "--max-total-tokens", "8192", *flags], env=env)
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llama_path: str, tmp_path_factory: pytest.TempPathFactory):
+def crash_servers(tiny_llama_path: str, tmp_path_factory: pytest.TempPathFactory):
     dumps = str(tmp_path_factory.mktemp("dumps"))
     started = {
         "crashing": _server(tiny_llama_path, FAULT, "--crash-dump-folder", dumps),
         "replay_crashing": _server(tiny_llama_path, FAULT),
-        "replay_healthy": _server(tiny_llama_path, None),
     }
     try:
         yield start_servers(started), dumps
@@ -81,8 +79,9 @@ def _replay(dump: str, url: str) -> tuple[int, list[dict]]:
     return out.returncode, [json.loads(line) for line in out.stdout.splitlines()]
 
 
-def test_crash_dump_is_written_and_replays_the_crash(servers) -> None:
-    (by_name, dumps) = servers
+def test_crash_dump_is_written_and_replays_the_crash(crash_servers, tiny: str) -> None:
+    """`tiny`: the session's healthy tiny-model server (conftest.py) answers the replay."""
+    (by_name, dumps) = crash_servers
     crashing = by_name["crashing"]
     streams = [Stream(crashing.url, i) for i in range(NUM_LOAD)]
     for stream in streams:
@@ -116,7 +115,7 @@ def test_crash_dump_is_written_and_replays_the_crash(servers) -> None:
     assert "poison" in failed and results[-1]["num_failed"] == len(failed)
     assert by_name["replay_crashing"].proc.wait(30) == 1  # the same crash
 
-    code, results = _replay(path, by_name["replay_healthy"].url)
+    code, results = _replay(path, tiny)
     assert code == 0, results
     assert {r["rid"] for r in results[:-1]} == set(requests)
     assert all(r["status"] == 200 for r in results[:-1])

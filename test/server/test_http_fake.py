@@ -54,6 +54,7 @@ def test_health_and_info(url: str) -> None:
     assert httpx.get(f"{url}/health_generate", timeout=10).status_code == 200
     info = httpx.get(f"{url}/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"] == info["tokenizer_path"]
+    assert info["has_image_understanding"] is False  # a text-only model
     server_info = httpx.get(f"{url}/get_server_info").json()
     assert server_info["served_model_name"] == "tiny"
     assert server_info["internal_states"][0]["fake"] is True

@@ -130,7 +130,7 @@ def test_allow_auto_truncate_cuts_the_input_and_the_budget_instead_of_refusing(a
 @pytest.mark.parametrize(
     "body, field",
     [
-        ('{"text": "a", "image_data": "https://example.com/cat.png"}', "image_data"),
+        ('{"text": "a", "video_data": "https://example.com/cat.mp4"}', "video_data"),
         ('{"text": "a", "audio_data": ["x"]}', "audio_data"),
         ('{"text": "a", "positional_embed_overrides": [[0.5]]}', "positional_embed_overrides"),
         ('{"text": "a", "return_entropy": true}', "return_entropy"),

@@ -64,6 +64,8 @@ def test_attention_heads_split_by_kv_group():
         (ParallelLayout(tp_size=3, nnodes=2), "--nnodes"),
         (ParallelLayout(nnodes=2, node_rank=2), "--node-rank"),
         (ParallelLayout(tp_size=0), "--tp-size"),
+        (ParallelLayout(tp_size=2, ep_size=4), "--ep-size 4 must divide --tp-size 2"),
+        (ParallelLayout(tp_size=4, ep_size=3), "--ep-size 3 must divide"),
     ],
 )
 def test_impossible_layouts_are_refused(layout, message):

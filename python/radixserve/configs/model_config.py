@@ -23,6 +23,8 @@ from radixserve.model_loader.errors import ModelLoadError, unsupported_architect
 
 logger = logging.getLogger(__name__)
 
+# Models that take images: their shapes are the text config's (config.json's text_config).
+VISION_LANGUAGE_ARCHITECTURES: tuple[str, ...] = ("Qwen2_5_VLForConditionalGeneration",)
 # HF `architectures` names that radixserve/models implements. The registry there is the source of
 # truth for classes; this list lets config validation fail before any model code is imported.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -33,6 +35,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    *VISION_LANGUAGE_ARCHITECTURES,
     *NON_GENERATION_ARCHITECTURES,
 )
 # Draft heads: loadable only as --speculative-draft-model-path (ModelConfig.from_path(draft_head=True)).
@@ -89,23 +92,24 @@ class ModelConfig:
         path = _check_model_dir(path)
         hf_config = load_hf_config(path)
         architecture = _get_architecture(hf_config, path, draft_head)
-        num_heads = int(hf_config.num_attention_heads)
-        hidden_size = int(hf_config.hidden_size)
+        text = hf_config.get_text_config() if architecture in VISION_LANGUAGE_ARCHITECTURES else hf_config
+        num_heads = int(text.num_attention_heads)
+        hidden_size = int(text.hidden_size)
         is_generation = is_generation_model(architecture, is_embedding)
         embedding = None if is_generation else resolve_embedding_config(path, architecture, hf_config)
         return cls(
             path=path,
             hf_config=hf_config,
             architecture=architecture,
-            num_layers=int(hf_config.num_hidden_layers),
+            num_layers=int(text.num_hidden_layers),
             hidden_size=hidden_size,
             num_heads=num_heads,
-            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
-            head_dim=_get_head_dim(hf_config, hidden_size, num_heads),
-            vocab_size=int(hf_config.vocab_size),
-            context_len=_get_context_len(hf_config, context_length, architecture),
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_heads),
+            head_dim=_get_head_dim(text, hidden_size, num_heads),
+            vocab_size=int(text.vocab_size),
+            context_len=_get_context_len(text, context_length, architecture),
             dtype=resolve_dtype(dtype, device, _config_dtype(hf_config)),
-            eos_token_ids=_get_eos_token_ids(hf_config, path),
+            eos_token_ids=_get_eos_token_ids(text, path),
             is_generation=is_generation,
             embedding=embedding,
             quantization=_checkpoint_quantization(path),

@@ -48,6 +48,7 @@ class ParallelLayout:
     nnodes: int = 1
     node_rank: int = 0
     dp_size: int = 1  # data-parallel replicas of this layout on this machine (they share its cores)
+    ep_size: int = 1  # MoE experts split whole over this many of the TP ranks (--ep-size)
 
     @property
     def world_size(self) -> int:
@@ -70,6 +71,11 @@ class ParallelLayout:
         ):
             if value < 1:
                 raise LayoutError(f"{name} must be >= 1, got {value}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise LayoutError(
+                f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}: experts are split over "
+                "the tensor-parallel ranks (attention stays tensor-parallel)"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise LayoutError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
         if self.world_size % self.nnodes:

@@ -13,6 +13,7 @@ class ModelParallelism:
     tp: TensorParallelComm = field(default_factory=TensorParallelComm.single)
     pp_rank: int = 0
     pp_size: int = 1
+    ep_size: int = 1  # MoE experts split whole over this many TP ranks (layers/moe/layer.py)
 
     @property
     def is_first_stage(self) -> bool:

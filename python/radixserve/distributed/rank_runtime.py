@@ -118,7 +118,7 @@ class RankRuntime:
         if layout.tp_size > 1 and use_shm and device == "cpu":
             fast = _shm_communicator(groups, timeout_s)
         tp = TensorParallelComm(groups.tp_rank, layout.tp_size, groups.tp_device, fast)
-        return cls(groups, ModelParallelism(tp, groups.pp_rank, layout.pp_size))
+        return cls(groups, ModelParallelism(tp, groups.pp_rank, layout.pp_size, layout.ep_size))
 
     @classmethod
     def for_server(cls, server_args: ServerArgs, rank: int, init_addr: str, device: str) -> RankRuntime:

@@ -97,6 +97,7 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        image_data: str | list[str | list[str] | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -122,6 +123,7 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int] | None] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        image_data: str | list[str | list[str] | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         # Every parameter but `stream` is a field of the request, under the same name.
         obj = _request(**{k: v for k, v in locals().items() if k not in ("self", "stream")})
@@ -396,6 +398,7 @@ def _request(
     cache_salt: str | list[str] | None = None,
     token_ids_logprob: list[int] | list[list[int] | None] | None = None,
     custom_logit_processor: str | list[str | None] | None = None,
+    image_data: str | list[str | list[str] | None] | None = None,
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -426,6 +429,7 @@ def _request(
         cache_salt=cache_salt,
         token_ids_logprob=token_ids_logprob,
         custom_logit_processor=custom_logit_processor,
+        image_data=image_data,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.

@@ -162,6 +162,9 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "tokenizer_path": tokenizer_path,
             "is_generation": tm.is_generation,
             "weight_version": tm.weight_version,
+            # SGLang's names: the model takes images (docs/multimodal.md); no model takes audio.
+            "has_image_understanding": tm.images is not None,
+            "has_audio_understanding": False,
         }
 
     @app.get("/get_server_info")

@@ -39,6 +39,10 @@ class GenerateReqInput(BaseModel):
     # Instead of tokens: one embedding row ([hidden_size] floats) per prompt position, for one
     # prompt or a batch (SGLang's field). The model reads them in place of its token embeddings.
     input_embeds: list[list[float]] | list[list[list[float]]] | None = None
+    # Images (SGLang's field): data: URLs or base64 strings. One prompt: an image or a list of
+    # them; a batch: one entry (an image, a list, or null) per prompt. The prompt holds one image
+    # token per image (docs/multimodal.md).
+    image_data: str | list[str | list[str] | None] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
@@ -156,6 +160,22 @@ class GenerateReqInput(BaseModel):
             return value
         return value[i]
 
+    def images_of(self, i: int) -> tuple[str, ...] | None:
+        """Prompt i's images (None: none); ValueError (400) on a shape that fits no prompt."""
+        value = self.image_data
+        if value is None:
+            return None
+        if not self.is_single:
+            if not isinstance(value, list) or len(value) != self.num_prompts:
+                raise ValueError("'image_data' of a batch needs one entry (or null) per prompt.")
+            value = value[i]
+        if value is None:
+            return None
+        images = (value,) if isinstance(value, str) else tuple(value)
+        if not images or not all(isinstance(x, str) for x in images):
+            raise ValueError("'image_data' of a prompt must be an image string or a list of them.")
+        return images
+
     def expand(self) -> list[RequestItem]:
         """One item per (prompt, sample), prompt-major; raises ValueError on bad input."""
         self.validate_shape()
@@ -195,6 +215,7 @@ class GenerateReqInput(BaseModel):
                         text=self._prompt(self.text, i),
                         input_ids=self._prompt(self.input_ids, i),
                         input_embeds=self._prompt(self.input_embeds, i),
+                        image_data=self.images_of(i),
                         sampling_params=_sample_params(params, j),
                         max_new_tokens_set=raw.get("max_new_tokens") is not None,
                         return_logprob=bool(_pick(self.return_logprob, i)),
@@ -319,6 +340,7 @@ class RequestItem:
     lora_id: str | None = None  # its current load's id (the TokenizerManager's LoRARegistry)
     return_hidden_states: bool = False
     input_embeds: list[list[float]] | None = None  # instead of text / input_ids
+    image_data: tuple[str, ...] | None = None  # the prompt's images (data: URLs / base64)
     no_logs: bool = False
     health_check: bool = False
     cache_salt: str | None = None

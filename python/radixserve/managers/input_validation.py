@@ -20,6 +20,8 @@ from typing import Any
 
 from radixserve.constrained.validation import validate_grammar
 from radixserve.managers.generate_request import GenerateReqInput, RequestItem
+from radixserve.managers.io_struct import MultimodalPayload
+from radixserve.multimodal.processor import TEXT_ONLY, BadImageError, ImageInputProcessor, image_refusal
 from radixserve.sampling.custom_logit_processor import load_processor
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,32 @@ class ModelLimits:
     hidden_size: int = 0  # what each input_embeds row must hold (0: unknown, none accepted)
     enable_custom_logit_processor: bool = False
     custom_logit_processor_modules: tuple[str, ...] = ()
+    image_refusal: str | None = TEXT_ONLY  # why image_data is refused (None: the model takes images)
+
+    @classmethod
+    def of(
+        cls,
+        server_args: Any,  # noqa: ANN401 - ServerArgs (not imported: managers stay light)
+        scheduler_info: dict[str, Any],
+        vocab_size: int,
+        images: ImageInputProcessor | None,
+    ) -> ModelLimits:
+        """The limits of a server, from its args and what its scheduler reported at start-up."""
+        context_len = int(scheduler_info["context_len"])
+        return cls(
+            vocab_size,
+            context_len,
+            int(scheduler_info.get("max_req_input_len", context_len - 1)),
+            bool(scheduler_info.get("is_generation", True)),
+            server_args.dp_size,
+            server_args.disaggregation_mode,
+            server_args.allow_auto_truncate,
+            server_args.enable_return_hidden_states,
+            int(scheduler_info.get("hidden_size", 0)),
+            server_args.enable_custom_logit_processor,
+            tuple(server_args.custom_logit_processor_modules),
+            image_refusal(server_args, images),
+        )
 
 
 def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestItem]:
@@ -59,6 +87,8 @@ def expand_generate(limits: ModelLimits, obj: GenerateReqInput) -> list[RequestI
         _check_hidden_states(limits)
     if any(item.input_embeds is not None for item in items):
         _check_embeds_request(limits, items)
+    if any(item.image_data is not None for item in items):
+        _check_image_request(limits, items)
     for spec in {item.custom_logit_processor for item in items} - {None}:
         check_custom_logit_processor(limits, spec)
     _check_token_ids_logprob(limits, items)
@@ -142,6 +172,24 @@ def _check_embeds_request(limits: ModelLimits, items: list[RequestItem]) -> None
             )
 
 
+def _check_image_request(limits: ModelLimits, items: list[RequestItem]) -> None:
+    """What images cannot be served with: a text-only model (or a mode not built for them yet);
+    prompt logprobs and sessions, which read the prompt's ids (image tokens are pad values)."""
+    if limits.image_refusal is not None:
+        raise InvalidRequestError(f"'image_data' is not supported: {limits.image_refusal}.")
+    for item in items:
+        if item.image_data is None:
+            continue
+        if item.input_embeds is not None:
+            raise InvalidRequestError("Give images with 'text' or 'input_ids', not with input_embeds.")
+        if item.session_params is not None:
+            raise InvalidRequestError("image_data cannot continue a session (session_params) yet.")
+        if item.return_logprob and item.logprob_start_len >= 0:
+            raise InvalidRequestError(
+                "Prompt logprobs (logprob_start_len >= 0) are not returned with images."
+            )
+
+
 def embeds_prompt_ids(limits: ModelLimits, rows: list[list[float]]) -> list[int]:
     """Placeholder ids for an input_embeds prompt (one per row; the model reads the rows instead,
     and the request's KV is cached under its own namespace, so the ids never match another's)."""
@@ -174,43 +222,69 @@ def check_encode_kind(limits: ModelLimits, scoring: list[bool]) -> None:
         )
 
 
+Prompt = tuple[list[int], MultimodalPayload | None]  # token ids, and the images if any
+
+
 def prepare_items(tokenizer: Any, limits: ModelLimits, items: Sequence[RequestItem]) -> list[list[int]]:
-    """Token ids per item (samples of one prompt share one tokenization); raises ValueError.
+    """Token ids per item of a call without images (prepare_prompts)."""
+    return [ids for ids, _ in prepare_prompts(tokenizer, limits, items)]
+
+
+def prepare_prompts(
+    tokenizer: Any,
+    limits: ModelLimits,
+    items: Sequence[RequestItem],
+    images: ImageInputProcessor | None = None,
+) -> list[Prompt]:
+    """Token ids (and images) per item (samples of one prompt share one tokenization and one
+    processing of its images); raises ValueError.
 
     Also finishes each item's sampling params: verified, grammar checked, an unset max_new_tokens
     shrunk to fit the context, normalized. The items are private to this call, so mutating their
     params from a worker thread is safe."""
-    by_prompt: dict[int, list[int]] = {}
+    by_prompt: dict[int, Prompt] = {}
     out = []
     for item in items:
-        ids = by_prompt.get(item.prompt_index)
-        if ids is None:
-            ids = by_prompt[item.prompt_index] = prompt_ids(tokenizer, limits, item)
-        _check_item(limits, item, ids)
-        out.append(ids)
+        prompt = by_prompt.get(item.prompt_index)
+        if prompt is None:
+            prompt = by_prompt[item.prompt_index] = prompt_ids(tokenizer, limits, item, images)
+        _check_item(limits, item, prompt[0])
+        out.append(prompt)
     return out
 
 
-def prompt_ids(tokenizer: Any, limits: ModelLimits, item: RequestItem) -> list[int]:
-    """Tokenize (or take) the prompt and check it against the model."""
+def prompt_ids(
+    tokenizer: Any, limits: ModelLimits, item: RequestItem, images: ImageInputProcessor | None = None
+) -> Prompt:
+    """Tokenize (or take) the prompt, expand its images, and check it against the model."""
     if item.input_embeds is not None:
-        return embeds_prompt_ids(limits, item.input_embeds)
+        return embeds_prompt_ids(limits, item.input_embeds), None
     ids = list(item.input_ids) if item.input_ids is not None else tokenizer.encode(item.text or "")
     if not ids:
         raise InvalidRequestError("The input is empty.")
     if any(not 0 <= t < limits.vocab_size for t in ids):
         raise InvalidRequestError(f"Token ids must be in [0, {limits.vocab_size}).")
+    mm = None
+    if item.image_data is not None:
+        if images is None:  # expand_generate refuses first; an in-process caller may not have
+            raise InvalidRequestError(f"'image_data' is not supported: {TEXT_ONLY}.")
+        try:
+            ids, mm = images.process(ids, item.image_data)
+        except BadImageError as exc:
+            raise InvalidRequestError(str(exc)) from None
     if len(ids) > limits.max_req_input_len:
-        if limits.allow_auto_truncate:  # SGLang's rule: keep the first tokens, room for one more
+        if (
+            limits.allow_auto_truncate and mm is None
+        ):  # SGLang's rule: keep the first tokens, room for one more
             logger.warning(
                 "Input of %d tokens cut to %d (--allow-auto-truncate)", len(ids), limits.max_req_input_len
             )
-            return ids[: limits.max_req_input_len]
+            return ids[: limits.max_req_input_len], None
         raise InvalidRequestError(
-            f"The input ({len(ids)} tokens) is longer than the model's context length "
-            f"({limits.context_len} tokens)."
+            f"The input ({len(ids)} tokens{', images included' if mm else ''}) is longer than the "
+            f"model's context length ({limits.context_len} tokens)."
         )
-    return ids
+    return ids, mm
 
 
 def _check_item(limits: ModelLimits, item: RequestItem, ids: list[int]) -> None:

@@ -160,7 +160,30 @@ class TokenizedGenerateReqInput:
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes
     custom_logit_processor: str | None = None  # SGLang's to_str() form, checked by the TokenizerManager
     token_ids_logprob: tuple[int, ...] | None = None  # score these ids at each logprob position
+    # Images (multimodal/processor.py): input_ids hold each image's expanded image tokens; the
+    # scheduler replaces them with the image's pad value (multimodal/inputs.py).
+    mm_inputs: MultimodalPayload | None = None
     trace: TraceContext | None = None  # --enable-trace: time it, for the spans of this trace
+
+
+@dataclass(frozen=True, slots=True)
+class ImageItemPayload:
+    """One image of a request, processed by the model's image processor."""
+
+    pixel_values: Any  # torch.Tensor [num_patches, channels * temporal_patch * patch * patch] fp32
+    grid_thw: tuple[int, int, int]  # patches along time, height, width (before the 2x2 merge)
+    offset: int  # index of the image's first token in input_ids
+    num_tokens: int  # image tokens the language model sees
+    hash: int  # 64 bits of the pixels and the grid: the image's identity for the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalPayload:
+    """A request's images and its M-RoPE positions (3-D: time, height, width) over the prompt."""
+
+    items: tuple[ImageItemPayload, ...]
+    mrope_positions: Any  # torch.Tensor [3, len(input_ids)] int64
+    mrope_position_delta: int  # position of a token past the prompt = its index + this
 
 
 @dataclass(frozen=True, slots=True)

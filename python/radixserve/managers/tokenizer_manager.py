@@ -31,7 +31,7 @@ from radixserve.managers.input_validation import (
     ModelLimits,
     check_encode_kind,
     expand_generate,
-    prepare_items,
+    prepare_prompts,
 )
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -44,6 +44,7 @@ from radixserve.managers.io_struct import (
     FlushCacheReqInput,
     GetInternalStateReq,
     GetLoadReqInput,
+    MultimodalPayload,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TypeBasedDispatcher,
@@ -55,6 +56,7 @@ from radixserve.managers.quarantine import Quarantine
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.managers.request_logger import RequestLogger
 from radixserve.managers.request_metrics import observe_finish, observe_load, observe_output
+from radixserve.multimodal.processor import load_image_processor
 from radixserve.server_args import ServerArgs
 from radixserve.utils.metrics import ServerMetrics
 from radixserve.utils.network import PortArgs, get_zmq_socket
@@ -92,19 +94,8 @@ class TokenizerManager:
         # Embedding / classification models (seed 000 §17): what they return, as the scheduler
         # reported it (configs/pooling.py); None for generation models.
         self.is_generation = bool(scheduler_info.get("is_generation", True))
-        self.limits = ModelLimits(
-            self.vocab_size,
-            self.context_len,
-            self.max_req_input_len,
-            self.is_generation,
-            server_args.dp_size,
-            server_args.disaggregation_mode,
-            server_args.allow_auto_truncate,
-            server_args.enable_return_hidden_states,
-            int(scheduler_info.get("hidden_size", 0)),
-            server_args.enable_custom_logit_processor,
-            tuple(server_args.custom_logit_processor_modules),
-        )
+        self.images = load_image_processor(server_args.model_path)  # None: a text-only model
+        self.limits = ModelLimits.of(server_args, scheduler_info, self.vocab_size, self.images)
         self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
         self.max_total_num_tokens = int(scheduler_info.get("max_total_num_tokens", self.context_len))
@@ -248,10 +239,12 @@ class TokenizerManager:
             # reports none, so the merged list has each prompt position once.
             items = [dataclasses.replace(item, logprob_start_len=-1) for item in items]
         with tokenize_span(self.tracer):
-            input_ids = await self.run_blocking(prepare_items, self.tokenizer, self.limits, items)
+            prompts = await self.run_blocking(
+                prepare_prompts, self.tokenizer, self.limits, items, self.images
+            )
         self._raise_if_dead()  # a child may have died while we tokenized
         group_event = asyncio.Event()
-        states = [ReqState(item, ids, group_event) for item, ids in zip(items, input_ids)]
+        states = [ReqState(item, ids, group_event) for item, (ids, _) in zip(items, prompts)]
         for state in states:
             if state.rid in self.rid_to_state:
                 raise InvalidRequestError(f"Duplicate request id {state.rid!r}.")
@@ -260,7 +253,7 @@ class TokenizerManager:
         received = time.time()
         for state in states:
             self.request_logger.log_received(state)
-        reqs = [self._tokenized(state, stream, received) for state in states]
+        reqs = [self._tokenized(state, stream, received, mm) for state, (_, mm) in zip(states, prompts)]
         self._send_states(states, reqs, BatchTokenizedGenerateReqInput)
         return states
 
@@ -329,7 +322,9 @@ class TokenizerManager:
             raise RequestAbortedError(self.dead_reason, 503)
 
     @staticmethod
-    def _tokenized(state: ReqState, stream: bool, received: float) -> TokenizedGenerateReqInput:
+    def _tokenized(
+        state: ReqState, stream: bool, received: float, mm: MultimodalPayload | None = None
+    ) -> TokenizedGenerateReqInput:
         item = state.item
         return TokenizedGenerateReqInput(
             rid=item.rid,
@@ -353,6 +348,7 @@ class TokenizerManager:
             received_time=received,
             routing=item.routing,
             lora_id=item.lora_id,
+            mm_inputs=mm,
             trace=state.trace.context if state.trace is not None else None,
         )
 

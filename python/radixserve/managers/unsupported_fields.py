@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-_MULTIMODAL = "this server runs a text-only model (docs/models.md)"
+# image_data is served by models that take images; a text-only model refuses it with a 400 at
+# input_validation (multimodal/processor.py: image_refusal).
+_MULTIMODAL = "radixserve takes images only (docs/multimodal.md)"
 
 REFUSED: dict[str, str] = {
-    "image_data": _MULTIMODAL,
     "video_data": _MULTIMODAL,
     "audio_data": _MULTIMODAL,
     "modalities": _MULTIMODAL,

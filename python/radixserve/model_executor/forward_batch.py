@@ -18,6 +18,7 @@ from radixserve.speculative.tree import flat_tree_mask, tree_positions
 if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionBackend
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from radixserve.multimodal.inputs import MultimodalForward
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -110,6 +111,10 @@ class ModelWorkerBatch:
     # [bs] whether each request asked for its final hidden states; None when none did.
     return_hidden_states: tuple[bool, ...] | None = None
     input_embeds: InputEmbeds | None = None  # extend rows given as embeddings (None: none)
+    # A prefill's image rows (multimodal/inputs.py), and the M-RoPE positions [3, num_tokens] of a
+    # batch with an image request in it (None: the 1-D positions on all three axes).
+    multimodal: MultimodalForward | None = None
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -188,6 +193,8 @@ class ForwardBatch:
     extend_logprob_next_token_ids: list[int] | None = None
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64
     input_embeds: InputEmbeds | None = None  # on the model's device
+    multimodal: MultimodalForward | None = None  # the model's encoder reads it (ModelWorkerBatch)
+    mrope_positions: torch.Tensor | None = None  # [3, num_tokens] int64 on the model's device
     # False for encoder models: every token attends to every token of its request.
     attn_causal: bool = True
     # A draft tree (ModelWorkerBatch.spec_tree_parents): per request its [e_b, e_b] ancestor mask
@@ -256,6 +263,12 @@ class ForwardBatch:
                 else None
             ),
             input_embeds=batch.input_embeds.to(device) if batch.input_embeds is not None else None,
+            multimodal=batch.multimodal,
+            mrope_positions=(
+                batch.mrope_positions.to(device, non_blocking=True)
+                if batch.mrope_positions is not None
+                else None
+            ),
             attn_causal=attn_causal,
             spec_tree_mask=tree_mask,
         )

@@ -333,6 +333,8 @@ class ModelRunner:
 
     def _decode_fast_path(self, batch: ModelWorkerBatch) -> CudaGraphRunner | CpuDecodeRunner | None:
         """A CUDA graph or the CPU fused decode when one can take `batch`; None for the module forward."""
+        if batch.mrope_positions is not None:
+            return None  # an image request's decode: its 3-D positions need the module forward
         for runner in (self.graph_runner, self.cpu_decode_runner):
             if runner is not None and runner.can_run(batch):
                 return runner

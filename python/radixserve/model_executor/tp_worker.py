@@ -54,6 +54,7 @@ class TpModelWorker:
             num_kv_heads=model_config.num_kv_heads,
             weights=runner.weights,
             lora=runner.lora,
+            takes_images=bool(getattr(runner.model, "takes_images", False)),
             expert_recorder=runner.expert_recorder,
         )
 

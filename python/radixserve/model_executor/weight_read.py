@@ -69,11 +69,22 @@ def read_piece(model: nn.Module, name: str, truncate_size: int) -> WeightPiece |
         raise WeightReadError("The weights are released (/resume_memory_occupation restores them).")
     owner = model.get_submodule(target.rpartition(".")[0]) if "." in target else model
     per_expert = getattr(owner, "checkpoint_piece", None)  # MoE experts: one slot of a stacked weight
-    piece = WeightPiece(*per_expert(name, param)) if per_expert else _locate(owner, param, shard)
-    too_large = weight_reply_error(name, piece.full_shape, truncate_size)
+    if per_expert is not None:
+        slot, full_shape, dim, start = per_expert(name, param)
+        _check_size(name, full_shape, truncate_size)
+        if slot is None:  # an expert another rank holds (--ep-size)
+            return None
+        piece = WeightPiece(slot, full_shape, dim, start)
+    else:
+        piece = _locate(owner, param, shard)
+        _check_size(name, piece.full_shape, truncate_size)
+    return _cut(piece, truncate_size)
+
+
+def _check_size(name: str, full_shape: tuple[int, ...], truncate_size: int) -> None:
+    too_large = weight_reply_error(name, full_shape, truncate_size)
     if too_large is not None:  # before any copy: every rank refuses alike (same full shape)
         raise WeightReadError(too_large)
-    return _cut(piece, truncate_size)
 
 
 def _locate(owner: nn.Module, param: torch.Tensor, shard: str | int | None) -> WeightPiece:

@@ -42,6 +42,7 @@ class WorkerInfo:
     weights: ModelWeights | None = None
     # LoRA adapters and their compute slots; None without --enable-lora.
     lora: LoRAManager | None = None
+    takes_images: bool = False  # the model has a vision tower (requests may carry images)
     # The MoE routing counts; None without --expert-distribution-recorder-mode.
     expert_recorder: ExpertDistributionRecorder | None = None
 

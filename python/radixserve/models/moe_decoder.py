@@ -41,7 +41,9 @@ class SparseMoeBlock(nn.Module):
     Parameter names are HF's (`gate` is the router, `shared_expert`, `shared_expert_gate`), so the
     checkpoint's names load unchanged; the routed experts are one FusedMoE (`experts`)."""
 
-    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TensorParallelComm, layer_id: int = 0) -> None:
+    def __init__(
+        self, hidden_size: int, spec: MoeSpec, tp: TensorParallelComm, layer_id: int = 0, ep_size: int = 1
+    ) -> None:
         super().__init__()
         self.top_k, self.renormalize = spec.top_k, spec.renormalize
         self.layer_id, self.num_experts = layer_id, spec.num_experts  # the model's layer index
@@ -51,7 +53,7 @@ class SparseMoeBlock(nn.Module):
         # not layers/linear.py's Linear, so the weight forms given to decoder linears (int8 under
         # w8a8_int8, fp16 copies) never touch it: routing stays the checkpoint's, and it is tiny.
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
-        self.experts = FusedMoE(spec.num_experts, hidden_size, spec.intermediate_size, tp)
+        self.experts = FusedMoE(spec.num_experts, hidden_size, spec.intermediate_size, tp, ep_size)
         self.shared_expert = (
             LlamaMLP(hidden_size, spec.shared_intermediate_size, False, tp)
             if spec.shared_intermediate_size
@@ -96,7 +98,8 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         global_id = parallel.stage_layers(config.num_hidden_layers)[0] + layer_id
         self.mlp: nn.Module
         if self.is_sparse(config, global_id):
-            self.mlp = SparseMoeBlock(config.hidden_size, self.moe_spec(config), parallel.tp, global_id)
+            spec = self.moe_spec(config)
+            self.mlp = SparseMoeBlock(config.hidden_size, spec, parallel.tp, global_id, parallel.ep_size)
         else:
             bias = getattr(config, "mlp_bias", False)
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, parallel.tp)

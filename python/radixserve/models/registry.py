@@ -11,6 +11,7 @@ from radixserve.models.llama_eagle import LlamaForCausalLMEagle, LlamaForCausalL
 from radixserve.models.mixtral import MixtralForCausalLM
 from radixserve.models.olmoe import OlmoeForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from radixserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -28,6 +29,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Images in (docs/multimodal.md)
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Mixture-of-experts (models/moe_decoder.py)
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

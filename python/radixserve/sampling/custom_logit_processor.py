@@ -23,9 +23,12 @@ import json
 import pickle
 import pickletools
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.server_args import ServerArgs
 
 # SGLang's module of built-in processors: a client that pickles one of them by reference gets
 # radixserve's class of the same name.
@@ -176,3 +179,17 @@ def load_processor(spec: str, allowed_modules: tuple[str, ...]) -> CustomLogitPr
         return cls()
     except TypeError as exc:  # an abstract class
         raise ValueError(f"{module}.{name} cannot be used: {exc}") from None
+
+
+def processor_for(spec: str, args: ServerArgs) -> tuple[CustomLogitProcessor | None, str | None]:
+    """A request's processor (the TokenizerManager checks it first; the scheduler again, for
+    in-process callers), or None and why it cannot have one."""
+    if not args.enable_custom_logit_processor or args.speculative_algorithm is not None:
+        return (
+            None,
+            "custom_logit_processor needs --enable-custom-logit-processor and no speculative decoding.",
+        )
+    try:
+        return load_processor(spec, tuple(args.custom_logit_processor_modules)), None
+    except ValueError as exc:
+        return None, f"Invalid custom_logit_processor: {exc}"

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from radixserve.multimodal.pad_values import without_pads
+
 
 @dataclass
 class PenaltyState:
@@ -69,7 +71,11 @@ class PenaltyState:
             counts = _count_matrix(outputs, bs, vocab_size, device)
         if use_rep:
             seen = _membership_matrix(
-                [list(r.origin_input_ids) + o for r, o in zip(reqs, outputs)], bs, vocab_size, device
+                # Image tokens are pad values past the vocabulary (multimodal/inputs.py), no tokens.
+                [without_pads(r.origin_input_ids) + o for r, o in zip(reqs, outputs)],
+                bs,
+                vocab_size,
+                device,
             )
         if use_min:
             suppress = _membership_matrix(suppress_ids, bs, vocab_size, device)

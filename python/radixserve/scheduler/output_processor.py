@@ -19,6 +19,7 @@ import torch
 
 from radixserve.managers.io_struct import BatchEmbeddingOut, BatchTokenIDOut, EmbeddingBatchResult, ReqTrace
 from radixserve.model_executor.forward_batch import GenerationBatchResult
+from radixserve.multimodal.inputs import maybe_clear_mm_inputs
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import FinishAbort, Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -85,6 +86,7 @@ class OutputProcessor:
             self._process_verify(batch, result, logprobs)
         else:
             self._process_prefill(batch, result, next_token_ids, logprobs)
+            maybe_clear_mm_inputs(batch.reqs, batch.seq_lens)
 
     @staticmethod
     def sampled_tokens(result: GenerationBatchResult) -> tuple[list[int | None], list[float] | None]:

@@ -28,6 +28,7 @@ from radixserve.sampling.sampling_params import STOP_REGEX_TAIL_TOKENS, Sampling
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.base_cache import BasePrefixCache
+    from radixserve.multimodal.inputs import MultimodalInputs
     from radixserve.scheduler.req_timeline import ReqTimeline
 
 
@@ -117,6 +118,9 @@ class Req:
         self.lora_id = lora_id
         # [prompt_len, hidden_size] fp32: the prompt as embeddings (its ids are placeholders).
         self.input_embeds = input_embeds
+        # Its images (multimodal/inputs.py: MultimodalInputs); the prompt's image tokens are
+        # their pad values then.
+        self.multimodal_inputs: MultimodalInputs | None = None
         self.cache_salt = cache_salt  # only requests with the same salt share cached prefixes
         # A CustomLogitProcessor instance (set by the scheduler from the request's spec), or None.
         self.custom_logit_processor: Any = None

@@ -18,6 +18,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     rid_matches,
 )
+from radixserve.multimodal.inputs import attach_mm_inputs
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
@@ -67,9 +68,11 @@ class RequestTable:
         max_req_len: int,  # prompt + output must fit this (min of context length and KV pool size)
         sync: RankSync | None = None,
         loras: Container[str] = (),  # the loaded LoRA adapters' ids (the worker's, live)
+        takes_images: bool = False,  # the model has a vision tower
     ) -> None:
         self.state = state
         self.loras = loras
+        self.takes_images = takes_images
         self.output = output
         self.limits = limits
         self.max_req_len = max_req_len
@@ -127,6 +130,9 @@ class RequestTable:
         if req.lora_id is not None and req.lora_id not in self.loras:
             # The TokenizerManager refuses these first; an in-process caller may not have.
             return f"LoRA adapter {req.lora_id!r} is not loaded (or the server runs without --enable-lora)."
+        if req.multimodal_inputs is not None and not self.takes_images:
+            # The TokenizerManager refuses these first; the pad values would crash a text model.
+            return "'image_data' is not supported: this server runs a text-only model."
         if req.is_embedding and input_len <= max_len:
             return None  # nothing is generated: the whole context is the prompt's
         if input_len >= max_len:
@@ -232,6 +238,8 @@ class RequestTable:
             tokenizer=tokenizer,
             lora_id=msg.lora_id,
         )
+        if msg.mm_inputs is not None:
+            attach_mm_inputs(req, msg.mm_inputs)
         if msg.trace is not None:  # only a traced request is timed (--enable-trace)
             req.timeline = ReqTimeline()
         return req

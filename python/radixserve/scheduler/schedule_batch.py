@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.model_executor.forward_batch import ForwardMode, InputEmbeds, ModelWorkerBatch
+from radixserve.multimodal.inputs import image_slices, mrope_batch_positions
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import Req
@@ -306,6 +307,12 @@ class ScheduleBatch:
             is_embedding=self.is_embedding,
             token_type_ids=self.token_type_ids if is_extend else None,
             input_embeds=self.input_embeds if self.forward_mode.is_prefill() else None,
+            multimodal=(
+                image_slices(self.reqs, self.prefix_lens, self.seq_lens)
+                if self.forward_mode.is_prefill()
+                else None
+            ),
+            mrope_positions=mrope_batch_positions(self.reqs, self.prefix_lens, self.extend_lens),
             label_token_ids=[r.label_token_ids for r in self.reqs] if self.is_embedding else None,
             spec_tree_parents=self.spec_tree_parents if self.forward_mode.is_target_verify() else None,
             lora_ids=self._lora_ids(),

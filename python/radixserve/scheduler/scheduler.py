@@ -46,7 +46,7 @@ from radixserve.mem_cache.hicache_build import build_hicache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.worker_api import ModelWorker
-from radixserve.sampling.custom_logit_processor import load_processor
+from radixserve.sampling.custom_logit_processor import processor_for
 from radixserve.scheduler.activity import Activity
 from radixserve.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixserve.scheduler.batch_log import BatchLog
@@ -157,9 +157,10 @@ class Scheduler:
             report_traces=args.enable_trace,
         )
         max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
-        lora = worker.info.lora
-        loras = lora.adapters if lora is not None else ()  # the live dict: loads and unloads show
-        self.requests = RequestTable(self.state, self.output, self.live_limits, max_req_len, sync, loras)
+        loras = worker.info.lora.adapters if worker.info.lora is not None else ()  # the live dict
+        self.requests = RequestTable(
+            self.state, self.output, self.live_limits, max_req_len, sync, loras, worker.info.takes_images
+        )
         self.health_probes = HealthProbes(self.state.live, self.output.collect)
         self.grammar = GrammarManager(
             self._grammar_backend_factory(grammar_backend),
@@ -273,7 +274,7 @@ class Scheduler:
         else:
             req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
         if error is None and msg.custom_logit_processor is not None:
-            error = self._attach_processor(req, msg.custom_logit_processor)
+            req.custom_logit_processor, error = processor_for(msg.custom_logit_processor, self.server_args)
         released = self.memory_occupation.released_message()
         if error is not None or released is not None:
             self.state.live[req.rid] = req
@@ -291,18 +292,6 @@ class Scheduler:
             msg, req
         ):  # PD: bootstrap first (PrefillBootstrapQueue / DecodePreallocQueue)
             self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
-
-    def _attach_processor(self, req: Req, spec: str) -> str | None:
-        """The request's custom logit processor (checked by the TokenizerManager; again here for
-        in-process callers), or why it cannot have one."""
-        args = self.server_args
-        if not args.enable_custom_logit_processor or args.speculative_algorithm is not None:
-            return "custom_logit_processor needs --enable-custom-logit-processor and no speculative decoding."
-        try:
-            req.custom_logit_processor = load_processor(spec, tuple(args.custom_logit_processor_modules))
-        except ValueError as exc:
-            return f"Invalid custom_logit_processor: {exc}"
-        return None
 
     def _build_session_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
         return RequestTable.build_req(replace(msg, input_ids=input_ids), self.eos_token_ids, self.tokenizer)

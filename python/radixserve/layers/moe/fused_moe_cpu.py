@@ -21,13 +21,23 @@ def fused_experts_grouped(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_start: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as fused_moe_native.fused_experts_native."""
+    """Same contract as fused_moe_native.fused_experts_native. Under expert parallelism
+    (`expert_start` set) w13 / w2 hold only experts [expert_start, expert_start + w13.shape[0]) of
+    the layer: pairs routed to other experts contribute nothing here (their ranks add them)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
+    flat_weights = topk_weights.reshape(-1)
+    pair_token = None  # the token of each pair kept, when only this rank's experts' pairs are
+    if expert_start is not None:
+        flat_ids = flat_ids - expert_start  # local expert ids; out of [0, num_experts): elsewhere
+        local = ((flat_ids >= 0) & (flat_ids < num_experts)).nonzero().flatten()
+        flat_ids, flat_weights, pair_token = flat_ids[local], flat_weights[local], local // top_k
     order = torch.argsort(flat_ids, stable=True)  # pair slots grouped by expert
-    token_idx = order // top_k  # [num_tokens * top_k]: the token of each sorted pair
+    # The token of each sorted pair.
+    token_idx = order // top_k if pair_token is None else pair_token.index_select(0, order)
     counts = torch.bincount(flat_ids, minlength=num_experts)  # [num_experts]
     sizes, ends = counts.tolist(), counts.cumsum(0).tolist()
     x = hidden.index_select(0, token_idx)  # [num_tokens * top_k, hidden_size]
@@ -36,6 +46,6 @@ def fused_experts_grouped(
         start, end = ends[e] - sizes[e], ends[e]
         act = silu_and_mul(linear(x[start:end], w13[e]))  # [n_e, inter]
         out[start:end] = linear(act, w2[e])
-    weights = topk_weights.reshape(-1).index_select(0, order).to(out.dtype)
+    weights = flat_weights.index_select(0, order).to(out.dtype)
     out.mul_(weights.unsqueeze(1))
     return torch.zeros_like(hidden).index_add_(0, token_idx, out)

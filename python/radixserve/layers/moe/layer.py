@@ -7,6 +7,13 @@ dimension (inter = moe_intermediate_size / tp_size) and the combined output, a p
 all-reduced, as a dense MLP's row-parallel down projection is. The router and the top-k choice are
 replicated, so every rank routes every token the same way.
 
+Under expert parallelism (--ep-size E, dividing tp_size) the TP ranks form E groups of tp_size / E:
+group g holds experts [g * n / E, (g + 1) * n / E) whole along their width across its group (each
+rank a 1 / (tp_size / E) slice, as above). Every rank still sees every token (attention is
+tensor-parallel, its output replicated), so a rank runs its own experts over the tokens routed to
+them and the same all-reduce adds up every rank's part: no all-to-all is needed, and the exchange is
+the one TP already pays (docs/models.md says what was measured).
+
 Checkpoints store one tensor per expert and projection (HF's `experts.{e}.gate_proj.weight`,
 Mixtral's `experts.{e}.w1.weight`); `weight_loader` copies each into its expert's slot, reading
 only this rank's slice.
@@ -42,44 +49,64 @@ def expert_param_name(name: str) -> str | None:
 
 class FusedMoE(nn.Module):
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallelComm
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallelComm,
+        ep_size: int = 1,
     ) -> None:
         super().__init__()
-        self.num_experts = num_experts
-        self.tp = tp
-        self.inter = divide(intermediate_size, tp.size, "moe intermediate size")  # this rank's part
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
+        self.num_experts = num_experts  # of the layer, over every rank
+        self.tp, self.ep_size = tp, ep_size
+        if tp.size % ep_size or num_experts % ep_size:
+            raise ModelLoadError(
+                f"--ep-size {ep_size} must divide --tp-size ({tp.size}) and the layer's {num_experts} experts"
+            )
+        moe_tp = tp.size // ep_size  # the ranks that share one expert's width
+        self.moe_tp_rank = tp.rank % moe_tp
+        self.num_local = num_experts // ep_size
+        self.expert_start = (tp.rank // moe_tp) * self.num_local  # this rank's first expert
+        self.inter = divide(intermediate_size, moe_tp, "moe intermediate size")  # this rank's part
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter))
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden [num_tokens, hidden_size], topk_* [num_tokens, top_k] -> [num_tokens, hidden_size]."""
-        out = fused_experts_grouped(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        start = self.expert_start if self.ep_size > 1 else None
+        out = fused_experts_grouped(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, start)
         if self.tp.size > 1:
             self.tp.all_reduce_(out)
         return out
 
     def checkpoint_piece(
         self, name: str, param: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[int, int], int, int]:
+    ) -> tuple[torch.Tensor | None, tuple[int, int], int, int]:
         """Where this rank's part of per-expert checkpoint tensor `name` lies in `param`:
-        (the slot in param, the full checkpoint tensor's shape, the dim it is split along, this
-        rank's start on it). Loading copies into the slot; /get_weights_by_name reads it back."""
+        (the slot in param, None for an expert another rank holds; the full checkpoint tensor's
+        shape; the dim it is split along; this rank's start on it). Loading copies into the slot;
+        /get_weights_by_name reads it back."""
         match = EXPERT_WEIGHT.search(name)
         if match is None:
             raise ModelLoadError(f"{name}: not a per-expert weight (experts.<id>.<proj>.weight)")
         expert, proj = int(match.group(1)), match.group(2)
         if not 0 <= expert < self.num_experts:
             raise ModelLoadError(f"{name}: expert {expert} of a layer with {self.num_experts}")
-        full_inter, start = self.inter * self.tp.size, self.tp.rank * self.inter
+        local = expert - self.expert_start
+        here = 0 <= local < self.num_local
+        full_inter, start = self.inter * (self.tp.size // self.ep_size), self.moe_tp_rank * self.inter
         if proj in _DOWN:  # [hidden, inter]: a rank holds a block of its columns
-            return param[expert], (param.shape[1], full_inter), 1, start
+            return (param[local] if here else None), (param.shape[1], full_inter), 1, start
         offset = 0 if proj in _GATE else self.inter  # gate rows, then up rows
-        return param[expert, offset : offset + self.inter], (full_inter, param.shape[-1]), 0, start
+        slot = param[local, offset : offset + self.inter] if here else None
+        return slot, (full_inter, param.shape[-1]), 0, start
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         slot, full_shape, dim, start = self.checkpoint_piece(loaded.name, param.data)
+        if slot is None:
+            return  # another rank's expert
         if tuple(loaded.shape) != full_shape:
             raise ModelLoadError(
                 f"Shape mismatch for {loaded.name}: the config implies {full_shape}, the checkpoint "

@@ -1,0 +1,153 @@
+"""A tiny random Qwen2.5-VL checkpoint for tests: config, weights, a tokenizer with the vision
+special tokens and the image processor's config, loadable by radixserve and HF transformers."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Special tokens first, so their ids are fixed: 0..6.
+VLM_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 3, 4, 5, 6
+TINY_VLM_VOCAB = 384
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+# Patches of 14 px merged 2x2: a 56x84 image is a 4x6 patch grid, 6 tokens for the LM. The pixel
+# limits keep test images small (at most 16 merged tokens).
+_PROCESSOR = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16, "patch_size": 14, "merge_size": 2}
+
+_TEXT = {
+    "vocab_size": TINY_VLM_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.25,
+    # head_dim 16: 8 rotary pairs split over (temporal, height, width).
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    # 56 px windows: 2x2 merged units each, so a 4x6 grid has several windows (and a ragged one).
+    "window_size": 56,
+    "fullatt_block_indexes": [1],
+    "initializer_range": 0.25,
+}
+
+
+def write_vlm_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from radixserve.testing.tiny_models import _CORPUS, CHATML_TEMPLATE
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VLM_VOCAB,
+        special_tokens=list(VLM_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 10, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML_TEMPLATE
+    hf.save_pretrained(str(path))
+
+
+def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
+    """Write a random tiny Qwen2_5_VLForConditionalGeneration to `path`."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(_TEXT),
+        vision_config=dict(_VISION),
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_ID,
+        vision_end_token_id=VISION_END_ID,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or ".norm1." in name or ".norm2." in name or "ln_q" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "visual" in name:
+                param.normal_(0.0, 0.25)
+    model.save_pretrained(path, safe_serialization=True)
+    write_vlm_tokenizer(path)
+    Qwen2VLImageProcessorPil(**_PROCESSOR).save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return path
+
+
+def random_image(width: int, height: int, seed: int) -> Any:  # noqa: ANN401 - a PIL image
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image_data_url(image: Any) -> str:  # noqa: ANN401 - a PIL image
+    """`image` as a PNG data: URL, one form /generate's image_data takes."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def hf_vlm_greedy(
+    model: Any, ids: list[int], pixel_values: Any, grid_thw: Any, max_new_tokens: int
+) -> list[int]:  # noqa: ANN401
+    """HF transformers' greedy tokens for a prompt whose image tokens are already expanded: one
+    prefill with the images, then one step per token over HF's KV cache (EOS is a token like any
+    other, as with ignore_eos; a generated image-pad id is a plain token too)."""
+    from transformers import DynamicCache
+
+    kwargs: dict[str, Any] = {}
+    if pixel_values is not None:
+        # The processor's mm_token_type_ids (1 at image tokens) switch on HF's M-RoPE positions.
+        types = torch.tensor([[int(t == IMAGE_TOKEN_ID) for t in ids]], dtype=torch.int32)
+        kwargs = {"pixel_values": pixel_values, "image_grid_thw": grid_thw, "mm_token_type_ids": types}
+    cache = DynamicCache(config=model.config)
+    model.model.rope_deltas = None  # HF keeps the last prompt's delta on the model: not this one's
+    out: list[int] = []
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, **kwargs).logits
+        for step in range(max_new_tokens):
+            out.append(int(logits[0, -1].argmax()))
+            if step + 1 < max_new_tokens:
+                logits = model(input_ids=torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits
+    return out
