@@ -2,6 +2,7 @@
 
     python benchmark/bench_hicache.py                     # 32 conversations, 2000-token documents
     python benchmark/bench_hicache.py --conversations 8 --doc-len 1000 --max-total-tokens 4096
+    python benchmark/bench_hicache.py --modes restart --conversations 4   # warm L3 after a restart
 
 Each conversation is a distinct random document (token ids) followed by `--turns` questions; turn
 t's prompt is the document plus questions 0..t, so each turn extends the previous one. The
@@ -10,6 +11,10 @@ conversations are replayed turn by turn (every conversation's turn 0, then every
 out of a KV pool (`--max-total-tokens`) that holds only a few documents. Each mode gets a fresh
 server: radix cache only, then `--enable-hierarchical-cache`. It prints TTFT p50/p90 of the
 follow-up turns (turn 0 is a cold prefill in both modes), output tok/s, and the tier counters.
+The `restart` mode measures the L3 tier: a server with `--hicache-storage-backend file` (a fresh
+directory, `--page-size 16`) answers each conversation's first turn cold, one at a time, and writes
+its pages to disk; a second server over the same directory (an empty tree) answers the same
+prompts again with `--hicache-storage-prefetch-policy wait_complete`. It prints the TTFT of both.
 Not a test: the numbers depend on the machine; docs/benchmarks.md records a run.
 """
 
@@ -18,8 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
+import tempfile
 import threading
 import time
 
@@ -101,6 +108,57 @@ def replay(url: str, convs: list[list[list[int]]], concurrency: int, max_tokens:
     }
 
 
+def sequential_ttfts(url: str, prompts: list[list[int]], max_tokens: int) -> list[float]:
+    with httpx.Client(base_url=url, timeout=1800) as client:
+        return [one_request(client, ids, max_tokens)[0] for ids in prompts]
+
+
+def hicache_state(url: str) -> dict[str, object]:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        return client.get("/get_server_info").json()["internal_states"][0]["hicache"]
+
+
+def wait_written(url: str, pages: int, limit_s: float = 600) -> None:
+    """Until the backup thread has written ``pages`` page files (or the limit passed)."""
+    deadline = time.monotonic() + limit_s
+    while hicache_state(url)["storage_written_pages"] < pages and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def restart(
+    model: str | None, base: list[str], convs: list[list[list[int]]], max_tokens: int
+) -> dict[str, object]:
+    """First turns cold on one server, then again on a restarted one over the same L3 directory."""
+    prompts = [conv[0] for conv in convs]
+    page_size = 16
+    flags = [
+        *base,
+        "--enable-hierarchical-cache",
+        "--page-size",
+        str(page_size),
+        "--hicache-storage-backend",
+        "file",
+    ]
+    with tempfile.TemporaryDirectory(prefix="bench_hicache_l3_") as directory:
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = directory  # the servers inherit it
+        with server(model, flags) as url:
+            cold = sequential_ttfts(url, prompts, max_tokens)
+            wait_written(url, sum((len(p) - 1) // page_size for p in prompts))
+            written = hicache_state(url)
+        with server(model, [*flags, "--hicache-storage-prefetch-policy", "wait_complete"]) as url:
+            warm = sequential_ttfts(url, prompts, max_tokens)
+            state = hicache_state(url)
+    return {
+        "ttft_cold_p50_s": round(statistics.median(cold), 3),
+        "ttft_warm_l3_p50_s": round(statistics.median(warm), 3),
+        "ratio": round(statistics.median(warm) / statistics.median(cold), 3),
+        "cold_s": [round(t, 3) for t in cold],
+        "warm_s": [round(t, 3) for t in warm],
+        "written": {k: written[k] for k in ("storage_files", "storage_bytes", "storage_write_time_s")},
+        "read": {k: state[k] for k in ("storage_hit_tokens", "storage_read_bytes", "storage_read_time_s")},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -115,7 +173,11 @@ def main() -> None:
     parser.add_argument("--hicache-ratio", type=float, default=6.0)
     parser.add_argument("--server-flags", default="", help="Extra flags for both servers.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="radix,hicache", help="Which servers to run, in order.")
+    parser.add_argument(
+        "--modes",
+        default="radix,hicache",
+        help="Which servers to run, in order: radix, hicache, restart (L3).",
+    )
     args = parser.parse_args()
     convs = conversations(args.conversations, args.doc_len, args.turns, args.seed)
     base = ["--max-total-tokens", str(args.max_total_tokens), *args.server_flags.split()]
@@ -125,10 +187,14 @@ def main() -> None:
     }
     report = {}
     for name in args.modes.split(","):
+        if name == "restart":
+            report[name] = restart(args.model, base, convs, args.max_tokens)
+            print(name, json.dumps(report[name]), flush=True)
+            continue
         with server(args.model, modes[name]) as url:
             report[name] = replay(url, convs, args.concurrency, args.max_tokens)
         print(name, json.dumps(report[name]), flush=True)
-    if len(report) == 2:
+    if "radix" in report and "hicache" in report:
         ratio = report["hicache"]["ttft_follow_up_p50_s"] / report["radix"]["ttft_follow_up_p50_s"]
         print(json.dumps({"ttft_follow_up_p50_ratio": round(ratio, 3)}))
 

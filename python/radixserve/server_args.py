@@ -366,12 +366,17 @@ class ServerArgs:
         choices=HICACHE_MEM_LAYOUTS,
     )
     hicache_storage_backend: str | None = _f(
-        None, "The L3 storage tier's backend (SGLang's names); not implemented yet: refused."
+        None,
+        "The L3 storage tier's backend: file (pages in $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
+        "default /tmp/hicache); SGLang's other names are refused.",
     )
     hicache_storage_prefetch_policy: str = _f(
         "best_effort",
-        "How long a request waits for an L3 prefetch; L3 is not implemented yet.",
+        "How long a request waits for its L3 prefetch: best_effort, wait_complete or timeout.",
         choices=HICACHE_STORAGE_PREFETCH_POLICIES,
+    )
+    hicache_storage_max_bytes: int = _f(
+        0, "Size cap of the L3 directory in bytes (LRU files deleted past it); 0: none."
     )
     disable_overlap_schedule: bool = _f(False, "Run the normal (non-overlapped) scheduler loop.")
     enable_overlap_schedule: bool = _f(

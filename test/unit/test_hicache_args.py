@@ -40,7 +40,13 @@ def test_kernel_io_backend_resolves_to_direct_on_cpu_and_the_loop_to_normal():
         ("--enable-hierarchical-cache --hicache-ratio 1", "must be > 1"),
         ("--enable-hierarchical-cache --hicache-ratio 0.5", "must be > 1"),
         ("--enable-hierarchical-cache --hicache-size -1", "must be >= 0"),
-        ("--enable-hierarchical-cache --hicache-storage-backend file", "L3 storage tier is not implemented"),
+        ("--enable-hierarchical-cache --hicache-storage-backend mooncake", "served by file"),
+        ("--enable-hierarchical-cache --hicache-storage-backend nixl", "served by file"),
+        ("--hicache-storage-backend file", "add it"),
+        (
+            "--enable-hierarchical-cache --hicache-storage-backend file --hicache-storage-max-bytes -1",
+            "must be >= 0",
+        ),
         ("--hicache-storage-backend s3", "hicache-storage-backend must be one of"),
         ("--enable-hierarchical-cache --hicache-storage-prefetch-policy timeout", "drop the flag"),
         ("--enable-hierarchical-cache --tp-size 2", "one rank"),
@@ -58,6 +64,23 @@ def test_a_ratio_is_only_checked_when_the_size_does_not_override_it():
         prepare_server_args("--enable-hierarchical-cache --hicache-ratio 1 --hicache-size 4".split())
     )
     validate_hicache(prepare_server_args("--hicache-ratio 1".split()))  # tier off: nothing to check
+
+
+def test_the_file_backend_and_its_prefetch_policies_are_served(monkeypatch):
+    from radixserve.configs.hicache_args import HiCacheConfig
+
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    for policy in ("best_effort", "wait_complete", "timeout"):
+        args = prepare_server_args(
+            f"--enable-hierarchical-cache --hicache-storage-backend file "
+            f"--hicache-storage-prefetch-policy {policy} --hicache-storage-max-bytes 1000000".split()
+        )
+        validate_hicache(args)
+        cfg = HiCacheConfig.from_server_args(args)
+        assert (cfg.storage_backend, cfg.prefetch_policy, cfg.storage_max_bytes) == ("file", policy, 10**6)
+        assert cfg.storage_dir == "/tmp/hicache"  # SGLang's default
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", "/data/kv")
+    assert HiCacheConfig.from_server_args(args).storage_dir == "/data/kv"
 
 
 def test_a_policy_the_cli_did_not_parse_is_still_refused():

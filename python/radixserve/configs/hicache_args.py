@@ -3,6 +3,8 @@ checks resolve() runs once (docs/hicache.md). `args` is the ServerArgs being res
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,12 +13,51 @@ if TYPE_CHECKING:
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_IO_BACKENDS = ("direct", "kernel")
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-# SGLang's L3 backends; none is implemented here yet (stage 2 of issue 41).
+# SGLang's L3 backends; "file" is the one served here.
 HICACHE_STORAGE_BACKENDS = ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic")
+SERVED_STORAGE_BACKENDS = ("file",)
+# SGLang's file backend reads its directory from this variable (default /tmp/hicache).
+STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+DEFAULT_STORAGE_DIR = "/tmp/hicache"
 HICACHE_STORAGE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # Speculative algorithms whose draft model keeps its own K/V pool at the target's slots: a page
 # loaded back from L2 would bring the target's KV but not the draft's.
 _DRAFT_POOL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """What the hierarchical cache is built from, resolved once from ServerArgs."""
+
+    ratio: float
+    size_gb: int
+    mem_layout: str
+    write_policy: str
+    eviction_policy: str
+    storage_backend: str | None  # None: L1 + L2 only
+    storage_dir: str
+    storage_max_bytes: int  # 0: no cap
+    prefetch_policy: str
+    model_path: str | None
+    weight_version: str
+    tp_size: int
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> HiCacheConfig:
+        return cls(
+            ratio=args.hicache_ratio,
+            size_gb=args.hicache_size,
+            mem_layout=args.hicache_mem_layout,
+            write_policy=args.hicache_write_policy,
+            eviction_policy=args.radix_eviction_policy,
+            storage_backend=args.hicache_storage_backend,
+            storage_dir=os.environ.get(STORAGE_DIR_ENV) or DEFAULT_STORAGE_DIR,
+            storage_max_bytes=args.hicache_storage_max_bytes,
+            prefetch_policy=args.hicache_storage_prefetch_policy,
+            model_path=args.model_path,
+            weight_version=args.weight_version,
+            tp_size=args.tp_size,
+        )
 
 
 def hicache_updates(args: ServerArgs, device: str) -> dict[str, Any]:
@@ -47,17 +88,7 @@ def validate_hicache(args: ServerArgs) -> None:
         args.hicache_storage_prefetch_policy,
         HICACHE_STORAGE_PREFETCH_POLICIES,
     )
-    if args.hicache_storage_backend is not None:
-        _choice("hicache-storage-backend", args.hicache_storage_backend, HICACHE_STORAGE_BACKENDS)
-        raise ValueError(
-            f"--hicache-storage-backend {args.hicache_storage_backend}: the L3 storage tier is not "
-            "implemented yet; HiCache runs with the host-memory tier (L2) only (docs/hicache.md)"
-        )
-    if args.hicache_storage_prefetch_policy != "best_effort":
-        raise ValueError(
-            "--hicache-storage-prefetch-policy applies to the L3 storage tier, which is not implemented "
-            "yet: drop the flag (docs/hicache.md)"
-        )
+    _validate_storage(args)
     if not args.enable_hierarchical_cache:
         return
     if args.disable_radix_cache:
@@ -72,6 +103,30 @@ def validate_hicache(args: ServerArgs) -> None:
             f"backs), got {args.hicache_ratio}"
         )
     _refuse_layouts(args)
+
+
+def _validate_storage(args: ServerArgs) -> None:
+    backend = args.hicache_storage_backend
+    if backend is not None:
+        _choice("hicache-storage-backend", backend, HICACHE_STORAGE_BACKENDS)
+        if backend not in SERVED_STORAGE_BACKENDS:
+            raise ValueError(
+                f"--hicache-storage-backend {backend} is not implemented; the L3 tier is served by "
+                f"{', '.join(SERVED_STORAGE_BACKENDS)} (docs/hicache.md)"
+            )
+        if not args.enable_hierarchical_cache:
+            raise ValueError(
+                "--hicache-storage-backend is the L3 tier of --enable-hierarchical-cache: add it"
+            )
+    elif args.hicache_storage_prefetch_policy != "best_effort":
+        raise ValueError(
+            "--hicache-storage-prefetch-policy applies to the L3 storage tier: add "
+            "--hicache-storage-backend file, or drop the flag (docs/hicache.md)"
+        )
+    if args.hicache_storage_max_bytes < 0:
+        raise ValueError(
+            f"--hicache-storage-max-bytes must be >= 0 (0: no cap), got {args.hicache_storage_max_bytes}"
+        )
 
 
 def _refuse_layouts(args: ServerArgs) -> None:

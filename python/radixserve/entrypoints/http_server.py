@@ -62,6 +62,7 @@ from radixserve.managers.tokenizer_manager import (
     RequestAbortedError,
     TokenizerManager,
 )
+from radixserve.utils.hicache_metrics import render_hicache
 from radixserve.utils.tracing import TraceMiddleware
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,13 @@ def _add_metrics_route(app: FastAPI, state: ServerState) -> None:
                 metrics.set_replica_loads(await tm.get_load())
             except RequestAbortedError as exc:  # a replica is stuck: serve the last gauges
                 logger.warning("/metrics: no load report from every replica (%s)", exc)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = metrics.render()
+        if tm.server_args.enable_hierarchical_cache and not (state.dead or state.restarting):
+            try:  # the scheduler owns the tiers
+                text += render_hicache(await tm.get_internal_states(), metrics.model_name)
+            except RequestAbortedError as exc:
+                logger.warning("/metrics: no HiCache report from every replica (%s)", exc)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:

@@ -108,6 +108,19 @@ class BasePrefixCache(ABC):
         stale). Returns device tokens freed."""
         return self.evict(self.evictable_size())
 
+    def weights_updated(self) -> None:
+        """The model's weights changed (HiCache L3: stop matching pages computed with the old ones)."""
+        return None
+
+    def prefetch_step(self, waiting: list[Any], idle: bool) -> None:
+        """Once per scheduling round, with the waiting queue (HiCache L3: start, poll and cancel
+        the storage prefetches; idle: nothing else can run, so it may wait a little)."""
+        return None
+
+    def prefetch_ready(self, req: Any) -> bool:
+        """Whether the prefetch policy lets this waiting request be admitted now."""
+        return True
+
     def tier_stats(self) -> dict[str, object]:
         """Per-tier sizes and traffic for /get_server_info; empty for a single-tier cache."""
         return {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -83,6 +83,9 @@ class HiRadixCache(RadixCache):
         upper.value = None if child.value is None else child.value[:n]
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
+        if child.hash_value is not None:
+            pages = n // self.page_size
+            upper.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
         upper.hit_count = child.hit_count
@@ -163,7 +166,11 @@ class HiRadixCache(RadixCache):
             done.append(nd)
         if done:
             self.mover.backup(torch.cat([nd.value for nd in done]), torch.cat([nd.host_value for nd in done]))
+            self._on_backed_up(done)
         return done
+
+    def _on_backed_up(self, nodes: list[TreeNode]) -> None:
+        """These nodes just got their L2 copy (the L3 tier writes them on)."""
 
     def _alloc_host(self, num_tokens: int, keep: set[TreeNode]) -> torch.Tensor | None:
         short = num_tokens - self.host_allocator.available_size()
@@ -241,6 +248,7 @@ class HiRadixCache(RadixCache):
         copies, self._copy_pending = self._copy_pending, []
         if copies:
             self.mover.backup(torch.cat([n.value for n in copies]), torch.cat([n.host_value for n in copies]))
+            self._on_backed_up(copies)
         device_slots = [n.value for n in victims]
         # In pop order, children before parents: a dropped parent takes its L2-only subtree along.
         for nd in victims:
@@ -405,8 +413,10 @@ def build_hiradix_cache(
     layout: str,
     write_policy: str,
     eviction_policy: str,
+    make: Callable[..., HiRadixCache] | None = None,
 ) -> HiRadixCache:
-    """The host tier sized by --hicache-ratio / --hicache-size, its mover and the tree over both."""
+    """The host tier sized by --hicache-ratio / --hicache-size, its mover and the tree over both
+    (built by ``make``, HiRadixCache's signature, when given: the L3 tier's subclass)."""
     size = host_pool_size(
         allocator.size, allocator.page_size, device_pool_bytes_per_token(device_pool), ratio, size_gb
     )
@@ -420,7 +430,7 @@ def build_hiradix_cache(
         write_policy,
     )
     mover = HiCacheMover(host_pool)
-    return HiRadixCache(
+    return (make or HiRadixCache)(
         req_to_token_pool, allocator, mover, allocator.page_size, eviction_policy, write_policy
     )
 

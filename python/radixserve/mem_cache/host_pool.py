@@ -122,6 +122,24 @@ class HostKVPool:
                 dst = dev_bufs[layer].view(dev_bufs[layer].shape[0], -1)
                 dst.index_copy_(0, dev, buf.to(dp.device, non_blocking=True))
 
+    def read_tokens(self, host_slots: torch.Tensor) -> torch.Tensor:
+        """A copy of host_slots' K/V ([N] int64) as [N, 2, num_layers, num_kv_heads, head_dim]:
+        the token-major form L3 page files hold."""
+        if self.layout == "layer_first":
+            k = torch.stack([b.index_select(0, host_slots) for b in self.k_buffer], dim=1)
+            v = torch.stack([b.index_select(0, host_slots) for b in self.v_buffer], dim=1)
+            return torch.stack([k, v], dim=1)
+        return self.kv_buffer.index_select(1, host_slots).transpose(0, 1).contiguous()
+
+    def write_tokens(self, host_slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store kv ([N, 2, num_layers, num_kv_heads, head_dim], read_tokens' form) at host_slots."""
+        if self.layout == "layer_first":
+            for layer in range(len(self.k_buffer)):
+                self.k_buffer[layer].index_copy_(0, host_slots, kv[:, 0, layer])
+                self.v_buffer[layer].index_copy_(0, host_slots, kv[:, 1, layer])
+            return
+        self.kv_buffer.index_copy_(1, host_slots, kv.transpose(0, 1))
+
     def _k_rows(self) -> list[torch.Tensor]:
         """layer_first's K buffers as [rows, heads * head_dim] views (empty for page_first)."""
         return [b.view(b.shape[0], -1) for b in self.k_buffer] if self.layout == "layer_first" else []

@@ -37,6 +37,7 @@ class TreeNode:
         "id",
         "namespace",
         "host_value",
+        "hash_value",
     )
 
     def __init__(
@@ -60,6 +61,8 @@ class TreeNode:
         # HiCache (hiradix_cache.py): the node's slots in the host tier, None while it has no copy
         # there; `value` is then None while the node is on the host tier only.
         self.host_value: torch.Tensor | None = None  # [len(key)] int64
+        # HiCache L3 (storage_keys.py): the content keys of the node's pages, computed when needed.
+        self.hash_value: list[str] | None = None
 
     def __repr__(self) -> str:
         head = self.key[:6]

@@ -110,6 +110,7 @@ class BatchBuilder:
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         st = self.state
+        self.mem.tree_cache.prefetch_step(st.waiting_queue, idle=st.running_batch.is_empty())
         if st.chunked_req is None:
             if not st.waiting_queue:
                 return None
@@ -165,6 +166,8 @@ class BatchBuilder:
                 continue  # a batch either samples or pools: the other kind runs in the next one
             if gate is not None and not gate.admits(req, adapters):
                 continue  # its adapter would be one too many: it waits for a later batch
+            if not self.mem.tree_cache.prefetch_ready(req):
+                continue  # HiCache L3: the prefetch policy holds it until its pages are read
             req.init_next_round_input(tree)
             if self._num_allocatable(len(adder.can_run_list), num_new) <= 0 and not self._preempt_for(
                 req, adder, need_slot=True

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from radixserve.configs.hicache_args import HiCacheConfig
 from radixserve.constrained.grammar_backend import GrammarBackend
 from radixserve.constrained.grammar_manager import NO_TOKENIZER, TURNED_OFF, GrammarManager
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
@@ -41,7 +42,7 @@ from radixserve.managers.io_struct import (
     TypeBasedDispatcher,
 )
 from radixserve.mem_cache.chunk_cache import ChunkCache
-from radixserve.mem_cache.hiradix_cache import build_hiradix_cache
+from radixserve.mem_cache.hicache_build import build_hicache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.worker_api import ModelWorker
@@ -124,15 +125,12 @@ class Scheduler:
         if args.disable_radix_cache or not worker.info.is_causal:
             cache: ChunkCache | RadixCache = ChunkCache(rows, allocator, allocator.page_size)
         elif args.enable_hierarchical_cache:
-            cache = build_hiradix_cache(
+            cache = build_hicache(
                 rows,
                 allocator,
                 worker.token_to_kv_pool,
-                args.hicache_ratio,
-                args.hicache_size,
-                args.hicache_mem_layout,
-                args.hicache_write_policy,
-                args.radix_eviction_policy,
+                HiCacheConfig.from_server_args(args),
+                worker.info.tp_rank,
             )
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)

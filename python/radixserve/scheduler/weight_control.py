@@ -131,6 +131,7 @@ class WeightControl:
             return False, f"Failed to update weights: {message}"
         if version is not None:
             self.weight_version = version
+        self.mem.tree_cache.weights_updated()
         message = f"Succeeded to update model weights ({what}); weight_version {self.weight_version}."
         if flush_cache:
             message += " " + self._flush()

@@ -134,6 +134,14 @@ def _replica(dp_rank: int | None, dp_size: int) -> int:
     return dp_rank if dp_rank is not None and 0 <= dp_rank < dp_size else 0
 
 
+def with_model_name(lines: list[str], model_name: str | None) -> list[str]:
+    """SGLang's `model_name` label added to every sample line (None: unchanged)."""
+    if model_name is None:
+        return lines
+    label = f'model_name="{_escape(model_name)}"'
+    return [_with_label(line, label) for line in lines]
+
+
 def _escape(value: str) -> str:
     """A Prometheus label value: backslash, double quote and newline escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -171,7 +179,7 @@ class ServerMetrics:
         the load gauges come per replica from the replicas' load reports (`set_replica_loads`).
         `speculative`: render the speculative-decoding series. `model_name`: every series carries
         it as SGLang's `model_name` label (the served model name)."""
-        self.model_label = None if model_name is None else f'model_name="{_escape(model_name)}"'
+        self.model_name = model_name
         self.max_total_num_tokens = max(1, max_total_num_tokens)
         self.dp_size = dp_size
         self.speculative = speculative  # render the speculative-decoding series
@@ -310,7 +318,6 @@ class ServerMetrics:
                 self.spec_accept_length,
                 self.spec_accept_rate,
             ]
-        lines = (line for p in parts for line in p.render())
-        if self.model_label is not None:
-            lines = (_with_label(line, self.model_label) for line in lines)
-        return "\n".join(lines) + "\n"
+        return (
+            "\n".join(with_model_name([line for p in parts for line in p.render()], self.model_name)) + "\n"
+        )
