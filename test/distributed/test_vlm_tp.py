@@ -27,6 +27,7 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_tp")))
 
 
+@pytest.mark.slow  # make test-all only (docs/testing.md): TP 2 is covered by the dense models' parity
 def test_tp2_matches_hf(vlm_dir: str) -> None:
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
