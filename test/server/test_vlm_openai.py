@@ -159,6 +159,21 @@ def test_image_url_forms_match_generate(servers: dict, media_url: str, local_dir
         assert body["choices"][0]["message"]["content"] == want["text"], form[:40]
 
 
+def test_responses_input_image(servers: dict) -> None:
+    url = servers["vlm"]
+    want = _generate(url, "Hello ", " what is this?")
+    data = "data:image/png;base64," + base64.b64encode(_png(1)).decode()
+    parts = [
+        {"type": "input_text", "text": "Hello "},
+        {"type": "input_image", "image_url": data, "detail": "auto"},
+        {"type": "input_text", "text": " what is this?"},
+    ]
+    body = {"input": [{"role": "user", "content": parts}], "max_output_tokens": 2, "store": False}
+    out = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["input_tokens"] == want["meta_info"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize(
     "image, message",
     [
