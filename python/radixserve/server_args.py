@@ -144,6 +144,11 @@ class ServerArgs:
     allowed_local_media_path: str | None = _f(
         None, "A folder whose files requests may name as file:// image URLs (vLLM's flag). Default: none."
     )
+    mm_cache_size_mb: int = _f(
+        100,
+        "MB of vision-encoder outputs kept by image hash (LRU) so a repeated image skips the encoder "
+        "(SGLang's SGLANG_VLM_CACHE_SIZE_MB); 0 turns the cache off.",
+    )
     media_fetch_timeout: float = _f(
         5.0, "Seconds one image URL may take to fetch before the request is a 400."
     )

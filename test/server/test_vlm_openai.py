@@ -174,6 +174,25 @@ def test_responses_input_image(servers: dict) -> None:
     assert out.json()["usage"]["input_tokens"] == want["meta_info"]["prompt_tokens"]
 
 
+def _mm_cache(url: str) -> dict:
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    return info["internal_states"][0]["mm_cache"]
+
+
+def test_embedding_cache_hit_is_counted(servers: dict) -> None:
+    """The same new image after different text: the second request reads the cached embedding."""
+    url = servers["vlm"]
+    data = "data:image/png;base64," + base64.b64encode(_png(7)).decode()
+    before = _mm_cache(url)
+    assert before["capacity_bytes"] == 100 * 2**20  # --mm-cache-size-mb's default
+    for text in ("First question about ", "A different opening, then "):
+        out = _chat(url, [{"type": "text", "text": text}, _image(data)])
+        assert out.status_code == 200, out.text
+    after = _mm_cache(url)
+    assert after["num_misses"] - before["num_misses"] == 1
+    assert after["num_hits"] - before["num_hits"] == 1
+
+
 @pytest.mark.parametrize(
     "image, message",
     [

@@ -233,6 +233,8 @@ def _check_grammar_backend(name: str) -> None:
 
 
 def _check_media(args: ServerArgs) -> None:
+    if args.mm_cache_size_mb < 0:
+        raise ValueError(f"--mm-cache-size-mb must be >= 0 (0: off), got {args.mm_cache_size_mb}")
     if not args.media_fetch_timeout > 0:
         raise ValueError(f"--media-fetch-timeout must be > 0 seconds, got {args.media_fetch_timeout}")
     path = args.allowed_local_media_path
