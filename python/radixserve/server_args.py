@@ -135,6 +135,23 @@ class ServerArgs:
         "Comma-separated host names the Host header may carry besides the bind address (DNS-rebinding "
         "protection); '*' accepts any. With --host 0.0.0.0 or :: any Host is accepted unless this is set.",
     )
+    allowed_media_domains: tuple[str, ...] | None = _f(
+        None,
+        "Host names (exact) that image URLs (http/https) may be fetched from (vLLM's flag). Default: "
+        "none; an image URL is then a 400 and images come as data: URLs or base64.",
+        nargs="*",
+    )
+    allowed_local_media_path: str | None = _f(
+        None, "A folder whose files requests may name as file:// image URLs (vLLM's flag). Default: none."
+    )
+    mm_cache_size_mb: int = _f(
+        100,
+        "MB of vision-encoder outputs kept by image hash (LRU) so a repeated image skips the encoder "
+        "(SGLang's SGLANG_VLM_CACHE_SIZE_MB); 0 turns the cache off.",
+    )
+    media_fetch_timeout: float = _f(
+        5.0, "Seconds one image URL may take to fetch before the request is a 400."
+    )
     storage_dir: str | None = _f(
         None,
         "Directory of the durable store (SQLite, WAL) of what outlives a request: stored Responses "

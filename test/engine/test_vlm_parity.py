@@ -9,6 +9,7 @@ import torch
 from scheduler_harness import SchedulerRun, WorkerCache
 
 from radixserve.managers.io_struct import MultimodalPayload, TokenizedGenerateReqInput
+from radixserve.multimodal.embedding_cache import EmbeddingCache
 from radixserve.multimodal.processor import ImageInputProcessor, load_image_processor
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.testing.tiny_vlm import (
@@ -64,6 +65,14 @@ def _encoder_runs(run: SchedulerRun) -> int:
     return run.worker.model_runner.model.num_encoder_runs
 
 
+def _use_mm_cache(run: SchedulerRun, capacity_bytes: int | None) -> EmbeddingCache | None:
+    """A fresh embedding cache on the shared worker's model (None: off), so what a test counts
+    does not depend on the images earlier tests left in it."""
+    cache = EmbeddingCache(capacity_bytes) if capacity_bytes is not None else None
+    run.worker.model_runner.model.mm_cache = cache
+    return cache
+
+
 def _cases(tok, processor) -> dict[str, tuple[list[int], MultimodalPayload | None]]:
     cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
     return {
@@ -78,6 +87,7 @@ def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
     hf, processor, tok, workers = setup
     cases = _cases(tok, processor)
     run = SchedulerRun(*workers.get("vlm", page_size))
+    _use_mm_cache(run, None)
     before = _encoder_runs(run)
     for rid, (ids, mm) in cases.items():  # one batch: the text-only request rides with the images
         _submit(run, rid, ids, mm)
@@ -108,6 +118,7 @@ def test_chunked_prefill_through_images(setup, loop: str) -> None:
         disable_overlap_schedule=loop != "overlap",
         enable_mixed_chunk=loop == "mixed",
     )
+    _use_mm_cache(run, None)
     before = _encoder_runs(run)
     for rid in ("one", "two"):
         _submit(run, rid, *cases[rid])
@@ -129,6 +140,7 @@ def test_prefix_reuse_only_for_the_same_image(setup) -> None:
     image_start, image_end = first_mm.items[0].offset, first_mm.items[0].offset + first_mm.items[0].num_tokens
     assert first_ids == other_ids  # the same tokens: only the pad values tell the images apart
     run = SchedulerRun(*workers.get("vlm", 1))
+    _use_mm_cache(run, None)  # the radix cache alone skips the encoder here
     _submit(run, "first", first_ids, first_mm)
     run.run_until_idle()
     before = _encoder_runs(run)
@@ -144,10 +156,12 @@ def test_prefix_reuse_only_for_the_same_image(setup) -> None:
     run.close()
 
 
-def test_retracted_image_request_encodes_again(setup) -> None:
+@pytest.mark.parametrize("mm_cache", [False, True])
+def test_retracted_image_request_encodes_again(setup, mm_cache: bool) -> None:
     """A pool that admits several requests but cannot hold them to their end (admission is made
     optimistic) forces a retraction: the retracted image request computes its prompt again,
-    encoding its image again from the pixels it kept, and still matches HF."""
+    encoding its image again from the pixels it kept (cache off) or reading the embedding cache
+    (on), and still matches HF."""
     hf, processor, tok, workers = setup
     cases = [
         _prompt(tok, processor, f"Look {IMAGE_PLACEHOLDER} {i}:", [random_image(84, 56, seed=10 + i)])
@@ -155,13 +169,16 @@ def test_retracted_image_request_encodes_again(setup) -> None:
     ]
     largest = max(len(ids) for ids, _ in cases) + NUM_NEW
     run = SchedulerRun(*workers.get("vlm", 1, max_total_tokens=largest * 2), schedule_conservativeness=0.3)
+    cache = _use_mm_cache(run, 2**20 if mm_cache else None)
     before = _encoder_runs(run)
     for i, (ids, mm) in enumerate(cases):
         _submit(run, f"r{i}", ids, mm)
     run.run_until_idle()
     retracted = run.scheduler.output.stats.num_retracted_reqs
     assert retracted > 0, "the pool never forced a retraction"
-    assert _encoder_runs(run) - before == len(cases) + retracted
+    assert _encoder_runs(run) - before == len(cases) + (0 if mm_cache else retracted)
+    if cache is not None:
+        assert cache.num_hits == retracted
     for i, (ids, mm) in enumerate(cases):
         assert run.outputs[f"r{i}"] == _reference(hf, ids, mm), i
     run.close()
@@ -212,4 +229,35 @@ def test_repetition_penalty_counts_only_real_prompt_tokens(setup) -> None:
     run.scheduler.process_input_requests([TokenizedGenerateReqInput("rep", "", ids, params, mm_inputs=mm)])
     run.run_until_idle()
     assert run.finished["rep"]["type"] == "length" and len(run.outputs["rep"]) == NUM_NEW
+    run.close()
+
+
+def test_embedding_cache_skips_the_encoder(setup) -> None:
+    """The same image after other text (no radix prefix through it) reads the cached embedding:
+    the encoder does not run, the tokens still equal HF's. A cache that holds one image evicts
+    the least recently used, and the evicted image is encoded again."""
+    hf, processor, tok, workers = setup
+    cat, dog = random_image(84, 56, seed=21), random_image(56, 84, seed=22)
+    first = _prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat])
+    moved = _prompt(tok, processor, f"Other words first, then {IMAGE_PLACEHOLDER} again", [cat])
+    run = SchedulerRun(*workers.get("vlm", 1))
+    assert first[1] is not None
+    one_image_bytes = first[1].items[0].num_tokens * hf.config.text_config.hidden_size * 4
+    cache = _use_mm_cache(run, one_image_bytes)
+    assert cache is not None
+    before = _encoder_runs(run)
+    _submit(run, "first", *first)
+    run.run_until_idle()
+    _submit(run, "moved", *moved)
+    run.run_until_idle()
+    assert run.cached_tokens["moved"] < moved[1].items[0].offset  # no radix reuse through the image
+    assert _encoder_runs(run) - before == 1 and cache.num_hits == 1
+    for rid, case in {"first": first, "moved": moved}.items():
+        assert run.outputs[rid] == _reference(hf, *case), rid
+    _submit(run, "dog", *_prompt(tok, processor, f"A {IMAGE_PLACEHOLDER}", [dog]))
+    run.run_until_idle()
+    assert cache.num_evictions == 1 and cache.stats()["num_entries"] == 1
+    _submit(run, "cat-again", *_prompt(tok, processor, f"Again: {IMAGE_PLACEHOLDER}?", [cat]))
+    run.run_until_idle()
+    assert _encoder_runs(run) - before == 3  # cat, dog, and cat again after its eviction
     run.close()

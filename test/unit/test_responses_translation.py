@@ -31,7 +31,7 @@ def request(**fields: object) -> ResponsesRequest:
         ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
         ({"input": "hi", "conversation": "conv_1"}, "conversation"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]}, "input"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
         ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
         ({"input": "hi", "truncation": "auto"}, "truncation"),
@@ -241,3 +241,17 @@ def test_input_item_pages_follow_openai_cursors() -> None:
     assert [i["id"] for i in page(items, None, 20, "desc").data] == ["i4", "i3", "i2", "i1", "i0"]
     with pytest.raises(ValueError, match="after"):
         page(items, "nope", 2, "asc")
+
+
+def test_input_image_becomes_a_chat_image_url_part() -> None:
+    parts = [
+        {"type": "input_text", "text": "What is "},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"},
+        {"type": "input_text", "text": "?"},
+    ]
+    chat = to_chat_request(request(input=[{"role": "user", "content": parts}]), [], None)
+    content = chat.messages[0].content
+    assert [p.type for p in content] == ["text", "image_url", "text"]
+    assert content[1].image_url.url == "data:image/png;base64,AAAA" and content[1].image_url.detail == "low"
+    assert chat.messages[0].text() == "What is ?"
+    assert chat.messages[0].image_urls() == ["data:image/png;base64,AAAA"]

@@ -5,6 +5,7 @@ names the flag and what to change."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,6 +52,7 @@ def validate_server_args(args: ServerArgs) -> None:
     if args.log_requests_level not in (0, 1, 2, 3):
         raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {args.log_requests_level}")
     validate_speculative(args)
+    _check_media(args)
     args.layout().check()  # LayoutError (a ValueError) says which flag to change
     if args.nnodes > 1 and not args.dist_init_addr:
         raise ValueError(
@@ -228,3 +230,13 @@ def _check_grammar_backend(name: str) -> None:
                 "--grammar-backend xgrammar needs the 'xgrammar' package, which is not installed: "
                 "pip install xgrammar, or pass --grammar-backend none to run without constrained decoding"
             )
+
+
+def _check_media(args: ServerArgs) -> None:
+    if args.mm_cache_size_mb < 0:
+        raise ValueError(f"--mm-cache-size-mb must be >= 0 (0: off), got {args.mm_cache_size_mb}")
+    if not args.media_fetch_timeout > 0:
+        raise ValueError(f"--media-fetch-timeout must be > 0 seconds, got {args.media_fetch_timeout}")
+    path = args.allowed_local_media_path
+    if path is not None and not os.path.isdir(path):
+        raise ValueError(f"--allowed-local-media-path must be an existing folder, got {path!r}")

@@ -340,7 +340,8 @@ class RequestItem:
     lora_id: str | None = None  # its current load's id (the TokenizerManager's LoRARegistry)
     return_hidden_states: bool = False
     input_embeds: list[list[float]] | None = None  # instead of text / input_ids
-    image_data: tuple[str, ...] | None = None  # the prompt's images (data: URLs / base64)
+    # The prompt's images: data: URLs, base64, URLs; bytes once media_fetch fetched a URL.
+    image_data: tuple[str | bytes, ...] | None = None
     no_logs: bool = False
     health_check: bool = False
     cache_salt: str | None = None

@@ -56,6 +56,7 @@ from radixserve.managers.quarantine import Quarantine
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.managers.request_logger import RequestLogger
 from radixserve.managers.request_metrics import observe_finish, observe_load, observe_output
+from radixserve.multimodal.media_fetch import MediaFetcher
 from radixserve.multimodal.processor import load_image_processor
 from radixserve.server_args import ServerArgs
 from radixserve.utils.metrics import ServerMetrics
@@ -95,6 +96,7 @@ class TokenizerManager:
         # reported it (configs/pooling.py); None for generation models.
         self.is_generation = bool(scheduler_info.get("is_generation", True))
         self.images = load_image_processor(server_args.model_path)  # None: a text-only model
+        self.media = MediaFetcher.of(server_args)  # image URLs, fetched on this loop
         self.limits = ModelLimits.of(server_args, scheduler_info, self.vocab_size, self.images)
         self.embedding_info: dict[str, Any] | None = scheduler_info.get("embedding")
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixserve-tokenize")
@@ -234,7 +236,7 @@ class TokenizerManager:
     async def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
         """Tokenize and validate every item first, so a bad item rejects the whole call."""
         self._raise_if_dead()
-        items = self.lora.resolve(expand_generate(self.limits, obj))
+        items = await self.media.resolve(self.lora.resolve(expand_generate(self.limits, obj)))
         if self.server_args.disaggregation_mode == "decode":
             # Prompt logprobs come from the prefill server (a PD router merges them); this side
             # reports none, so the merged list has each prompt position once.

@@ -30,6 +30,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBat
 from radixserve.model_executor.weight_only_forms import WeightOnlyForms, create_weight_only
 from radixserve.model_executor.weight_sync import ModelWeights
 from radixserve.model_loader.loader import load_model
+from radixserve.multimodal.embedding_cache import embedding_cache_of
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class ModelRunner:
         torch.manual_seed(server_args.random_seed)
         start = time.perf_counter()
         self.model = load_model(model_config, server_args.load_format, self.device, parallel=self.parallel)
+        if getattr(self.model, "takes_images", False):
+            self.model.mm_cache = embedding_cache_of(server_args.mm_cache_size_mb)
         logger.info(
             "Model loaded in %.1f s (%s, %s)",
             time.perf_counter() - start,

@@ -55,6 +55,7 @@ class TpModelWorker:
             weights=runner.weights,
             lora=runner.lora,
             takes_images=bool(getattr(runner.model, "takes_images", False)),
+            mm_cache=getattr(runner.model, "mm_cache", None),
             expert_recorder=runner.expert_recorder,
         )
 

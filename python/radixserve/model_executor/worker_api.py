@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from radixserve.lora.manager import LoRAManager
     from radixserve.model_executor.tp_worker import TpModelWorker
     from radixserve.model_executor.weight_sync import ModelWeights
+    from radixserve.multimodal.embedding_cache import EmbeddingCache
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class WorkerInfo:
     # LoRA adapters and their compute slots; None without --enable-lora.
     lora: LoRAManager | None = None
     takes_images: bool = False  # the model has a vision tower (requests may carry images)
+    mm_cache: EmbeddingCache | None = None  # its encoder outputs by image hash (--mm-cache-size-mb)
     # The MoE routing counts; None without --expert-distribution-recorder-mode.
     expert_recorder: ExpertDistributionRecorder | None = None
 

@@ -27,7 +27,8 @@ from radixserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
-    from radixserve.multimodal.inputs import MultimodalForward
+    from radixserve.multimodal.embedding_cache import EmbeddingCache
+    from radixserve.multimodal.inputs import MultimodalDataItem, MultimodalForward
 
 # Checkpoint name prefixes: the original release's and transformers 5's own save format.
 _VISUAL_PREFIXES = ("visual.", "model.visual.")
@@ -60,6 +61,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
             )
         self.visual = Qwen2_5_VisionTransformer(config.vision_config)
         self.num_encoder_runs = 0  # images encoded so far (tests count them)
+        self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
 
     def forward(
         self,
@@ -82,12 +84,21 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         for s in mm.slices:
             embedding = s.item.embedding
             if embedding is None:
-                embedding = self.visual(s.item.pixel_values, s.item.grid_thw)  # [num_tokens, hidden]
-                s.item.embedding = embedding
-                self.num_encoder_runs += 1
+                embedding = s.item.embedding = self._encode(s.item)
             rows.append(torch.arange(s.row_start, s.row_start + s.token_end - s.token_start))
             values.append(embedding[s.token_start : s.token_end])
         return InputEmbeds(torch.cat(rows).to(device), torch.cat(values))
+
+    def _encode(self, item: MultimodalDataItem) -> torch.Tensor:
+        """[num_tokens, hidden] of one image: the cached output, else the tower's (then cached)."""
+        cache = self.mm_cache
+        embedding = cache.get(item.image_hash) if cache is not None else None
+        if embedding is None:
+            embedding = self.visual(item.pixel_values, item.grid_thw)
+            self.num_encoder_runs += 1
+            if cache is not None:
+                cache.put(item.image_hash, embedding)
+        return embedding
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True

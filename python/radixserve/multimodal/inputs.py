@@ -36,6 +36,7 @@ class MultimodalDataItem:
     offset: int  # first image token's index in the prompt
     num_tokens: int
     pad_value: int
+    image_hash: int  # 64 bits of the processed pixels' sha256: the embedding cache's key
     embedding: torch.Tensor | None = None  # [num_tokens, hidden_size] on the model's device
 
     @property
@@ -52,7 +53,9 @@ class MultimodalInputs:
     @classmethod
     def from_payload(cls, payload: MultimodalPayload) -> MultimodalInputs:
         items = [
-            MultimodalDataItem(i.pixel_values, i.grid_thw, i.offset, i.num_tokens, pad_value_of(i.hash))
+            MultimodalDataItem(
+                i.pixel_values, i.grid_thw, i.offset, i.num_tokens, pad_value_of(i.hash), i.hash
+            )
             for i in payload.items
         ]
         return cls(items, payload.mrope_positions, payload.mrope_position_delta)

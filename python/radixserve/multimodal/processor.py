@@ -54,7 +54,9 @@ class ImageInputProcessor:
         self.image_token_id = int(config["image_token_id"])
         self.merge = int(config["vision_config"].get("spatial_merge_size", 2))
 
-    def process(self, ids: list[int], image_data: Sequence[str]) -> tuple[list[int], MultimodalPayload]:
+    def process(
+        self, ids: list[int], image_data: Sequence[str | bytes]
+    ) -> tuple[list[int], MultimodalPayload]:
         """`ids` with each image token expanded to the image's token count, and the payload."""
         places = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(places) != len(image_data):
@@ -96,26 +98,14 @@ def image_hash(pixels: torch.Tensor, grid: tuple[int, int, int]) -> int:
     return int.from_bytes(digest.digest()[:8], "little")
 
 
-def decode_image(data: str) -> Any:  # noqa: ANN401 - a PIL image
-    """A data: URL or bare base64 string as an RGB PIL image; BadImageError otherwise."""
+def decode_image(data: str | bytes) -> Any:  # noqa: ANN401 - a PIL image
+    """A data: URL, a bare base64 string or fetched bytes (media_fetch.py) as an RGB PIL image;
+    BadImageError otherwise."""
     from PIL import Image, UnidentifiedImageError
 
-    if not isinstance(data, str) or not data:
-        raise BadImageError("Each image must be a non-empty string (a data: URL or base64).")
-    if data.startswith("data:"):
-        header, sep, data = data.partition(",")
-        if not sep or ";base64" not in header:
-            raise BadImageError("An image data: URL must be base64-encoded (data:image/png;base64,...).")
-    elif data.startswith(("http://", "https://", "file:", "/")):
-        raise BadImageError(
-            "Images are accepted as data: URLs or base64 strings; URLs and files are not fetched yet."
-        )
-    if len(data) * 3 // 4 > MAX_IMAGE_BYTES:
+    raw = data if isinstance(data, bytes) else _base64_bytes(data)
+    if len(raw) > MAX_IMAGE_BYTES:
         raise BadImageError(f"An image is larger than {MAX_IMAGE_BYTES // 2**20} MiB.")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadImageError("An image is not valid base64.") from None
     try:
         image = Image.open(io.BytesIO(raw))
         if image.width * image.height > MAX_IMAGE_PIXELS:
@@ -126,6 +116,25 @@ def decode_image(data: str) -> Any:  # noqa: ANN401 - a PIL image
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise BadImageError(f"Cannot decode an image: {exc}") from None
     return image.convert("RGB")
+
+
+def _base64_bytes(data: str) -> bytes:
+    if not isinstance(data, str) or not data:
+        raise BadImageError("Each image must be a non-empty string (a data: URL, a URL or base64).")
+    if data.startswith("data:"):
+        header, sep, data = data.partition(",")
+        if not sep or ";base64" not in header:
+            raise BadImageError("An image data: URL must be base64-encoded (data:image/png;base64,...).")
+    elif data.startswith(("http://", "https://", "file:")):
+        # The TokenizerManager fetches URLs (media_fetch.py) before this runs; a direct caller
+        # of the processor passes the image itself.
+        raise BadImageError("An image URL reached the image processor unfetched.")
+    if len(data) * 3 // 4 > MAX_IMAGE_BYTES:
+        raise BadImageError(f"An image is larger than {MAX_IMAGE_BYTES // 2**20} MiB.")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadImageError("An image is not valid base64.") from None
 
 
 def read_config(model_path: str) -> dict[str, Any] | None:

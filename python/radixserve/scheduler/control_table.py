@@ -121,6 +121,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "forward_sleep_time": s.operators.forward_sleep_time,
         "num_sessions": len(s.sessions.sessions),
         **_tiers(s),
+        **({"mm_cache": s.worker.info.mm_cache.stats()} if s.worker.info.mm_cache is not None else {}),
         **s.live_limits.as_dict(),
         # Each rank's own pool (they must agree), gathered from every rank: all ranks
         # receive this request in the same step.

@@ -24,6 +24,15 @@ VLM_SPECIAL_TOKENS = (
 VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 3, 4, 5, 6
 TINY_VLM_VOCAB = 384
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# ChatML whose content may be a list of parts, an image part rendered as the image placeholder
+# where it stands (the shape of Qwen2.5-VL's own template).
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}" + IMAGE_PLACEHOLDER + "{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # Patches of 14 px merged 2x2: a 56x84 image is a 4x6 patch grid, 6 tokens for the LM. The pixel
 # limits keep test images small (at most 16 merged tokens).
@@ -64,7 +73,7 @@ def write_vlm_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from radixserve.testing.tiny_models import _CORPUS, CHATML_TEMPLATE
+    from radixserve.testing.tiny_models import _CORPUS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -76,7 +85,7 @@ def write_vlm_tokenizer(path: Path) -> None:
     )
     tok.train_from_iterator(_CORPUS * 10, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    hf.chat_template = CHATML_TEMPLATE
+    hf.chat_template = VLM_CHAT_TEMPLATE
     hf.save_pretrained(str(path))
 
 

@@ -22,6 +22,7 @@ from radixserve.entrypoints.openai.protocol import (
     DeltaMessage,
     FunctionCall,
     NamedToolChoice,
+    TextContentPart,
     Tool,
     ToolCall,
 )
@@ -107,7 +108,7 @@ def forced_calls_schema(tools: list[Tool], choice: Any, parallel: bool) -> dict[
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    d: dict[str, Any] = {"role": m.role, "content": m.text()}
+    d: dict[str, Any] = {"role": m.role, "content": _template_content(m)}
     if m.name is not None:
         d["name"] = m.name
     if m.tool_call_id is not None:
@@ -122,6 +123,19 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
             for c in m.tool_calls
         ]
     return d
+
+
+def _template_content(m: ChatMessage) -> str | list[dict[str, Any]]:
+    """A message's content as chat templates take it: a string, or (with images) the parts in
+    order, each image as {"type": "image"} (what a VLM's template, e.g. Qwen2.5-VL's, renders as
+    its image placeholder; the image itself travels in image_data)."""
+    if not m.image_urls():
+        return m.text()
+    assert isinstance(m.content, list)
+    return [
+        {"type": "text", "text": p.text} if isinstance(p, TextContentPart) else {"type": "image"}
+        for p in m.content
+    ]
 
 
 def _arguments_obj(arguments: str | None) -> Any:  # noqa: ANN401

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
@@ -179,6 +179,19 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class ImageURL(RequestModel):
+    url: str  # data:image/...;base64,..., http(s):// (--allowed-media-domains) or file://
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor's limits decide
+
+
+class ImageUrlContentPart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ChatContentPart = Annotated[TextContentPart | ImageUrlContentPart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     name: str | None = None
     arguments: str | None = None  # a JSON object as text (OpenAI's shape)
@@ -212,7 +225,7 @@ class NamedToolChoice(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ChatContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an earlier assistant turn that called tools
     tool_call_id: str | None = None  # a tool result answers this call
@@ -222,7 +235,12 @@ class ChatMessage(RequestModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImageUrlContentPart)]
 
 
 class ResponseFormat(RequestModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from radixserve.entrypoints.openai.chat_images import chat_images
 from radixserve.entrypoints.openai.chat_tools import (
     ChatPlan,
     ChoiceStream,
@@ -53,6 +54,7 @@ class ChatHandler:
         lora = model_lora(req.model, self.served_names)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs is only allowed when logprobs is true.")
+        images = chat_images(req, self.tm.limits.image_refusal)
         # Tools (prompt + forcing grammar) and reasoning are decided in chat_tools.
         prompt, plan = plan_chat(req, self.tm.tokenizer, self.tm.server_args)
         # The template already holds BOS and friends; adding them again would duplicate them.
@@ -79,6 +81,7 @@ class ChatHandler:
             lora_path=lora,
             return_hidden_states=req.return_hidden_states,
             cache_salt=req.cache_salt,
+            image_data=images,
         )
         return native, plan
 

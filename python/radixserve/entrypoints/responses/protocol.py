@@ -52,7 +52,15 @@ class ReasoningText(StrictModel):
     text: str
 
 
-ContentPart = Annotated[InputText | RefusalPart, Field(discriminator="type")]
+class InputImage(StrictModel):
+    """An image by URL (data:, http(s):// or file://, as chat's image_url); file_id is not served."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+ContentPart = Annotated[InputText | RefusalPart | InputImage, Field(discriminator="type")]
 
 
 class MessageItem(StrictModel):
@@ -68,7 +76,11 @@ class MessageItem(StrictModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text if isinstance(p, InputText) else p.refusal for p in self.content)
+        return "".join(
+            p.text if isinstance(p, InputText) else p.refusal
+            for p in self.content
+            if not isinstance(p, InputImage)
+        )
 
 
 class FunctionCallItem(StrictModel):

@@ -17,11 +17,15 @@ from typing import Any
 
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatContentPart,
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
+    ImageURL,
+    ImageUrlContentPart,
     NamedToolChoice,
     ResponseFormat,
+    TextContentPart,
     Tool,
     ToolCall,
 )
@@ -29,7 +33,9 @@ from radixserve.entrypoints.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
+    InputImage,
     InputItem,
+    InputText,
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
@@ -124,7 +130,7 @@ def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append(ChatMessage(role=item.role, content=item.text()))
+            messages.append(ChatMessage(role=item.role, content=_message_content(item)))
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
@@ -135,6 +141,19 @@ def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
     return messages
+
+
+def _message_content(item: MessageItem) -> str | list[ChatContentPart]:
+    """Text, or (with input_image parts) chat's parts in order: the chat route renders and
+    fetches the images."""
+    if isinstance(item.content, str) or not any(isinstance(p, InputImage) for p in item.content):
+        return item.text()
+    return [
+        ImageUrlContentPart(type="image_url", image_url=ImageURL(url=p.image_url, detail=p.detail))
+        if isinstance(p, InputImage)
+        else TextContentPart(type="text", text=p.text if isinstance(p, InputText) else p.refusal)
+        for p in item.content
+    ]
 
 
 def _tool_fields(req: ResponsesRequest) -> dict[str, Any]:
