@@ -4,6 +4,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch  # noqa: E402
+
+# Triton reads TRITON_INTERPRET once, when it is first imported, and a test module's imports may
+# import it at collection (peft does): without a GPU every Triton kernel test runs in the CPU
+# interpreter, so the whole session says so before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
