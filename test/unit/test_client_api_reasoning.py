@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from radixserve.entrypoints.http_server import ServerState, create_app
+from radixserve.managers.input_validation import ModelLimits
 from radixserve.server_args import ServerArgs
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a [test] extra")
@@ -40,6 +41,7 @@ class ReasoningTokenizerManager:
         self.model_path = "/models/tiny"
         self.served_model_name = "tiny"
         self.context_len = 128
+        self.limits = ModelLimits(vocab_size=0x110000, context_len=128, max_req_input_len=127)  # text only
         self.metrics = None
         self.is_generation = True
         self.tokenizer = ChatTemplateTokenizer()
