@@ -61,28 +61,13 @@ NUM_OUT = 64
 
 
 def write_model(path: Path, num_layers: int) -> None:
-    from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from radixserve.testing.tiny_vlm import (
-        IMAGE_TOKEN_ID,
-        VIDEO_TOKEN_ID,
-        VISION_END_ID,
-        VISION_START_ID,
-        write_vlm_tokenizer,
-    )
+    from radixserve.testing.tiny_vlm import qwen2_5_vl_config, write_vlm_tokenizer
 
-    config = Qwen2_5_VLConfig(
-        text_config={**TEXT, "num_hidden_layers": num_layers},
-        vision_config=VISION,
-        image_token_id=IMAGE_TOKEN_ID,
-        video_token_id=VIDEO_TOKEN_ID,
-        vision_start_token_id=VISION_START_ID,
-        vision_end_token_id=VISION_END_ID,
-        tie_word_embeddings=True,
-    )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    config.save_pretrained(path)
+    qwen2_5_vl_config(
+        {**TEXT, "num_hidden_layers": num_layers}, VISION, tie_word_embeddings=True
+    ).save_pretrained(path)
     write_vlm_tokenizer(path)
     # Qwen2.5-VL's own pixel limits: a 448x448 image stays 448x448 (32x32 patches).
     Qwen2VLImageProcessorPil(

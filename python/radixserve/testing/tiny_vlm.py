@@ -89,22 +89,31 @@ def write_vlm_tokenizer(path: Path) -> None:
     hf.save_pretrained(str(path))
 
 
-def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
-    """Write a random tiny Qwen2_5_VLForConditionalGeneration to `path`."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+def qwen2_5_vl_config(text: dict[str, Any], vision: dict[str, Any], tie_word_embeddings: bool) -> Any:  # noqa: ANN401
+    """A Qwen2_5_VLConfig with this module's special-token ids (the tiny models' and the benchmark's)."""
+    from transformers import Qwen2_5_VLConfig
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = Qwen2_5_VLConfig(
-        text_config=dict(_TEXT),
-        vision_config=dict(_VISION),
+        text_config=dict(text),
+        vision_config=dict(vision),
         image_token_id=IMAGE_TOKEN_ID,
         video_token_id=VIDEO_TOKEN_ID,
         vision_start_token_id=VISION_START_ID,
         vision_end_token_id=VISION_END_ID,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    return config
+
+
+def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
+    """Write a random tiny Qwen2_5_VLForConditionalGeneration to `path`."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = qwen2_5_vl_config(_TEXT, _VISION, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():
