@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.mem_cache import cpu_alloc
+
 
 class ReqToTokenPool:
     """``[size, max_context_len]`` int32 slot table plus a free list of rows."""
@@ -84,10 +86,10 @@ class MHATokenToKVPool:
         self.device = torch.device(device)
         shape = (size + page_size, num_kv_heads, head_dim)
         self.k_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            cpu_alloc.zeros(shape, dtype, self.device) for _ in range(num_layers)
         ]
         self.v_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            cpu_alloc.zeros(shape, dtype, self.device) for _ in range(num_layers)
         ]
 
     @staticmethod
