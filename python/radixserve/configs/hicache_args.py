@@ -136,9 +136,10 @@ def _refuse_layouts(args: ServerArgs) -> None:
             "--enable-hierarchical-cache runs with --pp-size 1 (TP > 1 works); pipeline stages "
             "are not implemented yet (docs/hicache.md)"
         )
-    if args.disaggregation_mode != "null":
+    if args.disaggregation_mode == "decode":
         raise ValueError(
-            "--enable-hierarchical-cache is not implemented with --disaggregation-mode yet (docs/hicache.md)"
+            "--enable-hierarchical-cache runs on the prefill side of a disaggregated pair "
+            "(--disaggregation-mode prefill), not on the decode side (docs/hicache.md)"
         )
     if args.speculative_algorithm in _DRAFT_POOL_ALGORITHMS:
         raise ValueError(
