@@ -71,6 +71,10 @@ def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
     for rid, (ids, mm) in cases.items():
         assert run.outputs[rid] == hf_reference(hf, ids, mm), rid
     assert encoder_runs(run) - before == 3  # each image once
+    # Text alone: its decode batches have 1-D positions and may take the fused CPU decode.
+    submit(run, "text-alone", *cases["text"])
+    run.run_until_idle()
+    assert run.outputs["text-alone"] == run.outputs["text"]
     run.close()
 
 
