@@ -57,10 +57,11 @@ def test_tp2_matches_hf(vlm_dir: str) -> None:
 
 
 @pytest.mark.slow  # make test-all only: the one-rank parity (test_qwen3_vl_parity.py) covers the model
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_qwen3_vl_tp2_matches_hf(tmp_path, moe: bool) -> None:
+@pytest.mark.parametrize("moe, ep_size", [(False, 1), (True, 1), (True, 2)], ids=["dense", "moe", "moe-ep2"])
+def test_qwen3_vl_tp2_matches_hf(tmp_path, moe: bool, ep_size: int) -> None:
     """Qwen3-VL at TP 2: the language model (and the MoE's stacked experts, each rank its slice of
-    every expert) sharded, the tower and its deepstack features replicated."""
+    every expert, or half the experts whole at --ep-size 2) sharded, the tower and its deepstack
+    features replicated."""
     from transformers import (
         AutoTokenizer,
         Qwen3VLForConditionalGeneration,
@@ -87,7 +88,7 @@ def test_qwen3_vl_tp2_matches_hf(tmp_path, moe: bool) -> None:
         ids, mm = processor.process(tok.encode(prompt), imgs)
         pixels = torch.cat([i.pixel_values for i in mm.items])
         reference.append(hf_vlm_greedy(hf, ids, pixels, torch.tensor([i.grid_thw for i in mm.items]), NEW))
-    args = {"max_total_tokens": 2048, "chunked_prefill_size": 4, "log_level": "warning"}
+    args = {"max_total_tokens": 2048, "chunked_prefill_size": 4, "log_level": "warning", "ep_size": ep_size}
     with Engine(model_path=path, tp_size=2, **args) as engine:
         outs = engine.generate(prompts, GREEDY, image_data=images)
     assert [o["output_ids"] for o in outs] == reference
