@@ -103,6 +103,32 @@ class FusedMoE(nn.Module):
         slot = param[local, offset : offset + self.inter] if here else None
         return slot, (full_inter, param.shape[-1]), 0, start
 
+    def load_stacked(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        """Every expert's projection in one checkpoint tensor (Qwen3-VL-MoE's `experts.gate_up_proj`
+        [E, 2 * inter, hidden] and `experts.down_proj` [E, hidden, inter], transformers 5's layout,
+        or the original release's [E, hidden, 2 * inter] / [E, inter, hidden]). transformers' rule
+        decides between them: the parameter's own layout when the shape is it, else transposed.
+        Reads only this rank's experts."""
+        is_up = param is self.w13_weight
+        full_inter, start = self.inter * (self.tp.size // self.ep_size), self.moe_tp_rank * self.inter
+        hidden = param.shape[1] if not is_up else param.shape[2]
+        ours = (self.num_experts, 2 * full_inter, hidden) if is_up else (self.num_experts, hidden, full_inter)
+        theirs = (ours[0], ours[2], ours[1])
+        if tuple(loaded.shape) not in (ours, theirs):
+            raise ModelLoadError(
+                f"Shape mismatch for {loaded.name}: the config implies {ours} (or {theirs}), the "
+                f"checkpoint has {tuple(loaded.shape)}"
+            )
+        data = loaded.narrow(0, self.expert_start, self.num_local)
+        if tuple(loaded.shape) != ours:
+            data = data.transpose(1, 2)
+        if is_up:  # gate rows then up rows, this rank's block of each
+            up = full_inter + start
+            data = torch.cat([data[:, start : start + self.inter], data[:, up : up + self.inter]], dim=1)
+        else:
+            data = data[:, :, start : start + self.inter]
+        param.data.copy_(data.to(param.dtype))
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         slot, full_shape, dim, start = self.checkpoint_piece(loaded.name, param.data)
         if slot is None:
