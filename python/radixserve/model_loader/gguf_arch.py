@@ -31,6 +31,8 @@ class GgufArch:
     moe_module: str  # the HF module holding the router and experts
     expert_projs: tuple[str, str, str]  # HF names of one expert's gate, up, down projections
     renormalize: bool  # top-k weights rescaled to sum to 1 (HF's norm_topk_prob)
+    # The HF config key saying the file's q/k/v biases exist (Llama's also adds an o_proj bias).
+    qkv_bias_key: str = "attention_bias"
 
 
 LLAMA = GgufArch(
@@ -40,7 +42,14 @@ MIXTRAL = GgufArch(
     "llama", "MixtralForCausalLM", "mixtral", True, "block_sparse_moe", ("w1", "w3", "w2"), True
 )
 QWEN2MOE = GgufArch(
-    "qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe", False, "mlp", ("gate_proj", "up_proj", "down_proj"), False
+    "qwen2moe",
+    "Qwen2MoeForCausalLM",
+    "qwen2_moe",
+    False,
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    False,
+    qkv_bias_key="qkv_bias",
 )
 QWEN3MOE = GgufArch(
     "qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", False, "mlp", ("gate_proj", "up_proj", "down_proj"), True
@@ -136,5 +145,4 @@ def moe_config(arch: GgufArch, meta: dict[str, Any], dense_layers: list[int]) ->
     }
     if arch is QWEN2MOE:
         config["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
-        config["qkv_bias"] = True
     return config
