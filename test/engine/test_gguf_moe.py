@@ -23,24 +23,23 @@ from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_loader.gguf_source import ensure_gguf_converted
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.testing.tiny_gguf_moe import MOE_GGUF_KINDS, make_tiny_moe_gguf
+from radixserve.testing.tiny_gguf_moe import make_tiny_moe_gguf
 from radixserve.testing.tiny_models import TINY_VOCAB, hf_greedy
 
 pytest.importorskip("gguf")
 
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 88, 61, 12, 9, 300, 45, 18], [64]]
 NUM_NEW = 12
-# (tiny kind, file type of the weight matrices, per-kind overrides): Q8_0 everywhere, and Mixtral's
-# experts in 4 bits (gate/up Q4_0, down Q4_1) beside Q8_0 attention.
+# (tiny kind, file type of the weight matrices, per-tensor types, HF config overrides): Q8_0
+# everywhere, Mixtral's experts in 4 bits (gate/up Q4_0, down Q4_1) beside Q8_0 attention, and a
+# Qwen2-MoE whose layer 1 is dense (a file may hold one; llama.cpp's graph would not run it).
+Q4_EXPERTS = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q4_1"}
 VARIANTS = {
-    "qwen2_moe-q8_0": ("qwen2_moe", "Q8_0", {}),
-    "qwen3_moe-q8_0": ("qwen3_moe", "Q8_0", {}),
-    "mixtral-q8_0": ("mixtral", "Q8_0", {}),
-    "mixtral-q4": (
-        "mixtral",
-        "Q8_0",
-        {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q4_1"},
-    ),
+    "qwen2_moe-q8_0": ("qwen2_moe", "Q8_0", {}, {}),
+    "qwen3_moe-q8_0": ("qwen3_moe", "Q8_0", {}, {}),
+    "mixtral-q8_0": ("mixtral", "Q8_0", {}, {}),
+    "mixtral-q4": ("mixtral", "Q8_0", Q4_EXPERTS, {}),
+    "qwen2_moe-dense-layer": ("qwen2_moe", "Q4_1", {}, {"mlp_only_layers": [1]}),
 }
 
 
@@ -52,8 +51,8 @@ def moe_gguf(tmp_path_factory: pytest.TempPathFactory):
 
     def get(variant: str) -> tuple[Path, str]:
         if variant not in made:
-            kind, qtype, types = VARIANTS[variant]
-            path = make_tiny_moe_gguf(root / f"{variant}.gguf", kind, qtype, types)
+            kind, qtype, types, overrides = VARIANTS[variant]
+            path = make_tiny_moe_gguf(root / f"{variant}.gguf", kind, qtype, types, overrides=overrides)
             previous = os.environ.get("RADIXSERVE_CACHE_DIR")
             os.environ["RADIXSERVE_CACHE_DIR"] = str(root / "cache")
             try:
@@ -75,15 +74,15 @@ def _greedy(worker, prompts: list[list[int]]) -> list[list[int]]:
     return [req.output_ids for req in reqs]
 
 
-@pytest.mark.parametrize("variant", ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q4"])
+@pytest.mark.parametrize(
+    "variant", ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q4", "qwen2_moe-dense-layer"]
+)
 def test_converted_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, variant):
     from transformers import AutoModelForCausalLM
 
     _, folder = moe_gguf(variant)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert hf.config.model_type == MOE_GGUF_KINDS[VARIANTS[variant][0]][0].replace("moe", "_moe").replace(
-        "llama", "mixtral"
-    )
+    assert hf.config.model_type == VARIANTS[variant][0]  # the tiny kinds are HF model types
     assert hf.config.vocab_size == TINY_VOCAB
     got = _greedy(_worker(folder), PROMPTS)
     for prompt, ids in zip(PROMPTS, got):

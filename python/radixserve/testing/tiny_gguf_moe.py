@@ -39,6 +39,9 @@ _LAYER_HF_TO_GGUF = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",  # a dense layer's MLP
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
@@ -131,19 +134,25 @@ def _encode(name: str, array: np.ndarray, kind: str) -> tuple[np.ndarray, Any]:
 
 
 def make_tiny_moe_gguf(
-    path: str | Path, kind: str, qtype: str = "Q8_0", types: dict[str, str] | None = None, seed: int = 0
+    path: str | Path,
+    kind: str,
+    qtype: str = "Q8_0",
+    types: dict[str, str] | None = None,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write the tiny `kind` MoE (a MOE_GGUF_KINDS key) as a GGUF file at `path`: every weight
     matrix of type `qtype` (F32, Q8_0, Q4_0, Q4_1) unless `types` maps its GGUF kind
-    ("ffn_down_exps", "attn_q", "token_embd", ...) to another."""
+    ("ffn_down_exps", "attn_q", "token_embd", ...) to another. `overrides` update the HF config
+    (e.g. Qwen2-MoE's `mlp_only_layers`: dense layers, which llama.cpp's own graph lacks)."""
     import gguf
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    arch, overrides = MOE_GGUF_KINDS[kind]
+    arch, overrides_for_kind = MOE_GGUF_KINDS[kind]
     with tempfile.TemporaryDirectory() as tmp:
-        make_tiny_model(kind, tmp, seed=seed, overrides=overrides)
+        make_tiny_model(kind, tmp, seed=seed, overrides={**overrides_for_kind, **(overrides or {})})
         config = AutoConfig.from_pretrained(tmp)
         state = {k: v.to(torch.float32).numpy() for k, v in load_file(f"{tmp}/model.safetensors").items()}
     tokens, merges, token_types = _tokenizer_fields()
