@@ -1,8 +1,9 @@
 """MoE models from GGUF files (issue 37): tiny random Qwen2-MoE (shared expert), Qwen3-MoE and
 Mixtral written as llama.cpp writes them (testing/tiny_gguf_moe.py), converted to HF folders.
 
-- The conversion is the dequantized HF twin: radixserve's greedy tokens on it equal HF
-  transformers' on the same folder.
+- The conversion is the dequantized HF twin: radixserve's greedy tokens on it, through the real
+  scheduler with chunked prefill, equal HF transformers' on the same folder, in fp32 and with
+  --quantization gguf.
 - --quantization gguf serves the file's own expert (and attention) integers: its log-probs equal
   the fp32 path's on the same file up to summation order (thresholds below), teacher-forced as in
   test_gguf_quantization.py.
@@ -20,9 +21,8 @@ from test_quantization import _worker, compare, forced_logprobs
 from radixserve.layers import group_quant
 from radixserve.layers.moe import fused_moe_cpu
 from radixserve.layers.moe.layer import FusedMoE
-from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_loader.gguf_source import ensure_gguf_converted
-from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.testing.inprocess import InProcessScheduler
 from radixserve.testing.tiny_gguf_moe import make_tiny_moe_gguf
 from radixserve.testing.tiny_models import TINY_VOCAB, hf_greedy
 
@@ -67,26 +67,35 @@ def moe_gguf(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def _greedy(worker, prompts: list[list[int]]) -> list[list[int]]:
-    runner = StaticBatchRunner(worker)
-    reqs = [StaticReq(p, SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0)) for p in prompts]
-    runner.generate(reqs, NUM_NEW)
-    return [req.output_ids for req in reqs]
+def _scheduler_greedy(folder: str, **server_args: object) -> list[list[int]]:
+    """Greedy tokens of every prompt through the real scheduler (one batch, chunked prefill)."""
+    sched = InProcessScheduler(folder, max_total_tokens=4096, chunked_prefill_size=8, **server_args)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            sched.submit(f"r{i}", prompt, max_new_tokens=NUM_NEW, ignore_eos=True)
+        results = sched.run_until_idle()
+    finally:
+        sched.close()
+    return [results[f"r{i}"].output_ids for i in range(len(PROMPTS))]
 
 
 @pytest.mark.parametrize(
-    "variant", ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q4", "qwen2_moe-dense-layer"]
+    "variant", ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q8_0", "qwen2_moe-dense-layer"]
 )
-def test_converted_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, variant):
+def test_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, variant):
     from transformers import AutoModelForCausalLM
 
     _, folder = moe_gguf(variant)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert hf.config.model_type == VARIANTS[variant][0]  # the tiny kinds are HF model types
     assert hf.config.vocab_size == TINY_VOCAB
-    got = _greedy(_worker(folder), PROMPTS)
-    for prompt, ids in zip(PROMPTS, got):
-        assert ids == hf_greedy(hf, prompt, NUM_NEW)[0]
+    expected = [hf_greedy(hf, prompt, NUM_NEW)[0] for prompt in PROMPTS]
+    assert _scheduler_greedy(folder) == expected
+    # The file's own tensors: the same weights, sums in another order (log-probs within 7e-6 of
+    # fp32's: the teacher-forced test below), so the tokens differ only where two logits tie within
+    # ~1e-5; none does on these prompts (checked when written). A failure here alone, with the
+    # teacher-forced test passing, is such a tie: compare log-probs there instead.
+    assert _scheduler_greedy(folder, quantization="gguf") == expected
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
