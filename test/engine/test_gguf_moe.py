@@ -128,3 +128,14 @@ def test_quantized_experts_serve_like_the_fp32_dequantization(moe_gguf, variant,
     # steps; a wrong expert slice, scale or nibble order moves log-probs by tenths.
     assert agreement >= 0.97, (agreement, mean_diff, max_diff)
     assert mean_diff < 1e-4 and max_diff < 1e-3, (agreement, mean_diff, max_diff)
+
+
+def test_weight_update_drops_the_quantized_experts_of_changed_layers(moe_gguf):
+    _, folder = moe_gguf("qwen3_moe-q8_0")
+    worker = _worker(folder, quantization="gguf")
+    changed, kept = (layer.mlp.experts for layer in worker.model_runner.model.model.layers[:2])
+    with torch.no_grad():
+        changed.w2_weight.mul_(-1.0)
+    worker.model_runner.weights.rebuild_derived()
+    # The file no longer describes the changed layer's experts: they serve their new fp32 weights.
+    assert changed.experts_wq is None and kept.experts_wq is not None
