@@ -28,6 +28,7 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
+from radixserve.layers.moe.quantized import ExpertsWq
 from radixserve.layers.parallel_linear import divide
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
@@ -70,13 +71,17 @@ class FusedMoE(nn.Module):
         self.inter = divide(intermediate_size, moe_tp, "moe intermediate size")  # this rank's part
         self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter))
+        # The local experts' weight-only quantized forms (--quantization gguf), set after loading.
+        self.experts_wq: ExpertsWq | None = None
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden [num_tokens, hidden_size], topk_* [num_tokens, top_k] -> [num_tokens, hidden_size]."""
         start = self.expert_start if self.ep_size > 1 else None
-        out = fused_experts_grouped(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, start)
+        out = fused_experts_grouped(
+            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, start, self.experts_wq
+        )
         if self.tp.size > 1:
             self.tp.all_reduce_(out)
         return out
