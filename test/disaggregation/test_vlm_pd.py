@@ -1,0 +1,88 @@
+"""Vision-language models on a prefill/decode pair (radixserve.testing.pd_pair): the prefill side
+runs the vision encoder and sends the KV; the decode side continues the M-RoPE positions from the
+prompt's delta and never encodes. Greedy tokens equal a colocated scheduler's, for Qwen2.5-VL
+and Qwen3-VL with one and two images and text alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from radixserve.managers.io_struct import MultimodalPayload
+from radixserve.multimodal.processor import load_image_processor
+from radixserve.testing.inprocess import InProcessScheduler
+from radixserve.testing.pd_pair import PDPair
+from radixserve.testing.tiny_vlm import (
+    IMAGE_PLACEHOLDER,
+    image_data_url,
+    make_tiny_qwen2_5_vl,
+    make_tiny_qwen3_vl,
+    random_image,
+)
+
+POOL = 4096
+NUM_NEW = 10
+MAKERS: dict[str, Callable[[Path], Path]] = {
+    "qwen2_5_vl": make_tiny_qwen2_5_vl,
+    "qwen3_vl": make_tiny_qwen3_vl,
+}
+
+Case = tuple[list[int], MultimodalPayload | None]
+
+
+@pytest.fixture(scope="module", params=sorted(MAKERS))
+def vlm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(MAKERS[request.param](tmp_path_factory.mktemp(request.param)))
+
+
+def cases(model_dir: str, tokenizer) -> dict[str, Case]:  # noqa: ANN001 - an HF tokenizer
+    processor = load_image_processor(model_dir)
+    assert processor is not None
+    cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
+
+    def prompt(text: str, images: list) -> Case:
+        ids = tokenizer.encode(text)
+        return processor.process(ids, [image_data_url(i) for i in images]) if images else (ids, None)
+
+    return {
+        "one": prompt(f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat]),
+        "two": prompt(f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}: the same?", [dog, cat]),
+        "text": prompt("The capital of France is", []),
+    }
+
+
+def encoder_runs(side: InProcessScheduler) -> int:
+    return side.worker.model_runner.model.num_encoder_runs
+
+
+def colocated(model_dir: str, reqs: dict[str, Case]) -> dict[str, list[int]]:
+    ref = InProcessScheduler(model_dir, disable_overlap_schedule=True, max_total_tokens=POOL)
+    try:
+        for rid, (ids, mm) in reqs.items():
+            ref.submit(rid, ids, max_new_tokens=NUM_NEW, ignore_eos=True, mm_inputs=mm)
+        return {rid: r.output_ids for rid, r in ref.run_until_idle().items()}
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_vlm_pd_greedy_parity_decode_never_encodes(vlm_dir: str, page_size: int) -> None:
+    pair = PDPair(vlm_dir, max_total_tokens=POOL, page_size=page_size)
+    try:
+        reqs = cases(vlm_dir, pair.tokenizer)
+        # Every image prompt's generated positions are shifted by a non-zero delta: a decode
+        # side that used plain indices would diverge.
+        assert all(mm.mrope_position_delta != 0 for _, mm in reqs.values() if mm is not None)
+        want = colocated(vlm_dir, reqs)
+        for room, (rid, (ids, mm)) in enumerate(reqs.items()):
+            pair.submit(rid, ids, room=300 + room, max_new_tokens=NUM_NEW, ignore_eos=True, mm_inputs=mm)
+        got = {rid: r.output_ids for rid, r in pair.run_until_idle().items()}
+        assert got == want
+        assert all(len(out) == NUM_NEW for out in got.values())
+        assert encoder_runs(pair.prefill) == 2  # cat and dog, on the prefill side (cat cached)
+        assert encoder_runs(pair.decode) == 0
+        assert pair.check_memory_leak() is None
+    finally:
+        pair.close()
