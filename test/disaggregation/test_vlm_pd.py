@@ -67,9 +67,11 @@ def colocated(model_dir: str, reqs: dict[str, Case]) -> dict[str, list[int]]:
         ref.close()
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_vlm_pd_greedy_parity_decode_never_encodes(vlm_dir: str, page_size: int) -> None:
-    pair = PDPair(vlm_dir, max_total_tokens=POOL, page_size=page_size)
+@pytest.mark.parametrize("page_size, chunk", [(1, 4), (16, None)], ids=["page1-chunks-of-4", "page16"])
+def test_vlm_pd_greedy_parity_decode_never_encodes(vlm_dir: str, page_size: int, chunk: int | None) -> None:
+    """`chunk`: the prefill side's chunks cut through the images."""
+    prefill_args = {"chunked_prefill_size": chunk} if chunk else {}
+    pair = PDPair(vlm_dir, prefill_args, max_total_tokens=POOL, page_size=page_size)
     try:
         reqs = cases(vlm_dir, pair.tokenizer)
         # Every image prompt's generated positions are shifted by a non-zero delta: a decode
