@@ -1,7 +1,8 @@
 """Vision-language models on a prefill/decode pair (radixserve.testing.pd_pair): the prefill side
 runs the vision encoder and sends the KV; the decode side continues the M-RoPE positions from the
-prompt's delta and never encodes. Greedy tokens equal a colocated scheduler's, for Qwen2.5-VL
-and Qwen3-VL with one and two images and text alone."""
+prompt's delta and never encodes (unless it retracts a request: then it computes the prompt again
+itself). Greedy tokens equal a colocated scheduler's, for Qwen2.5-VL and Qwen3-VL with one and two
+images and text alone."""
 
 from __future__ import annotations
 
@@ -85,6 +86,37 @@ def test_vlm_pd_greedy_parity_decode_never_encodes(vlm_dir: str, page_size: int,
         assert all(len(out) == NUM_NEW for out in got.values())
         assert encoder_runs(pair.prefill) == 2  # cat and dog, on the prefill side (cat cached)
         assert encoder_runs(pair.decode) == 0
+        assert pair.check_memory_leak() is None
+    finally:
+        pair.close()
+
+
+def test_vlm_pd_decode_retraction_encodes_locally(vlm_dir: str) -> None:
+    """A decode pool too small for every request to finish (admission made optimistic) retracts
+    image requests there; a retracted one is computed again on the decode side, encoding its image
+    from the pixels it kept (embedding cache off), and still gives the colocated tokens."""
+    from transformers import AutoTokenizer
+
+    processor, tok = load_image_processor(vlm_dir), AutoTokenizer.from_pretrained(vlm_dir)
+    assert processor is not None
+    reqs = {
+        f"r{i}": processor.process(
+            tok.encode(f"Look {IMAGE_PLACEHOLDER} {i}:"), [image_data_url(random_image(84, 56, seed=10 + i))]
+        )
+        for i in range(6)
+    }
+    largest = max(len(ids) for ids, _ in reqs.values()) + NUM_NEW
+    want = colocated(vlm_dir, reqs)
+    decode_args = {"max_total_tokens": largest * 2, "schedule_conservativeness": 0.3, "mm_cache_size_mb": 0}
+    pair = PDPair(vlm_dir, decode_args=decode_args, max_total_tokens=POOL)
+    try:
+        for room, (rid, (ids, mm)) in enumerate(reqs.items()):
+            pair.submit(rid, ids, room=500 + room, max_new_tokens=NUM_NEW, ignore_eos=True, mm_inputs=mm)
+        got = {rid: r.output_ids for rid, r in pair.run_until_idle().items()}
+        retracted = pair.decode.scheduler.output.stats.num_retracted_reqs
+        assert retracted > 0, "the decode pool never forced a retraction"
+        assert encoder_runs(pair.decode) == retracted
+        assert got == want
         assert pair.check_memory_leak() is None
     finally:
         pair.close()
