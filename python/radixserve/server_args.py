@@ -149,6 +149,12 @@ class ServerArgs:
         "MB of vision-encoder outputs kept by image hash (LRU) so a repeated image skips the encoder "
         "(SGLang's SGLANG_VLM_CACHE_SIZE_MB); 0 turns the cache off.",
     )
+    mm_enable_dp_encoder: bool = _f(
+        False,
+        "ViT data parallelism (SGLang's flag): at --tp-size > 1 each TP rank encodes a share of a "
+        "prefill's new images and the ranks all-gather the outputs, instead of every rank encoding "
+        "every image. No effect at --tp-size 1; a model without a vision tower refuses it.",
+    )
     media_fetch_timeout: float = _f(
         5.0, "Seconds one image URL may take to fetch before the request is a 400."
     )

@@ -23,24 +23,11 @@ NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_tp")))
+def hf_reference(hf, path: str, prompts: list[str], images: list) -> list[list[int]]:  # noqa: ANN001
+    """HF transformers' greedy tokens for each prompt with its images (None: text alone)."""
+    from transformers import AutoTokenizer
 
-
-@pytest.mark.slow  # make test-all only (docs/testing.md): TP 2 is covered by the dense models' parity
-def test_tp2_matches_hf(vlm_dir: str) -> None:
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-
-    cat, dog = image_data_url(random_image(84, 56, seed=1)), image_data_url(random_image(56, 84, seed=2))
-    prompts = [
-        f"Hello {IMAGE_PLACEHOLDER} what is this?",
-        f"{IMAGE_PLACEHOLDER} or {IMAGE_PLACEHOLDER}?",
-        "Hi",
-    ]
-    images = [[cat], [dog, cat], None]
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
-    tok, processor = AutoTokenizer.from_pretrained(vlm_dir), load_image_processor(vlm_dir)
+    tok, processor = AutoTokenizer.from_pretrained(path), load_image_processor(path)
     assert processor is not None
     reference = []
     for prompt, imgs in zip(prompts, images):
@@ -50,20 +37,47 @@ def test_tp2_matches_hf(vlm_dir: str) -> None:
         ids, mm = processor.process(tok.encode(prompt), imgs)
         pixels = torch.cat([i.pixel_values for i in mm.items])
         reference.append(hf_vlm_greedy(hf, ids, pixels, torch.tensor([i.grid_thw for i in mm.items]), NEW))
+    return reference
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_tp")))
+
+
+@pytest.mark.slow  # make test-all only (docs/testing.md): TP 2 is covered by the dense models' parity
+@pytest.mark.parametrize("dp_encoder", [False, True], ids=["replicated-vit", "dp-encoder"])
+def test_tp2_matches_hf(vlm_dir: str, dp_encoder: bool) -> None:
+    """--mm-enable-dp-encoder: each rank encodes its share of the images and gathers the rest
+    (its split and gather: test/unit/test_vit_dp.py)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    cat, dog = image_data_url(random_image(84, 56, seed=1)), image_data_url(random_image(56, 84, seed=2))
+    prompts = [
+        f"Hello {IMAGE_PLACEHOLDER} what is this?",
+        f"{IMAGE_PLACEHOLDER} or {IMAGE_PLACEHOLDER}?",
+        "Hi",
+    ]
+    images = [[cat], [dog, cat], None]
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    reference = hf_reference(hf, vlm_dir, prompts, images)
     args = {"max_total_tokens": 2048, "chunked_prefill_size": 4, "log_level": "warning"}
-    with Engine(model_path=vlm_dir, tp_size=2, **args) as engine:
+    with Engine(model_path=vlm_dir, tp_size=2, mm_enable_dp_encoder=dp_encoder, **args) as engine:
         outs = engine.generate(prompts, GREEDY, image_data=images)
     assert [o["output_ids"] for o in outs] == reference
 
 
 @pytest.mark.slow  # make test-all only: the one-rank parity (test_qwen3_vl_parity.py) covers the model
-@pytest.mark.parametrize("moe, ep_size", [(False, 1), (True, 1), (True, 2)], ids=["dense", "moe", "moe-ep2"])
-def test_qwen3_vl_tp2_matches_hf(tmp_path, moe: bool, ep_size: int) -> None:
+@pytest.mark.parametrize(
+    "moe, ep_size, dp_encoder",
+    [(False, 1, False), (True, 1, False), (True, 2, False), (False, 1, True)],
+    ids=["dense", "moe", "moe-ep2", "dense-dp-encoder"],
+)
+def test_qwen3_vl_tp2_matches_hf(tmp_path, moe: bool, ep_size: int, dp_encoder: bool) -> None:
     """Qwen3-VL at TP 2: the language model (and the MoE's stacked experts, each rank its slice of
     every expert, or half the experts whole at --ep-size 2) sharded, the tower and its deepstack
     features replicated."""
     from transformers import (
-        AutoTokenizer,
         Qwen3VLForConditionalGeneration,
         Qwen3VLMoeForConditionalGeneration,
     )
@@ -78,17 +92,30 @@ def test_qwen3_vl_tp2_matches_hf(tmp_path, moe: bool, ep_size: int) -> None:
     images = [[cat], [dog, cat], None]
     hf_cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     hf = hf_cls.from_pretrained(path, dtype=torch.float32).eval()
-    tok, processor = AutoTokenizer.from_pretrained(path), load_image_processor(path)
-    assert processor is not None
-    reference = []
-    for prompt, imgs in zip(prompts, images):
-        if imgs is None:
-            reference.append(hf_vlm_greedy(hf, tok.encode(prompt), None, None, NEW))
-            continue
-        ids, mm = processor.process(tok.encode(prompt), imgs)
-        pixels = torch.cat([i.pixel_values for i in mm.items])
-        reference.append(hf_vlm_greedy(hf, ids, pixels, torch.tensor([i.grid_thw for i in mm.items]), NEW))
+    reference = hf_reference(hf, path, prompts, images)
     args = {"max_total_tokens": 2048, "chunked_prefill_size": 4, "log_level": "warning", "ep_size": ep_size}
+    args["mm_enable_dp_encoder"] = dp_encoder
     with Engine(model_path=path, tp_size=2, **args) as engine:
         outs = engine.generate(prompts, GREEDY, image_data=images)
+    assert [o["output_ids"] for o in outs] == reference
+
+
+def test_dp2_matches_hf(vlm_dir: str) -> None:
+    """--dp-size 2: two replicas, each its own scheduler and tower; round robin sends image
+    requests to both. Greedy tokens equal HF's."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    cat, dog = image_data_url(random_image(84, 56, seed=1)), image_data_url(random_image(56, 84, seed=2))
+    prompts = [
+        f"Hello {IMAGE_PLACEHOLDER} what is this?",
+        f"{IMAGE_PLACEHOLDER} or {IMAGE_PLACEHOLDER}?",
+        "Hi",
+    ]
+    prompts = prompts + prompts[:2]
+    images = [[cat], [dog, cat], None, [dog], [cat, dog]]
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    reference = hf_reference(hf, vlm_dir, prompts, images)
+    args = {"max_total_tokens": 2048, "log_level": "warning", "load_balance_method": "round_robin"}
+    with Engine(model_path=vlm_dir, dp_size=2, **args) as engine:
+        outs = [engine.generate(p, GREEDY, image_data=imgs) for p, imgs in zip(prompts, images)]
     assert [o["output_ids"] for o in outs] == reference

@@ -11,7 +11,14 @@ from scheduler_harness import SchedulerRun, WorkerCache
 from vlm_harness import encoder_runs, hf_reference, submit, use_mm_cache, vlm_prompt
 
 from radixserve.multimodal.processor import load_image_processor
-from radixserve.testing.tiny_vlm import IMAGE_PLACEHOLDER, make_tiny_qwen3_vl, random_image
+from radixserve.testing.tiny_vlm import (
+    IMAGE_PLACEHOLDER,
+    IMAGE_TOKEN_ID,
+    VISION_START_ID,
+    image_data_url,
+    make_tiny_qwen3_vl,
+    random_image,
+)
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -144,4 +151,34 @@ def test_embedding_cache_keeps_deepstack(setup) -> None:
     assert cache.size_bytes == first[1].items[0].num_tokens * width * 4
     for rid, case in {"first": first, "moved": moved}.items():
         assert run.outputs[rid] == hf_reference(hf, *case), rid
+    run.close()
+
+
+def test_image_in_the_second_turn_of_a_chat(setup) -> None:
+    """Turn one has an image and gets a reply; turn two is turn one, its reply and a new user
+    message with another image. Turn two reuses turn one whole (prompt, image and reply) from the
+    radix cache, encodes only the new image, and matches HF."""
+    hf, processor, tok, workers = setup
+    cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
+    first_text = f"<|im_start|>user\n{IMAGE_PLACEHOLDER}What is this?<|im_end|>\n<|im_start|>assistant\n"
+    first_raw = tok.encode(first_text)
+    first_ids, first_mm = vlm_prompt(tok, processor, first_text, [cat])
+    run = SchedulerRun(*workers.get("vlm", 1))
+    use_mm_cache(run, None)
+    submit(run, "turn1", first_ids, first_mm)
+    run.run_until_idle()
+    reply = run.outputs["turn1"]
+    assert reply == hf_reference(hf, first_ids, first_mm)
+    # The reply goes back into the prompt as text: it must hold no image token of its own.
+    assert IMAGE_TOKEN_ID not in reply and VISION_START_ID not in reply
+    second_raw = first_raw + reply + tok.encode(f"<|im_end|>\n<|im_start|>user\n{IMAGE_PLACEHOLDER}And this?")
+    second_ids, second_mm = processor.process(second_raw, [image_data_url(cat), image_data_url(dog)])
+    assert second_ids[: len(first_ids) + len(reply)] == first_ids + reply
+    before = encoder_runs(run)
+    submit(run, "turn2", second_ids, second_mm)
+    run.run_until_idle()
+    # Turn one's KV, the reply's but its last token (never computed) included.
+    assert run.cached_tokens["turn2"] >= len(first_ids) + len(reply) - 1
+    assert encoder_runs(run) - before == 1  # the dog only
+    assert run.outputs["turn2"] == hf_reference(hf, second_ids, second_mm)
     run.close()

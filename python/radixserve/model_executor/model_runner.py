@@ -88,6 +88,12 @@ class ModelRunner:
         self.model = load_model(model_config, server_args.load_format, self.device, parallel=self.parallel)
         if getattr(self.model, "takes_images", False):
             self.model.mm_cache = embedding_cache_of(server_args.mm_cache_size_mb)
+            if server_args.mm_enable_dp_encoder and self.parallel.tp.size > 1:
+                self.model.dp_encoder = self.parallel.tp  # models/vit_dp.py
+        elif server_args.mm_enable_dp_encoder:
+            raise ValueError(
+                f"--mm-enable-dp-encoder needs a model with a vision tower; {model_config.architecture} has none."
+            )
         logger.info(
             "Model loaded in %.1f s (%s, %s)",
             time.perf_counter() - start,

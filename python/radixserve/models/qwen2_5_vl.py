@@ -32,6 +32,7 @@ from radixserve.models.vlm_common import (
 )
 
 if TYPE_CHECKING:
+    from radixserve.distributed.communication import TensorParallelComm
     from radixserve.model_executor.forward_batch import ForwardBatch
     from radixserve.multimodal.embedding_cache import EmbeddingCache
 
@@ -51,6 +52,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         self.visual = Qwen2_5_VisionTransformer(config.vision_config)
         self.num_encoder_runs = 0  # images encoded so far (tests count them)
         self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
+        self.dp_encoder: TensorParallelComm | None = None  # set by the ModelRunner (--mm-enable-dp-encoder)
 
     def forward(
         self,

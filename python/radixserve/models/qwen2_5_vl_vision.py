@@ -121,6 +121,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (theta**quarter), persistent=False)  # [head_dim / 4]
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, self.merge)
+        self.output_width = cfg.out_hidden_size  # columns of an image's output (models/vit_dp.py)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """One image's patches [t*h*w, patch_dim] -> its LM tokens [t*h*w / 4, out_hidden_size]."""

@@ -39,6 +39,7 @@ from radixserve.models.vlm_common import (
 )
 
 if TYPE_CHECKING:
+    from radixserve.distributed.communication import TensorParallelComm
     from radixserve.model_executor.forward_batch import ForwardBatch
     from radixserve.multimodal.embedding_cache import EmbeddingCache
 
@@ -101,6 +102,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         self.visual = _build_vision(self, config)
         self.num_encoder_runs = 0  # images encoded so far (tests count them)
         self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
+        self.dp_encoder: TensorParallelComm | None = None  # set by the ModelRunner (--mm-enable-dp-encoder)
 
     def forward(
         self,
@@ -155,6 +157,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         self.visual = _build_vision(self, config)
         self.num_encoder_runs = 0  # images encoded so far (tests count them)
         self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
+        self.dp_encoder: TensorParallelComm | None = None  # set by the ModelRunner (--mm-enable-dp-encoder)
 
     def forward(
         self,

@@ -105,6 +105,8 @@ class Qwen3VisionTransformer(nn.Module):
             PatchMerger(cfg.out_hidden_size, cfg.hidden_size, self.merge, postshuffle_norm=True)
             for _ in self.deepstack_indexes
         )
+        # Columns of an image's output, the deepstack features included (models/vit_dp.py).
+        self.output_width = (1 + len(self.deepstack_indexes)) * cfg.out_hidden_size
 
     @property
     def num_deepstack(self) -> int:

@@ -20,6 +20,7 @@ from radixserve.layers.mrope import MRotaryEmbedding
 from radixserve.layers.rotary import rope_config
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
+from radixserve.models.vit_dp import encode_sharded
 
 if TYPE_CHECKING:
     from radixserve.multimodal.embedding_cache import EmbeddingCache
@@ -70,7 +71,10 @@ def encode_item(
 def image_rows(model: Any, mm: MultimodalForward, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN401
     """(batch rows [k] int64, their encoder outputs [k, width]) of the image tokens a prefill
     computes, encoding each image not encoded yet; a chunk gets the rows of its own tokens only.
-    `model` has `visual`, `mm_cache` and `num_encoder_runs`."""
+    `model` has `visual`, `mm_cache`, `num_encoder_runs` and `dp_encoder` (the TP group that
+    shares the encoding under --mm-enable-dp-encoder, else None)."""
+    if model.dp_encoder is not None:
+        encode_batch_sharded(model, [s.item for s in mm.slices if s.item.embedding is None])
     rows, values = [], []
     for s in mm.slices:
         embedding = s.item.embedding
@@ -81,6 +85,32 @@ def image_rows(model: Any, mm: MultimodalForward, device: torch.device) -> tuple
         rows.append(torch.arange(s.row_start, s.row_start + s.token_end - s.token_start))
         values.append(embedding[s.token_start : s.token_end])
     return torch.cat(rows).to(device), torch.cat(values)
+
+
+def encode_batch_sharded(model: Any, items: list[MultimodalDataItem]) -> None:  # noqa: ANN401
+    """Set the embedding of every item (an image without one yet): from the embedding cache, else
+    encoded by the TP ranks, each its share (models/vit_dp.py), once per distinct image."""
+    misses: dict[int, list[MultimodalDataItem]] = {}  # image hash -> the items showing it
+    for item in items:
+        if item.image_hash in misses:
+            misses[item.image_hash].append(item)
+            continue
+        cached = model.mm_cache.get(item.image_hash) if model.mm_cache is not None else None
+        if cached is not None:
+            item.embedding = cached
+        else:
+            misses[item.image_hash] = [item]
+    if not misses:
+        return  # every rank sees the same batch and cache: none of them gathers
+    firsts = [same[0] for same in misses.values()]
+    images = [(i.pixel_values, i.grid_thw, i.num_tokens) for i in firsts]
+    outputs, num_encoded = encode_sharded(images, model.visual, model.visual.output_width, model.dp_encoder)
+    model.num_encoder_runs += num_encoded
+    for same, embedding in zip(misses.values(), outputs):
+        if model.mm_cache is not None:
+            model.mm_cache.put(same[0].image_hash, embedding)
+        for item in same:
+            item.embedding = embedding
 
 
 def lm_names(

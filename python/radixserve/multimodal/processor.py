@@ -159,8 +159,6 @@ def image_refusal(server_args: Any, processor: ImageInputProcessor | None) -> st
     """Why this server refuses image_data (None: it serves it)."""
     if processor is None:
         return TEXT_ONLY
-    if server_args.disaggregation_mode != "null":
-        return "images are not served with prefill/decode disaggregation yet"
     if server_args.speculative_algorithm is not None:
         return "images are not served with speculative decoding yet"
     return None

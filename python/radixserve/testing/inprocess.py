@@ -69,13 +69,15 @@ class InProcessScheduler:
 
     def submit(self, rid: str, input_ids: list[int], **params: Any) -> None:
         """Queue one request; `params` are SamplingParams fields (temperature defaults to 0), and
-        `lora_id` (an adapter loaded under that id; the start-up adapters' ids are their names)."""
+        `lora_id` (an adapter loaded under that id; the start-up adapters' ids are their names)
+        and `mm_inputs` (the prompt's images, a MultimodalPayload)."""
         params.setdefault("temperature", 0.0)
         lora_id = params.pop("lora_id", None)
+        mm_inputs = params.pop("mm_inputs", None)
         sp = SamplingParams(**params)
         sp.normalize()
         sp.verify(self.worker.vocab_size)
-        msg = TokenizedGenerateReqInput(rid, "", list(input_ids), sp, lora_id=lora_id)
+        msg = TokenizedGenerateReqInput(rid, "", list(input_ids), sp, lora_id=lora_id, mm_inputs=mm_inputs)
         self.scheduler.process_input_requests([msg])
 
     def submit_embedding(

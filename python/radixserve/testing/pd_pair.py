@@ -44,11 +44,14 @@ class PDPair:
     def message(
         self, rid: str, input_ids: list[int], room: int | None, **params: Any
     ) -> TokenizedGenerateReqInput:
-        """`params`: SamplingParams fields, and `return_logprob` and `lora_id` (the adapter both
-        sides loaded under that id; the start-up adapters' ids are their names)."""
+        """`params`: SamplingParams fields, and `return_logprob`, `lora_id` (the adapter both
+        sides loaded under that id; the start-up adapters' ids are their names) and `mm_inputs`
+        (the prompt's images, a MultimodalPayload: both sides get it, as both tokenize the
+        router's request)."""
         params.setdefault("temperature", 0.0)
         return_logprob = params.pop("return_logprob", False)
         lora_id = params.pop("lora_id", None)
+        mm_inputs = params.pop("mm_inputs", None)
         sp = SamplingParams(**params)
         sp.normalize()
         sp.verify(self.decode.worker.vocab_size)
@@ -60,6 +63,7 @@ class PDPair:
             return_logprob=return_logprob,
             routing=DisaggRouting("127.0.0.1", self.bootstrap_port, room),
             lora_id=lora_id,
+            mm_inputs=mm_inputs,
         )
 
     def submit(self, rid: str, input_ids: list[int], room: int, **params: Any) -> None:
