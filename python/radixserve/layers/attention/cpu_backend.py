@@ -9,8 +9,12 @@ Extend (prefill, and MIXED batches) uses `sgl_kernel.cpu.extend_attention`: flas
 the paged pool, causal among the new tokens and full over a cached prefix, with the query heads of
 a GQA group sharing each K/V tile. torch-native instead gathers each request's K/V into a copy and
 runs SDPA per request, with an explicit mask when there is a prefix (its slow path). Where the
-kernel cannot run (fp16/bf16 pools, a head_dim it does not take, a build without AVX2) extend
-falls back to torch-native. A speculative draft tree passes its mask among the new tokens to the
+kernel cannot run (fp16 pools, a head_dim it does not take, a build without AVX2) extend
+falls back to torch-native.
+
+Both kernels read every --kv-cache-dtype pool (fp32, bf16, fp8 e4m3/e5m2, int8 with per-row
+scales) in place, dequantizing each K/V row as it is loaded; writes of non-fp32 pools go through
+the pool's quantizing set_kv_buffer (the compiled store_kv copies fp32 rows only). A speculative draft tree passes its mask among the new tokens to the
 same kernel (an older build without it takes the torch-native path). Encoder (bidirectional) prefills never have a cached prefix: they
 attend the step's own K/V in place (layers/attention/encoder.py); the compiled extend kernel is
 causal only.
@@ -64,11 +68,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if forward_batch.spec_tree_mask is not None and not takes_tree:
             super().init_forward_metadata(forward_batch)  # a draft tree on an older build
             return
-        if pool.dtype == torch.float32 and forward_batch.attn_causal:
-            if forward_batch.forward_mode.is_decode():
+        if forward_batch.attn_causal:
+            if forward_batch.forward_mode.is_decode() and pool.dtype in cpu_kernels.attention_kv_dtypes():
                 forward_batch.attn_metadata = None  # the kernel reads req_to_token directly
                 return
-            if cpu_kernels.extend_attention_supported(pool.head_dim):
+            if (
+                not forward_batch.forward_mode.is_decode()
+                and pool.dtype in cpu_kernels.extend_attention_kv_dtypes()
+                and cpu_kernels.extend_attention_supported(pool.head_dim)
+            ):
                 assert forward_batch.extend_seq_lens_cpu is not None
                 lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
                 forward_batch.attn_metadata = CpuExtendMetadata(lens, forward_batch.spec_tree_mask)
@@ -78,12 +86,18 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     @staticmethod
     def _store_kv(
         k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's K/V into the layer's pool buffers and return them. One compiled store
-        instead of the pool's casts and two index_copy_ calls."""
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
-        return k_buf, v_buf
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Write this step's K/V into the layer's pool buffers; return them and, for an int8 pool,
+        its scales as the kernels' k_scale / v_scale. fp32: one compiled store instead of the pool's
+        casts and two index_copy_ calls; other dtypes quantize in the pool."""
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if pool.dtype == torch.float32 and k.dtype == torch.float32:
+            cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        else:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        scales = pool.get_kv_scale_buffer(layer.layer_id)
+        return k_buf, v_buf, {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
 
     def forward_extend(
         self,
@@ -98,7 +112,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return bidirectional_attention(q, k, v, meta.extend_lens, layer)
         if not isinstance(meta, CpuExtendMetadata):
             return super().forward_extend(q, k, v, layer, forward_batch)
-        k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)
+        k_buf, v_buf, scales = self._store_kv(k, v, layer, forward_batch)
         tree = {} if meta.tree_mask is None else {"tree_mask": meta.tree_mask}
         return cpu_kernels.extend_attention(
             q,  # [num_tokens, num_heads, head_dim]
@@ -110,6 +124,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             meta.extend_lens,
             layer.scaling,
             **tree,
+            **scales,
         )  # [num_tokens, num_heads * head_dim]
 
     def forward_decode(
@@ -122,7 +137,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         if forward_batch.attn_metadata is not None or q.dtype != torch.float32:
             return super().forward_decode(q, k, v, layer, forward_batch)
-        k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)
+        k_buf, v_buf, scales = self._store_kv(k, v, layer, forward_batch)
         out = cpu_kernels.decode_attention(
             q,
             k_buf,
@@ -131,5 +146,6 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
             layer.scaling,
+            **scales,
         )  # [bs, num_heads, head_dim]
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
