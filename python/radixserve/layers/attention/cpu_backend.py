@@ -9,15 +9,16 @@ Extend (prefill, and MIXED batches) uses `sgl_kernel.cpu.extend_attention`: flas
 the paged pool, causal among the new tokens and full over a cached prefix, with the query heads of
 a GQA group sharing each K/V tile. torch-native instead gathers each request's K/V into a copy and
 runs SDPA per request, with an explicit mask when there is a prefix (its slow path). Where the
-kernel cannot run (fp16 pools, a head_dim it does not take, a build without AVX2) extend
-falls back to torch-native.
+kernel cannot run (fp16 pools, a head_dim it does not take, a build without AVX2) extend falls
+back to torch-native. A speculative draft tree passes its mask among the new tokens to the same
+kernel (an older build without it takes the torch-native path). Encoder (bidirectional) prefills
+never have a cached prefix: they attend the step's own K/V in place
+(layers/attention/encoder.py); the compiled extend kernel is causal only.
 
 Both kernels read every --kv-cache-dtype pool (fp32, bf16, fp8 e4m3/e5m2, int8 with per-row
 scales) in place, dequantizing each K/V row as it is loaded; writes of non-fp32 pools go through
-the pool's quantizing set_kv_buffer (the compiled store_kv copies fp32 rows only). A speculative draft tree passes its mask among the new tokens to the
-same kernel (an older build without it takes the torch-native path). Encoder (bidirectional) prefills never have a cached prefix: they
-attend the step's own K/V in place (layers/attention/encoder.py); the compiled extend kernel is
-causal only.
+the pool's quantizing set_kv_buffer (the compiled store_kv copies fp32 rows only). A 16-bit
+model's q runs through the kernels in fp32 (cast in, output cast back).
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return super().forward_extend(q, k, v, layer, forward_batch)
         k_buf, v_buf, scales = self._store_kv(k, v, layer, forward_batch)
         tree = {} if meta.tree_mask is None else {"tree_mask": meta.tree_mask}
-        return cpu_kernels.extend_attention(
-            q,  # [num_tokens, num_heads, head_dim]
+        out = cpu_kernels.extend_attention(
+            q.float(),  # [num_tokens, num_heads, head_dim]; a 16-bit model's q in fp32 math
             k_buf,
             v_buf,
             forward_batch.req_to_token_pool.req_to_token,
@@ -126,6 +127,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             **tree,
             **scales,
         )  # [num_tokens, num_heads * head_dim]
+        return out.to(q.dtype)
 
     def forward_decode(
         self,
@@ -135,11 +137,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        if forward_batch.attn_metadata is not None or q.dtype != torch.float32:
+        if forward_batch.attn_metadata is not None:
             return super().forward_decode(q, k, v, layer, forward_batch)
         k_buf, v_buf, scales = self._store_kv(k, v, layer, forward_batch)
         out = cpu_kernels.decode_attention(
-            q,
+            q.float(),  # a 16-bit model's q in fp32 math, as extend
             k_buf,
             v_buf,
             forward_batch.req_to_token_pool.req_to_token,
@@ -148,4 +150,4 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             layer.scaling,
             **scales,
         )  # [bs, num_heads, head_dim]
-        return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim).to(q.dtype)
