@@ -35,10 +35,13 @@ def traced(tiny_llama_path: str):
 
 
 def _trace_of(collector: OtlpCollector, rid: str) -> list[SpanRecord]:
-    """Every span of the trace holding request `rid`, once its request span arrived."""
+    """Every span of the trace holding request `rid`, once the HTTP span it hangs under arrived.
+
+    Spans are exported as they end, in batches: a streamed response's HTTP span ends after the
+    last chunk went out, so it can reach the collector one batch after the request's own spans."""
     spans = list(collector.spans)
     mine = [s for s in spans if s.name == "request" and s.attributes.get("rid") == rid]
-    if not mine:
+    if not mine or not any(s.span_id == mine[0].parent_span_id for s in spans):
         return []
     return [s for s in spans if s.trace_id == mine[0].trace_id]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.mem_cache import cpu_alloc
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_dtype import index_copy_rows_
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
@@ -35,6 +36,11 @@ def host_pool_size(device_size: int, page_size: int, bytes_per_token: int, ratio
     return tokens
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Pinned memory is touched when it is pinned; unpinned host memory comes lazily."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=True) if pin else cpu_alloc.zeros(shape, dtype)
+
+
 class HostKVPool:
     def __init__(self, device_pool: MHATokenToKVPool, size: int, layout: str) -> None:
         self.device_pool = device_pool
@@ -48,11 +54,11 @@ class HostKVPool:
         rows = size + self.page_size  # page 0 is padding, as in the device pool
         if layout == "layer_first":
             shape = (rows, dp.num_kv_heads, dp.head_dim)
-            self.k_buffer = [torch.zeros(shape, dtype=dp.dtype, pin_memory=pin) for _ in range(dp.num_layers)]
-            self.v_buffer = [torch.zeros(shape, dtype=dp.dtype, pin_memory=pin) for _ in range(dp.num_layers)]
+            self.k_buffer = [_zeros(shape, dp.dtype, pin) for _ in range(dp.num_layers)]
+            self.v_buffer = [_zeros(shape, dp.dtype, pin) for _ in range(dp.num_layers)]
         elif layout in ("page_first", "page_first_direct"):
             shape5 = (2, rows, dp.num_layers, dp.num_kv_heads, dp.head_dim)
-            self.kv_buffer = torch.zeros(shape5, dtype=dp.dtype, pin_memory=pin)
+            self.kv_buffer = _zeros(shape5, dp.dtype, pin)
         else:
             raise ValueError(f"unknown host KV layout {layout!r}")
         self._buffers: dict[tuple[bool, int], torch.Tensor] = {}

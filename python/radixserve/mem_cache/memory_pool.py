@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.mem_cache import cpu_alloc
 from radixserve.mem_cache.kv_dtype import (
     bytes_per_element_row,
     dequantize,
@@ -96,18 +97,22 @@ class MHATokenToKVPool:
         self.device = torch.device(device)
         shape = (size + page_size, num_kv_heads, head_dim)
         self.k_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            cpu_alloc.zeros(shape, dtype, self.device) for _ in range(num_layers)
         ]
         self.v_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            cpu_alloc.zeros(shape, dtype, self.device) for _ in range(num_layers)
         ]
-        # int8: [size + page_size, num_kv_heads] fp32 per layer; ones, so unwritten rows read as 0.
+        # int8: [size + page_size, num_kv_heads] fp32 per layer (unwritten rows: 0 * 0, read as 0).
         scale_shape = shape[:2]
         self.k_scale_buffer: list[torch.Tensor] | None = None
         self.v_scale_buffer: list[torch.Tensor] | None = None
         if has_scales(dtype):
-            self.k_scale_buffer = [torch.ones(scale_shape, device=self.device) for _ in range(num_layers)]
-            self.v_scale_buffer = [torch.ones(scale_shape, device=self.device) for _ in range(num_layers)]
+            self.k_scale_buffer = [
+                cpu_alloc.zeros(scale_shape, torch.float32, self.device) for _ in range(num_layers)
+            ]
+            self.v_scale_buffer = [
+                cpu_alloc.zeros(scale_shape, torch.float32, self.device) for _ in range(num_layers)
+            ]
 
     @staticmethod
     def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
