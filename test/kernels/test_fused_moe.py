@@ -234,3 +234,36 @@ def test_weight_loader_refuses_wrong_shapes_and_experts():
         layer.weight_loader(
             layer.w13_weight, CheckpointTensor.of("m.experts.2.up_proj.weight", torch.zeros(8, 16))
         )
+
+
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["transformers", "original"])
+def test_stacked_expert_tensors_load_as_the_per_expert_ones(ep_size, layout):
+    """Qwen3-VL-MoE's stacked `experts.gate_up_proj` / `experts.down_proj`, in transformers 5's
+    layout or the original release's (transposed), fill every rank of TP 4 at each --ep-size
+    exactly as the same weights given one tensor per expert do; a wrong shape is refused."""
+    from radixserve.distributed.communication import TensorParallelComm
+
+    gen = torch.Generator().manual_seed(6)
+    num_experts, hidden, inter = 8, 16, 24
+    gate, up = torch.randn(2, num_experts, inter, hidden, generator=gen)
+    down = torch.randn(num_experts, hidden, inter, generator=gen)
+    gate_up, down_stacked = torch.cat([gate, up], dim=1), down  # [E, 2I, H], [E, H, I]
+    if layout == "original":
+        gate_up, down_stacked = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    for r in range(4):
+        stacked = FusedMoE(num_experts, hidden, inter, TensorParallelComm(rank=r, size=4), ep_size)
+        per_expert = FusedMoE(num_experts, hidden, inter, TensorParallelComm(rank=r, size=4), ep_size)
+        stacked.load_stacked(stacked.w13_weight, CheckpointTensor.of("mlp.experts.gate_up_proj", gate_up))
+        stacked.load_stacked(stacked.w2_weight, CheckpointTensor.of("mlp.experts.down_proj", down_stacked))
+        for e in range(num_experts):
+            for proj, t, param in (
+                ("gate_proj", gate[e], per_expert.w13_weight),
+                ("up_proj", up[e], per_expert.w13_weight),
+                ("down_proj", down[e], per_expert.w2_weight),
+            ):
+                per_expert.weight_loader(param, CheckpointTensor.of(f"mlp.experts.{e}.{proj}.weight", t))
+        torch.testing.assert_close(stacked.w13_weight, per_expert.w13_weight, atol=0, rtol=0)
+        torch.testing.assert_close(stacked.w2_weight, per_expert.w2_weight, atol=0, rtol=0)
+    with pytest.raises(ModelLoadError, match="Shape mismatch"):
+        stacked.load_stacked(stacked.w2_weight, CheckpointTensor.of("mlp.experts.down_proj", down[:, :, :-1]))

@@ -49,14 +49,19 @@ def test_kernel_io_backend_resolves_to_direct_on_cpu_and_the_loop_to_normal():
         ),
         ("--hicache-storage-backend s3", "hicache-storage-backend must be one of"),
         ("--enable-hierarchical-cache --hicache-storage-prefetch-policy timeout", "drop the flag"),
-        ("--enable-hierarchical-cache --tp-size 2", "one rank"),
-        ("--enable-hierarchical-cache --disaggregation-mode prefill", "disaggregation-mode"),
+        ("--enable-hierarchical-cache --pp-size 2", "pp-size 1"),
+        ("--enable-hierarchical-cache --disaggregation-mode decode", "prefill side"),
         ("--enable-hierarchical-cache --speculative-algorithm EAGLE", "draft model"),
     ],
 )
 def test_refused_with_a_clear_message(argv, message):
     with pytest.raises(ValueError, match=message):
         validate_hicache(prepare_server_args(argv.split()))
+
+
+def test_tensor_parallelism_and_the_prefill_side_are_served():
+    validate_hicache(prepare_server_args("--enable-hierarchical-cache --tp-size 2".split()))
+    validate_hicache(prepare_server_args("--enable-hierarchical-cache --disaggregation-mode prefill".split()))
 
 
 def test_a_ratio_is_only_checked_when_the_size_does_not_override_it():

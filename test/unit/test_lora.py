@@ -165,6 +165,9 @@ def test_lora_flags_parse_and_resolve(tmp_path):
     assert resolved["lora_target_modules"] == ("q_proj", "down_proj")
     with pytest.raises(ValueError, match="twice"):
         parse_lora_paths(["a=x", "a=y"])
-    with pytest.raises(ValueError, match="--pp-size 1"):
-        ServerArgs(enable_lora=True, pp_size=2, device="cpu").validate()
-    ServerArgs(enable_lora=True, tp_size=2, device="cpu").validate()  # adapters are sharded
+    with pytest.raises(ValueError, match="drop --is-embedding"):
+        ServerArgs(enable_lora=True, is_embedding=True, device="cpu").validate()
+    # Adapters are sharded (TP), split by layer (PP), loaded on every replica (DP) and on both
+    # sides of a disaggregated pair.
+    for layout in ({"tp_size": 2}, {"pp_size": 2}, {"dp_size": 2}, {"disaggregation_mode": "prefill"}):
+        ServerArgs(enable_lora=True, device="cpu", **layout).validate()

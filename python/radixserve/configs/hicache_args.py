@@ -130,14 +130,16 @@ def _validate_storage(args: ServerArgs) -> None:
 
 
 def _refuse_layouts(args: ServerArgs) -> None:
-    if args.tp_size > 1 or args.pp_size > 1:
+    if args.pp_size > 1:
+        # Each stage would hold its own layers' tier; not built or tested yet.
         raise ValueError(
-            "--enable-hierarchical-cache runs with one rank for now (--tp-size 1 --pp-size 1); "
-            "multi-rank HiCache is not implemented yet (docs/hicache.md)"
+            "--enable-hierarchical-cache runs with --pp-size 1 (TP > 1 works); pipeline stages "
+            "are not implemented yet (docs/hicache.md)"
         )
-    if args.disaggregation_mode != "null":
+    if args.disaggregation_mode == "decode":
         raise ValueError(
-            "--enable-hierarchical-cache is not implemented with --disaggregation-mode yet (docs/hicache.md)"
+            "--enable-hierarchical-cache runs on the prefill side of a disaggregated pair "
+            "(--disaggregation-mode prefill), not on the decode side (docs/hicache.md)"
         )
     if args.speculative_algorithm in _DRAFT_POOL_ALGORITHMS:
         raise ValueError(

@@ -24,7 +24,11 @@ from radixserve.model_loader.errors import ModelLoadError, unsupported_architect
 logger = logging.getLogger(__name__)
 
 # Models that take images: their shapes are the text config's (config.json's text_config).
-VISION_LANGUAGE_ARCHITECTURES: tuple[str, ...] = ("Qwen2_5_VLForConditionalGeneration",)
+VISION_LANGUAGE_ARCHITECTURES: tuple[str, ...] = (
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+)
 # HF `architectures` names that radixserve/models implements. The registry there is the source of
 # truth for classes; this list lets config validation fail before any model code is imported.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (

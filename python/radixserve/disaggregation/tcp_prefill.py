@@ -95,7 +95,7 @@ class PrefillTcpManager(KVIoThread):
         self.rooms: dict[int, _Room] = {}
         self._rooms_lock = threading.Lock()
         self.stats = TransferStats()
-        self._last_ping = 0.0
+        self._last_ping = float("-inf")  # monotonic time starts near 0 at boot
         self.thread.start()
 
     # ------------------------------------------------------------------ scheduler thread

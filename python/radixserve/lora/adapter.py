@@ -222,14 +222,7 @@ def validate_lora_args(args: Any) -> None:  # noqa: ANN401 - a resolved ServerAr
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
         raise ValueError("--max-loaded-loras must be at least --max-loras-per-batch")
-    if args.pp_size > 1:
-        raise ValueError(
-            "--enable-lora runs with --pp-size 1 for now: adapters are not split across pipeline "
-            "stages yet (docs/lora.md); --tp-size shards them"
-        )
     if args.is_embedding:
         raise ValueError("--enable-lora applies to generation models: drop --is-embedding")
     if args.speculative_algorithm not in (None, "NGRAM"):
         raise ValueError("--enable-lora runs with NGRAM speculation only: draft models know no adapters")
-    if args.disaggregation_mode != "null" or args.dp_size > 1:
-        raise ValueError("--enable-lora runs with --dp-size 1 and no --disaggregation-mode for now")

@@ -87,6 +87,10 @@ class LoRARegistry:
         out = await self._ask(io.LoadLoRAAdapterReqInput(name, path, lora_id, pinned))
         if out.success:
             self.adapters[name] = LoadedLoRA(path, lora_id)
+        else:
+            # With --dp-size > 1 a replica may have loaded it while another refused: no request
+            # can reach this id, so drop it wherever it was loaded (the others answer "unknown").
+            await self._ask(io.UnloadLoRAAdapterReqInput(name, lora_id))
         return dataclasses.replace(out, loaded_adapters=self.loaded())
 
     async def unload(self, name: str) -> io.UnloadLoRAAdapterReqOutput:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 from radixserve.configs.hicache_args import HiCacheConfig
+from radixserve.distributed.rank_runtime import RankSync
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.hicache_storage import FileStorage
 from radixserve.mem_cache.hiradix_cache import HiRadixCache, build_hiradix_cache
@@ -24,11 +26,13 @@ def build_hicache(
     device_pool: MHATokenToKVPool,
     cfg: HiCacheConfig,
     tp_rank: int,
+    sync: RankSync | None = None,
 ) -> HiRadixCache:
+    """`sync`: how the ranks agree on what L3 holds and has read (TP > 1)."""
     make = None
     if cfg.storage_backend is not None:
         identity = model_identity(device_pool, cfg, tp_rank)
-        storage = FileStorage(cfg.storage_dir, cfg.storage_max_bytes)
+        storage = FileStorage(rank_storage_dir(cfg.storage_dir, tp_rank, cfg.tp_size), cfg.storage_max_bytes)
         page_shape = (
             device_pool.page_size,
             2,
@@ -46,7 +50,11 @@ def build_hicache(
             cfg.prefetch_policy,
         )
         make = functools.partial(
-            HiRadixStorageCache, storage=mover, identity=identity, prefetch_policy=cfg.prefetch_policy
+            HiRadixStorageCache,
+            storage=mover,
+            identity=identity,
+            prefetch_policy=cfg.prefetch_policy,
+            sync=sync,
         )
     return build_hiradix_cache(
         rows,
@@ -59,6 +67,13 @@ def build_hicache(
         cfg.eviction_policy,
         make,
     )
+
+
+def rank_storage_dir(directory: str, tp_rank: int, tp_size: int) -> str:
+    """Each TP rank keeps its shard's pages in a directory of its own, so that each rank's size
+    cap and LRU cleanup see only its own files (the page keys also carry the rank, so a file is
+    never read by the wrong rank either way). One rank uses the directory itself."""
+    return directory if tp_size == 1 else os.path.join(directory, f"tp{tp_rank}-of-{tp_size}")
 
 
 def model_identity(device_pool: MHATokenToKVPool, cfg: HiCacheConfig, tp_rank: int) -> ModelIdentity:

@@ -8,6 +8,11 @@
   ones present. When they are in (or when the request is admitted, by the prefetch policy), the
   pages are copied into fresh L2 slots and join the tree as L2-only nodes; the stage-1 load-back
   brings them into L1 for the prefill.
+- **Ranks agree.** With TP every rank holds its shard's pages in its own files and reads them on
+  its own thread, so what has arrived differs between ranks at any moment, while every rank must
+  build the same tree and admit the same requests. Once per round the ranks take the element-wise
+  minimum (``RankSync.min_each``) of each lookup's hits and each prefetch's pages read, done and
+  expired; every decision uses the agreed values, never a rank's own.
 - **Lock/ref.** Prefetched pages enter the tree only on the scheduler thread, in one step that
   allocates their L2 slots: until then they are tensors the thread owns, so nothing being
   prefetched can be evicted and a cancelled prefetch (the request aborted or admitted) leaves no
@@ -23,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.mem_cache.hiradix_cache import HiRadixCache
 from radixserve.mem_cache.radix_cache import TreeNode, _check
 from radixserve.mem_cache.storage_keys import ModelIdentity, chain_keys
@@ -58,11 +64,13 @@ class HiRadixStorageCache(HiRadixCache):
         storage: StorageMover,
         identity: ModelIdentity,
         prefetch_policy: str = "best_effort",
+        sync: RankSync | None = None,
         **kwargs: object,
     ) -> None:
         self.l3: StorageMover | None = None  # reset() runs in the base constructor
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.l3 = storage
+        self.sync: RankSync = sync or LocalSync()
         self.identity = identity
         self.prefetch_policy = prefetch_policy
         self._seeds: dict[Hashable, str] = {}
@@ -128,70 +136,97 @@ class HiRadixStorageCache(HiRadixCache):
 
     # ------------------------------------------------------------------ read path
     def prefetch_step(self, waiting: list[WaitingReq], idle: bool) -> None:
-        """Once per scheduling round: take finished prefetches into L2, cancel those whose request
-        left the queue, start one for each new request. When nothing else can run, wait a little
-        for a prefetch the policy holds its request for."""
-        self._poll()
+        """Once per scheduling round: cancel the prefetches whose request left the queue, start one
+        for each new request, and (ranks agreeing) take the finished ones into L2. When nothing
+        else can run, wait a little for a prefetch the policy holds its request for."""
         queued = {r.rid for r in waiting}
         for rid in [rid for rid in self._ops if rid not in queued]:
             self._ops.pop(rid).cancelled = True
-        for req in waiting:
-            if req.rid not in self._ops:
-                self._ops[req.rid] = self._start(req)
+        self._start_all([req for req in waiting if req.rid not in self._ops])
         if idle and self.prefetch_policy != "best_effort":
             pending = [op for op in self._ops.values() if not op.taken and not op.done.is_set()]
             if pending:
                 pending[0].done.wait(max(0.0, min(_IDLE_WAIT_S, pending[0].deadline - time.monotonic())))
-                self._poll()
+        self._agree()
+        for op in self._ops.values():
+            if not op.taken and op.agreed_done:
+                self._take(op)
 
-    def _start(self, req: WaitingReq) -> PrefetchOp:
+    def _start_all(self, reqs: list[WaitingReq]) -> None:
+        """Look each request's pages up in L3 and start reading the run of hits every rank has."""
+        lookups = [self._lookup(req) for req in reqs]
+        if not lookups:  # every rank sees the same queue: all skip the agreement alike
+            return
+        found = self.sync.min_each([len(keys) for _, _, keys in lookups])
+        for req, (tokens, matched, keys), n in zip(reqs, lookups, found):
+            self._ops[req.rid] = self._launch(req, tokens, matched, keys, n)
+
+    def _lookup(self, req: WaitingReq) -> tuple[list[int], int, list[str]]:
+        """(the tokens looked up, how many the tree holds, the keys of the L3 hits after them)."""
         assert self.l3 is not None
-        namespace = req.cache_namespace
         tokens = (req.origin_input_ids + req.output_ids)[:-1]  # the last token is always computed
         tokens = tokens[: self._aligned(len(tokens))]
-        op = PrefetchOp(req.rid, namespace, tokens, len(tokens), [], 0.0)
-        op.taken = True
-        op.done.set()
-        if _private(namespace):
-            return op
-        nodes, deepest, matched = self._walk_nodes(tokens, namespace)
+        if _private(req.cache_namespace):
+            return tokens, len(tokens), []
+        _, deepest, matched = self._walk_nodes(tokens, req.cache_namespace)
         # L2-only pages must hang below a node with an L2 copy (or the root).
         if matched == len(tokens) or (deepest is not self.root and deepest.host_value is None):
-            return op
-        prev = self._seed(namespace) if deepest is self.root else self._page_keys(deepest)[-1]
+            return tokens, matched, []
+        prev = self._seed(req.cache_namespace) if deepest is self.root else self._page_keys(deepest)[-1]
         keys = chain_keys(prev, tokens[matched:], self.page_size)
         found = 0
         while found < len(keys) and self.l3.storage.exists(keys[found]):
             found += 1
         self.l3.storage.stats.miss_pages += len(keys) - found
-        if found == 0:
+        return tokens, matched, keys[:found]
+
+    def _launch(
+        self, req: WaitingReq, tokens: list[int], matched: int, keys: list[str], n: int
+    ) -> PrefetchOp:
+        assert self.l3 is not None
+        if n == 0:
+            op = PrefetchOp(req.rid, req.cache_namespace, tokens, matched, [], 0.0)
+            op.taken = True
+            op.done.set()
             return op
-        budget = PREFETCH_TIMEOUT_BASE_S + PREFETCH_TIMEOUT_PER_KI_TOKEN_S * found * self.page_size / 1024
+        budget = PREFETCH_TIMEOUT_BASE_S + PREFETCH_TIMEOUT_PER_KI_TOKEN_S * n * self.page_size / 1024
         deadline = float("inf") if self.prefetch_policy == "wait_complete" else time.monotonic() + budget
-        op = PrefetchOp(req.rid, namespace, tokens, matched, keys[:found], deadline)
+        op = PrefetchOp(req.rid, req.cache_namespace, tokens, matched, keys[:n], deadline)
         self.l3.prefetch(op)
         return op
 
+    def _agree(self) -> None:
+        """Each running prefetch's pages read, done and expired: the least over the ranks."""
+        pending = [op for op in self._ops.values() if not op.taken]
+        if not pending:
+            return
+        now = time.monotonic()
+        mine: list[int] = []
+        for op in pending:
+            mine += [len(op.pages), int(op.done.is_set()), int(now >= op.deadline)]
+        agreed = self.sync.min_each(mine)
+        for i, op in enumerate(pending):
+            op.agreed_pages, done, expired = agreed[3 * i : 3 * i + 3]
+            op.agreed_done, op.agreed_expired = bool(done), bool(expired)
+
     def prefetch_ready(self, req: WaitingReq) -> bool:
         """May the request be admitted now? best_effort: yes, with the pages that arrived;
-        wait_complete: once its prefetch finished; timeout: that, or once its deadline passed."""
+        wait_complete: once its prefetch finished; timeout: that, or once its deadline passed
+        (each as the ranks agreed at this round's prefetch_step)."""
         op = self._ops.get(req.rid)
         if op is None or op.taken:
             return True
-        if op.done.is_set() or self.prefetch_policy == "best_effort" or time.monotonic() >= op.deadline:
+        if op.agreed_done or self.prefetch_policy == "best_effort" or op.agreed_expired:
             op.cancelled = True
             self._take(op)
             return True
         return False
 
-    def _poll(self) -> None:
-        for op in self._ops.values():
-            if not op.taken and op.done.is_set():
-                self._take(op)
-
     def _take(self, op: PrefetchOp) -> None:
         op.taken = True
-        pages = list(op.pages)  # the thread may still append (a cancelled op stops at its next page)
+        # The thread may still append (a cancelled op stops at its next page); the ranks agreed
+        # on this many, which every rank has read.
+        pages = list(op.pages[: op.agreed_pages])
         if pages:
             self._insert_prefetched(op, pages)
 

@@ -35,6 +35,12 @@ class PrefetchOp:
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # the thread stops at its next page
     taken: bool = False  # its pages went into the tree (or were given up): done with
+    # What every rank agreed on at the last scheduling round (HiRadixStorageCache._agree): with
+    # TP, each rank reads its own shard's files on its own thread, so ranks act on the least any
+    # of them has, and all of them take the same pages in the same round.
+    agreed_pages: int = 0
+    agreed_done: bool = False
+    agreed_expired: bool = False
 
 
 class StorageMover:

@@ -38,6 +38,23 @@ class InputEmbeds:
         return hidden.index_copy(0, self.rows, self.values.to(hidden.dtype))
 
 
+@dataclass(frozen=True)
+class DeepstackEmbeds:
+    """Qwen3-VL's deepstack: the states leaving decoder layer i (i < num_layers) get values[:, i]
+    added at `rows` ([k] int64), the batch rows of image tokens; values [k, num_layers,
+    hidden_size]."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def num_layers(self) -> int:
+        return self.values.shape[1]
+
+    def add(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.index_add(0, self.rows, self.values[:, layer].to(hidden.dtype))
+
+
 class ForwardMode(IntEnum):
     EXTEND = 1  # prefill of new tokens, possibly on top of a cached prefix
     DECODE = 2  # exactly one new token per request
@@ -193,6 +210,7 @@ class ForwardBatch:
     extend_logprob_next_token_ids: list[int] | None = None
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64
     input_embeds: InputEmbeds | None = None  # on the model's device
+    deepstack_embeds: DeepstackEmbeds | None = None  # set by the model's forward (Qwen3-VL)
     multimodal: MultimodalForward | None = None  # the model's encoder reads it (ModelWorkerBatch)
     mrope_positions: torch.Tensor | None = None  # [3, num_tokens] int64 on the model's device
     # False for encoder models: every token attends to every token of its request.

@@ -287,10 +287,10 @@ class ModelRunner:
         (`pp_proxy` carries the previous stage's states into a later stage). `capture_hidden`
         (EAGLE heads) keeps every row's final states, or with `aux_layers` the states entering
         those layers, in the returned ForwardBatch's spec_hidden."""
+        if self.lora is not None:  # every stage: each holds its own layers' adapter slots
+            self.lora.prepare(batch, int(batch.input_ids.numel()))
         if self.parallel.pp_size > 1:
             return self._forward_stage(batch, pp_proxy)
-        if self.lora is not None:
-            self.lora.prepare(batch, int(batch.input_ids.numel()))
         # The fused decode stacks return the final states only.
         fast_path = None if aux_layers else self._decode_fast_path(batch)
         # The fast paths read the pools themselves.

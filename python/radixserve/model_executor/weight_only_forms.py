@@ -10,6 +10,8 @@ while its layer's fp32 weight is exactly its dequantization, the invariant linea
 - after a weight update changed a layer, a GGUF form is dropped (the file no longer describes the
   layer, which serves in fp32 from then on) and an on-the-fly one is made anew from the new
   weight, which is then replaced by its dequantization.
+A MoE layer's quantized experts (FusedMoE.experts_wq, from a GGUF file only) follow the same rule,
+all the layer's experts together.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import torch
 
 from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight
 from radixserve.layers.linear import WQ_MAX_TOKENS, Linear
+from radixserve.layers.moe.layer import FusedMoE
+from radixserve.layers.moe.quantized import ExpertsWq
 from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
 from radixserve.model_loader.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 Form = tuple[str, Linear, GroupQuantWeight]
+ExpertForm = tuple[str, FusedMoE, ExpertsWq]
 
 
 class WeightOnlyForms:
@@ -36,9 +41,11 @@ class WeightOnlyForms:
         method: str,
         forms: list[Form],
         requantize: Callable[[torch.Tensor], GroupQuantWeight | None] | None,
+        expert_forms: list[ExpertForm] | None = None,
     ) -> None:
         self.method = method
         self.forms = forms
+        self.expert_forms = expert_forms or []
         self.requantize = requantize  # None: forms that cannot be remade (a file's tensors)
         self._attached = False
 
@@ -68,13 +75,44 @@ class WeightOnlyForms:
                 ", ".join(dropped[:4]),
             )
         self.forms = kept
+        self._attach_experts()
         if not self._attached:
             self._attached = True
             self._log()
 
+    def _attach_experts(self) -> None:
+        """Set each MoE layer's experts_wq while its fp32 experts are the forms' dequantization."""
+        kept: list[ExpertForm] = []
+        for name, moe, form in self.expert_forms:
+            w13, w2 = form.dequantize()
+            if torch.equal(moe.w13_weight, w13) and torch.equal(moe.w2_weight, w2):
+                moe.experts_wq = form
+                kept.append((name, moe, form))
+                continue
+            if not self._attached:
+                raise ModelLoadError(
+                    f"{self.method}: the fp32 experts of {name} are not the dequantization of the file's "
+                    "expert tensors; the converted folder does not come from this file (delete it to "
+                    "convert again)"
+                )
+            moe.experts_wq = None
+            logger.warning("%s: the experts of %s changed and serve in fp32 now", self.method, name)
+        self.expert_forms = kept
+
     def _log(self) -> None:
         wq_bytes = sum(form.nbytes() for _, _, form in self.forms)
         fp32_bytes = sum(layer.weight.numel() * 4 for _, layer, _ in self.forms)
+        if self.expert_forms:
+            logger.info(
+                "%s: %d MoE layers' experts weight-only quantized (%.0f MiB instead of %.0f MiB of fp32; "
+                "an expert reads them for groups of up to %d tokens)",
+                self.method,
+                len(self.expert_forms),
+                sum(form.nbytes() for _, _, form in self.expert_forms) / 2**20,
+                sum((m.w13_weight.numel() + m.w2_weight.numel()) * 4 for _, m, _ in self.expert_forms)
+                / 2**20,
+                WQ_MAX_TOKENS,
+            )
         logger.info(
             "%s: %d linears weight-only quantized (%.0f MiB read per step instead of %.0f MiB of fp32) "
             "for batches of up to %d tokens, run by %s",
@@ -134,8 +172,8 @@ def create_weight_only(runner: Any) -> WeightOnlyForms | None:  # noqa: ANN401 -
                 f"--quantization gguf serves GGUF files: pass --model-path to a .gguf file (or the "
                 f"built-in model); {runner.model_config.path} is not a GGUF conversion"
             )
-        forms = gguf_linear_forms(source, runner.model, runner.lm_head)
-        return WeightOnlyForms("--quantization gguf", forms, None)
+        forms, expert_forms = gguf_linear_forms(source, runner.model, runner.lm_head)
+        return WeightOnlyForms("--quantization gguf", forms, None, expert_forms)
     if args.torchao_config:
         return _torchao_forms(args.torchao_config, runner.model)
     return None

@@ -1,9 +1,11 @@
-"""Convert a llama-architecture GGUF file into an HF-format folder transformers can load.
+"""Convert a GGUF file (llama, Mixtral, Qwen2-MoE, Qwen3-MoE: model_loader/gguf_arch.py) into an
+HF-format folder transformers can load.
 
 Output: config.json, generation_config.json, model.safetensors (fp32, dequantized),
 tokenizer.json (built with `tokenizers` from the GGUF BPE vocab/merges) and tokenizer_config.json
 (special tokens and chat template). Used for the built-in SmolLM2 model, whose only offline source
-is a Q4_1 GGUF.
+is a Q4_1 GGUF, and for `--model-path model.gguf`. llama.cpp's stacked expert tensors
+(`blk.N.ffn_*_exps.weight`, [num_experts, rows, cols]) become HF's one tensor per expert.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,24 +20,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.gguf_arch import (
+    GgufArch,
+    expert_tensor_names,
+    hf_tensor_name,
+    moe_config,
+    resolve_arch,
+)
 
 logger = logging.getLogger(__name__)
-
-# GGUF per-layer tensor names -> HF LlamaForCausalLM module names.
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 # llama.cpp token types (gguf.TokenType): which vocab entries are special/added tokens.
 _TOKEN_TYPE_CONTROL = 3
@@ -44,11 +36,17 @@ _TOKEN_TYPE_USER_DEFINED = 4
 
 # GGUF `tokenizer.ggml.pre` values we can express with HF pre-tokenizers. Getting this wrong would
 # silently change token ids, so anything else is refused.
-_SUPPORTED_PRE_TOKENIZERS = ("smollm", "gpt-2", "default")
+_SUPPORTED_PRE_TOKENIZERS = ("smollm", "gpt-2", "default", "qwen2")
+# Qwen2's split (its tokenizer.json's Split pre-tokenizer, "Isolated"), before a regex-free ByteLevel.
+QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
-class LlamaHParams:
+class GgufHParams:
+    arch: GgufArch
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -60,6 +58,13 @@ class LlamaHParams:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    attention_bias: bool = False  # the file has q/k/v biases (Qwen2-MoE)
+    moe: tuple[tuple[str, Any], ...] = ()  # the HF config keys of the experts (gguf_arch.moe_config)
+
+    @property
+    def num_experts(self) -> int:
+        moe = dict(self.moe)
+        return int(moe.get("num_experts") or moe.get("num_local_experts") or 0)
 
 
 def convert_gguf_to_hf(
@@ -76,8 +81,7 @@ def convert_gguf_to_hf(
     except Exception as exc:  # GGUFReader raises ValueError/struct errors on a bad file
         raise ModelLoadError(f"Cannot read GGUF file {gguf_path}: {exc}") from exc
     meta = read_metadata(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    hparams = llama_hparams(meta, tie_word_embeddings="output.weight" not in tensor_names)
+    hparams = read_hparams(meta, {t.name for t in reader.tensors})
     special = _special_token_ids(meta)
     _write_json(os.path.join(out_dir, "config.json"), hf_config_dict(hparams, special))
     _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(special))
@@ -90,41 +94,52 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def llama_hparams(meta: dict[str, Any], tie_word_embeddings: bool) -> LlamaHParams:
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF conversion supports llama-architecture files only, got {arch!r}.")
-    if "llama.rope.scaling.type" in meta:
+def read_hparams(meta: dict[str, Any], tensor_names: set[str]) -> GgufHParams:
+    """The model's hyper-parameters from `<arch>.*` metadata; biases, tying and dense layers are
+    read off which tensors the file holds."""
+    arch = resolve_arch(meta)
+    prefix = arch.gguf_name
+    if f"{prefix}.rope.scaling.type" in meta:
         raise ModelLoadError("GGUF files with rope scaling are not supported by the converter.")
 
     def get(key: str) -> Any:
-        if f"llama.{key}" not in meta:
-            raise ModelLoadError(f"GGUF metadata lacks llama.{key}; cannot build config.json.")
-        return meta[f"llama.{key}"]
+        if f"{prefix}.{key}" not in meta:
+            raise ModelLoadError(f"GGUF metadata lacks {prefix}.{key}; cannot build config.json.")
+        return meta[f"{prefix}.{key}"]
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return LlamaHParams(
-        num_layers=int(get("block_count")),
+    num_layers = int(get("block_count"))
+    vocab = meta.get(f"{prefix}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names]
+    moe = moe_config(arch, meta, dense)
+    # Qwen3-MoE files may omit feed_forward_length (no dense MLP); HF wants a value.
+    inter = meta.get(f"{prefix}.feed_forward_length") or moe.get("moe_intermediate_size")
+    if inter is None:
+        raise ModelLoadError(f"GGUF metadata lacks {prefix}.feed_forward_length; cannot build config.json.")
+    return GgufHParams(
+        arch=arch,
+        num_layers=num_layers,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(inter),
         num_heads=heads,
-        num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
+        num_kv_heads=int(meta.get(f"{prefix}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{prefix}.attention.key_length", hidden // heads)),
         vocab_size=int(vocab),
         context_len=int(get("context_length")),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        rope_theta=float(meta.get(f"{prefix}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings=tie_word_embeddings,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        moe=tuple(moe.items()),
     )
 
 
-def hf_config_dict(hp: LlamaHParams, special: dict[str, int | None]) -> dict[str, Any]:
+def hf_config_dict(hp: GgufHParams, special: dict[str, int | None]) -> dict[str, Any]:
     # float32 rounding in GGUF turns 1e-5 into 9.9999997e-06; store the value the model was trained with.
     eps = float(f"{hp.rms_norm_eps:.6g}")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hp.arch.hf_architecture],
+        "model_type": hp.arch.model_type,
         "hidden_size": hp.hidden_size,
         "intermediate_size": hp.intermediate_size,
         "num_hidden_layers": hp.num_layers,
@@ -140,6 +155,7 @@ def hf_config_dict(hp: LlamaHParams, special: dict[str, int | None]) -> dict[str
         "vocab_size": hp.vocab_size,
         "tie_word_embeddings": hp.tie_word_embeddings,
         "attention_bias": False,
+        hp.arch.qkv_bias_key: hp.attention_bias,
         "mlp_bias": False,
         "initializer_range": 0.02,
         "bos_token_id": special["bos"],
@@ -147,6 +163,7 @@ def hf_config_dict(hp: LlamaHParams, special: dict[str, int | None]) -> dict[str
         "pad_token_id": special["pad"],
         "dtype": "float32",  # transformers >= 4.56 name; older versions default to fp32 anyway
         "use_cache": True,
+        **dict(hp.moe),
     }
 
 
@@ -165,17 +182,6 @@ def _special_token_ids(meta: dict[str, Any]) -> dict[str, int | None]:
 # ---------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF LlamaForCausalLM parameter name."""
-    if m := _LAYER_RE.match(gguf_name):
-        layer, kind, suffix = m.groups()
-        if kind in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
-    elif (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no HF Llama equivalent; cannot convert this file.")
 
 
 def undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -201,20 +207,34 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     return array.reshape(torch_shape)
 
 
-def _write_weights(reader: Any, hp: LlamaHParams, path: str, show_progress: bool) -> None:
+def hf_tensors(tensor: Any, hp: GgufHParams) -> dict[str, np.ndarray]:
+    """One GGUF tensor as the HF tensors it becomes (several for a stacked expert tensor)."""
+    array = dequantize_tensor(tensor)
+    experts = expert_tensor_names(tensor.name, hp.arch, hp.num_experts)
+    if experts is not None:
+        if array.shape[0] != len(experts):
+            raise ModelLoadError(
+                f"GGUF tensor {tensor.name} holds {array.shape[0]} experts, expected {len(experts)}"
+            )
+        return {name: np.ascontiguousarray(array[e]) for e, name in enumerate(experts)}
+    name = hf_tensor_name(tensor.name, hp.arch)
+    if hp.arch.rope_permuted and ".self_attn.q_proj." in name:
+        array = undo_rope_permute(array, hp.num_heads)
+    elif hp.arch.rope_permuted and ".self_attn.k_proj." in name:
+        array = undo_rope_permute(array, hp.num_kv_heads)
+    elif name.endswith(".shared_expert_gate.weight"):
+        array = array.reshape(1, -1)  # llama.cpp stores the [1, hidden] gate as a vector
+    return {name: array}
+
+
+def _write_weights(reader: Any, hp: GgufHParams, path: str, show_progress: bool) -> None:
     from safetensors.numpy import save_file
 
     tensors: dict[str, np.ndarray] = {}
     for tensor in tqdm(
         reader.tensors, desc="Converting GGUF tensors", unit="tensor", disable=not show_progress
     ):
-        name = hf_tensor_name(tensor.name)
-        array = dequantize_tensor(tensor)
-        if ".self_attn.q_proj." in name:
-            array = undo_rope_permute(array, hp.num_heads)
-        elif ".self_attn.k_proj." in name:
-            array = undo_rope_permute(array, hp.num_kv_heads)
-        tensors[name] = array
+        tensors.update(hf_tensors(tensor, hp))
     expected_embed = (hp.vocab_size, hp.hidden_size)
     got_embed = tensors.get("model.embed_tokens.weight", np.empty(0)).shape
     if got_embed != expected_embed:
@@ -230,7 +250,16 @@ def _write_weights(reader: Any, hp: LlamaHParams, path: str, show_progress: bool
 
 def build_hf_tokenizer(meta: dict[str, Any]) -> Any:
     """A `tokenizers.Tokenizer` equivalent to the GGUF's byte-level BPE tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ModelLoadError(
@@ -250,6 +279,14 @@ def build_hf_tokenizer(meta: dict[str, Any]) -> Any:
         # SmolLM splits every digit into its own pre-token before the GPT-2 regex.
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre == "qwen2":
+        # Qwen2's tokenizer.json: NFC, its own split (single digits, case-insensitive
+        # contractions), then ByteLevel without the GPT-2 regex.
+        tokenizer.normalizer = normalizers.NFC()
+        split = pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
     else:
         tokenizer.pre_tokenizer = byte_level

@@ -1,5 +1,6 @@
-"""--quantization gguf: each decoder linear and the LM head of a llama-architecture model get the
-GGUF file's own quantized tensors as their weight-only form (Linear.weight_wq).
+"""--quantization gguf: each decoder linear and the LM head get the GGUF file's own quantized
+tensors as their weight-only form (Linear.weight_wq), and a MoE layer's experts theirs
+(model_loader/gguf_experts.py). The shared expert of Qwen2-MoE is a dense MLP like any other.
 
 The fp32 weights load from the file's conversion as without the flag (they are the file
 dequantized), so a layer's wq form and its fp32 weight hold the same values, and the fp32 one
@@ -23,17 +24,25 @@ from radixserve.layers.group_quant_ops import concat_rows, pad_rows, take_inputs
 from radixserve.layers.linear import Linear
 from radixserve.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.model_loader.errors import ModelLoadError
-from radixserve.model_loader.gguf_convert import undo_rope_permute
+from radixserve.model_loader.gguf_arch import resolve_arch
+from radixserve.model_loader.gguf_convert import read_metadata, undo_rope_permute
+from radixserve.model_loader.gguf_experts import ExpertForm, experts_form
 from radixserve.model_loader.gguf_quant import check_tensor_types, tensor_group_quant
 
 logger = logging.getLogger(__name__)
 
 # The fused linears of a decoder layer: attribute path -> the GGUF tensors they concatenate.
-_LAYER_LINEARS = (
+_ATTENTION_LINEARS = (
     ("self_attn.qkv_proj", ("attn_q", "attn_k", "attn_v")),
     ("self_attn.o_proj", ("attn_output",)),
+)
+_DENSE_MLP_LINEARS = (
     ("mlp.gate_up_proj", ("ffn_gate", "ffn_up")),
     ("mlp.down_proj", ("ffn_down",)),
+)
+_SHARED_EXPERT_LINEARS = (
+    ("mlp.shared_expert.gate_up_proj", ("ffn_gate_shexp", "ffn_up_shexp")),
+    ("mlp.shared_expert.down_proj", ("ffn_down_shexp",)),
 )
 
 Form = tuple[str, Linear, GroupQuantWeight]
@@ -51,6 +60,8 @@ class _Tensors:
             raise ModelLoadError(f"Cannot read GGUF file {path}: {exc}") from exc
         check_tensor_types(list(reader.tensors))
         self.path = path
+        # llama.cpp interleaved Q/K rows for llama-style rope only (not Qwen's NEOX rope).
+        self.rope_permuted = resolve_arch(read_metadata(reader)).rope_permuted
         self.by_name = {t.name: t for t in reader.tensors}
 
     def __contains__(self, name: str) -> bool:
@@ -91,7 +102,7 @@ def _layer_form(
         if w is None:  # an F32/F16/BF16 tensor: the layer serves from fp32
             return None
         kind = name.split(".")[-2]
-        if kind in heads:
+        if kind in heads and tensors.rope_permuted:
             w = _rope_rows(w, heads[kind])
         parts.append(take_rows(w, slice(start, start + length)))
     if len({(p.bits, p.group_size, p.offsets is None) for p in parts}) > 1:
@@ -120,33 +131,50 @@ def _lm_head_form(tensors: _Tensors, model: Any, head: Linear) -> GroupQuantWeig
     return pad_rows(rows, head.weight.shape[0])
 
 
-def gguf_linear_forms(path: str, model: nn.Module, lm_head: nn.Module | None) -> list[Form]:
+def _block_linears(block: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    moe = getattr(block.mlp, "experts", None)
+    if moe is None:
+        return _ATTENTION_LINEARS + _DENSE_MLP_LINEARS
+    return _ATTENTION_LINEARS + (_SHARED_EXPERT_LINEARS if block.mlp.shared_expert is not None else ())
+
+
+def gguf_linear_forms(
+    path: str, model: nn.Module, lm_head: nn.Module | None
+) -> tuple[list[Form], list[ExpertForm]]:
     """(name, layer, form) for every decoder linear of this rank's stage and its LM head (the
-    runner's Linear over the head weight) whose GGUF tensors are quantized."""
+    runner's Linear over the head weight) whose GGUF tensors are quantized; and (name, FusedMoE,
+    forms) for every MoE layer's experts."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         raise ModelLoadError(
-            f"--quantization gguf serves llama-architecture models, not {type(model).__name__}"
+            f"--quantization gguf serves decoder-only language models, not {type(model).__name__}"
         )
     tensors = _Tensors(path)
     config = model.config
     num_heads = config.num_attention_heads
     heads = {"attn_q": num_heads, "attn_k": getattr(config, "num_key_value_heads", None) or num_heads}
     forms: list[Form] = []
+    expert_forms: list[ExpertForm] = []
     plain: list[str] = []
     for i in range(inner.start_layer, inner.end_layer):
         block = inner.layers[i]
-        for attr, kinds in _LAYER_LINEARS:
+        for attr, kinds in _block_linears(block):
             layer = block.get_submodule(attr)
             form = _layer_form(tensors, layer, [f"blk.{i}.{k}.weight" for k in kinds], heads)
             name = f"model.layers.{i}.{attr}"
             (plain.append(name) if form is None else forms.append((name, layer, form)))
+        moe = getattr(block.mlp, "experts", None)
+        if moe is not None:
+            name = f"model.layers.{i}.mlp.experts"
+            form = experts_form(tensors.by_name, i, moe)
+            (plain.append(name) if form is None else expert_forms.append((name, moe, form)))
     if lm_head is not None:
         head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead under TP
         form = _lm_head_form(tensors, model, head)
         (plain.append("lm_head") if form is None else forms.append(("lm_head", head, form)))
     if plain:
         logger.info(
-            "--quantization gguf: %d linears have float tensors in the file and serve in fp32", len(plain)
+            "--quantization gguf: %d linears or expert sets have float tensors in the file and serve in fp32",
+            len(plain),
         )
-    return forms
+    return forms, expert_forms

@@ -191,12 +191,16 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = pp_proxy.hidden, pp_proxy.residual
         capture = forward_batch.capture_aux_layers
+        deepstack = forward_batch.deepstack_embeds
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers[self.start_layer : self.end_layer], start=self.start_layer):
             if capture and i in capture:  # EAGLE3: the residual stream entering layer i
                 # (a copy: the compiled residual-add norm updates `residual` in place)
                 aux.append(hidden.clone() if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+            if deepstack is not None and i < deepstack.num_layers:
+                # The layer's output is hidden + residual; adding to either adds to the sum.
+                hidden = deepstack.add(i, hidden)
         if capture:
             if self.end_layer in capture:
                 aux.append(hidden + residual)

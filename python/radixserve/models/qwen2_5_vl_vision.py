@@ -18,7 +18,7 @@ from radixserve.layers.linear import Linear
 from radixserve.layers.norm import RMSNorm
 from radixserve.model_loader.errors import ModelLoadError
 
-_ACTIVATIONS = {
+VISION_ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -56,11 +56,11 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        if act not in _ACTIVATIONS:
+        if act not in VISION_ACTIVATIONS:
             raise ModelLoadError(
-                f"Unsupported vision hidden_act {act!r} (supported: {', '.join(_ACTIVATIONS)})"
+                f"Unsupported vision hidden_act {act!r} (supported: {', '.join(VISION_ACTIVATIONS)})"
             )
-        self.act = _ACTIVATIONS[act]
+        self.act = VISION_ACTIVATIONS[act]
         self.gate_proj = Linear(dim, hidden, bias=True)
         self.up_proj = Linear(dim, hidden, bias=True)
         self.down_proj = Linear(hidden, dim, bias=True)
@@ -131,11 +131,13 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = self._permute(
             self.patch_embed(pixel_values.to(device, self.patch_embed.weight.dtype)), window_index
         )
-        freqs = self._permute(self._rotary_freqs(t, h, w), window_index)  # [N, head_dim / 2]
+        freqs = self._permute(
+            rotary_freqs(t, h, w, self.merge, self.inv_freq), window_index
+        )  # [N, head_dim / 2]
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
         frame_cu = torch.arange(t + 1, dtype=torch.int64) * (h * w)
-        full_mask = _segment_mask(frame_cu, device) if t > 1 else None
-        window_mask = _segment_mask(window_cu, device)
+        full_mask = segment_mask(frame_cu, device) if t > 1 else None
+        window_mask = segment_mask(window_cu, device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full_mask if i in self.fullatt_blocks else window_mask)
         return self.merger(x)[torch.argsort(window_index)]
@@ -144,16 +146,6 @@ class Qwen2_5_VisionTransformer(nn.Module):
         """Reorder merged units (groups of `unit` consecutive rows) into window order."""
         n = x.shape[0]
         return x.view(n // self.unit, self.unit, -1)[window_index].reshape(n, -1)
-
-    def _rotary_freqs(self, t: int, h: int, w: int) -> torch.Tensor:
-        """[t*h*w, head_dim / 2] angles: each patch's row rotates the first half, its column the
-        second, patches listed merged unit by merged unit (the processor's order)."""
-        m = self.merge
-        hpos = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
-        wpos = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
-        pos = torch.stack([hpos, wpos], dim=-1).repeat(t, 1).to(self.inv_freq.device)  # [N, 2]
-        freqs = pos.unsqueeze(-1).float() * self.inv_freq  # [N, 2, head_dim / 4]
-        return freqs.flatten(1)
 
     def _window_index(self, t: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(merged-unit order that makes windows contiguous [t*h*w/unit], cumulative patch counts
@@ -171,7 +163,18 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return order, torch.unique_consecutive(cu)
 
 
-def _segment_mask(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+def rotary_freqs(t: int, h: int, w: int, merge: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[t*h*w, head_dim / 2] angles: each patch's row rotates the first half, its column the
+    second, patches listed merged unit by merged unit (the processor's order)."""
+    m = merge
+    hpos = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
+    wpos = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
+    pos = torch.stack([hpos, wpos], dim=-1).repeat(t, 1).to(inv_freq.device)  # [N, 2]
+    freqs = pos.unsqueeze(-1).float() * inv_freq  # [N, 2, head_dim / 4]
+    return freqs.flatten(1)
+
+
+def segment_mask(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[N, N] bool: True where two rows lie in the same segment of the cumulative lengths `cu`."""
     seg = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff()).to(device)  # [N]
     return seg.unsqueeze(0) == seg.unsqueeze(1)

@@ -15,6 +15,7 @@ from radixserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from radixserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from radixserve.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 from radixserve.models.sequence_classification import (
     LlamaForSequenceClassification,
     Qwen2ForSequenceClassification,
@@ -31,6 +32,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     # Images in (docs/multimodal.md)
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     # Mixture-of-experts (models/moe_decoder.py)
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

@@ -131,6 +131,7 @@ class Scheduler:
                 worker.token_to_kv_pool,
                 HiCacheConfig.from_server_args(args),
                 worker.info.tp_rank,
+                self.sync,
             )
         else:
             cache = RadixCache(rows, allocator, allocator.page_size, args.radix_eviction_policy)

@@ -75,7 +75,9 @@ class SchedulerIO:
         )
         self.load_watch_interval = load_watch_interval
         self._last_report: tuple[int, int, int] | None = None
-        self._last_report_time = 0.0
+        self._last_report_time = float(
+            "-inf"
+        )  # time.monotonic() starts near 0 at boot: never throttle the first
 
     def recv_requests(self, block: bool) -> list[object]:
         msgs: list[object] = []

@@ -68,12 +68,15 @@ class InProcessScheduler:
         self._seen = 0
 
     def submit(self, rid: str, input_ids: list[int], **params: Any) -> None:
-        """Queue one request; `params` are SamplingParams fields (temperature defaults to 0)."""
+        """Queue one request; `params` are SamplingParams fields (temperature defaults to 0), and
+        `lora_id` (an adapter loaded under that id; the start-up adapters' ids are their names)."""
         params.setdefault("temperature", 0.0)
+        lora_id = params.pop("lora_id", None)
         sp = SamplingParams(**params)
         sp.normalize()
         sp.verify(self.worker.vocab_size)
-        self.scheduler.process_input_requests([TokenizedGenerateReqInput(rid, "", list(input_ids), sp)])
+        msg = TokenizedGenerateReqInput(rid, "", list(input_ids), sp, lora_id=lora_id)
+        self.scheduler.process_input_requests([msg])
 
     def submit_embedding(
         self,

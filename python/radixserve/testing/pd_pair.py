@@ -44,8 +44,11 @@ class PDPair:
     def message(
         self, rid: str, input_ids: list[int], room: int | None, **params: Any
     ) -> TokenizedGenerateReqInput:
+        """`params`: SamplingParams fields, and `return_logprob` and `lora_id` (the adapter both
+        sides loaded under that id; the start-up adapters' ids are their names)."""
         params.setdefault("temperature", 0.0)
         return_logprob = params.pop("return_logprob", False)
+        lora_id = params.pop("lora_id", None)
         sp = SamplingParams(**params)
         sp.normalize()
         sp.verify(self.decode.worker.vocab_size)
@@ -56,6 +59,7 @@ class PDPair:
             sp,
             return_logprob=return_logprob,
             routing=DisaggRouting("127.0.0.1", self.bootstrap_port, room),
+            lora_id=lora_id,
         )
 
     def submit(self, rid: str, input_ids: list[int], room: int, **params: Any) -> None:

@@ -137,14 +137,16 @@ def write_tiny_tokenizer(
     hf.save_pretrained(str(path))
 
 
-def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
+def make_tiny_model(
+    kind: str, path: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
     """Write a random `kind` (a TINY_CONFIGS key: 'llama', 'qwen3', 'qwen2_moe', ...) checkpoint to
-    `path`."""
+    `path`, its config updated with `overrides`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = {**_COMMON, **TINY_CONFIGS[kind]}
+    cfg = {**_COMMON, **TINY_CONFIGS[kind], **(overrides or {})}
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)

@@ -1,5 +1,6 @@
-"""A tiny random Qwen2.5-VL checkpoint for tests: config, weights, a tokenizer with the vision
-special tokens and the image processor's config, loadable by radixserve and HF transformers."""
+"""Tiny random Qwen2.5-VL and Qwen3-VL (dense and MoE) checkpoints for tests: config, weights, a
+tokenizer with the vision special tokens and the image processor's config, loadable by radixserve
+and HF transformers (offline)."""
 
 from __future__ import annotations
 
@@ -127,6 +128,105 @@ def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     write_vlm_tokenizer(path)
     Qwen2VLImageProcessorPil(**_PROCESSOR).save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return path
+
+
+# Qwen3-VL: 16 px patches merged 2x2 (the processor resizes to multiples of 32 px), a 4x4 learned
+# position grid (resampled up and down to each image's grid), deepstack from blocks 0 and 1 into
+# language-model layers 0 and 1 of 3 (layer 2 has none).
+_QWEN3_PROCESSOR = {
+    "min_pixels": 32 * 32,
+    "max_pixels": 32 * 32 * 16,
+    "patch_size": 16,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+_QWEN3_TEXT = {
+    **_TEXT,
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    # 8 rotary pairs interleaved t, h, w: height takes pairs 1, 4, 7; width 2, 5; time 0, 3, 6.
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    },
+}
+_QWEN3_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,  # the stacked expert tensors are not square: their layout is checked
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],  # one dense layer among the sparse ones
+}
+_QWEN3_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0, 1],
+    "hidden_act": "gelu_pytorch_tanh",
+    "initializer_range": 0.25,
+}
+
+
+def qwen3_vl_config(text: dict[str, Any], vision: dict[str, Any], moe: bool) -> Any:  # noqa: ANN401
+    """A Qwen3VLConfig (Qwen3VLMoeConfig with `moe`) with this module's special-token ids."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    config_cls = Qwen3VLMoeConfig if moe else Qwen3VLConfig
+    config = config_cls(
+        text_config=dict(text),
+        vision_config=dict(vision),
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_ID,
+        vision_end_token_id=VISION_END_ID,
+        tie_word_embeddings=False,
+    )
+    config.architectures = [
+        "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+    ]
+    return config
+
+
+def make_tiny_qwen3_vl(path: str | Path, moe: bool = False, seed: int = 0) -> Path:
+    """Write a random tiny Qwen3VLForConditionalGeneration (Qwen3VLMoeForConditionalGeneration
+    with `moe`) to `path`."""
+    from transformers import (
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text = {**_QWEN3_TEXT, **(_QWEN3_MOE if moe else {})}
+    config = qwen3_vl_config(text, _QWEN3_VISION, moe)
+    torch.manual_seed(seed)
+    model_cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or ".norm1." in name or ".norm2." in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "visual" in name or "experts" in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.25)
+    model.save_pretrained(path, safe_serialization=True)
+    write_vlm_tokenizer(path)
+    # The image processor alone, as for Qwen2.5-VL: transformers' Qwen3VLProcessor also builds its
+    # video processor, which needs torchvision (not a dependency); radixserve reads only this.
+    Qwen2VLImageProcessorPil(**_QWEN3_PROCESSOR).save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return path
 

@@ -5,14 +5,25 @@ expert no token chose is never touched (its weights are not even read, which is 
 cheap to decode on a CPU). Python loops over the experts that got tokens, never over tokens.
 
 The matmuls go through layers/linear.py's `linear`, so small fp32 groups (decode) take sgl-kernel's
-small-M kernel where it is built; bf16 and larger groups run F.linear."""
+small-M kernel where it is built; bf16 and larger groups run F.linear. With weight-only quantized
+experts (`wq`, layers/moe/quantized.py) a group of at most WQ_MAX_TOKENS tokens runs each of its
+expert's two projections through linear_wq on the quantized integers instead (the rule a dense
+Linear follows)."""
 
 from __future__ import annotations
 
 import torch
 
 from radixserve.layers.activation import silu_and_mul
-from radixserve.layers.linear import linear
+from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
+from radixserve.layers.linear import WQ_MAX_TOKENS, linear
+from radixserve.layers.moe.quantized import ExpertsWq
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, form: GroupQuantWeight | None) -> torch.Tensor:
+    if form is not None and x.shape[0] <= WQ_MAX_TOKENS:
+        return linear_wq(x, form)
+    return linear(x, weight)
 
 
 def fused_experts_grouped(
@@ -22,10 +33,12 @@ def fused_experts_grouped(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_start: int | None = None,
+    wq: ExpertsWq | None = None,
 ) -> torch.Tensor:
     """Same contract as fused_moe_native.fused_experts_native. Under expert parallelism
-    (`expert_start` set) w13 / w2 hold only experts [expert_start, expert_start + w13.shape[0]) of
-    the layer: pairs routed to other experts contribute nothing here (their ranks add them)."""
+        (`expert_start` set) w13 / w2 hold only experts [expert_start, expert_start + w13.shape[0]) of
+        the layer: pairs routed to other experts contribute nothing here (their ranks add them). `wq`:
+    the local experts' quantized forms, whose dequantization must equal w13 / w2."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
@@ -44,8 +57,9 @@ def fused_experts_grouped(
     out = torch.empty_like(x)
     for e in torch.nonzero(counts).flatten().tolist():
         start, end = ends[e] - sizes[e], ends[e]
-        act = silu_and_mul(linear(x[start:end], w13[e]))  # [n_e, inter]
-        out[start:end] = linear(act, w2[e])
+        w13_form, w2_form = (None, None) if wq is None else (wq.w13[e], wq.w2[e])
+        act = silu_and_mul(_project(x[start:end], w13[e], w13_form))  # [n_e, inter]
+        out[start:end] = _project(act, w2[e], w2_form)
     weights = flat_weights.index_select(0, order).to(out.dtype)
     out.mul_(weights.unsqueeze(1))
     return torch.zeros_like(hidden).index_add_(0, token_idx, out)

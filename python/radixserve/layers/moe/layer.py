@@ -28,6 +28,7 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
+from radixserve.layers.moe.quantized import ExpertsWq
 from radixserve.layers.parallel_linear import divide
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
@@ -70,13 +71,17 @@ class FusedMoE(nn.Module):
         self.inter = divide(intermediate_size, moe_tp, "moe intermediate size")  # this rank's part
         self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter))
+        # The local experts' weight-only quantized forms (--quantization gguf), set after loading.
+        self.experts_wq: ExpertsWq | None = None
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden [num_tokens, hidden_size], topk_* [num_tokens, top_k] -> [num_tokens, hidden_size]."""
         start = self.expert_start if self.ep_size > 1 else None
-        out = fused_experts_grouped(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, start)
+        out = fused_experts_grouped(
+            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, start, self.experts_wq
+        )
         if self.tp.size > 1:
             self.tp.all_reduce_(out)
         return out
@@ -102,6 +107,32 @@ class FusedMoE(nn.Module):
         offset = 0 if proj in _GATE else self.inter  # gate rows, then up rows
         slot = param[local, offset : offset + self.inter] if here else None
         return slot, (full_inter, param.shape[-1]), 0, start
+
+    def load_stacked(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        """Every expert's projection in one checkpoint tensor (Qwen3-VL-MoE's `experts.gate_up_proj`
+        [E, 2 * inter, hidden] and `experts.down_proj` [E, hidden, inter], transformers 5's layout,
+        or the original release's [E, hidden, 2 * inter] / [E, inter, hidden]). transformers' rule
+        decides between them: the parameter's own layout when the shape is it, else transposed.
+        Reads only this rank's experts."""
+        is_up = param is self.w13_weight
+        full_inter, start = self.inter * (self.tp.size // self.ep_size), self.moe_tp_rank * self.inter
+        hidden = param.shape[1] if not is_up else param.shape[2]
+        ours = (self.num_experts, 2 * full_inter, hidden) if is_up else (self.num_experts, hidden, full_inter)
+        theirs = (ours[0], ours[2], ours[1])
+        if tuple(loaded.shape) not in (ours, theirs):
+            raise ModelLoadError(
+                f"Shape mismatch for {loaded.name}: the config implies {ours} (or {theirs}), the "
+                f"checkpoint has {tuple(loaded.shape)}"
+            )
+        data = loaded.narrow(0, self.expert_start, self.num_local)
+        if tuple(loaded.shape) != ours:
+            data = data.transpose(1, 2)
+        if is_up:  # gate rows then up rows, this rank's block of each
+            up = full_inter + start
+            data = torch.cat([data[:, start : start + self.inter], data[:, up : up + self.inter]], dim=1)
+        else:
+            data = data[:, :, start : start + self.inter]
+        param.data.copy_(data.to(param.dtype))
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         slot, full_shape, dim, start = self.checkpoint_piece(loaded.name, param.data)

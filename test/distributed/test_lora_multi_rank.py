@@ -1,8 +1,11 @@
-"""LoRA at --tp-size 2 through the Engine (gloo on 127.0.0.1): three adapters of different ranks and
-target modules and the base model, mixed in one batch, give HF transformers + PEFT's greedy tokens,
-as one rank does (test/engine/test_lora_parity.py). Each rank holds its part of every adapter
-(lora/tp_shards.py): all of A and its rows of B for q/k/v and gate/up, its columns of A for o and
-down, whose partial delta rides the layer's own all-reduce."""
+"""LoRA at --tp-size 2 and at --pp-size 2 through the Engine (gloo on 127.0.0.1): three adapters of
+different ranks and target modules and the base model, mixed in one batch, give HF transformers +
+PEFT's greedy tokens, as one rank does (test/engine/test_lora_parity.py).
+
+TP: each rank holds its part of every adapter (lora/tp_shards.py): all of A and its rows of B for
+q/k/v and gate/up, its columns of A for o and down, whose partial delta rides the layer's own
+all-reduce. PP: each stage holds the adapters' tensors of its own layers, and every stage
+prepares the batch's adapter slots before its forward (every stage runs the same scheduler)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ def _until_eos(ids: list[int]) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-def test_adapters_mixed_with_base_at_tp2_match_peft(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
+def test_adapters_mixed_with_base_match_peft(layout, tiny_model_dir, tmp_path):
     pytest.importorskip("peft")  # here, not at collection: peft imports triton
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -42,7 +46,7 @@ def test_adapters_mixed_with_base_at_tp2_match_peft(tiny_model_dir, tmp_path):
         expected.append(_until_eos(hf_greedy(model.eval(), prompt, NEW)[0]))
     paths = [f"{n}={p}" for n, p in adapters.items()]
     with Engine(
-        model_path=path, tp_size=2, enable_lora=True, lora_paths=paths, max_total_tokens=4096,
+        model_path=path, **layout, enable_lora=True, lora_paths=paths, max_total_tokens=4096,
         chunked_prefill_size=32, log_level="warning",
     ) as engine:  # fmt: skip
         outs = engine.generate(

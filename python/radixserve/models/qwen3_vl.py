@@ -1,0 +1,191 @@
+"""Qwen3-VL (dense: the Qwen3 decoder, q/k norm) and Qwen3-VL-MoE (the Qwen3-MoE decoder), reading
+images through models/qwen3_vl_vision.py.
+
+What differs from Qwen2.5-VL (models/qwen2_5_vl.py, whose request side, pad values, embedding
+cache and encoder-in-prefill this reuses through models/vlm_common.py):
+- M-RoPE is interleaved: the rotary pairs take time, height, width in turn (layers/mrope.py);
+- deepstack: the tower also returns features of some of its blocks, one per language-model layer
+  0..n-1, added to those layers' output states at the image-token rows. The tower's output is one
+  tensor per image, main embedding then deepstack features side by side, so the embedding cache
+  keeps them together and a prefill chunk that cuts through an image reads the rows of its own
+  tokens of both (ForwardBatch.deepstack_embeds).
+
+The two classes extend different decoders; what they share is the module-level functions here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.distributed.model_parallel import ModelParallelism
+from radixserve.model_executor.forward_batch import DeepstackEmbeds, InputEmbeds, PPProxyTensors
+from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.weights import CheckpointTensor
+from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.moe_decoder import MoeDecoderLayer, MoeSpec
+from radixserve.models.qwen3 import Qwen3ForCausalLM
+from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from radixserve.models.qwen3_vl_vision import Qwen3VisionTransformer
+from radixserve.models.vlm_common import (
+    image_rows,
+    install_mrope,
+    lm_names,
+    load_visual,
+    text_config_of,
+    visual_name,
+)
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.multimodal.embedding_cache import EmbeddingCache
+
+# Qwen3-VL-MoE stores each layer's experts as two stacked tensors, not one tensor per expert.
+_STACKED_EXPERTS = (
+    (".mlp.experts.gate_up_proj", ".mlp.experts.w13_weight"),
+    (".mlp.experts.down_proj", ".mlp.experts.w2_weight"),
+)
+
+
+def _check_parallel(parallel: ModelParallelism | None) -> ModelParallelism:
+    parallel = parallel or ModelParallelism()
+    if parallel.pp_size > 1:
+        raise ModelLoadError("Qwen3-VL does not support pipeline parallelism yet")
+    return parallel
+
+
+def _build_vision(model: LlamaForCausalLM, config: Any) -> Qwen3VisionTransformer:  # noqa: ANN401
+    """Interleaved M-RoPE on every layer, and the tower."""
+    if (model.config.rope_parameters or {}).get("mrope_interleaved") is False:
+        # transformers' Qwen3-VL always interleaves: a config saying otherwise is not Qwen3-VL's.
+        raise ModelLoadError("Qwen3-VL's M-RoPE is interleaved, but the config sets mrope_interleaved: false")
+    install_mrope(model.model.layers, model.config, interleaved=True)
+    visual = Qwen3VisionTransformer(config.vision_config)
+    if visual.num_deepstack > model.config.num_hidden_layers:
+        raise ModelLoadError(
+            f"{visual.num_deepstack} deepstack features for a {model.config.num_hidden_layers}-layer model"
+        )
+    return visual
+
+
+def _prepare_images(model: Any, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:  # noqa: ANN401
+    """Put a prefill's image rows (embeddings, deepstack features) on the batch; returns the ids
+    with the pad values (past the vocabulary) clamped, their embeddings being replaced."""
+    mm = forward_batch.multimodal
+    if mm is None:
+        return input_ids
+    rows, values = image_rows(model, mm, input_ids.device)  # values [k, (1 + n) * hidden_size]
+    hidden, num_deep = model.config.hidden_size, model.visual.num_deepstack
+    forward_batch.input_embeds = InputEmbeds(rows, values[:, :hidden])
+    if num_deep:
+        forward_batch.deepstack_embeds = DeepstackEmbeds(
+            rows, values[:, hidden:].reshape(-1, num_deep, hidden)
+        )
+    return input_ids.clamp(0, model.config.vocab_size - 1)
+
+
+def _positions(positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    return forward_batch.mrope_positions if forward_batch.mrope_positions is not None else positions
+
+
+class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+    takes_images = True
+
+    def __init__(
+        self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
+    ) -> None:
+        super().__init__(text_config_of(config), max_position, _check_parallel(parallel))
+        self.vl_config = config
+        self.visual = _build_vision(self, config)
+        self.num_encoder_runs = 0  # images encoded so far (tests count them)
+        self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        pp_proxy: PPProxyTensors | None = None,
+    ) -> torch.Tensor | PPProxyTensors:
+        input_ids = _prepare_images(self, input_ids, forward_batch)
+        return self.model(input_ids, _positions(positions, forward_batch), forward_batch, pp_proxy)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
+    ) -> None:
+        super().load_weights(lm_names(weights), require_all)
+
+    def param_targets(self, name: str) -> list[str]:
+        sub = visual_name(name)
+        return [f"visual.{sub}"] if sub is not None else super().param_targets(name)
+
+    def _load_one(
+        self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
+    ) -> None:
+        if name.startswith("visual."):
+            load_visual(param, name, tensor)
+        else:
+            super()._load_one(param, name, shard, tensor)
+
+
+class Qwen3VLMoeDecoderLayer(MoeDecoderLayer):
+    @staticmethod
+    def moe_spec(config: Any) -> MoeSpec:  # noqa: ANN401
+        # transformers' Qwen3-VL-MoE router always renormalises the top-k weights (its config has
+        # no norm_topk_prob) and has no shared expert.
+        return MoeSpec(
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=True,
+        )
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
+    takes_images = True
+    decoder_layer_cls = Qwen3VLMoeDecoderLayer
+
+    def __init__(
+        self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
+    ) -> None:
+        super().__init__(text_config_of(config), max_position, _check_parallel(parallel))
+        self.vl_config = config
+        self.visual = _build_vision(self, config)
+        self.num_encoder_runs = 0  # images encoded so far (tests count them)
+        self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        pp_proxy: PPProxyTensors | None = None,
+    ) -> torch.Tensor | PPProxyTensors:
+        input_ids = _prepare_images(self, input_ids, forward_batch)
+        return self.model(input_ids, _positions(positions, forward_batch), forward_batch, pp_proxy)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
+    ) -> None:
+        super().load_weights(lm_names(weights), require_all)
+
+    def param_targets(self, name: str) -> list[str]:
+        sub = visual_name(name)
+        if sub is not None:
+            return [f"visual.{sub}"]
+        for theirs, ours in _STACKED_EXPERTS:
+            if name.endswith(theirs):
+                return [name[: -len(theirs)] + ours] if self._on_this_stage(name) else []
+        return super().param_targets(name)
+
+    def _load_one(
+        self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
+    ) -> None:
+        if name.startswith("visual."):
+            load_visual(param, name, tensor)
+        elif name.endswith(tuple(ours for _, ours in _STACKED_EXPERTS)):
+            self.get_submodule(name.rpartition(".")[0]).load_stacked(param, tensor)
+        else:
+            super()._load_one(param, name, shard, tensor)
