@@ -331,15 +331,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _lib().silu_and_mul(x)
 
 
+def store_kv_dtypes() -> tuple[torch.dtype, ...]:
+    """The pool dtypes store_kv writes in this build (older builds: fp32 only)."""
+    if not available():
+        return ()
+    return attention_kv_dtypes() if getattr(_ext, "store_kv_quantizes", False) else (torch.float32,)
+
+
 def store_kv(
-    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim] fp32
+    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim], a store_kv_dtypes() dtype
     v_buf: torch.Tensor,
     loc: torch.Tensor,  # [T] int64 slots
     k: torch.Tensor,  # [T, num_kv_heads, head_dim] fp32, each token's heads contiguous
     v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,  # [pool_size, num_kv_heads] fp32: int8 pools only
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_buf[loc] = k and v_buf[loc] = v in one call."""
-    _lib().store_kv(k_buf, v_buf, loc, k, v)
+    """k_buf[loc] = k and v_buf[loc] = v in one call, each row quantized to the pool's dtype as
+    radixserve.mem_cache.kv_dtype does it (the same bits; int8 also writes the row's scale)."""
+    _lib().store_kv(k_buf, v_buf, loc, k, v, **_scale_kwargs(k_scale, v_scale))
 
 
 def decode_model(

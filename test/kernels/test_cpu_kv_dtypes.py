@@ -142,3 +142,25 @@ def test_fp8_writes_saturate_and_int8_round_trips():
     assert q.abs().amax(-1).eq(127).all()  # each row's largest value maps to +-127
     zeros_q, zeros_scale = quantize_int8(torch.zeros(2, 1, 4))
     assert zeros_q.eq(0).all() and zeros_scale.eq(1).all()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=str)
+def test_store_kv_writes_the_pools_bits(dtype):
+    """The compiled store quantizes as the pool's set_kv_buffer does (the reference): the same
+    bytes (and int8 scales), large values saturating in fp8, an all-zero row included."""
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool
+
+    gen = torch.Generator().manual_seed(3)
+    pools = [MHATokenToKVPool(64, 16, dtype, 1, 3, 40, "cpu") for _ in range(2)]
+    loc = torch.tensor([17, 3, 40, 63, 16])
+    k = torch.randn(5, 3, 40, generator=gen) * 3
+    v = torch.randn(5, 3, 40, generator=gen)
+    k[1, 2] = 0.0  # an all-zero row: int8 scale 1
+    v[0, 0, :4] = torch.tensor([1e4, -1e5, 500.0, -449.0])  # beyond fp8 e4m3's 448
+    pools[0].set_kv_buffer(0, loc, k, v)
+    scales = pools[1].get_kv_scale_buffer(0)
+    kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+    cpu_kernels.store_kv(*pools[1].get_kv_buffer(0), loc, k, v, **kw)
+    for ref, got in zip(pools[0].kv_buffers_of(0), pools[1].kv_buffers_of(0)):
+        assert torch.equal(ref.view(torch.uint8), got.view(torch.uint8))

@@ -47,10 +47,11 @@ def bytes_per_element_row(dtype: torch.dtype, head_dim: int) -> int:
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, num_kv_heads, head_dim] -> (int8 [N, num_kv_heads, head_dim], fp32 scale [N, num_kv_heads])
-    with x ~= q * scale: scale = amax / 127 per row, round half to even. An all-zero row gets scale 1."""
+    with x ~= q * scale: scale = amax * (1/127) per row, round half to even. An all-zero row gets
+    scale 1. sgl-kernel's store_kv computes the same fp32 operations (the same bits)."""
     x = x.float()
     amax = x.abs().amax(dim=-1)  # [N, num_kv_heads]
-    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / INT8_MAX), torch.ones_like(amax))
     q = torch.round(x / scale[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 

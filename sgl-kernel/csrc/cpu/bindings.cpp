@@ -58,7 +58,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");
   m.def("silu_and_mul", &silu_and_mul, "x [M, 2d] -> silu(x[:, :d]) * x[:, d:]");
-  m.def("store_kv", &store_kv, "k_buf[loc] = k; v_buf[loc] = v (fp32 pools)");
+  m.def("store_kv", &store_kv,
+        "k_buf[loc] = k; v_buf[loc] = v (k/v fp32); bf16/fp8/int8 pools quantize each row (int8: scales into "
+        "k_scale/v_scale fp32 [N,Hkv])",
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("loc"), py::arg("k"), py::arg("v"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.attr("store_kv_quantizes") = true;  // this build's store_kv writes every attention_kv_dtypes pool
   // Held by shared_ptr so a DecodeModel can keep the communicator it all-reduces with. The waits
   // release the GIL: a peer may be milliseconds behind, and other Python threads should run.
   using nogil = py::call_guard<py::gil_scoped_release>;

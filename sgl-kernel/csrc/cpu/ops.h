@@ -47,4 +47,8 @@ void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 void rotary_neox_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                   const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
-void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
+// k_buf[loc] = k; v_buf[loc] = v (k/v fp32 [T, Hkv, D]); a bf16 / fp8 / int8 pool gets each row
+// quantized as mem_cache/kv_dtype.py does (int8: its scale into k_scale / v_scale fp32 [N, Hkv]).
+void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v,
+              const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+              const c10::optional<at::Tensor>& v_scale = c10::nullopt);

@@ -16,9 +16,9 @@ never have a cached prefix: they attend the step's own K/V in place
 (layers/attention/encoder.py); the compiled extend kernel is causal only.
 
 Both kernels read every --kv-cache-dtype pool (fp32, bf16, fp8 e4m3/e5m2, int8 with per-row
-scales) in place, dequantizing each K/V row as it is loaded; writes of non-fp32 pools go through
-the pool's quantizing set_kv_buffer (the compiled store_kv copies fp32 rows only). A 16-bit
-model's q runs through the kernels in fp32 (cast in, output cast back).
+scales) in place, dequantizing each K/V row as it is loaded; the compiled store_kv quantizes the
+step's K/V into them as the pool's set_kv_buffer does (the same bits). A 16-bit model's q runs
+through the kernels in fp32 (cast in, output cast back).
 """
 
 from __future__ import annotations
@@ -89,16 +89,18 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Write this step's K/V into the layer's pool buffers; return them and, for an int8 pool,
-        its scales as the kernels' k_scale / v_scale. fp32: one compiled store instead of the pool's
-        casts and two index_copy_ calls; other dtypes quantize in the pool."""
+        its scales as the kernels' k_scale / v_scale. One compiled store (quantizing for bf16 / fp8 /
+        int8 pools, the same bits as the pool's set_kv_buffer) instead of the pool's ~10 torch ops
+        per K and V; a 16-bit model's k/v, or an older build, go through the pool."""
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        if pool.dtype == torch.float32 and k.dtype == torch.float32:
-            cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        scales = pool.get_kv_scale_buffer(layer.layer_id)
+        kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+        if k.dtype == torch.float32 and pool.dtype in cpu_kernels.store_kv_dtypes():
+            cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v, **kw)
         else:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        scales = pool.get_kv_scale_buffer(layer.layer_id)
-        return k_buf, v_buf, {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+        return k_buf, v_buf, kw
 
     def forward_extend(
         self,
