@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
+# SGLang's --kv-cache-dtype names (its fp4_e2m1 not taken), plus radixserve's int8 (CPU).
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "int8")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
@@ -85,6 +87,15 @@ class ServerArgs:
     )
     dtype: str = _f(
         "auto", "Model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache storage dtype (SGLang's flag; docs/cpu_backend.md): auto (the model dtype), bf16 / "
+        "bfloat16 (2x the tokens of fp32), fp8_e4m3 / fp8_e5m2 (4x; scale 1.0, saturating), or int8 "
+        "(radixserve's own, CPU: int8 with an fp32 scale per token and KV head, ~3.8x at head_dim 64). "
+        "Non-auto values need the cpu or torch_native attention backend; on CUDA only bf16 with a "
+        "bf16 model (what auto gives).",
+        choices=KV_CACHE_DTYPES,
     )
     quantization: str | None = _f(
         None,

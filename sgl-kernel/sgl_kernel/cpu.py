@@ -29,21 +29,56 @@ def _lib() -> ModuleType:
     return _ext
 
 
+def attention_kv_dtypes() -> tuple[torch.dtype, ...]:
+    """The KV pool dtypes decode_attention and extend_attention read in this build (an older
+    build: decode fp32/bf16, extend fp32; see extend_attention_kv_dtypes)."""
+    names = getattr(_ext, "attention_kv_dtypes", None) if available() else None
+    if names is None:
+        return (torch.float32, torch.bfloat16) if available() else ()
+    return tuple(getattr(torch, str(n)) for n in names)
+
+
+def extend_attention_kv_dtypes() -> tuple[torch.dtype, ...]:
+    """The KV pool dtypes extend_attention reads here (older builds: fp32 only)."""
+    if not hasattr(_ext, "attention_kv_dtypes"):
+        return (torch.float32,) if available() else ()
+    return attention_kv_dtypes()
+
+
+def _scale_kwargs(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together (int8 pools)")
+    return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def decode_attention(
     q: torch.Tensor,  # [bs, num_heads, head_dim] fp32 (head_dim contiguous)
-    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim] fp32 or bf16
+    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim] fp32, bf16, fp8 (e4m3fn, e5m2) or int8
     v_buf: torch.Tensor,
     req_to_token: torch.Tensor,  # [max_reqs, max_context_len] int32
     req_pool_indices: torch.Tensor,  # [bs] int64
     seq_lens: torch.Tensor,  # [bs] int64
     scale: float,
     out: torch.Tensor | None = None,  # [bs, num_heads, head_dim] fp32
+    k_scale: torch.Tensor | None = None,  # [pool_size, num_kv_heads] fp32: int8 pools only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax(q·K^T·scale)·V over each request's slots req_to_token[row, :seq_len], reading the
-    pool in place. Returns out [bs, num_heads, head_dim]."""
+    pool in place and dequantizing each row as it is read (int8: row * its k_scale / v_scale).
+    Returns out [bs, num_heads, head_dim]."""
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32)
-    _lib().decode_attention(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale)
+    _lib().decode_attention(
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        scale,
+        **_scale_kwargs(k_scale, v_scale),
+    )
     return out
 
 
@@ -76,9 +111,14 @@ def _check_extend_inputs(
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             raise ValueError(f"extend_attention: {name} must be a CPU tensor")
+    if q.dtype != torch.float32:
+        raise ValueError(f"extend_attention: q must be float32, got {q.dtype}")
+    if k_buf.dtype != v_buf.dtype or k_buf.dtype not in extend_attention_kv_dtypes():
+        raise ValueError(
+            f"extend_attention: k_buf/v_buf must both be one of {extend_attention_kv_dtypes()}, got "
+            f"{k_buf.dtype} and {v_buf.dtype}"
+        )
     for name in ("q", "k_buf", "v_buf"):
-        if tensors[name].dtype != torch.float32:
-            raise ValueError(f"extend_attention: {name} must be float32, got {tensors[name].dtype}")
         if tensors[name].dim() != 3:
             raise ValueError(f"extend_attention: {name} must be 3-D, got shape {tuple(tensors[name].shape)}")
     if k_buf.shape != v_buf.shape or k_buf.shape[2] != q.shape[2]:
@@ -111,7 +151,7 @@ def _check_extend_inputs(
 
 def extend_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32 (head_dim contiguous)
-    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim] fp32, contiguous
+    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim] contiguous, a dtype decode_attention reads
     v_buf: torch.Tensor,
     req_to_token: torch.Tensor,  # [max_reqs, max_context_len] int32
     req_pool_indices: torch.Tensor,  # [bs] int64
@@ -120,6 +160,8 @@ def extend_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads * head_dim] fp32, contiguous
     tree_mask: torch.Tensor | None = None,  # [sum(extend_lens^2)] uint8: draft trees, see below
+    k_scale: torch.Tensor | None = None,  # [pool_size, num_kv_heads] fp32: int8 pools only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal extend (prefill) attention over the paged KV pool, as TorchNativeAttnBackend's
     forward_extend computes it. The new tokens' K/V must already be stored in the pool.
@@ -131,6 +173,7 @@ def extend_attention(
     With tree_mask (speculative draft trees), new token i of request b attends the whole prefix and
     the new tokens j with mask_b[i, j] != 0 instead, where mask_b is request b's [e_b, e_b] block
     of tree_mask (row-major, requests concatenated); it must hold the diagonal and nothing above it.
+    K/V rows are dequantized as they are read, as in decode_attention.
     Returns out [num_tokens, num_heads * head_dim] fp32. Raises ValueError on a wrong dtype,
     shape or layout (and on lengths or slots outside req_to_token / the pool)."""
     if not isinstance(extend_lens, torch.Tensor):
@@ -142,6 +185,7 @@ def extend_attention(
         out = torch.empty(shape, dtype=torch.float32)
     elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"extend_attention: out must be a contiguous float32 {shape} tensor")
+    scales = _scale_kwargs(k_scale, v_scale)
     if tree_mask is not None:
         if tree_mask.dtype == torch.bool:
             tree_mask = tree_mask.to(torch.uint8)
@@ -149,12 +193,18 @@ def extend_attention(
             raise ValueError(
                 "extend_attention: tree_mask must be a contiguous uint8 [sum(extend_lens^2)] tensor"
             )
-        _lib().extend_attention(
-            q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, scale, tree_mask
-        )
-        return out
     _lib().extend_attention(
-        q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, scale
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        scale,
+        tree_mask,
+        **scales,
     )
     return out
 
@@ -281,15 +331,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _lib().silu_and_mul(x)
 
 
+def store_kv_dtypes() -> tuple[torch.dtype, ...]:
+    """The pool dtypes store_kv writes in this build (older builds: fp32 only)."""
+    if not available():
+        return ()
+    return attention_kv_dtypes() if getattr(_ext, "store_kv_quantizes", False) else (torch.float32,)
+
+
 def store_kv(
-    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim] fp32
+    k_buf: torch.Tensor,  # [pool_size, num_kv_heads, head_dim], a store_kv_dtypes() dtype
     v_buf: torch.Tensor,
     loc: torch.Tensor,  # [T] int64 slots
     k: torch.Tensor,  # [T, num_kv_heads, head_dim] fp32, each token's heads contiguous
     v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,  # [pool_size, num_kv_heads] fp32: int8 pools only
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_buf[loc] = k and v_buf[loc] = v in one call."""
-    _lib().store_kv(k_buf, v_buf, loc, k, v)
+    """k_buf[loc] = k and v_buf[loc] = v in one call, each row quantized to the pool's dtype as
+    radixserve.mem_cache.kv_dtype does it (the same bits; int8 also writes the row's scale)."""
+    _lib().store_kv(k_buf, v_buf, loc, k, v, **_scale_kwargs(k_scale, v_scale))
 
 
 def decode_model(

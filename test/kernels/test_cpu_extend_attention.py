@@ -150,7 +150,8 @@ def test_extend_attention_rejects_bad_inputs() -> None:
 
     cases = [
         ({"q": q.double()}, "q must be float32"),
-        ({"k_buf": k_buf.bfloat16()}, "k_buf must be float32"),
+        ({"k_buf": k_buf.bfloat16()}, "k_buf/v_buf must both be"),  # K and V dtypes differ
+        ({"k_buf": k_buf.half(), "v_buf": v_buf.half()}, "must both be one of"),  # fp16 pools: torch-native
         ({"req_to_token": r2t.long()}, "int32"),
         ({"seq_lens": seq_lens.int()}, "int64"),
         ({"extend_lens": ext[:1]}, "int64 \\[bs\\]"),

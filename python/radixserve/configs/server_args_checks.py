@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from radixserve.configs.hicache_args import validate_hicache
+from radixserve.configs.kv_cache_args import validate_kv_cache_dtype
 from radixserve.configs.quant_args import validate_weight_only
 from radixserve.configs.spec_args import validate_speculative
 from radixserve.server_args import (
@@ -68,6 +69,7 @@ def validate_server_args(args: ServerArgs) -> None:
     _validate_disaggregation(args)
     _validate_restart(args)
     validate_hicache(args)
+    validate_kv_cache_dtype(args)
     _validate_expert_distribution(args)
     if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from radixserve.mem_cache.kv_dtype import index_copy_rows_
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 
 MsgFrames = list[bytes]
@@ -109,8 +110,8 @@ def scatter_kv(
     for layer in range(pool.num_layers):
         k = pool.k_buffer[layer][:, head_start:head_stop]
         v = pool.v_buffer[layer][:, head_start:head_stop]
-        k.index_copy_(0, slots, kv[0, layer].to(pool.device, pool.dtype))
-        v.index_copy_(0, slots, kv[1, layer].to(pool.device, pool.dtype))
+        index_copy_rows_(k, 0, slots, kv[0, layer].to(pool.device, pool.dtype))
+        index_copy_rows_(v, 0, slots, kv[1, layer].to(pool.device, pool.dtype))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

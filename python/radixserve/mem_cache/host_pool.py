@@ -15,6 +15,7 @@ import torch
 
 from radixserve.mem_cache import cpu_alloc
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.kv_dtype import index_copy_rows_
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 
 
@@ -99,12 +100,12 @@ class HostKVPool:
                 else:
                     buf.copy_(src.index_select(0, dev))
                 if wide is None:
-                    host_bufs[layer].index_copy_(0, host_slots, buf)
+                    index_copy_rows_(host_bufs[layer], 0, host_slots, buf)
                 else:
                     wide[:, layer] = buf
             if wide is not None:  # one scatter of whole-token rows per K / V
-                self.kv_buffer[kv].view(self.kv_buffer.shape[1], -1).index_copy_(
-                    0, host_slots, wide.view(n, -1)
+                index_copy_rows_(
+                    self.kv_buffer[kv].view(self.kv_buffer.shape[1], -1), 0, host_slots, wide.view(n, -1)
                 )
 
     def read_to_device(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
@@ -126,7 +127,7 @@ class HostKVPool:
                 else:
                     buf.copy_(wide[:, layer])
                 dst = dev_bufs[layer].view(dev_bufs[layer].shape[0], -1)
-                dst.index_copy_(0, dev, buf.to(dp.device, non_blocking=True))
+                index_copy_rows_(dst, 0, dev, buf.to(dp.device, non_blocking=True))
 
     def read_tokens(self, host_slots: torch.Tensor) -> torch.Tensor:
         """A copy of host_slots' K/V ([N] int64) as [N, 2, num_layers, num_kv_heads, head_dim]:
@@ -141,10 +142,10 @@ class HostKVPool:
         """Store kv ([N, 2, num_layers, num_kv_heads, head_dim], read_tokens' form) at host_slots."""
         if self.layout == "layer_first":
             for layer in range(len(self.k_buffer)):
-                self.k_buffer[layer].index_copy_(0, host_slots, kv[:, 0, layer])
-                self.v_buffer[layer].index_copy_(0, host_slots, kv[:, 1, layer])
+                index_copy_rows_(self.k_buffer[layer], 0, host_slots, kv[:, 0, layer])
+                index_copy_rows_(self.v_buffer[layer], 0, host_slots, kv[:, 1, layer])
             return
-        self.kv_buffer.index_copy_(1, host_slots, kv.transpose(0, 1))
+        index_copy_rows_(self.kv_buffer, 1, host_slots, kv.transpose(0, 1))
 
     def _k_rows(self) -> list[torch.Tensor]:
         """layer_first's K buffers as [rows, heads * head_dim] views (empty for page_first)."""

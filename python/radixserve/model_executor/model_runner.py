@@ -22,6 +22,7 @@ from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.layers.vocab_parallel import make_lm_head
 from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.kv_dtype import kv_storage_dtype
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_cpu_decode_runner
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
@@ -202,10 +203,15 @@ class ModelRunner:
         mc = self.model_config
         return self.parallel.attention_heads(mc.num_heads, mc.num_kv_heads).kv_count
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's storage dtype (--kv-cache-dtype; auto: the model dtype)."""
+        return kv_storage_dtype(self.server_args.kv_cache_dtype, self.model_config.dtype)
+
     def _kv_bytes_per_token(self) -> int:
         mc = self.model_config
         return MHATokenToKVPool.kv_bytes_per_token(
-            self.num_local_layers, self.num_local_kv_heads, mc.head_dim, mc.dtype
+            self.num_local_layers, self.num_local_kv_heads, mc.head_dim, self.kv_dtype
         )
 
     def _profile_max_num_tokens(self) -> int:
@@ -242,7 +248,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             num_tokens,
             self.page_size,
-            mc.dtype,
+            self.kv_dtype,
             self.num_local_layers,
             self.num_local_kv_heads,
             mc.head_dim,
@@ -250,10 +256,13 @@ class ModelRunner:
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(num_tokens, self.page_size)
         logger.info(
-            "KV cache: max_total_num_tokens=%d (%.2f GiB, %d bytes/token), page_size=%d, max_req_num=%d",
+            "KV cache: max_total_num_tokens=%d (%.2f GiB, %d bytes/token, kv_cache_dtype=%s: %s), "
+            "page_size=%d, max_req_num=%d",
             num_tokens,
             num_tokens * self._kv_bytes_per_token() / 2**30,
             self._kv_bytes_per_token(),
+            args.kv_cache_dtype,
+            str(self.kv_dtype).removeprefix("torch."),
             self.page_size,
             self.max_req_num,
         )

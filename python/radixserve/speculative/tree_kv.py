@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.mem_cache.kv_dtype import index_copy_rows_
 from radixserve.speculative.tree import moves_for_path
 
 if TYPE_CHECKING:
@@ -38,5 +39,5 @@ def move_kv(pool: MHATokenToKVPool, moves: tuple[torch.Tensor, torch.Tensor]) ->
     copies them) before any destination is written, so overlapping moves are safe."""
     src, dst = (t.to(pool.device) for t in moves)
     for layer in range(pool.num_layers):
-        for buf in pool.get_kv_buffer(layer):
-            buf.index_copy_(0, dst, buf.index_select(0, src))
+        for buf in pool.kv_buffers_of(layer):  # an int8 pool's scales move with their rows
+            index_copy_rows_(buf, 0, dst, buf.index_select(0, src))

@@ -77,12 +77,15 @@ inline void transpose16x16(__m512 r[16]) {
 }
 
 // kt [D][16] from the K rows slots[0..n) (rows n..15 read as zeros).
+// k_scale: the int8 pool's per-row scales (offset to this KV head, stride scale_stride), or nullptr.
 template <typename kv_t>
-inline void transpose_keys(const kv_t* k_buf, int64_t row_stride, const int32_t* slots, int n, int64_t D, float* kt) {
+inline void transpose_keys(const kv_t* k_buf, int64_t row_stride, const float* k_scale, int64_t scale_stride,
+                           const int32_t* slots, int n, int64_t D, float* kt) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     __m512 r[16];
     for (int j = 0; j < 16; ++j) {
       r[j] = j < n ? load16(k_buf + static_cast<int64_t>(slots[j]) * row_stride + d0) : _mm512_setzero_ps();
+      if (k_scale && j < n) r[j] = _mm512_mul_ps(r[j], _mm512_set1_ps(row_scale(k_scale, slots[j], scale_stride)));
     }
     transpose16x16(r);
     for (int x = 0; x < 16; ++x) _mm512_store_ps(kt + (d0 + x) * 16, r[x]);
@@ -117,13 +120,15 @@ inline void transpose8x8(__m256 r[8]) {
 }
 
 template <typename kv_t>
-inline void transpose_keys(const kv_t* k_buf, int64_t row_stride, const int32_t* slots, int n, int64_t D, float* kt) {
+inline void transpose_keys(const kv_t* k_buf, int64_t row_stride, const float* k_scale, int64_t scale_stride,
+                           const int32_t* slots, int n, int64_t D, float* kt) {
   for (int half = 0; half < 2; ++half) {  // tokens 0-7, then 8-15
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) {
         const int t = 8 * half + j;
         r[j] = t < n ? load8(k_buf + static_cast<int64_t>(slots[t]) * row_stride + d0) : _mm256_setzero_ps();
+        if (k_scale && t < n) r[j] = _mm256_mul_ps(r[j], _mm256_set1_ps(row_scale(k_scale, slots[t], scale_stride)));
       }
       transpose8x8(r);
       for (int x = 0; x < 8; ++x) _mm256_store_ps(kt + (d0 + x) * 16 + 8 * half, r[x]);
@@ -155,6 +160,9 @@ struct HeadView {
   const kv_t* v_buf;
   int64_t kv_row_stride;  // Hkv * D
   float scale;
+  const float* k_scale = nullptr;  // int8 pools: per-(slot, KV head) scales offset to this head
+  const float* v_scale = nullptr;
+  int64_t scale_stride = 0;  // Hkv
 };
 
 // Online-softmax state of G query heads: acc [G, D] (un-normalized output), m [G] (running max of
@@ -205,10 +213,11 @@ void fold_block(const HeadView<kv_t>& v, int64_t D, const int32_t* slots, int n,
       for (int c = 0; c < kNB; ++c) o[g][c] = Vec::mul(Vec::load(st.acc + g * D + d0 + W * c), Vec::set1(alpha[g]));
     for (int j = 0; j < n; ++j) {
       const kv_t* row = v.v_buf + static_cast<int64_t>(slots[j]) * v.kv_row_stride + d0;
+      const float vs = row_scale(v.v_scale, slots[j], v.scale_stride);  // folded into the weight
       typename Vec::reg rows[kNB];
       for (int c = 0; c < kNB; ++c) rows[c] = Vec::load_kv(row + W * c);
       for (int g = 0; g < G; ++g) {
-        const typename Vec::reg w = Vec::set1(p[g][j]);
+        const typename Vec::reg w = Vec::set1(p[g][j] * vs);
         for (int c = 0; c < kNB; ++c) o[g][c] = Vec::fma(w, rows[c], o[g][c]);
       }
     }
@@ -240,7 +249,8 @@ void fold_range(const HeadView<kv_t>* views, const HeadState* states, int64_t nu
       prefetch_rows(views[0].k_buf, views[0].kv_row_stride, slots + tb + kBlockTokens, next, D);
       prefetch_rows(views[0].v_buf, views[0].kv_row_stride, slots + tb + kBlockTokens, next, D);
     }
-    transpose_keys(views[0].k_buf, views[0].kv_row_stride, slots + tb, n, D, kt);
+    transpose_keys(views[0].k_buf, views[0].kv_row_stride, views[0].k_scale, views[0].scale_stride, slots + tb, n, D,
+                   kt);
     for (int64_t i = 0; i < num_heads_sets; ++i) fold_block<G, kNB>(views[i], D, slots + tb, n, kt, states[i]);
   }
 }

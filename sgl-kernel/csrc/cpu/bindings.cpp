@@ -9,14 +9,20 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU kernels";
   m.def("decode_attention", &decode_attention,
-        "Paged decode attention over the token pool, in place (q/out [bs,H,D] fp32)");
+        "Paged decode attention over the token pool, in place (q/out [bs,H,D] fp32; K/V fp32, bf16, fp8 "
+        "e4m3fn/e5m2, or int8 with k_scale/v_scale fp32 [N,Hkv])",
+        py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("out"), py::arg("req_to_token"),
+        py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("extend_attention", &extend_attention,
         "Paged causal extend (prefill) attention over the token pool (q [T,H,D], out [T,H*D] fp32); "
         "tree_mask: optional uint8 [sum(extend_lens^2)] mask among each request's new tokens (draft trees)",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("out"), py::arg("req_to_token"),
         py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("extend_lens"), py::arg("scale"),
-        py::arg("tree_mask") = py::none());
+        py::arg("tree_mask") = py::none(), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.attr("extend_attention_tree_mask") = true;  // this build takes tree_mask
+  // The KV pool dtypes decode_attention and extend_attention read (int8 with per-row scales).
+  m.attr("attention_kv_dtypes") = py::make_tuple("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8");
   // Which vector path extend_attention was compiled with ("none": it raises, use torch).
   m.attr("extend_attention_isa") = RS_HAVE_AVX512 ? "avx512" : RS_HAVE_AVX2 ? "avx2" : "none";
   m.def("linear_f16", &linear_f16, "y = x @ w.T (+ bias): x fp32 [M,K], w fp16 [N,K], fp32 math",
@@ -52,7 +58,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");
   m.def("silu_and_mul", &silu_and_mul, "x [M, 2d] -> silu(x[:, :d]) * x[:, d:]");
-  m.def("store_kv", &store_kv, "k_buf[loc] = k; v_buf[loc] = v (fp32 pools)");
+  m.def("store_kv", &store_kv,
+        "k_buf[loc] = k; v_buf[loc] = v (k/v fp32); bf16/fp8/int8 pools quantize each row (int8: scales into "
+        "k_scale/v_scale fp32 [N,Hkv])",
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("loc"), py::arg("k"), py::arg("v"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.attr("store_kv_quantizes") = true;  // this build's store_kv writes every attention_kv_dtypes pool
   // Held by shared_ptr so a DecodeModel can keep the communicator it all-reduces with. The waits
   // release the GIL: a peer may be milliseconds behind, and other Python threads should run.
   using nogil = py::call_guard<py::gil_scoped_release>;

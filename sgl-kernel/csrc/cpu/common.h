@@ -11,6 +11,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -38,6 +40,15 @@ inline std::vector<std::string> isa_names(bool avx2, bool avx512) {
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(at::Float8_e4m3fn x) { return static_cast<float>(x); }
+inline float to_float(at::Float8_e5m2 x) { return static_cast<float>(x); }
+
+// The KV pool's per-(slot, KV head) dequantization scale: int8 pools carry one ([N, Hkv] fp32),
+// the others none (nullptr: the stored value is the value).
+inline float row_scale(const float* scales, int32_t slot, int64_t stride) {
+  return scales ? scales[static_cast<int64_t>(slot) * stride] : 1.f;
+}
 
 template <typename T>
 inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
@@ -53,6 +64,38 @@ inline void axpy(float* __restrict y, float alpha, const T* __restrict x, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * to_float(x[i]);
 }
 
+// Calls f(kv_t{}) with the element type of a KV pool the attention kernels read.
+template <typename F>
+void dispatch_kv_dtype(at::ScalarType dtype, const char* name, const F& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    case at::kFloat8_e4m3fn: return f(at::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return f(at::Float8_e5m2{});
+    case at::kChar: return f(int8_t{});
+    default:
+      TORCH_CHECK_VALUE(false, name, ": K/V must be float32, bfloat16, float8_e4m3fn, float8_e5m2 or int8, got ",
+                        dtype);
+  }
+}
+
+// An int8 pool's scales (k_scale, v_scale: contiguous fp32 [N, Hkv], value = int8 * scale), which
+// int8 K/V require and other dtypes refuse; nullptrs for the others.
+inline std::pair<const float*, const float*> kv_scales(const char* name, const at::Tensor& k_buf,
+                                                       const c10::optional<at::Tensor>& k_scale,
+                                                       const c10::optional<at::Tensor>& v_scale) {
+  const bool is_int8 = k_buf.scalar_type() == at::kChar;
+  TORCH_CHECK_VALUE(k_scale.has_value() == is_int8 && v_scale.has_value() == is_int8, name,
+                    ": int8 K/V need k_scale and v_scale (float32 [N, Hkv]); other dtypes take none");
+  if (!is_int8) return {nullptr, nullptr};
+  for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
+    TORCH_CHECK_VALUE(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 &&
+                          s->size(0) == k_buf.size(0) && s->size(1) == k_buf.size(1),
+                      name, ": k_scale and v_scale must be contiguous float32 [N, Hkv] matching the K/V pool");
+  }
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+}
+
 #if RS_HAVE_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -64,6 +107,29 @@ inline __m256 load8(const at::Half* p) {
 inline __m256 load8(const at::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// fp8 e5m2 is the top byte of an fp16: widen each byte into the high half of a 16-bit lane.
+inline __m256 load8(const at::Float8_e5m2* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+}
+
+// fp8 e4m3fn: its 4 exponent and 3 mantissa bits placed in an fp16's exponent and mantissa give
+// the value times 2^-8 (exponent bias 7 vs 15), subnormals included; one multiply restores it.
+// The pool never stores e4m3's NaN (writes saturate at +-448).
+inline __m256 fp8_e4m3_to_f32(__m128i w) {  // w: 8 bytes widened to 16-bit lanes
+  const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.f));
+}
+
+inline __m256 load8(const at::Float8_e4m3fn* p) {
+  return fp8_e4m3_to_f32(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 inline float hsum(__m256 v) {
@@ -150,5 +216,22 @@ inline __m512 load16(const at::Half* p) {
 inline __m512 load16(const at::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m512 join16(__m256 lo, __m256 hi) {  // AVX-512F only (no DQ)
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// The 8-lane fp8 conversions above, twice: they need no AVX-512BW.
+inline __m512 load16(const at::Float8_e5m2* p) {
+  return join16(load8(p), load8(p + 8));
+}
+
+inline __m512 load16(const at::Float8_e4m3fn* p) {
+  return join16(load8(p), load8(p + 8));
 }
 #endif

@@ -37,6 +37,9 @@ struct TaskArgs {
   float scale;
   float* out;  // [G, D], row stride out_head_stride
   int64_t out_head_stride;
+  const float* k_scale;  // int8 pools: per-(slot, KV head) scales offset to this head; else nullptr
+  const float* v_scale;
+  int64_t scale_stride;  // Hkv
 };
 
 // scores[g * len + t] = scale * q_g . K[slots[t]]
@@ -56,14 +59,17 @@ void score_pass(const TaskArgs<kv_t>& a, float* scores) {
           const __m256 qv = _mm256_loadu_ps(q + d);
           for (int j = 0; j < kTokensPerStep; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
         }
-        for (int j = 0; j < kTokensPerStep; ++j) scores[g * a.len + t + j] = hsum(acc[j]) * a.scale;
+        for (int j = 0; j < kTokensPerStep; ++j) {
+          scores[g * a.len + t + j] = hsum(acc[j]) * a.scale * row_scale(a.k_scale, a.slots[t + j], a.scale_stride);
+        }
       }
     }
   }
 #endif
   for (; t < a.len; ++t) {
     const kv_t* k = a.k_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride;
-    for (int64_t g = 0; g < a.G; ++g) scores[g * a.len + t] = dot(a.q + g * a.q_head_stride, k, a.D) * a.scale;
+    const float ks = a.scale * row_scale(a.k_scale, a.slots[t], a.scale_stride);
+    for (int64_t g = 0; g < a.G; ++g) scores[g * a.len + t] = dot(a.q + g * a.q_head_stride, k, a.D) * ks;
   }
 }
 
@@ -80,7 +86,7 @@ void value_pass(const TaskArgs<kv_t>& a, const float* p, std::vector<float>& acc
         for (int i = 0; i < 8; ++i) o[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < a.len; ++t) {
           const kv_t* v = a.v_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride + d0;
-          const __m256 w = _mm256_set1_ps(pg[t]);
+          const __m256 w = _mm256_set1_ps(pg[t] * row_scale(a.v_scale, a.slots[t], a.scale_stride));
           for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, load8(v + 8 * i), o[i]);
         }
         float* out = a.out + g * a.out_head_stride + d0;
@@ -93,7 +99,8 @@ void value_pass(const TaskArgs<kv_t>& a, const float* p, std::vector<float>& acc
   acc.assign(static_cast<size_t>(a.G * a.D), 0.f);
   for (int64_t t = 0; t < a.len; ++t) {
     const kv_t* v = a.v_buf + static_cast<int64_t>(a.slots[t]) * a.kv_row_stride;
-    for (int64_t g = 0; g < a.G; ++g) axpy(acc.data() + g * a.D, p[g * a.len + t], v, a.D);
+    const float vs = row_scale(a.v_scale, a.slots[t], a.scale_stride);
+    for (int64_t g = 0; g < a.G; ++g) axpy(acc.data() + g * a.D, p[g * a.len + t] * vs, v, a.D);
   }
   for (int64_t g = 0; g < a.G; ++g) {
     std::memcpy(a.out + g * a.out_head_stride, acc.data() + g * a.D, sizeof(float) * a.D);
@@ -247,7 +254,7 @@ template <typename kv_t>
 void decode_attention_impl(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-    double scale) {
+    double scale, const float* k_scale, const float* v_scale) {
   const int64_t bs = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
   const int64_t G = H / Hkv;
   const float* q_ptr = q.data_ptr<float>();
@@ -282,7 +289,8 @@ void decode_attention_impl(
       for (int64_t i = seg.mb; i < seg.me; ++i) {
         const int64_t b = plan.members[i];
         views.push_back({q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, Hkv * D,
-                         static_cast<float>(scale)});
+                         static_cast<float>(scale), k_scale ? k_scale + kh : nullptr,
+                         v_scale ? v_scale + kh : nullptr, Hkv});
         float* st = part_at(seg.part_base + (i - seg.mb), kh);
         states.push_back({st, st + G * D, st + G * D + G});
         reset_state(states.back(), G, D);
@@ -304,7 +312,8 @@ void decode_attention_impl(
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, kh = task % Hkv;
       const TaskArgs<kv_t> a{q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, k_buf.stride(0),
-                             rows[b], lens[b], G, D, static_cast<float>(scale), out_ptr + b * os0 + kh * G * os1, os1};
+                             rows[b], lens[b], G, D, static_cast<float>(scale), out_ptr + b * os0 + kh * G * os1, os1,
+                             k_scale ? k_scale + kh : nullptr, v_scale ? v_scale + kh : nullptr, Hkv};
       two_pass_task(a, scores, acc);
     }
   });
@@ -315,7 +324,7 @@ void decode_attention_impl(
 void decode_attention(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-    double scale) {
+    double scale, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
               "decode_attention: q/out [bs, H, D], k_buf/v_buf [N, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
@@ -337,11 +346,10 @@ void decode_attention(
     TORCH_CHECK(len >= 1 && len <= req_to_token.size(1), "decode_attention: seq_len ", len, " outside [1, ",
                 req_to_token.size(1), "]");
   }
-  if (k_buf.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale);
-  } else if (k_buf.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale);
-  } else {
-    TORCH_CHECK(false, "decode_attention: K/V must be float32 or bfloat16");
-  }
+  const float *ks = nullptr, *vs = nullptr;
+  std::tie(ks, vs) = kv_scales("decode_attention", k_buf, k_scale, v_scale);
+  dispatch_kv_dtype(k_buf.scalar_type(), "decode_attention", [&](auto tag) {
+    using kv_t = decltype(tag);
+    decode_attention_impl<kv_t>(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale, ks, vs);
+  });
 }

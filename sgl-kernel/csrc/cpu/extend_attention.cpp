@@ -45,12 +45,15 @@ struct Buffers {  // per thread, grown to the largest item seen
   }
 };
 
+template <typename kv_t>
 struct Problem {
   const float* q;
   int64_t qs0, qs1;  // q strides (token, head); head_dim is contiguous
-  const float* k;
-  const float* v;
+  const kv_t* k;
+  const kv_t* v;
   int64_t kv_row_stride;  // Hkv * D
+  const float* k_scale = nullptr;  // int8 pools: [N, Hkv] per-row scales; else nullptr
+  const float* v_scale = nullptr;
   float* out;             // [T, H * D]
   std::vector<const int32_t*> rows;
   std::vector<int64_t> q_start, prefix, ext;
@@ -59,7 +62,8 @@ struct Problem {
   float scale;
 };
 
-void run_item(const Problem& pb, const WorkItem& it, Buffers& buf) {
+template <typename kv_t>
+void run_item(const Problem<kv_t>& pb, const WorkItem& it, Buffers& buf) {
   const int64_t G = pb.G, D = pb.D, Dp = pb.Dp, M = it.nq * G;
   const int64_t prefix = pb.prefix[it.b];
   const int64_t first_pos = prefix + it.p0;  // absolute position of the item's first query
@@ -69,8 +73,10 @@ void run_item(const Problem& pb, const WorkItem& it, Buffers& buf) {
   const int64_t ext = pb.ext[it.b];
   // Keys every row of the item sees: the prefix and, causally, new tokens before the item's first.
   const int64_t full_end = tree ? prefix : first_pos;
-  const float* k = pb.k + it.kh * D;
-  const float* v = pb.v + it.kh * D;
+  const kv_t* k = pb.k + it.kh * D;
+  const kv_t* v = pb.v + it.kh * D;
+  const float* k_scale = pb.k_scale ? pb.k_scale + it.kh : nullptr;
+  const float* v_scale = pb.v_scale ? pb.v_scale + it.kh : nullptr;
   buf.reserve(M, Dp);
   float *qp = buf.q.data(), *s = buf.s.data(), *o = buf.o.data(), *kt = buf.kt.data(), *vt = buf.v.data();
   // Row r is query position p0 + r / G of head kh * G + r % G: position-major, so that rows of one
@@ -92,8 +98,8 @@ void run_item(const Problem& pb, const WorkItem& it, Buffers& buf) {
       prefetch_rows(k, pb.kv_row_stride, slots + kb + n, next, D);
       prefetch_rows(v, pb.kv_row_stride, slots + kb + n, next, D);
     }
-    pack_keys_t(k, pb.kv_row_stride, slots + kb, n, D, Dp, kt);
-    pack_values(v, pb.kv_row_stride, slots + kb, n, D, Dp, vt);
+    pack_keys_t(k, pb.kv_row_stride, k_scale, pb.Hkv, slots + kb, n, D, Dp, kt);
+    pack_values(v, pb.kv_row_stride, v_scale, pb.Hkv, slots + kb, n, D, Dp, vt);
     tile_gemm<false>(qp, Dp, kt, kKeys, Dp, s, kKeys, M, nc, nullptr);  // S = (scale Q) K^T
     const bool diagonal = kb + n - 1 > first_pos;  // some key here lies past some row's position
     for (int64_t r = 0; r < M; ++r) {
@@ -131,13 +137,16 @@ void parallel_items(int64_t n, const F& f) {
   });
 }
 
+template <typename kv_t>
 void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
                            const at::Tensor& req_to_token, const int64_t* pool_rows, const int64_t* seq_lens,
-                           const int64_t* extend_lens, int64_t bs, double scale, const uint8_t* tree_mask) {
-  Problem pb;
+                           const int64_t* extend_lens, int64_t bs, double scale, const uint8_t* tree_mask,
+                           const float* k_scale, const float* v_scale) {
+  Problem<kv_t> pb;
   pb.q = q.data_ptr<float>();
   pb.qs0 = q.stride(0), pb.qs1 = q.stride(1);
-  pb.k = k_buf.data_ptr<float>(), pb.v = v_buf.data_ptr<float>();
+  pb.k = k_buf.data_ptr<kv_t>(), pb.v = v_buf.data_ptr<kv_t>();
+  pb.k_scale = k_scale, pb.v_scale = v_scale;
   pb.H = q.size(1), pb.Hkv = k_buf.size(1), pb.D = q.size(2);
   pb.G = pb.H / pb.Hkv;
   pb.Dp = (pb.D + Vec::kWidth - 1) / Vec::kWidth * Vec::kWidth;
@@ -177,12 +186,15 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
 
 void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      const at::Tensor& extend_lens, double scale, const c10::optional<at::Tensor>& tree_mask) {
+                      const at::Tensor& extend_lens, double scale, const c10::optional<at::Tensor>& tree_mask,
+                      const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 2,
                     "extend_attention: q [T, H, D], k_buf/v_buf [N, Hkv, D], out [T, H * D]");
-  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && k_buf.scalar_type() == at::kFloat &&
-                        v_buf.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-                    "extend_attention: q, k_buf, v_buf and out must be float32");
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+                    "extend_attention: q and out must be float32");
+  TORCH_CHECK_VALUE(k_buf.scalar_type() == v_buf.scalar_type(), "extend_attention: K/V dtypes differ");
+  const float *ks = nullptr, *vs = nullptr;
+  std::tie(ks, vs) = kv_scales("extend_attention", k_buf, k_scale, v_scale);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
   TORCH_CHECK_VALUE(q.stride(2) == 1, "extend_attention: q's head_dim must be contiguous");
   TORCH_CHECK_VALUE(k_buf.is_contiguous() && v_buf.is_contiguous() && out.is_contiguous(),
@@ -243,7 +255,10 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     }
   }
 #if RS_HAVE_AVX2
-  extend_attention_impl(q, k_buf, v_buf, out, req_to_token, rows, lens, ext, bs, scale, tree);
+  dispatch_kv_dtype(k_buf.scalar_type(), "extend_attention", [&](auto tag) {
+    using kv_t = decltype(tag);
+    extend_attention_impl<kv_t>(q, k_buf, v_buf, out, req_to_token, rows, lens, ext, bs, scale, tree, ks, vs);
+  });
 #else
   TORCH_CHECK(false, "extend_attention: sgl_kernel._cpu was built without AVX2; use the torch-native path");
 #endif

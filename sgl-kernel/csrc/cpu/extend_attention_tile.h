@@ -28,6 +28,16 @@ inline Vec::reg load_part(const float* p, int64_t valid) {
   return Vec::load(p);
 }
 
+// load_part for a quantized or 16-bit pool row: whole registers convert in place; a partial one
+// (the head_dim tail on AVX-512) goes through a zero-padded float copy.
+template <typename kv_t>
+inline Vec::reg load_part(const kv_t* p, int64_t valid) {
+  if (valid >= Vec::kWidth) return Vec::load_kv(p);
+  alignas(64) float tmp[Vec::kWidth] = {};
+  for (int64_t i = 0; i < valid; ++i) tmp[i] = to_float(p[i]);
+  return Vec::load(tmp);
+}
+
 // C[r][c * W + x] for r < MR, c < NR over K steps:
 //   kAccumulate false: C = A B
 //   kAccumulate true:  C = C * row_scale[r] + A B  (the online-softmax rescale, fused in the load)
@@ -104,15 +114,22 @@ void tile_gemm(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t
 
 // Kt [Dp][kKeys]: K rows slots[0..n) of one KV head (at k + slot * row_stride) transposed, so that
 // the S product reads whole registers of consecutive keys. Columns n up to the next whole register
-// and rows D.. are zeros.
-inline void pack_keys_t(const float* k, int64_t row_stride, const int32_t* slots, int64_t n, int64_t D, int64_t Dp,
-                        float* kt) {
+// and rows D.. are zeros. Rows are dequantized here (an int8 pool's rows times their k_scale, at
+// k_scale + slot * scale_stride; nullptr: no scale), so the products only ever see fp32.
+template <typename kv_t>
+inline void pack_keys_t(const kv_t* k, int64_t row_stride, const float* k_scale, int64_t scale_stride,
+                        const int32_t* slots, int64_t n, int64_t D, int64_t Dp, float* kt) {
   constexpr int64_t W = Vec::kWidth;
   for (int64_t j0 = 0; j0 < n; j0 += W) {
     for (int64_t d0 = 0; d0 < Dp; d0 += W) {
       Vec::reg r[W];
       for (int64_t t = 0; t < W; ++t) {
-        r[t] = j0 + t < n ? load_part(k + static_cast<int64_t>(slots[j0 + t]) * row_stride + d0, D - d0) : Vec::zero();
+        if (j0 + t >= n) {
+          r[t] = Vec::zero();
+          continue;
+        }
+        r[t] = load_part(k + static_cast<int64_t>(slots[j0 + t]) * row_stride + d0, D - d0);
+        if (k_scale) r[t] = Vec::mul(r[t], Vec::set1(row_scale(k_scale, slots[j0 + t], scale_stride)));
       }
 #if RS_HAVE_AVX512
       transpose16x16(r);
@@ -124,12 +141,17 @@ inline void pack_keys_t(const float* k, int64_t row_stride, const int32_t* slots
   }
 }
 
-// Vt [n][Dp]: V rows slots[0..n), head_dim zero-padded to Dp.
-inline void pack_values(const float* v, int64_t row_stride, const int32_t* slots, int64_t n, int64_t D, int64_t Dp,
-                        float* vt) {
+// Vt [n][Dp]: V rows slots[0..n), head_dim zero-padded to Dp, dequantized as pack_keys_t's.
+template <typename kv_t>
+inline void pack_values(const kv_t* v, int64_t row_stride, const float* v_scale, int64_t scale_stride,
+                        const int32_t* slots, int64_t n, int64_t D, int64_t Dp, float* vt) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* row = v + static_cast<int64_t>(slots[j]) * row_stride;
-    for (int64_t d0 = 0; d0 < Dp; d0 += Vec::kWidth) Vec::store(vt + j * Dp + d0, load_part(row + d0, D - d0));
+    const kv_t* row = v + static_cast<int64_t>(slots[j]) * row_stride;
+    const Vec::reg s = Vec::set1(row_scale(v_scale, slots[j], scale_stride));
+    for (int64_t d0 = 0; d0 < Dp; d0 += Vec::kWidth) {
+      const Vec::reg x = load_part(row + d0, D - d0);
+      Vec::store(vt + j * Dp + d0, v_scale ? Vec::mul(x, s) : x);
+    }
   }
 }
 

@@ -8,6 +8,8 @@
 #include "common.h"
 #include "ops.h"
 
+#include <type_traits>
+
 namespace {
 
 // Elements per parallel task: below this (every decode batch, small prefills) one thread runs the
@@ -152,14 +154,59 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// k_buf[loc[i]] = k[i], v_buf[loc[i]] = v[i]; k/v [T, Hkv, D] views (rows contiguous per token).
-void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v) {
+namespace {
+
+// One (token, KV head) row of D floats into the pool's element type, as the pool's Python
+// writer (mem_cache/kv_dtype.py) rounds it, so both paths store the same bits: bf16 and fp8 by
+// c10's round-to-nearest-even conversions (fp8 saturated first), int8 as round(x / s) with
+// s = amax * (1/127) per row (1 for an all-zero row), its scale stored beside it.
+template <typename kv_t>
+void quantize_row(const float* __restrict x, int64_t D, kv_t* __restrict dst, float* scale) {
+  if constexpr (std::is_same_v<kv_t, int8_t>) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float s = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+    for (int64_t d = 0; d < D; ++d) {
+      dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / s))));
+    }
+    *scale = s;
+  } else {
+    float limit = std::numeric_limits<float>::infinity();
+    if constexpr (std::is_same_v<kv_t, at::Float8_e4m3fn>) limit = 448.f;
+    if constexpr (std::is_same_v<kv_t, at::Float8_e5m2>) limit = 57344.f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<kv_t>(std::min(limit, std::max(-limit, x[d])));
+  }
+}
+
+template <typename kv_t>
+void store_kv_quantized(at::Tensor& k_buf, at::Tensor& v_buf, const int64_t* lp, const at::Tensor& k,
+                        const at::Tensor& v, float* k_scale, float* v_scale) {
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  kv_t *kb = k_buf.data_ptr<kv_t>(), *vb = v_buf.data_ptr<kv_t>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  at::parallel_for(0, T, grain_rows(2 * Hkv * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t row = lp[t] * Hkv + h;
+        quantize_row(kp + t * k.stride(0) + h * D, D, kb + row * D, k_scale ? k_scale + row : nullptr);
+        quantize_row(vp + t * v.stride(0) + h * D, D, vb + row * D, v_scale ? v_scale + row : nullptr);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// k_buf[loc[i]] = k[i], v_buf[loc[i]] = v[i]; k/v [T, Hkv, D] fp32 views (rows contiguous per
+// token). fp32 pools copy; bf16 / fp8 / int8 pools quantize each row (int8: with k_scale / v_scale
+// fp32 [N, Hkv], which int8 requires and other dtypes refuse).
+void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v,
+              const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() && k_buf.dim() == 3,
               "store_kv: K/V buffers must be contiguous [N, Hkv, D] of one shape");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "store_kv: float32 only");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == k_buf.size(1) && k.size(2) == k_buf.size(2) &&
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "store_kv: k/v must be float32 and the K/V buffers of one dtype");  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == k_buf.size(1) && k.size(2) == k_buf.size(2) &&
                   k.sizes() == v.sizes(),
               "store_kv: k/v must be [T, Hkv, D] matching the buffers");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
@@ -169,6 +216,17 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const
   const int64_t T = k.size(0), row = k.size(1) * k.size(2), N = k_buf.size(0);
   const int64_t* lp = loc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(lp[t] >= 0 && lp[t] < N, "store_kv: slot ", lp[t], " out of range");
+  if (k_buf.scalar_type() != at::kFloat) {
+    kv_scales("store_kv", k_buf, k_scale, v_scale);  // int8 needs them, other dtypes refuse them
+    float* ks = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
+    float* vs = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+    dispatch_kv_dtype(k_buf.scalar_type(), "store_kv", [&](auto tag) {
+      using kv_t = decltype(tag);
+      if constexpr (!std::is_same_v<kv_t, float>) store_kv_quantized<kv_t>(k_buf, v_buf, lp, k, v, ks, vs);
+    });
+    return;
+  }
+  TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "store_kv: a float32 pool takes no scales");
   float *kb = k_buf.data_ptr<float>(), *vb = v_buf.data_ptr<float>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   at::parallel_for(0, T, grain_rows(2 * row), [&](int64_t b, int64_t e) {

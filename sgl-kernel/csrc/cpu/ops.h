@@ -7,15 +7,19 @@
 #include <tuple>
 #include <vector>
 
+// K/V: float32, bfloat16, float8_e4m3fn, float8_e5m2, or int8 with k_scale / v_scale fp32 [N, Hkv]
+// (value = int8 * scale of its slot and KV head); dequantized as they are read.
 void decode_attention(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-    double scale);
+    double scale, const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+    const c10::optional<at::Tensor>& v_scale = c10::nullopt);
 
 void extend_attention(
     const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, at::Tensor& out,
     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-    const at::Tensor& extend_lens, double scale, const c10::optional<at::Tensor>& tree_mask);
+    const at::Tensor& extend_lens, double scale, const c10::optional<at::Tensor>& tree_mask,
+    const c10::optional<at::Tensor>& k_scale = c10::nullopt, const c10::optional<at::Tensor>& v_scale = c10::nullopt);
 
 at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
@@ -43,4 +47,8 @@ void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 void rotary_neox_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                   const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
-void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
+// k_buf[loc] = k; v_buf[loc] = v (k/v fp32 [T, Hkv, D]); a bf16 / fp8 / int8 pool gets each row
+// quantized as mem_cache/kv_dtype.py does (int8: its scale into k_scale / v_scale fp32 [N, Hkv]).
+void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v,
+              const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+              const c10::optional<at::Tensor>& v_scale = c10::nullopt);

@@ -9,11 +9,16 @@ Extend (prefill, and MIXED batches) uses `sgl_kernel.cpu.extend_attention`: flas
 the paged pool, causal among the new tokens and full over a cached prefix, with the query heads of
 a GQA group sharing each K/V tile. torch-native instead gathers each request's K/V into a copy and
 runs SDPA per request, with an explicit mask when there is a prefix (its slow path). Where the
-kernel cannot run (fp16/bf16 pools, a head_dim it does not take, a build without AVX2) extend
-falls back to torch-native. A speculative draft tree passes its mask among the new tokens to the
-same kernel (an older build without it takes the torch-native path). Encoder (bidirectional) prefills never have a cached prefix: they
-attend the step's own K/V in place (layers/attention/encoder.py); the compiled extend kernel is
-causal only.
+kernel cannot run (fp16 pools, a head_dim it does not take, a build without AVX2) extend falls
+back to torch-native. A speculative draft tree passes its mask among the new tokens to the same
+kernel (an older build without it takes the torch-native path). Encoder (bidirectional) prefills
+never have a cached prefix: they attend the step's own K/V in place
+(layers/attention/encoder.py); the compiled extend kernel is causal only.
+
+Both kernels read every --kv-cache-dtype pool (fp32, bf16, fp8 e4m3/e5m2, int8 with per-row
+scales) in place, dequantizing each K/V row as it is loaded; the compiled store_kv quantizes the
+step's K/V into them as the pool's set_kv_buffer does (the same bits). A 16-bit model's q runs
+through the kernels in fp32 (cast in, output cast back).
 """
 
 from __future__ import annotations
@@ -64,11 +69,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if forward_batch.spec_tree_mask is not None and not takes_tree:
             super().init_forward_metadata(forward_batch)  # a draft tree on an older build
             return
-        if pool.dtype == torch.float32 and forward_batch.attn_causal:
-            if forward_batch.forward_mode.is_decode():
+        if forward_batch.attn_causal:
+            if forward_batch.forward_mode.is_decode() and pool.dtype in cpu_kernels.attention_kv_dtypes():
                 forward_batch.attn_metadata = None  # the kernel reads req_to_token directly
                 return
-            if cpu_kernels.extend_attention_supported(pool.head_dim):
+            if (
+                not forward_batch.forward_mode.is_decode()
+                and pool.dtype in cpu_kernels.extend_attention_kv_dtypes()
+                and cpu_kernels.extend_attention_supported(pool.head_dim)
+            ):
                 assert forward_batch.extend_seq_lens_cpu is not None
                 lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
                 forward_batch.attn_metadata = CpuExtendMetadata(lens, forward_batch.spec_tree_mask)
@@ -78,12 +87,20 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     @staticmethod
     def _store_kv(
         k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's K/V into the layer's pool buffers and return them. One compiled store
-        instead of the pool's casts and two index_copy_ calls."""
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
-        return k_buf, v_buf
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Write this step's K/V into the layer's pool buffers; return them and, for an int8 pool,
+        its scales as the kernels' k_scale / v_scale. One compiled store (quantizing for bf16 / fp8 /
+        int8 pools, the same bits as the pool's set_kv_buffer) instead of the pool's ~10 torch ops
+        per K and V; a 16-bit model's k/v, or an older build, go through the pool."""
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        scales = pool.get_kv_scale_buffer(layer.layer_id)
+        kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+        if k.dtype == torch.float32 and pool.dtype in cpu_kernels.store_kv_dtypes():
+            cpu_kernels.store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v, **kw)
+        else:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        return k_buf, v_buf, kw
 
     def forward_extend(
         self,
@@ -98,10 +115,10 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return bidirectional_attention(q, k, v, meta.extend_lens, layer)
         if not isinstance(meta, CpuExtendMetadata):
             return super().forward_extend(q, k, v, layer, forward_batch)
-        k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)
+        k_buf, v_buf, scales = self._store_kv(k, v, layer, forward_batch)
         tree = {} if meta.tree_mask is None else {"tree_mask": meta.tree_mask}
-        return cpu_kernels.extend_attention(
-            q,  # [num_tokens, num_heads, head_dim]
+        out = cpu_kernels.extend_attention(
+            q.float(),  # [num_tokens, num_heads, head_dim]; a 16-bit model's q in fp32 math
             k_buf,
             v_buf,
             forward_batch.req_to_token_pool.req_to_token,
@@ -110,7 +127,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             meta.extend_lens,
             layer.scaling,
             **tree,
+            **scales,
         )  # [num_tokens, num_heads * head_dim]
+        return out.to(q.dtype)
 
     def forward_decode(
         self,
@@ -120,16 +139,17 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        if forward_batch.attn_metadata is not None or q.dtype != torch.float32:
+        if forward_batch.attn_metadata is not None:
             return super().forward_decode(q, k, v, layer, forward_batch)
-        k_buf, v_buf = self._store_kv(k, v, layer, forward_batch)
+        k_buf, v_buf, scales = self._store_kv(k, v, layer, forward_batch)
         out = cpu_kernels.decode_attention(
-            q,
+            q.float(),  # a 16-bit model's q in fp32 math, as extend
             k_buf,
             v_buf,
             forward_batch.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
             layer.scaling,
+            **scales,
         )  # [bs, num_heads, head_dim]
-        return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim).to(q.dtype)

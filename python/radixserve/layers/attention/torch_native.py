@@ -125,13 +125,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert meta.segments is not None
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)  # [pool_size, num_kv_heads, head_dim]
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)  # [num_tokens, H * D]
         for seg in meta.segments:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             q_b = q[rows].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
-            k_b = k_buf.index_select(0, seg.kv_indices).transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
-            v_b = v_buf.index_select(0, seg.kv_indices).transpose(0, 1)[None]
+            # [seq_len, Hkv, D] each, dequantized from the pool's storage dtype
+            k_rows, v_rows = pool.read_kv(layer.layer_id, seg.kv_indices, q.dtype)
+            k_b = k_rows.transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
+            v_b = v_rows.transpose(0, 1)[None]
             o_b = self._attend(q_b, k_b, v_b, seg.mask, layer, seg.causal)  # [1, H, q_len, D]
             out[rows] = o_b[0].transpose(0, 1).reshape(seg.q_len, -1)
         return out
@@ -151,8 +152,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         bs, max_seq_len = meta.kv_indices.shape
         flat = meta.kv_indices.view(-1)  # index_select is a plain row copy, cheaper than fancy indexing
         shape = (bs, max_seq_len, layer.num_kv_heads, layer.head_dim)
-        # [bs, num_kv_heads, max_seq_len, head_dim]
-        k_all = pool.get_key_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
-        v_all = pool.get_value_buffer(layer.layer_id).index_select(0, flat).view(shape).transpose(1, 2)
+        k_rows, v_rows = pool.read_kv(layer.layer_id, flat, q.dtype)  # [bs * max_seq_len, Hkv, D]
+        k_all = k_rows.view(shape).transpose(1, 2)  # [bs, num_kv_heads, max_seq_len, head_dim]
+        v_all = v_rows.view(shape).transpose(1, 2)
         out = self._attend(q.unsqueeze(2), k_all, v_all, meta.attn_mask, layer)  # [bs, H, 1, D]
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
