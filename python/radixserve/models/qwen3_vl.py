@@ -87,8 +87,27 @@ def _prepare_images(model: Any, input_ids: torch.Tensor, forward_batch: ForwardB
     return input_ids.clamp(0, model.config.vocab_size - 1)
 
 
-def _positions(positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-    return forward_batch.mrope_positions if forward_batch.mrope_positions is not None else positions
+def _add_vision(model: Any, config: Any) -> None:  # noqa: ANN401
+    """What the dense and the MoE Qwen3-VL add to their language model (the ModelRunner sets the
+    cache and the DP encoder after loading)."""
+    model.vl_config = config
+    model.visual = _build_vision(model, config)
+    model.num_encoder_runs = 0  # images encoded so far (tests count them)
+    model.mm_cache: EmbeddingCache | None = None  # --mm-cache-size-mb
+    model.dp_encoder: TensorParallelComm | None = None  # --mm-enable-dp-encoder
+
+
+def _forward(
+    model: Any,  # noqa: ANN401 - either Qwen3-VL class
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    forward_batch: ForwardBatch,
+    pp_proxy: PPProxyTensors | None,
+) -> torch.Tensor | PPProxyTensors:
+    """The language model over the prompt with its image rows and deepstack features in place."""
+    input_ids = _prepare_images(model, input_ids, forward_batch)
+    mrope = forward_batch.mrope_positions
+    return model.model(input_ids, mrope if mrope is not None else positions, forward_batch, pp_proxy)
 
 
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
@@ -98,11 +117,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
     ) -> None:
         super().__init__(text_config_of(config), max_position, _check_parallel(parallel))
-        self.vl_config = config
-        self.visual = _build_vision(self, config)
-        self.num_encoder_runs = 0  # images encoded so far (tests count them)
-        self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
-        self.dp_encoder: TensorParallelComm | None = None  # set by the ModelRunner (--mm-enable-dp-encoder)
+        _add_vision(self, config)
 
     def forward(
         self,
@@ -111,8 +126,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         forward_batch: ForwardBatch,
         pp_proxy: PPProxyTensors | None = None,
     ) -> torch.Tensor | PPProxyTensors:
-        input_ids = _prepare_images(self, input_ids, forward_batch)
-        return self.model(input_ids, _positions(positions, forward_batch), forward_batch, pp_proxy)
+        return _forward(self, input_ids, positions, forward_batch, pp_proxy)
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
@@ -153,11 +167,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
     ) -> None:
         super().__init__(text_config_of(config), max_position, _check_parallel(parallel))
-        self.vl_config = config
-        self.visual = _build_vision(self, config)
-        self.num_encoder_runs = 0  # images encoded so far (tests count them)
-        self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
-        self.dp_encoder: TensorParallelComm | None = None  # set by the ModelRunner (--mm-enable-dp-encoder)
+        _add_vision(self, config)
 
     def forward(
         self,
@@ -166,8 +176,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         forward_batch: ForwardBatch,
         pp_proxy: PPProxyTensors | None = None,
     ) -> torch.Tensor | PPProxyTensors:
-        input_ids = _prepare_images(self, input_ids, forward_batch)
-        return self.model(input_ids, _positions(positions, forward_batch), forward_batch, pp_proxy)
+        return _forward(self, input_ids, positions, forward_batch, pp_proxy)
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
