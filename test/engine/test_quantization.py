@@ -170,8 +170,15 @@ def test_int8_reference_path_matches_the_kernel_path(tiny_model_dir, monkeypatch
         steps=4,
         forced=fed,
     )
+    # The kernel's int32 dot is exact; the reference dequantizes both sides and sums in fp32 (in
+    # the BLAS's own order, which depends on the CPU), so their outputs differ by an ulp or so.
+    # The next layer quantizes its input again: an ulp can move a value across a rounding
+    # boundary, one int8 code changes by 1, and a tiny random model turns that into a few 1e-2
+    # of a row's logprobs (0.07 for one row of one step on an AVX2-only AMD EPYC; never on the
+    # AVX-512 machines). So: nearly every logprob within 1e-4, none off by more than such a flip.
     for step, (g, r) in enumerate(zip(got, ref)):
-        torch.testing.assert_close(g, r, atol=1e-3, rtol=1e-3, msg=f"step {step}")
+        diff = (g - r).abs()
+        assert diff.median().item() <= 1e-4 and diff.max().item() <= 0.15, (step, diff.max().item())
 
 
 @pytest.mark.skipif(not cpu_fused.ENABLED, reason="sgl_kernel._cpu not built")
