@@ -121,6 +121,7 @@ class ModelWeights:
                     f"Shape mismatch for {name}: this rank's parameter is {tuple(params[name].shape)}, "
                     f"the tensor {tuple(tensor.shape)}."
                 )
+        self._materialize_experts()
         with torch.no_grad():
             for name, tensor in named:
                 params[name].data.copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
@@ -150,7 +151,14 @@ class ModelWeights:
                 f"the server runs {mine}. Weight updates keep the architecture."
             )
 
+    def _materialize_experts(self) -> None:
+        """Quantized MoE experts hold no fp32 copy: bring it back for an update to write into."""
+        weight_only = getattr(self.runner, "weight_only", None)
+        if weight_only is not None:
+            weight_only.materialize_experts()
+
     def _load(self, weights: list[tuple[str, CheckpointTensor]], require_all: bool) -> None:
+        self._materialize_experts()
         model = self.model
         params = dict(model.named_parameters())
         touched: set[str] = set()
