@@ -100,7 +100,7 @@ class ServerArgs:
     quantization: str | None = _f(
         None,
         "Quantize the weights (SGLang's names; docs/quantization.md). w8a8_int8: on CPU, the decoder "
-        "layers' linear weights (QKV, o_proj, gate_up, down) are quantized at load to int8 with a "
+        "layers' linear weights (QKV, o_proj, gate_up, down; a MoE's routed experts, not its router) are quantized at load to int8 with a "
         "scale per output channel, and activations per token at run time, for int8 dot products "
         "(sgl-kernel); the LM head gets an int8 weight-only form (GGUF Q8_0's layout: a scale per "
         "32 inputs) for batches of up to 8 tokens, unlike SGLang, which keeps it unquantized; the "

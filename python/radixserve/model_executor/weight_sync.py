@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.linear import Linear
+from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.loader import _init_dummy_weights, load_checkpoint_weights
@@ -230,6 +231,9 @@ class ModelWeights:
         self.runner.cpu_decode_runner = self.runner.graph_runner = None
         for layer in self._linears():
             layer.drop_derived()
+        for moe in self.model.modules():
+            if isinstance(moe, FusedMoE):
+                moe.experts_int8 = None  # made again from the fp32 experts on resume
         shapes = {}
         for name, param in self.model.named_parameters():
             shapes[name] = (param.shape, param.dtype)

@@ -19,7 +19,9 @@ import torch
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
 from radixserve.layers.linear import WQ_MAX_TOKENS, linear
+from radixserve.layers.moe.int8_experts import ExpertsInt8
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
+from radixserve.layers.quantization import linear_w8a8
 
 # Where the fp32 experts were dropped, groups of up to this many tokens still run linear_wq:
 # dequantizing a projection first costs ~30-37 ms per 3M weights (Qwen3-30B-A3B's gate/up, Q4_0)
@@ -50,12 +52,14 @@ def fused_experts_grouped(
     expert_start: int | None = None,
     wq: ExpertsWq | None = None,
     scratch: DequantScratch | None = None,
+    int8: ExpertsInt8 | None = None,
 ) -> torch.Tensor:
     """Same contract as fused_moe_native.fused_experts_native. Under expert parallelism
         (`expert_start` set) w13 / w2 hold only experts [expert_start, expert_start + w13.shape[0]) of
         the layer: pairs routed to other experts contribute nothing here (their ranks add them). `wq`:
     the local experts' quantized forms, whose dequantization must equal w13 / w2, or with w13 / w2 on
-    the meta device (dropped), the only weights; `scratch` is where large groups dequantize then."""
+    the meta device (dropped), the only weights; `scratch` is where large groups dequantize then.
+    `int8`: the local experts' W8A8 forms (--quantization w8a8_int8), which every group runs."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
@@ -75,6 +79,10 @@ def fused_experts_grouped(
     out = torch.empty_like(x)
     for e in torch.nonzero(counts).flatten().tolist():
         start, end = ends[e] - sizes[e], ends[e]
+        if int8 is not None:
+            act = silu_and_mul(linear_w8a8(x[start:end], int8.w13[e], int8.w13_scale[e]))  # [n_e, inter]
+            out[start:end] = linear_w8a8(act, int8.w2[e], int8.w2_scale[e])
+            continue
         w13_form, w2_form = (None, None) if wq is None else (wq.w13[e], wq.w2[e])
         act = silu_and_mul(_project(x[start:end], w13[e], w13_form, scratch))  # [n_e, inter]
         out[start:end] = _project(act, w2[e], w2_form, scratch)

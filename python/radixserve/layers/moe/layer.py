@@ -33,6 +33,7 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
+from radixserve.layers.moe.int8_experts import ExpertsInt8
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.parallel_linear import divide
 from radixserve.model_loader.errors import ModelLoadError
@@ -86,6 +87,8 @@ class FusedMoE(nn.Module):
         # and the buffer large groups dequantize into (shared by the model's MoE layers).
         self.experts_wq: ExpertsWq | None = None
         self.scratch: DequantScratch | None = None
+        # --quantization w8a8_int8: int8 experts made from the fp32 ones (layers/moe/int8_experts.py).
+        self.experts_int8: ExpertsInt8 | None = None
 
     def attach_quantized(self, form: ExpertsWq, scratch: DequantScratch) -> None:
         """Serve the local experts from `form` only (its dequantization must equal the fp32
@@ -127,6 +130,7 @@ class FusedMoE(nn.Module):
             start,
             self.experts_wq,
             self.scratch,
+            self.experts_int8,
         )
         if self.tp.size > 1:
             self.tp.all_reduce_(out)
