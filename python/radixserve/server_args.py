@@ -474,6 +474,13 @@ class ServerArgs:
         "count the router's expert choices per layer and forward pass (docs/models.md). Decode CUDA "
         "graphs are off with it (their replay skips the counting).",
     )
+    enable_expert_distribution_metrics: bool = _f(
+        False,
+        "MoE models, with --enable-metrics: /metrics adds sglang:moe_expert_tokens_total{layer, "
+        "expert}, the tokens the router sent to each expert of each layer since start (every "
+        "forward's prompt, decode and verified draft tokens; docs/observability.md). Costs one "
+        "bincount per MoE layer per forward.",
+    )
     expert_distribution_recorder_buffer_size: int = _f(
         1000, "Forward passes the expert-distribution recorder keeps (the latest); -1 keeps every one."
     )

@@ -124,14 +124,17 @@ class ModelRunner:
                 f"torch_native attention backends implement (got --attention-backend {backend})"
             )
         self.attn_backend = create_attention_backend(backend, self.device)
-        # --expert-distribution-recorder-mode: the MoE blocks count the router's choices.
+        # --expert-distribution-recorder-mode / --enable-expert-distribution-metrics: the MoE
+        # blocks count the router's choices.
         self.expert_recorder: ExpertDistributionRecorder | None = None
-        if server_args.expert_distribution_recorder_mode is not None:
+        metrics = server_args.enable_expert_distribution_metrics
+        if server_args.expert_distribution_recorder_mode is not None or metrics:
             self.expert_recorder = attach_recorder(
                 self.model,
                 model_config.num_layers,
                 server_args.expert_distribution_recorder_buffer_size,
                 self.device,
+                metrics,
             )
         self.logits_processor = LogitsProcessor()
         # Its own generator, seeded alike on every rank: ranks draw the same tokens from the same
