@@ -171,3 +171,16 @@ def test_weight_update_drops_the_quantized_experts_of_changed_layers(moe_gguf):
     assert changed.experts_wq is None and not changed.fp32_dropped
     assert torch.equal(changed.w2_weight[1], new_down)
     assert kept.experts_wq is not None and kept.fp32_dropped
+
+
+def test_release_and_resume_drop_the_fp32_experts_again(moe_gguf):
+    _, folder = moe_gguf("mixtral-q4")
+    worker = _worker(folder, quantization="gguf")
+    weights = worker.model_runner.weights
+    moes = [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    forms = [m.experts_wq for m in moes]
+    weights.release_weights()
+    assert all(_resident_bytes(m) == 0 for m in moes)
+    weights.resume_weights()  # reloads the fp32 conversion, checks it against the forms, drops it
+    assert all(m.fp32_dropped and m.experts_wq is f for m, f in zip(moes, forms))
+    assert all(_resident_bytes(m) == 0 for m in moes)

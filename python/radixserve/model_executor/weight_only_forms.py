@@ -12,8 +12,9 @@ while its layer's fp32 weight is exactly its dequantization, the invariant linea
   weight, which is then replaced by its dequantization.
 A MoE layer's quantized experts (FusedMoE.experts_wq, from a GGUF file only) follow the same rule,
 all the layer's experts together, with one difference: once attached they are the only copy (the
-fp32 experts are dropped, layers/moe/quantized.py), so a weight update first brings the fp32
-experts back (`materialize_experts`) and the next attach drops them again where they did not change.
+fp32 experts are dropped, layers/moe/quantized.py), so a weight update first brings back the fp32
+experts of the layers it writes (weight_sync.py) and the next attach drops them again where they
+did not change.
 """
 
 from __future__ import annotations
@@ -106,12 +107,6 @@ class WeightOnlyForms:
             moe.detach_quantized()
             logger.warning("%s: the experts of %s changed and serve in fp32 now", self.method, name)
         self.expert_forms = kept
-
-    def materialize_experts(self) -> None:
-        """Bring back the fp32 experts of every quantized MoE layer, for a weight update to write
-        into (the next attach drops those it left unchanged)."""
-        for _, moe, _ in self.expert_forms:
-            moe.materialize_fp32()
 
     def _log(self) -> None:
         wq_bytes = sum(form.nbytes() for _, _, form in self.forms)
