@@ -31,7 +31,7 @@ DROPPED_WQ_MAX_TOKENS = 64
 
 
 def _project(
-    x: torch.Tensor, weight: torch.Tensor, form: GroupQuantWeight | None, scratch: DequantScratch
+    x: torch.Tensor, weight: torch.Tensor, form: GroupQuantWeight | None, scratch: DequantScratch | None
 ) -> torch.Tensor:
     if form is not None and x.shape[0] <= WQ_MAX_TOKENS:
         return linear_wq(x, form)
@@ -39,7 +39,7 @@ def _project(
         assert form is not None
         if x.shape[0] <= DROPPED_WQ_MAX_TOKENS:
             return linear_wq(x, form)
-        weight = scratch.dequantize(form)
+        weight = form.dequantize() if scratch is None else scratch.dequantize(form)
     return linear(x, weight)
 
 
@@ -58,7 +58,8 @@ def fused_experts_grouped(
         (`expert_start` set) w13 / w2 hold only experts [expert_start, expert_start + w13.shape[0]) of
         the layer: pairs routed to other experts contribute nothing here (their ranks add them). `wq`:
     the local experts' quantized forms, whose dequantization must equal w13 / w2, or with w13 / w2 on
-    the meta device (dropped), the only weights; `scratch` is where large groups dequantize then.
+    the meta device (dropped), the only weights; `scratch` is where large groups dequantize then
+    (None: into a new tensor each time).
     `int8`: the local experts' W8A8 forms (--quantization w8a8_int8), which every group runs."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -69,7 +70,6 @@ def fused_experts_grouped(
         flat_ids = flat_ids - expert_start  # local expert ids; out of [0, num_experts): elsewhere
         local = ((flat_ids >= 0) & (flat_ids < num_experts)).nonzero().flatten()
         flat_ids, flat_weights, pair_token = flat_ids[local], flat_weights[local], local // top_k
-    scratch = scratch if scratch is not None else DequantScratch()
     order = torch.argsort(flat_ids, stable=True)  # pair slots grouped by expert
     # The token of each sorted pair.
     token_idx = order // top_k if pair_token is None else pair_token.index_select(0, order)
