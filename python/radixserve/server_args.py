@@ -100,7 +100,7 @@ class ServerArgs:
     quantization: str | None = _f(
         None,
         "Quantize the weights (SGLang's names; docs/quantization.md). w8a8_int8: on CPU, the decoder "
-        "layers' linear weights (QKV, o_proj, gate_up, down) are quantized at load to int8 with a "
+        "layers' linear weights (QKV, o_proj, gate_up, down; a MoE's routed experts, not its router) are quantized at load to int8 with a "
         "scale per output channel, and activations per token at run time, for int8 dot products "
         "(sgl-kernel); the LM head gets an int8 weight-only form (GGUF Q8_0's layout: a scale per "
         "32 inputs) for batches of up to 8 tokens, unlike SGLang, which keeps it unquantized; the "
@@ -473,6 +473,13 @@ class ServerArgs:
         "MoE models: 'stat' makes /start_expert_distribution_record ... /dump_expert_distribution_record "
         "count the router's expert choices per layer and forward pass (docs/models.md). Decode CUDA "
         "graphs are off with it (their replay skips the counting).",
+    )
+    enable_expert_distribution_metrics: bool = _f(
+        False,
+        "MoE models, with --enable-metrics: /metrics adds sglang:moe_expert_tokens_total{layer, "
+        "expert}, the tokens the router sent to each expert of each layer since start (every "
+        "forward's prompt, decode and verified draft tokens; docs/observability.md). Costs one "
+        "bincount per MoE layer per forward.",
     )
     expert_distribution_recorder_buffer_size: int = _f(
         1000, "Forward passes the expert-distribution recorder keeps (the latest); -1 keeps every one."

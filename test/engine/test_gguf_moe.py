@@ -21,6 +21,7 @@ from test_quantization import _worker, compare, forced_logprobs
 from radixserve.layers import group_quant
 from radixserve.layers.moe import fused_moe_cpu
 from radixserve.layers.moe.layer import FusedMoE
+from radixserve.model_executor.weight_read import read_piece
 from radixserve.model_loader.gguf_source import ensure_gguf_converted
 from radixserve.testing.inprocess import InProcessScheduler
 from radixserve.testing.tiny_gguf_moe import make_tiny_moe_gguf
@@ -105,9 +106,8 @@ def test_quantized_experts_serve_like_the_fp32_dequantization(moe_gguf, variant,
     worker = _worker(folder, quantization="gguf")
     moes = [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
     assert moes and all(m.experts_wq is not None for m in moes)
-    for moe in moes:  # the fp32 experts (large groups read them) are the forms' dequantization
-        w13, w2 = moe.experts_wq.dequantize()
-        assert torch.equal(moe.w13_weight, w13) and torch.equal(moe.w2_weight, w2)
+    for moe in moes:  # the forms are the experts' only copy: the fp32 ones were dropped
+        assert moe.fp32_dropped
     expert_calls: list[int] = []
 
     def spy(
@@ -130,12 +130,57 @@ def test_quantized_experts_serve_like_the_fp32_dequantization(moe_gguf, variant,
     assert mean_diff < 1e-4 and max_diff < 1e-3, (agreement, mean_diff, max_diff)
 
 
+def _resident_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters and buffers that hold memory (meta tensors hold none)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+def test_quantized_experts_hold_no_fp32_copy(moe_gguf):
+    _, folder = moe_gguf("mixtral-q4")
+    worker = _worker(folder, quantization="gguf")
+    moes = [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes
+    for moe in moes:
+        fp32_bytes = (moe.w13_weight.numel() + moe.w2_weight.numel()) * 4
+        assert _resident_bytes(moe) == 0, "an fp32 expert tensor is resident beside the quantized form"
+        # What serves them: the Q4 integers and scales, well under the fp32 bytes.
+        assert 0 < moe.experts_wq.nbytes() < fp32_bytes / 4
+        assert moe.w13_weight.shape[0] == moe.num_local  # the shapes stay (loading, reads use them)
+    # Large groups dequantize into one shared scratch of at most one expert projection.
+    scratch = moes[0].scratch
+    assert all(m.scratch is scratch for m in moes)
+    largest = max(w.out_features * w.in_features for m in moes for w in (*m.experts_wq.w13, *m.experts_wq.w2))
+    assert scratch.nbytes() <= largest * 4
+
+
 def test_weight_update_drops_the_quantized_experts_of_changed_layers(moe_gguf):
     _, folder = moe_gguf("qwen3_moe-q8_0")
     worker = _worker(folder, quantization="gguf")
+    weights = worker.model_runner.weights
     changed, kept = (layer.mlp.experts for layer in worker.model_runner.model.model.layers[:2])
-    with torch.no_grad():
-        changed.w2_weight.mul_(-1.0)
-    worker.model_runner.weights.rebuild_derived()
-    # The file no longer describes the changed layer's experts: they serve their new fp32 weights.
-    assert changed.experts_wq is None and kept.experts_wq is not None
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    # A read dequantizes the one expert asked for; the fp32 copy stays dropped.
+    old = read_piece(worker.model_runner.model, name, 10**9)
+    assert old is not None and changed.fp32_dropped
+    assert torch.equal(old.tensor, changed.experts_wq.w2[1].dequantize())
+    new_down = -old.tensor.clone()
+    weights.update_from_tensors([(name, new_down)])
+    # The file no longer describes the changed layer's experts: they serve their new fp32 weights;
+    # the unchanged layer went back to its quantized form only.
+    assert changed.experts_wq is None and not changed.fp32_dropped
+    assert torch.equal(changed.w2_weight[1], new_down)
+    assert kept.experts_wq is not None and kept.fp32_dropped
+
+
+def test_release_and_resume_drop_the_fp32_experts_again(moe_gguf):
+    _, folder = moe_gguf("mixtral-q4")
+    worker = _worker(folder, quantization="gguf")
+    weights = worker.model_runner.weights
+    moes = [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    forms = [m.experts_wq for m in moes]
+    weights.release_weights()
+    assert all(_resident_bytes(m) == 0 for m in moes)
+    weights.resume_weights()  # reloads the fp32 conversion, checks it against the forms, drops it
+    assert all(m.fp32_dropped and m.experts_wq is f for m, f in zip(moes, forms))
+    assert all(_resident_bytes(m) == 0 for m in moes)

@@ -10,9 +10,9 @@ import torch
 from radixserve.layers import group_quant
 from radixserve.layers.linear import WQ_MAX_TOKENS
 from radixserve.layers.moe import fused_moe_cpu
-from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
+from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS, fused_experts_grouped
 from radixserve.layers.moe.fused_moe_native import fused_experts_native
-from radixserve.layers.moe.quantized import ExpertsWq
+from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.moe.topk import select_experts
 from radixserve.model_loader.gguf_quant import decode_quantized
 
@@ -92,3 +92,38 @@ def test_mismatched_form_counts_are_refused():
     wq = _experts(2, 64, 32, ("Q8_0", "Q8_0"), seed=0)
     with pytest.raises(ValueError, match="gate/up forms"):
         ExpertsWq(wq.w13, wq.w2[:1])
+
+
+@pytest.mark.parametrize("kinds", KINDS[:2], ids=["-".join(k) for k in KINDS[:2]])
+def test_dropped_fp32_experts_read_only_their_forms(kinds, monkeypatch):
+    # FusedMoE's layout once the fp32 experts are dropped: w13 / w2 on the meta device. Groups of
+    # every size (1 to ~150 tokens: linear_wq, and the scratch dequantization above
+    # DROPPED_WQ_MAX_TOKENS) must equal the native reference on the dequantized experts.
+    num_tokens, num_experts, top_k, hidden, inter = 300, 4, 2, 64, 32
+    wq = _experts(num_experts, hidden, inter, kinds, seed=7)
+    w13, w2 = wq.dequantize()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    logits[:, 3] -= 100.0  # expert 3 gets no token
+    logits[:5, 2] += 100.0  # expert 2 gets a small group
+    logits[5:, 2] -= 100.0
+    weights, ids = select_experts(logits, top_k, True)
+    dequantized: list[int] = []
+    scratch = DequantScratch()
+    real = scratch.dequantize
+
+    def spy(form: group_quant.GroupQuantWeight) -> torch.Tensor:
+        dequantized.append(form.out_features)
+        return real(form)
+
+    monkeypatch.setattr(scratch, "dequantize", spy)
+    meta13, meta2 = w13.to("meta"), w2.to("meta")
+    got = fused_experts_grouped(x, meta13, meta2, weights, ids, wq=wq, scratch=scratch)
+    ref = fused_experts_native(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+    large = int((counts > DROPPED_WQ_MAX_TOKENS).sum())
+    assert large >= 1 and 0 < int(counts[2]) <= DROPPED_WQ_MAX_TOKENS and int(counts[3]) == 0
+    assert len(dequantized) == 2 * large  # only large groups dequantize, one projection at a time
+    assert scratch.nbytes() == 2 * inter * hidden * 4  # the largest projection, once

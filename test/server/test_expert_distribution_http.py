@@ -49,3 +49,42 @@ def test_record_generate_dump(tiny_model_dir, tmp_path) -> None:
         assert torch.load(again, weights_only=True)["logical_count"].shape[0] == 0
     finally:
         server.stop()
+
+
+def _expert_counts(url: str) -> dict[tuple[int, int], int]:
+    """sglang:moe_expert_tokens_total's samples by (layer, expert), checking their model_name."""
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    pattern = r'^sglang:moe_expert_tokens_total\{model_name="([^"]*)",layer="(\d+)",expert="(\d+)"\} (\d+)$'
+    counts = {}
+    for name, layer, expert, value in re.findall(pattern, text, flags=re.M):
+        assert name == "tiny-moe"
+        counts[(int(layer), int(expert))] = int(value)
+    return counts
+
+
+def test_expert_load_metric_counts_every_routed_token(tiny_model_dir) -> None:
+    flags = ["--max-total-tokens", "4096", "--enable-metrics", "--enable-expert-distribution-metrics"]
+    flags += ["--served-model-name", "tiny-moe"]
+    argv = ["-m", "radixserve.launch_server", "--model-path", tiny_model_dir("qwen3_moe"), *flags]
+    server = Server(argv)
+    start_servers({"moe": server})
+    try:
+        before = _expert_counts(server.url)  # a start-up warm-up may have run already
+        prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]  # no shared prefix: no cache hit
+        for prompt in prompts:
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+            }
+            assert httpx.post(f"{server.url}/generate", json=body, timeout=120).status_code == 200
+        after = _expert_counts(server.url)
+        assert {layer for layer, _ in after} == {0, 1} and len(after) == 2 * 16  # 2 layers x 16 experts
+        added = {key: after[key] - before.get(key, 0) for key in after}
+        assert all(v >= 0 for v in added.values())
+        # Each forwarded token (the prompt's, then every generated one but the last) chose top-8
+        # experts in each of the 2 MoE layers.
+        tokens = sum(len(p) + NEW - 1 for p in prompts)
+        for layer in (0, 1):
+            assert sum(v for (lay, _), v in added.items() if lay == layer) == tokens * 8
+    finally:
+        server.stop()

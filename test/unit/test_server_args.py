@@ -41,6 +41,8 @@ def test_cli_round_trip_and_resolve():
         ({"dp_balance_rel_threshold": 0.5}, "--dp-balance-rel-threshold"),
         ({"load_watch_interval": 0}, "--load-watch-interval"),
         ({"dp_size": 2, "tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:5000"}, "Gateway"),
+        ({"enable_expert_distribution_metrics": True}, "add --enable-metrics"),
+        ({"enable_expert_distribution_metrics": True, "enable_metrics": True, "pp_size": 2}, "--pp-size > 1"),
     ],
 )
 def test_validation_messages(kwargs, message):

@@ -155,6 +155,14 @@ def _validate_disaggregation(args: ServerArgs) -> None:
 
 
 def _validate_expert_distribution(args: ServerArgs) -> None:
+    if args.enable_expert_distribution_metrics:
+        if not args.enable_metrics:
+            raise ValueError("--enable-expert-distribution-metrics exports on /metrics: add --enable-metrics")
+        if args.pp_size > 1:
+            raise ValueError(
+                "--enable-expert-distribution-metrics with --pp-size > 1 is not supported: each stage "
+                "holds other layers and no rank sees every layer's counts"
+            )
     mode = args.expert_distribution_recorder_mode
     if mode is None:
         return

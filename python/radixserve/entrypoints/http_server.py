@@ -62,6 +62,7 @@ from radixserve.managers.tokenizer_manager import (
     RequestAbortedError,
     TokenizerManager,
 )
+from radixserve.utils.expert_metrics import render_expert_load
 from radixserve.utils.hicache_metrics import render_hicache
 from radixserve.utils.tracing import TraceMiddleware
 
@@ -219,11 +220,16 @@ def _add_metrics_route(app: FastAPI, state: ServerState) -> None:
             except RequestAbortedError as exc:  # a replica is stuck: serve the last gauges
                 logger.warning("/metrics: no load report from every replica (%s)", exc)
         text = metrics.render()
-        if tm.server_args.enable_hierarchical_cache and not (state.dead or state.restarting):
-            try:  # the scheduler owns the tiers
-                text += render_hicache(await tm.get_internal_states(), metrics.model_name)
+        args = tm.server_args
+        if (args.enable_hierarchical_cache or args.enable_expert_distribution_metrics) and not (
+            state.dead or state.restarting
+        ):
+            try:  # the scheduler owns the tiers and the expert counts
+                states = await tm.get_internal_states()
+                text += render_hicache(states, metrics.model_name)
+                text += render_expert_load(states, metrics.model_name)
             except RequestAbortedError as exc:
-                logger.warning("/metrics: no HiCache report from every replica (%s)", exc)
+                logger.warning("/metrics: no scheduler report from every replica (%s)", exc)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -89,23 +89,27 @@ class GroupQuantWeight:
         high = (self.qweight >> 4).to(torch.int32)
         return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
 
-    def dequantize(self) -> torch.Tensor:
-        """fp32 [N, K]: q * scale, then + offset (the formats' own two fp32 roundings).
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [N, K]: q * scale, then + offset (the formats' own two fp32 roundings), written
+        into `out` (a contiguous fp32 [N, K] buffer, reused by the caller) when given.
 
         The integers go straight to fp32 and the scales broadcast over [N, groups, group_size]:
         the same products and sums as expanding them per input, ~50x faster for 4-bit weights
         (every GGUF layer is dequantized once at start to check it against its fp32 weight)."""
         n, k, g = self.out_features, self.in_features, self.group_size
+        if out is None:
+            out = torch.empty(n, k, dtype=torch.float32, device=self.qweight.device)
         if self.bits == 8:
-            q = self.qweight.to(torch.float32, memory_format=torch.contiguous_format)  # a TP shard is a view
+            out.copy_(self.qweight)  # a TP shard is a view: copy_ reads it strided
         else:
-            q = torch.empty(n, k // 2, 2, dtype=torch.float32, device=self.qweight.device)
-            q[..., 0] = self.qweight & 0x0F  # input 2j: the low nibble
-            q[..., 1] = self.qweight >> 4
-        w = q.view(n, k // g, g) * self.scales.unsqueeze(-1)
+            pairs = out.view(n, k // 2, 2)
+            pairs[..., 0] = self.qweight & 0x0F  # input 2j: the low nibble
+            pairs[..., 1] = self.qweight >> 4
+        w = out.view(n, k // g, g)
+        w.mul_(self.scales.unsqueeze(-1))
         if self.offsets is not None:
             w += self.offsets.unsqueeze(-1)
-        return w.reshape(n, k)
+        return out
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -244,7 +244,10 @@ def create_cuda_graph_runner(
     """The decode graph runner ModelRunner uses, or None where decode runs eagerly."""
     if model_runner.device.type != "cuda" or server_args.disable_cuda_graph:
         return None
-    if server_args.expert_distribution_recorder_mode is not None:
+    if (
+        server_args.expert_distribution_recorder_mode is not None
+        or server_args.enable_expert_distribution_metrics
+    ):
         logger.info("CUDA graphs are off: the expert-distribution recorder counts in the module forward")
         return None
     backend = model_runner.attn_backend

@@ -17,6 +17,7 @@ from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.linear import prepare_cpu_linears, quantize_linears, quantize_lm_head
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder, attach_recorder
+from radixserve.layers.moe.int8_experts import quantize_experts
 from radixserve.layers.pooler import pooled_rows
 from radixserve.layers.sampler import SampleOutput, Sampler
 from radixserve.layers.vocab_parallel import make_lm_head
@@ -123,14 +124,17 @@ class ModelRunner:
                 f"torch_native attention backends implement (got --attention-backend {backend})"
             )
         self.attn_backend = create_attention_backend(backend, self.device)
-        # --expert-distribution-recorder-mode: the MoE blocks count the router's choices.
+        # --expert-distribution-recorder-mode / --enable-expert-distribution-metrics: the MoE
+        # blocks count the router's choices.
         self.expert_recorder: ExpertDistributionRecorder | None = None
-        if server_args.expert_distribution_recorder_mode is not None:
+        metrics = server_args.enable_expert_distribution_metrics
+        if server_args.expert_distribution_recorder_mode is not None or metrics:
             self.expert_recorder = attach_recorder(
                 self.model,
                 model_config.num_layers,
                 server_args.expert_distribution_recorder_buffer_size,
                 self.device,
+                metrics,
             )
         self.logits_processor = LogitsProcessor()
         # Its own generator, seeded alike on every rank: ranks draw the same tokens from the same
@@ -180,6 +184,7 @@ class ModelRunner:
             # The decoder layers in W8A8; the LM head gets an int8 weight-only form for small
             # batches (its fp32 weight is the tied embedding's and stays).
             quantize_linears([self.model])
+            quantize_experts([self.model])  # the routed experts; the router stays fp32
             quantize_lm_head(self.lm_head)
         if self.weight_only is not None:
             if not self.model_config.is_generation:

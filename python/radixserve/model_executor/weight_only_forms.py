@@ -11,7 +11,10 @@ while its layer's fp32 weight is exactly its dequantization, the invariant linea
   layer, which serves in fp32 from then on) and an on-the-fly one is made anew from the new
   weight, which is then replaced by its dequantization.
 A MoE layer's quantized experts (FusedMoE.experts_wq, from a GGUF file only) follow the same rule,
-all the layer's experts together.
+all the layer's experts together, with one difference: once attached they are the only copy (the
+fp32 experts are dropped, layers/moe/quantized.py), so a weight update first brings back the fp32
+experts of the layers it writes (weight_sync.py) and the next attach drops them again where they
+did not change.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight
 from radixserve.layers.linear import WQ_MAX_TOKENS, Linear
 from radixserve.layers.moe.layer import FusedMoE
-from radixserve.layers.moe.quantized import ExpertsWq
+from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
 from radixserve.model_loader.errors import ModelLoadError
 
@@ -47,6 +50,7 @@ class WeightOnlyForms:
         self.forms = forms
         self.expert_forms = expert_forms or []
         self.requantize = requantize  # None: forms that cannot be remade (a file's tensors)
+        self.expert_scratch = DequantScratch()  # one for every MoE layer (layers/moe/quantized.py)
         self._attached = False
 
     def attach(self) -> None:
@@ -81,12 +85,17 @@ class WeightOnlyForms:
             self._log()
 
     def _attach_experts(self) -> None:
-        """Set each MoE layer's experts_wq while its fp32 experts are the forms' dequantization."""
+        """Serve each MoE layer from its forms (dropping its fp32 experts) while the fp32 experts are
+        the forms' dequantization; a layer still dropped was not written since, and keeps them."""
         kept: list[ExpertForm] = []
         for name, moe, form in self.expert_forms:
+            if moe.fp32_dropped and moe.experts_wq is form:
+                kept.append((name, moe, form))
+                continue
             w13, w2 = form.dequantize()
             if torch.equal(moe.w13_weight, w13) and torch.equal(moe.w2_weight, w2):
-                moe.experts_wq = form
+                del w13, w2
+                moe.attach_quantized(form, self.expert_scratch)
                 kept.append((name, moe, form))
                 continue
             if not self._attached:
@@ -95,7 +104,7 @@ class WeightOnlyForms:
                     "expert tensors; the converted folder does not come from this file (delete it to "
                     "convert again)"
                 )
-            moe.experts_wq = None
+            moe.detach_quantized()
             logger.warning("%s: the experts of %s changed and serve in fp32 now", self.method, name)
         self.expert_forms = kept
 
@@ -104,8 +113,9 @@ class WeightOnlyForms:
         fp32_bytes = sum(layer.weight.numel() * 4 for _, layer, _ in self.forms)
         if self.expert_forms:
             logger.info(
-                "%s: %d MoE layers' experts weight-only quantized (%.0f MiB instead of %.0f MiB of fp32; "
-                "an expert reads them for groups of up to %d tokens)",
+                "%s: %d MoE layers' experts weight-only quantized, their fp32 copy dropped (%.0f MiB instead "
+                "of %.0f MiB of fp32; groups of up to %d tokens read the integers, larger ones dequantize "
+                "one expert at a time)",
                 self.method,
                 len(self.expert_forms),
                 sum(form.nbytes() for _, _, form in self.expert_forms) / 2**20,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.linear import Linear
+from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.loader import _init_dummy_weights, load_checkpoint_weights
@@ -121,6 +122,7 @@ class ModelWeights:
                     f"Shape mismatch for {name}: this rank's parameter is {tuple(params[name].shape)}, "
                     f"the tensor {tuple(tensor.shape)}."
                 )
+        self._materialize_experts(name for name, _ in named)
         with torch.no_grad():
             for name, tensor in named:
                 params[name].data.copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
@@ -150,6 +152,14 @@ class ModelWeights:
                 f"the server runs {mine}. Weight updates keep the architecture."
             )
 
+    def _materialize_experts(self, param_names: Iterable[str]) -> None:
+        """Quantized MoE experts hold no fp32 copy (layers/moe/quantized.py): bring back those of
+        the layers an update writes into; the rebuild drops them again where nothing changed."""
+        for name in param_names:
+            owner = self.model.get_submodule(name.rpartition(".")[0]) if "." in name else self.model
+            if isinstance(owner, FusedMoE):
+                owner.materialize_fp32()
+
     def _load(self, weights: list[tuple[str, CheckpointTensor]], require_all: bool) -> None:
         model = self.model
         params = dict(model.named_parameters())
@@ -162,6 +172,7 @@ class ModelWeights:
             touched.update(targets)
         if not touched and weights and self.runner.parallel.pp_size == 1:
             raise WeightUpdateError("None of the given weights belongs to the model.")
+        self._materialize_experts(touched)  # swaps storage in place: `params` stays valid
         backup = {n: params[n].detach().clone() for n in touched}
         try:
             model.load_weights(weights, require_all=require_all)
@@ -222,6 +233,9 @@ class ModelWeights:
         self.runner.cpu_decode_runner = self.runner.graph_runner = None
         for layer in self._linears():
             layer.drop_derived()
+        for moe in self.model.modules():
+            if isinstance(moe, FusedMoE):
+                moe.experts_int8 = None  # made again from the fp32 experts on resume
         shapes = {}
         for name, param in self.model.named_parameters():
             shapes[name] = (param.shape, param.dtype)
@@ -236,7 +250,13 @@ class ModelWeights:
             return
         params = dict(self.model.named_parameters())
         for name, (shape, dtype) in self.released_shapes.items():
-            params[name].data = torch.empty(shape, dtype=dtype, device=self.runner.device)
+            data = torch.empty(shape, dtype=dtype, device=self.runner.device)
+            if params[
+                name
+            ].is_meta:  # dropped fp32 experts (layers/moe/quantized.py): `.data =` cannot leave meta
+                torch.utils.swap_tensors(params[name], nn.Parameter(data, requires_grad=False))
+            else:
+                params[name].data = data
         if self.source_format == "dummy":
             _init_dummy_weights(self.model, self.runner.device, 0)
         else:

@@ -47,7 +47,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = spec.top_k, spec.renormalize
         self.layer_id, self.num_experts = layer_id, spec.num_experts  # the model's layer index
-        # Set by --expert-distribution-recorder-mode (layers/moe/expert_distribution.py).
+        # Set by --expert-distribution-recorder-mode or --enable-expert-distribution-metrics
+        # (layers/moe/expert_distribution.py).
         self.expert_recorder: ExpertDistributionRecorder | None = None
         # Replicated on every TP rank: each routes every token the same way. A plain nn.Linear,
         # not layers/linear.py's Linear, so the weight forms given to decoder linears (int8 under
@@ -66,7 +67,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if self.expert_recorder is not None and self.expert_recorder.recording:
+        if self.expert_recorder is not None and self.expert_recorder.active:
             self.expert_recorder.on_select(self.layer_id, topk_ids)
         out = self.experts(hidden, topk_weights, topk_ids)  # [num_tokens, hidden_size]
         if self.shared_expert is not None:

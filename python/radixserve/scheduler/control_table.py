@@ -96,6 +96,14 @@ def handle_rpc(s: Scheduler, msg: RpcReqInput) -> RpcReqOutput:
     return RpcReqOutput(True, "", result)
 
 
+def _expert_load(s: Scheduler) -> dict[str, Any]:
+    """--enable-expert-distribution-metrics: the tokens routed to each (layer, expert) since start."""
+    recorder = s.worker.info.expert_recorder
+    if recorder is None or not recorder.metrics:
+        return {}
+    return {"expert_load": recorder.totals().tolist()}  # [num_layers][num_experts]
+
+
 def internal_state(s: Scheduler) -> dict[str, Any]:
     """/get_server_info's internal_states entry: the scheduler's queues, pools and controls."""
     stats = s.output.stats
@@ -122,6 +130,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "num_sessions": len(s.sessions.sessions),
         **_tiers(s),
         **({"mm_cache": s.worker.info.mm_cache.stats()} if s.worker.info.mm_cache is not None else {}),
+        **_expert_load(s),
         **s.live_limits.as_dict(),
         # Each rank's own pool (they must agree), gathered from every rank: all ranks
         # receive this request in the same step.

@@ -10,6 +10,11 @@ then starts a new ring. Dense layers' rows stay 0.
 Recording costs nothing when off (one attribute read per sparse layer); on, a bincount per layer.
 The forward may run on another thread (the overlap loop) than the control request: the ring is
 guarded by a lock, and a pass's counts move into it only when the pass ends.
+
+With --enable-expert-distribution-metrics the recorder also keeps running totals of every pass's
+counts (whether or not a record is on), which /metrics reads as
+`sglang:moe_expert_tokens_total{layer, expert}` (utils/expert_metrics.py): the same bincount per
+layer, plus one add of the pass's [num_layers, num_experts] counts to the totals.
 """
 
 from __future__ import annotations
@@ -31,13 +36,22 @@ RECORDER_MODES = ("stat",)  # SGLang's per-token / per-pass / stat_approx modes 
 
 
 class ExpertDistributionRecorder:
-    def __init__(self, num_layers: int, num_experts: int, buffer_size: int, device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, num_experts: int, buffer_size: int, device: torch.device, metrics: bool = False
+    ) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.recording = False
+        self.metrics = metrics  # keep running totals for /metrics
+        self._totals = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # on the CPU
         self._current = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self._touched = False  # the current pass added something
         self._passes: deque[torch.Tensor] = deque(maxlen=None if buffer_size < 0 else buffer_size)
         self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """Whether the sparse layers report their choices (a record is on, or the metrics)."""
+        return self.recording or self.metrics
 
     def on_select(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """A sparse layer's top-k expert ids [num_tokens, top_k] of this pass."""
@@ -52,6 +66,8 @@ class ExpertDistributionRecorder:
         self._current.zero_()
         self._touched = False
         with self._lock:
+            if self.metrics:
+                self._totals += row
             if self.recording:  # a pass that straddled the stop is dropped with it
                 self._passes.append(row)
 
@@ -63,6 +79,11 @@ class ExpertDistributionRecorder:
     def stop(self) -> None:
         with self._lock:
             self.recording = False
+
+    def totals(self) -> torch.Tensor:
+        """Every pass's counts since start, summed: int64 [num_layers, num_experts] (a copy)."""
+        with self._lock:
+            return self._totals.clone()
 
     def take(self) -> torch.Tensor:
         """The recorded passes' rows [num_passes, num_layers, num_experts]; the ring starts over."""
@@ -89,15 +110,14 @@ def dump_to_file(logical_count: torch.Tensor, rank: int) -> str:
 
 
 def attach_recorder(
-    model: nn.Module, num_layers: int, buffer_size: int, device: torch.device
+    model: nn.Module, num_layers: int, buffer_size: int, device: torch.device, metrics: bool = False
 ) -> ExpertDistributionRecorder:
     """A recorder wired into every sparse MoE block of `model` (ValueError for a dense model)."""
     blocks = [m for m in model.modules() if hasattr(m, "expert_recorder")]
     if not blocks:
-        raise ValueError(
-            "--expert-distribution-recorder-mode records a mixture-of-experts model's routing; this model has no MoE layer"
-        )
-    recorder = ExpertDistributionRecorder(num_layers, blocks[0].num_experts, buffer_size, device)
+        flag = "--enable-expert-distribution-metrics" if metrics else "--expert-distribution-recorder-mode"
+        raise ValueError(f"{flag} records a mixture-of-experts model's routing; this model has no MoE layer")
+    recorder = ExpertDistributionRecorder(num_layers, blocks[0].num_experts, buffer_size, device, metrics)
     for block in blocks:
         block.expert_recorder = recorder
     return recorder

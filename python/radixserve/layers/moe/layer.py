@@ -17,6 +17,11 @@ the one TP already pays (docs/models.md says what was measured).
 Checkpoints store one tensor per expert and projection (HF's `experts.{e}.gate_proj.weight`,
 Mixtral's `experts.{e}.w1.weight`); `weight_loader` copies each into its expert's slot, reading
 only this rank's slice.
+
+With quantized experts attached (`attach_quantized`, --quantization gguf) the fp32 stacked weights
+are dropped: w13_weight / w2_weight keep their shapes on the meta device and hold no memory. A
+weight update brings them back first (`materialize_fp32`: the forms' exact dequantization) so it
+has something to write into; a read (/get_weights_by_name) dequantizes the one expert it asks for.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
-from radixserve.layers.moe.quantized import ExpertsWq
+from radixserve.layers.moe.int8_experts import ExpertsInt8
+from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.parallel_linear import divide
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
@@ -46,6 +52,12 @@ def expert_param_name(name: str) -> str | None:
         return None
     stacked = "w2_weight" if match.group(2) in _DOWN else "w13_weight"
     return f"{name[: match.start()]}.experts.{stacked}"
+
+
+def _replace_storage(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Give `param` new contents, the same Python object (callers hold it: the loader's
+    parameter dicts). `param.data = ...` cannot move a parameter to or from the meta device."""
+    torch.utils.swap_tensors(param, nn.Parameter(data, requires_grad=param.requires_grad))
 
 
 class FusedMoE(nn.Module):
@@ -71,8 +83,38 @@ class FusedMoE(nn.Module):
         self.inter = divide(intermediate_size, moe_tp, "moe intermediate size")  # this rank's part
         self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter))
-        # The local experts' weight-only quantized forms (--quantization gguf), set after loading.
+        # The local experts' weight-only quantized forms (--quantization gguf), set after loading,
+        # and the buffer large groups dequantize into (shared by the model's MoE layers).
         self.experts_wq: ExpertsWq | None = None
+        self.scratch: DequantScratch | None = None
+        # --quantization w8a8_int8: int8 experts made from the fp32 ones (layers/moe/int8_experts.py).
+        self.experts_int8: ExpertsInt8 | None = None
+
+    def attach_quantized(self, form: ExpertsWq, scratch: DequantScratch) -> None:
+        """Serve the local experts from `form` only (its dequantization must equal the fp32
+        weights, checked by the caller): the fp32 stacked weights are freed, their shapes kept."""
+        self.experts_wq, self.scratch = form, scratch
+        for param in (self.w13_weight, self.w2_weight):
+            _replace_storage(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+
+    def detach_quantized(self) -> None:
+        """Serve the fp32 weights again (they changed: the form no longer describes them)."""
+        self.materialize_fp32()
+        self.experts_wq = None
+
+    @property
+    def fp32_dropped(self) -> bool:
+        return self.w13_weight.is_meta
+
+    def materialize_fp32(self) -> None:
+        """Bring the dropped fp32 weights back as the quantized forms' dequantization (a weight
+        update writes into them; attaching the forms again drops them)."""
+        if not self.fp32_dropped:
+            return
+        assert self.experts_wq is not None
+        w13, w2 = self.experts_wq.dequantize()
+        _replace_storage(self.w13_weight, w13.to(self.w13_weight.dtype))
+        _replace_storage(self.w2_weight, w2.to(self.w2_weight.dtype))
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -80,7 +122,15 @@ class FusedMoE(nn.Module):
         """hidden [num_tokens, hidden_size], topk_* [num_tokens, top_k] -> [num_tokens, hidden_size]."""
         start = self.expert_start if self.ep_size > 1 else None
         out = fused_experts_grouped(
-            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, start, self.experts_wq
+            hidden,
+            self.w13_weight,
+            self.w2_weight,
+            topk_weights,
+            topk_ids,
+            start,
+            self.experts_wq,
+            self.scratch,
+            self.experts_int8,
         )
         if self.tp.size > 1:
             self.tp.all_reduce_(out)
@@ -101,6 +151,11 @@ class FusedMoE(nn.Module):
             raise ModelLoadError(f"{name}: expert {expert} of a layer with {self.num_experts}")
         local = expert - self.expert_start
         here = 0 <= local < self.num_local
+        if param.is_meta and here:  # dropped fp32 (a read: loading materializes first)
+            assert self.experts_wq is not None
+            param = (self.experts_wq.w2 if proj in _DOWN else self.experts_wq.w13)[local].dequantize()
+            param = param.unsqueeze(0)
+            local = 0
         full_inter, start = self.inter * (self.tp.size // self.ep_size), self.moe_tp_rank * self.inter
         if proj in _DOWN:  # [hidden, inter]: a rank holds a block of its columns
             return (param[local] if here else None), (param.shape[1], full_inter), 1, start
@@ -114,6 +169,7 @@ class FusedMoE(nn.Module):
         or the original release's [E, hidden, 2 * inter] / [E, inter, hidden]). transformers' rule
         decides between them: the parameter's own layout when the shape is it, else transposed.
         Reads only this rank's experts."""
+        self.materialize_fp32()
         is_up = param is self.w13_weight
         full_inter, start = self.inter * (self.tp.size // self.ep_size), self.moe_tp_rank * self.inter
         hidden = param.shape[1] if not is_up else param.shape[2]
@@ -135,6 +191,7 @@ class FusedMoE(nn.Module):
         param.data.copy_(data.to(param.dtype))
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        self.materialize_fp32()
         slot, full_shape, dim, start = self.checkpoint_piece(loaded.name, param.data)
         if slot is None:
             return  # another rank's expert
