@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight
-from radixserve.layers.linear import WQ_MAX_TOKENS, Linear
+from radixserve.layers.linear import Linear
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.moe.quantized import ExpertsWq
 from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
@@ -105,22 +105,20 @@ class WeightOnlyForms:
         if self.expert_forms:
             logger.info(
                 "%s: %d MoE layers' experts weight-only quantized (%.0f MiB instead of %.0f MiB of fp32; "
-                "an expert reads them for groups of up to %d tokens)",
+                "an expert reads them for groups of up to wq_max_tokens tokens)",
                 self.method,
                 len(self.expert_forms),
                 sum(form.nbytes() for _, _, form in self.expert_forms) / 2**20,
                 sum((m.w13_weight.numel() + m.w2_weight.numel()) * 4 for _, m, _ in self.expert_forms)
                 / 2**20,
-                WQ_MAX_TOKENS,
             )
         logger.info(
             "%s: %d linears weight-only quantized (%.0f MiB read per step instead of %.0f MiB of fp32) "
-            "for batches of up to %d tokens, run by %s",
+            "for batches of up to wq_max_tokens tokens, run by %s",
             self.method,
             len(self.forms),
             wq_bytes / 2**20,
             fp32_bytes / 2**20,
-            WQ_MAX_TOKENS,
             "sgl-kernel's linear_wq"
             if WQ_KERNEL
             else "the torch reference (sgl-kernel's linear_wq not built)",

@@ -3,7 +3,7 @@ and down projections as GroupQuantWeights, the GGUF file's own integers and scal
 
 FusedMoE keeps its fp32 stacked weights beside them (the file dequantized, equal to these forms'
 dequantization: checked when they are attached), so an expert whose group of tokens is larger than
-WQ_MAX_TOKENS reads fp32, as a dense Linear's large batches do (layers/linear.py); small groups, the
+`wq_max_tokens` (layers/cpu_crossovers.py) reads fp32, as a dense Linear's large batches do (layers/linear.py); small groups, the
 decode case, stream the quantized integers through linear_wq.
 """
 
