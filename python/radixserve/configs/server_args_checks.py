@@ -75,7 +75,8 @@ def validate_server_args(args: ServerArgs) -> None:
     _validate_expert_distribution(args)
     if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")
-    _check_choice("cpu-kernel-tuning", args.cpu_kernel_tuning, CPU_KERNEL_TUNING_MODES)
+    if args.cpu_kernel_tuning is not None:  # None until resolve() reads the environment
+        _check_choice("cpu-kernel-tuning", args.cpu_kernel_tuning, CPU_KERNEL_TUNING_MODES)
     parse_overrides(args.cpu_kernel_crossovers)  # raises with what is wrong in the JSON
     if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
         raise ValueError(

@@ -20,13 +20,15 @@ would measure alone, and the ranks' fused decode paths must agree on their batch
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +77,16 @@ def resolve_crossovers(
     if not layers:
         return DEFAULTS.with_overrides(extra)
     path = cache_path(layers)
+    # One measurement at a time on this machine (DP replicas start together; two measuring at
+    # once would each time the other's traffic): the others wait, then read what it cached.
+    with _measurement_lock(path.parent):
+        return _cached_or_measured(mode, path, layers).with_overrides(extra)
+
+
+def _cached_or_measured(mode: str, path: Path, layers: list[Linear]) -> Crossovers:
     if mode == "auto" and path.exists():
         try:
-            return _from_cache(path).with_overrides(extra)
+            return _from_cache(path)
         except (ValueError, KeyError, TypeError, OSError) as exc:
             logger.warning("CPU tuning cache %s unreadable (%s): measuring again", path, exc)
     busy = machine_busy()
@@ -85,14 +94,31 @@ def resolve_crossovers(
         logger.info(
             "CPU kernel tuning: %s; serving with the default crossovers (a quiet start measures)", busy
         )
-        return Crossovers(source="defaults (machine busy)").with_overrides(extra)
+        return Crossovers(source="defaults (machine busy)")
     start = time.perf_counter()
     bounds, timings = measure(layers)
     measured = Crossovers(
         **bounds, source=f"measured in {time.perf_counter() - start:.1f} s, cached at {path}"
     )
     _store(path, measured, timings)
-    return measured.with_overrides(extra)
+    return measured
+
+
+@contextlib.contextmanager
+def _measurement_lock(folder: Path) -> Iterator[None]:
+    """An advisory lock file in the cache folder (no lock where the folder cannot be made)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / ".lock", "a")  # noqa: SIM115 - held across the yield
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def tune_and_install(
