@@ -243,7 +243,7 @@ def bench_crossovers() -> None:
     from radixserve.model_executor.tp_worker import TpModelWorker
     from radixserve.server_args import ServerArgs
 
-    os.environ["RADIXSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="crossovers_")
+    os.environ["RADIXSERVE_CPU_TUNING_DIR"] = tempfile.mkdtemp(prefix="crossovers_")
     chosen: dict[str, int] = {}
     for form, bound, extra in [
         ("GGUF Q4_1 (the default)", "wq_max_tokens", {}),

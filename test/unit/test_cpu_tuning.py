@@ -30,7 +30,7 @@ needs_onednn = pytest.mark.skipif(not onednn_prepack_available(), reason="torch 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
     """Each test gets its own cache folder and leaves the process's crossovers as it found them."""
-    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RADIXSERVE_CPU_TUNING_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "")
     before = active()
     yield

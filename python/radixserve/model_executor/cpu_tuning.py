@@ -13,8 +13,8 @@ memory bandwidth), so a bound chosen on one machine is wrong on the next. `--cpu
 - `off`: the defaults (layers/cpu_crossovers.py), as the parity tests run.
 
 `--cpu-kernel-crossovers '{"wq_max_tokens": 4}'` overrides single bounds on top of any of these.
-The cache is a JSON file per (CPU, model) under $RADIXSERVE_CACHE_DIR/cpu_tuning (default
-~/.cache/radixserve); delete it to measure again. Multi-rank runs use the defaults (each rank
+The cache is a JSON file per (CPU, model) in $RADIXSERVE_CPU_TUNING_DIR (default
+~/.cache/radixserve/cpu_tuning); delete it to measure again. Multi-rank runs use the defaults (each rank
 would measure alone, and the ranks' fused decode paths must agree on their batch bounds).
 """
 
@@ -259,11 +259,17 @@ def _wq_kind(layer: Linear) -> str:
     )
 
 
-def cache_path(layers: list[Linear]) -> Path:
+def cache_dir() -> Path:
+    """$RADIXSERVE_CPU_TUNING_DIR, else <$RADIXSERVE_CACHE_DIR or ~/.cache/radixserve>/cpu_tuning."""
     from radixserve.model_loader.default_model import cache_root
 
+    folder = os.environ.get("RADIXSERVE_CPU_TUNING_DIR")
+    return Path(folder).expanduser() if folder else cache_root() / "cpu_tuning"
+
+
+def cache_path(layers: list[Linear]) -> Path:
     key = json.dumps([cpu_identity(), model_identity(layers)], sort_keys=True).encode()
-    return cache_root() / "cpu_tuning" / f"{hashlib.sha256(key).hexdigest()[:24]}.json"
+    return cache_dir() / f"{hashlib.sha256(key).hexdigest()[:24]}.json"
 
 
 def _from_cache(path: Path) -> Crossovers:
