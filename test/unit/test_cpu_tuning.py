@@ -112,7 +112,7 @@ def test_one_disturbed_pass_does_not_cut_the_bound(monkeypatch) -> None:
 def test_the_cache_decides_and_measure_overwrites_it(monkeypatch) -> None:
     layers = _layers()
     path = cache_path(layers)
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps({"bounds": {"wq_max_tokens": 3, "f32_small_max_tokens": 5, "f16_max_tokens": 12}})
     )
