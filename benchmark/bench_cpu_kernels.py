@@ -12,6 +12,10 @@ Extend attention (--only extend): 30 layers of a paged pool, per-layer ms and GF
 flops) of sgl-kernel's extend kernel, of SDPA over K/V already contiguous (batched when the
 requests have one shape; a mask where they have a prefix), and of the torch-native backend's
 forward_extend (per-request gather + SDPA).
+Crossovers (--only crossovers): what `--cpu-kernel-tuning` picks on this CPU for the built-in model
+(its GGUF default for the weight-only bound, fp32 for the small-M bound, --cpu-fp16-weights for
+the fp16 one), measured now into a temporary cache, with each bound's timings (ms per pass over
+the weights, small kernel vs oneDNN's GEMM; model_executor/cpu_tuning.py).
 Each number is the median of several timed steps after a warm-up.
 """
 
@@ -228,9 +232,38 @@ def bench_gemm_rates(tokens: list[int], repeats: int) -> None:
             print(f"{m:>6} {f'{n}x{k}':>11} {rates[0]:>8.0f} {rates[1]:>8.0f}")
 
 
+def bench_crossovers() -> None:
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.layers.cpu_crossovers import active
+    from radixserve.model_executor.tp_worker import TpModelWorker
+    from radixserve.server_args import ServerArgs
+
+    os.environ["RADIXSERVE_CPU_TUNING_DIR"] = tempfile.mkdtemp(prefix="crossovers_")
+    chosen: dict[str, int] = {}
+    for form, bound, extra in [
+        ("GGUF Q4_1 (the default)", "wq_max_tokens", {}),
+        ("fp32", "f32_small_max_tokens", {"quantization": "unquant"}),
+        ("fp32 + fp16 copies", "f16_max_tokens", {"quantization": "unquant", "cpu_fp16_weights": True}),
+    ]:
+        args = ServerArgs(device="cpu", cpu_kernel_tuning="measure", max_total_tokens=4096, **extra).resolve()
+        TpModelWorker(args, ModelConfig.from_path(args.model_path, dtype="float32"))
+        chosen[bound] = getattr(active(), bound)
+        cache = Path(active().source.rpartition(" at ")[2])
+        timings = json.loads(cache.read_text())["timings_ms_small_vs_gemm"].get(bound, {})
+        print(f"{form}: {bound} = {chosen[bound]}")
+        for n, (small, gemm) in timings.items():
+            print(f"  {n:>3} tokens: small kernel {small:8.2f} ms, oneDNN {gemm:8.2f} ms per pass")
+    print("crossovers:", chosen)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("linear", "attention", "gemm", "extend"), default=None)
+    p.add_argument("--only", choices=("linear", "attention", "gemm", "extend", "crossovers"), default=None)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -246,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_attention([(1, 1100, 0), (8, 1100, 0), (8, 1100, 1024), (64, 160, 0)], args.repeats)
     if args.only in (None, "gemm"):
         bench_gemm_rates([64, 512], args.repeats)
+    if args.only == "crossovers":
+        bench_crossovers()
     if args.only == "extend":  # opt-in: the default run prints what it always has
         # (prefix, new tokens, requests): one prompt, short turns over a shared cached prefix, a
         # batch of mid-size prompts.

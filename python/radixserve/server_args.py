@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # SGLang's --kv-cache-dtype names (its fp4_e2m1 not taken), plus radixserve's int8 (CPU).
+# --cpu-kernel-tuning (model_executor/cpu_tuning.py).
+CPU_KERNEL_TUNING_MODES = ("auto", "measure", "off")
 KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "int8")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
@@ -462,6 +465,21 @@ class ServerArgs:
         "CPU, fp32 models: keep torch's default GEMM (F.linear) instead of prepacking every linear "
         "weight for oneDNN at start (2-3x slower at the shapes measured; for A/B runs and debugging).",
     )
+    cpu_kernel_tuning: str | None = _f(
+        None,
+        "CPU, fp32 models: where the small-batch linear kernels hand over to oneDNN's GEMM. auto: "
+        "the bounds measured for this CPU and model, cached under ~/.cache/radixserve/cpu_tuning, "
+        "else measured now (a second or two, only on a quiet machine; a busy one serves the "
+        "defaults); measure: measure again and overwrite the cache; off: the built-in defaults. "
+        "Default: $RADIXSERVE_CPU_KERNEL_TUNING, else auto (the test suite sets off).",
+        choices=CPU_KERNEL_TUNING_MODES,
+    )
+    cpu_kernel_crossovers: str | None = _f(
+        None,
+        "CPU: override single crossovers as JSON, e.g. '{\"wq_max_tokens\": 4}' (bounds: "
+        "wq_max_tokens, f32_small_max_tokens, f16_max_tokens; token counts 1-256), on top of "
+        "--cpu-kernel-tuning's.",
+    )
     disable_cpu_fused_decode: bool = _f(
         False,
         "CPU: run every decode batch through the module forward instead of running small ones "
@@ -646,6 +664,8 @@ class ServerArgs:
             updates["batch_max_concurrent_requests"] = 2 if device == "cpu" else gpu_bound
         if self.mem_fraction_static is None and device == "cuda":
             updates["mem_fraction_static"] = 0.85
+        if self.cpu_kernel_tuning is None:
+            updates["cpu_kernel_tuning"] = os.environ.get("RADIXSERVE_CPU_KERNEL_TUNING") or "auto"
         if self.cpu_threads is None and device == "cpu":
             # The CPUs this process may use (affinity mask, cgroup quota), not the host's count.
             updates["cpu_threads"] = available_cpus()

@@ -9,14 +9,17 @@ import torch
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import cpu_fused, group_quant
+from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
-from radixserve.layers.linear import WQ_MAX_TOKENS
 from radixserve.model_executor import cpu_decode_runner
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+
+# The bounds the tests run with (the test suite sets --cpu-kernel-tuning off: the defaults).
+WQ_MAX_TOKENS = DEFAULTS.wq_max_tokens
 
 pytestmark = pytest.mark.skipif(not cpu_fused.ENABLED, reason="sgl_kernel._cpu not built")
 

@@ -17,7 +17,8 @@ from wq_spy import WqDecodeSpy
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import cpu_fused, quantization
-from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, WQ_MAX_TOKENS, Linear
+from radixserve.layers.cpu_crossovers import DEFAULTS
+from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
 from radixserve.layers.logits_processor import head_logits
 from radixserve.model_executor import cpu_decode_runner
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -25,6 +26,9 @@ from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+
+# The bounds the tests run with (the test suite sets --cpu-kernel-tuning off: the defaults).
+WQ_MAX_TOKENS = DEFAULTS.wq_max_tokens
 
 
 def _worker(path: str, **server_args: object) -> TpModelWorker:

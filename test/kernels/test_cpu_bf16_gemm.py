@@ -13,8 +13,8 @@ from model_logits import prefill_decode_logits
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import linear as linear_module
+from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.linear import (
-    F32_SMALL_MAX_TOKENS,
     Linear,
     onednn_prepack_available,
     prepare_cpu_linears,
@@ -22,6 +22,9 @@ from radixserve.layers.linear import (
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
 from sgl_kernel import cpu as cpu_kernels
+
+# The bounds the tests run with (the test suite sets --cpu-kernel-tuning off: the defaults).
+F32_SMALL_MAX_TOKENS = DEFAULTS.f32_small_max_tokens
 
 
 def _bf16_packing_works() -> bool:

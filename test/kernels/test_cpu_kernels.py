@@ -11,9 +11,8 @@ from paged_cases import paged_pool, ref_attention, run_backend_parity
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers.attention.cpu_backend import CpuAttnBackend
+from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.linear import (
-    F16_MAX_TOKENS,
-    F32_SMALL_MAX_TOKENS,
     SMALL_BATCH_MAX_TOKENS,
     Linear,
     onednn_prepack_available,
@@ -22,6 +21,10 @@ from radixserve.layers.linear import (
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
 from sgl_kernel import cpu as cpu_kernels
+
+# The bounds the tests run with (the test suite sets --cpu-kernel-tuning off: the defaults).
+F16_MAX_TOKENS = DEFAULTS.f16_max_tokens
+F32_SMALL_MAX_TOKENS = DEFAULTS.f32_small_max_tokens
 
 needs_ext = pytest.mark.skipif(not cpu_kernels.available(), reason="sgl_kernel._cpu not built")
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}

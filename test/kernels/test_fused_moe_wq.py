@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from radixserve.layers import group_quant
-from radixserve.layers.linear import WQ_MAX_TOKENS
+from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.moe import fused_moe_cpu
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS, fused_experts_grouped
 from radixserve.layers.moe.fused_moe_native import fused_experts_native
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.moe.topk import select_experts
 from radixserve.model_loader.gguf_quant import decode_quantized
+
+# The bounds the tests run with (the test suite sets --cpu-kernel-tuning off: the defaults).
+WQ_MAX_TOKENS = DEFAULTS.wq_max_tokens
 
 pytest.importorskip("gguf")
 

@@ -5,13 +5,16 @@ import pytest
 import torch
 
 from radixserve.layers.activation import ACTIVATIONS
+from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.linear import (
-    F16_MAX_TOKENS,
-    F32_SMALL_MAX_TOKENS,
     Linear,
     onednn_prepack_available,
     prepare_cpu_linears,
 )
+
+# The bounds the tests run with (the test suite sets --cpu-kernel-tuning off: the defaults).
+F16_MAX_TOKENS = DEFAULTS.f16_max_tokens
+F32_SMALL_MAX_TOKENS = DEFAULTS.f32_small_max_tokens
 
 needs_onednn = pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
 SIZES = [1, F32_SMALL_MAX_TOKENS, F32_SMALL_MAX_TOKENS + 1, F16_MAX_TOKENS + 1, 300]

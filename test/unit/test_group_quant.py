@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq, linear_wq_reference, pack_int4
-from radixserve.layers.linear import WQ_MAX_TOKENS, Linear
+from radixserve.layers.linear import Linear
+
+# The bounds the tests run with (the test suite sets --cpu-kernel-tuning off: the defaults).
+WQ_MAX_TOKENS = DEFAULTS.wq_max_tokens
 
 
 def _int4(n: int = 6, k: int = 64, group: int = 32) -> tuple[GroupQuantWeight, torch.Tensor]:

@@ -13,8 +13,10 @@ from radixserve.configs.hicache_args import validate_hicache
 from radixserve.configs.kv_cache_args import validate_kv_cache_dtype
 from radixserve.configs.quant_args import validate_weight_only
 from radixserve.configs.spec_args import validate_speculative
+from radixserve.layers.cpu_crossovers import parse_overrides
 from radixserve.server_args import (
     ATTENTION_BACKENDS,
+    CPU_KERNEL_TUNING_MODES,
     DISAGGREGATION_MODES,
     DISAGGREGATION_TRANSFER_BACKENDS,
     GRAMMAR_BACKENDS,
@@ -73,6 +75,9 @@ def validate_server_args(args: ServerArgs) -> None:
     _validate_expert_distribution(args)
     if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")
+    if args.cpu_kernel_tuning is not None:  # None until resolve() reads the environment
+        _check_choice("cpu-kernel-tuning", args.cpu_kernel_tuning, CPU_KERNEL_TUNING_MODES)
+    parse_overrides(args.cpu_kernel_crossovers)  # raises with what is wrong in the JSON
     if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
         raise ValueError(
             "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"

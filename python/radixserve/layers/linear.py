@@ -8,15 +8,15 @@ built-in model's decode, docs/benchmarks.md):
    per-output-channel scales, and every batch size runs the W8A8 linear (layers/quantization.py:
    sgl-kernel's int8 kernel, or its torch reference). Such layers get none of the forms below.
 0b. A weight-only group-quantized form (`weight_wq`, layers/group_quant.py: GGUF and int4/int8
-   weight-only formats), batches of at most WQ_MAX_TOKENS tokens: the fp32 weight is exactly its
+   weight-only formats), batches of at most `wq_max_tokens` tokens: the fp32 weight is exactly its
    dequantization, so larger batches take the fp32 forms below unchanged. One exception:
    `--quantization w8a8_int8`'s LM head (`quantize_lm_head`), whose fp32 weight is the tied
-   embedding and stays as loaded; its batches above WQ_MAX_TOKENS compute with the fp32 head.
+   embedding and stays as loaded; its batches above that bound compute with the fp32 head.
 
-1. `--cpu-fp16-weights`, batches of at most F16_MAX_TOKENS tokens: sgl-kernel's `linear_f16`
+1. `--cpu-fp16-weights`, batches of at most `f16_max_tokens` tokens: sgl-kernel's `linear_f16`
    over an fp16 copy (F16C conversion, fp32 math). Small decode batches are bound by reading the
    weights, and fp16 halves the bytes.
-2. Batches of at most F32_SMALL_MAX_TOKENS tokens: sgl-kernel's `linear_f32`, which streams the
+2. Batches of at most `f32_small_max_tokens` tokens: sgl-kernel's `linear_f32`, which streams the
    plain fp32 weight faster than any GEMM library does at one or two tokens.
 3. A weight prepacked for oneDNN (torch's mkldnn ops): every larger batch. torch's default fp32
    GEMM (MKL) runs 2-3x slower at the model's shapes on the AMD CPUs measured here; oneDNN's JIT
@@ -43,6 +43,7 @@ from torch import nn
 
 from radixserve.layers import cpu_fused
 from radixserve.layers.activation import Activation
+from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
 from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
@@ -50,21 +51,14 @@ from radixserve.layers.weight_only import quantize_int8_groups
 
 logger = logging.getLogger(__name__)
 
-# Up to this many tokens the fp16 kernel beats oneDNN's fp32 GEMM over the prepacked weight.
-F16_MAX_TOKENS = 16
-# Up to this many tokens the fp32 small-M kernel beats oneDNN's GEMM over the prepacked weight.
-F32_SMALL_MAX_TOKENS = 2
+# The batch-size bounds between the forms (fp16, fp32 small-M and weight-only kernels vs oneDNN's
+# GEMM) are per machine: layers/cpu_crossovers.py holds them (measured at start, or its defaults).
 # Without oneDNN: up to this many tokens sgl-kernel's fp32 small-M kernel beats torch's GEMM.
 SMALL_BATCH_MAX_TOKENS = 32
 # Quantized (w8a8_int8) decode batches up to this size run as the fused compiled call
 # (cpu_decode_runner.py). Both paths run the same int8 kernel at every size, so the fused call
 # only saves Python overhead; the bound is fp16's, not tuned yet (docs/quantization.md).
 INT8_FUSED_MAX_TOKENS = 16
-# Up to this many tokens a weight-only quantized layer runs linear_wq over its integers; above, the
-# fp32 forms (oneDNN's GEMM over the exact dequantization). Measured on the built-in model's
-# decoder (benchmark/bench_wq_linear.py, AVX-512, idle box): Q4_1 linear_wq beats oneDNN fp32 up to
-# ~12 tokens (4.9 vs 8.6 ms at 2, 8.9 vs 11.0 at 8, 21.2 vs 15.0 at 16); 8 leaves a margin.
-WQ_MAX_TOKENS = 8
 # --quantization w8a8_int8's LM head: int8 weight-only in groups of this many inputs (GGUF Q8_0's
 # layout; `quantize_lm_head`).
 LM_HEAD_GROUP = 32
@@ -85,12 +79,17 @@ def linear(
     if weight_int8 is not None:
         assert weight_scale is not None
         return linear_w8a8(x, weight_int8, weight_scale, bias)
-    num_tokens = x.shape[0]
-    if weight_wq is not None and num_tokens <= WQ_MAX_TOKENS and x.dim() == 2:
+    num_tokens, bound = x.shape[0], crossovers()
+    if weight_wq is not None and num_tokens <= bound.wq_max_tokens and x.dim() == 2:
         return linear_wq(x, weight_wq, bias)
-    if weight_f16 is not None and num_tokens <= F16_MAX_TOKENS and _rows_ok(x):
+    if weight_f16 is not None and num_tokens <= bound.f16_max_tokens and _rows_ok(x):
         return cpu_kernels.linear_f16(x, weight_f16, bias)
-    if weight_packed is not None and num_tokens <= F32_SMALL_MAX_TOKENS and _rows_ok(x) and fusable(weight):
+    if (
+        weight_packed is not None
+        and num_tokens <= bound.f32_small_max_tokens
+        and _rows_ok(x)
+        and fusable(weight)
+    ):
         return cpu_kernels.linear_f32(x, weight, bias)
     if weight_packed is not None and x.dim() == 2:
         if weight_packed.dtype == torch.bfloat16:
@@ -160,15 +159,15 @@ class Linear(nn.Linear):
     def _takes_onednn_fp32(self, x: torch.Tensor) -> bool:
         """Whether linear() gives x to oneDNN's fp32 GEMM over the packed weight (conservatively:
         False sends the caller to the unfused path, which is always right)."""
-        n = x.shape[0]
+        n, bound = x.shape[0], crossovers()
         return (
             self.weight_packed is not None
             and self.weight_packed.dtype == torch.float32
             and self.weight_int8 is None
             and x.dim() == 2
-            and n > F32_SMALL_MAX_TOKENS
-            and (self.weight_f16 is None or n > F16_MAX_TOKENS)
-            and (self.weight_wq is None or n > WQ_MAX_TOKENS)
+            and n > bound.f32_small_max_tokens
+            and (self.weight_f16 is None or n > bound.f16_max_tokens)
+            and (self.weight_wq is None or n > bound.wq_max_tokens)
         )
 
     def derived_forms(self) -> tuple[torch.Tensor | None, ...]:
@@ -209,7 +208,7 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
         for layer in layers_f16:
             layer.weight_f16 = layer.weight.detach().to(torch.float16).contiguous()
         added = sum(layer.weight_f16.numel() * 2 for layer in layers_f16)
-        logger.info("fp16 weight copies for batches <= %d tokens: +%.0f MiB", F16_MAX_TOKENS, added / 2**20)
+        logger.info("fp16 weight copies: +%.0f MiB", added / 2**20)
     if bf16_gemm and not (prepack and bf16_gemm_supported()):
         raise RuntimeError(
             "--cpu-bf16-gemm needs oneDNN weight prepacking and a CPU with AVX512_BF16 or AMX "
@@ -254,7 +253,7 @@ def quantize_linears(modules: list[nn.Module]) -> None:
 def quantize_lm_head(lm_head: nn.Module | None) -> None:
     """--quantization w8a8_int8: give the LM head (the runner's Linear, or a TP rank's block of it)
     an int8 weight-only form in groups of LM_HEAD_GROUP inputs, read by batches of up to
-    WQ_MAX_TOKENS tokens (decode, a prefill's last-token logits). The fp32 weight stays as it is
+    `wq_max_tokens` tokens (decode, a prefill's last-token logits). The fp32 weight stays as it is
     (in a tied model it is the embedding's), and larger batches use it. Weight-only rather than W8A8 keeps the
     head's error far below the decoder's (docs/quantization.md). Logs what it did."""
     head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead under TP: this rank's vocab block
@@ -268,9 +267,8 @@ def quantize_lm_head(lm_head: nn.Module | None) -> None:
     head.weight_wq = quantize_int8_groups(head.weight, group)
     logger.info(
         "w8a8_int8: LM head int8 weight-only, groups of %d (%.0f MiB read per step instead of %.0f MiB "
-        "of fp32) for batches of up to %d tokens; larger batches use the fp32 head",
+        "of fp32) for batches up to wq_max_tokens (logged with the crossovers); larger batches use the fp32 head",
         group,
         head.weight_wq.nbytes() / 2**20,
         head.weight.numel() * 4 / 2**20,
-        WQ_MAX_TOKENS,
     )

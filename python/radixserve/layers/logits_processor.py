@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.greedy_head import greedy_logits
-from radixserve.layers.linear import WQ_MAX_TOKENS
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -35,14 +35,14 @@ class LogitsOutput:
 def head_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits [n, vocab] of many rows, from the LM head form decode reads: a head with a
     weight-only quantized form (--quantization gguf, w8a8_int8) is run in blocks of at most
-    WQ_MAX_TOKENS rows, which read that form. Under w8a8_int8 it is not the fp32 weight's exact
+    `wq_max_tokens` rows (layers/cpu_crossovers.py), which read that form. Under w8a8_int8 it is not the fp32 weight's exact
     dequantization, so scoring all rows at once would give prompt logprobs from a different head
     than the one sampled tokens (and their logprobs) come from."""
     head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead: every rank runs the same blocks
-    rows = hidden.shape[0]
-    if getattr(head, "weight_wq", None) is None or rows <= WQ_MAX_TOKENS:
+    rows, block = hidden.shape[0], crossovers().wq_max_tokens
+    if getattr(head, "weight_wq", None) is None or rows <= block:
         return lm_head(hidden).float()
-    return torch.cat([lm_head(hidden[i : i + WQ_MAX_TOKENS]).float() for i in range(0, rows, WQ_MAX_TOKENS)])
+    return torch.cat([lm_head(hidden[i : i + block]).float() for i in range(0, rows, block)])
 
 
 class LogitsProcessor:

@@ -24,14 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.layers import cpu_fused
+from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels
-from radixserve.layers.linear import (
-    F16_MAX_TOKENS,
-    F32_SMALL_MAX_TOKENS,
-    INT8_FUSED_MAX_TOKENS,
-    WQ_MAX_TOKENS,
-    Linear,
-)
+from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
 from radixserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -208,10 +203,11 @@ def create_cpu_decode_runner(
         return None
     if has_wq:
         # The layers run linear_wq up to this size on the module forward too (layers/linear.py).
-        max_bs = WQ_MAX_TOKENS
+        max_bs = crossovers().wq_max_tokens
     elif quantized:
         max_bs = INT8_FUSED_MAX_TOKENS
     else:
-        max_bs = F16_MAX_TOKENS if server_args.cpu_fp16_weights else F32_SMALL_MAX_TOKENS
+        bound = crossovers()
+        max_bs = bound.f16_max_tokens if server_args.cpu_fp16_weights else bound.f32_small_max_tokens
     logger.info("CPU fused decode: decode batches of <= %d requests run as one compiled call", max_bs)
     return CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm)

@@ -26,6 +26,7 @@ from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_dtype import kv_storage_dtype
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_cpu_decode_runner
+from radixserve.model_executor.cpu_tuning import tune_and_install
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from radixserve.model_executor.embedding_outputs import embedding_outputs
 from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch, PPProxyTensors
@@ -116,6 +117,14 @@ class ModelRunner:
         if self.device.type == "cpu" and model_config.dtype == torch.float32:
             self.weight_only = create_weight_only(self)
         self._prepare_cpu_linears()
+        if self.device.type == "cpu" and model_config.dtype == torch.float32:
+            # Where the small-batch kernels hand over to the GEMM, for this CPU (cpu_tuning.py).
+            tune_and_install(
+                server_args.cpu_kernel_tuning,
+                server_args.cpu_kernel_crossovers,
+                [m for m in (self.model, self.lm_head) if m is not None],
+                self.parallel.tp.size * self.parallel.pp_size,
+            )
         self._init_memory_pools()
         backend = server_args.attention_backend or "torch_native"
         if not self.embedding_config.is_causal and backend not in ("cpu", "torch_native"):

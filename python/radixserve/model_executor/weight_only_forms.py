@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight
-from radixserve.layers.linear import WQ_MAX_TOKENS, Linear
+from radixserve.layers.linear import Linear
+from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
@@ -121,16 +122,15 @@ class WeightOnlyForms:
                 sum(form.nbytes() for _, _, form in self.expert_forms) / 2**20,
                 sum((m.w13_weight.numel() + m.w2_weight.numel()) * 4 for _, m, _ in self.expert_forms)
                 / 2**20,
-                WQ_MAX_TOKENS,
+                DROPPED_WQ_MAX_TOKENS,
             )
         logger.info(
             "%s: %d linears weight-only quantized (%.0f MiB read per step instead of %.0f MiB of fp32) "
-            "for batches of up to %d tokens, run by %s",
+            "for batches of up to wq_max_tokens tokens, run by %s",
             self.method,
             len(self.forms),
             wq_bytes / 2**20,
             fp32_bytes / 2**20,
-            WQ_MAX_TOKENS,
             "sgl-kernel's linear_wq"
             if WQ_KERNEL
             else "the torch reference (sgl-kernel's linear_wq not built)",

@@ -6,7 +6,7 @@ cheap to decode on a CPU). Python loops over the experts that got tokens, never 
 
 The matmuls go through layers/linear.py's `linear`, so small fp32 groups (decode) take sgl-kernel's
 small-M kernel where it is built; bf16 and larger groups run F.linear. With weight-only quantized
-experts (`wq`, layers/moe/quantized.py) a group of at most WQ_MAX_TOKENS tokens runs each of its
+experts (`wq`, layers/moe/quantized.py) a group of at most `wq_max_tokens` tokens runs each of its
 expert's two projections through linear_wq on the quantized integers instead (the rule a dense
 Linear follows); a larger group reads the fp32 weight, or, where FusedMoE dropped it (its tensors
 are then on the meta device), linear_wq up to DROPPED_WQ_MAX_TOKENS tokens and beyond that the
@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
-from radixserve.layers.linear import WQ_MAX_TOKENS, linear
+from radixserve.layers.linear import linear
 from radixserve.layers.moe.int8_experts import ExpertsInt8
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.quantization import linear_w8a8
@@ -33,7 +34,7 @@ DROPPED_WQ_MAX_TOKENS = 64
 def _project(
     x: torch.Tensor, weight: torch.Tensor, form: GroupQuantWeight | None, scratch: DequantScratch | None
 ) -> torch.Tensor:
-    if form is not None and x.shape[0] <= WQ_MAX_TOKENS:
+    if form is not None and x.shape[0] <= crossovers().wq_max_tokens:
         return linear_wq(x, form)
     if weight.is_meta:  # the fp32 copy was dropped: the form is the weight
         assert form is not None

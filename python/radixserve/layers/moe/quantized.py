@@ -4,7 +4,7 @@ and down projections as GroupQuantWeights, the GGUF file's own integers and scal
 Once attached (FusedMoE.attach_quantized) they are the experts' only resident form: the fp32
 stacked weights are dropped (their storage freed, their shapes kept on the meta device), so a Q4
 MoE holds its file's bytes, not ~8x that in fp32. Small groups, the decode case, stream the
-integers through linear_wq; a group larger than WQ_MAX_TOKENS dequantizes its expert's projection
+integers through linear_wq; a group larger than DROPPED_WQ_MAX_TOKENS (fused_moe_cpu.py) dequantizes its expert's projection
 into one fp32 scratch buffer shared by every layer (DequantScratch) and runs the fp32 GEMM on it,
 as a dense Linear's large batches run fp32 (layers/linear.py). The dequantization is exact (the
 forms' own fp32 products), so results equal the old fp32 copy's bit for bit.

@@ -1,0 +1,85 @@
+"""The batch sizes at which `layers/linear.py` moves from one CPU weight form to the next.
+
+Each bound is the largest number of tokens a small-batch kernel serves before oneDNN's GEMM over
+the prepacked fp32 weight takes over. Where the crossover lies depends on the CPU (its vector
+width, cache and memory bandwidth: a bound measured on one machine is wrong on another), so the
+process holds one `Crossovers`, installed once at start: the static defaults below, or a short
+measurement on this CPU and model (model_executor/cpu_tuning.py, cached per CPU and model).
+Every reader calls `active()`; nothing else changes them while serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Crossovers:
+    # A weight-only quantized layer (GGUF, int4/int8 weight-only) runs linear_wq over its integers
+    # up to this many tokens; above, oneDNN over the exact fp32 dequantization. Default measured on
+    # the built-in model's decoder (benchmark/bench_wq_linear.py, AVX-512, idle box): Q4_1
+    # linear_wq beat oneDNN fp32 up to ~12 tokens (4.9 vs 8.6 ms at 2, 8.9 vs 11.0 at 8, 21.2 vs
+    # 15.0 at 16); 8 left a margin.
+    wq_max_tokens: int = 8
+    # sgl-kernel's fp32 small-M kernel (streams the plain weight) up to this many tokens.
+    f32_small_max_tokens: int = 2
+    # --cpu-fp16-weights: sgl-kernel's fp16 kernel up to this many tokens.
+    f16_max_tokens: int = 16
+    # Where these came from ("defaults", "measured <when>", "cache <path>", "+ overrides"): logged.
+    source: str = dataclasses.field(default="defaults", compare=False)
+
+    BOUNDS = ("wq_max_tokens", "f32_small_max_tokens", "f16_max_tokens")
+
+    def bounds(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.BOUNDS}
+
+    def with_overrides(self, overrides: dict[str, int]) -> Crossovers:
+        if not overrides:
+            return self
+        return dataclasses.replace(self, **overrides, source=f"{self.source} + overrides {overrides}")
+
+    def describe(self) -> str:
+        bounds = ", ".join(f"{k}={v}" for k, v in self.bounds().items())
+        return f"{bounds} ({self.source})"
+
+
+DEFAULTS = Crossovers()
+_active = DEFAULTS
+
+
+def active() -> Crossovers:
+    """The crossovers this process runs with."""
+    return _active
+
+
+def install(crossovers: Crossovers) -> None:
+    """Set once at start, before the first forward (and again only by a test that restores it)."""
+    global _active
+    _active = crossovers
+    logger.info("CPU linear crossovers: %s", crossovers.describe())
+
+
+def parse_overrides(text: str | None) -> dict[str, int]:
+    """--cpu-kernel-crossovers '{"wq_max_tokens": 4}' -> the bounds it sets, checked."""
+    if not text:
+        return {}
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--cpu-kernel-crossovers is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--cpu-kernel-crossovers must be a JSON object, e.g. '{\"wq_max_tokens\": 4}'")
+    unknown = sorted(set(raw) - set(Crossovers.BOUNDS))
+    if unknown:
+        raise ValueError(
+            f"--cpu-kernel-crossovers: unknown bound(s) {unknown}; known: {list(Crossovers.BOUNDS)}"
+        )
+    bad = {k: v for k, v in raw.items() if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 256}
+    if bad:
+        raise ValueError(f"--cpu-kernel-crossovers: bounds are token counts from 1 to 256, got {bad}")
+    return dict(raw)
