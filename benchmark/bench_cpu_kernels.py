@@ -16,6 +16,10 @@ Crossovers (--only crossovers): what `--cpu-kernel-tuning` picks on this CPU for
 (its GGUF default for the weight-only bound, fp32 for the small-M bound, --cpu-fp16-weights for
 the fp16 one), measured now into a temporary cache, with each bound's timings (ms per pass over
 the weights, small kernel vs oneDNN's GEMM; model_executor/cpu_tuning.py).
+LoRA delta (--only lora): microseconds per projection call at rank 16 with 8 slots, 30 layers of
+adapter slots (as the pool holds them), sgl-kernel's lora_delta_ against lora/kernels.py's dense
+and segmented torch paths, for decode batches (rows spread over the adapters, a few base rows)
+and prefill-like ones (long runs of one adapter's rows).
 Each number is the median of several timed steps after a warm-up.
 """
 
@@ -261,9 +265,79 @@ def bench_crossovers() -> None:
     print("crossovers:", chosen)
 
 
+LORA_SHAPES = ((HIDDEN, HIDDEN), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN))
+# (rows, adapters among them): decode at C=16 and C=64 over 8 adapters and over one, then prefills.
+LORA_CASES = ((16, 8), (64, 8), (64, 1), (256, 8), (512, 1), (2048, 4))
+
+
+def _lora_slots(rows: int, adapters: int) -> torch.Tensor:
+    """[rows] slots: a decode batch (rows <= 64) interleaves adapters with every 8th row a base
+    row; a prefill gives each adapter one contiguous run."""
+    if rows <= 64:
+        slots = torch.arange(rows) % adapters
+        slots[7::8] = -1
+        return slots
+    return torch.arange(rows) * adapters // rows
+
+
+LORA_FORMS = ("compiled", "dense", "segmented")
+
+
+def bench_lora(repeats: int, rank: int = 16, num_slots: int = 8) -> None:
+    print(
+        f"\n== LoRA delta, rank {rank}, {num_slots} slots: us per projection call (mean of {LAYERS} layers)"
+    )
+    print(f"{'rows':>5} {'adapters':>8} {'in->out':>10} " + " ".join(f"{f:>10}" for f in LORA_FORMS))
+    for rows, adapters in LORA_CASES:
+        for d_in, d_out in LORA_SHAPES:
+            us = _lora_case(rows, adapters, d_in, d_out, rank, num_slots, repeats)
+            print(f"{rows:>5} {adapters:>8} {f'{d_in}->{d_out}':>10} " + " ".join(f"{t:>10.1f}" for t in us))
+
+
+def _lora_case(
+    rows: int, adapters: int, d_in: int, d_out: int, rank: int, num_slots: int, repeats: int
+) -> list[float]:
+    """Microseconds per call of each LORA_FORMS form, each layer its own slots' tensors."""
+    from radixserve.lora import kernels
+
+    token_slots = _lora_slots(rows, adapters)  # [rows]
+    segments = kernels.LoRASegments.build(token_slots)
+    a = [torch.randn(num_slots, rank, d_in) * 0.05 for _ in range(LAYERS)]
+    b = [torch.randn(num_slots, rank, d_out) * 0.05 for _ in range(LAYERS)]
+    x, out = torch.randn(rows, d_in), torch.zeros(rows, d_out)
+    calls = {
+        "compiled": lambda i: cpu_kernels.lora_delta_(x, a[i], b[i], token_slots, out),
+        "dense": lambda i: kernels.lora_delta_dense(x, a[i], b[i], segments, out),
+        "segmented": lambda i: kernels.lora_delta_segmented(x, a[i], b[i], segments, out),
+    }
+    steps = [partial(_per_layer, calls[f]) for f in LORA_FORMS]
+    return [1e6 * t / LAYERS for t in _interleaved_medians(steps, repeats)]
+
+
+def _interleaved_medians(steps: list[Callable[[], None]], repeats: int) -> list[float]:
+    """Median seconds of each step, the steps taking turns (on a shared machine, a slow spell
+    then hits every form alike, not the one that happened to run in it)."""
+    for step in steps:
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for step, ts in zip(steps, times):
+            tic = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - tic)
+    return [statistics.median(ts) for ts in times]
+
+
+def _per_layer(call: Callable[[int], None]) -> None:
+    for i in range(LAYERS):
+        call(i)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("linear", "attention", "gemm", "extend", "crossovers"), default=None)
+    p.add_argument(
+        "--only", choices=("linear", "attention", "gemm", "extend", "crossovers", "lora"), default=None
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -285,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
         # (prefix, new tokens, requests): one prompt, short turns over a shared cached prefix, a
         # batch of mid-size prompts.
         bench_extend([(0, 1088, 1), (1024, 64, 8), (0, 256, 4)], args.repeats)
+    if args.only == "lora":  # opt-in, like extend
+        bench_lora(args.repeats)
 
 
 if __name__ == "__main__":

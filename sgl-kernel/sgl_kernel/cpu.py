@@ -305,6 +305,26 @@ def greedy_head_candidates(
     return _lib().greedy_head_candidates(x, u, stats, umax, _INT8_ISA_CODES[isa])
 
 
+def lora_delta_available() -> bool:
+    """Whether this build has `lora_delta_` (older extensions do not)."""
+    return available() and hasattr(_ext, "lora_delta_")
+
+
+def lora_delta_(
+    x: torch.Tensor,  # [n, in] fp32 or bf16, rows contiguous
+    a: torch.Tensor,  # [slots, rank, in] fp32 or bf16, contiguous
+    b: torch.Tensor,  # [slots, rank, out], a's dtype, contiguous; holds the adapter's scaling
+    token_slots: torch.Tensor,  # [n] int64: each row's slot, -1 for none
+    out: torch.Tensor,  # [n, out] x's dtype, rows contiguous (a column slice of a wider output is fine)
+) -> None:
+    """In place: out[t] += (x[t] @ a[s]^T) @ b[s] for every row t whose slot s = token_slots[t] is
+    >= 0; rows of slot -1 are untouched. One call for every adapter in the batch (the rows are
+    grouped by slot inside), fp32 accumulation, the sum rounded once into out.
+    radixserve.lora.kernels.lora_delta_reference is the torch reference. Raises ValueError on a
+    wrong dtype, shape or layout, or a slot outside [-1, slots)."""
+    _lib().lora_delta_(x, a, b, token_slots, out)
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, N] fp32 (rows contiguous) -> x * rsqrt(mean(x^2) + eps) * weight, a new [M, N]."""
     return _lib().rmsnorm(x, weight, eps)

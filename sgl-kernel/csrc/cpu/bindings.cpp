@@ -54,6 +54,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list gh_isas;
   for (const std::string& isa : greedy_head_isas()) gh_isas.append(isa);
   m.attr("greedy_head_isas") = gh_isas;
+  m.def("lora_delta_", &lora_delta_,
+        "In place: out[t] += (x[t] @ a[s]^T) @ b[s] for rows t with slot s = token_slots[t] >= 0; x/out fp32 or "
+        "bf16 [n, in]/[n, out] (rows contiguous), a [slots, rank, in], b [slots, rank, out] fp32 or bf16, "
+        "token_slots int64 [n] (-1: untouched)",
+        py::arg("x"), py::arg("a"), py::arg("b"), py::arg("token_slots"), py::arg("out"));
   m.def("rmsnorm", &rmsnorm, "RMSNorm of each row: x [M,N] fp32, w [N]");
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");

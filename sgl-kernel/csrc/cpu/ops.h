@@ -42,6 +42,12 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, c
                                                           const at::Tensor& stats, double umax, int64_t isa);
 std::vector<std::string> greedy_head_isas();
 
+// LoRA delta, in place: out[t] += (x[t] @ a[s]^T) @ b[s] for every row t with slot s = token_slots[t]
+// >= 0 (lora.cpp). x / out fp32 or bf16 [n, in] / [n, out] (rows contiguous, any row stride);
+// a [slots, rank, in], b [slots, rank, out] contiguous fp32 or bf16; fp32 accumulation.
+void lora_delta_(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& token_slots,
+                 at::Tensor& out);
+
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps);
 void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
 void rotary_neox_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
