@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+import httpx
 import pytest
 import torch
 
@@ -22,6 +23,8 @@ from server_helpers import (  # noqa: E402
     Server,
     start_servers,
 )
+
+CONTROL_POOL_TOKENS = "4096"
 
 
 @pytest.fixture(scope="session")
@@ -150,3 +153,23 @@ def hf_builtin(builtin_model_path: str):
 @pytest.fixture(scope="session")
 def client_apis_url(servers: dict[str, Server]) -> str:
     return servers["builtin"].url
+
+
+# The control-route tests (test_control_http.py, test_control_sglang_tensors.py) share one server:
+# each test gets it back on the tiny model's own weights (weight_version "default", cache flushed).
+@pytest.fixture(scope="session")
+def _control_server(tiny_llama_path: str):
+    started = start_servers({"s": Server.real(tiny_llama_path, "--max-total-tokens", CONTROL_POOL_TOKENS)})[
+        "s"
+    ]
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def control_server(_control_server: Server, tiny_llama_path: str) -> Server:
+    body = {"model_path": tiny_llama_path, "weight_version": "default"}
+    resp = httpx.post(f"{_control_server.url}/update_weights_from_disk", json=body, timeout=120)
+    assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
+    return _control_server
+
