@@ -15,12 +15,15 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_scheduler import write_tiny_tokenizer  # noqa: E402
 from real_helpers import BUILTIN_SERVER_POOL_TOKENS  # noqa: E402
 from server_helpers import (  # noqa: E402
     BUILTIN_POOL_TOKENS,
+    FAKE_API_KEY,
     FIELDS_CHUNK,
     TINY_POOL_TOKENS,
     Server,
+    SharedServers,
     start_servers,
 )
 
@@ -172,4 +175,23 @@ def control_server(_control_server: Server, tiny_llama_path: str) -> Server:
     resp = httpx.post(f"{_control_server.url}/update_weights_from_disk", json=body, timeout=120)
     assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
     return _control_server
+
+
+# Fake-scheduler servers shared by test_http_fake.py and test_http_errors_fake.py ("auth"); a test
+# that ends one (test_http_fake's lifecycle tests) leaves the next user a fresh start.
+@pytest.fixture(scope="session")
+def fake_servers(tmp_path_factory: pytest.TempPathFactory):
+    tok_dir = str(tmp_path_factory.mktemp("fake_tok"))
+    write_tiny_tokenizer(tok_dir)
+    main_flags = ("--enable-metrics", "--max-queued-requests", "4", "--served-model-name", "tiny")
+    shared = SharedServers(
+        {
+            "main": lambda: Server.fake(tok_dir, *main_flags),
+            "auth": lambda: Server.fake(tok_dir, "--api-key", FAKE_API_KEY),
+        }
+    )
+    try:
+        yield shared
+    finally:
+        shared.stop()
 
