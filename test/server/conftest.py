@@ -7,8 +7,10 @@ compares the HTTP server against the Engine) share one start-up per model.
 
 from __future__ import annotations
 
+import base64
 import os
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -195,3 +197,36 @@ def fake_servers(tmp_path_factory: pytest.TempPathFactory):
     finally:
         shared.stop()
 
+
+# The tiny Qwen2.5-VL and its server, shared by test_vlm_server.py and test_vlm_openai.py: the media
+# flags are test_vlm_openai's (test_vlm_server sends data: URLs only, and a URL from a host not
+# allowed is refused with or without --allowed-media-domains).
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from radixserve.testing.tiny_vlm import make_tiny_qwen2_5_vl
+
+    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="session")
+def vlm_local_media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """--allowed-local-media-path: allowed/cat.png inside it, secret.png beside it (outside)."""
+    from radixserve.testing.tiny_vlm import image_data_url, random_image
+
+    png = base64.b64decode(image_data_url(random_image(84, 56, seed=1)).partition(",")[2])
+    root = tmp_path_factory.mktemp("media")
+    (root / "allowed").mkdir()
+    (root / "allowed" / "cat.png").write_bytes(png)
+    (root / "secret.png").write_bytes(png)
+    return root / "allowed"
+
+
+@pytest.fixture(scope="session")
+def vlm_server(vlm_dir: str, vlm_local_media: Path):
+    flags = ("--max-total-tokens", "2048", "--allowed-media-domains", "127.0.0.1")
+    local = ("--allowed-local-media-path", str(vlm_local_media), "--media-fetch-timeout", "1")
+    server = Server.real(vlm_dir, *flags, *local)
+    try:
+        yield start_servers({"vlm": server})["vlm"]
+    finally:
+        server.stop()
