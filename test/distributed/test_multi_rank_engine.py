@@ -117,6 +117,7 @@ def test_greedy_parity_with_single_rank_and_hf(kind, layout, tiny_model_dir, ref
     _assert_matches(_run(tiny_model_dir(kind), **layout), hf, single)
 
 
+@pytest.mark.slow  # make test-all only (docs/testing.md): test/unit/test_input_blocker.py checks the barrier over every rank
 @pytest.mark.timeout(300)
 def test_input_blocker_holds_requests_on_every_rank_until_unblock(tiny_model_dir):
     import threading

@@ -8,7 +8,7 @@ from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
-from radixserve.testing.tiny_models import hf_greedy
+from radixserve.testing.tiny_models import hf_greedy_cached
 
 PROMPTS = [
     "The capital of France is",
@@ -45,7 +45,7 @@ def test_builtin_greedy_matches_hf(builtin_path):
 
     hf = AutoModelForCausalLM.from_pretrained(builtin_path, dtype=torch.float32).eval()
     for prompt, req in zip(prompts, reqs):
-        ref_ids, ref_logprobs = hf_greedy(hf, prompt, 32)
+        ref_ids, ref_logprobs = hf_greedy_cached(hf, prompt, 32)
         assert req.output_ids == ref_ids, (tokenizer.decode(req.output_ids), tokenizer.decode(ref_ids))
         assert max(abs(a - b) for a, b in zip(req.output_logprobs, ref_logprobs)) < 1e-3
     assert "Paris" in tokenizer.decode(reqs[0].output_ids)

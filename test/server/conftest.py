@@ -7,21 +7,29 @@ compares the HTTP server against the Engine) share one start-up per model.
 
 from __future__ import annotations
 
+import base64
 import os
 import sys
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_scheduler import write_tiny_tokenizer  # noqa: E402
 from real_helpers import BUILTIN_SERVER_POOL_TOKENS  # noqa: E402
 from server_helpers import (  # noqa: E402
     BUILTIN_POOL_TOKENS,
+    FAKE_API_KEY,
     FIELDS_CHUNK,
     TINY_POOL_TOKENS,
     Server,
+    SharedServers,
     start_servers,
 )
+
+CONTROL_POOL_TOKENS = "4096"
 
 
 @pytest.fixture(scope="session")
@@ -150,3 +158,75 @@ def hf_builtin(builtin_model_path: str):
 @pytest.fixture(scope="session")
 def client_apis_url(servers: dict[str, Server]) -> str:
     return servers["builtin"].url
+
+
+# The control-route tests (test_control_http.py, test_control_sglang_tensors.py) share one server:
+# each test gets it back on the tiny model's own weights (weight_version "default", cache flushed).
+@pytest.fixture(scope="session")
+def _control_server(tiny_llama_path: str):
+    started = start_servers({"s": Server.real(tiny_llama_path, "--max-total-tokens", CONTROL_POOL_TOKENS)})[
+        "s"
+    ]
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def control_server(_control_server: Server, tiny_llama_path: str) -> Server:
+    body = {"model_path": tiny_llama_path, "weight_version": "default"}
+    resp = httpx.post(f"{_control_server.url}/update_weights_from_disk", json=body, timeout=120)
+    assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
+    return _control_server
+
+
+# Fake-scheduler servers shared by test_http_fake.py and test_http_errors_fake.py ("auth"); a test
+# that ends one (test_http_fake's lifecycle tests) leaves the next user a fresh start.
+@pytest.fixture(scope="session")
+def fake_servers(tmp_path_factory: pytest.TempPathFactory):
+    tok_dir = str(tmp_path_factory.mktemp("fake_tok"))
+    write_tiny_tokenizer(tok_dir)
+    main_flags = ("--enable-metrics", "--max-queued-requests", "4", "--served-model-name", "tiny")
+    shared = SharedServers(
+        {
+            "main": lambda: Server.fake(tok_dir, *main_flags),
+            "auth": lambda: Server.fake(tok_dir, "--api-key", FAKE_API_KEY),
+        }
+    )
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+# The tiny Qwen2.5-VL and its server, shared by test_vlm_server.py and test_vlm_openai.py: the media
+# flags are test_vlm_openai's (test_vlm_server sends data: URLs only, and a URL from a host not
+# allowed is refused with or without --allowed-media-domains).
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from radixserve.testing.tiny_vlm import make_tiny_qwen2_5_vl
+
+    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="session")
+def vlm_local_media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """--allowed-local-media-path: allowed/cat.png inside it, secret.png beside it (outside)."""
+    from radixserve.testing.tiny_vlm import image_data_url, random_image
+
+    png = base64.b64decode(image_data_url(random_image(84, 56, seed=1)).partition(",")[2])
+    root = tmp_path_factory.mktemp("media")
+    (root / "allowed").mkdir()
+    (root / "allowed" / "cat.png").write_bytes(png)
+    (root / "secret.png").write_bytes(png)
+    return root / "allowed"
+
+
+@pytest.fixture(scope="session")
+def vlm_server(vlm_dir: str, vlm_local_media: Path):
+    flags = ("--max-total-tokens", "2048", "--allowed-media-domains", "127.0.0.1")
+    local = ("--allowed-local-media-path", str(vlm_local_media), "--media-fetch-timeout", "1")
+    server = Server.real(vlm_dir, *flags, *local)
+    try:
+        yield start_servers({"vlm": server})["vlm"]
+    finally:
+        server.stop()

@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_POOL_TOKENS = 16384
 FIELDS_CHUNK = 16  # conftest's fields_engine prefills prompts longer than this in chunks
 BUILTIN_POOL_TOKENS = 8192
+FAKE_API_KEY = "sk-test"  # conftest's fake_servers["auth"]
 
 
 class Server:
@@ -85,6 +86,25 @@ def start_servers(servers: dict[str, Server], timeout: float = 180.0) -> dict[st
             server.stop()
         raise
     return servers
+
+
+class SharedServers:
+    """Servers that several test files share (a session fixture holds one): each starts on its
+    first use, and again after a test ended it (a lifecycle test's SIGTERM or SIGKILL)."""
+
+    def __init__(self, makers: dict[str, Callable[[], Server]]) -> None:
+        self._makers = makers
+        self._live: dict[str, Server] = {}
+
+    def get(self, *names: str) -> dict[str, Server]:
+        """The named servers, running; those not running are started together."""
+        dead = [n for n in names if n not in self._live or self._live[n].proc.poll() is not None]
+        self._live.update(start_servers({n: self._makers[n]() for n in dead}))
+        return {n: self._live[n] for n in names}
+
+    def stop(self) -> None:
+        for server in self._live.values():
+            server.stop()
 
 
 def sse_events(resp: httpx.Response) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_helpers import Server, assert_error, start_servers, wait_until  # noqa: E402
+from server_helpers import Server, assert_error, wait_until  # noqa: E402
 
 from radixserve.scheduler.weight_control import serialize_named_tensors  # noqa: E402
 from radixserve.testing.tiny_models import make_tiny_model  # noqa: E402
@@ -29,11 +29,10 @@ PROMPT = [5, 17, 99, 120, 33, 7, 250]
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_path: str):
-    started = start_servers({"s": Server.real(tiny_llama_path, "--max-total-tokens", "4096")})["s"]
-    yield started
-    started.stop()
+@pytest.fixture
+def server(control_server: Server) -> Server:
+    """conftest's server shared with the other control-route file, back on the tiny model's weights."""
+    return control_server
 
 
 def _post(server: Server, route: str, body: Any = None, **kw: Any) -> httpx.Response:  # noqa: ANN401

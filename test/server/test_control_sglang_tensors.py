@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_helpers import Server, start_servers  # noqa: E402
+from server_helpers import Server  # noqa: E402
 
 from radixserve.testing.tiny_models import hf_greedy, make_tiny_model  # noqa: E402
 
@@ -53,11 +53,10 @@ def sharing_strategy(name: str) -> Iterator[None]:
         torch.multiprocessing.set_sharing_strategy(before)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_path: str):
-    started = start_servers({"s": Server.real(tiny_llama_path, "--max-total-tokens", "4096")})["s"]
-    yield started
-    started.stop()
+@pytest.fixture
+def server(control_server: Server) -> Server:
+    """conftest's server shared with the other control-route file, back on the tiny model's weights."""
+    return control_server
 
 
 def _post(server: Server, route: str, body: Any) -> httpx.Response:  # noqa: ANN401

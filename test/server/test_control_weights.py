@@ -51,10 +51,23 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"paths": {**{k: str(v) for k, v in paths.items()}, "missing": str(missing)}, "hf": hf}
 
 
-@pytest.fixture
-def engine(ckpts: dict[str, Any]):
+@pytest.fixture(scope="module")
+def shared_engine(ckpts: dict[str, Any]):
     with Engine(model_path=ckpts["paths"]["a"], max_total_tokens=4096, log_level="warning") as e:
         yield e
+
+
+@pytest.fixture
+def engine(shared_engine: Engine, ckpts: dict[str, Any]) -> Engine:
+    """One Engine for the module (a start-up each cost ~6 s), handed to each test as a fresh one
+    would be: checkpoint A, weight_version "default", nothing cached, no slow-down."""
+    shared_engine.slow_down(None)
+    ok, message = shared_engine.update_weights_from_disk(ckpts["paths"]["a"], weight_version="default")
+    assert ok, message
+    state = shared_engine.get_internal_state()
+    assert state["weight_version"] == "default" and state["evictable_tokens"] == 0, state
+    assert state["num_running_reqs"] == 0, state
+    return shared_engine
 
 
 def _greedy(engine: Engine, prompt: list[int] = PROMPT, **kw: Any) -> dict:

@@ -17,11 +17,11 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fake_scheduler import write_tiny_tokenizer  # noqa: E402
-from server_helpers import Server, assert_error, sse_events, start_servers  # noqa: E402
+from server_helpers import FAKE_API_KEY, SharedServers, assert_error, sse_events  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-KEY = "s3cret"
+KEY = FAKE_API_KEY
 AUTH = {"authorization": f"bearer {KEY}"}  # lower-case scheme, as the tester's client sent it
 DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 1000 + '{"type":"string"}' + "}}" * 1000
 
@@ -34,12 +34,9 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def url(tok_dir: str) -> str:
-    srv = Server.fake(tok_dir, "--api-key", KEY)
-    try:
-        yield start_servers({"s": srv})["s"].url
-    finally:
-        srv.stop()
+def url(fake_servers: SharedServers) -> str:
+    """conftest's shared fake server with an API key (test_http_fake.py's "auth")."""
+    return fake_servers.get("auth")["auth"].url
 
 
 def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str] = AUTH) -> httpx.Response:

@@ -15,28 +15,16 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fake_scheduler import write_tiny_tokenizer  # noqa: E402
-from server_helpers import Server, assert_error, sse_events, start_servers  # noqa: E402
+from server_helpers import FAKE_API_KEY, Server, SharedServers, assert_error, sse_events  # noqa: E402
 
-API_KEY = "sk-test"
+API_KEY = FAKE_API_KEY
 JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Server]:
-    tok_dir = str(tmp_path_factory.mktemp("tok"))
-    write_tiny_tokenizer(tok_dir)
-    started = {
-        "main": Server.fake(
-            tok_dir, "--enable-metrics", "--max-queued-requests", "4", "--served-model-name", "tiny"
-        ),
-        "auth": Server.fake(tok_dir, "--api-key", API_KEY),
-    }
-    try:
-        yield start_servers(started)
-    finally:
-        for server in started.values():
-            server.stop()
+def servers(fake_servers: SharedServers) -> dict[str, Server]:
+    """conftest's shared fake servers ("auth" is test_http_errors_fake.py's too)."""
+    return fake_servers.get("main", "auth")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from server_helpers import (  # noqa: E402
     wait_until,
 )
 
-from radixserve.testing.tiny_models import hf_greedy  # noqa: E402
+from radixserve.testing.tiny_models import hf_greedy, hf_greedy_cached  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -438,7 +438,7 @@ def test_chat_greedy_matches_engine_and_hf(
     builtin: str, builtin_engine: Any, builtin_tokenizer: Any, hf_builtin: Any
 ) -> None:
     ids = chat_ids(builtin_tokenizer, CAPITAL_Q)
-    ref_ids, _ = hf_greedy(hf_builtin, ids, 20)
+    ref_ids, _ = hf_greedy_cached(hf_builtin, ids, 20)
     eos = {builtin_tokenizer.eos_token_id, builtin_tokenizer.convert_tokens_to_ids("<|im_end|>")}
     ref_text = builtin_tokenizer.decode(until_eos(ref_ids, eos))
     resp = client(builtin).chat.completions.create(

@@ -59,23 +59,20 @@ ASK = [{"role": "user", "content": "Plan a trip."}]
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llama_path: str) -> dict[str, Server]:
-    pool = ["--max-total-tokens", str(TINY_POOL_TOKENS)]
-    started = {
-        "main": Server.real(tiny_llama_path, *pool),
-        # Every fresh grammar times out at once; cached or unconstrained requests still work.
-        "slow": Server.real(tiny_llama_path, *pool, "--grammar-compile-timeout", "0.000001"),
-    }
+def grammar_servers(servers: dict[str, Server], tiny_llama_path: str) -> dict[str, Server]:
+    """main: the session's tiny-model server (conftest's, shared); slow: its own, where every fresh
+    grammar times out at once (cached or unconstrained requests still work)."""
+    flags = ("--max-total-tokens", str(TINY_POOL_TOKENS), "--grammar-compile-timeout", "0.000001")
+    slow = Server.real(tiny_llama_path, *flags)
     try:
-        yield start_servers(started)
+        yield {"main": servers["tiny"], **start_servers({"slow": slow})}
     finally:
-        for server in started.values():
-            server.stop()
+        slow.stop()
 
 
 @pytest.fixture(scope="module")
-def client(servers: dict[str, Server]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{servers['main'].url}/v1", api_key="none", max_retries=0)
+def client(grammar_servers: dict[str, Server]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{grammar_servers['main'].url}/v1", api_key="none", max_retries=0)
 
 
 def test_response_format_json_schema(client: openai.OpenAI) -> None:
@@ -124,7 +121,9 @@ def test_extra_body_regex_and_ebnf_on_both_routes(client: openai.OpenAI) -> None
     assert re.fullmatch(date, "".join(c.choices[0].text for c in stream if c.choices))
 
 
-def test_invalid_specs_are_400_with_the_reason(servers: dict[str, Server], client: openai.OpenAI) -> None:
+def test_invalid_specs_are_400_with_the_reason(
+    grammar_servers: dict[str, Server], client: openai.OpenAI
+) -> None:
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
     with pytest.raises(openai.BadRequestError, match="objectx"):
         client.chat.completions.create(model="default", messages=ASK, response_format=bad_schema)
@@ -137,13 +136,14 @@ def test_invalid_specs_are_400_with_the_reason(servers: dict[str, Server], clien
             model="default", prompt="x", extra_body={"regex": "a", "ebnf": 'root ::= "a"'}
         )
     resp = httpx.post(
-        f"{servers['main'].url}/generate", json={"text": "x", "sampling_params": {"ebnf": "root ::= nope"}}
+        f"{grammar_servers['main'].url}/generate",
+        json={"text": "x", "sampling_params": {"ebnf": "root ::= nope"}},
     )
     assert resp.status_code == 400 and "nope" in resp.json()["error"]["message"]
 
 
-def test_compile_timeout_ends_request_and_server_stays_healthy(servers: dict[str, Server]) -> None:
-    url = servers["slow"].url
+def test_compile_timeout_ends_request_and_server_stays_healthy(grammar_servers: dict[str, Server]) -> None:
+    url = grammar_servers["slow"].url
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.APIStatusError, match="timed out") as info:
         client.chat.completions.create(

@@ -16,7 +16,7 @@ import pytest
 from server_helpers import Server, assert_error, start_servers
 
 from radixserve.testing.tiny_models import write_tiny_tokenizer
-from radixserve.testing.tiny_vlm import IMAGE_PLACEHOLDER, image_data_url, make_tiny_qwen2_5_vl, random_image
+from radixserve.testing.tiny_vlm import IMAGE_PLACEHOLDER, image_data_url, random_image
 
 NUM_NEW = 6
 TOO_LARGE = 32 * 2**20 + 1  # one byte past the server's image cap
@@ -70,40 +70,19 @@ def media_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_openai")))
+def local_dir(vlm_local_media: Path) -> Path:
+    return vlm_local_media
 
 
 @pytest.fixture(scope="module")
-def local_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("media")
-    (root / "allowed").mkdir()
-    (root / "allowed" / "cat.png").write_bytes(_png(1))
-    (root / "secret.png").write_bytes(_png(1))
-    return root / "allowed"
-
-
-@pytest.fixture(scope="module")
-def servers(vlm_dir: str, local_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def servers(vlm_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """vlm: conftest's tiny Qwen2.5-VL server (its media flags are this file's); text: a text-only fake."""
     tok_dir = str(tmp_path_factory.mktemp("text_only") / "tok")
     write_tiny_tokenizer(tok_dir)
-    vlm = Server.real(
-        vlm_dir,
-        "--max-total-tokens",
-        "2048",
-        "--allowed-media-domains",
-        "127.0.0.1",
-        "--allowed-local-media-path",
-        str(local_dir),
-        "--media-fetch-timeout",
-        "1",
-    )
     text = Server.fake(tok_dir)
     try:
-        started = start_servers({"vlm": vlm, "text": text})
-        yield {name: s.url for name, s in started.items()}
+        yield {"vlm": vlm_server.url, "text": start_servers({"text": text})["text"].url}
     finally:
-        vlm.stop()
         text.stop()
 
 

@@ -8,14 +8,13 @@ import base64
 import httpx
 import pytest
 import torch
-from server_helpers import Server, assert_error, start_servers
+from server_helpers import Server, assert_error
 
 from radixserve.multimodal.processor import load_image_processor
 from radixserve.testing.tiny_vlm import (
     IMAGE_PLACEHOLDER,
     hf_vlm_greedy,
     image_data_url,
-    make_tiny_qwen2_5_vl,
     random_image,
 )
 
@@ -24,17 +23,9 @@ GREEDY = {"max_new_tokens": NUM_NEW, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_server")))
-
-
-@pytest.fixture(scope="module")
-def vlm_url(vlm_dir: str):
-    server = Server.real(vlm_dir, "--max-total-tokens", "2048")
-    try:
-        yield start_servers({"vlm": server})["vlm"].url
-    finally:
-        server.stop()
+def vlm_url(vlm_server: Server) -> str:
+    """conftest's tiny Qwen2.5-VL server (vlm_dir's model), shared with test_vlm_openai.py."""
+    return vlm_server.url
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,25 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[
     return ids[len(prompt) :], logprobs
 
 
+def hf_greedy_cached(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """hf_greedy through HF's own KV cache: each step runs only the new token. The same reference
+    for a model the size of the built-in one, where recomputing the whole sequence every step
+    costs ~30 s of CPU; test/unit/test_hf_reference.py checks that the two agree."""
+    ids = list(prompt)
+    logprobs: list[float] = []
+    step, past = torch.tensor([ids]), None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(step, cache=past, use_cache=True)
+            past = out.cache
+            logits = out.logits[0, -1].float()
+            token = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+            step = torch.tensor([[token]])
+    return ids[len(prompt) :], logprobs
+
+
 TINY_DRAFT_VOCAB = 96  # EAGLE3's reduced draft vocabulary in the tiny heads
 
 
