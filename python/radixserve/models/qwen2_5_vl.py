@@ -11,7 +11,6 @@ Qwen3-VL shares.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,16 +18,12 @@ import torch
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.model_executor.forward_batch import InputEmbeds, PPProxyTensors
 from radixserve.model_loader.errors import ModelLoadError
-from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 from radixserve.models.vlm_common import (
     image_rows,
     install_mrope,
-    lm_names,
-    load_visual,
     text_config_of,
-    visual_name,
 )
 
 if TYPE_CHECKING:
@@ -70,20 +65,3 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         if forward_batch.mrope_positions is not None:
             positions = forward_batch.mrope_positions  # [3, num_tokens]
         return self.model(input_ids, positions, forward_batch, pp_proxy)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
-    ) -> None:
-        super().load_weights(lm_names(weights), require_all)
-
-    def param_targets(self, name: str) -> list[str]:
-        sub = visual_name(name)
-        return [f"visual.{sub}"] if sub is not None else super().param_targets(name)
-
-    def _load_one(
-        self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
-    ) -> None:
-        if name.startswith("visual."):
-            load_visual(param, name, tensor)
-        else:
-            super()._load_one(param, name, shard, tensor)

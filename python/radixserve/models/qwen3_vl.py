@@ -15,7 +15,6 @@ The two classes extend different decoders; what they share is the module-level f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +31,7 @@ from radixserve.models.qwen3_vl_vision import Qwen3VisionTransformer
 from radixserve.models.vlm_common import (
     image_rows,
     install_mrope,
-    lm_names,
-    load_visual,
     text_config_of,
-    visual_name,
 )
 
 if TYPE_CHECKING:
@@ -128,23 +124,6 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     ) -> torch.Tensor | PPProxyTensors:
         return _forward(self, input_ids, positions, forward_batch, pp_proxy)
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
-    ) -> None:
-        super().load_weights(lm_names(weights), require_all)
-
-    def param_targets(self, name: str) -> list[str]:
-        sub = visual_name(name)
-        return [f"visual.{sub}"] if sub is not None else super().param_targets(name)
-
-    def _load_one(
-        self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
-    ) -> None:
-        if name.startswith("visual."):
-            load_visual(param, name, tensor)
-        else:
-            super()._load_one(param, name, shard, tensor)
-
 
 class Qwen3VLMoeDecoderLayer(MoeDecoderLayer):
     @staticmethod
@@ -178,15 +157,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
     ) -> torch.Tensor | PPProxyTensors:
         return _forward(self, input_ids, positions, forward_batch, pp_proxy)
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
-    ) -> None:
-        super().load_weights(lm_names(weights), require_all)
-
     def param_targets(self, name: str) -> list[str]:
-        sub = visual_name(name)
-        if sub is not None:
-            return [f"visual.{sub}"]
         for theirs, ours in _STACKED_EXPERTS:
             if name.endswith(theirs):
                 return [name[: -len(theirs)] + ours] if self._on_this_stage(name) else []
@@ -195,9 +166,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
     def _load_one(
         self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
     ) -> None:
-        if name.startswith("visual."):
-            load_visual(param, name, tensor)
-        elif name.endswith(tuple(ours for _, ours in _STACKED_EXPERTS)):
+        if name.endswith(tuple(ours for _, ours in _STACKED_EXPERTS)):
             self.get_submodule(name.rpartition(".")[0]).load_stacked(param, tensor)
         else:
             super()._load_one(param, name, shard, tensor)

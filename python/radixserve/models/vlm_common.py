@@ -113,15 +113,10 @@ def encode_batch_sharded(model: Any, items: list[MultimodalDataItem]) -> None:  
             item.embedding = embedding
 
 
-def lm_names(
-    weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]],
-) -> Iterable[tuple[str, torch.Tensor | CheckpointTensor]]:
-    """Checkpoint names in the original releases' form (transformers 5 saves the language model
+def lm_name(name: str) -> str:
+    """A checkpoint name in the original releases' form (transformers 5 saves the language model
     under model.language_model.)."""
-    for name, value in weights:
-        if name.startswith(LM_PREFIX):
-            name = "model." + name[len(LM_PREFIX) :]
-        yield name, value
+    return "model." + name[len(LM_PREFIX) :] if name.startswith(LM_PREFIX) else name
 
 
 def visual_name(name: str) -> str | None:
