@@ -129,6 +129,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, self.merge)
         self.output_width = cfg.out_hidden_size  # columns of an image's output (models/vit_dp.py)
+        self.num_deepstack = 0  # Qwen3-VL's tower adds features for the first layers; this one none
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """One image's patches [t*h*w, patch_dim] -> its LM tokens [t*h*w / 4, out_hidden_size]."""
