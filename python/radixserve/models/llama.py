@@ -32,6 +32,7 @@ from radixserve.layers.vocab_parallel import VocabParallelEmbedding
 from radixserve.model_executor.forward_batch import PPProxyTensors
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
+from radixserve.models.vlm_common import lm_name, load_visual, visual_name
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -219,6 +220,9 @@ class LlamaForCausalLM(nn.Module):
     # (Qwen3-Embedding, *ForSequenceClassification) ship none.
     has_lm_head = True
     decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+    # A vision tower `visual` beside the decoder (models/vlm_common.py); its checkpoint names are
+    # read here, so each VL model stays the decoder class it extends.
+    takes_images = False
 
     def __init__(
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
@@ -267,6 +271,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, value in weights:
+            name = lm_name(name) if self.takes_images else name
             if not name.startswith(_TOP_LEVEL_PREFIXES):
                 name = "model." + name  # embedding checkpoints saved from the bare model (Qwen3-Embedding)
             targets = self.param_targets(name)
@@ -288,6 +293,9 @@ class LlamaForCausalLM(nn.Module):
     def param_targets(self, name: str) -> list[str]:
         """The parameters a checkpoint tensor `name` loads into on this rank ([] when it belongs
         to another pipeline stage or is not a weight, e.g. rotary inv_freq)."""
+        sub = visual_name(name) if self.takes_images else None
+        if sub is not None:
+            return [f"visual.{sub}"]
         if "rotary_emb.inv_freq" in name or not self._on_this_stage(name):
             return []
         if self.tie_word_embeddings and name.startswith("lm_head."):
@@ -314,6 +322,9 @@ class LlamaForCausalLM(nn.Module):
     def _load_one(
         self, param: nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
     ) -> None:
+        if name.startswith("visual."):
+            load_visual(param, name, tensor)
+            return
         owner = self.get_submodule(name.rpartition(".")[0])
         loader = getattr(owner, "weight_loader", None)
         if loader is not None:

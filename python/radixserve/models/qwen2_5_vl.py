@@ -11,30 +11,21 @@ Qwen3-VL shares.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from radixserve.distributed.model_parallel import ModelParallelism
-from radixserve.model_executor.forward_batch import InputEmbeds, PPProxyTensors
-from radixserve.model_loader.errors import ModelLoadError
-from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 from radixserve.models.vlm_common import (
-    image_rows,
+    add_vision,
+    check_parallel,
     install_mrope,
-    lm_names,
-    load_visual,
     text_config_of,
-    visual_name,
+    vl_forward,
 )
 
 if TYPE_CHECKING:
-    from radixserve.distributed.communication import TensorParallelComm
-    from radixserve.model_executor.forward_batch import ForwardBatch
-    from radixserve.multimodal.embedding_cache import EmbeddingCache
+    pass
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
@@ -43,47 +34,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     def __init__(
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
     ) -> None:
-        parallel = parallel or ModelParallelism()
-        if parallel.pp_size > 1:
-            raise ModelLoadError("Qwen2.5-VL does not support pipeline parallelism yet")
-        super().__init__(text_config_of(config), max_position, parallel)
-        self.vl_config = config
+        super().__init__(text_config_of(config), max_position, check_parallel(parallel, "Qwen2.5-VL"))
         install_mrope(self.model.layers, self.config, interleaved=False)
-        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
-        self.num_encoder_runs = 0  # images encoded so far (tests count them)
-        self.mm_cache: EmbeddingCache | None = None  # set by the ModelRunner (--mm-cache-size-mb)
-        self.dp_encoder: TensorParallelComm | None = None  # set by the ModelRunner (--mm-enable-dp-encoder)
+        add_vision(self, config, Qwen2_5_VisionTransformer(config.vision_config))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        pp_proxy: PPProxyTensors | None = None,
-    ) -> torch.Tensor | PPProxyTensors:
-        if forward_batch.multimodal is not None:
-            forward_batch.input_embeds = InputEmbeds(
-                *image_rows(self, forward_batch.multimodal, input_ids.device)
-            )
-            # Image rows hold pad values past the vocabulary; their embeddings are replaced.
-            input_ids = input_ids.clamp(0, self.config.vocab_size - 1)
-        if forward_batch.mrope_positions is not None:
-            positions = forward_batch.mrope_positions  # [3, num_tokens]
-        return self.model(input_ids, positions, forward_batch, pp_proxy)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
-    ) -> None:
-        super().load_weights(lm_names(weights), require_all)
-
-    def param_targets(self, name: str) -> list[str]:
-        sub = visual_name(name)
-        return [f"visual.{sub}"] if sub is not None else super().param_targets(name)
-
-    def _load_one(
-        self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
-    ) -> None:
-        if name.startswith("visual."):
-            load_visual(param, name, tensor)
-        else:
-            super()._load_one(param, name, shard, tensor)
+    forward = vl_forward

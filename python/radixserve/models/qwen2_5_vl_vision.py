@@ -56,11 +56,7 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        if act not in VISION_ACTIVATIONS:
-            raise ModelLoadError(
-                f"Unsupported vision hidden_act {act!r} (supported: {', '.join(VISION_ACTIVATIONS)})"
-            )
-        self.act = VISION_ACTIVATIONS[act]
+        self.act = vision_activation(act)
         self.gate_proj = Linear(dim, hidden, bias=True)
         self.up_proj = Linear(dim, hidden, bias=True)
         self.down_proj = Linear(hidden, dim, bias=True)
@@ -69,13 +65,24 @@ class VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def vision_activation(act: str) -> Any:  # noqa: ANN401 - a torch activation
+    if act not in VISION_ACTIVATIONS:
+        raise ModelLoadError(
+            f"Unsupported vision hidden_act {act!r} (supported: {', '.join(VISION_ACTIVATIONS)})"
+        )
+    return VISION_ACTIVATIONS[act]
+
+
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """Pre-norm attention and MLP; `norm` is RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen3-VL), `mlp`
+    the family's MLP class."""
+
+    def __init__(self, cfg: Any, norm: type[nn.Module] = RMSNorm, mlp: type[nn.Module] | None = None) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.norm2 = RMSNorm(cfg.hidden_size, 1e-6)
+        self.norm1 = norm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = norm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = (mlp or VisionMLP)(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
@@ -122,6 +129,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, self.merge)
         self.output_width = cfg.out_hidden_size  # columns of an image's output (models/vit_dp.py)
+        self.num_deepstack = 0  # Qwen3-VL's tower adds features for the first layers; this one none
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """One image's patches [t*h*w, patch_dim] -> its LM tokens [t*h*w / 4, out_hidden_size]."""

@@ -15,13 +15,11 @@ The two classes extend different decoders; what they share is the module-level f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve.distributed.model_parallel import ModelParallelism
-from radixserve.model_executor.forward_batch import DeepstackEmbeds, InputEmbeds, PPProxyTensors
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.llama import LlamaForCausalLM
@@ -30,31 +28,21 @@ from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from radixserve.models.qwen3_vl_vision import Qwen3VisionTransformer
 from radixserve.models.vlm_common import (
-    image_rows,
+    add_vision,
+    check_parallel,
     install_mrope,
-    lm_names,
-    load_visual,
     text_config_of,
-    visual_name,
+    vl_forward,
 )
 
 if TYPE_CHECKING:
-    from radixserve.distributed.communication import TensorParallelComm
-    from radixserve.model_executor.forward_batch import ForwardBatch
-    from radixserve.multimodal.embedding_cache import EmbeddingCache
+    pass
 
 # Qwen3-VL-MoE stores each layer's experts as two stacked tensors, not one tensor per expert.
 _STACKED_EXPERTS = (
     (".mlp.experts.gate_up_proj", ".mlp.experts.w13_weight"),
     (".mlp.experts.down_proj", ".mlp.experts.w2_weight"),
 )
-
-
-def _check_parallel(parallel: ModelParallelism | None) -> ModelParallelism:
-    parallel = parallel or ModelParallelism()
-    if parallel.pp_size > 1:
-        raise ModelLoadError("Qwen3-VL does not support pipeline parallelism yet")
-    return parallel
 
 
 def _build_vision(model: LlamaForCausalLM, config: Any) -> Qwen3VisionTransformer:  # noqa: ANN401
@@ -71,79 +59,16 @@ def _build_vision(model: LlamaForCausalLM, config: Any) -> Qwen3VisionTransforme
     return visual
 
 
-def _prepare_images(model: Any, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:  # noqa: ANN401
-    """Put a prefill's image rows (embeddings, deepstack features) on the batch; returns the ids
-    with the pad values (past the vocabulary) clamped, their embeddings being replaced."""
-    mm = forward_batch.multimodal
-    if mm is None:
-        return input_ids
-    rows, values = image_rows(model, mm, input_ids.device)  # values [k, (1 + n) * hidden_size]
-    hidden, num_deep = model.config.hidden_size, model.visual.num_deepstack
-    forward_batch.input_embeds = InputEmbeds(rows, values[:, :hidden])
-    if num_deep:
-        forward_batch.deepstack_embeds = DeepstackEmbeds(
-            rows, values[:, hidden:].reshape(-1, num_deep, hidden)
-        )
-    return input_ids.clamp(0, model.config.vocab_size - 1)
-
-
-def _add_vision(model: Any, config: Any) -> None:  # noqa: ANN401
-    """What the dense and the MoE Qwen3-VL add to their language model (the ModelRunner sets the
-    cache and the DP encoder after loading)."""
-    model.vl_config = config
-    model.visual = _build_vision(model, config)
-    model.num_encoder_runs = 0  # images encoded so far (tests count them)
-    model.mm_cache: EmbeddingCache | None = None  # --mm-cache-size-mb
-    model.dp_encoder: TensorParallelComm | None = None  # --mm-enable-dp-encoder
-
-
-def _forward(
-    model: Any,  # noqa: ANN401 - either Qwen3-VL class
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    forward_batch: ForwardBatch,
-    pp_proxy: PPProxyTensors | None,
-) -> torch.Tensor | PPProxyTensors:
-    """The language model over the prompt with its image rows and deepstack features in place."""
-    input_ids = _prepare_images(model, input_ids, forward_batch)
-    mrope = forward_batch.mrope_positions
-    return model.model(input_ids, mrope if mrope is not None else positions, forward_batch, pp_proxy)
-
-
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     takes_images = True
 
     def __init__(
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
     ) -> None:
-        super().__init__(text_config_of(config), max_position, _check_parallel(parallel))
-        _add_vision(self, config)
+        super().__init__(text_config_of(config), max_position, check_parallel(parallel, "Qwen3-VL"))
+        add_vision(self, config, _build_vision(self, config))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        pp_proxy: PPProxyTensors | None = None,
-    ) -> torch.Tensor | PPProxyTensors:
-        return _forward(self, input_ids, positions, forward_batch, pp_proxy)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
-    ) -> None:
-        super().load_weights(lm_names(weights), require_all)
-
-    def param_targets(self, name: str) -> list[str]:
-        sub = visual_name(name)
-        return [f"visual.{sub}"] if sub is not None else super().param_targets(name)
-
-    def _load_one(
-        self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
-    ) -> None:
-        if name.startswith("visual."):
-            load_visual(param, name, tensor)
-        else:
-            super()._load_one(param, name, shard, tensor)
+    forward = vl_forward
 
 
 class Qwen3VLMoeDecoderLayer(MoeDecoderLayer):
@@ -166,27 +91,12 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
     def __init__(
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
     ) -> None:
-        super().__init__(text_config_of(config), max_position, _check_parallel(parallel))
-        _add_vision(self, config)
+        super().__init__(text_config_of(config), max_position, check_parallel(parallel, "Qwen3-VL"))
+        add_vision(self, config, _build_vision(self, config))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        pp_proxy: PPProxyTensors | None = None,
-    ) -> torch.Tensor | PPProxyTensors:
-        return _forward(self, input_ids, positions, forward_batch, pp_proxy)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]], require_all: bool = True
-    ) -> None:
-        super().load_weights(lm_names(weights), require_all)
+    forward = vl_forward
 
     def param_targets(self, name: str) -> list[str]:
-        sub = visual_name(name)
-        if sub is not None:
-            return [f"visual.{sub}"]
         for theirs, ours in _STACKED_EXPERTS:
             if name.endswith(theirs):
                 return [name[: -len(theirs)] + ours] if self._on_this_stage(name) else []
@@ -195,9 +105,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
     def _load_one(
         self, param: torch.nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
     ) -> None:
-        if name.startswith("visual."):
-            load_visual(param, name, tensor)
-        elif name.endswith(tuple(ours for _, ours in _STACKED_EXPERTS)):
+        if name.endswith(tuple(ours for _, ours in _STACKED_EXPERTS)):
             self.get_submodule(name.rpartition(".")[0]).load_stacked(param, tensor)
         else:
             super()._load_one(param, name, shard, tensor)

@@ -20,41 +20,22 @@ from torch import nn
 from radixserve.layers.linear import Linear
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.models.qwen2_5_vl_vision import (
-    VISION_ACTIVATIONS,
-    VisionAttention,
+    VisionBlock,
     rotary_freqs,
     segment_mask,
+    vision_activation,
 )
 
 
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        if act not in VISION_ACTIVATIONS:
-            raise ModelLoadError(
-                f"Unsupported vision hidden_act {act!r} (supported: {', '.join(VISION_ACTIVATIONS)})"
-            )
-        self.act = VISION_ACTIVATIONS[act]
+        self.act = vision_activation(act)
         self.linear_fc1 = Linear(dim, hidden, bias=True)
         self.linear_fc2 = Linear(hidden, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: Any) -> None:  # noqa: ANN401 - an HF vision config
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -94,7 +75,7 @@ class Qwen3VisionTransformer(nn.Module):
         theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float) / (head_dim // 2)
         self.register_buffer("inv_freq", 1.0 / (theta**quarter), persistent=False)  # [head_dim / 4]
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(VisionBlock(cfg, nn.LayerNorm, VisionMLP) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, self.merge, postshuffle_norm=False)
         self.deepstack_indexes = [int(i) for i in cfg.deepstack_visual_indexes]
         if any(not 0 <= i < cfg.depth for i in self.deepstack_indexes):

@@ -16,13 +16,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.layers.mrope import MRotaryEmbedding
 from radixserve.layers.rotary import rope_config
+from radixserve.model_executor.forward_batch import DeepstackEmbeds, InputEmbeds, PPProxyTensors
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.vit_dp import encode_sharded
 
 if TYPE_CHECKING:
+    from radixserve.distributed.communication import TensorParallelComm
+    from radixserve.model_executor.forward_batch import ForwardBatch
     from radixserve.multimodal.embedding_cache import EmbeddingCache
     from radixserve.multimodal.inputs import MultimodalDataItem, MultimodalForward
 
@@ -37,6 +41,23 @@ def text_config_of(config: Any) -> Any:  # noqa: ANN401 - an HF config
     text = copy.copy(config.get_text_config())
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     return text
+
+
+def check_parallel(parallel: ModelParallelism | None, family: str) -> ModelParallelism:
+    parallel = parallel or ModelParallelism()
+    if parallel.pp_size > 1:
+        raise ModelLoadError(f"{family} does not support pipeline parallelism yet")
+    return parallel
+
+
+def add_vision(model: nn.Module, config: Any, visual: nn.Module) -> None:  # noqa: ANN401
+    """What a Qwen-VL model adds to its language model (the ModelRunner sets the cache and the DP
+    encoder after loading)."""
+    model.vl_config = config
+    model.visual = visual
+    model.num_encoder_runs = 0  # images encoded so far (tests count them)
+    model.mm_cache: EmbeddingCache | None = None  # --mm-cache-size-mb
+    model.dp_encoder: TensorParallelComm | None = None  # --mm-enable-dp-encoder
 
 
 def install_mrope(layers: Iterable[nn.Module], text: Any, interleaved: bool) -> None:  # noqa: ANN401
@@ -87,6 +108,37 @@ def image_rows(model: Any, mm: MultimodalForward, device: torch.device) -> tuple
     return torch.cat(rows).to(device), torch.cat(values)
 
 
+def _prepare_images(model: Any, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:  # noqa: ANN401
+    """Put a prefill's image rows (embeddings, Qwen3-VL's deepstack features) on the batch;
+    returns the ids with the pad values (past the vocabulary) clamped, their embeddings being
+    replaced."""
+    mm = forward_batch.multimodal
+    if mm is None:
+        return input_ids
+    rows, values = image_rows(model, mm, input_ids.device)  # values [k, (1 + n) * hidden_size]
+    hidden, num_deep = model.config.hidden_size, model.visual.num_deepstack
+    forward_batch.input_embeds = InputEmbeds(rows, values[:, :hidden])
+    if num_deep:
+        forward_batch.deepstack_embeds = DeepstackEmbeds(
+            rows, values[:, hidden:].reshape(-1, num_deep, hidden)
+        )
+    return input_ids.clamp(0, model.config.vocab_size - 1)
+
+
+def vl_forward(
+    model: Any,  # noqa: ANN401 - a Qwen-VL model
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    forward_batch: ForwardBatch,
+    pp_proxy: PPProxyTensors | None = None,
+) -> torch.Tensor | PPProxyTensors:
+    """The Qwen-VL models' forward: the language model over the prompt with its image rows (and
+    deepstack features) in place, with the M-RoPE positions of batches holding an image."""
+    input_ids = _prepare_images(model, input_ids, forward_batch)
+    mrope = forward_batch.mrope_positions
+    return model.model(input_ids, mrope if mrope is not None else positions, forward_batch, pp_proxy)
+
+
 def encode_batch_sharded(model: Any, items: list[MultimodalDataItem]) -> None:  # noqa: ANN401
     """Set the embedding of every item (an image without one yet): from the embedding cache, else
     encoded by the TP ranks, each its share (models/vit_dp.py), once per distinct image."""
@@ -113,15 +165,10 @@ def encode_batch_sharded(model: Any, items: list[MultimodalDataItem]) -> None:  
             item.embedding = embedding
 
 
-def lm_names(
-    weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]],
-) -> Iterable[tuple[str, torch.Tensor | CheckpointTensor]]:
-    """Checkpoint names in the original releases' form (transformers 5 saves the language model
+def lm_name(name: str) -> str:
+    """A checkpoint name in the original releases' form (transformers 5 saves the language model
     under model.language_model.)."""
-    for name, value in weights:
-        if name.startswith(LM_PREFIX):
-            name = "model." + name[len(LM_PREFIX) :]
-        yield name, value
+    return "model." + name[len(LM_PREFIX) :] if name.startswith(LM_PREFIX) else name
 
 
 def visual_name(name: str) -> str | None:

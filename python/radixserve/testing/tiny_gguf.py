@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -89,6 +90,27 @@ def _tokenizer_fields() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
+def add_tokenizer(writer: Any, tokens: list[str], merges: list[str], token_types: list[int]) -> None:  # noqa: ANN401
+    """The tiny BPE tokenizer's fields, its special ids and the ChatML template."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types(token_types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def write_gguf(writer: Any, path: Path) -> Path:  # noqa: ANN401 - a gguf.GGUFWriter
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def make_tiny_gguf(
     path: str | Path, types: dict[str, str] | None = None, seed: int = 0, tied: bool = True
 ) -> Path:
@@ -114,15 +136,7 @@ def make_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types(token_types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_tokenizer(writer, tokens, merges, token_types)
     kv = cfg["kv_heads"] * head_dim
     shapes = {  # [out, in]
         "attn_q": (hidden, hidden),
@@ -147,8 +161,4 @@ def make_tiny_gguf(
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
     if not tied:
         add("output.weight", types["output"], len(tokens), hidden)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(writer, path)

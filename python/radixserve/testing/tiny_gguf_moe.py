@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.testing.tiny_gguf import _tokenizer_fields
-from radixserve.testing.tiny_models import CHATML_TEMPLATE, make_tiny_model
+from radixserve.testing.tiny_gguf import _tokenizer_fields, add_tokenizer, write_gguf
+from radixserve.testing.tiny_models import make_tiny_model
 
 # tiny_models kind -> (GGUF architecture, HF config overrides making every input width a multiple of 32).
 MOE_GGUF_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -165,21 +165,9 @@ def make_tiny_moe_gguf(
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch)
     _add_metadata(writer, config, arch, len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types(token_types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_tokenizer(writer, tokens, merges, token_types)
     for name, array in _gguf_tensors(state, config, arch).items():
         tensor_kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
         data, raw_dtype = _encode(name, array, (types or {}).get(tensor_kind, qtype))
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(writer, path)

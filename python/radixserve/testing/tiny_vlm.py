@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from radixserve.testing.tiny_models import _COMMON, TINY_VOCAB
+
 # Special tokens first, so their ids are fixed: 0..6.
 VLM_SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -23,7 +25,7 @@ VLM_SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 3, 4, 5, 6
-TINY_VLM_VOCAB = 384
+TINY_VLM_VOCAB = TINY_VOCAB
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 # ChatML whose content may be a list of parts, an image part rendered as the image placeholder
 # where it stands (the shape of Qwen2.5-VL's own template).
@@ -39,20 +41,10 @@ VLM_CHAT_TEMPLATE = (
 # limits keep test images small (at most 16 merged tokens).
 _PROCESSOR = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16, "patch_size": 14, "merge_size": 2}
 
+# The tiny text models' sizes; head_dim 16: 8 rotary pairs split over (temporal, height, width).
 _TEXT = {
-    "vocab_size": TINY_VLM_VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6,
-    "initializer_range": 0.25,
-    # head_dim 16: 8 rotary pairs split over (temporal, height, width).
+    **_COMMON,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-    "bos_token_id": 1,
-    "eos_token_id": 2,
 }
 _VISION = {
     "depth": 3,
@@ -90,46 +82,58 @@ def write_vlm_tokenizer(path: Path) -> None:
     hf.save_pretrained(str(path))
 
 
-def qwen2_5_vl_config(text: dict[str, Any], vision: dict[str, Any], tie_word_embeddings: bool) -> Any:  # noqa: ANN401
-    """A Qwen2_5_VLConfig with this module's special-token ids (the tiny models' and the benchmark's)."""
-    from transformers import Qwen2_5_VLConfig
-
-    config = Qwen2_5_VLConfig(
+def _vl_config(config_cls: type, text: dict[str, Any], vision: dict[str, Any], tie: bool) -> Any:  # noqa: ANN401
+    """An HF VL config with this module's special-token ids (the tiny models' and the benchmark's)."""
+    config = config_cls(
         text_config=dict(text),
         vision_config=dict(vision),
         image_token_id=IMAGE_TOKEN_ID,
         video_token_id=VIDEO_TOKEN_ID,
         vision_start_token_id=VISION_START_ID,
         vision_end_token_id=VISION_END_ID,
-        tie_word_embeddings=tie_word_embeddings,
+        tie_word_embeddings=tie,
     )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [config_cls.__name__.removesuffix("Config") + "ForConditionalGeneration"]
     return config
+
+
+def qwen2_5_vl_config(text: dict[str, Any], vision: dict[str, Any], tie_word_embeddings: bool) -> Any:  # noqa: ANN401
+    from transformers import Qwen2_5_VLConfig
+
+    return _vl_config(Qwen2_5_VLConfig, text, vision, tie_word_embeddings)
+
+
+def _write_vlm(path: str | Path, model: Any, processor: dict[str, Any], randomize: Any) -> Path:  # noqa: ANN401
+    """Save `model` with its weights redrawn by `randomize(name, param)`, the tokenizer, the image
+    processor's config and a generation config to `path`. transformers' Qwen3VLProcessor would
+    also build its video processor, which needs torchvision (not a dependency): the image
+    processor alone is what radixserve reads."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        for name, param in model.to(torch.float32).named_parameters():
+            if name.endswith("norm.weight") or ".norm1." in name or ".norm2." in name or "ln_q" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif randomize(name):
+                param.normal_(0.0, 0.25)
+    model.save_pretrained(path, safe_serialization=True)
+    write_vlm_tokenizer(path)
+    Qwen2VLImageProcessorPil(**processor).save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return path
 
 
 def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
     """Write a random tiny Qwen2_5_VLForConditionalGeneration to `path`."""
     from transformers import Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = qwen2_5_vl_config(_TEXT, _VISION, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or ".norm1." in name or ".norm2." in name or "ln_q" in name:
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.5)
-            elif "visual" in name:
-                param.normal_(0.0, 0.25)
-    model.save_pretrained(path, safe_serialization=True)
-    write_vlm_tokenizer(path)
-    Qwen2VLImageProcessorPil(**_PROCESSOR).save_pretrained(str(path))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return path
+    model = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config(_TEXT, _VISION, tie_word_embeddings=False))
+    return _write_vlm(path, model, _PROCESSOR, lambda name: "visual" in name)
 
 
 # Qwen3-VL: 16 px patches merged 2x2 (the processor resizes to multiples of 32 px), a 4x4 learned
@@ -178,57 +182,25 @@ _QWEN3_VISION = {
 }
 
 
-def qwen3_vl_config(text: dict[str, Any], vision: dict[str, Any], moe: bool) -> Any:  # noqa: ANN401
-    """A Qwen3VLConfig (Qwen3VLMoeConfig with `moe`) with this module's special-token ids."""
-    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
-
-    config_cls = Qwen3VLMoeConfig if moe else Qwen3VLConfig
-    config = config_cls(
-        text_config=dict(text),
-        vision_config=dict(vision),
-        image_token_id=IMAGE_TOKEN_ID,
-        video_token_id=VIDEO_TOKEN_ID,
-        vision_start_token_id=VISION_START_ID,
-        vision_end_token_id=VISION_END_ID,
-        tie_word_embeddings=False,
-    )
-    config.architectures = [
-        "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
-    ]
-    return config
-
-
 def make_tiny_qwen3_vl(path: str | Path, moe: bool = False, seed: int = 0) -> Path:
     """Write a random tiny Qwen3VLForConditionalGeneration (Qwen3VLMoeForConditionalGeneration
     with `moe`) to `path`."""
     from transformers import (
+        Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
         Qwen3VLMoeForConditionalGeneration,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     text = {**_QWEN3_TEXT, **(_QWEN3_MOE if moe else {})}
-    config = qwen3_vl_config(text, _QWEN3_VISION, moe)
+    config = _vl_config(Qwen3VLMoeConfig if moe else Qwen3VLConfig, text, _QWEN3_VISION, tie=False)
     torch.manual_seed(seed)
-    model_cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-    model = model_cls(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or ".norm1." in name or ".norm2." in name:
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.5)
-            elif "visual" in name or "experts" in name or name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.25)
-    model.save_pretrained(path, safe_serialization=True)
-    write_vlm_tokenizer(path)
-    # The image processor alone, as for Qwen2.5-VL: transformers' Qwen3VLProcessor also builds its
-    # video processor, which needs torchvision (not a dependency); radixserve reads only this.
-    Qwen2VLImageProcessorPil(**_QWEN3_PROCESSOR).save_pretrained(str(path))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
-    return path
+    model = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)(config)
+
+    def randomize(name: str) -> bool:
+        return "visual" in name or "experts" in name or name.endswith("mlp.gate.weight")
+
+    return _write_vlm(path, model, _QWEN3_PROCESSOR, randomize)
 
 
 def random_image(width: int, height: int, seed: int) -> Any:  # noqa: ANN401 - a PIL image
