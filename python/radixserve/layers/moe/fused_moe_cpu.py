@@ -25,9 +25,8 @@ from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.quantization import linear_w8a8
 
 # Where the fp32 experts were dropped, groups of up to this many tokens still run linear_wq:
-# dequantizing a projection first costs ~30-37 ms per 3M weights (Qwen3-30B-A3B's gate/up, Q4_0)
-# on the development machine, so linear_wq stays ahead until ~100 tokens (measured, one thread,
-# shared machine: 58 vs 106 ms at 64 tokens, 176 vs 128 ms at 128; docs/models.md).
+# dequantizing a projection first costs about a linear_wq pass over tens of tokens. From an ad-hoc
+# timing on a shared machine, not a repository benchmark (docs/quantization.md, "MoE files: quantized experts").
 DROPPED_WQ_MAX_TOKENS = 64
 
 
