@@ -88,7 +88,9 @@ class StaticBatchRunner:
             raise RuntimeError("KV pool exhausted")
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         positions = torch.tensor(seq_lens, dtype=torch.int64) - 1
-        self.req_to_token[rows, positions] = out_cache_loc.to(torch.int32)
+        # The batch stays on the host (the worker moves it), the table lives on the model's device.
+        table = self.req_to_token
+        table[rows.to(table.device), positions.to(table.device)] = out_cache_loc.to(table.device, torch.int32)
         batch = ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE,
             input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
