@@ -121,17 +121,17 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """hidden [num_tokens, hidden_size], topk_* [num_tokens, top_k] -> [num_tokens, hidden_size]."""
         start = self.expert_start if self.ep_size > 1 else None
-        out = fused_experts_grouped(
-            hidden,
-            self.w13_weight,
-            self.w2_weight,
-            topk_weights,
-            topk_ids,
-            start,
-            self.experts_wq,
-            self.scratch,
-            self.experts_int8,
-        )
+        if hidden.is_cuda and start is None and self.experts_wq is None and self.experts_int8 is None:
+            # The grouped path loops over experts on the host (a sync per step, no CUDA graph);
+            # the Triton kernels launch a fixed grid whatever the routing.
+            from radixserve.layers.moe.fused_moe_triton import fused_experts_triton
+
+            out = fused_experts_triton(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = fused_experts_grouped(
+                hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                start, self.experts_wq, self.scratch, self.experts_int8,
+            )  # fmt: skip
         if self.tp.size > 1:
             self.tp.all_reduce_(out)
         return out
