@@ -8,6 +8,7 @@ import dataclasses
 import random
 from typing import Any
 
+import torch
 from scheduler_harness import SchedulerRun, pools_are_empty
 
 from radixserve.configs.model_config import ModelConfig
@@ -47,12 +48,18 @@ class Workers:
         key = (kind, backend, page_size, pool)
         if key not in self.cache:
             path = self.model_dir(kind)
+            # Triton runs on the GPU where there is one (its kernels take CUDA tensors only then).
+            on_gpu = backend == "triton" and torch.cuda.is_available()
             args = ServerArgs(
                 model_path=path,
                 max_total_tokens=pool,
                 page_size=page_size,
-                device="cpu",
+                device="cuda" if on_gpu else "cpu",
+                dtype="float32" if on_gpu else "auto",  # the tiny models' fp32 (CUDA's default: bf16)
                 attention_backend=backend,
+                # Speculation runs in the normal loop; resolve() turns overlap off only when the
+                # speculative flags are given to it, and SchedulerRun adds them after.
+                disable_overlap_schedule=True,
             ).resolve()
             target = TpModelWorker(args, ModelConfig.from_path(path, dtype="float32"))
             self.cache[key] = (SpeculativeWorker(target, None), args)

@@ -236,9 +236,17 @@ def _tree_case(page_size, prefix, ext, heads, kv_heads, dim, device, dtype, tol)
         s = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk) * scale
         ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible[None], float("-inf")).softmax(-1), vv)
         torch.testing.assert_close(out[a:b].float(), ref, **tol)
-    # A chain is the causal mask: identical to the kernel without one (same tiles, same order).
+    # A chain is the causal mask: the kernel without one computes the same tiles in the same order.
+    # Identical in the interpreter; compiled, the two specialisations are two binaries whose
+    # instruction selection (FMA contraction) may differ in the last bits.
     chain = flat_tree_mask([list(range(-1, e - 1)) for e in ext])
-    assert torch.equal(run(chain), run(None))
+    with_chain, causal = run(chain), run(None)
+    if q.device.type == "cpu":
+        assert torch.equal(with_chain, causal)
+    else:
+        diff = float((with_chain.float() - causal.float()).abs().max())
+        print(f"chain mask vs causal kernel, max abs difference: {diff:.3g}")
+        torch.testing.assert_close(with_chain, causal, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
