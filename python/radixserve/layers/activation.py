@@ -9,10 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
+from radixserve.layers.gpu_fused import triton_ops
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] (gate then up, as MergedColumnLinear stacks them) -> [..., d]."""
+    if (ops := triton_ops(gate_up)) is not None:
+        return ops.silu_and_mul(gate_up)
     if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and fusable(gate_up):
         return cpu_kernels.silu_and_mul(gate_up)
     return silu_and_mul_native(gate_up)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
+from radixserve.layers.gpu_fused import triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +22,8 @@ class RMSNorm(nn.Module):
 
         On the compiled CPU path the residual form works in place: `residual` becomes the sum and
         `x` the normalized output (both are the layer's own intermediates, never reused)."""
+        if (ops := triton_ops(x)) is not None:
+            return ops.rmsnorm(x, self.weight, self.variance_epsilon, residual)
         if x.dim() == 2 and x.stride(-1) == 1 and fusable(x, self.weight):
             if residual is None:
                 return cpu_kernels.rmsnorm(x, self.weight, self.variance_epsilon)

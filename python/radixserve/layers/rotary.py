@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
+from radixserve.layers.gpu_fused import triton_ops
 
 
 def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -67,6 +68,8 @@ class RotaryEmbedding(nn.Module):
         """positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim].
 
         The compiled CPU path rotates q and k in place (views of the layer's fresh qkv output)."""
+        if (ops := triton_ops(q)) is not None:
+            return ops.rotary_embedding(positions, q, k, self.cos_cached, self.sin_cached)
         if q.stride(-1) == 1 and k.stride(-1) == 1 and fusable(q, k, self.cos_cached):
             cpu_kernels.rotary_neox_(positions, q, k, self.cos_cached, self.sin_cached)
             return q, k
