@@ -5,6 +5,9 @@
 #   bench       attention kernel times (triton vs torch_native), bs=1/64 decode on dummy Llama-3-8B
 #               weights against the HBM bound, overlap on vs off on a small model      (~6 min)
 #   flashinfer  flashinfer parity tests and kernel times (needs .whl_fi/ carried)
+#   lease [STEP...]  for a 15-minute lease: steps tests (every test that runs Triton on CUDA, not
+#               only the gpu-marked ones, in parallel), attention, decode, overlap (the default
+#               four), overlap8b (overlap on/off on Llama-3-8B shapes), profile and flashinfer, each under its own timeout; $OUT gets results.tgz
 # Everything it prints is also written under $OUT (the device tool brings that folder back).
 set -uo pipefail
 what=${1:?usage: run_checks.sh tests|bench|flashinfer}
@@ -23,7 +26,102 @@ export PYTHONPATH="$site:$PWD/python:$PWD/sgl-kernel" HF_HUB_OFFLINE=1 PYTHONUNB
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 
+python3 -c 'import transformers; print("transformers", transformers.__version__)' | tee -a "$OUT/gpu.txt"
+
+# Every test file whose kernels run on CUDA when a GPU is present (gpu-marked or not).
+CUDA_TESTS="test/kernels/test_triton_attention.py test/kernels/test_triton_wq_gemm.py
+    test/kernels/test_triton_lora.py test/kernels/test_fused_ops.py test/kernels/test_fused_moe_triton.py
+    test/engine/test_speculative_trees_triton.py test/engine/test_cuda_graph_runner.py
+    test/engine/test_overlap_cuda.py"
+step() {  # step SECONDS NAME CMD...: one step under its own limit, logged under $OUT
+    local limit=$1 name=$2
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -20
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+    # The tool brings back at most 8 files: everything also goes into one archive, after each step
+    # so a call cut off at its limit still returns what finished.
+    [ -n "${RES:-}" ] && tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$RES/"
+}
+overlap_run() {  # overlap_run on|off [MODEL_DIR NUM_PROMPTS INPUT_LEN OUTPUT_LEN]
+    args='{"load_format": "dummy"}'
+    [ "$1" = off ] && args='{"load_format": "dummy", "disable_overlap_schedule": true}'
+    python3 -m radixserve.bench_offline_throughput --model-path "${2:-.gpu_models/smollm2-135m}" \
+        --server-args "$args" --num-prompts "${3:-256}" --random-input-len "${4:-256}" \
+        --random-output-len "${5:-256}" --result-file "$OUT/overlap_$1${2:+_8b}.jsonl"
+}
+llama8b_with_tokenizer() {  # Llama-3-8B's shapes with the small model's tokenizer (vocab 49152)
+    python3 - <<'PY'
+import json, pathlib, shutil
+src, tok, dst = (pathlib.Path(p) for p in (".gpu_models/llama3-8b", ".gpu_models/smollm2-135m", "/tmp/llama8b_tok"))
+dst.mkdir(exist_ok=True)
+small = json.loads((tok / "config.json").read_text())
+cfg = json.loads((src / "config.json").read_text())
+cfg.update(vocab_size=small["vocab_size"], bos_token_id=small["bos_token_id"], eos_token_id=small["eos_token_id"])
+(dst / "config.json").write_text(json.dumps(cfg))
+for f in tok.iterdir():
+    if f.name != "config.json":
+        shutil.copy(f, dst / f.name)
+PY
+}
+
 case "$what" in
+lease)
+    # Logs go to a scratch folder; $OUT gets one archive of it (updated after every step).
+    RES=$OUT
+    OUT=/tmp/lease
+    mkdir -p "$OUT" && cp "$RES/gpu.txt" "$OUT/"
+    export -f overlap_run
+    export OUT
+    shift
+    steps=${*:-tests attention decode overlap}
+    for s in $steps; do
+        case $s in
+        tests)  # xdist (on the machine's image): Triton's compiles spread over its 16 cores
+            step 200 gpu_tests python3 -m pytest -p no:cacheprovider -q -ra -n 8 --timeout 150 $CUDA_TESTS
+            ;;
+        attention)
+            step 45 attention python3 benchmark/bench_gpu.py attention --backends torch_native triton \
+                --out "$OUT/attention.md"
+            ;;
+        decode)
+            step 120 decode python3 -m radixserve.bench_one_batch --model-path .gpu_models/llama3-8b \
+                --load-format dummy --batch-size 1 64 --input-len 1024 --output-len 32 \
+                --result-file "$OUT/decode.jsonl"
+            step 20 ceiling python3 benchmark/bench_gpu.py ceiling --config .gpu_models/llama3-8b \
+                --result-file "$OUT/decode.jsonl" --hbm-tb-per-s "${HBM_TB_PER_S:-4.8}" --out "$OUT/ceiling.md"
+            ;;
+        overlap)
+            step 60 overlap_on bash -c 'overlap_run on'
+            step 60 overlap_off bash -c 'overlap_run off'
+            ;;
+        profile)  # host vs kernel time of a decode step, and the kernels (8B shapes, bs 1 and 64)
+            step 120 profile python3 benchmark/profile_gpu_decode.py --model-path .gpu_models/llama3-8b \
+                --batch-size 1 64 --out "$OUT/profile.md"
+            step 60 tree_mask_diff python3 -m pytest -p no:cacheprovider -q -s \
+                test/kernels/test_triton_attention.py -k tree_mask
+            ;;
+        overlap8b)  # where the GPU's step is as long as the CPU's: the regime overlap is for
+            llama8b_with_tokenizer
+            step 75 overlap8b_on bash -c 'overlap_run on /tmp/llama8b_tok 128 512 128'
+            step 75 overlap8b_off bash -c 'overlap_run off /tmp/llama8b_tok 128 512 128'
+            ;;
+        flashinfer)  # its JIT kernels compile with nvcc on first use (minutes)
+            install .whl_fi/*.whl || exit 1
+            step 200 flashinfer_tests python3 -m pytest -p no:cacheprovider -q -ra --timeout 190 \
+                test/kernels/test_flashinfer_backend.py
+            step 60 attention_flashinfer python3 benchmark/bench_gpu.py attention --backends flashinfer triton \
+                --out "$OUT/attention_flashinfer.md"
+            ;;
+        *) echo "unknown lease step: $s"; exit 2 ;;
+        esac
+    done
+    cat "$OUT"/attention*.md "$OUT"/ceiling.md 2>/dev/null
+    grep -h "Output token throughput" "$OUT"/overlap_*.log 2>/dev/null
+    tail -n 3 "$OUT"/*tests.log 2>/dev/null
+    ;;
 tests)
     python3 -m pytest -m gpu -p no:cacheprovider -q -ra --timeout 540 test/kernels test/engine 2>&1 \
         | tee "$OUT/gpu_tests.log"
