@@ -21,11 +21,11 @@ from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.kv_memory import KVMemory
-from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
 from radixserve.speculative.ngram_drafter import NgramConfig, NgramDrafter
 from radixserve.testing.ranks import run_on_ranks
+from req_factory import make_req
 
 BS = 4
 DECODE_S = 0.010  # a decode step of BS requests, on every rank's clock
@@ -57,7 +57,7 @@ def _batch() -> ScheduleBatch:
     reqs = []
     for i in range(BS):
         prompt = [5, 6, 7, 8, 9] * 4
-        req = Req(f"r{i}", prompt, SamplingParams(max_new_tokens=64, temperature=0.0))
+        req = make_req(f"r{i}", prompt, SamplingParams(max_new_tokens=64, temperature=0.0))
         req.req_pool_idx = mem.alloc_rows(1)[0]
         slots = mem.alloc_extend([0], [len(prompt)], [-1], len(prompt))
         mem.req_to_token_pool.req_to_token[req.req_pool_idx, : len(prompt)] = slots.to(torch.int32)

@@ -142,7 +142,7 @@ class FakeScheduler:
         cached = max((_common_prefix(req.input_ids, p) for p in self.seen_prompts), default=0)
         self.seen_prompts.append(list(req.input_ids))
         fake = FakeReq(req, min(cached, len(req.input_ids) - 1))
-        fake.rule = Req(req.rid, req.input_ids, req.sampling_params, tokenizer=self.tokenizer)
+        fake.rule = Req(req, tokenizer=self.tokenizer)
         fake.rule.output_ids = fake.output_ids
         if self.max_queued is not None and len(self.running) >= self.max_queued:
             fake.finished_reason = FinishAbort("The request queue is full.", 503)

@@ -19,6 +19,7 @@ from radixserve.managers.detokenizer_manager import PARTIAL_CHAR_DROPPED, Detoke
 from radixserve.managers.io_struct import BatchTokenIDOut, FinishLength, FinishReason
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.req import FinishMatchedStr, Req, first_stop
+from req_factory import make_req
 
 CORPUS = [
     "Hello world, this is a small test corpus for a tiny tokenizer.",
@@ -184,7 +185,7 @@ def test_earliest_and_overlapping_stops() -> None:
 def scheduler_req(tokenizer: PreTrainedTokenizerFast, stop: list[str], min_new_tokens: int = 0) -> Req:
     """The scheduler's side of a request: its `check_finished` is the one stop-string authority."""
     params = SamplingParams(max_new_tokens=1000, min_new_tokens=min_new_tokens, stop=stop)
-    return Req("r", [0], params, tokenizer=tokenizer)
+    return make_req("r", [0], params, tokenizer=tokenizer)
 
 
 def run_stream(

@@ -11,7 +11,7 @@ from typing import Any
 from radixserve.constrained.grammar_manager import GrammarManager
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.scheduler.requests import RequestTable
+from radixserve.scheduler.req import Req
 
 
 class FakeBackend:
@@ -67,7 +67,7 @@ def grammar_req(rid: str) -> Any:  # noqa: ANN401
         input_ids=[1, 2, 3],
         sampling_params=SamplingParams(max_new_tokens=4, json_schema='{"type": "integer"}'),
     )
-    return RequestTable.build_req(msg, eos_token_ids=(0,), tokenizer=None)
+    return Req(msg, eos_token_ids=(0,))
 
 
 def test_a_grammar_done_on_one_rank_only_waits_on_both():

@@ -270,10 +270,10 @@ def test_prompt_logprobs_of_a_re_prefill_are_not_reported_twice():
     output token) re-prefills from scratch; only positions not yet reported, and only prompt
     positions (a re-prefill after retraction also covers output tokens), may be added."""
     from radixserve.sampling.sampling_params import SamplingParams
-    from radixserve.scheduler.req import Req
+    from req_factory import make_req
 
     prompt = list(range(100, 124))
-    req = Req("r", prompt, SamplingParams(max_new_tokens=4), return_logprob=True, logprob_start_len=0)
+    req = make_req("r", prompt, SamplingParams(max_new_tokens=4), return_logprob=True, logprob_start_len=0)
     req.append_input_logprobs([-1.0] * 8, 1)  # chunk 1: positions 1..8
     req.append_input_logprobs([-2.0] * 8, 9)  # chunk 2: positions 9..16
     req.append_input_logprobs([-3.0] * 25, 1)  # re-prefill of prompt + 2 output tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from fake_worker import FakeWorker
 
+import req_factory
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
@@ -24,8 +25,9 @@ def make_mem(size: int = 1000, page_size: int = 1, radix: bool = True) -> KVMemo
 
 
 def make_req(rid: str, n: int, max_new: int = 10, start: int = 0, **kw) -> Req:
-    req = Req(rid, list(range(start, start + n)), SamplingParams(max_new_tokens=max_new), **kw)
-    return req
+    return req_factory.make_req(
+        rid, list(range(start, start + n)), SamplingParams(max_new_tokens=max_new), **kw
+    )
 
 
 def ready(req: Req, mem: KVMemory) -> Req:

@@ -28,6 +28,7 @@ from radixserve.speculative.batch_gate import (
 )
 from radixserve.speculative.decode_step import SpeculativeDecodeStep
 from radixserve.speculative.ngram_drafter import MatchAcceptance, NgramConfig, NgramDrafter, SpecReqState
+from req_factory import make_req
 
 
 def _costs(bs: int, decode_s: float, verify: list[tuple[int, float]]) -> StepCosts:
@@ -93,7 +94,7 @@ def _batch(n: int) -> tuple[ScheduleBatch, KVMemory]:
     reqs = []
     for i in range(n):
         prompt = [5, 6, 7, 8, 9] * 4  # repeats: the trie always has a continuation
-        req = Req(f"r{i}", prompt, SamplingParams(max_new_tokens=64, temperature=0.0))
+        req = make_req(f"r{i}", prompt, SamplingParams(max_new_tokens=64, temperature=0.0))
         req.req_pool_idx = mem.alloc_rows(1)[0]
         slots = mem.alloc_extend([0], [len(prompt)], [-1], len(prompt))
         mem.req_to_token_pool.req_to_token[req.req_pool_idx, : len(prompt)] = slots.to(torch.int32)

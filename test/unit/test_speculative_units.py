@@ -27,6 +27,7 @@ from radixserve.speculative.ngram_drafter import (
 from radixserve.speculative.ngram_trie import NgramTrie
 from radixserve.speculative.verify import greedy_accept, rejection_accept
 from radixserve.speculative.verify_batch import prepare_for_verify, release_rejected, verify_tokens_needed
+from req_factory import make_req
 
 
 # ------------------------------------------------------------------------------------------ trie
@@ -99,7 +100,7 @@ def _mem(page_size: int, size: int = 256) -> KVMemory:
 
 
 def _decoding_req(mem: KVMemory, prompt_len: int) -> Req:
-    req = Req("r", list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=64, temperature=0.0))
+    req = make_req("r", list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=64, temperature=0.0))
     req.req_pool_idx = mem.alloc_rows(1)[0]
     slots = mem.alloc_extend([0], [prompt_len], [-1], prompt_len)
     mem.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len] = slots.to(torch.int32)
@@ -141,24 +142,24 @@ def _drafter(num_draft_tokens: int = 4) -> NgramDrafter:
 
 
 def test_who_speculates():
-    base = Req("r", [1, 2], SamplingParams(temperature=0.0))
+    base = make_req("r", [1, 2], SamplingParams(temperature=0.0))
     assert can_speculate(base)
-    assert can_speculate(Req("r", [1, 2], SamplingParams(temperature=0.7)))  # rejection sampling
+    assert can_speculate(make_req("r", [1, 2], SamplingParams(temperature=0.7)))  # rejection sampling
     for params in (
         SamplingParams(temperature=0.7, seed=3),
         SamplingParams(temperature=0.0, frequency_penalty=0.1),
         SamplingParams(temperature=0.0, repetition_penalty=1.1),
         SamplingParams(temperature=0.0, min_new_tokens=3),
     ):
-        assert not can_speculate(Req("r", [1, 2], params))
-    assert not can_speculate(Req("r", [1, 2], SamplingParams(temperature=0.0), return_logprob=True))
+        assert not can_speculate(make_req("r", [1, 2], params))
+    assert not can_speculate(make_req("r", [1, 2], SamplingParams(temperature=0.0), return_logprob=True))
     topk1 = SamplingParams(temperature=0.9, top_k=1)
-    assert can_speculate(Req("r", [1, 2], topk1))
+    assert can_speculate(make_req("r", [1, 2], topk1))
 
 
 def test_backoff_rule():
     drafter = _drafter()
-    req = Req("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_new_tokens=100))
+    req = make_req("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_new_tokens=100))
     req.output_ids = [7]
     assert drafter.draft(req, 100) == [5, 6, 7]
     st = req.spec
@@ -178,7 +179,7 @@ def test_backoff_rule():
 
 def test_drafts_stop_at_max_new_tokens():
     drafter = _drafter(8)
-    req = Req("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_new_tokens=3))
+    req = make_req("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_new_tokens=3))
     req.output_ids = [7]
     assert drafter.draft(req, 100) == [5]  # 1 output + 1 draft + the target's token = 3
 
@@ -186,7 +187,7 @@ def test_drafts_stop_at_max_new_tokens():
 @pytest.mark.parametrize("num_output", [0, 1, 3, 6])
 @pytest.mark.parametrize("n", [1, 3, 4, 9, 20])
 def test_last_tokens_is_the_tail_of_prompt_plus_output(num_output, n):
-    req = Req("r", [10, 11, 12, 13, 14], SamplingParams(temperature=0.0))
+    req = make_req("r", [10, 11, 12, 13, 14], SamplingParams(temperature=0.0))
     req.output_ids = list(range(20, 20 + num_output))
     assert last_tokens(req, n) == (req.origin_input_ids + req.output_ids)[-n:]
 

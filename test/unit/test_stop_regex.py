@@ -13,6 +13,7 @@ from radixserve.managers.detokenizer_manager import DetokenizerManager
 from radixserve.managers.io_struct import BatchTokenIDOut, FinishMatchedRegex
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.req import Req
+from req_factory import make_req
 
 TEXT = "Order 12 apples, then 345 pears. Answer: 42.\n\nDone"
 
@@ -31,7 +32,7 @@ def finish_step(tokenizer: PreTrainedTokenizerFast, text: str, **params: object)
     """Feed `text`'s tokens one by one; the index of the token the request finished on."""
     sampling = SamplingParams(max_new_tokens=1000, **params)
     sampling.normalize()
-    req = Req("r", [0], sampling, tokenizer=tokenizer)
+    req = make_req("r", [0], sampling, tokenizer=tokenizer)
     for i, tok in enumerate(tokenizer.encode(text)):
         req.output_ids.append(tok)
         req.check_finished()

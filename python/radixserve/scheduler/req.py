@@ -23,13 +23,15 @@ from radixserve.managers.io_struct import (
     FinishMatchedStr,
     FinishMatchedToken,
     FinishReason,
+    TokenizedGenerateReqInput,
 )
+from radixserve.multimodal.inputs import attach_mm_inputs
 from radixserve.sampling.sampling_params import STOP_REGEX_TAIL_TOKENS, SamplingParams
+from radixserve.scheduler.req_timeline import ReqTimeline
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.base_cache import BasePrefixCache
     from radixserve.multimodal.inputs import MultimodalInputs
-    from radixserve.scheduler.req_timeline import ReqTimeline
 
 
 def first_stop(text: str, stops: list[str], ends_after: int = 0) -> str | None:
@@ -90,77 +92,70 @@ class Req:
 
     def __init__(
         self,
-        rid: str,
-        origin_input_ids: list[int],
-        sampling_params: SamplingParams,
-        *,
-        origin_input_text: str = "",
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-        stream: bool = False,
-        priority: int | None = None,
-        received_time: float | None = None,
+        msg: TokenizedGenerateReqInput,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,  # noqa: ANN401 - any HF-style tokenizer with decode()
-        is_embedding: bool = False,
-        token_type_ids: list[int] | None = None,
-        label_token_ids: list[int] | None = None,
-        needs_all_tokens: bool = False,
-        lora_id: str | None = None,
-        return_hidden_states: bool = False,
-        input_embeds: torch.Tensor | None = None,
-        cache_salt: str | None = None,
-        token_ids_logprob: tuple[int, ...] | None = None,
     ) -> None:
-        self.rid = rid
+        """The request `msg` as the scheduler runs it; the model's EOS ids, and the tokenizer that
+        stop strings are matched with (None: no stop strings)."""
+        self.rid = msg.rid
         # The LoRA adapter (None: the base model); also the radix cache namespace of its KV.
-        self.lora_id = lora_id
+        self.lora_id = msg.lora_id
         # [prompt_len, hidden_size] fp32: the prompt as embeddings (its ids are placeholders).
-        self.input_embeds = input_embeds
-        # Its images (multimodal/inputs.py: MultimodalInputs); the prompt's image tokens are
-        # their pad values then.
-        self.multimodal_inputs: MultimodalInputs | None = None
-        self.cache_salt = cache_salt  # only requests with the same salt share cached prefixes
+        embeds = msg.input_embeds
+        self.input_embeds = None if embeds is None else torch.tensor(embeds, dtype=torch.float32)
+        self.cache_salt = msg.cache_salt  # only requests with the same salt share cached prefixes
         # A CustomLogitProcessor instance (set by the scheduler from the request's spec), or None.
         self.custom_logit_processor: Any = None
         self.session_id: str | None = None  # set when the request continues a session
-        self.origin_input_text = origin_input_text
-        self.origin_input_ids = list(origin_input_ids)
-        self.sampling_params = sampling_params
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.top_logprobs_num = top_logprobs_num
-        self.token_ids_logprob = token_ids_logprob  # ids scored at each logprob position (or None)
+        self.origin_input_text = msg.input_text
+        self.origin_input_ids = list(msg.input_ids)
+        # Its images: the prompt's image tokens are their pad values then (multimodal/inputs.py).
+        self.multimodal_inputs: MultimodalInputs | None = None
+        if msg.mm_inputs is not None:
+            attach_mm_inputs(self, msg.mm_inputs)
+        self.sampling_params = msg.sampling_params
+        self.return_logprob = msg.return_logprob
+        self.logprob_start_len = msg.logprob_start_len
+        self.top_logprobs_num = msg.top_logprobs_num
+        self.token_ids_logprob = msg.token_ids_logprob  # ids scored at each logprob position (or None)
         # The final hidden states (scheduler/hidden_states.py): the prompt's rows as one entry,
         # then one row per generated token but the last.
-        self.return_hidden_states = return_hidden_states
+        self.return_hidden_states = msg.return_hidden_states
         self.hidden_states: list[torch.Tensor] = []  # [prompt_len, hidden], then [hidden] each
         self.hidden_chunks: list[torch.Tensor] = []  # the prompt's rows of the chunks run so far
-        self.stream = stream
-        self.priority = priority if priority is not None else 0  # larger = more important
+        self.stream = msg.stream
+        self.priority = msg.priority if msg.priority is not None else 0  # larger = more important
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.tokenizer = tokenizer
-        # Prefill-only requests (seed 000 §17): they finish when their prompt is computed.
-        self.is_embedding = is_embedding
-        self.token_type_ids = list(token_type_ids) if token_type_ids is not None else None
-        self.label_token_ids = list(label_token_ids) if label_token_ids is not None else None
-        # Mean/CLS pooling reads every prompt token's hidden state in one forward: no cached
-        # prefix (its states are not kept) and no chunking.
-        self.needs_all_tokens = needs_all_tokens
-        self.embedding: Any = None  # a numpy float32 vector once computed
-        stops = sampling_params.stop or []
-        self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
-        self.stop_str_max_len = max((len(s.encode()) for s in self.stop_strs), default=0)  # bytes
-        regexes = sampling_params.stop_regex or []
-        self.stop_regexes = [re.compile(p) for p in ([regexes] if isinstance(regexes, str) else regexes)]
+        self._init_prefill_only()
+        self._init_stops(msg.sampling_params)
         # Prefill/decode disaggregation: the peer's bootstrap address and the pairing room (a PD
         # side sets them when it admits the request).
         self.routing: DisaggRouting = NO_ROUTING
-        self.times = ReqTimes(received=received_time if received_time else time.time())
-        self.timeline: ReqTimeline | None = None  # --enable-trace, for a request with a trace context
+        self.times = ReqTimes(received=msg.received_time if msg.received_time else time.time())
+        # --enable-trace: only a request with a trace context is timed.
+        self.timeline = ReqTimeline() if msg.trace is not None else None
         self._init_progress()
+
+    def _init_prefill_only(self) -> None:
+        """Prefill-only requests (seed 000 §17) finish when their prompt is computed; a generation
+        request keeps these defaults (RequestTable.build_embedding_req sets them)."""
+        self.is_embedding = False
+        self.token_type_ids: list[int] | None = None
+        self.label_token_ids: list[int] | None = None
+        # Mean/CLS pooling reads every prompt token's hidden state in one forward: no cached
+        # prefix (its states are not kept) and no chunking.
+        self.needs_all_tokens = False
+        self.embedding: Any = None  # a numpy float32 vector once computed
+
+    def _init_stops(self, params: SamplingParams) -> None:
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        stops = params.stop or []
+        self.stop_strs: list[str] = [stops] if isinstance(stops, str) else list(stops)
+        self.stop_str_max_len = max((len(s.encode()) for s in self.stop_strs), default=0)  # bytes
+        regexes = params.stop_regex or []
+        self.stop_regexes = [re.compile(p) for p in ([regexes] if isinstance(regexes, str) else regexes)]
 
     def _init_progress(self) -> None:
         """What the scheduler advances as the request runs: output, KV, finish, in-flight state."""

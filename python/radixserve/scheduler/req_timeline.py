@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from radixserve.managers.io_struct import ReqTrace
-from radixserve.scheduler.schedule_batch import ScheduleBatch
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 
 class ReqTimeline:

@@ -9,8 +9,6 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 
-import torch
-
 from radixserve.distributed.rank_runtime import LocalSync, RankSync
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -18,12 +16,10 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
     rid_matches,
 )
-from radixserve.multimodal.inputs import attach_mm_inputs
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.live_limits import LiveLimits
 from radixserve.scheduler.output_processor import OutputProcessor
 from radixserve.scheduler.req import FinishAbort, Req
-from radixserve.scheduler.req_timeline import ReqTimeline
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -214,50 +210,21 @@ class RequestTable:
                     )
 
     @staticmethod
-    def build_req(
-        msg: TokenizedGenerateReqInput, eos_token_ids: tuple[int, ...], tokenizer: object | None
-    ) -> Req:
-        req = Req(
-            msg.rid,
-            msg.input_ids,
-            msg.sampling_params,
-            origin_input_text=msg.input_text,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num,
-            token_ids_logprob=msg.token_ids_logprob,
-            return_hidden_states=msg.return_hidden_states,
-            input_embeds=None
-            if msg.input_embeds is None
-            else torch.tensor(msg.input_embeds, dtype=torch.float32),
-            cache_salt=msg.cache_salt,
-            stream=msg.stream,
-            priority=msg.priority,
-            received_time=msg.received_time,
-            eos_token_ids=eos_token_ids,
-            tokenizer=tokenizer,
-            lora_id=msg.lora_id,
-        )
-        if msg.mm_inputs is not None:
-            attach_mm_inputs(req, msg.mm_inputs)
-        if msg.trace is not None:  # only a traced request is timed (--enable-trace)
-            req.timeline = ReqTimeline()
-        return req
-
-    @staticmethod
     def build_embedding_req(msg: TokenizedEmbeddingReqInput, needs_all_tokens: bool) -> Req:
         params = SamplingParams(max_new_tokens=0)
         params.normalize()
-        return Req(
-            msg.rid,
-            msg.input_ids,
-            params,
-            origin_input_text=msg.input_text,
-            priority=msg.priority,
-            received_time=msg.received_time,
-            is_embedding=True,
-            token_type_ids=msg.token_type_ids,
-            label_token_ids=msg.label_token_ids,
-            # Scoring reads the last position only, whatever the model's pooling.
-            needs_all_tokens=needs_all_tokens and msg.label_token_ids is None,
+        req = Req(
+            TokenizedGenerateReqInput(
+                msg.rid,
+                msg.input_text,
+                msg.input_ids,
+                params,
+                priority=msg.priority,
+                received_time=msg.received_time,
+            )
         )
+        req.is_embedding = True
+        req.token_type_ids, req.label_token_ids = msg.token_type_ids, msg.label_token_ids
+        # Scoring reads the last position only, whatever the model's pooling.
+        req.needs_all_tokens = needs_all_tokens and msg.label_token_ids is None
+        return req

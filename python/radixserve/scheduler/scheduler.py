@@ -273,7 +273,7 @@ class Scheduler:
         if msg.session_params is not None and msg.session_params.id is not None:
             req, error = self.sessions.create_req(msg)
         else:
-            req = RequestTable.build_req(msg, self.eos_token_ids, self.tokenizer)
+            req = Req(msg, self.eos_token_ids, self.tokenizer)
         if error is None and msg.custom_logit_processor is not None:
             req.custom_logit_processor, error = processor_for(msg.custom_logit_processor, self.server_args)
         released = self.memory_occupation.released_message()
@@ -295,7 +295,7 @@ class Scheduler:
             self.requests.add(req, self.grammar.route)  # constrained requests wait for their grammar
 
     def _build_session_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
-        return RequestTable.build_req(replace(msg, input_ids=input_ids), self.eos_token_ids, self.tokenizer)
+        return Req(replace(msg, input_ids=input_ids), self.eos_token_ids, self.tokenizer)
 
     def _on_finished(self, req: Req) -> None:
         self.requests.forget(req)
