@@ -27,7 +27,7 @@ EOS = 2  # the tiny models' eos_token_id
 
 
 def pools_are_empty(worker: TpModelWorker) -> bool:
-    allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
+    allocator, rows = worker.pools.token_to_kv_pool_allocator, worker.pools.req_to_token_pool
     return allocator.available_size() == allocator.size and rows.available_size() == rows.size
 
 

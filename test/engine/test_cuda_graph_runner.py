@@ -131,7 +131,7 @@ def test_padding_content_and_kv_writes(worker, graphs):
     static.prefill(reqs)
     static.decode(reqs)  # bs 7 -> graph 8: leaves real data in all rows but the last
     short = reqs[:5]
-    pool = worker.token_to_kv_pool
+    pool = worker.pools.token_to_kv_pool
     k_before = pool.get_key_buffer(0).clone()
     result = static.decode(short)  # bs 5 -> graph 8: rows 5..7 must be padding again
     k_after = pool.get_key_buffer(0)

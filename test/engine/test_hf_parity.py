@@ -64,10 +64,10 @@ def test_greedy_parity_with_prefix_reuse(kind, page_size, tiny_model_dir, hf_ref
         for p, r in zip(prompts, reqs)
     ]
     assert any(len(r.prefix_slots) > 0 for r in reused)
-    available = runner.worker.token_to_kv_pool_allocator.available_size()
+    available = runner.worker.pools.token_to_kv_pool_allocator.available_size()
     runner.generate(reused, NUM_NEW)
     for req, (ref_ids, ref_logprobs) in zip(reused, reference):
         assert req.output_ids == ref_ids
         assert max(abs(a - b) for a, b in zip(req.output_logprobs, ref_logprobs)) < 1e-4
     runner.release(reused)
-    assert runner.worker.token_to_kv_pool_allocator.available_size() == available
+    assert runner.worker.pools.token_to_kv_pool_allocator.available_size() == available

@@ -17,5 +17,5 @@ def test_decode_past_max_position_embeddings(tiny_model_dir):
     req = StaticReq([5 + i % 300 for i in range(1020)], SamplingParams(max_new_tokens=16, temperature=0.0))
     runner.generate([req], 16)  # positions 1020 .. 1035
     assert len(req.output_ids) == 16
-    assert all(0 <= t < worker.vocab_size for t in req.output_ids)
+    assert all(0 <= t < worker.info.vocab_size for t in req.output_ids)
     assert torch.isfinite(worker.model_runner.model.model.layers[0].self_attn.rotary_emb.cos_cached).all()

@@ -372,5 +372,5 @@ def test_worker_builds_the_draft_model_from_server_args(tiny_model_dir):
     ).resolve()
     worker = build_model_worker(args, ModelConfig.from_path(target, dtype="float32"))
     assert isinstance(worker.draft, DraftModel)
-    assert worker.draft.req_to_token_pool is worker.req_to_token_pool  # slots shared, K/V not
-    assert worker.draft.kv_pool is not worker.token_to_kv_pool
+    assert worker.draft.req_to_token_pool is worker.pools.req_to_token_pool  # slots shared, K/V not
+    assert worker.draft.kv_pool is not worker.pools.token_to_kv_pool

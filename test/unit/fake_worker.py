@@ -26,7 +26,7 @@ from radixserve.layers.sampler import Sampler
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
-from radixserve.model_executor.worker_api import WorkerInfo
+from radixserve.model_executor.worker_api import KVPools, WorkerInfo
 
 _PRIME = 1_000_003
 
@@ -46,13 +46,10 @@ class FakeWorker:
     ) -> None:
         """`nan_at_seq_len`: a row sampling at that sequence length gets NaN logits (a broken
         model), to test that such a row never feeds the next forward."""
-        self.req_to_token_pool = ReqToTokenPool(max_req_num, max_context_len, "cpu")
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
-        self.max_total_num_tokens = max_total_num_tokens
-        self.max_req_num = max_req_num
-        self.max_context_len = max_context_len
-        self.vocab_size = vocab_size
-        self.info = WorkerInfo()
+        rows = ReqToTokenPool(max_req_num, max_context_len, "cpu")
+        slots = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
+        self.pools = KVPools(rows, slots, max_total_num_tokens, max_req_num, max_context_len)
+        self.info = WorkerInfo(vocab_size)
         # eos_token_id is emitted when the sequence hash is a multiple of eos_period (0: never).
         self.eos_token_id = eos_token_id
         self.eos_period = eos_period
@@ -76,10 +73,10 @@ class FakeWorker:
         ids = mwb.input_ids  # [num_tokens]
         assert bool((ids >= 0).all()), f"unresolved future token in input_ids: {ids.tolist()}"
         # What the embedding of a real model would crash on.
-        assert bool((ids < self.vocab_size).all()), f"token id outside the vocabulary: {ids.tolist()}"
+        assert bool((ids < self.info.vocab_size).all()), f"token id outside the vocabulary: {ids.tolist()}"
         assert ids.numel() == mwb.out_cache_loc.numel()
         self.kv[mwb.out_cache_loc] = ids
-        table = self.req_to_token_pool.req_to_token
+        table = self.pools.req_to_token_pool.req_to_token
         next_ids, hashes = [], []
         for row, seq_len in zip(mwb.req_pool_indices.tolist(), mwb.seq_lens.tolist()):
             slots = table[row, :seq_len].to(torch.int64)
@@ -90,7 +87,7 @@ class FakeWorker:
                 self.unwritten_reads += 1
                 tokens = tokens.clamp(min=0)
             h = int((tokens * self.weights[:seq_len]).sum()) % _PRIME
-            tok = (h * 31 + seq_len) % self.vocab_size
+            tok = (h * 31 + seq_len) % self.info.vocab_size
             if self.eos_token_id is not None and self.eos_period and h % self.eos_period == 0:
                 tok = self.eos_token_id
             next_ids.append(tok)
@@ -128,7 +125,7 @@ class FakeWorker:
         return result
 
     def _logits(self, toks: list[int], hashes: list[int], seq_lens: list[int]) -> torch.Tensor:
-        logits = torch.zeros(len(toks), self.vocab_size)
+        logits = torch.zeros(len(toks), self.info.vocab_size)
         for i, (tok, h, seq_len) in enumerate(zip(toks, hashes, seq_lens)):
             if self.favourites:
                 for j, fav in enumerate(self.favourites):

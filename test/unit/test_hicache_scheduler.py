@@ -4,6 +4,8 @@ a prefix loaded back from L2 with wrong or missing bytes changes the outputs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from fake_worker import FakeWorker, reference_output
@@ -15,9 +17,10 @@ from radixserve.mem_cache import MHATokenToKVPool
 class TieredFakeWorker(FakeWorker):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        ps = self.token_to_kv_pool_allocator.page_size
-        self.token_to_kv_pool = MHATokenToKVPool(self.max_total_num_tokens, ps, torch.int64, 1, 1, 1, "cpu")
-        self.kv = self.token_to_kv_pool.k_buffer[0].view(-1)  # [slots]: FakeWorker writes here
+        ps, slots = self.pools.token_to_kv_pool_allocator.page_size, self.pools.max_total_num_tokens
+        kv_pool = MHATokenToKVPool(slots, ps, torch.int64, 1, 1, 1, "cpu")
+        self.pools = replace(self.pools, token_to_kv_pool=kv_pool)
+        self.kv = kv_pool.k_buffer[0].view(-1)  # [slots]: FakeWorker writes here
         self.kv.fill_(-1)
 
 

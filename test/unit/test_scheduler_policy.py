@@ -20,8 +20,8 @@ from radixserve.scheduler.req import Req
 def make_mem(size: int = 1000, page_size: int = 1, radix: bool = True) -> KVMemory:
     w = FakeWorker(max_total_num_tokens=size, page_size=page_size)
     cls = RadixCache if radix else ChunkCache
-    cache = cls(w.req_to_token_pool, w.token_to_kv_pool_allocator, page_size)
-    return KVMemory(w.req_to_token_pool, w.token_to_kv_pool_allocator, cache, page_size)
+    cache = cls(w.pools.req_to_token_pool, w.pools.token_to_kv_pool_allocator, page_size)
+    return KVMemory(w.pools.req_to_token_pool, w.pools.token_to_kv_pool_allocator, cache, page_size)
 
 
 def make_req(rid: str, n: int, max_new: int = 10, start: int = 0, **kw) -> Req:

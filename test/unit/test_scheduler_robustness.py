@@ -57,7 +57,7 @@ def test_tiny_repetition_penalty_keeps_logits_finite(make_harness, overlap):
     h.run_until_idle()
     for rid in ("rp", "rp_greedy", "ok"):
         assert h.finished[rid] == {"type": "length", "length": 16}, rid
-        assert all(0 <= t < worker.vocab_size for t in h.outputs[rid])
+        assert all(0 <= t < worker.info.vocab_size for t in h.outputs[rid])
     assert_clean(h)
 
 

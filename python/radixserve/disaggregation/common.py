@@ -106,7 +106,7 @@ def mark_scheduled(req: Req) -> None:
 
 def kv_layout(worker: Any, page_size: int) -> KVLayout:  # noqa: ANN401 - the model worker
     """This rank's KV pool as the peer server must see it (its TP shard's KV heads)."""
-    pool, info = worker.token_to_kv_pool, worker.info
+    pool, info = worker.pools.token_to_kv_pool, worker.info
     tp_size, tp_rank = info.tp_size, info.tp_rank
     if info.num_attention_heads is None or info.num_kv_heads is None:  # a test worker: every head
         num_kv_heads, heads = pool.num_kv_heads, (0, pool.num_kv_heads)

@@ -40,20 +40,20 @@ class StaticBatchRunner:
         # Pipeline stages: every stage goes on with the last stage's tokens.
         self.stage_link = worker.stage_link if isinstance(worker, PipelineStageWorker) else None
         self.return_logprob = return_logprob
-        self.req_to_token = worker.req_to_token_pool.req_to_token  # [max_reqs, max_context_len]
+        self.req_to_token = worker.pools.req_to_token_pool.req_to_token  # [max_reqs, max_context_len]
 
     def slots_of(self, req: StaticReq, length: int) -> torch.Tensor:
         return self.req_to_token[req.req_pool_idx, :length].long().clone()
 
     def prefill(self, reqs: list[StaticReq]) -> GenerationBatchResult:
-        rows = self.worker.req_to_token_pool.alloc(len(reqs))
+        rows = self.worker.pools.req_to_token_pool.alloc(len(reqs))
         if rows is None:
             raise RuntimeError("ReqToTokenPool exhausted")
         prefix_lens = [0 if r.prefix_slots is None else len(r.prefix_slots) for r in reqs]
         seq_lens = [len(r.origin_input_ids) for r in reqs]
         last_loc = [int(r.prefix_slots[-1]) if p else -1 for r, p in zip(reqs, prefix_lens)]
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
-        out_cache_loc = self.worker.token_to_kv_pool_allocator.alloc_extend(
+        out_cache_loc = self.worker.pools.token_to_kv_pool_allocator.alloc_extend(
             prefix_lens, seq_lens, last_loc, sum(extend_lens)
         )
         if out_cache_loc is None:
@@ -83,7 +83,7 @@ class StaticBatchRunner:
     def decode(self, reqs: list[StaticReq]) -> GenerationBatchResult:
         seq_lens = [r.seq_len for r in reqs]  # includes the token being fed now
         last_loc = [int(self.req_to_token[r.req_pool_idx, s - 2]) for r, s in zip(reqs, seq_lens)]
-        out_cache_loc = self.worker.token_to_kv_pool_allocator.alloc_decode(seq_lens, last_loc)
+        out_cache_loc = self.worker.pools.token_to_kv_pool_allocator.alloc_decode(seq_lens, last_loc)
         if out_cache_loc is None:
             raise RuntimeError("KV pool exhausted")
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
@@ -104,12 +104,12 @@ class StaticBatchRunner:
 
     def release(self, reqs: list[StaticReq]) -> None:
         """Free each request's row and its own KV slots (not slots it borrowed as a prefix)."""
-        allocator = self.worker.token_to_kv_pool_allocator
+        allocator = self.worker.pools.token_to_kv_pool_allocator
         for req in reqs:
             start = 0 if req.prefix_slots is None else len(req.prefix_slots)
             kv_len = req.seq_len - 1  # the last sampled token was never fed
             allocator.free(self.req_to_token[req.req_pool_idx, start:kv_len].long())
-            self.worker.req_to_token_pool.free(req.req_pool_idx)
+            self.worker.pools.req_to_token_pool.free(req.req_pool_idx)
 
     def generate(self, reqs: list[StaticReq], max_new_tokens: int) -> None:
         self.prefill(reqs)
@@ -118,7 +118,7 @@ class StaticBatchRunner:
 
     def _sampling_info(self, reqs: list[StaticReq]) -> SamplingBatchInfo:
         return SamplingBatchInfo.from_reqs(
-            reqs, self.worker.vocab_size, self.worker.info.device, self.worker.model_config.eos_token_ids
+            reqs, self.worker.info.vocab_size, self.worker.info.device, self.worker.model_config.eos_token_ids
         )
 
     def _run(self, reqs: list[StaticReq], batch: ModelWorkerBatch) -> GenerationBatchResult:

@@ -15,7 +15,7 @@ from radixserve.layers.logits_processor import LogitsOutput
 from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import ForwardBatch, GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.model_executor.worker_api import WorkerInfo
+from radixserve.model_executor.worker_api import KVPools, WorkerInfo
 from radixserve.server_args import ServerArgs
 from radixserve.utils.process import bound_onednn_caches
 
@@ -34,14 +34,16 @@ class TpModelWorker:
         self.model_runner = ModelRunner(server_args, model_config, rank, device)
         runner = self.model_runner
         self.model_config = model_config
-        self.req_to_token_pool = runner.req_to_token_pool
-        self.token_to_kv_pool = runner.token_to_kv_pool
-        self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
-        self.max_total_num_tokens = runner.max_total_num_tokens
-        self.max_req_num = runner.max_req_num
-        self.max_context_len = model_config.context_len
-        self.vocab_size = model_config.vocab_size
+        self.pools = KVPools(
+            runner.req_to_token_pool,
+            runner.token_to_kv_pool_allocator,
+            runner.max_total_num_tokens,
+            runner.max_req_num,
+            model_config.context_len,
+            runner.token_to_kv_pool,
+        )
         self.info = WorkerInfo(
+            vocab_size=model_config.vocab_size,
             device=runner.device,
             is_generation=model_config.is_generation,
             is_causal=runner.embedding_config.is_causal,

@@ -22,10 +22,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class KVPools:
+    """A worker stack's request rows and KV slots, made by its model runner and shared by every
+    layer of the stack (a draft model may keep its own K/V pool, never its own rows or slots): the
+    scheduler allocates rows and slots in them, the worker writes K/V."""
+
+    req_to_token_pool: Any  # ReqToTokenPool: [max_req_num, max_context_len] request rows
+    token_to_kv_pool_allocator: Any  # hands out KV slots of the pool, page by page
+    max_total_num_tokens: int
+    max_req_num: int
+    max_context_len: int
+    token_to_kv_pool: Any = None  # the K/V buffers (PD transfers read them); None: a test worker's
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """What a worker is, for the scheduler and its add-ons. The defaults describe a single-rank
     generative test worker that holds no real weights."""
 
+    vocab_size: int  # the LM head's rows: every sampled id is below it
     device: torch.device | str = "cpu"
     is_generation: bool = True
     # Encoders attend bidirectionally: a token's KV depends on later tokens, so none is shared.
@@ -55,20 +70,10 @@ class WorkerInfo:
 
 
 class ModelWorker(Protocol):
-    """What the scheduler (loops, builder, control plane, PD sides) uses of a worker stack.
-
-    The pools are shared by every layer of a stack (a draft model may keep its own K/V pool, never
-    its own rows or slots): the scheduler allocates rows and slots in them, the worker writes K/V.
-    """
+    """What the scheduler (loops, builder, control plane, PD sides) uses of a worker stack."""
 
     info: WorkerInfo
-    req_to_token_pool: Any  # ReqToTokenPool: [max_req_num, max_context_len] request rows
-    token_to_kv_pool: Any  # the K/V buffers (PD transfers read and write them)
-    token_to_kv_pool_allocator: Any  # hands out KV slots of the pool, page by page
-    max_total_num_tokens: int
-    max_req_num: int
-    max_context_len: int
-    vocab_size: int
+    pools: KVPools
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult | None:
         """Forward and sample (on a pipeline stage before the last: forward and hand on, None).
@@ -82,20 +87,14 @@ class ModelWorker(Protocol):
 
 
 class WorkerLayer:
-    """A layer of a worker stack around TpModelWorker (`inner`): the same pools, sizes, info and
+    """A layer of a worker stack around TpModelWorker (`inner`): the same pools, info and
     embedding path; a subclass changes forward_batch_generation only."""
 
     def __init__(self, inner: TpModelWorker) -> None:
         self.inner = inner
         self.info = inner.info
+        self.pools = inner.pools
         self.model_config = inner.model_config
-        self.req_to_token_pool = inner.req_to_token_pool
-        self.token_to_kv_pool = inner.token_to_kv_pool
-        self.token_to_kv_pool_allocator = inner.token_to_kv_pool_allocator
-        self.max_total_num_tokens = inner.max_total_num_tokens
-        self.max_req_num = inner.max_req_num
-        self.max_context_len = inner.max_context_len
-        self.vocab_size = inner.vocab_size
 
     def forward_batch_embedding(self, mwb: ModelWorkerBatch) -> EmbeddingBatchResult:
         return self.inner.forward_batch_embedding(mwb)

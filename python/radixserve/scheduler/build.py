@@ -59,7 +59,7 @@ def attach_disaggregation(scheduler: Scheduler) -> LoopHooks | None:
     from radixserve.disaggregation.common import SideParts, kv_layout
 
     s = scheduler
-    pool, layout = s.worker.token_to_kv_pool, kv_layout(s.worker, s.mem.page_size)
+    pool, layout = s.worker.pools.token_to_kv_pool, kv_layout(s.worker, s.mem.page_size)
     parts = SideParts(
         s.server_args,
         pool,

@@ -141,8 +141,9 @@ class OverlapScheduleExecutor(SyncExecutor):
             raise ValueError("speculative decoding runs in the normal loop only (disable_overlap_schedule)")
         super().__init__(core)
         # The request rows bound every batch's width, whatever the live running cap becomes.
+        pools = core.worker.pools
         self.future_map = FutureMap(
-            core.worker.max_req_num, core.chunked_prefill_size, core.worker.max_context_len, core.device
+            pools.max_req_num, core.chunked_prefill_size, pools.max_context_len, core.device
         )
         self.worker = create_overlap_executor(core.worker, self.future_map, core.device)
         self.result_queue: deque[tuple[ScheduleBatch, PendingResult]] = deque()

@@ -119,7 +119,7 @@ class Scheduler:
 
     def _build_memory(self) -> KVMemory:
         worker, args = self.worker, self.server_args
-        allocator, rows = worker.token_to_kv_pool_allocator, worker.req_to_token_pool
+        allocator, rows = worker.pools.token_to_kv_pool_allocator, worker.pools.req_to_token_pool
         # Encoders attend bidirectionally: a token's KV depends on the tokens after it, so no
         # prefix can be shared and the radix cache would only hold KV nobody may reuse.
         if args.disable_radix_cache or not worker.info.is_causal:
@@ -128,7 +128,7 @@ class Scheduler:
             cache = build_hicache(
                 rows,
                 allocator,
-                worker.token_to_kv_pool,
+                worker.pools.token_to_kv_pool,
                 HiCacheConfig.from_server_args(args),
                 worker.info.tp_rank,
                 self.sync,
@@ -146,7 +146,7 @@ class Scheduler:
         self.chunked_prefill_size = (
             args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else None
         )
-        self.live_limits = LiveLimits.from_server_args(args, worker.max_req_num, worker.info.pp_size)
+        self.live_limits = LiveLimits.from_server_args(args, worker.pools.max_req_num, worker.info.pp_size)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness, 1.0)
         self.state = SchedulerState(self.make_batch([]), self.init_new_token_ratio)
         self.batch_log = BatchLog(trace=args.enable_trace)  # recent batches (dashboard), traced requests
@@ -157,7 +157,7 @@ class Scheduler:
             report_spec=args.speculative_algorithm is not None,
             report_traces=args.enable_trace,
         )
-        max_req_len = min(worker.max_context_len, worker.max_total_num_tokens)
+        max_req_len = min(worker.pools.max_context_len, worker.pools.max_total_num_tokens)
         loras = worker.info.lora.adapters if worker.info.lora is not None else ()  # the live dict
         self.requests = RequestTable(
             self.state, self.output, self.live_limits, max_req_len, sync, loras, worker.info.takes_images
@@ -250,10 +250,12 @@ class Scheduler:
             return lambda: backend
         if self.tokenizer is None or self.server_args.grammar_backend == "none":
             return None
-        return lambda: GrammarBackend(self.tokenizer, self.worker.vocab_size, self.eos_token_ids)
+        return lambda: GrammarBackend(self.tokenizer, self.worker.info.vocab_size, self.eos_token_ids)
 
     def make_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch.init_new(reqs, self.mem, self.worker.vocab_size, self.device, self.eos_token_ids)
+        return ScheduleBatch.init_new(
+            reqs, self.mem, self.worker.info.vocab_size, self.device, self.eos_token_ids
+        )
 
     # ------------------------------------------------------------------ input
     def process_input_requests(self, recv_reqs: Iterable[object]) -> None:
@@ -411,7 +413,7 @@ class Scheduler:
         if info is None:
             return
         # Set on the forward's shallow copy only: the live batch never carries a stale mask.
-        info.vocab_mask = self.grammar.vocab_mask(reqs, self.worker.vocab_size)
+        info.vocab_mask = self.grammar.vocab_mask(reqs, self.worker.info.vocab_size)
         info.sync_output_tokens([r.output_ids for r in reqs])
 
     def launch(

@@ -171,10 +171,10 @@ def build_scheduler(
     scheduler = Scheduler(
         server_args, worker, tokenizer, model_config.eos_token_ids, send_output, sync=rank, dp_rank=dp_rank
     )
-    max_req_len = min(model_config.context_len, worker.max_total_num_tokens)
+    max_req_len = min(model_config.context_len, worker.pools.max_total_num_tokens)
     info = {
         "status": "ready",
-        "max_total_num_tokens": worker.max_total_num_tokens,
+        "max_total_num_tokens": worker.pools.max_total_num_tokens,
         "max_req_input_len": max_req_len - 1,
         "context_len": model_config.context_len,
         "vocab_size": model_config.vocab_size,

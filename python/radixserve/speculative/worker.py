@@ -100,6 +100,6 @@ class SpeculativeWorker(WorkerLayer):
         moves = accepted_kv_moves(batch.out_cache_loc, batch.extend_seq_lens, paths)
         if moves is None:
             return
-        move_kv(self.token_to_kv_pool, moves)
+        move_kv(self.pools.token_to_kv_pool, moves)
         if isinstance(self.draft, DraftModel):
             move_kv(self.draft.kv_pool, moves)

@@ -76,7 +76,7 @@ class InProcessScheduler:
         mm_inputs = params.pop("mm_inputs", None)
         sp = SamplingParams(**params)
         sp.normalize()
-        sp.verify(self.worker.vocab_size)
+        sp.verify(self.worker.info.vocab_size)
         msg = TokenizedGenerateReqInput(rid, "", list(input_ids), sp, lora_id=lora_id, mm_inputs=mm_inputs)
         self.scheduler.process_input_requests([msg])
 

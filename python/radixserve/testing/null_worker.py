@@ -11,7 +11,7 @@ import torch
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
-from radixserve.model_executor.worker_api import WorkerInfo
+from radixserve.model_executor.worker_api import KVPools, WorkerInfo
 
 
 class NullWorker:
@@ -23,13 +23,10 @@ class NullWorker:
         vocab_size: int,
         page_size: int = 1,
     ) -> None:
-        self.req_to_token_pool = ReqToTokenPool(max_req_num + 1, max_context_len, "cpu")
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
-        self.max_total_num_tokens = max_total_num_tokens
-        self.max_req_num = max_req_num
-        self.max_context_len = max_context_len
-        self.vocab_size = vocab_size
-        self.info = WorkerInfo()
+        rows = ReqToTokenPool(max_req_num + 1, max_context_len, "cpu")
+        slots = TokenToKVPoolAllocator(max_total_num_tokens, page_size)
+        self.pools = KVPools(rows, slots, max_total_num_tokens, max_req_num, max_context_len)
+        self.info = WorkerInfo(vocab_size)
         self.token = vocab_size - 1
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:

@@ -54,7 +54,7 @@ class PDPair:
         mm_inputs = params.pop("mm_inputs", None)
         sp = SamplingParams(**params)
         sp.normalize()
-        sp.verify(self.decode.worker.vocab_size)
+        sp.verify(self.decode.worker.info.vocab_size)
         return TokenizedGenerateReqInput(
             rid,
             "",
