@@ -15,12 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.distributed.communication import TensorParallelComm
+from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.layers.moe.int8_experts import ExpertsInt8
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.loader import load_model
 from radixserve.server_args import ServerArgs
-from radixserve.testing.quantized_checkpoints import write_quantized_checkpoint
+from radixserve.testing.quantized_checkpoints import quantize_w8a8, write_quantized_checkpoint
 
 # HF names of each projection's rows in FusedMoE's stacked weights, by checkpoint family.
 _PROJ = {
@@ -94,6 +96,28 @@ def test_the_experts_load_the_files_int8_bit_for_bit(quantized, kind, clip):
         assert bool((moe.experts_int8.w13 == -128).any())
         requantized = ExpertsInt8.quantize(moe.w13_weight, moe.w2_weight)
         assert not torch.equal(requantized.w13, moe.experts_int8.w13)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_each_rank_loads_its_part_of_the_int8_experts(quantized, ep_size):
+    """TP=2 (each rank a half of every expert's width) and TP=2 with EP=2 (each rank half the
+    experts, whole): a rank's int8 experts are its part of the one-rank ones, scales included.
+    Loading needs no collective, so both ranks are built here in one process."""
+    config = ModelConfig.from_path(str(quantized("qwen3_moe")[0]))
+    full = load_model(config).model.layers[1].mlp.experts.experts_int8
+    inter, num_experts = full.w13.shape[1] // 2, full.w13.shape[0]
+    for rank in range(2):
+        parallel = ModelParallelism(tp=TensorParallelComm(rank=rank, size=2), ep_size=ep_size)
+        got = load_model(config, parallel=parallel).model.layers[1].mlp.experts.experts_int8
+        if ep_size == 1:
+            half = torch.arange(rank * inter // 2, (rank + 1) * inter // 2)
+            rows, cols = torch.cat([half, inter + half]), half  # gate rows then up rows; down's inputs
+            want = ExpertsInt8(full.w13[:, rows], full.w13_scale[:, rows], full.w2[:, :, cols], full.w2_scale)
+        else:
+            mine = slice(rank * num_experts // 2, (rank + 1) * num_experts // 2)
+            want = ExpertsInt8(full.w13[mine], full.w13_scale[mine], full.w2[mine], full.w2_scale[mine])
+        for part in ("w13", "w13_scale", "w2", "w2_scale"):
+            assert torch.equal(getattr(got, part), getattr(want, part)), (rank, part)
 
 
 def test_the_checkpoint_selects_the_method(quantized):
@@ -200,3 +224,19 @@ def test_partly_quantized_experts_are_refused(quantized, tiny_model_dir, tmp_pat
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=message):
         load_model(ModelConfig.from_path(str(path)))
+
+
+def test_a_quantized_router_serves_its_exact_dequantization(quantized, tmp_path):
+    """Recipes put the router in `ignore`; one that did not still loads, the router fp32 (its
+    exact dequantization): routing stays a plain nn.Linear, never int8 activations."""
+    path = tmp_path / "router"
+    shutil.copytree(quantized("qwen3_moe")[0], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.gate.weight"
+    q, scale = quantize_w8a8(tensors[name])
+    tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = q, scale
+    save_file(tensors, str(path / "model.safetensors"))
+    block = load_model(ModelConfig.from_path(str(path))).model.layers[1].mlp
+    assert type(block.gate) is torch.nn.Linear
+    assert torch.equal(block.gate.weight, q.float() * scale.float())
+    assert block.experts.experts_int8 is not None
