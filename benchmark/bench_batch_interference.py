@@ -2,10 +2,17 @@
 
     python benchmark/bench_batch_interference.py                      # the built-in model
     python benchmark/bench_batch_interference.py --model PATH --requests 20
+    python benchmark/bench_batch_interference.py --baseline-tree /tmp/main   # A/B: that tree, then this
 
 For each mode (priority scheduling off, then on; a fresh server each), it sends `--requests`
 streaming chat requests one after the other and times each one's first token: first on the idle
 server, then while a batch of long requests (ignore_eos, so it runs throughout) is in progress.
+Each request waits a random 0..--jitter-ms first (seeded; both phases), so that it arrives at a
+random moment of the batch's decode step as an independent client's would: sent right after the
+previous answer, it would always arrive just after the step that carried that answer's last token
+had been followed by a new one, and wait that whole step (docs/benchmarks.md, "Batch API").
+--baseline-tree DIR runs every mode on DIR's radixserve first (DIR/python first on PYTHONPATH),
+then on this one, for an A/B in one run.
 It prints the median and p90 TTFT of both, and their ratio; the goal (issue 42) is a ratio of at
 most 1.10. The batch is cancelled at the end of each mode. Not a test: the numbers depend on the
 machine; docs/benchmarks.md records a run.
@@ -17,11 +24,17 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import random
 import statistics
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
-from peers.process import radixserve_server
+from peers.process import ServerProcess, free_port
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -33,8 +46,23 @@ QUESTIONS = [
 ]
 
 
-def server(model: str | None, flags: list[str]) -> contextlib.AbstractContextManager[str]:
-    return radixserve_server(model, flags, "bench_batch_interference")
+@contextlib.contextmanager
+def server(model: str | None, flags: list[str], tree: Path | None) -> Iterator[str]:
+    """A server of this tree's radixserve, or of `tree`'s (its python/ first on PYTHONPATH)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--port", str(port), "--log-level", "warning"]
+    if model:
+        cmd += ["--model-path", model]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(tree.resolve() / "python"), env.get("PYTHONPATH")])
+        )
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.gettempdir()) / f"bench_batch_interference_{port}.log"
+    with ServerProcess("radixserve", [*cmd, *flags], log, url, env=env) as proc:
+        proc.wait_healthy(600)
+        yield url
 
 
 def ttft_s(client: httpx.Client, question: str, max_tokens: int) -> float:
@@ -58,8 +86,12 @@ def ttft_s(client: httpx.Client, question: str, max_tokens: int) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def ttfts(client: httpx.Client, n: int, max_tokens: int) -> list[float]:
-    return [ttft_s(client, QUESTIONS[i % len(QUESTIONS)], max_tokens) for i in range(n)]
+def ttfts(client: httpx.Client, n: int, max_tokens: int, rng: random.Random, jitter_s: float) -> list[float]:
+    out = []
+    for i in range(n):
+        time.sleep(rng.uniform(0.0, jitter_s))  # a random phase against the batch's steps
+        out.append(ttft_s(client, QUESTIONS[i % len(QUESTIONS)], max_tokens))
+    return out
 
 
 def start_batch(client: httpx.Client, lines: int, tokens: int) -> str:
@@ -94,15 +126,16 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def run_mode(args: argparse.Namespace, flags: list[str]) -> dict[str, object]:
+def run_mode(args: argparse.Namespace, flags: list[str], tree: Path | None) -> dict[str, object]:
+    rng, jitter_s = random.Random(0), args.jitter_ms / 1000
     with (
-        server(args.model, [*flags, *args.server_flags.split()]) as url,
+        server(args.model, [*flags, *args.server_flags.split()], tree) as url,
         httpx.Client(base_url=url, timeout=600) as c,
     ):
-        ttfts(c, 2, args.max_tokens)  # warm the caches and the code paths
-        idle = ttfts(c, args.requests, args.max_tokens)
+        ttfts(c, 2, args.max_tokens, rng, 0.0)  # warm the caches and the code paths
+        idle = ttfts(c, args.requests, args.max_tokens, rng, jitter_s)
         batch_id = start_batch(c, args.batch_lines, args.batch_tokens)
-        busy = ttfts(c, args.requests, args.max_tokens)
+        busy = ttfts(c, args.requests, args.max_tokens, rng, jitter_s)
         state = c.get(f"/v1/batches/{batch_id}").json()
         c.post(f"/v1/batches/{batch_id}/cancel")
     assert state["status"] == "in_progress", (
@@ -129,11 +162,19 @@ def main() -> None:
     parser.add_argument(
         "--server-flags", default="--max-total-tokens 16384", help="Extra launch_server flags."
     )
+    parser.add_argument(
+        "--jitter-ms", type=float, default=50.0, help="Random wait before each request (0: back to back)."
+    )
+    parser.add_argument("--baseline-tree", type=Path, default=None, help="Also run this checkout, first.")
     args = parser.parse_args()
+    trees = (
+        [(f"{args.baseline_tree} ", args.baseline_tree), ("", None)] if args.baseline_tree else [("", None)]
+    )
     results = {}
     for name, flags in (("priority off", []), ("priority on", ["--enable-priority-scheduling"])):
-        results[name] = run_mode(args, flags)
-        print(name, json.dumps(results[name]), flush=True)
+        for label, tree in trees:
+            results[label + name] = run_mode(args, flags, tree)
+            print(label + name, json.dumps(results[label + name]), flush=True)
     print("| mode | idle median / p90 TTFT (ms) | with a batch median / p90 (ms) | median ratio |")
     print("|---|---|---|---|")
     for name, r in results.items():

@@ -111,7 +111,7 @@ class ServerArgs:
         "to a .gguf file, which selects it by itself, or the built-in model) serve from the file's own "
         "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors for batches of up to 8 tokens, larger batches from their "
         "exact fp32 dequantization; a file with other quantized types is refused. A pre-quantized "
-        "checkpoint (GPTQ or AWQ int4, compressed-tensors W8A8 int8) selects its method from "
+        "checkpoint (GPTQ or AWQ int4, compressed-tensors W8A8 int8, its MoE experts too) selects its method from "
         "config.json's quantization_config without the flag; a flag naming another method is an "
         "error. unquant: none (a GGUF file then serves dequantized to fp32). Other SGLang names (fp8, "
         "bitsandbytes, ...) are refused at start. Default: the checkpoint's; the built-in model on CPU: "

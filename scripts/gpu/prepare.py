@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROOTS = [
     "pyzmq", "fastapi", "uvicorn", "uvloop", "orjson", "pydantic", "xgrammar", "gguf",
     "openai", "jsonschema", "msgspec", "pytest-timeout", "typing-extensions",
+    "py-spy",  # profile_serving.py samples the scheduler with it (run_checks.sh lease serving_profile)
 ]  # fmt: skip
 # Already on the device machine (its KINDS.md list) and large or compiled: never carried.
 BOX_HAS = {

@@ -7,7 +7,9 @@
 #   flashinfer  flashinfer parity tests and kernel times (needs .whl_fi/ carried)
 #   lease [STEP...]  for a 15-minute lease: steps tests (every test that runs Triton on CUDA, not
 #               only the gpu-marked ones, in parallel), attention, decode, overlap (the default
-#               four), overlap8b (overlap on/off on Llama-3-8B shapes), profile and flashinfer, each under its own timeout; $OUT gets results.tgz
+#               four), overlap8b (overlap on/off on Llama-3-8B shapes), profile, serving_profile
+#               (py-spy of the scheduler under load, overlap off and on) and flashinfer, each
+#               under its own timeout; $OUT gets results.tgz
 # Everything it prints is also written under $OUT (the device tool brings that folder back).
 set -uo pipefail
 what=${1:?usage: run_checks.sh tests|bench|flashinfer}
@@ -22,7 +24,7 @@ if [ "$what" = flashinfer ]; then
     [ -d .whl_fi ] || { echo "carry .whl_fi (scripts/gpu/prepare.py --flashinfer)"; exit 2; }
     install .whl_fi/*.whl || exit 1
 fi
-export PYTHONPATH="$site:$PWD/python:$PWD/sgl-kernel" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$site:$PWD/python:$PWD/sgl-kernel" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PATH="$site/bin:$PATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 
@@ -107,6 +109,16 @@ lease)
             llama8b_with_tokenizer
             step 75 overlap8b_on bash -c 'overlap_run on /tmp/llama8b_tok 128 512 128'
             step 75 overlap8b_off bash -c 'overlap_run off /tmp/llama8b_tok 128 512 128'
+            ;;
+        serving_profile)  # the scheduler under load on Llama-3-8B shapes, overlap off then on (py-spy)
+            llama8b_with_tokenizer
+            for mode in off on; do
+                flags="--model-path /tmp/llama8b_tok --load-format dummy"
+                [ $mode = off ] && flags="$flags --disable-overlap-schedule"
+                step 130 serving_profile_$mode python3 benchmark/profile_serving.py --concurrency 128 \
+                    --num-prompts 4000 --input-len 512 --output-len 128 --warmup-s 20 --duration 15 \
+                    --server-flags "$flags"
+            done
             ;;
         flashinfer)  # its JIT kernels compile with nvcc on first use (minutes)
             install .whl_fi/*.whl || exit 1

@@ -223,7 +223,7 @@ def test_compressed_tensors_static_activations_are_refused():
             }
         },
     }
-    with pytest.raises(ValueError, match="input_activations .* is not supported"):
+    with pytest.raises(ValueError, match="activations int8 symmetric per tensor, static.*not supported"):
         parse_quantization_config(cfg)
 
 

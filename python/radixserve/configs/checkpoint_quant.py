@@ -13,7 +13,10 @@ compressed-tensors checkpoint). radixserve reads three kinds (docs/quantization.
   [K/G, N/8], scales fp16 [K/G, N]; word nibble i holds output 8c + [0, 2, 4, 6, 1, 3, 5, 7][i].
 - compressed-tensors W8A8 int8 (`quant_method` "compressed-tensors", format "int-quantized"):
   weight int8 [N, K] with weight_scale [N, 1], symmetric per output channel, activations
-  quantized per token at run time (SGLang serves it with its w8a8_int8 scheme, as radixserve does).
+  quantized per token at run time (SGLang serves it with its w8a8_int8 scheme, as radixserve does);
+  a MoE's routed experts `experts.{e}.{gate,up,down}_proj` are stored the same way, one expert
+  and projection at a time. Any other scheme (int4 pack-quantized, FP8, static activations) is
+  refused with the scheme named.
 
 Every one dequantizes as w = scale * (q - zero). This module only reads JSON (no torch): the
 launcher checks the flag against the checkpoint before any process starts.
@@ -133,6 +136,9 @@ def _parse_awq(cfg: dict[str, Any]) -> CheckpointQuant:
 
 
 def _parse_compressed_tensors(cfg: dict[str, Any]) -> CheckpointQuant:
+    """Every config group must be W8A8 int8: the scheme applies to whatever its `targets` match,
+    dense linears and a MoE's routed experts alike (SGLang picks its MoE method from the same
+    scheme), so one group of another scheme is refused, named, before anything loads."""
     groups = cfg.get("config_groups") or {}
     if not groups:
         raise ValueError(
@@ -142,24 +148,40 @@ def _parse_compressed_tensors(cfg: dict[str, Any]) -> CheckpointQuant:
         raise ValueError("compressed-tensors checkpoints with a quantized KV cache are not supported")
     for name, group in groups.items():
         fmt = group.get("format") or cfg.get("format")
-        if fmt not in _INT_FORMATS:
-            raise ValueError(
-                f"compressed-tensors format {fmt!r} (config group {name}) is not supported: only "
-                "W8A8 int8 ('int-quantized')"
-            )
-        _check_int8_args(group.get("weights"), "weights", "channel", name, dynamic=False)
-        _check_int8_args(group.get("input_activations"), "input_activations", "token", name, dynamic=True)
+        weights, acts = group.get("weights"), group.get("input_activations")
+        if fmt in _INT_FORMATS and _is_int8(weights, "channel", False) and _is_int8(acts, "token", True):
+            continue
+        raise ValueError(
+            f"compressed-tensors config group {name} (targets {group.get('targets')}) is "
+            f"{describe_scheme(weights, acts, fmt)}: not supported. radixserve loads W8A8 int8 "
+            "(format 'int-quantized': symmetric int8 weights per output channel, dynamic int8 "
+            "activations per token), for dense linears and MoE experts alike (docs/quantization.md)"
+        )
     return CheckpointQuant(COMPRESSED_TENSORS, 8, -1)
 
 
-def _check_int8_args(args: Any, what: str, strategy: str, group: str, dynamic: bool) -> None:  # noqa: ANN401
+def _is_int8(args: Any, strategy: str, dynamic: bool) -> bool:  # noqa: ANN401
     wanted = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": dynamic}
-    got = {k: (args or {}).get(k) for k in wanted}
-    if not isinstance(args, dict) or got != wanted:
-        raise ValueError(
-            f"compressed-tensors config group {group}: {what} {got} is not supported; radixserve "
-            "loads W8A8 int8 (symmetric int8 weights per channel, dynamic int8 activations per token)"
-        )
+    return isinstance(args, dict) and {k: args.get(k) for k in wanted} == wanted
+
+
+def describe_scheme(weights: Any, acts: Any, fmt: str | None) -> str:  # noqa: ANN401
+    """A compressed-tensors scheme in words, e.g. "W4A16 (weights int4 symmetric per group of 128;
+    activations unquantized; format 'pack-quantized')"."""
+
+    def side(args: Any, what: str) -> tuple[str, str]:  # noqa: ANN401
+        if not isinstance(args, dict):
+            return "16", f"{what} unquantized"
+        bits, kind = args.get("num_bits"), args.get("type", "int")
+        strategy = args.get("strategy")
+        per = f"per group of {args.get('group_size')}" if strategy == "group" else f"per {strategy}"
+        symmetric = "symmetric" if args.get("symmetric", True) else "asymmetric"
+        dynamic = ", dynamic" if args.get("dynamic") else (", static" if what == "activations" else "")
+        return str(bits), f"{what} {kind}{bits} {symmetric} {per}{dynamic}"
+
+    (w_bits, w_text), (a_bits, a_text) = side(weights, "weights"), side(acts, "activations")
+    fp8 = "FP8 " if isinstance(weights, dict) and weights.get("type") == "float" else ""
+    return f"{fp8}W{w_bits}A{a_bits} ({w_text}; {a_text}; format {fmt!r})"
 
 
 def resolve_quantization(flag: str | None, model_path: str | None) -> str | None:

@@ -27,6 +27,13 @@ from radixserve.sampling.sampling_params import SamplingParams
 
 # Native finish_reason key: the output ended inside a multi-byte character (left out of the text).
 PARTIAL_CHAR_DROPPED = "partial_char_dropped"
+# The priority of OpenAI batch lines (/v1/batches): they run in idle capacity. Larger = more
+# important; interactive requests carry 0 unless they say otherwise. This is below any priority a
+# client sends in practice, and more than any --priority-scheduling-preemption-threshold below 0,
+# so every interactive request may preempt a batch line (seed 000 §15). A request at or below it
+# is batch-class: the overlap loop never launches a batch of only such requests ahead of the next
+# one (scheduler/loops.py), so an interactive request never waits behind one it could not see.
+BATCH_PRIORITY = -(2**31)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ class StaticReq:
     req_pool_idx: int = -1
     # Reuse the KV of positions [0, len(prefix_slots)) from these slots instead of recomputing them.
     prefix_slots: torch.Tensor | None = None
+    # The KV slot of the last position written, kept on the host: reading it back from the
+    # request table would synchronise with the device once per request and step.
+    last_slot: int = -1
 
     @property
     def seq_len(self) -> int:
@@ -65,6 +68,7 @@ class StaticBatchRunner:
                 self.req_to_token[row, :p] = req.prefix_slots.to(torch.int32)
             self.req_to_token[row, p:s] = out_cache_loc[offset : offset + s - p].to(torch.int32)
             offset += s - p
+            req.last_slot = int(out_cache_loc[offset - 1])
         input_ids = [t for r, p in zip(reqs, prefix_lens) for t in r.origin_input_ids[p:]]
         batch = ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND,
@@ -82,10 +86,12 @@ class StaticBatchRunner:
 
     def decode(self, reqs: list[StaticReq]) -> GenerationBatchResult:
         seq_lens = [r.seq_len for r in reqs]  # includes the token being fed now
-        last_loc = [int(self.req_to_token[r.req_pool_idx, s - 2]) for r, s in zip(reqs, seq_lens)]
+        last_loc = [r.last_slot for r in reqs]
         out_cache_loc = self.worker.pools.token_to_kv_pool_allocator.alloc_decode(seq_lens, last_loc)
         if out_cache_loc is None:
             raise RuntimeError("KV pool exhausted")
+        for req, slot in zip(reqs, out_cache_loc.tolist()):
+            req.last_slot = slot
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         positions = torch.tensor(seq_lens, dtype=torch.int64) - 1
         # The batch stays on the host (the worker moves it), the table lives on the model's device.

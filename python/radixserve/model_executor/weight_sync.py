@@ -235,7 +235,7 @@ class ModelWeights:
             layer.drop_derived()
         for moe in self.model.modules():
             if isinstance(moe, FusedMoE):
-                moe.experts_int8 = None  # made again from the fp32 experts on resume
+                moe.experts_int8 = None  # remade from the fp32 experts, or the checkpoint's, on resume
         shapes = {}
         for name, param in self.model.named_parameters():
             shapes[name] = (param.shape, param.dtype)

@@ -8,7 +8,9 @@ output channel and input ([N out, K in], groups expanded), and loads twice:
   quantized model through the fp32 GEMM, and weight reads see what the checkpoint means;
 - as its quantized form: GPTQ / AWQ as Linear.weight_wq, a GroupQuantWeight (bits 4, scale s,
   offset -s*z per group); compressed-tensors as the w8a8 forms Linear.weight_int8 / weight_scale,
-  exactly what --quantization w8a8_int8 gives an fp32 checkpoint.
+  exactly what --quantization w8a8_int8 gives an fp32 checkpoint, and a MoE's routed experts as
+  FusedMoE.experts_int8 (quantized_experts.py). A router the checkpoint quantized (most leave it
+  out, `ignore`) is a plain nn.Linear and serves its exact fp32 dequantization.
 
 Fusing (q/k/v into qkv_proj, gate/up into gate_up_proj) and tensor-parallel sharding are the
 model's own weight loaders' work: the integers, the scales and the offsets are each loaded through
@@ -34,6 +36,7 @@ from radixserve.configs.checkpoint_quant import AWQ, COMPRESSED_TENSORS, GPTQ, C
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
 from radixserve.layers.linear import Linear
 from radixserve.layers.parallel_linear import RowParallelLinear
+from radixserve.model_loader import quantized_experts
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
 
@@ -276,28 +279,35 @@ def load_quantized_weights(
     plain, quantized = split_checkpoint(tensors, spec)
     plain = _without_extra_biases(model, plain, {lin.prefix for lin in quantized})
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    # The routed experts of a W8A8 MoE (quantized_experts.py); int4 experts load as fp32.
+    moes = quantized_experts.expert_layers(model) if spec.method == COMPRESSED_TENSORS else {}
     kinds = ("q", "scale") if spec.method == COMPRESSED_TENSORS else ("q", "scale", "offset")
     planes: dict[str, dict[str, torch.Tensor]] = {}
+    moe_planes: dict[str, quantized_experts.Planes] = {}
     for kind in kinds:
         with torch.no_grad():
             for layer in linears.values():
                 layer.weight.data.fill_(float("nan"))  # marks what the pass does not write
+        quantized_experts.mark_unwritten(moes)
         model.load_weights([(lin.name, lin.tensor(kind)) for lin in quantized], require_all=False)
         for name, layer in linears.items():
             plane = _harvest(name, layer, kind, spec)
             if plane is not None:
                 planes.setdefault(name, {})[kind] = plane
+        quantized_experts.harvest(moes, kind, moe_planes)
     model.load_weights(plain + [(lin.name, lin.tensor("weight")) for lin in quantized])
     for name, forms in planes.items():
         _attach(name, linears[name], forms, spec)
+    num_moes = quantized_experts.attach(moes, moe_planes)
     logger.info(
-        "%s checkpoint: %d checkpoint linears into %d quantized layers (%s)",
+        "%s checkpoint: %d checkpoint linears into %d quantized layers (%s)%s",
         spec.describe(),
         len(quantized),
-        len(planes),
+        len(planes) + num_moes,
         "weight_int8 / weight_scale, W8A8"
         if spec.method == COMPRESSED_TENSORS
         else "weight_wq, int4 weight-only",
+        f", {num_moes} of them MoE layers' routed experts" if num_moes else "",
     )
 
 

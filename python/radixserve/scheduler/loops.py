@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from radixserve.managers.io_struct import EmbeddingBatchResult, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import BATCH_PRIORITY, EmbeddingBatchResult, TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import GenerationBatchResult, ModelWorkerBatch
 from radixserve.scheduler.overlap import FutureMap, PendingResult, create_overlap_executor
 from radixserve.scheduler.req import Req
@@ -133,7 +133,9 @@ class OverlapScheduleExecutor(SyncExecutor):
     """event_loop_overlap (seed 001 §2.2): batch N's results are processed after batch N+1 has
     been launched (on the forward thread on CPU, the forward stream on CUDA: scheduler/overlap.py),
     so result processing hides behind the next forward. A batch with grammars or penalties keeps
-    that overlap: only its sample waits for batch N's results (delayed sampling)."""
+    that overlap: only its sample waits for batch N's results (delayed sampling). A batch of only
+    batch-class requests (idle capacity) is processed in its own step, so nothing runs ahead of
+    the request that arrives while it runs (docs/benchmarks.md, "Batch API")."""
 
     def __init__(self, core: Scheduler) -> None:
         if core.builder.spec_step is not None:
@@ -174,6 +176,10 @@ class OverlapScheduleExecutor(SyncExecutor):
             quiet = batch is None and self.core.state.last_batch is None
         # Every earlier batch is processed now: the current one may sample.
         self.launch_batch_sample_if_needed()
+        if batch is not None and self.result_queue and only_batch_class(batch):
+            # Idle capacity runs one step at a time: were it launched ahead, an interactive request
+            # received next step would wait for this whole batch too, not just the rest of it.
+            self._pop_and_process(finish)
         return quiet
 
     def launch_batch_sample_if_needed(self) -> None:
@@ -190,6 +196,11 @@ class OverlapScheduleExecutor(SyncExecutor):
         while self.result_queue:
             self._pop_and_process(finish)
         self.worker.shutdown()
+
+
+def only_batch_class(batch: ScheduleBatch) -> bool:
+    """Every request of `batch` is batch-class (BATCH_PRIORITY or below: OpenAI batch lines)."""
+    return bool(batch.reqs) and all(r.priority <= BATCH_PRIORITY for r in batch.reqs)
 
 
 def needs_delayed_sample(batch: ScheduleBatch) -> bool:

@@ -1,5 +1,8 @@
 """Pre-quantized HF checkpoints for tests: a tiny fp32 checkpoint quantized and stored the way
 GPTQ (AutoGPTQ / GPTQModel), AWQ (AutoAWQ "gemm") and compressed-tensors (W8A8 int8) store theirs.
+A MoE checkpoint gets its routed experts (`experts.{e}.{gate,up,down}_proj`, Mixtral's
+`experts.{e}.w1/w2/w3`) and shared expert quantized too, its routers left as they are and listed in
+`ignore`, as llm-compressor's W8A8 recipes for Qwen3-MoE and Mixtral do.
 
 Written from the formats' descriptions, independently of radixserve's reader
 (model_loader/quantized_hf.py): this side packs, that side unpacks. Each call also writes the
@@ -18,8 +21,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-# Decoder linears (HF names); embeddings, norms, biases and the LM head stay as they are.
-_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# Decoder linears (HF names): attention, dense MLPs, shared experts and routed experts.
+# Embeddings, norms, biases, the routers and the LM head stay as they are.
+_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_expert\.)?(gate|up|down)_proj"
+    r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3))\.weight$"
+)
+# The routers, which llm-compressor's MoE recipes leave unquantized (compressed-tensors regexes).
+MOE_IGNORE = ("re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output 8c + _AWQ_ORDER[i]
 METHODS = ("gptq", "gptq_v2", "awq", "w8a8")
 
@@ -77,9 +86,12 @@ def pack_awq(q: torch.Tensor, zeros: torch.Tensor, scale: torch.Tensor) -> dict[
     return {"qweight": pack(q.T), "qzeros": pack(zeros.T), "scales": scale.T.contiguous()}
 
 
-def quantize_w8a8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors W8A8: int8 [N, K] and an fp16 scale [N, 1] per output channel."""
-    scale = (w.abs().amax(1, keepdim=True) / 127).to(torch.float16)
+def quantize_w8a8(w: torch.Tensor, clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors W8A8: int8 [N, K] in [-128, 127] and an fp16 scale [N, 1] per output
+    channel. clip 1.0 is the min-max observer (each row's largest |q| is 127); below 1, the range a
+    clipping observer (llm-compressor's "mse") picks: the extremes clamp, to -128 on the negative
+    side, so requantizing the dequantized row would not give the same integers back."""
+    scale = (w.abs().amax(1, keepdim=True) * clip / 127).to(torch.float16)
     q = torch.round(w / scale.float()).clamp(-128, 127).to(torch.int8)
     return q, scale
 
@@ -101,7 +113,7 @@ def quantization_config(method: str, group: int) -> dict[str, Any]:
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
         "quantization_status": "compressed",
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *MOE_IGNORE],
         "kv_cache_scheme": None,
         "config_groups": {
             "group_0": {
@@ -114,11 +126,11 @@ def quantization_config(method: str, group: int) -> dict[str, Any]:
 
 
 def write_quantized_checkpoint(
-    src: str | Path, dst: str | Path, ref: str | Path, method: str, group: int = 32
+    src: str | Path, dst: str | Path, ref: str | Path, method: str, group: int = 32, clip: float = 1.0
 ) -> dict[str, torch.Tensor]:
     """Quantize the decoder linears of the fp32 checkpoint `src` with `method` (METHODS) into an
     HF folder `dst`, and write their dequantization as the fp32 checkpoint `ref`. Returns the
-    reference fp32 weight of every quantized linear by HF name."""
+    reference fp32 weight of every quantized linear by HF name. `clip`: quantize_w8a8's (w8a8)."""
     src, dst, ref = Path(src), Path(dst), Path(ref)
     tensors = load_file(str(src / "model.safetensors"))
     quantized: dict[str, torch.Tensor] = {}
@@ -129,7 +141,7 @@ def write_quantized_checkpoint(
             continue
         prefix = name.removesuffix(".weight")
         if method == "w8a8":
-            q8, scale8 = quantize_w8a8(w)
+            q8, scale8 = quantize_w8a8(w, clip)
             quantized[name], quantized[prefix + ".weight_scale"] = q8, scale8
             reference[name] = q8.float() * scale8.float()
             continue

@@ -29,14 +29,11 @@ from radixserve.entrypoints.openai.serving_common import (
 from radixserve.entrypoints.openai.serving_completions import CompletionsHandler
 from radixserve.managers import scoring
 from radixserve.managers.errors import RequestAbortedError
+from radixserve.managers.io_struct import BATCH_PRIORITY
 from radixserve.managers.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
-# Larger = more important; interactive requests carry 0 unless they say otherwise. This is below
-# any priority a client sends in practice, and more than any --priority-scheduling-preemption-
-# threshold below 0, so every interactive request may preempt a batch line (seed 000 §15).
-BATCH_PRIORITY = -(2**31)
 # Statuses after which a line is tried again later rather than failed: the server refused it for
 # now (a full queue, a restart of the children), not because of what it asks.
 RETRY_STATUSES = frozenset({503})

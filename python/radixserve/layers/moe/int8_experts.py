@@ -6,7 +6,9 @@ group size, as a dense W8A8 linear runs at every batch size.
 
 The fp32 stacked experts stay beside the int8 ones, as a dense W8A8 Linear's fp32 weight does:
 weight updates and /get_weights_by_name read and write them, and the int8 forms are made again
-from them (`quantize_experts`) whenever the derived forms are rebuilt. The router is never
+from them (`quantize_experts`) whenever the derived forms are rebuilt. A compressed-tensors W8A8
+checkpoint brings its own int8 experts instead (model_loader/quantized_experts.py: the file's
+integers and scales, never requantized; updates of such a model are refused). The router is never
 quantized (models/moe_decoder.py: routing stays the checkpoint's).
 """
 

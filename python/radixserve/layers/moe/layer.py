@@ -87,7 +87,8 @@ class FusedMoE(nn.Module):
         # and the buffer large groups dequantize into (shared by the model's MoE layers).
         self.experts_wq: ExpertsWq | None = None
         self.scratch: DequantScratch | None = None
-        # --quantization w8a8_int8: int8 experts made from the fp32 ones (layers/moe/int8_experts.py).
+        # W8A8 int8 experts (layers/moe/int8_experts.py): made from the fp32 ones by --quantization
+        # w8a8_int8, or a compressed-tensors checkpoint's own (model_loader/quantized_experts.py).
         self.experts_int8: ExpertsInt8 | None = None
 
     def attach_quantized(self, form: ExpertsWq, scratch: DequantScratch) -> None:
