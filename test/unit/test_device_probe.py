@@ -51,12 +51,11 @@ def test_build_fields_reads_both_assignment_forms():
 )
 def test_an_unclear_version_file_asks_torch(tmp_path, monkeypatch, source: str, gpu: bool):
     """Only a version.py that says CPU-only skips torch; a missing field or a broken file asks it."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("")
-    (tmp_path / "torch" / "version.py").write_text(source)
-    spec = type("Spec", (), {"submodule_search_locations": [str(tmp_path / "torch")]})()
-    monkeypatch.setattr(device_probe.importlib.util, "find_spec", lambda name: spec)
+    (tmp_path / "version.py").write_text(source)
+    monkeypatch.setattr(device_probe, "_torch_package_dir", lambda: tmp_path)
     assert device_probe.torch_has_gpu_build() is gpu
+    monkeypatch.setattr(device_probe, "_torch_package_dir", lambda: None)  # torch not found by spec
+    assert device_probe.torch_has_gpu_build() is True
 
 
 def test_probes_agree_with_torch_and_sgl_kernel(monkeypatch):

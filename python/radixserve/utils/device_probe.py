@@ -32,17 +32,24 @@ def default_device() -> str:
 def torch_has_gpu_build() -> bool:
     """False only when the installed torch's version.py says it was built without CUDA and ROCm;
     anything unexpected (no file, another layout) answers True, so torch is asked."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
+    package = _torch_package_dir()
+    if package is None:
         return True
-    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
     try:
-        fields = build_fields(path.read_text())
+        fields = build_fields((package / "version.py").read_text())
     except (OSError, SyntaxError, ValueError):
         return True
     if not all(name in fields for name in _GPU_BUILD_FIELDS):
         return True
     return any(fields[name] is not None for name in _GPU_BUILD_FIELDS)
+
+
+def _torch_package_dir() -> Path | None:
+    """The installed torch package's folder, found without importing it."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def build_fields(source: str) -> dict[str, object]:
