@@ -23,6 +23,7 @@ from radixserve.configs.hicache_args import (
 )
 from radixserve.configs.spec_args import speculative_updates
 from radixserve.utils.cpus import available_cpus
+from radixserve.utils.device_probe import default_cpu_attention_backend, default_device
 
 if TYPE_CHECKING:
     from radixserve.distributed.layout import ParallelLayout
@@ -648,9 +649,8 @@ class ServerArgs:
 
     def resolve(self) -> ServerArgs:
         """Decide every automatic value once; the result is frozen and passed to constructors."""
-        import torch
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # Probed without importing torch where the build allows: this runs before any child starts.
+        device = self.device or default_device()
         updates: dict[str, Any] = {"device": device}
         if self.chunked_prefill_size is None:
             # Chunks bound a prefill step's latency; CPUs are ~100x slower so chunks are smaller.
@@ -785,8 +785,4 @@ def _default_attention_backend(device: str) -> str:
     """triton on CUDA; on CPU the compiled sgl-kernel decode path when it was built."""
     if device == "cuda":
         return "triton"
-    try:
-        from sgl_kernel import cpu as cpu_kernels
-    except ImportError:  # sgl-kernel not installed at all
-        return "torch_native"
-    return "cpu" if cpu_kernels.available() else "torch_native"
+    return default_cpu_attention_backend()

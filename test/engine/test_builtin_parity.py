@@ -34,7 +34,7 @@ def test_builtin_greedy_matches_hf(builtin_path):
     tokenizer = AutoTokenizer.from_pretrained(builtin_path)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     # The fp32 reference, pinned: HF parity is exact-token; the served default (--quantization
-    # gguf, the same weights) is checked against this fp32 model in test_builtin_default_format.py.
+    # gguf, the same weights) is checked against the fp32 model in test/server/test_builtin_default_format.py.
     args = ServerArgs(
         model_path=builtin_path, quantization="unquant", max_total_tokens=2048, max_running_requests=8
     ).resolve()

@@ -85,7 +85,7 @@ class ParallelLayout:
             )
 
     def check_model(self, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
-        """Refuse layouts this model cannot be split into (at start, before any process runs)."""
+        """Refuse layouts this model cannot be split into (at start, before any rank is waited on)."""
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise LayoutError(f"the model's {num_heads} attention heads do not form {num_kv_heads} KV groups")
         if self.tp_size > num_kv_heads:

@@ -96,11 +96,15 @@ def start_rank_processes(
     children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs | None
 ) -> None:
     """One scheduler process per rank of this node (`port_args` None: a headless node). A
-    data-parallel replica (port_args.dp_rank) gets a torch.distributed world of its own."""
+    data-parallel replica (port_args.dp_rank) gets a torch.distributed world of its own.
+
+    The model's layout is checked once the ranks are started, before anything waits on them: the
+    check reads the model's config (torch and transformers' config stack, ~4.5 CPU s in a fresh
+    server process), which the ranks' own start-up then overlaps. A layout it refuses raises here,
+    and the caller terminates the ranks (each caller stops its children on any error)."""
     from radixserve.scheduler.scheduler_process import run_scheduler_process
 
     layout = server_args.layout()
-    check_model_layout(server_args)
     dp_rank = port_args.dp_rank if port_args is not None else 0
     if server_args.dist_init_addr and server_args.dp_size == 1:
         init_addr = server_args.dist_init_addr
@@ -122,6 +126,7 @@ def start_rank_processes(
         name = f"scheduler-{dp}TP{info.tp_rank}-PP{info.pp_rank}"
         entry = functools.partial(run_scheduler_process, rank=rank, init_addr=init_addr)
         children.start(name, entry, (server_args, port_args))
+    check_model_layout(server_args)
 
 
 def start_dp_replicas(
@@ -181,7 +186,7 @@ def import_transformers_before_threads(server_args: ServerArgs) -> None:
 
 
 def check_model_layout(server_args: ServerArgs) -> None:
-    """Refuse, before any rank starts, a layout the model cannot be split into."""
+    """Refuse a layout the model cannot be split into (LayoutError, naming the flag to change)."""
     from radixserve.configs.model_config import ModelConfig
 
     mc = ModelConfig.from_path(server_args.model_path, server_args.context_length, server_args.dtype)

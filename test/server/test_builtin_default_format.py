@@ -5,7 +5,10 @@ and every form dequantizes to exactly its layer's weight, checked at load), so g
 agrees token for token and log-probabilities differ only by fp32 summation order (measured
 teacher-forced: < 5e-5, test_gguf_quantization.py). The bound here, 2e-3, is 40x that and far
 below what one wrong weight group or a misread scale moves (test_quantization.py's int8 models
-move them by 0.1-1)."""
+move them by 0.1-1).
+
+The fp32 side is the session's `builtin_engine` (conftest.py): the built-in folder as --model-path,
+which is fp32 without a flag (configs/default_format.py) -- one Engine start fewer than its own."""
 
 from __future__ import annotations
 
@@ -38,10 +41,10 @@ def _logprobs(out: dict) -> list[float]:
     return [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]
 
 
-def test_builtin_default_serves_gguf_and_decodes_as_fp32(builtin_model_path) -> None:
-    fp32_method, ref = _greedy(quantization="unquant")
+def test_builtin_default_serves_gguf_and_decodes_as_fp32(builtin_engine) -> None:
+    ref = builtin_engine.generate(PROMPTS, sampling_params=GREEDY, return_logprob=True)
     method, got = _greedy()
-    assert (fp32_method, method) == (None, "gguf")
+    assert (builtin_engine.server_args.quantization, method) == (None, "gguf")
     for r, g in zip(ref, got):
         assert g["output_ids"] == r["output_ids"]
         assert g["text"] == r["text"]
