@@ -2,9 +2,8 @@
 # Issue #7's GPU checks, run ON the device machine from the repository root (docs/gpu.md):
 #   tests       the GPU-marked tests: triton kernels/backend in bf16, CUDA graphs on/off and overlap
 #               on/off greedy parity with HF, no host sync in a decode launch        (~5 min)
-#   bench       attention kernel times (triton vs torch_native), bs=1/64 decode on dummy Llama-3-8B
-#               weights against the HBM bound, overlap on vs off on a small model      (~6 min)
-#   flashinfer  flashinfer parity tests and kernel times (needs .whl_fi/ carried)
+#   bench       = lease attention decode overlap
+#   flashinfer  = lease flashinfer (needs .whl_fi/ carried)
 #   lease [STEP...]  for a 15-minute lease: steps tests (every test that runs Triton on CUDA, not
 #               only the gpu-marked ones, in parallel), attention, decode, overlap (the default
 #               four), overlap8b (overlap on/off on Llama-3-8B shapes), profile, serving_profile
@@ -138,25 +137,11 @@ tests)
     python3 -m pytest -m gpu -p no:cacheprovider -q -ra --timeout 540 test/kernels test/engine 2>&1 \
         | tee "$OUT/gpu_tests.log"
     ;;
-bench)
-    python3 benchmark/bench_gpu.py attention --backends torch_native triton --out "$OUT/attention.md"
-    python3 -m radixserve.bench_one_batch --model-path .gpu_models/llama3-8b --load-format dummy \
-        --batch-size 1 64 --input-len 1024 --output-len 32 --result-file "$OUT/decode.jsonl" \
-        | tee "$OUT/decode.log"
-    python3 benchmark/bench_gpu.py ceiling --config .gpu_models/llama3-8b --result-file "$OUT/decode.jsonl" \
-        --hbm-tb-per-s "${HBM_TB_PER_S:-3.35}" --out "$OUT/ceiling.md"
-    for overlap in on off; do
-        args='{"load_format": "dummy"}'
-        [ $overlap = off ] && args='{"load_format": "dummy", "disable_overlap_schedule": true}'
-        python3 -m radixserve.bench_offline_throughput --model-path .gpu_models/smollm2-135m \
-            --server-args "$args" --num-prompts 256 --random-input-len 256 --random-output-len 256 \
-            --result-file "$OUT/overlap_$overlap.jsonl" 2>&1 | tail -14 | tee "$OUT/overlap_$overlap.log"
-    done
+bench)  # shorthands for lease steps (results in $OUT/results.tgz)
+    exec bash "$0" lease attention decode overlap
     ;;
 flashinfer)
-    python3 -m pytest -m gpu -p no:cacheprovider -q -ra test/kernels/test_flashinfer_backend.py 2>&1 \
-        | tee "$OUT/flashinfer_tests.log"
-    python3 benchmark/bench_gpu.py attention --backends flashinfer triton --out "$OUT/attention_flashinfer.md"
+    exec bash "$0" lease flashinfer
     ;;
 *)
     echo "unknown check: $what"; exit 2 ;;
