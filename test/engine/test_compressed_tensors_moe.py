@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_moe_w8a8 import moe_layers, spy_expert_int8
 from test_quantization import TINY_PROMPTS, forced_logprobs
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.layers import quantization
-from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
 from radixserve.testing.quantized_checkpoints import write_quantized_checkpoint
@@ -27,10 +26,6 @@ STEPS = 8
 def _worker(path: Path, **server_args: object) -> TpModelWorker:
     args = ServerArgs(model_path=str(path), max_total_tokens=4096, device="cpu", **server_args).resolve()
     return TpModelWorker(args, ModelConfig.from_path(str(path)))
-
-
-def _moes(worker: TpModelWorker) -> list[FusedMoE]:
-    return [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +54,12 @@ def test_w8a8_moe_checkpoint_serves_as_w8a8_int8_serves_its_twin(checkpoints, ki
 
     worker = _worker(quantized)
     assert worker.model_runner.server_args.quantization == "compressed-tensors"  # from config.json
-    moes = _moes(worker)
+    moes = moe_layers(worker)
     assert moes and all(m.experts_int8 is not None for m in moes)
-    for mine, theirs in zip(moes, _moes(twin_worker)):
+    for mine, theirs in zip(moes, moe_layers(twin_worker)):
         assert torch.equal(mine.experts_int8.w13, theirs.experts_int8.w13)  # the premise above
         assert torch.equal(mine.experts_int8.w2_scale, theirs.experts_int8.w2_scale)
-    int8_rows: list[int] = []
-    real = quantization.linear_w8a8
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
-        int8_rows.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr("radixserve.layers.moe.fused_moe_cpu.linear_w8a8", spy)
+    int8_rows = spy_expert_int8(monkeypatch)
     got, got_tokens = forced_logprobs(worker, TINY_PROMPTS, steps=STEPS)
     # Every step ran the chosen experts of every MoE layer in int8 (two projections each).
     assert len(int8_rows) >= (STEPS + 1) * len(moes) * 2
@@ -83,7 +71,7 @@ def test_w8a8_moe_checkpoint_serves_as_w8a8_int8_serves_its_twin(checkpoints, ki
 def test_release_and_resume_bring_back_the_checkpoints_experts(checkpoints):
     quantized, _ = checkpoints("qwen3_moe")
     worker = _worker(quantized)
-    moe = _moes(worker)[0]
+    moe = moe_layers(worker)[0]
     before_w13 = moe.experts_int8.w13.clone()
     before, fed = forced_logprobs(worker, TINY_PROMPTS, steps=3)
     weights = worker.model_runner.weights

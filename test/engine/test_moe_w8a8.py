@@ -15,8 +15,21 @@ from radixserve.testing.tiny_models import MOE_KINDS
 STEPS = 12
 
 
-def _moes(worker: object) -> list[FusedMoE]:
+def moe_layers(worker: object) -> list[FusedMoE]:
     return [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def spy_expert_int8(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Row counts of every W8A8 int8 GEMM the MoE experts run from now on (appended per call)."""
+    rows: list[int] = []
+    real = quantization.linear_w8a8
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr("radixserve.layers.moe.fused_moe_cpu.linear_w8a8", spy)
+    return rows
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)
@@ -24,7 +37,7 @@ def test_int8_experts_agree_with_fp32(tiny_model_dir, kind, monkeypatch):
     path = str(tiny_model_dir(kind))
     ref, fed = forced_logprobs(_worker(path), TINY_PROMPTS, steps=STEPS)
     worker = _worker(path, quantization="w8a8_int8")
-    moes = _moes(worker)
+    moes = moe_layers(worker)
     assert moes and all(m.experts_int8 is not None for m in moes)
     for moe in moes:  # int8 made from the fp32 experts, which stay (updates and reads use them)
         assert moe.experts_int8.w13.dtype == torch.int8
@@ -33,14 +46,7 @@ def test_int8_experts_agree_with_fp32(tiny_model_dir, kind, monkeypatch):
         assert (deq13 - moe.w13_weight).abs().max() <= moe.experts_int8.w13_scale.max() / 2 + 1e-7
     for block in (m for m in worker.model_runner.model.modules() if hasattr(m, "expert_recorder")):
         assert block.gate.weight.dtype == torch.float32  # the router is a plain fp32 nn.Linear
-    int8_calls: list[int] = []
-    real = quantization.linear_w8a8
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
-        int8_calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr("radixserve.layers.moe.fused_moe_cpu.linear_w8a8", spy)
+    int8_calls = spy_expert_int8(monkeypatch)
     got, _ = forced_logprobs(worker, TINY_PROMPTS, steps=STEPS, forced=fed)
     # Every decode step ran the chosen experts of every MoE layer in int8 (two projections each).
     assert len(int8_calls) >= STEPS * len(moes) * 2
@@ -60,7 +66,7 @@ def test_int8_experts_agree_with_fp32(tiny_model_dir, kind, monkeypatch):
 
 def test_weight_update_requantizes_the_experts(tiny_model_dir):
     worker = _worker(str(tiny_model_dir("qwen3_moe")), quantization="w8a8_int8")
-    moe = _moes(worker)[0]
+    moe = moe_layers(worker)[0]
     before = moe.experts_int8.w2.clone()
     name = "model.layers.0.mlp.experts.1.down_proj.weight"
     worker.model_runner.weights.update_from_tensors([(name, -moe.w2_weight[1].clone())])
