@@ -185,6 +185,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def bytes_per_token(path: Path, shape: tuple[int, ...]) -> int:
+    """The file's bytes one decode token must read: every tensor but the experts and the embedding
+    in full, one embedding row, and top_k of the experts of each layer."""
+    from gguf import GGUFReader
+
+    num_experts, top_k = shape[4], shape[5]
+    total = 0
+    for t in GGUFReader(path).tensors:
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight":
+            n //= int(t.shape[-1])  # GGUF lists the row length first: shape[-1] is the vocabulary
+        elif "_exps" in t.name:
+            n = n * top_k // num_experts
+        total += n
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -195,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         if not path.exists():
             print(f"writing {path}", flush=True)
             write_moe_gguf(path, kind, args.layers, SHAPES[shape_name], args.seed)
+        per_token = bytes_per_token(path, SHAPES[shape_name])
+        print(f"{path.name}: {per_token / 1e6:.1f} MB read per token", flush=True)
         if args.write_only:
             continue
         tok = tokenizer_dir(path, args.out_dir / f"tokenizer-{shape_name}")
@@ -218,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 ctx = slots * (args.input_len + args.output_len + 16)
                 cmd = llama_cpp.server_command(binary, path, port, args.threads, ctx, slots)
             for row in _serve(engine, cmd, port, args, tok, kind):
+                row["bytes_per_token"] = per_token
                 with open(results_file, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 print(
