@@ -69,7 +69,17 @@ def make_models(out: Path) -> None:
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (builtin / name).exists():
             shutil.copy(builtin / name, small / name)
-    print(f"wrote {llama} and {small} (config + tokenizer only: load them with load_format=dummy)")
+    # Llama-3-8B's shapes with the small model's tokenizer (vocabulary 49152): servable through the
+    # HTTP and Engine paths, which need a tokenizer (run_checks.sh lease overlap8b, serving_profile).
+    small_config = json.loads((small / "config.json").read_text())
+    tok = out / "llama3-8b-tok"
+    tok.mkdir(parents=True, exist_ok=True)
+    shaped = {**LLAMA3_8B, **{k: small_config[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}}
+    (tok / "config.json").write_text(json.dumps(shaped, indent=2))
+    for f in small.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, tok / f.name)
+    print(f"wrote {llama}, {small} and {tok} (config + tokenizer only: load them with load_format=dummy)")
 
 
 # ---------------------------------------------------------------------------------------- attention

@@ -53,20 +53,6 @@ overlap_run() {  # overlap_run on|off [MODEL_DIR NUM_PROMPTS INPUT_LEN OUTPUT_LE
         --server-args "$args" --num-prompts "${3:-256}" --random-input-len "${4:-256}" \
         --random-output-len "${5:-256}" --result-file "$OUT/overlap_$1${2:+_8b}.jsonl"
 }
-llama8b_with_tokenizer() {  # Llama-3-8B's shapes with the small model's tokenizer (vocab 49152)
-    python3 - <<'PY'
-import json, pathlib, shutil
-src, tok, dst = (pathlib.Path(p) for p in (".gpu_models/llama3-8b", ".gpu_models/smollm2-135m", "/tmp/llama8b_tok"))
-dst.mkdir(exist_ok=True)
-small = json.loads((tok / "config.json").read_text())
-cfg = json.loads((src / "config.json").read_text())
-cfg.update(vocab_size=small["vocab_size"], bos_token_id=small["bos_token_id"], eos_token_id=small["eos_token_id"])
-(dst / "config.json").write_text(json.dumps(cfg))
-for f in tok.iterdir():
-    if f.name != "config.json":
-        shutil.copy(f, dst / f.name)
-PY
-}
 
 case "$what" in
 lease)
@@ -105,14 +91,12 @@ lease)
                 test/kernels/test_triton_attention.py -k tree_mask
             ;;
         overlap8b)  # where the GPU's step is as long as the CPU's: the regime overlap is for
-            llama8b_with_tokenizer
-            step 75 overlap8b_on bash -c 'overlap_run on /tmp/llama8b_tok 128 512 128'
-            step 75 overlap8b_off bash -c 'overlap_run off /tmp/llama8b_tok 128 512 128'
+            step 75 overlap8b_on bash -c 'overlap_run on .gpu_models/llama3-8b-tok 128 512 128'
+            step 75 overlap8b_off bash -c 'overlap_run off .gpu_models/llama3-8b-tok 128 512 128'
             ;;
         serving_profile)  # the scheduler under load on Llama-3-8B shapes, overlap off then on (py-spy)
-            llama8b_with_tokenizer
             for mode in off on; do
-                flags="--model-path /tmp/llama8b_tok --load-format dummy"
+                flags="--model-path .gpu_models/llama3-8b-tok --load-format dummy"
                 [ $mode = off ] && flags="$flags --disable-overlap-schedule"
                 step 130 serving_profile_$mode python3 benchmark/profile_serving.py --concurrency 128 \
                     --num-prompts 4000 --input-len 512 --output-len 128 --warmup-s 20 --duration 15 \
