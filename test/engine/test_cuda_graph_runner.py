@@ -33,6 +33,10 @@ from radixserve.testing.eager_graph import EagerGraphFactory  # noqa: E402
 from radixserve.testing.tiny_models import TINY_VOCAB, hf_greedy  # noqa: E402
 
 NUM_NEW = 5
+# The CPU tests run every step in the Triton interpreter (seconds each on 2 cores): short prompts
+# and two decode steps exercise the same bucketing, padding and replay as longer ones.
+CPU_NUM_NEW = 3
+CPU_PROMPT_LEN = 12
 CAPTURE_BS = [1, 2, 4, 8]
 
 
@@ -45,9 +49,9 @@ def test_batch_sizes_to_capture():
     assert get_batch_sizes_to_capture(0) == []
 
 
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+def _prompts(n: int, seed: int = 0, max_len: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(3, max_len))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +67,29 @@ def worker(tiny_model_dir) -> TpModelWorker:
     return TpModelWorker(args.resolve(), ModelConfig.from_path(path, dtype="float32"))
 
 
-@pytest.fixture
-def graphs(worker):
-    """Attach an eager-stand-in graph runner to the worker's ModelRunner for one test."""
+@pytest.fixture(scope="module")
+def captured(worker) -> tuple[CudaGraphRunner, EagerGraphFactory]:
+    """An eager-stand-in graph runner over the worker's ModelRunner, captured once per module as a
+    server captures its graphs once and replays them for every batch after."""
     factory = EagerGraphFactory()
-    runner = worker.model_runner
-    runner.graph_runner = CudaGraphRunner(runner, 8, factory, capture_bs=CAPTURE_BS)
-    yield runner.graph_runner, factory
-    runner.graph_runner = None
+    return CudaGraphRunner(worker.model_runner, 8, factory, capture_bs=CAPTURE_BS), factory
 
 
-def _generate(worker, prompts: list[list[int]]) -> list[StaticReq]:
+@pytest.fixture
+def graphs(worker, captured):
+    """Attach the captured runner to the worker's ModelRunner for one test, its replay log empty."""
+    runner, factory = captured
+    factory.replayed_bs.clear()
+    factory.before_replay = None
+    worker.model_runner.graph_runner = runner
+    yield runner, factory
+    worker.model_runner.graph_runner = None
+
+
+def _generate(worker, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[StaticReq]:
     static = StaticBatchRunner(worker, return_logprob=True)
-    reqs = [StaticReq(p, SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0)) for p in prompts]
-    static.generate(reqs, NUM_NEW)
+    reqs = [StaticReq(p, SamplingParams(max_new_tokens=num_new, temperature=0.0)) for p in prompts]
+    static.generate(reqs, num_new)
     static.release(reqs)
     return reqs
 
@@ -104,11 +117,11 @@ def test_padded_replay_matches_eager(worker, graphs, num_reqs):
     """Greedy tokens identical and logprobs equal (to fp32 noise) with and without the graph; the
     graph ran at the padded size for every decode step."""
     runner, factory = graphs
-    prompts = _prompts(num_reqs, seed=num_reqs)
-    with_graph = _generate(worker, prompts)
-    assert factory.replayed_bs == [runner.pick_bs(num_reqs)] * (NUM_NEW - 1)
+    prompts = _prompts(num_reqs, seed=num_reqs, max_len=CPU_PROMPT_LEN)
+    with_graph = _generate(worker, prompts, CPU_NUM_NEW)
+    assert factory.replayed_bs == [runner.pick_bs(num_reqs)] * (CPU_NUM_NEW - 1)
     worker.model_runner.graph_runner = None
-    eager = _generate(worker, prompts)
+    eager = _generate(worker, prompts, CPU_NUM_NEW)
     for g, e in zip(with_graph, eager):
         assert g.output_ids == e.output_ids
         assert max(abs(a - b) for a, b in zip(g.output_logprobs, e.output_logprobs)) < 1e-5
@@ -127,7 +140,10 @@ def test_padding_content_and_kv_writes(worker, graphs):
 
     factory.before_replay = snapshot
     static = StaticBatchRunner(worker)
-    reqs = [StaticReq(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in _prompts(7, seed=1)]
+    reqs = [
+        StaticReq(p, SamplingParams(max_new_tokens=4, temperature=0.0))
+        for p in _prompts(7, seed=1, max_len=CPU_PROMPT_LEN)
+    ]
     static.prefill(reqs)
     static.decode(reqs)  # bs 7 -> graph 8: leaves real data in all rows but the last
     short = reqs[:5]
