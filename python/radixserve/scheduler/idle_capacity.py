@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.managers.io_struct import BatchTokenizedGenerateReqInput, TokenizedGenerateReqInput
 from radixserve.model_executor.forward_batch import StepYielded
 from radixserve.scheduler.loops import Finish, SyncExecutor, only_batch_class
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+GENERATE = (TokenizedGenerateReqInput, BatchTokenizedGenerateReqInput)  # taken while a step stands stopped
 
 
 class IdleCapacityExecutor(SyncExecutor):
@@ -89,7 +91,7 @@ class IdleCapacityExecutor(SyncExecutor):
         first tokens now."""
         msgs = self.recv()
         n = 0
-        while n < len(msgs) and isinstance(msgs[n], TokenizedGenerateReqInput):
+        while n < len(msgs) and isinstance(msgs[n], GENERATE):
             n += 1
         self.held.extend(msgs[n:])
         if n == 0:
