@@ -12,7 +12,13 @@ import pytest
 import torch
 from scheduler_harness import SchedulerRun, WorkerCache, until_eos
 
-from radixserve.managers.io_struct import BATCH_PRIORITY
+from radixserve.managers.io_struct import (
+    BATCH_PRIORITY,
+    AbortReq,
+    BatchTokenIDOut,
+    TokenizedGenerateReqInput,
+)
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.loops import only_batch_class
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 from radixserve.testing.tiny_models import TINY_VOCAB, hf_greedy
@@ -127,3 +133,151 @@ def test_only_batch_class(make_run):
     assert not only_batch_class(batch)
     run.run_until_idle()
     run.close()
+
+
+class FakeSocket:
+    """The scheduler's input as IdleCapacityExecutor sees it: `has_input` polls, `recv` drains.
+    What is put in `arriving` arrives at the `arrive_at`-th poll (at layer `arrive_at - 1` of a
+    forward, when nothing else polls): in the middle of a step, as a client's request does."""
+
+    def __init__(self, arrive_at: int) -> None:
+        self.arriving: list[object] = []
+        self.msgs: list[object] = []
+        self.polls = 0
+        self.arrive_at = arrive_at
+
+    def has_input(self) -> bool:
+        self.polls += 1
+        if self.polls >= self.arrive_at and self.arriving:
+            self.msgs += self.arriving
+            self.arriving = []
+        return bool(self.msgs)
+
+    def recv(self) -> list[object]:
+        msgs, self.msgs = self.msgs, []
+        return msgs
+
+
+def yielding_run(make_run, socket: FakeSocket, **overrides: object) -> SchedulerRun:
+    """A normal-loop run whose executor yields to `socket` (build_loop's choice on one CPU rank);
+    its steps read their input as the process's loop does (run_forever)."""
+    from radixserve.scheduler.build import build_loop
+    from radixserve.scheduler.idle_capacity import IdleCapacityExecutor
+
+    run = make_run(disable_overlap_schedule=True, **overrides)
+    run.loop = build_loop(run.scheduler, socket.has_input)
+    assert isinstance(run.loop.executor, IdleCapacityExecutor)
+    next_input = run.loop.executor.inputs(socket.recv)
+
+    def step() -> None:
+        run.loop.step(next_input())
+        run._absorb()
+
+    run.step = step
+    return run
+
+
+def generate_msg(rid: str, prompt: list[int], max_new: int) -> TokenizedGenerateReqInput:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+    sp.normalize()
+    return TokenizedGenerateReqInput(rid, "", list(prompt), sp, stream=True)
+
+
+def reported_rids(run: SchedulerRun, since: int) -> list[list[str]]:
+    return [list(m.rids) for m in run.sent[since:] if isinstance(m, BatchTokenIDOut)]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"enable_priority_scheduling": True}, {"enable_mixed_chunk": True}],
+    ids=["plain", "priority", "mixed-chunk"],
+)
+def test_batch_class_step_yields_to_an_arrival(overrides, make_run, reference):
+    """A decode step of batch lines stops between layers when an interactive request arrives: the
+    request's prefill runs and its first token is sent before the stopped step runs again, whole;
+    then it decodes beside the lines, and every token equals HF's (the stopped step's KV writes
+    are written again)."""
+    socket = FakeSocket(arrive_at=2)
+    run = yielding_run(make_run, socket, **overrides)
+    log = ForwardLog(run)
+    for rid, prompt, max_new in BATCH_LINES:
+        run.submit(rid, prompt, max_new, priority=BATCH_PRIORITY, stream=True)
+    for _ in range(4):
+        run.step()
+    assert log.launched[-1] == ("decode", ["line0", "line1"])
+    socket.arriving.append(generate_msg(*INTERACTIVE))
+    socket.polls = 0
+    num_sent = len(run.sent)
+    lines_before = {rid: len(run.outputs[rid]) for rid, _, _ in BATCH_LINES}
+    run.step()
+    assert run.loop.executor.num_yields == 1
+    # The chat's first token went out first, then the lines' tokens of the step that gave way.
+    assert reported_rids(run, num_sent) == [["chat"], ["line0", "line1"]]
+    assert len(run.outputs["chat"]) == 1
+    assert {rid: len(run.outputs[rid]) for rid, _, _ in BATCH_LINES} == {
+        rid: n + 1 for rid, n in lines_before.items()
+    }
+    running = run.scheduler.state.running_batch
+    assert {r.rid for r in running.reqs} == {"line0", "line1", "chat"}  # decode together next
+    run.step()
+    assert log.launched[-1] == ("decode", ["line0", "line1", "chat"])
+    run.run_until_idle()
+    assert run.loop.executor.num_yields == 1  # a batch with the chat in it never yields
+    assert run.outputs == reference
+    run.close()
+
+
+def test_a_stopped_step_holds_control_messages_for_the_next_step(make_run, reference):
+    """While a step stands stopped only the generate requests that arrived first are taken; an
+    abort behind them (and anything after it) is processed by the next step, in order."""
+    socket = FakeSocket(arrive_at=2)
+    run = yielding_run(make_run, socket)
+    for rid, prompt, max_new in BATCH_LINES:
+        run.submit(rid, prompt, max_new, priority=BATCH_PRIORITY)
+    for _ in range(4):
+        run.step()
+    socket.arriving += [generate_msg(*INTERACTIVE), AbortReq(rid="line1"), generate_msg("late", [5, 6, 7], 3)]
+    socket.polls = 0
+    run.step()
+    assert run.loop.executor.num_yields == 1
+    assert "line1" not in run.finished and "late" not in run.scheduler.state.live
+    run.step()  # the held abort, then the held request, in that order
+    assert "late" in run.scheduler.state.live
+    run.run_until_idle()
+    assert set(run.finished) == {"line0", "line1", "chat", "late"}
+    assert run.finished["line1"]["type"] == "abort"
+    assert len(run.outputs["line1"]) < len(reference["line1"])
+    for rid in ("line0", "chat"):
+        assert run.outputs[rid] == reference[rid]
+    assert run.outputs["line1"] == reference["line1"][: len(run.outputs["line1"])]
+    run.close()
+
+
+def test_an_interactive_step_never_yields(make_run, reference):
+    """Only an all-batch-class decode step asks the socket: with an interactive request in the
+    batch, input waits for the step's end as usual."""
+    socket = FakeSocket(arrive_at=1)
+    run = yielding_run(make_run, socket)
+    run.submit(*INTERACTIVE)
+    run.step()
+    run.step()
+    socket.arriving.append(generate_msg(*BATCH_LINES[0]))
+    run.step()
+    assert run.loop.executor.num_yields == 0 and socket.polls == 0
+    run.run_until_idle()
+    assert run.outputs["chat"] == reference["chat"]
+    run.close()
+
+
+def test_build_loop_picks_the_yielding_executor_only_where_it_may(make_run):
+    from radixserve.scheduler.build import build_loop
+    from radixserve.scheduler.idle_capacity import IdleCapacityExecutor
+    from radixserve.scheduler.loops import OverlapScheduleExecutor
+
+    normal = make_run(disable_overlap_schedule=True)
+    assert isinstance(build_loop(normal.scheduler, lambda: False).executor, IdleCapacityExecutor)
+    assert not isinstance(build_loop(normal.scheduler).executor, IdleCapacityExecutor)  # no socket
+    overlap = make_run(disable_overlap_schedule=False)
+    assert isinstance(build_loop(overlap.scheduler, lambda: False).executor, OverlapScheduleExecutor)
+    for run in (normal, overlap):
+        run.close()

@@ -139,3 +139,19 @@ def test_refusals_say_what_to_change(tiny_model_dir):
             _args(dense, expert_distribution_recorder_mode="stat").resolve(),
             ModelConfig.from_path(dense, dtype="float32"),
         )
+
+
+def test_a_yielded_pass_is_not_counted() -> None:
+    """A forward that stopped between layers (StepYielded) runs again whole: its partial counts are
+    dropped, so the totals count each step's routing once."""
+    from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder
+
+    recorder = ExpertDistributionRecorder(2, 4, buffer_size=8, device=torch.device("cpu"), metrics=True)
+    recorder.on_select(0, torch.tensor([[0, 1]]))
+    recorder.discard_pass()
+    recorder.end_pass()
+    assert recorder.totals().sum() == 0
+    recorder.on_select(0, torch.tensor([[0, 1]]))
+    recorder.on_select(1, torch.tensor([[3, 1]]))
+    recorder.end_pass()
+    assert recorder.totals().tolist() == [[1, 1, 0, 0], [0, 1, 0, 1]]

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 
+class StepYielded(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """A forward stopped between layers because its should_yield said so: nothing was sampled,
+    and the KV it wrote for its new tokens is written again when the step runs again."""
+
+
 @dataclass(frozen=True)
 class InputEmbeds:
     """Rows of a forward whose input is an embedding given with the request (input_embeds) instead
@@ -132,6 +137,9 @@ class ModelWorkerBatch:
     # batch with an image request in it (None: the 1-D positions on all three axes).
     multimodal: MultimodalForward | None = None
     mrope_positions: torch.Tensor | None = None
+    # Asked before each decoder layer of the module forward; True stops the forward with
+    # StepYielded (a step of idle-capacity requests giving way to input: scheduler/idle_capacity.py).
+    should_yield: Callable[[], bool] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -213,6 +221,7 @@ class ForwardBatch:
     deepstack_embeds: DeepstackEmbeds | None = None  # set by the model's forward (Qwen3-VL)
     multimodal: MultimodalForward | None = None  # the model's encoder reads it (ModelWorkerBatch)
     mrope_positions: torch.Tensor | None = None  # [3, num_tokens] int64 on the model's device
+    should_yield: Callable[[], bool] | None = None  # ModelWorkerBatch.should_yield
     # False for encoder models: every token attends to every token of its request.
     attn_causal: bool = True
     # A draft tree (ModelWorkerBatch.spec_tree_parents): per request its [e_b, e_b] ancestor mask
@@ -287,6 +296,7 @@ class ForwardBatch:
                 if batch.mrope_positions is not None
                 else None
             ),
+            should_yield=batch.should_yield,
             attn_causal=attn_causal,
             spec_tree_mask=tree_mask,
         )

@@ -29,7 +29,12 @@ from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner, create_
 from radixserve.model_executor.cpu_tuning import tune_and_install
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from radixserve.model_executor.embedding_outputs import embedding_outputs
-from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch, PPProxyTensors
+from radixserve.model_executor.forward_batch import (
+    ForwardBatch,
+    ModelWorkerBatch,
+    PPProxyTensors,
+    StepYielded,
+)
 from radixserve.model_executor.weight_only_forms import WeightOnlyForms, create_weight_only
 from radixserve.model_executor.weight_sync import ModelWeights
 from radixserve.model_loader.loader import load_model
@@ -319,7 +324,12 @@ class ModelRunner:
         if fast_path is not None:
             hidden = fast_path.replay(fb)  # [bs, hidden_size]
         else:
-            hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+            try:
+                hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+            except StepYielded:
+                if self.expert_recorder is not None:
+                    self.expert_recorder.discard_pass()  # the step runs again and counts then
+                raise
         if self.expert_recorder is not None:
             self.expert_recorder.end_pass()
         if capture_hidden and not aux_layers:
@@ -367,6 +377,8 @@ class ModelRunner:
         """A CUDA graph or the CPU fused decode when one can take `batch`; None for the module forward."""
         if batch.mrope_positions is not None:
             return None  # an image request's decode: its 3-D positions need the module forward
+        if batch.should_yield is not None:
+            return None  # only the module forward asks it between layers
         for runner in (self.graph_runner, self.cpu_decode_runner):
             if runner is not None and runner.can_run(batch):
                 return runner

@@ -29,7 +29,7 @@ from radixserve.layers.parallel_linear import (
 )
 from radixserve.layers.rotary import RotaryEmbedding, rope_config
 from radixserve.layers.vocab_parallel import VocabParallelEmbedding
-from radixserve.model_executor.forward_batch import PPProxyTensors
+from radixserve.model_executor.forward_batch import PPProxyTensors, StepYielded
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.vlm_common import lm_name, load_visual, visual_name
@@ -195,6 +195,8 @@ class LlamaModel(nn.Module):
         deepstack = forward_batch.deepstack_embeds
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers[self.start_layer : self.end_layer], start=self.start_layer):
+            if forward_batch.should_yield is not None and forward_batch.should_yield():
+                raise StepYielded(f"yielded before layer {i}")
             if capture and i in capture:  # EAGLE3: the residual stream entering layer i
                 # (a copy: the compiled residual-add norm updates `residual` in place)
                 aux.append(hidden.clone() if residual is None else hidden + residual)

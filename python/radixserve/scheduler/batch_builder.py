@@ -77,18 +77,21 @@ class BatchBuilder:
         if st.chunked_req is not None:
             self._cache_chunked_req(st.chunked_req)
         if st.last_batch is not None and st.last_batch.forward_mode.is_prefill():
-            # Finished requests, the still-chunking one and prompt-only requests (max_new_tokens 0:
-            # in the overlap loop not yet finished here, as their prefill is still in flight) do
-            # not join the decode batch.
-            prompt_only = [r for r in st.last_batch.reqs if r.sampling_params.max_new_tokens == 0]
-            st.last_batch.filter_batch(chunked_req_to_exclude=chunked_to_exclude + prompt_only)
-            st.merge_into_running(st.last_batch)
+            self.merge_prefill(st.last_batch, chunked_to_exclude)
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch  # prefill before decode
         if not st.running_batch.is_empty():
             return self.update_running_batch()
         return None
+
+    def merge_prefill(self, batch: ScheduleBatch, chunked_to_exclude: list[Req]) -> None:
+        """A prefill batch that ran joins the running batch. Finished requests, the still-chunking
+        one and prompt-only requests (max_new_tokens 0: in the overlap loop not yet finished here,
+        as their prefill is still in flight) do not."""
+        prompt_only = [r for r in batch.reqs if r.sampling_params.max_new_tokens == 0]
+        batch.filter_batch(chunked_req_to_exclude=chunked_to_exclude + prompt_only)
+        self.state.merge_into_running(batch)
 
     def _cache_chunked_req(self, req: Req) -> None:
         """Make the chunks computed so far shareable; the request keeps its row for the next chunk
@@ -108,7 +111,10 @@ class BatchBuilder:
         by_running = self.live.batch_cap - len(self.state.running_batch.reqs) - num_scheduled
         return min(by_running, self.mem.req_to_token_pool.available_size() - num_new_rows)
 
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+    def get_new_batch_prefill(self, beside_running: bool = False) -> ScheduleBatch | None:
+        """The next prefill batch, or None. `beside_running`: the running batch is prepared for a
+        step that has not run yet (scheduler/idle_capacity.py), so the prefill neither mixes it in
+        nor preempts from it."""
         st = self.state
         self.mem.tree_cache.prefetch_step(st.waiting_queue, idle=st.running_batch.is_empty())
         if st.chunked_req is None:
@@ -118,7 +124,7 @@ class BatchBuilder:
                 return None
         prefix_computed = self.policy.calc_priority(st.waiting_queue, st.chunked_req)
         mixed_tokens = mixed_kv = 0
-        if self.limits.is_mixed_chunk:
+        if self.limits.is_mixed_chunk and not beside_running:
             running = st.running_batch.reqs
             mixed_tokens = len(running)
             mixed_kv = self.mem.decode_tokens_needed([r.kv_committed_len + 1 for r in running])
@@ -134,7 +140,7 @@ class BatchBuilder:
         if st.chunked_req is not None:
             st.chunked_req.init_next_round_input()
             st.chunked_req = adder.add_chunked_req(st.chunked_req)
-        self._admit(adder, prefix_computed)
+        self._admit(adder, prefix_computed, may_preempt=not beside_running)
         for req in adder.preempt_list:
             self.requests.requeue(req)
         if adder.new_chunked_req is not None:
@@ -143,9 +149,9 @@ class BatchBuilder:
             return None
         if st.chunked_req is not None and any(r is st.chunked_req for r in adder.can_run_list):
             st.chunked_req.is_chunked += 1
-        return self._build_prefill(adder)
+        return self._build_prefill(adder, mix=not beside_running)
 
-    def _admit(self, adder: PrefillAdder, prefix_computed: bool) -> None:
+    def _admit(self, adder: PrefillAdder, prefix_computed: bool, may_preempt: bool) -> None:
         """Offer waiting requests in policy order until a budget runs out."""
         tree = self.mem.tree_cache
         # A hierarchical cache's load-backs evict while requests are admitted: match each again.
@@ -169,8 +175,8 @@ class BatchBuilder:
             if not self.mem.tree_cache.prefetch_ready(req):
                 continue  # HiCache L3: the prefetch policy holds it until its pages are read
             req.init_next_round_input(tree)
-            if self._num_allocatable(len(adder.can_run_list), num_new) <= 0 and not self._preempt_for(
-                req, adder, need_slot=True
+            if self._num_allocatable(len(adder.can_run_list), num_new) <= 0 and not (
+                may_preempt and self._preempt_for(req, adder, need_slot=True)
             ):
                 break
             result = adder.add_one_req(req)
@@ -180,6 +186,7 @@ class BatchBuilder:
             if (
                 not added
                 and result == AddReqResult.NO_TOKEN
+                and may_preempt
                 and self._preempt_for(req, adder, need_slot=False)
             ):
                 result = adder.add_one_req(req)
@@ -224,7 +231,7 @@ class BatchBuilder:
         )
         return True
 
-    def _build_prefill(self, adder: PrefillAdder) -> ScheduleBatch:
+    def _build_prefill(self, adder: PrefillAdder, mix: bool) -> ScheduleBatch:
         st = self.state
         admitted = {id(r) for r in adder.can_run_list}
         st.waiting_queue[:] = [r for r in st.waiting_queue if id(r) not in admitted]
@@ -248,7 +255,8 @@ class BatchBuilder:
             len(st.running_batch.reqs),
             len(st.waiting_queue),
         )
-        self._maybe_mix(batch)
+        if mix:
+            self._maybe_mix(batch)
         return batch
 
     def _maybe_mix(self, batch: ScheduleBatch) -> None:

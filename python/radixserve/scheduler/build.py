@@ -7,6 +7,7 @@ hooks for a built Scheduler (the table: docs/architecture.md, "The scheduler's l
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from radixserve.disaggregation.utils import DisaggregationMode
@@ -18,20 +19,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def build_loop(scheduler: Scheduler) -> Loop:
+def build_loop(scheduler: Scheduler, has_input: Callable[[], bool] | None = None) -> Loop:
+    """`has_input`: whether a message waits on this rank's own socket, without reading it (None:
+    the rank has no socket of its own, or it is not known)."""
     hooks = attach_disaggregation(scheduler)
     if hooks is not None:
         scheduler.hooks = hooks  # admission and the internal state go through them too
-    return Loop(scheduler, _executor(scheduler, hooks), hooks)
+    return Loop(scheduler, _executor(scheduler, hooks, has_input), hooks)
 
 
-def _executor(scheduler: Scheduler, hooks: LoopHooks | None) -> SyncExecutor:
+def _executor(
+    scheduler: Scheduler, hooks: LoopHooks | None, has_input: Callable[[], bool] | None
+) -> SyncExecutor:
     args = scheduler.server_args
     if args.pp_size > 1:
         return _pipeline_executor(scheduler)
     if hooks is not None or args.disable_overlap_schedule:
+        if hooks is None and has_input is not None and _idle_capacity_yields(scheduler):
+            from radixserve.scheduler.idle_capacity import IdleCapacityExecutor
+
+            return IdleCapacityExecutor(scheduler, has_input)
         return SyncExecutor(scheduler)  # the PD sides run the normal loop
     return OverlapScheduleExecutor(scheduler)  # refuses speculative decoding
+
+
+def _idle_capacity_yields(scheduler: Scheduler) -> bool:
+    """Whether batch-class decode steps may stop between layers (scheduler/idle_capacity.py): one
+    rank on CPU, no speculative decoding."""
+    args = scheduler.server_args
+    return args.tp_size == 1 and args.device == "cpu" and scheduler.builder.spec_step is None
 
 
 def _pipeline_executor(scheduler: Scheduler) -> SyncExecutor:

@@ -437,10 +437,13 @@ class Scheduler:
         self.operators.before_forward()
         return mwb
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | EmbeddingBatchResult:
+    def run_batch(
+        self, batch: ScheduleBatch, should_yield: Callable[[], bool] | None = None
+    ) -> GenerationBatchResult | EmbeddingBatchResult:
         """Launch and wait for the forward (sync and pipeline executors); a prefill-only batch
-        samples nothing."""
+        samples nothing. `should_yield`: ModelWorkerBatch.should_yield (may raise StepYielded)."""
         mwb = self.launch(batch)
+        mwb.should_yield = should_yield
         with torch.inference_mode():
             if mwb.is_embedding:
                 return self.worker.forward_batch_embedding(mwb)

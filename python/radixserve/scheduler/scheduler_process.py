@@ -91,6 +91,10 @@ class SchedulerIO:
                     break
         return msgs
 
+    def has_input(self) -> bool:
+        """Whether a message waits, without reading it (a zero-timeout poll)."""
+        return bool(self.poller.poll(0))
+
     def send_output(self, msg: object) -> None:
         if isinstance(msg, RpcReqOutput) and self.recv_from_rpc is not None:
             self.recv_from_rpc.send_pyobj(msg)
@@ -228,7 +232,8 @@ def run_scheduler_process(
     try:
         device, threads, cores = place_rank(server_args, layout, info.local_rank, dp_rank)
         runtime, scheduler, io, ready = _build_rank(server_args, port_args, rank, init_addr, device)
-        loop = build_loop(scheduler)  # before readiness: the PD side binds its ports here
+        has_input = io.has_input if io is not None and runtime is None else None
+        loop = build_loop(scheduler, has_input)  # before readiness: the PD side binds its ports here
         if runtime is not None:
             ready["rank_info"] = {
                 **dataclasses.asdict(info),

@@ -58,6 +58,11 @@ class ExpertDistributionRecorder:
         self._current[layer_id] += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
         self._touched = True
 
+    def discard_pass(self) -> None:
+        """A forward that stopped between layers (StepYielded): its partial counts are dropped."""
+        self._current.zero_()
+        self._touched = False
+
     def end_pass(self) -> None:
         """After each forward: the pass's counts become a row of the ring."""
         if not self._touched:
