@@ -62,30 +62,26 @@ class FinishLength(FinishReason):
 
 
 @dataclass(frozen=True)
-class FinishMatchedToken(FinishReason):
-    matched: int
+class FinishMatched(FinishReason):
+    """A stop: the subclass says what matched (the native API reports each as type "stop")."""
+
+    matched: int | str
 
     def _fields(self) -> dict[str, Any]:
         return {"type": "stop", "matched": self.matched}
 
 
-@dataclass(frozen=True)
-class FinishMatchedStr(FinishReason):
-    matched: str
-
-    def _fields(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
+class FinishMatchedToken(FinishMatched):
+    """`matched` is the stop token id (an EOS id or one of stop_token_ids)."""
 
 
-@dataclass(frozen=True)
-class FinishMatchedRegex(FinishReason):
+class FinishMatchedStr(FinishMatched):
+    """`matched` is the stop string."""
+
+
+class FinishMatchedRegex(FinishMatched):
     """A `stop_regex` pattern matched (SGLang's FINISHED_MATCHED_REGEX); `matched` is the pattern.
     The text keeps what matched: parts of it may have streamed before the match was complete."""
-
-    matched: str
-
-    def _fields(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
 
 
 @dataclass(frozen=True)
