@@ -87,3 +87,17 @@ def test_a_missing_reply_times_out_as_503() -> None:
         assert (await task)[0].num_reqs == 1
 
     asyncio.run(run())
+
+
+def test_shared_outcome_replies_reach_the_request_they_answer() -> None:
+    async def run() -> None:
+        client = _client(1, [])
+        pause = asyncio.ensure_future(client.ask_all(io.PauseGenerationReqInput()))
+        freeze = asyncio.ensure_future(client.ask_all(io.FreezeGCReq()))
+        await asyncio.sleep(0)
+        # Both requests answer with ControlOutcome: each reply names the request it answers.
+        assert client.deliver(io.ControlOutcome(True, "frozen", io.FreezeGCReq))
+        assert client.deliver(io.ControlOutcome(True, "paused", io.PauseGenerationReqInput))
+        assert (await pause)[0].message == "paused" and (await freeze)[0].message == "frozen"
+
+    asyncio.run(run())

@@ -2,7 +2,8 @@
 the HTTP routes and the Engine. Each sends its message to the scheduler and awaits the reply its
 class declares (`reply_type`, managers/control_messages.py); the scheduler decides when it takes
 effect (scheduler/control_plane.py). The TokenizerManager hands every message it receives to
-`deliver` first: the replies someone waits for stop there.
+`deliver` first: the replies someone waits for stop there. Waiters are keyed by the reply's type,
+or for the shared ControlOutcome by the request class it `answers`.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ class ControlClient:
         with --dp-size > 1 the DataParallelController fans the request out). One call at a time
         per kind of request (replies of one type come back in order; different kinds never wait
         on each other)."""
-        reply_type = msg.reply_type
-        assert reply_type is not None, f"{type(msg).__name__} has no reply to wait for"
+        assert msg.reply_type is not None, f"{type(msg).__name__} has no reply to wait for"
+        key = type(msg) if msg.reply_type is io.ControlOutcome else msg.reply_type
         limit = timeout or CONTROL_TIMEOUT_S
-        lock = self._locks.setdefault(reply_type, asyncio.Lock())
+        lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             loop = asyncio.get_running_loop()
             futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(self._dp_size)]
-            waiters = self._waiters.setdefault(reply_type, [])
+            waiters = self._waiters.setdefault(key, [])
             waiters.extend(futures)
             self._send(msg)
             try:
@@ -66,9 +67,9 @@ class ControlClient:
                         waiters.remove(future)
 
     def deliver(self, msg: object) -> bool:
-        """Hand `msg` to the oldest call waiting for its type; False when it is no control reply
-        (no call ever waited for its type)."""
-        waiters = self._waiters.get(type(msg))
+        """Hand `msg` to the oldest call waiting for its type (for a ControlOutcome: for the
+        request it answers); False when it is no control reply (no call ever waited for it)."""
+        waiters = self._waiters.get(msg.answers if isinstance(msg, io.ControlOutcome) else type(msg))
         if waiters is None:
             return False
         if waiters:

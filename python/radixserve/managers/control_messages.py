@@ -3,9 +3,10 @@ release, pause, profiling, live knobs, RPC. Re-exported by io_struct, where ever
 
 Names and fields are SGLang's (its io_struct), so RL frameworks that drive SGLang over HTTP or
 its Engine find the same ones. Each request is a ControlReq that declares its `ordering` (when the
-scheduler lets it take effect) and its `reply_type`, its own *Output message: ControlClient matches
-replies to waiters by that type. Every output carries `success` and a `message` saying what
-happened (or why nothing did). Each *Output is defined before the request that names it.
+scheduler lets it take effect) and its `reply_type`: its own *Output message, which ControlClient
+matches to waiters by type, or the shared ControlOutcome, which names the request it answers.
+Every output carries `success` and a `message` saying what happened (or why nothing did). Each
+*Output is defined before the request that names it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class ControlReq:
     whether its answer may take long (`long_running`: a weight update waits for in-flight requests
     or a trainer's broadcast, a memory resume reloads the checkpoint; default no):
 
-        class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseGenerationReqOutput):
+        class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     """
 
     __slots__ = ()
@@ -57,11 +58,13 @@ class ControlReq:
 
 @dataclass(frozen=True, slots=True)
 class ControlOutcome:
-    """A reply that says only whether its request took effect and what happened. Each request
-    has its own subclass: ControlClient matches replies to waiters by type."""
+    """The reply of a request that says only whether it took effect and what happened. Handlers
+    leave `answers` None; the scheduler sets it to the request's class before sending, which is
+    how ControlClient finds the waiter (many requests share this reply type)."""
 
     success: bool
     message: str
+    answers: type[ControlReq] | None = None
 
 
 # ---------------------------------------------------------------------------------------- sessions
@@ -143,12 +146,8 @@ class UpdateWeightsFromTensorReqInput(
     weight_version: str | None = None
 
 
-class InitWeightsUpdateGroupReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class InitWeightsUpdateGroupReqInput(ControlReq, reply=InitWeightsUpdateGroupReqOutput, long_running=True):
+class InitWeightsUpdateGroupReqInput(ControlReq, reply=ControlOutcome, long_running=True):
     master_address: str
     master_port: int
     rank_offset: int  # this server's TP rank r joins the group as rank rank_offset + r
@@ -177,12 +176,8 @@ class UpdateWeightsFromDistributedReqInput(
     weight_version: str | None = None
 
 
-class DestroyWeightsUpdateGroupReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class DestroyWeightsUpdateGroupReqInput(ControlReq, reply=DestroyWeightsUpdateGroupReqOutput):
+class DestroyWeightsUpdateGroupReqInput(ControlReq, reply=ControlOutcome):
     group_name: str = DEFAULT_WEIGHT_GROUP
 
 
@@ -229,13 +224,9 @@ def weight_reply_error(name: str, shape: tuple[int, ...], truncate_size: int) ->
 MEMORY_TAGS = ("kv_cache", "weights")
 
 
-class ReleaseMemoryOccupationReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
 class ReleaseMemoryOccupationReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=ReleaseMemoryOccupationReqOutput, long_running=True
+    ControlReq, ordering=Ordering.BARRIER, reply=ControlOutcome, long_running=True
 ):
     tags: list[str] | None = None  # None: every tag in MEMORY_TAGS
 
@@ -258,21 +249,13 @@ class ResumeMemoryOccupationReqInput(
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class PauseGenerationReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=PauseGenerationReqOutput):
+class PauseGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     mode: str = "abort"
 
 
-class ContinueGenerationReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class ContinueGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ContinueGenerationReqOutput):
+class ContinueGenerationReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     """Release the requests held by the pause and schedule again."""
 
 
@@ -285,12 +268,8 @@ class ProfileReqType(Enum):
 PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
 
 
-class ProfileReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class ProfileReq(ControlReq, ordering=Ordering.BYPASS, reply=ProfileReqOutput):
+class ProfileReq(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     type: ProfileReqType
     output_dir: str | None = None
     start_step: int | None = None
@@ -312,32 +291,20 @@ class ExpertDistributionReqType(Enum):
     DUMP_RECORD = 3
 
 
-class ExpertDistributionReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class ExpertDistributionReq(ControlReq, ordering=Ordering.BYPASS, reply=ExpertDistributionReqOutput):
+class ExpertDistributionReq(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     """Start, stop or dump the MoE routing counts (--expert-distribution-recorder-mode)."""
 
     action: ExpertDistributionReqType
 
 
-class SlowDownReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class SlowDownReqInput(ControlReq, ordering=Ordering.BYPASS, reply=SlowDownReqOutput):
+class SlowDownReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     forward_sleep_time: float | None  # seconds slept before each forward; None: back to normal
 
 
-class FreezeGCReqOutput(ControlOutcome):
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
-class FreezeGCReq(ControlReq, ordering=Ordering.BYPASS, reply=FreezeGCReqOutput):
+class FreezeGCReq(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     """Move every object alive in the scheduler to the collector's permanent generation."""
 
 

@@ -30,6 +30,7 @@ from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    ControlOutcome,
     EmbeddingBatchResult,
     FlushCacheReqInput,
     FlushCacheReqOutput,
@@ -267,6 +268,8 @@ class Scheduler:
 
     def _dispatch(self, msg: object) -> None:
         reply = self.dispatcher(msg)
+        if isinstance(reply, ControlOutcome):  # ControlClient finds its waiter by the request
+            reply = replace(reply, answers=type(msg))
         if reply is not None:
             self.send_output(reply)
 

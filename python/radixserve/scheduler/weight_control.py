@@ -22,14 +22,12 @@ import torch
 from radixserve.distributed.rank_runtime import RankSync
 from radixserve.managers.io_struct import (
     MEMORY_TAGS,
+    ControlOutcome,
     DestroyWeightsUpdateGroupReqInput,
-    DestroyWeightsUpdateGroupReqOutput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
-    InitWeightsUpdateGroupReqOutput,
     ReleaseMemoryOccupationReqInput,
-    ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
@@ -176,7 +174,7 @@ class WeightControl:
         return UpdateWeightsFromTensorReqOutput(ok, message, self.weight_version if ok else None)
 
     # ------------------------------------------------------------------ the trainer's group
-    def init_group(self, msg: InitWeightsUpdateGroupReqInput) -> InitWeightsUpdateGroupReqOutput:
+    def init_group(self, msg: InitWeightsUpdateGroupReqInput) -> ControlOutcome:
         from radixserve.model_executor.weight_group import init_weights_group
 
         created = False
@@ -195,11 +193,9 @@ class WeightControl:
         if not ok:
             if created:  # another rank failed: this rank leaves the group too
                 self.groups.pop(msg.group_name, None)
-            return InitWeightsUpdateGroupReqOutput(
-                False, f"Failed to init the weight update group: {message}"
-            )
+            return ControlOutcome(False, f"Failed to init the weight update group: {message}")
         logger.info("Joined weight update group %s", msg.group_name)
-        return InitWeightsUpdateGroupReqOutput(True, "Succeeded to initialize the weight update group.")
+        return ControlOutcome(True, "Succeeded to initialize the weight update group.")
 
     def update_from_distributed(
         self, msg: UpdateWeightsFromDistributedReqInput
@@ -232,13 +228,13 @@ class WeightControl:
         ok, message = self._run_update("from distributed", update, msg.flush_cache, msg.weight_version)
         return UpdateWeightsFromDistributedReqOutput(ok, message, self.weight_version if ok else None)
 
-    def destroy_group(self, msg: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:
+    def destroy_group(self, msg: DestroyWeightsUpdateGroupReqInput) -> ControlOutcome:
         group = self.groups.pop(msg.group_name, None)
         ok, message = agree(self.sync, group is not None, f"No weight update group {msg.group_name!r}.")
         if not ok:
-            return DestroyWeightsUpdateGroupReqOutput(False, message)
+            return ControlOutcome(False, message)
         del group  # the ProcessGroup closes its connections when collected
-        return DestroyWeightsUpdateGroupReqOutput(True, "Succeeded to destroy the weight update group.")
+        return ControlOutcome(True, "Succeeded to destroy the weight update group.")
 
     # ------------------------------------------------------------------ reading
     def get_weights_by_name(self, msg: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
@@ -283,7 +279,7 @@ class MemoryOccupation:
         self.weight_control = weight_control
         self.released: set[str] = set()  # MEMORY_TAGS currently released
 
-    def release(self, msg: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:
+    def release(self, msg: ReleaseMemoryOccupationReqInput) -> ControlOutcome:
         tags, error = _tags(msg.tags)
         if error is None and not self.activity.quiescent():
             error = "Cannot release memory while requests are alive (paused in place?): abort or finish them first."
@@ -291,7 +287,7 @@ class MemoryOccupation:
         if error is None and weights is None:
             error = "This worker cannot release memory."
         if error is not None:
-            return ReleaseMemoryOccupationReqOutput(False, error)
+            return ControlOutcome(False, error)
         before = _rss()
         if "kv_cache" in tags:
             self.mem.flush()  # the cached prefixes' KV is about to go
@@ -301,7 +297,7 @@ class MemoryOccupation:
         self.released.update(tags)
         message = f"Released {', '.join(sorted(tags))}: process RSS {before / 2**20:.0f} -> {_rss() / 2**20:.0f} MiB."
         logger.info(message)
-        return ReleaseMemoryOccupationReqOutput(True, message)
+        return ControlOutcome(True, message)
 
     def resume(self, msg: ResumeMemoryOccupationReqInput) -> ResumeMemoryOccupationReqOutput:
         tags, error = _tags(msg.tags)
