@@ -48,7 +48,9 @@ class FakeControl:
         if isinstance(msg, io.CloseSessionReqInput):
             known = msg.session_id in self.sessions
             self.sessions.discard(msg.session_id)
-            return io.CloseSessionReqOutput(known, "" if known else f"No session {msg.session_id!r}.")
+            return io.ControlOutcome(
+                known, "" if known else f"No session {msg.session_id!r}.", answers=type(msg)
+            )
         if isinstance(msg, io.GetWeightsByNameReqInput):
             return fake_weight(msg)
         if isinstance(msg, io.SetInternalStateReq):
@@ -56,7 +58,7 @@ class FakeControl:
         if not isinstance(msg, _REFUSED):
             return None
         if msg.reply_type is io.ControlOutcome:  # named after its request, as the scheduler does
-            return io.ControlOutcome(False, REFUSED, type(msg))
+            return io.ControlOutcome(False, REFUSED, answers=type(msg))
         return msg.reply_type(False, REFUSED)
 
 

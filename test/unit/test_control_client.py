@@ -96,8 +96,8 @@ def test_shared_outcome_replies_reach_the_request_they_answer() -> None:
         freeze = asyncio.ensure_future(client.ask_all(io.FreezeGCReq()))
         await asyncio.sleep(0)
         # Both requests answer with ControlOutcome: each reply names the request it answers.
-        assert client.deliver(io.ControlOutcome(True, "frozen", io.FreezeGCReq))
-        assert client.deliver(io.ControlOutcome(True, "paused", io.PauseGenerationReqInput))
+        assert client.deliver(io.ControlOutcome(True, "frozen", answers=io.FreezeGCReq))
+        assert client.deliver(io.ControlOutcome(True, "paused", answers=io.PauseGenerationReqInput))
         assert (await pause)[0].message == "paused" and (await freeze)[0].message == "frozen"
 
     asyncio.run(run())

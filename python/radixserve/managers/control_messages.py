@@ -64,6 +64,7 @@ class ControlOutcome:
 
     success: bool
     message: str
+    weight_version: str | None = None  # the weights now loaded, when the request changed them
     answers: type[ControlReq] | None = None
 
 
@@ -93,13 +94,7 @@ class OpenSessionReqInput(ControlReq, ordering=Ordering.BYPASS, reply=OpenSessio
 
 
 @dataclass(frozen=True, slots=True)
-class CloseSessionReqOutput:
-    success: bool
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class CloseSessionReqInput(ControlReq, ordering=Ordering.BYPASS, reply=CloseSessionReqOutput):
+class CloseSessionReqInput(ControlReq, ordering=Ordering.BYPASS, reply=ControlOutcome):
     session_id: str
 
 
@@ -124,15 +119,8 @@ class UpdateWeightFromDiskReqInput(
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightsFromTensorReqOutput:
-    success: bool
-    message: str
-    weight_version: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class UpdateWeightsFromTensorReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromTensorReqOutput, long_running=True
+    ControlReq, ordering=Ordering.BARRIER, reply=ControlOutcome, long_running=True
 ):
     """Tensors as SGLang's RL frameworks send them: one serialized payload per TP rank
     (`serialized_named_tensors[tp_rank]`), bytes or base64 text, in SGLang's
@@ -157,15 +145,8 @@ class InitWeightsUpdateGroupReqInput(ControlReq, reply=ControlOutcome, long_runn
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateWeightsFromDistributedReqOutput:
-    success: bool
-    message: str
-    weight_version: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class UpdateWeightsFromDistributedReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=UpdateWeightsFromDistributedReqOutput, long_running=True
+    ControlReq, ordering=Ordering.BARRIER, reply=ControlOutcome, long_running=True
 ):
     names: list[str]
     dtypes: list[str]
@@ -232,15 +213,8 @@ class ReleaseMemoryOccupationReqInput(
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeMemoryOccupationReqOutput:
-    success: bool
-    message: str
-    weight_version: str | None = None  # the version of the reloaded weights (when they were resumed)
-
-
-@dataclass(frozen=True, slots=True)
 class ResumeMemoryOccupationReqInput(
-    ControlReq, ordering=Ordering.BARRIER, reply=ResumeMemoryOccupationReqOutput, long_running=True
+    ControlReq, ordering=Ordering.BARRIER, reply=ControlOutcome, long_running=True
 ):
     tags: list[str] | None = None
 

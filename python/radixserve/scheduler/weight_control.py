@@ -29,13 +29,10 @@ from radixserve.managers.io_struct import (
     InitWeightsUpdateGroupReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
-    UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
-    UpdateWeightsFromTensorReqOutput,
 )
 from radixserve.model_executor.tensor_payload import decode_entry, serialize_named_tensors
 from radixserve.model_executor.weight_read import WeightReadError, assemble, read_piece
@@ -155,7 +152,7 @@ class WeightControl:
             self.disk_version = self.weight_version
         return UpdateWeightFromDiskReqOutput(ok, message, 0, self.weight_version if ok else None)
 
-    def update_from_tensor(self, msg: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
+    def update_from_tensor(self, msg: UpdateWeightsFromTensorReqInput) -> ControlOutcome:
         def update() -> None:
             rank = self.tp_rank
             entries = msg.serialized_named_tensors
@@ -171,7 +168,7 @@ class WeightControl:
                 self._weights().update_from_tensors(payload.named)
 
         ok, message = self._run_update("from tensors", update, msg.flush_cache, msg.weight_version)
-        return UpdateWeightsFromTensorReqOutput(ok, message, self.weight_version if ok else None)
+        return ControlOutcome(ok, message, self.weight_version if ok else None)
 
     # ------------------------------------------------------------------ the trainer's group
     def init_group(self, msg: InitWeightsUpdateGroupReqInput) -> ControlOutcome:
@@ -197,9 +194,7 @@ class WeightControl:
         logger.info("Joined weight update group %s", msg.group_name)
         return ControlOutcome(True, "Succeeded to initialize the weight update group.")
 
-    def update_from_distributed(
-        self, msg: UpdateWeightsFromDistributedReqInput
-    ) -> UpdateWeightsFromDistributedReqOutput:
+    def update_from_distributed(self, msg: UpdateWeightsFromDistributedReqInput) -> ControlOutcome:
         from radixserve.model_executor.weight_group import broadcast_from_trainer
 
         def update() -> None:
@@ -226,7 +221,7 @@ class WeightControl:
             self._weights().update_from_tensors(received)
 
         ok, message = self._run_update("from distributed", update, msg.flush_cache, msg.weight_version)
-        return UpdateWeightsFromDistributedReqOutput(ok, message, self.weight_version if ok else None)
+        return ControlOutcome(ok, message, self.weight_version if ok else None)
 
     def destroy_group(self, msg: DestroyWeightsUpdateGroupReqInput) -> ControlOutcome:
         group = self.groups.pop(msg.group_name, None)
@@ -299,13 +294,13 @@ class MemoryOccupation:
         logger.info(message)
         return ControlOutcome(True, message)
 
-    def resume(self, msg: ResumeMemoryOccupationReqInput) -> ResumeMemoryOccupationReqOutput:
+    def resume(self, msg: ResumeMemoryOccupationReqInput) -> ControlOutcome:
         tags, error = _tags(msg.tags)
         weights = self.weights
         if error is None and weights is None:
             error = "This worker cannot resume memory."
         if error is not None:
-            return ResumeMemoryOccupationReqOutput(False, error)
+            return ControlOutcome(False, error)
         ok, message = True, ""
         try:
             if "kv_cache" in tags:
@@ -324,7 +319,7 @@ class MemoryOccupation:
                 version = self.weight_control.on_weights_reloaded()
                 message += f" Weights reloaded from {weights.source_path} (weight_version {version})."
             logger.info(message)
-        return ResumeMemoryOccupationReqOutput(ok, message, version)
+        return ControlOutcome(ok, message, version)
 
     def released_message(self) -> str | None:
         if not self.released:
