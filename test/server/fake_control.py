@@ -49,7 +49,7 @@ class FakeControl:
             known = msg.session_id in self.sessions
             self.sessions.discard(msg.session_id)
             return io.ControlOutcome(
-                known, "" if known else f"No session {msg.session_id!r}.", answers=type(msg)
+                known, "" if known else f"No session {msg.session_id!r}.", answers=type(msg).__name__
             )
         if isinstance(msg, io.GetWeightsByNameReqInput):
             return fake_weight(msg)
@@ -58,7 +58,7 @@ class FakeControl:
         if not isinstance(msg, _REFUSED):
             return None
         if msg.reply_type is io.ControlOutcome:  # named after its request, as the scheduler does
-            return io.ControlOutcome(False, REFUSED, answers=type(msg))
+            return io.ControlOutcome(False, REFUSED, answers=type(msg).__name__)
         return msg.reply_type(False, REFUSED)
 
 

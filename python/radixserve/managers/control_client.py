@@ -3,7 +3,7 @@ the HTTP routes and the Engine. Each sends its message to the scheduler and awai
 class declares (`reply_type`, managers/control_messages.py); the scheduler decides when it takes
 effect (scheduler/control_plane.py). The TokenizerManager hands every message it receives to
 `deliver` first: the replies someone waits for stop there. Waiters are keyed by the reply's type,
-or for the shared ControlOutcome by the request class it `answers`.
+or for the shared ControlOutcome by the name of the request class it `answers`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ class ControlClient:
         self._dp_size = dp_size
         self._check_alive = check_alive
         self._on_new_weights = on_new_weights
-        self._waiters: dict[type, list[asyncio.Future[Any]]] = {}
-        self._locks: dict[type, asyncio.Lock] = {}
+        # By reply type, or by request class name for ControlOutcome replies.
+        self._waiters: dict[type | str, list[asyncio.Future[Any]]] = {}
+        self._locks: dict[type | str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ plumbing
     async def ask_all(self, msg: io.ControlReq, timeout: float | None = None) -> list[Any]:
@@ -46,7 +47,7 @@ class ControlClient:
         per kind of request (replies of one type come back in order; different kinds never wait
         on each other)."""
         assert msg.reply_type is not None, f"{type(msg).__name__} has no reply to wait for"
-        key = type(msg) if msg.reply_type is io.ControlOutcome else msg.reply_type
+        key = type(msg).__name__ if msg.reply_type is io.ControlOutcome else msg.reply_type
         limit = timeout or CONTROL_TIMEOUT_S
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:

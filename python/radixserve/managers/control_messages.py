@@ -59,13 +59,13 @@ class ControlReq:
 @dataclass(frozen=True, slots=True)
 class ControlOutcome:
     """The reply of a request that says only whether it took effect and what happened. Handlers
-    leave `answers` None; the scheduler sets it to the request's class before sending, which is
-    how ControlClient finds the waiter (many requests share this reply type)."""
+    leave `answers` None; the scheduler sets it to the request's class name before sending, which
+    is how ControlClient finds the waiter (many requests share this reply type)."""
 
     success: bool
     message: str
     weight_version: str | None = None  # the weights now loaded, when the request changed them
-    answers: type[ControlReq] | None = None
+    answers: str | None = None  # a name, not the class: msgspec (like pickle) can carry it
 
 
 # ---------------------------------------------------------------------------------------- sessions

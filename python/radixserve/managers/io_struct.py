@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 from radixserve.managers.control_messages import *  # noqa: F403 - the control plane's messages
-from radixserve.managers.control_messages import ControlReq, Ordering, SessionParams
+from radixserve.managers.control_messages import ControlOutcome, ControlReq, Ordering, SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
 # Native finish_reason key: the output ended inside a multi-byte character (left out of the text).
@@ -235,13 +235,7 @@ def rid_matches(rid: str, target: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class FlushCacheReqOutput:
-    success: bool
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class FlushCacheReqInput(ControlReq, reply=FlushCacheReqOutput):
+class FlushCacheReqInput(ControlReq, reply=ControlOutcome):
     """Drop the prefix cache and reset the KV pools; refused while requests are in flight."""
 
 
