@@ -44,7 +44,9 @@ class FakeControl:
         if isinstance(msg, io.OpenSessionReqInput):
             fresh = msg.session_id not in self.sessions
             self.sessions.add(msg.session_id)  # type: ignore[arg-type]
-            return io.OpenSessionReqOutput(msg.session_id, fresh, "" if fresh else "Session already open.")
+            return io.ControlOutcome(
+                fresh, "" if fresh else "Session already open.", answers=type(msg).__name__
+            )
         if isinstance(msg, io.CloseSessionReqInput):
             known = msg.session_id in self.sessions
             self.sessions.discard(msg.session_id)

@@ -93,12 +93,11 @@ class ControlClient:
         return out
 
     async def open_session(self, obj: io.OpenSessionReqInput) -> str:
-        if obj.session_id is None:
-            obj = io.OpenSessionReqInput(obj.capacity_of_str_len, uuid.uuid4().hex)
-        out = await self.ask(obj)
+        session_id = uuid.uuid4().hex if obj.session_id is None else obj.session_id
+        out = await self.ask(dataclasses.replace(obj, session_id=session_id))
         if not out.success:
             raise InvalidRequestError(out.message or "Failed to open the session.")
-        return out.session_id
+        return session_id
 
     async def get_weights_by_name(self, obj: io.GetWeightsByNameReqInput) -> io.GetWeightsByNameReqOutput:
         self._check_alive()

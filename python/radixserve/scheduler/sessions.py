@@ -21,7 +21,6 @@ from radixserve.managers.io_struct import (
     CloseSessionReqInput,
     ControlOutcome,
     OpenSessionReqInput,
-    OpenSessionReqOutput,
     SessionParams,
     TokenizedGenerateReqInput,
 )
@@ -76,18 +75,18 @@ class SessionController:
         self._bos = bos_token_id
 
     # ------------------------------------------------------------------ open / close
-    def open(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
+    def open(self, msg: OpenSessionReqInput) -> ControlOutcome:
         sid = msg.session_id
         if sid in self.sessions:
             message = f"session id {sid} already exist, cannot open."
             logger.warning(message)
-            return OpenSessionReqOutput(sid, False, message)
+            return ControlOutcome(False, message)
         if sid is None:
             message = "session id is None, cannot open."
             logger.warning(message)
-            return OpenSessionReqOutput(None, False, message)
+            return ControlOutcome(False, message)
         self.sessions[sid] = Session(sid, msg.capacity_of_str_len)
-        return OpenSessionReqOutput(sid, True)
+        return ControlOutcome(True, "")
 
     def close(self, msg: CloseSessionReqInput) -> ControlOutcome:
         session = self.sessions.get(msg.session_id)
