@@ -18,21 +18,21 @@ FAKE_WEIGHTS = {"model.embed_tokens.weight": (40000, 128), "model.norm.weight": 
 REFUSED = "The fake scheduler has no such control."
 
 # Requests refused with their reply type's (success=False, message).
-_REFUSED_TYPES: dict[type, type] = {
-    io.UpdateWeightFromDiskReqInput: io.UpdateWeightFromDiskReqOutput,
-    io.UpdateWeightsFromTensorReqInput: io.UpdateWeightsFromTensorReqOutput,
-    io.InitWeightsUpdateGroupReqInput: io.InitWeightsUpdateGroupReqOutput,
-    io.UpdateWeightsFromDistributedReqInput: io.UpdateWeightsFromDistributedReqOutput,
-    io.DestroyWeightsUpdateGroupReqInput: io.DestroyWeightsUpdateGroupReqOutput,
-    io.ReleaseMemoryOccupationReqInput: io.ReleaseMemoryOccupationReqOutput,
-    io.ResumeMemoryOccupationReqInput: io.ResumeMemoryOccupationReqOutput,
-    io.PauseGenerationReqInput: io.PauseGenerationReqOutput,
-    io.ContinueGenerationReqInput: io.ContinueGenerationReqOutput,
-    io.ProfileReq: io.ProfileReqOutput,
-    io.SlowDownReqInput: io.SlowDownReqOutput,
-    io.FreezeGCReq: io.FreezeGCReqOutput,
-    io.ExpertDistributionReq: io.ExpertDistributionReqOutput,
-}
+_REFUSED = (
+    io.UpdateWeightFromDiskReqInput,
+    io.UpdateWeightsFromTensorReqInput,
+    io.InitWeightsUpdateGroupReqInput,
+    io.UpdateWeightsFromDistributedReqInput,
+    io.DestroyWeightsUpdateGroupReqInput,
+    io.ReleaseMemoryOccupationReqInput,
+    io.ResumeMemoryOccupationReqInput,
+    io.PauseGenerationReqInput,
+    io.ContinueGenerationReqInput,
+    io.ProfileReq,
+    io.SlowDownReqInput,
+    io.FreezeGCReq,
+    io.ExpertDistributionReq,
+)
 
 
 class FakeControl:
@@ -44,17 +44,24 @@ class FakeControl:
         if isinstance(msg, io.OpenSessionReqInput):
             fresh = msg.session_id not in self.sessions
             self.sessions.add(msg.session_id)  # type: ignore[arg-type]
-            return io.OpenSessionReqOutput(msg.session_id, fresh, "" if fresh else "Session already open.")
+            return io.ControlOutcome(
+                fresh, "" if fresh else "Session already open.", answers=type(msg).__name__
+            )
         if isinstance(msg, io.CloseSessionReqInput):
             known = msg.session_id in self.sessions
             self.sessions.discard(msg.session_id)
-            return io.CloseSessionReqOutput(known, "" if known else f"No session {msg.session_id!r}.")
+            return io.ControlOutcome(
+                known, "" if known else f"No session {msg.session_id!r}.", answers=type(msg).__name__
+            )
         if isinstance(msg, io.GetWeightsByNameReqInput):
             return fake_weight(msg)
         if isinstance(msg, io.SetInternalStateReq):
             return io.SetInternalStateReqOutput(False, {}, REFUSED)
-        out_type = _REFUSED_TYPES.get(type(msg))
-        return None if out_type is None else out_type(False, REFUSED)
+        if not isinstance(msg, _REFUSED):
+            return None
+        if msg.reply_type is io.ControlOutcome:  # named after its request, as the scheduler does
+            return io.ControlOutcome(False, REFUSED, answers=type(msg).__name__)
+        return msg.reply_type(False, REFUSED)
 
 
 def fake_weight(msg: io.GetWeightsByNameReqInput) -> io.GetWeightsByNameReqOutput:

@@ -26,11 +26,11 @@ from radixserve.managers.io_struct import (
     BatchTokenIDOut,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    ControlOutcome,
     FinishAbort,
     FinishLength,
     FinishReason,
     FlushCacheReqInput,
-    FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     GetLoadReqInput,
@@ -106,7 +106,7 @@ class FakeScheduler:
                     r.finished_reason = FinishAbort("Aborted.")
         elif isinstance(msg, FlushCacheReqInput):
             self.seen_prompts.clear()
-            self.to_tm.send_pyobj(FlushCacheReqOutput(success=not self.running))
+            self.to_tm.send_pyobj(ControlOutcome(not self.running, "", answers="FlushCacheReqInput"))
         elif isinstance(msg, GetInternalStateReq):
             state = {
                 "fake": True,

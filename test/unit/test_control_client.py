@@ -47,10 +47,15 @@ def test_ask_all_gathers_one_reply_per_replica_and_passes_other_messages() -> No
         await asyncio.sleep(0)
         assert sent == [io.FlushCacheReqInput()]
         assert not client.deliver(io.AbortReq("x"))  # not a reply: the TokenizerManager handles it
-        assert client.deliver(io.FlushCacheReqOutput(True))
-        assert client.deliver(io.FlushCacheReqOutput(False, "busy"))
-        assert await task == [io.FlushCacheReqOutput(True), io.FlushCacheReqOutput(False, "busy")]
-        assert client.deliver(io.FlushCacheReqOutput(True))  # late: dropped, still a reply
+        assert client.deliver(io.ControlOutcome(True, "", answers="FlushCacheReqInput"))
+        assert client.deliver(io.ControlOutcome(False, "busy", answers="FlushCacheReqInput"))
+        assert await task == [
+            io.ControlOutcome(True, "", answers="FlushCacheReqInput"),
+            io.ControlOutcome(False, "busy", answers="FlushCacheReqInput"),
+        ]
+        assert client.deliver(
+            io.ControlOutcome(True, "", answers="FlushCacheReqInput")
+        )  # late: dropped, still a reply
 
     asyncio.run(run())
 
@@ -85,5 +90,19 @@ def test_a_missing_reply_times_out_as_503() -> None:
         await asyncio.sleep(0)
         client.deliver(io.GetLoadReqOutput(0, 1, 0, 5))
         assert (await task)[0].num_reqs == 1
+
+    asyncio.run(run())
+
+
+def test_shared_outcome_replies_reach_the_request_they_answer() -> None:
+    async def run() -> None:
+        client = _client(1, [])
+        pause = asyncio.ensure_future(client.ask_all(io.PauseGenerationReqInput()))
+        freeze = asyncio.ensure_future(client.ask_all(io.FreezeGCReq()))
+        await asyncio.sleep(0)
+        # Both requests answer with ControlOutcome: each reply names the request it answers.
+        assert client.deliver(io.ControlOutcome(True, "frozen", answers="FreezeGCReq"))
+        assert client.deliver(io.ControlOutcome(True, "paused", answers="PauseGenerationReqInput"))
+        assert (await pause)[0].message == "paused" and (await freeze)[0].message == "frozen"
 
     asyncio.run(run())

@@ -26,7 +26,7 @@ MESSAGES = [
     io.AbortReq("abc"),
     io.AbortReq(abort_all=True),
     io.FlushCacheReqInput(),
-    io.FlushCacheReqOutput(False, "busy"),
+    io.ControlOutcome(False, "busy", answers="FlushCacheReqInput"),
     io.GetInternalStateReq(),
     io.GetInternalStateReqOutput({"num_running_reqs": 1, "token_usage": 0.5}),
     io.GetDashboardStateReq(max_rows=3),

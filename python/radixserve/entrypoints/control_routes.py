@@ -8,13 +8,14 @@ POST: they change state, and a browser can be made to send a GET.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, get_type_hints
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from radixserve.entrypoints.big_json import streamed_json
 from radixserve.entrypoints.http_guards import error_response, json_body, read_body
@@ -36,14 +37,6 @@ class CloseSessionBody(_Body):
     session_id: str
 
 
-class UpdateWeightFromDiskBody(_Body):
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    flush_cache: bool = True
-    weight_version: str | None = None
-
-
 class UpdateWeightsFromTensorBody(_Body):
     serialized_named_tensors: list[str] = Field(min_length=1)
     load_format: str | None = None
@@ -61,27 +54,9 @@ class InitWeightsUpdateGroupBody(_Body):
     backend: str = "nccl"
 
 
-class UpdateWeightsFromDistributedBody(_Body):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = io.DEFAULT_WEIGHT_GROUP
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-
-
-class DestroyWeightsUpdateGroupBody(_Body):
-    group_name: str = io.DEFAULT_WEIGHT_GROUP
-
-
 class GetWeightsByNameBody(_Body):
     name: str
     truncate_size: int = Field(default=100, ge=0)
-
-
-class MemoryTagsBody(_Body):
-    tags: list[str] | None = None
 
 
 class PauseGenerationBody(_Body):
@@ -116,26 +91,39 @@ class UnloadLoRAAdapterBody(_Body):
     lora_name: str = Field(min_length=1, max_length=256)
 
 
+def _body_of(message: type) -> type[_Body]:
+    """The body of a route that sends exactly the fields of `message` (a dataclass): its fields,
+    types and defaults, so they are written once."""
+    hints = get_type_hints(message)
+    fields: dict[str, Any] = {
+        f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(message)
+    }
+    return create_model(message.__name__.removesuffix("ReqInput") + "Body", __base__=_Body, **fields)
+
+
+def _sends(
+    message: type, optional: bool = False, body: type[_Body] | None = None
+) -> tuple[type[_Body], bool, type]:
+    """A MESSAGE_ROUTES row: the body (by default the message's own fields), whether it may be
+    omitted, the message."""
+    return body or _body_of(message), optional, message
+
+
 # Routes that pass their body on as one control message of the same fields and answer SGLang's
 # {"success", "message"} (_outcome): path -> (body, whether it may be omitted, message), sent
-# with ControlClient.ask.
+# with ControlClient.ask. A body of its own where the HTTP form differs (text payloads, bounds).
 MESSAGE_ROUTES: dict[str, tuple[type[_Body], bool, type]] = {
-    "/update_weights_from_disk": (UpdateWeightFromDiskBody, False, io.UpdateWeightFromDiskReqInput),
-    "/update_weights_from_tensor": (UpdateWeightsFromTensorBody, False, io.UpdateWeightsFromTensorReqInput),
-    "/init_weights_update_group": (InitWeightsUpdateGroupBody, False, io.InitWeightsUpdateGroupReqInput),
-    "/update_weights_from_distributed": (
-        UpdateWeightsFromDistributedBody,
-        False,
-        io.UpdateWeightsFromDistributedReqInput,
+    "/update_weights_from_disk": _sends(io.UpdateWeightFromDiskReqInput),
+    "/update_weights_from_tensor": _sends(
+        io.UpdateWeightsFromTensorReqInput, body=UpdateWeightsFromTensorBody
     ),
-    "/destroy_weights_update_group": (
-        DestroyWeightsUpdateGroupBody,
-        True,
-        io.DestroyWeightsUpdateGroupReqInput,
-    ),
-    "/release_memory_occupation": (MemoryTagsBody, True, io.ReleaseMemoryOccupationReqInput),
-    "/resume_memory_occupation": (MemoryTagsBody, True, io.ResumeMemoryOccupationReqInput),
-    "/slow_down": (SlowDownBody, False, io.SlowDownReqInput),
+    "/init_weights_update_group": _sends(io.InitWeightsUpdateGroupReqInput, body=InitWeightsUpdateGroupBody),
+    "/update_weights_from_distributed": _sends(io.UpdateWeightsFromDistributedReqInput),
+    "/destroy_weights_update_group": _sends(io.DestroyWeightsUpdateGroupReqInput, optional=True),
+    "/release_memory_occupation": _sends(io.ReleaseMemoryOccupationReqInput, optional=True),
+    "/resume_memory_occupation": _sends(io.ResumeMemoryOccupationReqInput, optional=True),
+    "/slow_down": _sends(io.SlowDownReqInput, body=SlowDownBody),
 }
 # Request bodies by route, for /openapi.json (openapi_spec.py).
 CONTROL_BODIES: dict[str, type[BaseModel]] = {

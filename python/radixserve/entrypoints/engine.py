@@ -385,20 +385,11 @@ class Engine:
 def _request(
     prompt: Prompt,
     sampling_params: Params,
-    input_ids: list[int] | list[list[int]] | None,
-    return_logprob: bool,
     logprob_start_len: int | None,
     top_logprobs_num: int | None,
-    return_text_in_logprobs: bool,
     session_params: dict[str, Any] | list[dict[str, Any]] | None,
     rid: str | list[str] | None,
-    lora_path: str | list[str | None] | None = None,
-    return_hidden_states: bool | list[bool] = False,
-    input_embeds: list[list[float]] | list[list[list[float]]] | None = None,
-    cache_salt: str | list[str] | None = None,
-    token_ids_logprob: list[int] | list[list[int] | None] | None = None,
-    custom_logit_processor: str | list[str | None] | None = None,
-    image_data: str | list[str | list[str] | None] | None = None,
+    **fields: Any,  # the other generate() parameters: request fields of the same name
 ) -> GenerateReqInput:
     def as_dict(p: dict[str, Any] | SamplingParams) -> dict[str, Any]:
         if not isinstance(p, SamplingParams):
@@ -417,19 +408,10 @@ def _request(
         params = as_dict(params)
     obj = GenerateReqInput(
         text=prompt,
-        input_ids=input_ids,
         sampling_params=params,
-        return_logprob=return_logprob,
         logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
         top_logprobs_num=top_logprobs_num or 0,
-        return_text_in_logprobs=return_text_in_logprobs,
-        lora_path=lora_path,
-        return_hidden_states=return_hidden_states,
-        input_embeds=input_embeds,
-        cache_salt=cache_salt,
-        token_ids_logprob=token_ids_logprob,
-        custom_logit_processor=custom_logit_processor,
-        image_data=image_data,
+        **fields,
     )
     # Assigned, not passed to the constructor: pydantic leaves them as given, and the request's
     # own parsing (parse_session_params) reports a malformed value.

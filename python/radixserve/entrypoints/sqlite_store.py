@@ -15,9 +15,10 @@ import os
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+D = TypeVar("D")  # the synchronous store: SqliteResponses, SqliteBatches
 
 
 def open_sqlite(storage_dir: str | None, db_name: str, schema: str) -> sqlite3.Connection:
@@ -40,14 +41,16 @@ def dumps(value: object) -> str:
     return json.dumps(value)
 
 
-class StoreThread:
-    """One worker thread that owns a synchronous store: built there, called there, closed there."""
+class StoreThread(Generic[D]):
+    """A store's async face: one worker thread that owns the synchronous store `db`, built there,
+    called there (`await store.run(store.db.get, key)`), closed there."""
 
-    def __init__(self, name: str, build: Callable[[], T]) -> None:
+    def __init__(self, name: str, build: Callable[[], D]) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.db: Any = self._executor.submit(build).result()
+        self.db: D = self._executor.submit(build).result()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:  # noqa: ANN401
+        """One call of the store's (`fn`, a method of `db`), on its thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:

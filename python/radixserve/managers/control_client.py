@@ -2,7 +2,8 @@
 the HTTP routes and the Engine. Each sends its message to the scheduler and awaits the reply its
 class declares (`reply_type`, managers/control_messages.py); the scheduler decides when it takes
 effect (scheduler/control_plane.py). The TokenizerManager hands every message it receives to
-`deliver` first: the replies someone waits for stop there.
+`deliver` first: the replies someone waits for stop there. Waiters are keyed by the reply's type,
+or for the shared ControlOutcome by the name of the request class it `answers`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class ControlClient:
         self._dp_size = dp_size
         self._check_alive = check_alive
         self._on_new_weights = on_new_weights
-        self._waiters: dict[type, list[asyncio.Future[Any]]] = {}
-        self._locks: dict[type, asyncio.Lock] = {}
+        # By reply type, or by request class name for ControlOutcome replies.
+        self._waiters: dict[type | str, list[asyncio.Future[Any]]] = {}
+        self._locks: dict[type | str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ plumbing
     async def ask_all(self, msg: io.ControlReq, timeout: float | None = None) -> list[Any]:
@@ -44,14 +46,14 @@ class ControlClient:
         with --dp-size > 1 the DataParallelController fans the request out). One call at a time
         per kind of request (replies of one type come back in order; different kinds never wait
         on each other)."""
-        reply_type = msg.reply_type
-        assert reply_type is not None, f"{type(msg).__name__} has no reply to wait for"
+        assert msg.reply_type is not None, f"{type(msg).__name__} has no reply to wait for"
+        key = type(msg).__name__ if msg.reply_type is io.ControlOutcome else msg.reply_type
         limit = timeout or CONTROL_TIMEOUT_S
-        lock = self._locks.setdefault(reply_type, asyncio.Lock())
+        lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             loop = asyncio.get_running_loop()
             futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(self._dp_size)]
-            waiters = self._waiters.setdefault(reply_type, [])
+            waiters = self._waiters.setdefault(key, [])
             waiters.extend(futures)
             self._send(msg)
             try:
@@ -66,9 +68,9 @@ class ControlClient:
                         waiters.remove(future)
 
     def deliver(self, msg: object) -> bool:
-        """Hand `msg` to the oldest call waiting for its type; False when it is no control reply
-        (no call ever waited for its type)."""
-        waiters = self._waiters.get(type(msg))
+        """Hand `msg` to the oldest call waiting for its type (for a ControlOutcome: for the
+        request it answers); False when it is no control reply (no call ever waited for it)."""
+        waiters = self._waiters.get(msg.answers if isinstance(msg, io.ControlOutcome) else type(msg))
         if waiters is None:
             return False
         if waiters:
@@ -91,12 +93,11 @@ class ControlClient:
         return out
 
     async def open_session(self, obj: io.OpenSessionReqInput) -> str:
-        if obj.session_id is None:
-            obj = io.OpenSessionReqInput(obj.capacity_of_str_len, uuid.uuid4().hex)
-        out = await self.ask(obj)
+        session_id = uuid.uuid4().hex if obj.session_id is None else obj.session_id
+        out = await self.ask(dataclasses.replace(obj, session_id=session_id))
         if not out.success:
             raise InvalidRequestError(out.message or "Failed to open the session.")
-        return out.session_id
+        return session_id
 
     async def get_weights_by_name(self, obj: io.GetWeightsByNameReqInput) -> io.GetWeightsByNameReqOutput:
         self._check_alive()

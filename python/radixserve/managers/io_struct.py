@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 from radixserve.managers.control_messages import *  # noqa: F403 - the control plane's messages
-from radixserve.managers.control_messages import ControlReq, Ordering, SessionParams
+from radixserve.managers.control_messages import ControlOutcome, ControlReq, Ordering, SessionParams
 from radixserve.sampling.sampling_params import SamplingParams
 
 # Native finish_reason key: the output ended inside a multi-byte character (left out of the text).
@@ -62,30 +62,26 @@ class FinishLength(FinishReason):
 
 
 @dataclass(frozen=True)
-class FinishMatchedToken(FinishReason):
-    matched: int
+class FinishMatched(FinishReason):
+    """A stop: the subclass says what matched (the native API reports each as type "stop")."""
+
+    matched: int | str
 
     def _fields(self) -> dict[str, Any]:
         return {"type": "stop", "matched": self.matched}
 
 
-@dataclass(frozen=True)
-class FinishMatchedStr(FinishReason):
-    matched: str
-
-    def _fields(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
+class FinishMatchedToken(FinishMatched):
+    """`matched` is the stop token id (an EOS id or one of stop_token_ids)."""
 
 
-@dataclass(frozen=True)
-class FinishMatchedRegex(FinishReason):
+class FinishMatchedStr(FinishMatched):
+    """`matched` is the stop string."""
+
+
+class FinishMatchedRegex(FinishMatched):
     """A `stop_regex` pattern matched (SGLang's FINISHED_MATCHED_REGEX); `matched` is the pattern.
     The text keeps what matched: parts of it may have streamed before the match was complete."""
-
-    matched: str
-
-    def _fields(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
 
 
 @dataclass(frozen=True)
@@ -239,13 +235,7 @@ def rid_matches(rid: str, target: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class FlushCacheReqOutput:
-    success: bool
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class FlushCacheReqInput(ControlReq, reply=FlushCacheReqOutput):
+class FlushCacheReqInput(ControlReq, reply=ControlOutcome):
     """Drop the prefix cache and reset the KV pools; refused while requests are in flight."""
 
 

@@ -11,7 +11,7 @@ Qwen3-VL shares.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.models.qwen2 import Qwen2ForCausalLM
@@ -23,9 +23,6 @@ from radixserve.models.vlm_common import (
     text_config_of,
     vl_forward,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):

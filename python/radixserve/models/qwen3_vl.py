@@ -15,7 +15,7 @@ The two classes extend different decoders; what they share is the module-level f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,9 +34,6 @@ from radixserve.models.vlm_common import (
     text_config_of,
     vl_forward,
 )
-
-if TYPE_CHECKING:
-    pass
 
 # Qwen3-VL-MoE stores each layer's experts as two stacked tensors, not one tensor per expert.
 _STACKED_EXPERTS = (

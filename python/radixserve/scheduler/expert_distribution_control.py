@@ -9,8 +9,8 @@ import logging
 
 from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder, dump_to_file
 from radixserve.managers.io_struct import (
+    ControlOutcome,
     ExpertDistributionReq,
-    ExpertDistributionReqOutput,
     ExpertDistributionReqType,
 )
 
@@ -27,23 +27,23 @@ class ExpertDistributionControl:
         self.recorder = recorder
         self.tp_rank = tp_rank
 
-    def handle(self, msg: ExpertDistributionReq) -> ExpertDistributionReqOutput:
+    def handle(self, msg: ExpertDistributionReq) -> ControlOutcome:
         recorder = self.recorder
         if recorder is None:
-            return ExpertDistributionReqOutput(False, NOT_ENABLED)
+            return ControlOutcome(False, NOT_ENABLED)
         if msg.action == ExpertDistributionReqType.START_RECORD:
             recorder.start()
             logger.info("Expert distribution recording started")
-            return ExpertDistributionReqOutput(True, "Start recording the expert distribution.")
+            return ControlOutcome(True, "Start recording the expert distribution.")
         if msg.action == ExpertDistributionReqType.STOP_RECORD:
             recorder.stop()
             logger.info("Expert distribution recording stopped")
-            return ExpertDistributionReqOutput(True, "Stop recording the expert distribution.")
+            return ControlOutcome(True, "Stop recording the expert distribution.")
         counts = recorder.take()
         if self.tp_rank != 0:
-            return ExpertDistributionReqOutput(True, "")
+            return ControlOutcome(True, "")
         try:
             path = dump_to_file(counts, self.tp_rank)
         except OSError as exc:
-            return ExpertDistributionReqOutput(False, f"Cannot write the expert distribution: {exc}")
-        return ExpertDistributionReqOutput(True, path)
+            return ControlOutcome(False, f"Cannot write the expert distribution: {exc}")
+        return ControlOutcome(True, path)

@@ -21,15 +21,13 @@ import torch
 
 from radixserve.managers.io_struct import (
     PROFILE_ACTIVITIES,
+    ControlOutcome,
     FreezeGCReq,
-    FreezeGCReqOutput,
     ProfileReq,
-    ProfileReqOutput,
     ProfileReqType,
     SetInternalStateReq,
     SetInternalStateReqOutput,
     SlowDownReqInput,
-    SlowDownReqOutput,
 )
 from radixserve.scheduler.live_limits import LiveLimits
 
@@ -47,22 +45,22 @@ class Profiler:
         self.steps_left: int | None = None
         self._step_range: Any = None
 
-    def start(self, msg: ProfileReq) -> ProfileReqOutput:
+    def start(self, msg: ProfileReq) -> ControlOutcome:
         if self.profiler is not None:
-            return ProfileReqOutput(False, "Profiling is already in progress. Call /stop_profile first.")
+            return ControlOutcome(False, "Profiling is already in progress. Call /stop_profile first.")
         activities = msg.activities or ["CPU", "GPU"]
         unknown = [a for a in activities if a not in PROFILE_ACTIVITIES]
         if unknown:
-            return ProfileReqOutput(
+            return ControlOutcome(
                 False, f"Unknown profile activities {unknown}: use {list(PROFILE_ACTIVITIES)}."
             )
         if msg.num_steps is not None and msg.num_steps < 1:
-            return ProfileReqOutput(False, f"num_steps must be >= 1, got {msg.num_steps}.")
+            return ControlOutcome(False, f"num_steps must be >= 1, got {msg.num_steps}.")
         output_dir = msg.output_dir or DEFAULT_PROFILE_DIR
         try:
             os.makedirs(output_dir, exist_ok=True)
         except OSError as exc:
-            return ProfileReqOutput(False, f"Cannot create output_dir {output_dir!r}: {exc}")
+            return ControlOutcome(False, f"Cannot create output_dir {output_dir!r}: {exc}")
         kinds = [torch.profiler.ProfilerActivity.CPU]
         if "GPU" in activities and torch.cuda.is_available():
             kinds.append(torch.profiler.ProfilerActivity.CUDA)
@@ -77,18 +75,18 @@ class Profiler:
         self.profile_id = msg.profile_id or str(time.time())
         self.steps_left = msg.num_steps
         logger.info("Profiling started (%s, output in %s)", ", ".join(activities), output_dir)
-        return ProfileReqOutput(True, "Start profiling.")
+        return ControlOutcome(True, "Start profiling.")
 
-    def stop(self) -> ProfileReqOutput:
+    def stop(self) -> ControlOutcome:
         if self.profiler is None:
-            return ProfileReqOutput(False, "Profiling is not in progress. Call /start_profile first.")
+            return ControlOutcome(False, "Profiling is not in progress. Call /start_profile first.")
         self._end_step()
         profiler, self.profiler = self.profiler, None
         profiler.stop()
         path = os.path.join(self.output_dir, f"{self.profile_id}-TP-{self.tp_rank}.trace.json.gz")
         profiler.export_chrome_trace(path)
         logger.info("Profiling stopped; trace written to %s", path)
-        return ProfileReqOutput(True, f"Trace written to {path}.")
+        return ControlOutcome(True, f"Trace written to {path}.")
 
     def on_step(self) -> None:
         """At each scheduler step: close the previous step's range, count down, open the next."""
@@ -120,27 +118,27 @@ class OperatorControls:
         if self.forward_sleep_time:
             time.sleep(self.forward_sleep_time)
 
-    def profile(self, msg: ProfileReq) -> ProfileReqOutput:
+    def profile(self, msg: ProfileReq) -> ControlOutcome:
         if msg.type == ProfileReqType.START_PROFILE:
             return self.profiler.start(msg)
         return self.profiler.stop()
 
-    def slow_down(self, msg: SlowDownReqInput) -> SlowDownReqOutput:
+    def slow_down(self, msg: SlowDownReqInput) -> ControlOutcome:
         t = msg.forward_sleep_time
         if t is not None and not 0 <= t <= 3600:
-            return SlowDownReqOutput(False, f"forward_sleep_time must be in [0, 3600] seconds, got {t}.")
+            return ControlOutcome(False, f"forward_sleep_time must be in [0, 3600] seconds, got {t}.")
         self.forward_sleep_time = t or None
         logger.warning("Forward sleep time set to %s s", t)
-        return SlowDownReqOutput(True, f"forward_sleep_time = {t}")
+        return ControlOutcome(True, f"forward_sleep_time = {t}")
 
-    def freeze_gc(self, msg: FreezeGCReq | None = None) -> FreezeGCReqOutput:
+    def freeze_gc(self, msg: FreezeGCReq | None = None) -> ControlOutcome:
         """Move every object alive now to the permanent generation: the collector stops scanning
         them, which shortens GC pauses of a long-running scheduler."""
         gc.collect()
         gc.freeze()
         count = gc.get_freeze_count()
         logger.info("Garbage collector frozen (%d objects)", count)
-        return FreezeGCReqOutput(True, f"Froze {count} objects in the scheduler.")
+        return ControlOutcome(True, f"Froze {count} objects in the scheduler.")
 
     def set_internal_state(self, msg: SetInternalStateReq) -> SetInternalStateReqOutput:
         wanted = dict(msg.server_args)

@@ -14,9 +14,8 @@ from radixserve.managers.io_struct import (
     PAUSE_MODES,
     AbortReq,
     ContinueGenerationReqInput,
-    ContinueGenerationReqOutput,
+    ControlOutcome,
     PauseGenerationReqInput,
-    PauseGenerationReqOutput,
 )
 from radixserve.scheduler.activity import Activity
 from radixserve.scheduler.requests import RequestTable
@@ -39,29 +38,25 @@ class PauseControl:
         """Whether no batch may be built now (paused in place / retracted)."""
         return self.mode in ("in_place", "retract")
 
-    def pause_generation(self, msg: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+    def pause_generation(self, msg: PauseGenerationReqInput) -> ControlOutcome:
         if msg.mode not in PAUSE_MODES:
-            return PauseGenerationReqOutput(
-                False, f"mode must be one of {', '.join(PAUSE_MODES)}, got {msg.mode!r}."
-            )
+            return ControlOutcome(False, f"mode must be one of {', '.join(PAUSE_MODES)}, got {msg.mode!r}.")
         self.mode = msg.mode
         if msg.mode == "abort":
             self.requests.abort(AbortReq(abort_all=True))
         elif msg.mode == "retract":
             self._retract_pending = True
         logger.info("Generation paused (mode %s)", msg.mode)
-        return PauseGenerationReqOutput(True, f"Generation paused ({msg.mode}).")
+        return ControlOutcome(True, f"Generation paused ({msg.mode}).")
 
-    def continue_generation(
-        self, msg: ContinueGenerationReqInput | None = None
-    ) -> ContinueGenerationReqOutput:
+    def continue_generation(self, msg: ContinueGenerationReqInput | None = None) -> ControlOutcome:
         """The ControlPlane releases the held requests once this returns."""
         if self.mode is None:
-            return ContinueGenerationReqOutput(True, "Generation was not paused.")
+            return ControlOutcome(True, "Generation was not paused.")
         self.mode = None
         self._retract_pending = False
         logger.info("Generation continues")
-        return ContinueGenerationReqOutput(True, "Generation continues.")
+        return ControlOutcome(True, "Generation continues.")
 
     def settle_while_stopped(self) -> None:
         """Called instead of building a batch while scheduling is stopped: once no forward is in

@@ -30,9 +30,9 @@ from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    ControlOutcome,
     EmbeddingBatchResult,
     FlushCacheReqInput,
-    FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     GetLoadReqInput,
@@ -267,6 +267,8 @@ class Scheduler:
 
     def _dispatch(self, msg: object) -> None:
         reply = self.dispatcher(msg)
+        if isinstance(reply, ControlOutcome):  # ControlClient finds its waiter by the request
+            reply = replace(reply, answers=type(msg).__name__)
         if reply is not None:
             self.send_output(reply)
 
@@ -338,7 +340,7 @@ class Scheduler:
             return True
         return self.pause.stops_scheduling() and self.num_inflight_batches == 0
 
-    def flush_cache(self, msg: FlushCacheReqInput | None = None) -> FlushCacheReqOutput:
+    def flush_cache(self, msg: FlushCacheReqInput | None = None) -> ControlOutcome:
         if self.num_inflight_batches == 0:
             # A request that finished in the last step leaves the running batch only in the next
             # one, but holds no KV: a flush sent as soon as the last answer arrived must not fail.
@@ -349,13 +351,13 @@ class Scheduler:
                 f"{len(self.state.waiting_queue)}, #running-req: {len(self.state.running_batch.reqs)})."
             )
             logger.warning(message)
-            return FlushCacheReqOutput(success=False, message=message)
+            return ControlOutcome(False, message)
         self.mem.flush()
         self.state.new_token_ratio = self.init_new_token_ratio
         self.output.stats.cache_hit_tokens = self.output.stats.cache_query_tokens = 0
         release_free_memory()
         logger.info("Cache flushed successfully.")
-        return FlushCacheReqOutput(success=True, message="Cache flushed.")
+        return ControlOutcome(True, "Cache flushed.")
 
     def get_load(self, msg: GetLoadReqInput | None = None) -> GetLoadReqOutput:
         """SGLang's load: requests alive, and tokens (KV held by requests + waiting prompts).

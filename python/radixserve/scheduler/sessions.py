@@ -19,9 +19,8 @@ from http import HTTPStatus
 
 from radixserve.managers.io_struct import (
     CloseSessionReqInput,
-    CloseSessionReqOutput,
+    ControlOutcome,
     OpenSessionReqInput,
-    OpenSessionReqOutput,
     SessionParams,
     TokenizedGenerateReqInput,
 )
@@ -76,30 +75,30 @@ class SessionController:
         self._bos = bos_token_id
 
     # ------------------------------------------------------------------ open / close
-    def open(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
+    def open(self, msg: OpenSessionReqInput) -> ControlOutcome:
         sid = msg.session_id
         if sid in self.sessions:
             message = f"session id {sid} already exist, cannot open."
             logger.warning(message)
-            return OpenSessionReqOutput(sid, False, message)
+            return ControlOutcome(False, message)
         if sid is None:
             message = "session id is None, cannot open."
             logger.warning(message)
-            return OpenSessionReqOutput(None, False, message)
+            return ControlOutcome(False, message)
         self.sessions[sid] = Session(sid, msg.capacity_of_str_len)
-        return OpenSessionReqOutput(sid, True)
+        return ControlOutcome(True, "")
 
-    def close(self, msg: CloseSessionReqInput) -> CloseSessionReqOutput:
+    def close(self, msg: CloseSessionReqInput) -> ControlOutcome:
         session = self.sessions.get(msg.session_id)
         if session is None or session.closing:
             message = f"session id {msg.session_id} does not exist, cannot delete."
             logger.warning(message)
-            return CloseSessionReqOutput(False, message)
+            return ControlOutcome(False, message)
         if session.has_unfinished():
             session.closing = True  # deleted when its last request finishes (on_finished)
-            return CloseSessionReqOutput(True, "The session closes when its running request finishes.")
+            return ControlOutcome(True, "The session closes when its running request finishes.")
         del self.sessions[msg.session_id]
-        return CloseSessionReqOutput(True)
+        return ControlOutcome(True, "")
 
     def on_finished(self, req: Req) -> None:
         sid = req.session_id

@@ -22,22 +22,17 @@ import torch
 from radixserve.distributed.rank_runtime import RankSync
 from radixserve.managers.io_struct import (
     MEMORY_TAGS,
+    ControlOutcome,
     DestroyWeightsUpdateGroupReqInput,
-    DestroyWeightsUpdateGroupReqOutput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
-    InitWeightsUpdateGroupReqOutput,
     ReleaseMemoryOccupationReqInput,
-    ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
-    UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
-    UpdateWeightsFromTensorReqOutput,
 )
 from radixserve.model_executor.tensor_payload import decode_entry, serialize_named_tensors
 from radixserve.model_executor.weight_read import WeightReadError, assemble, read_piece
@@ -157,7 +152,7 @@ class WeightControl:
             self.disk_version = self.weight_version
         return UpdateWeightFromDiskReqOutput(ok, message, 0, self.weight_version if ok else None)
 
-    def update_from_tensor(self, msg: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
+    def update_from_tensor(self, msg: UpdateWeightsFromTensorReqInput) -> ControlOutcome:
         def update() -> None:
             rank = self.tp_rank
             entries = msg.serialized_named_tensors
@@ -173,10 +168,10 @@ class WeightControl:
                 self._weights().update_from_tensors(payload.named)
 
         ok, message = self._run_update("from tensors", update, msg.flush_cache, msg.weight_version)
-        return UpdateWeightsFromTensorReqOutput(ok, message, self.weight_version if ok else None)
+        return ControlOutcome(ok, message, self.weight_version if ok else None)
 
     # ------------------------------------------------------------------ the trainer's group
-    def init_group(self, msg: InitWeightsUpdateGroupReqInput) -> InitWeightsUpdateGroupReqOutput:
+    def init_group(self, msg: InitWeightsUpdateGroupReqInput) -> ControlOutcome:
         from radixserve.model_executor.weight_group import init_weights_group
 
         created = False
@@ -195,15 +190,11 @@ class WeightControl:
         if not ok:
             if created:  # another rank failed: this rank leaves the group too
                 self.groups.pop(msg.group_name, None)
-            return InitWeightsUpdateGroupReqOutput(
-                False, f"Failed to init the weight update group: {message}"
-            )
+            return ControlOutcome(False, f"Failed to init the weight update group: {message}")
         logger.info("Joined weight update group %s", msg.group_name)
-        return InitWeightsUpdateGroupReqOutput(True, "Succeeded to initialize the weight update group.")
+        return ControlOutcome(True, "Succeeded to initialize the weight update group.")
 
-    def update_from_distributed(
-        self, msg: UpdateWeightsFromDistributedReqInput
-    ) -> UpdateWeightsFromDistributedReqOutput:
+    def update_from_distributed(self, msg: UpdateWeightsFromDistributedReqInput) -> ControlOutcome:
         from radixserve.model_executor.weight_group import broadcast_from_trainer
 
         def update() -> None:
@@ -230,15 +221,15 @@ class WeightControl:
             self._weights().update_from_tensors(received)
 
         ok, message = self._run_update("from distributed", update, msg.flush_cache, msg.weight_version)
-        return UpdateWeightsFromDistributedReqOutput(ok, message, self.weight_version if ok else None)
+        return ControlOutcome(ok, message, self.weight_version if ok else None)
 
-    def destroy_group(self, msg: DestroyWeightsUpdateGroupReqInput) -> DestroyWeightsUpdateGroupReqOutput:
+    def destroy_group(self, msg: DestroyWeightsUpdateGroupReqInput) -> ControlOutcome:
         group = self.groups.pop(msg.group_name, None)
         ok, message = agree(self.sync, group is not None, f"No weight update group {msg.group_name!r}.")
         if not ok:
-            return DestroyWeightsUpdateGroupReqOutput(False, message)
+            return ControlOutcome(False, message)
         del group  # the ProcessGroup closes its connections when collected
-        return DestroyWeightsUpdateGroupReqOutput(True, "Succeeded to destroy the weight update group.")
+        return ControlOutcome(True, "Succeeded to destroy the weight update group.")
 
     # ------------------------------------------------------------------ reading
     def get_weights_by_name(self, msg: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
@@ -283,7 +274,7 @@ class MemoryOccupation:
         self.weight_control = weight_control
         self.released: set[str] = set()  # MEMORY_TAGS currently released
 
-    def release(self, msg: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:
+    def release(self, msg: ReleaseMemoryOccupationReqInput) -> ControlOutcome:
         tags, error = _tags(msg.tags)
         if error is None and not self.activity.quiescent():
             error = "Cannot release memory while requests are alive (paused in place?): abort or finish them first."
@@ -291,7 +282,7 @@ class MemoryOccupation:
         if error is None and weights is None:
             error = "This worker cannot release memory."
         if error is not None:
-            return ReleaseMemoryOccupationReqOutput(False, error)
+            return ControlOutcome(False, error)
         before = _rss()
         if "kv_cache" in tags:
             self.mem.flush()  # the cached prefixes' KV is about to go
@@ -301,15 +292,15 @@ class MemoryOccupation:
         self.released.update(tags)
         message = f"Released {', '.join(sorted(tags))}: process RSS {before / 2**20:.0f} -> {_rss() / 2**20:.0f} MiB."
         logger.info(message)
-        return ReleaseMemoryOccupationReqOutput(True, message)
+        return ControlOutcome(True, message)
 
-    def resume(self, msg: ResumeMemoryOccupationReqInput) -> ResumeMemoryOccupationReqOutput:
+    def resume(self, msg: ResumeMemoryOccupationReqInput) -> ControlOutcome:
         tags, error = _tags(msg.tags)
         weights = self.weights
         if error is None and weights is None:
             error = "This worker cannot resume memory."
         if error is not None:
-            return ResumeMemoryOccupationReqOutput(False, error)
+            return ControlOutcome(False, error)
         ok, message = True, ""
         try:
             if "kv_cache" in tags:
@@ -328,7 +319,7 @@ class MemoryOccupation:
                 version = self.weight_control.on_weights_reloaded()
                 message += f" Weights reloaded from {weights.source_path} (weight_version {version})."
             logger.info(message)
-        return ResumeMemoryOccupationReqOutput(ok, message, version)
+        return ControlOutcome(ok, message, version)
 
     def released_message(self) -> str | None:
         if not self.released:

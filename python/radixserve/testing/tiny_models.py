@@ -118,8 +118,11 @@ def write_tiny_tokenizer(
     vocab_size: int = TINY_VOCAB,
     corpus: list[str] | None = None,
     eos_token: str = "<|im_end|>",
+    special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    chat_template: str = CHATML_TEMPLATE,
 ) -> None:
-    """A small byte-level BPE tokenizer with ChatML special tokens (ids 0, 1, 2), saved as HF files."""
+    """A small byte-level BPE tokenizer, saved as HF files. Its special tokens take the first ids
+    in order (by default ChatML's: 0, 1, 2)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,12 +131,12 @@ def write_tiny_tokenizer(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator((corpus or _CORPUS) * 10, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token="<|endoftext|>")
-    hf.chat_template = CHATML_TEMPLATE
+    hf.chat_template = chat_template
     hf.save_pretrained(str(path))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from radixserve.testing.tiny_models import _COMMON, TINY_VOCAB
+from radixserve.testing.tiny_models import _COMMON, TINY_VOCAB, write_tiny_tokenizer
 
 # Special tokens first, so their ids are fixed: 0..6.
 VLM_SPECIAL_TOKENS = (
@@ -63,23 +63,9 @@ _VISION = {
 
 
 def write_vlm_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from radixserve.testing.tiny_models import _CORPUS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VLM_VOCAB,
-        special_tokens=list(VLM_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    write_tiny_tokenizer(
+        path, TINY_VLM_VOCAB, special_tokens=VLM_SPECIAL_TOKENS, chat_template=VLM_CHAT_TEMPLATE
     )
-    tok.train_from_iterator(_CORPUS * 10, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    hf.chat_template = VLM_CHAT_TEMPLATE
-    hf.save_pretrained(str(path))
 
 
 def _vl_config(config_cls: type, text: dict[str, Any], vision: dict[str, Any], tie: bool) -> Any:  # noqa: ANN401

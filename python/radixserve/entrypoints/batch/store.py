@@ -10,13 +10,11 @@ exactly those to run again.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from radixserve.entrypoints.batch.protocol import ACTIVE_STATUSES
 from radixserve.entrypoints.sqlite_store import StoreThread, dumps, open_sqlite
 
-T = TypeVar("T")
 DB_NAME = "batches.sqlite3"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -191,16 +189,8 @@ class SqliteBatches:
         self.conn.close()
 
 
-class BatchStore:
-    """The async face of the store: each call runs on the store's own thread."""
+class BatchStore(StoreThread[SqliteBatches]):
+    """The async face of the store: `await store.run(store.db.get_file, file_id)`."""
 
     def __init__(self, storage_dir: str | None) -> None:
-        self._thread = StoreThread("batch-store", lambda: SqliteBatches(storage_dir))
-        self.db: SqliteBatches = self._thread.db
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:  # noqa: ANN401
-        """`await store.run(store.db.get_file, file_id)`: one SqliteBatches call, on the store thread."""
-        return await self._thread.run(fn, *args)
-
-    def close(self) -> None:
-        self._thread.close()
+        super().__init__("batch-store", lambda: SqliteBatches(storage_dir))

@@ -45,6 +45,7 @@ class ResponsesHandler:
         self.tm = tm
         self.chat = chat
         self.store = store
+        self.db = store.db
         self.jobs: dict[str, Job] = {}  # background responses still running
 
     # ------------------------------------------------------------------ create
@@ -60,7 +61,7 @@ class ResponsesHandler:
         """Everything that can refuse the request (400, 404) happens here, before any answer."""
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            found = await self.store.history(req.previous_response_id)
+            found = await self.store.run(self.db.history, req.previous_response_id)
             if found is None:
                 raise InvalidRequestError(
                     f"previous_response_id: no stored response {req.previous_response_id!r}."
@@ -106,7 +107,7 @@ class ResponsesHandler:
         async for _ in run.events(self._steps(native, plan, request), in_band=False):
             pass
         if req.store:
-            await self.store.put(run.dump(), run.input_items)
+            await self.store.run(self.db.put, run.dump(), run.input_items)
         return run.response
 
     async def stream(self, req: ResponsesRequest, request: ClientRequest | None) -> AsyncIterator[Event]:
@@ -124,13 +125,15 @@ class ResponsesHandler:
     ) -> AsyncIterator[Event]:
         async for event in events:
             if store and event["type"] in ("response.completed", "response.incomplete", "response.failed"):
-                await self.store.put(run.dump(), run.input_items)  # retrievable once the client knows
+                await self.store.run(
+                    self.db.put, run.dump(), run.input_items
+                )  # retrievable once the client knows
             yield event
 
     # ------------------------------------------------------------------ background
     async def start_background(self, req: ResponsesRequest) -> Job:
         run, native, plan = await self.prepare(req)
-        await self.store.put(run.dump(), run.input_items)
+        await self.store.run(self.db.put, run.dump(), run.input_items)
         job = Job(run, EventLog())
         self.jobs[run.rid] = job
         job.task = asyncio.create_task(self._run_job(job, self._steps(native, plan, None)))
@@ -141,11 +144,11 @@ class ResponsesHandler:
             async for event in numbered(job.run.events(start, in_band=True)):
                 job.log.append(event)
                 if event["type"] == "response.in_progress":
-                    await self.store.update(job.run.dump())
+                    await self.store.run(self.db.update, job.run.dump())
         finally:
             job.log.close()
             self.jobs.pop(job.run.rid, None)
-            await self.store.update(job.run.dump(), job.log.events)
+            await self.store.run(self.db.update, job.run.dump(), job.log.events)
 
     async def cancel(self, rid: str) -> dict[str, Any]:
         stored = await self._stored(rid)
@@ -164,7 +167,7 @@ class ResponsesHandler:
         job = self.jobs.get(rid)
         if job is not None:
             return job.run.dump()
-        found = await self.store.get(rid)
+        found = await self.store.run(self.db.get, rid)
         if found is None:
             raise ResponseNotFoundError(f"No response with id {rid!r} is stored.")
         return found
@@ -180,7 +183,7 @@ class ResponsesHandler:
         job = self.jobs.get(rid)
         if job is not None:
             return job.log.follow(starting_after)
-        events = await self.store.events(rid)
+        events = await self.store.run(self.db.events, rid)
         if events is None:  # it stopped with the server: only its final state is known
             events = [{"type": "response.failed", "response": stored, "sequence_number": 0}]
         return _from_list([e for e in events if e["sequence_number"] > starting_after])
@@ -189,11 +192,11 @@ class ResponsesHandler:
         job = self.jobs.get(rid)
         if job is not None:
             await self.cancel(rid)
-        if not await self.store.delete(rid):
+        if not await self.store.run(self.db.delete, rid):
             raise ResponseNotFoundError(f"No response with id {rid!r} is stored.")
 
     async def input_items(self, rid: str) -> list[dict[str, Any]]:
-        items = await self.store.input_items(rid)
+        items = await self.store.run(self.db.input_items, rid)
         if items is None:
             raise ResponseNotFoundError(f"No response with id {rid!r} is stored.")
         return items

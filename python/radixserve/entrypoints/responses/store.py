@@ -120,35 +120,8 @@ class SqliteResponses:
         self.conn.close()
 
 
-class ResponseStore:
-    """The async face of the store: each call runs on the store's own thread."""
+class ResponseStore(StoreThread[SqliteResponses]):
+    """The async face of the store: `await store.run(store.db.get, rid)`."""
 
     def __init__(self, storage_dir: str | None) -> None:
-        self.storage_dir = storage_dir
-        self._thread = StoreThread("response-store", lambda: SqliteResponses(storage_dir))
-        self._db: SqliteResponses = self._thread.db
-        self._run = self._thread.run
-
-    async def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
-        await self._run(self._db.put, response, input_items)
-
-    async def update(self, response: dict[str, Any], events: list[dict[str, Any]] | None = None) -> None:
-        await self._run(self._db.update, response, events)
-
-    async def get(self, rid: str) -> dict[str, Any] | None:
-        return await self._run(self._db.get, rid)
-
-    async def input_items(self, rid: str) -> list[dict[str, Any]] | None:
-        return await self._run(self._db.input_items, rid)
-
-    async def events(self, rid: str) -> list[dict[str, Any]] | None:
-        return await self._run(self._db.events, rid)
-
-    async def delete(self, rid: str) -> bool:
-        return await self._run(self._db.delete, rid)
-
-    async def history(self, rid: str) -> list[dict[str, Any]] | None:
-        return await self._run(self._db.history, rid)
-
-    def close(self) -> None:
-        self._thread.close()
+        super().__init__("response-store", lambda: SqliteResponses(storage_dir))
