@@ -113,16 +113,19 @@ def _assert_steps_close(got: list[torch.Tensor], ref: list[torch.Tensor]) -> Non
         torch.testing.assert_close(g, r, atol=ATOL, rtol=RTOL, msg=f"step {step}")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_mixed_adapters_and_base_rows_match_the_module_forward(kind, tiny_model_dir, adapters):
-    """4 prompts, each under the base model and every adapter: 16 rows in every decode batch."""
+@pytest.mark.parametrize(
+    ("kind", "fp16"), [("llama", False), ("qwen2", False), ("qwen3", False), ("llama", True)]
+)
+def test_mixed_adapters_and_base_rows_match_the_module_forward(kind, fp16, tiny_model_dir, adapters):
+    """4 prompts, each under the base model and every adapter: 16 rows in every decode batch. With
+    --cpu-fp16-weights the projections read fp16 copies and the delta is added to their output."""
     path = str(tiny_model_dir(kind))
     prompts = [list(range(3 + i, 3 + i + 5 + 7 * i)) for i in range(4)]  # ragged lengths
     rows = [(p, n) for p in prompts for n in NAMES]
     steps = 6
     results = {}
     for fused in (False, True):
-        rec = Recorder(path, adapters(kind), fused)
+        rec = Recorder(path, adapters(kind), fused, cpu_fp16_weights=fp16)
         reqs = _reqs([p for p, _ in rows], [n for _, n in rows], steps)
         rec.runner.prefill(reqs)
         for _ in range(steps):
