@@ -387,8 +387,11 @@ def decode_model(
     int8 weights `set_layer_scales(index, qkv_s, o_s, gate_up_s, down_s)` (their per-row fp32
     scales, linear_int8's), for weight-only quantized ones `set_layer_wq(index, qkv, o, gate_up,
     down)` (each (qweight, scales, offsets, bits, group_size) as linear_wq takes them, or None), and
-    `set_final_norm(w)`; then `forward(hidden, positions, out_cache_loc, req_to_token,
-    req_pool_indices, seq_lens)` returns the final normed hidden states."""
+    `set_final_norm(w)`; with LoRA adapters `set_layer_lora(index, num_slots, qkv, o, gate_up,
+    down)` (per projection a list of (a [slots, rank, in], b [slots, rank, width], output column
+    offset) over the LoRA pool's buffers, read in place); then `forward(hidden, positions,
+    out_cache_loc, req_to_token, req_pool_indices, seq_lens, token_slots=None)` returns the final
+    normed hidden states (token_slots int64 [bs]: each row's LoRA slot, -1 for the base model)."""
     return _lib().DecodeModel(num_heads, num_kv_heads, head_dim, rms_norm_eps, scaling, cos, sin)
 
 

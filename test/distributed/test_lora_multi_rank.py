@@ -1,6 +1,7 @@
 """LoRA at --tp-size 2 and at --pp-size 2 through the Engine (gloo on 127.0.0.1): three adapters of
 different ranks and target modules and the base model, mixed in one batch, give HF transformers +
-PEFT's greedy tokens, as one rank does (test/engine/test_lora_parity.py).
+PEFT's greedy tokens, as one rank does (test/engine/test_lora_parity.py); at TP 2 also with every
+decode batch on the CPU fused decode.
 
 TP: each rank holds its part of every adapter (lora/tp_shards.py): all of A and its rows of B for
 q/k/v and gate/up, its columns of A for o and down, whose partial delta rides the layer's own
@@ -26,9 +27,16 @@ def _until_eos(ids: list[int]) -> list[int]:
     return ids[: ids.index(EOS)] if EOS in ids else ids
 
 
+# Every decode batch (at most 8 rows here) on the CPU fused decode, its fp32 bound raised from 2:
+# the ranks' stacks add their adapter parts, o/down before the stack's own all-reduce.
+FUSED = {"cpu_kernel_crossovers": '{"f32_small_max_tokens": 16}', "log_level": "info"}
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
-def test_adapters_mixed_with_base_match_peft(layout, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "layout", [{"tp_size": 2}, {"tp_size": 2, **FUSED}, {"pp_size": 2}], ids=["tp2", "tp2-fused", "pp2"]
+)
+def test_adapters_mixed_with_base_match_peft(layout, tiny_model_dir, tmp_path, capfd):
     pytest.importorskip("peft")  # here, not at collection: peft imports triton
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -46,11 +54,14 @@ def test_adapters_mixed_with_base_match_peft(layout, tiny_model_dir, tmp_path):
         expected.append(_until_eos(hf_greedy(model.eval(), prompt, NEW)[0]))
     paths = [f"{n}={p}" for n, p in adapters.items()]
     with Engine(
-        model_path=path, **layout, enable_lora=True, lora_paths=paths, max_total_tokens=4096,
-        chunked_prefill_size=32, log_level="warning",
+        model_path=path, enable_lora=True, lora_paths=paths, max_total_tokens=4096,
+        chunked_prefill_size=32, **{"log_level": "warning", **layout},
     ) as engine:  # fmt: skip
         outs = engine.generate(
             input_ids=prompts, sampling_params={"max_new_tokens": NEW, "temperature": 0}, lora_path=names
         )
     for out, want, name in zip(outs, expected, names):
         assert _until_eos(out["output_ids"]) == want, name
+    if "cpu_kernel_crossovers" in layout:  # each rank built its fused stack with the adapters' parts
+        log = capfd.readouterr().err
+        assert log.count("run as one compiled call (LoRA deltas included)") == 2, log[-4000:]

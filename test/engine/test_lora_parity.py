@@ -13,6 +13,7 @@ import torch
 from scheduler_harness import SchedulerRun, until_eos
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.layers import cpu_crossovers, cpu_fused
 from radixserve.managers.io_struct import AbortReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
@@ -142,6 +143,36 @@ def test_adapters_mixed_with_base_in_one_batch(overrides, lora_worker, reference
             assert run.outputs[f"{name}-{i}"] == want, (name, i)
     run.close()
     assert max(len(s) for s in seen) == min(overrides["max_loras_per_batch"], len(TINY_ADAPTERS))
+
+
+@pytest.mark.skipif(not cpu_fused.ENABLED, reason="sgl_kernel._cpu not built")
+def test_mixed_batch_on_the_fused_decode_matches_peft(tiny_model_dir, adapters, reference):
+    """Every decode batch on the CPU fused decode (its fp32 bound raised to 16 rows; the default 2
+    leaves most of these batches to the module forward): every adapter and the base model, mixed
+    in one batch, give PEFT's greedy tokens."""
+    path = tiny_model_dir("llama")
+    saved = cpu_crossovers.active()
+    args = ServerArgs(
+        model_path=path,
+        max_total_tokens=4096,
+        device="cpu",
+        lora_paths=tuple(f"{n}={p}" for n, p in adapters("llama").items()),
+        cpu_kernel_crossovers='{"f32_small_max_tokens": 16}',
+    ).resolve()
+    try:
+        worker = TpModelWorker(args, ModelConfig.from_path(path, dtype="float32"))
+        fused, adapted_calls = worker.model_runner.cpu_decode_runner, []
+        replay = fused.replay
+        fused.replay = lambda fb: adapted_calls.append(worker.info.lora.segments is not None) or replay(fb)
+        names = [None, *TINY_ADAPTERS]
+        run = _run((worker, args), [(f"{n}-{i}", p, n) for n in names for i, p in enumerate(PROMPTS)])
+        for name in names:
+            for i, want in enumerate(reference("llama", name)):
+                assert run.outputs[f"{name}-{i}"] == want, (name, i)
+        run.close()
+    finally:
+        cpu_crossovers.install(saved)  # the worker installed its bound process-wide
+    assert len(adapted_calls) >= NUM_NEW - 1 and all(adapted_calls)
 
 
 def test_no_prefix_reuse_across_adapters(lora_worker, reference):

@@ -192,7 +192,8 @@ def parse_lora_paths(items: list[str] | tuple[str, ...] | None) -> dict[str, str
 
 def lora_updates(args: Any) -> dict[str, Any]:  # noqa: ANN401 - a ServerArgs being resolved
     """ServerArgs.resolve's LoRA decisions: the rank and modules the pool is built for (from the
-    --lora-paths adapters' configs when not given), and the decode fast paths off."""
+    --lora-paths adapters' configs when not given), and decode CUDA graphs off (they have no
+    delta; the CPU fused decode has: model_executor/cpu_decode_runner.py)."""
     paths = parse_lora_paths(args.lora_paths)
     configs = [read_adapter_config(p) for p in paths.values()]
     rank = args.max_lora_rank
@@ -210,7 +211,6 @@ def lora_updates(args: Any) -> dict[str, Any]:  # noqa: ANN401 - a ServerArgs be
         "lora_paths": tuple(f"{n}={p}" for n, p in paths.items()),
         "max_lora_rank": rank,
         "lora_target_modules": modules,
-        "disable_cpu_fused_decode": True,
         "disable_cuda_graph": True,
     }
 

@@ -7,8 +7,9 @@ before each forward, `prepare` puts the batch's adapters into slots and groups t
 slot once, and every hook reads that grouping. A batch without adapter requests runs the hooks as
 a single `None` check.
 
-The module forward is the only path with the delta: the fused CPU decode and decode CUDA graphs
-are off with --enable-lora (ServerArgs.resolve).
+The CPU fused decode (model_executor/cpu_decode_runner.py) adds the same deltas inside its
+compiled stack: it reads the pool's buffers in place (`fused_parts`) and each step's
+`segments.token_slots`. Decode CUDA graphs stay off with --enable-lora (ServerArgs.resolve).
 """
 
 from __future__ import annotations
@@ -142,20 +143,37 @@ class LoRAManager:
         self.segments = LoRASegments.build(token_slots)
 
     # ------------------------------------------------------------------ model hooks
+    def _parts(self, peft_modules: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
+        """(module, column offset, width) of each adapted module in a fused projection's output:
+        this rank's output columns of each, in the fused order."""
+        parts, offset = [], 0
+        for m in peft_modules:
+            size = self.local_shapes[m][1]
+            if m in self.config.target_modules:
+                parts.append((m, offset, size))
+            offset += size
+        return tuple(parts)
+
+    def fused_parts(self, layer: int) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]:
+        """Per fused projection (qkv_proj, o_proj, gate_up_proj, down_proj) of `layer`, its adapted
+        parts as (a [slots, rank, in], b [slots, rank, width], output column offset) over the
+        pool's own buffers: the CPU fused decode (DecodeModel.set_layer_lora) reads them in place,
+        so slot loads and evictions need nothing rebuilt."""
+        pool = self.pool
+        return {
+            attr: [(pool.a[m][layer], pool.b[m][layer], offset) for m, offset, _ in self._parts(modules)]
+            for _, attr, modules in _FUSED
+        }
+
     def _attach(self, model: nn.Module, layers: range) -> None:
         for i in layers:
             layer = model.model.layers[i]
             for parent, attr, peft_modules in _FUSED:
                 proj = getattr(getattr(layer, parent), attr)
-                parts, offset = [], 0
-                for m in peft_modules:  # this rank's output columns of each, in the fused order
-                    size = self.local_shapes[m][1]
-                    if m in self.config.target_modules:
-                        parts.append((m, offset, size))
-                    offset += size
+                parts = self._parts(peft_modules)
                 if not parts:
                     continue
-                add = self._delta(i, tuple(parts))
+                add = self._delta(i, parts)
                 if isinstance(proj, RowParallelLinear) and proj.tp.size > 1:
                     proj.partial_delta = add  # a partial sum: before the layer's all-reduce
                 else:

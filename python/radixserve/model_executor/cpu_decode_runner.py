@@ -9,6 +9,11 @@ where a layer has one, fp16 copies with --cpu-fp16-weights, else the plain fp32 
 pool, the same rotary tables. The
 embedding lookup, the LM head and sampling stay in Python.
 
+With --enable-lora the stack adds each adapted projection's LoRA delta too (csrc/cpu/
+decode_lora.cpp, the compiled lora kernel), reading the LoRA pool's slot buffers in place and the
+step's per-row slots (-1: the base model) that LoRAManager.prepare built for the module forward's
+hooks: the same delta at the same point of the same chain.
+
 It takes decode batches up to the size where the small-M linear kernels stop beating oneDNN
 (layers/linear.py), and speculative verify steps of chains with as many rows in all (each row a
 decode row of its request: verify_rows_as_decode_rows); larger batches, extend batches, draft
@@ -31,6 +36,7 @@ from radixserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from radixserve.distributed.model_parallel import ModelParallelism
+    from radixserve.lora.manager import LoRAManager
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool
     from radixserve.model_executor.forward_batch import ForwardBatch, ModelWorkerBatch
     from radixserve.server_args import ServerArgs
@@ -111,6 +117,23 @@ class CpuDecodeRunner:
         if tp_comm is not None:
             # Sharded weights: o_proj and down_proj partial sums are all-reduced inside the call.
             self.decode_model.set_tp_comm(tp_comm)
+        self.lora: LoRAManager | None = None
+
+    def attach_lora(self, lora: LoRAManager, num_layers: int) -> None:
+        """Every layer's adapted parts, over the pool's own buffers (checked here: a RuntimeError
+        says what the stack cannot take). The pool never reallocates, so this runs once."""
+        num_slots = lora.config.max_loras_per_batch
+        for layer_id in range(num_layers):
+            parts = lora.fused_parts(layer_id)
+            self.decode_model.set_layer_lora(
+                layer_id,
+                num_slots,
+                parts["qkv_proj"],
+                parts["o_proj"],
+                parts["gate_up_proj"],
+                parts["down_proj"],
+            )
+        self.lora = lora
 
     def can_run(self, batch: ModelWorkerBatch | ForwardBatch) -> bool:
         if batch.forward_mode.is_decode():
@@ -133,6 +156,8 @@ class CpuDecodeRunner:
         pool_rows, seq_lens = fb.req_pool_indices, fb.seq_lens
         if fb.forward_mode.is_target_verify():
             pool_rows, seq_lens = verify_rows_as_decode_rows(fb)
+        # The rows' adapter slots (LoRAManager.prepare ran for this batch); None: no adapted row.
+        segments = None if self.lora is None else self.lora.segments
         return self.decode_model.forward(
             hidden,
             fb.positions,
@@ -140,6 +165,7 @@ class CpuDecodeRunner:
             fb.req_to_token_pool.req_to_token,
             pool_rows,
             seq_lens,
+            None if segments is None else segments.token_slots,
         )
 
 
@@ -160,8 +186,10 @@ def create_cpu_decode_runner(
     token_to_kv_pool: MHATokenToKVPool,
     server_args: ServerArgs,
     parallel: ModelParallelism | None = None,
+    lora: LoRAManager | None = None,
 ) -> CpuDecodeRunner | None:
-    """The fused decode path, or None where it does not apply (says why in the log at debug)."""
+    """The fused decode path, or None where it does not apply (says why in the log at debug; at
+    info where the user asked for something it cannot take: a quantized form, LoRA)."""
     reasons = []
     tp_comm = None
     if parallel is not None and parallel.pp_size > 1:
@@ -209,5 +237,20 @@ def create_cpu_decode_runner(
     else:
         bound = crossovers()
         max_bs = bound.f16_max_tokens if server_args.cpu_fp16_weights else bound.f32_small_max_tokens
-    logger.info("CPU fused decode: decode batches of <= %d requests run as one compiled call", max_bs)
-    return CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm)
+    if lora is not None and not hasattr(decode_model_cls, "set_layer_lora"):
+        logger.info(
+            "CPU fused decode off: this sgl-kernel build has no LoRA delta in it (rebuild sgl-kernel)"
+        )
+        return None
+    runner = CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm)
+    if lora is not None:
+        try:
+            runner.attach_lora(lora, len(model.model.layers))
+        except RuntimeError as e:  # a form the compiled delta cannot take (a rank above its bound)
+            logger.info("CPU fused decode off: the LoRA adapters' slots do not fit it: %s", e)
+            return None
+    with_lora = " (LoRA deltas included)" if lora is not None else ""
+    logger.info(
+        "CPU fused decode: decode batches of <= %d requests run as one compiled call%s", max_bs, with_lora
+    )
+    return runner

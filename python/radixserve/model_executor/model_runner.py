@@ -154,6 +154,13 @@ class ModelRunner:
         # Its own generator, seeded alike on every rank: ranks draw the same tokens from the same
         # (gathered) logits whatever else consumed torch's global RNG while they loaded.
         self.sampler = Sampler(server_args.random_seed, self.device)
+        # LoRA adapters (lora/manager.py): none of it exists without --enable-lora. Built before
+        # the decode fast paths, which add its deltas.
+        self.lora: LoRAManager | None = None
+        if server_args.enable_lora:
+            from radixserve.lora.manager import LoRAManager, LoRAServeConfig
+
+            self.lora = LoRAManager(LoRAServeConfig.of(server_args), model_config, self.model, self.device)
         pipelined = self.parallel.pp_size > 1
         self.graph_runner: CudaGraphRunner | None = None
         self.cpu_decode_runner: CpuDecodeRunner | None = None
@@ -163,14 +170,8 @@ class ModelRunner:
             self.graph_runner = None if pipelined else create_cuda_graph_runner(self, server_args)
             # Small CPU decode batches as one compiled call (None off CPU, or where it does not apply).
             self.cpu_decode_runner = create_cpu_decode_runner(
-                self.model, self.token_to_kv_pool, server_args, self.parallel
+                self.model, self.token_to_kv_pool, server_args, self.parallel, self.lora
             )
-        # LoRA adapters (lora/manager.py): none of it exists without --enable-lora.
-        self.lora: LoRAManager | None = None
-        if server_args.enable_lora:
-            from radixserve.lora.manager import LoRAManager, LoRAServeConfig
-
-            self.lora = LoRAManager(LoRAServeConfig.of(server_args), model_config, self.model, self.device)
         # Weight updates, reads and memory release / resume (model_executor/weight_sync.py).
         self.weights = ModelWeights(self)
 

@@ -31,6 +31,8 @@ class StaticReq:
     # The KV slot of the last position written, kept on the host: reading it back from the
     # request table would synchronise with the device once per request and step.
     last_slot: int = -1
+    # The LoRA adapter (its id in the worker's LoRAManager) the request runs with; None: the base model.
+    lora_id: str | None = None
 
     @property
     def seq_len(self) -> int:
@@ -81,6 +83,7 @@ class StaticBatchRunner:
             extend_prefix_lens=prefix_lens,
             extend_num_tokens=sum(extend_lens),
             return_logprob=self.return_logprob,
+            lora_ids=_lora_ids(reqs),
         )
         return self._run(reqs, batch)
 
@@ -105,6 +108,7 @@ class StaticBatchRunner:
             out_cache_loc=out_cache_loc,
             sampling_info=self._sampling_info(reqs),
             return_logprob=self.return_logprob,
+            lora_ids=_lora_ids(reqs),
         )
         return self._run(reqs, batch)
 
@@ -137,3 +141,9 @@ class StaticBatchRunner:
             if result.next_token_logprobs is not None:
                 req.output_logprobs.append(float(result.next_token_logprobs[i]))
         return result
+
+
+def _lora_ids(reqs: list[StaticReq]) -> tuple[str | None, ...] | None:
+    """The batch's adapters per request, or None when every request runs the base model."""
+    ids = tuple(r.lora_id for r in reqs)
+    return ids if any(ids) else None

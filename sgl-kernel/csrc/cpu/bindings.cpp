@@ -102,6 +102,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gate_up"), py::arg("down"),
            "Weight-only quantized forms of a layer's linears, each (qweight, scales, offsets, bits, group_size) "
            "as linear_wq takes them, or None (that linear reads its dense weight)")
+      .def("set_layer_lora", &DecodeModel::set_layer_lora, py::arg("index"), py::arg("num_slots"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           "LoRA slot buffers of a layer's projections: per projection a list of (a [slots, rank, in], "
+           "b [slots, rank, width], output column offset), read in place at every forward with token_slots")
       .def("set_final_norm", &DecodeModel::set_final_norm)
       .def("set_tp_comm", &DecodeModel::set_tp_comm, py::arg("comm"),
            "All-reduce o_proj/down_proj outputs over this ShmComm (the layers hold the rank's shards); None: one rank")
@@ -109,5 +113,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // overlap loop's scheduler thread should keep working meanwhile (the call touches no Python).
       .def("forward", &DecodeModel::forward, py::arg("hidden"), py::arg("positions"), py::arg("out_cache_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("token_slots") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -108,14 +108,34 @@ void DecodeModel::set_layer_wq(int64_t index, std::optional<WqTuple> qkv, std::o
   L.down_wq = std::move(down_wq);
 }
 
+void DecodeModel::set_layer_lora(int64_t index, int64_t num_slots, std::vector<LoraPartTuple> qkv,
+                                 std::vector<LoraPartTuple> o, std::vector<LoraPartTuple> gate_up,
+                                 std::vector<LoraPartTuple> down) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
+  TORCH_CHECK(num_slots > 0 && (lora_slots_ == 0 || lora_slots_ == num_slots), "DecodeModel: LoRA with ", num_slots,
+              " slots, other layers have ", lora_slots_);
+  DecodeLayer& L = layers_[index];
+  const int64_t hidden = L.input_norm.numel();
+  // Check all four before storing any: a bad one leaves the layer as it was.
+  LayerLora lora{lora_parts(std::move(qkv), hidden, L.qkv_w.size(0), num_slots, "qkv_proj"),
+                 lora_parts(std::move(o), L.o_w.size(1), hidden, num_slots, "o_proj"),
+                 lora_parts(std::move(gate_up), hidden, L.gate_up_w.size(0), num_slots, "gate_up_proj"),
+                 lora_parts(std::move(down), L.down_w.size(1), hidden, num_slots, "down_proj")};
+  L.lora = std::move(lora);
+  lora_slots_ = num_slots;
+}
+
 void DecodeModel::set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
 
 void DecodeModel::set_tp_comm(std::shared_ptr<ShmComm> comm) { tp_comm_ = std::move(comm); }
 
 at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
-                                     const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b) const {
-  if (!tp_comm_) return lin(x, w, s, wq, b);
-  at::Tensor y = lin(x, w, s, wq, c10::nullopt);  // [bs, hidden]: this rank's partial sum
+                                     const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b,
+                                     const std::vector<LoraPart>& lora, const LoraPlan* plan) const {
+  // [bs, hidden]: this rank's partial sum (the whole output on one rank, bias included)
+  at::Tensor y = lin(x, w, s, wq, tp_comm_ ? c10::nullopt : b);
+  if (plan != nullptr) add_lora(lora, x, y, *plan);  // a partial sum too: before the all-reduce
+  if (!tp_comm_) return y;
   tp_comm_->all_reduce_(y);
   if (b.has_value()) y.add_(*b);
   return y;
@@ -123,10 +143,21 @@ at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w, c
 
 at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& positions,
                                 const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
-                                const at::Tensor& req_pool_indices, const at::Tensor& seq_lens) const {
+                                const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                                const c10::optional<at::Tensor>& token_slots) const {
   TORCH_CHECK(!layers_.empty() && final_norm_.defined(), "DecodeModel: layers or final norm missing");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "DecodeModel: hidden must be fp32 [bs, H]");
   const int64_t bs = hidden.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
+  // The rows' adapters, sorted once for every projection of every layer; none: the base model.
+  LoraPlan lora_plan_storage;
+  const LoraPlan* plan = nullptr;
+  if (token_slots.has_value()) {
+    TORCH_CHECK(lora_slots_ > 0, "DecodeModel: token_slots given but no layer has LoRA (set_layer_lora)");
+    TORCH_CHECK(token_slots->numel() == bs, "DecodeModel: token_slots has ", token_slots->numel(),
+                " rows, hidden ", bs);
+    lora_plan_storage = lora_plan(*token_slots, lora_slots_);
+    if (!lora_plan_storage.items.empty()) plan = &lora_plan_storage;
+  }
   // The same chain as LlamaDecoderLayer: residual carries the sum, x the normed input of each block.
   at::Tensor residual = hidden.contiguous().clone();
   at::Tensor x = rmsnorm(residual, layers_[0].input_norm, eps_);
@@ -134,7 +165,9 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecodeLayer& L = layers_[i];
     if (i > 0) fused_add_rmsnorm_(x, residual, L.input_norm, eps_);
-    const at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_wq, L.qkv_b).view({bs, H + 2 * Hkv, D});
+    at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_wq, L.qkv_b);  // [bs, (H + 2 * Hkv) * D]
+    if (plan != nullptr) add_lora(L.lora.qkv, x, qkv, *plan);
+    qkv = qkv.view({bs, H + 2 * Hkv, D});
     at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, Hkv);
     const at::Tensor v = qkv.narrow(1, H + Hkv, Hkv);
     if (L.q_norm.has_value()) {
@@ -145,10 +178,11 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
     store_kv(k_buf, v_buf, out_cache_loc, k, v);
     decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_);
-    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b);
+    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b, L.lora.o, plan);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
-    x = row_parallel(silu_and_mul(lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b)), L.down_w, L.down_s,
-                     L.down_wq, L.down_b);
+    at::Tensor gate_up = lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b);  // [bs, 2 * I]
+    if (plan != nullptr) add_lora(L.lora.gate_up, x, gate_up, *plan);
+    x = row_parallel(silu_and_mul(gate_up), L.down_w, L.down_s, L.down_wq, L.down_b, L.lora.down, plan);
   }
   fused_add_rmsnorm_(x, residual, final_norm_, eps_);
   return x;

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "decode_lora.h"
 #include "shm_comm.h"
 
 // A weight-only group-quantized weight (layers/group_quant.py's GroupQuantWeight): qweight, scales,
@@ -32,6 +33,7 @@ struct DecodeLayer {
   // Weight-only quantized forms (GGUF, GPTQ/AWQ, int4/int8 weight-only): when set, the linear runs
   // linear_wq over them instead of reading its dense weight.
   std::optional<WqForm> qkv_wq, o_wq, gate_up_wq, down_wq;
+  LayerLora lora;  // LoRA adapters' slot buffers per projection (set_layer_lora); empty without
 };
 
 class DecodeModel {
@@ -52,6 +54,11 @@ class DecodeModel {
   // must not be int8); checked here by running it once.
   void set_layer_wq(int64_t index, std::optional<WqTuple> qkv, std::optional<WqTuple> o,
                     std::optional<WqTuple> gate_up, std::optional<WqTuple> down);
+  // LoRA: layer `index`'s adapted parts of each projection, each (a, b, column offset) over the LoRA
+  // pool's slot buffers (decode_lora.h); every part of every layer has the same `num_slots`.
+  void set_layer_lora(int64_t index, int64_t num_slots, std::vector<LoraPartTuple> qkv,
+                      std::vector<LoraPartTuple> o, std::vector<LoraPartTuple> gate_up,
+                      std::vector<LoraPartTuple> down);
   void set_final_norm(at::Tensor weight);
   // Tensor parallelism: with a communicator the layers hold this rank's shards (the constructor's
   // head counts are per rank, o_w/down_w are row shards [hidden, in / world]); the o_proj and
@@ -61,9 +68,10 @@ class DecodeModel {
 
   // hidden [bs, hidden_size] (the token embeddings) -> final normed hidden [bs, hidden_size]; writes
   // this step's K/V at out_cache_loc, attends over req_to_token[req_pool_indices, :seq_lens].
+  // token_slots int64 [bs] (LoRA only): each row's adapter slot, -1 for the base model.
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
-                     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                     const at::Tensor& seq_lens) const;
+                     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                     const c10::optional<at::Tensor>& token_slots = c10::nullopt) const;
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
@@ -72,8 +80,11 @@ class DecodeModel {
   std::vector<DecodeLayer> layers_;
   at::Tensor final_norm_;
   std::shared_ptr<ShmComm> tp_comm_;
+  int64_t lora_slots_ = 0;  // the LoRA pool's slot count; 0: no layer has LoRA parts
 
-  // x @ w.T summed over the ranks (+ b once): a row-parallel linear; plain lin() on one rank.
+  // x @ w.T (+ its LoRA delta) summed over the ranks (+ b once): a row-parallel linear; on one
+  // rank plain lin() (+ the delta). `plan` null: no adapted row this step.
   at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
-                          const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b) const;
+                          const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b,
+                          const std::vector<LoraPart>& lora, const LoraPlan* plan) const;
 };

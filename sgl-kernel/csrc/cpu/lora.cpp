@@ -14,6 +14,8 @@
 // Plain loops under `omp simd`: with -march=native they become AVX2 or AVX-512 code alike.
 #include <type_traits>
 
+#include "lora.h"
+
 #include "common.h"
 #include "ops.h"
 
@@ -110,13 +112,9 @@ void run_item(const act_t* x, int64_t ldx, const w_t* a, const w_t* b, act_t* ou
   expand(xa, nrows, rank, b, d_out, out_rows);
 }
 
-struct Item {
-  int64_t slot, start, end;  // rows order[start:end], all of `slot`
-};
-
 // The adapted rows sorted by slot (a stable counting sort) and cut into items of at most
 // `per_item` rows: enough items to keep every thread busy when the batch allows.
-std::pair<std::vector<int64_t>, std::vector<Item>> plan(const int64_t* slots, int64_t n, int64_t num_slots) {
+LoraPlan plan(const int64_t* slots, int64_t n, int64_t num_slots) {
   std::vector<int64_t> count(num_slots + 1, 0);
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK_VALUE(slots[t] >= -1 && slots[t] < num_slots, "lora_delta: token_slots[", t, "] = ", slots[t],
@@ -131,15 +129,14 @@ std::pair<std::vector<int64_t>, std::vector<Item>> plan(const int64_t* slots, in
     if (slots[t] >= 0) order[fill[slots[t]]++] = t;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t per_item = std::clamp((m + threads - 1) / threads, kMinRowsPerItem, kMaxRowsPerItem);
-  std::vector<Item> items;
+  std::vector<LoraPlan::Item> items;
   for (int64_t s = 0; s < num_slots; ++s)
     for (int64_t i = count[s]; i < count[s + 1]; i += per_item) items.push_back({s, i, std::min(i + per_item, count[s + 1])});
-  return {std::move(order), std::move(items)};
+  return {n, num_slots, std::move(order), std::move(items)};
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& token_slots,
-                  const at::Tensor& out) {
-  for (const at::Tensor* t : {&x, &a, &b, &token_slots, &out})
+void check_shapes(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+  for (const at::Tensor* t : {&x, &a, &b, &out})
     TORCH_CHECK_VALUE(t->device().is_cpu(), "lora_delta: every tensor must be on the CPU");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "lora_delta: x must be [n, in] with contiguous rows");
   TORCH_CHECK_VALUE(out.dim() == 2 && out.stride(1) == 1, "lora_delta: out must be [n, out] with contiguous rows");
@@ -158,40 +155,60 @@ void check_inputs(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
   TORCH_CHECK_VALUE(a.size(2) == x.size(1) && b.size(2) == out.size(1) && out.size(0) == x.size(0),
                     "lora_delta: x [", x.size(0), ", ", x.size(1), "], a [.., .., ", a.size(2), "], b [.., .., ",
                     b.size(2), "] and out [", out.size(0), ", ", out.size(1), "] do not fit");
-  TORCH_CHECK_VALUE(token_slots.scalar_type() == at::kLong && token_slots.dim() == 1 &&
-                        token_slots.is_contiguous() && token_slots.size(0) == x.size(0),
-                    "lora_delta: token_slots must be a contiguous int64 [n]");
 }
 
 template <typename act_t, typename w_t>
-void lora_delta_typed(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& token_slots,
-                      at::Tensor& out) {
-  const int64_t n = x.size(0), rank = a.size(1), d_in = a.size(2), d_out = b.size(2);
-  auto [order, items] = plan(token_slots.data_ptr<int64_t>(), n, a.size(0));
-  if (items.empty()) return;
+void apply_typed(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const LoraPlan& p, at::Tensor& out) {
+  const int64_t rank = a.size(1), d_in = a.size(2), d_out = b.size(2);
   const act_t* x_ptr = x.data_ptr<act_t>();
   act_t* out_ptr = out.data_ptr<act_t>();
   const w_t* a_ptr = a.data_ptr<w_t>();
   const w_t* b_ptr = b.data_ptr<w_t>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const Item& it = items[i];
+      const LoraPlan::Item& it = p.items[i];
       run_item(x_ptr, ldx, a_ptr + it.slot * rank * d_in, b_ptr + it.slot * rank * d_out, out_ptr, ldo,
-               order.data() + it.start, it.end - it.start, rank, d_in, d_out);
+               p.order.data() + it.start, it.end - it.start, rank, d_in, d_out);
     }
   });
 }
 
+// The dtype dispatch of an applied plan; shapes already checked.
+void apply_checked(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const LoraPlan& p, at::Tensor& out) {
+  if (p.items.empty() || a.size(1) == 0) return;
+  const bool act_f32 = x.scalar_type() == at::kFloat, w_f32 = a.scalar_type() == at::kFloat;
+  if (act_f32 && w_f32) return apply_typed<float, float>(x, a, b, p, out);
+  if (act_f32) return apply_typed<float, at::BFloat16>(x, a, b, p, out);
+  if (w_f32) return apply_typed<at::BFloat16, float>(x, a, b, p, out);
+  return apply_typed<at::BFloat16, at::BFloat16>(x, a, b, p, out);
+}
+
 }  // namespace
+
+int64_t lora_max_rank() { return kMaxRank; }
+
+LoraPlan lora_plan(const at::Tensor& token_slots, int64_t num_slots) {
+  TORCH_CHECK_VALUE(token_slots.device().is_cpu() && token_slots.scalar_type() == at::kLong &&
+                        token_slots.dim() == 1 && token_slots.is_contiguous(),
+                    "lora_delta: token_slots must be a contiguous int64 [n] on the CPU");
+  return plan(token_slots.data_ptr<int64_t>(), token_slots.size(0), num_slots);
+}
+
+void lora_apply_(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const LoraPlan& p, at::Tensor& out) {
+  check_shapes(x, a, b, out);
+  TORCH_CHECK_VALUE(x.size(0) == p.num_rows && a.size(0) == p.num_slots, "lora_delta: a plan for ", p.num_rows,
+                    " rows over ", p.num_slots, " slots applied to ", x.size(0), " rows over ", a.size(0));
+  apply_checked(x, a, b, p, out);
+}
 
 void lora_delta_(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& token_slots,
                  at::Tensor& out) {
-  check_inputs(x, a, b, token_slots, out);
+  check_shapes(x, a, b, out);
+  TORCH_CHECK_VALUE(token_slots.device().is_cpu(), "lora_delta: every tensor must be on the CPU");
+  TORCH_CHECK_VALUE(token_slots.scalar_type() == at::kLong && token_slots.dim() == 1 && token_slots.is_contiguous() &&
+                        token_slots.size(0) == x.size(0),
+                    "lora_delta: token_slots must be a contiguous int64 [n]");
   if (x.size(0) == 0 || a.size(1) == 0) return;
-  const bool act_f32 = x.scalar_type() == at::kFloat, w_f32 = a.scalar_type() == at::kFloat;
-  if (act_f32 && w_f32) return lora_delta_typed<float, float>(x, a, b, token_slots, out);
-  if (act_f32) return lora_delta_typed<float, at::BFloat16>(x, a, b, token_slots, out);
-  if (w_f32) return lora_delta_typed<at::BFloat16, float>(x, a, b, token_slots, out);
-  return lora_delta_typed<at::BFloat16, at::BFloat16>(x, a, b, token_slots, out);
+  apply_checked(x, a, b, lora_plan(token_slots, a.size(0)), out);
 }
