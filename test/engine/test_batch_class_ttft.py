@@ -18,6 +18,7 @@ from radixserve.managers.io_struct import (
     BatchTokenIDOut,
     TokenizedGenerateReqInput,
 )
+from radixserve.model_executor.forward_batch import StepYielded
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.loops import only_batch_class
 from radixserve.scheduler.schedule_batch import ScheduleBatch
@@ -187,18 +188,58 @@ def reported_rids(run: SchedulerRun, since: int) -> list[list[str]]:
     return [list(m.rids) for m in run.sent[since:] if isinstance(m, BatchTokenIDOut)]
 
 
+class YieldSpy:
+    """Where the stopped steps stopped: inside the fused CPU decode or in the module forward. With
+    `fused` False the fused decode is told it cannot stop, so such steps take the module forward."""
+
+    def __init__(self, run: SchedulerRun, fused: bool) -> None:
+        self.fused_yields = 0
+        runner = run.worker.model_runner.cpu_decode_runner
+        if fused and (runner is None or not runner.can_yield):
+            pytest.skip("this sgl-kernel build has no fused decode that can stop between layers")
+        if runner is None:
+            return
+        self.runner, self.could_yield, replay = runner, runner.can_yield, runner.replay
+        if not fused:
+            runner.can_yield = False  # until restore()
+
+        def spy_replay(fb: object) -> object:
+            try:
+                return replay(fb)
+            except StepYielded:
+                self.fused_yields += 1
+                raise
+
+        runner.replay = spy_replay
+
+    def restore(self) -> None:
+        if hasattr(self, "runner"):
+            del self.runner.replay  # the class's method again
+            self.runner.can_yield = self.could_yield
+
+
+@pytest.mark.parametrize("path", ["fused", "module"])
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"enable_priority_scheduling": True}, {"enable_mixed_chunk": True}],
     ids=["plain", "priority", "mixed-chunk"],
 )
-def test_batch_class_step_yields_to_an_arrival(overrides, make_run, reference):
+def test_batch_class_step_yields_to_an_arrival(overrides, path, make_run, reference):
     """A decode step of batch lines stops between layers when an interactive request arrives: the
     request's prefill runs and its first token is sent before the stopped step runs again, whole;
     then it decodes beside the lines, and every token equals HF's (the stopped step's KV writes
-    are written again)."""
+    are written again). In the fused CPU decode (one compiled call) and in the module forward."""
     socket = FakeSocket(arrive_at=2)
     run = yielding_run(make_run, socket, **overrides)
+    spy = YieldSpy(run, fused=path == "fused")
+    try:
+        stopped_step_gives_way(run, socket, reference)
+    finally:
+        spy.restore()
+    assert spy.fused_yields == (1 if path == "fused" else 0)
+
+
+def stopped_step_gives_way(run: SchedulerRun, socket: FakeSocket, reference: dict[str, list[int]]) -> None:
     log = ForwardLog(run)
     for rid, prompt, max_new in BATCH_LINES:
         run.submit(rid, prompt, max_new, priority=BATCH_PRIORITY, stream=True)

@@ -32,6 +32,7 @@ from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels
 from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
+from radixserve.model_executor.forward_batch import StepYielded
 from radixserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -89,6 +90,10 @@ class CpuDecodeRunner:
             first.rotary_emb.cos_cached,
             first.rotary_emb.sin_cached,
         )
+        # Whether the stack can stop between layers for a step that gives way (one rank only; an
+        # sgl-kernel built before that: such steps run the module forward, which can).
+        forward_doc = type(self.decode_model).forward.__doc__ or ""
+        self.can_yield = tp_comm is None and "should_yield" in forward_doc
         for layer_id, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer_id)
@@ -158,7 +163,7 @@ class CpuDecodeRunner:
             pool_rows, seq_lens = verify_rows_as_decode_rows(fb)
         # The rows' adapter slots (LoRAManager.prepare ran for this batch); None: no adapted row.
         segments = None if self.lora is None else self.lora.segments
-        return self.decode_model.forward(
+        out = self.decode_model.forward(
             hidden,
             fb.positions,
             fb.out_cache_loc,
@@ -166,7 +171,11 @@ class CpuDecodeRunner:
             pool_rows,
             seq_lens,
             None if segments is None else segments.token_slots,
+            fb.should_yield,  # asked before each layer (scheduler/idle_capacity.py)
         )
+        if out is None:
+            raise StepYielded("yielded inside the fused decode")
+        return out
 
 
 def verify_rows_as_decode_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -143,6 +143,8 @@ class CudaGraphRunner:
     """Decode graphs for the batch sizes of `get_batch_sizes_to_capture(max_bs)` (or `capture_bs`),
     captured in the constructor."""
 
+    can_yield = False  # a replay cannot stop between layers (ModelWorkerBatch.should_yield)
+
     def __init__(
         self,
         model_runner: GraphModelRunner,

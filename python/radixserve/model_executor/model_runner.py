@@ -322,15 +322,15 @@ class ModelRunner:
         # The fast paths read the pools themselves.
         fb = self.init_forward_batch(batch, init_attn_metadata=fast_path is None)
         fb.capture_aux_layers = aux_layers
-        if fast_path is not None:
-            hidden = fast_path.replay(fb)  # [bs, hidden_size]
-        else:
-            try:
+        try:
+            if fast_path is not None:
+                hidden = fast_path.replay(fb)  # [bs, hidden_size]
+            else:
                 hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
-            except StepYielded:
-                if self.expert_recorder is not None:
-                    self.expert_recorder.discard_pass()  # the step runs again and counts then
-                raise
+        except StepYielded:
+            if self.expert_recorder is not None:
+                self.expert_recorder.discard_pass()  # the step runs again and counts then
+            raise
         if self.expert_recorder is not None:
             self.expert_recorder.end_pass()
         if capture_hidden and not aux_layers:
@@ -378,11 +378,12 @@ class ModelRunner:
         """A CUDA graph or the CPU fused decode when one can take `batch`; None for the module forward."""
         if batch.mrope_positions is not None:
             return None  # an image request's decode: its 3-D positions need the module forward
-        if batch.should_yield is not None:
-            return None  # only the module forward asks it between layers
         for runner in (self.graph_runner, self.cpu_decode_runner):
-            if runner is not None and runner.can_run(batch):
-                return runner
+            if runner is None or not runner.can_run(batch):
+                continue
+            if batch.should_yield is not None and not runner.can_yield:
+                continue  # a CUDA graph cannot stop between layers: the module forward asks
+            return runner
         return None
 
     @torch.inference_mode()

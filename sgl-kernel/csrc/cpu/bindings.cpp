@@ -1,6 +1,8 @@
 // Python bindings of the CPU kernels (module sgl_kernel._cpu).
 #include <torch/extension.h>
 
+#include <pybind11/functional.h>  // should_yield: a Python callable as std::function
+
 #include "common.h"
 #include "decode_model.h"
 #include "ops.h"
@@ -113,5 +115,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // overlap loop's scheduler thread should keep working meanwhile (the call touches no Python).
       .def("forward", &DecodeModel::forward, py::arg("hidden"), py::arg("positions"), py::arg("out_cache_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
-           py::arg("token_slots") = py::none(), py::call_guard<py::gil_scoped_release>());
+           py::arg("token_slots") = py::none(), py::arg("should_yield") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -144,7 +144,8 @@ at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w, c
 at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& positions,
                                 const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                                 const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                                const c10::optional<at::Tensor>& token_slots) const {
+                                const c10::optional<at::Tensor>& token_slots,
+                                const std::function<bool()>& should_yield) const {
   TORCH_CHECK(!layers_.empty() && final_norm_.defined(), "DecodeModel: layers or final norm missing");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "DecodeModel: hidden must be fp32 [bs, H]");
   const int64_t bs = hidden.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
@@ -163,6 +164,7 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
   at::Tensor x = rmsnorm(residual, layers_[0].input_norm, eps_);
   at::Tensor attn_out = at::empty({bs, H, D}, hidden.options());  // [bs, num_heads, head_dim]
   for (size_t i = 0; i < layers_.size(); ++i) {
+    if (should_yield && should_yield()) return at::Tensor();
     const DecodeLayer& L = layers_[i];
     if (i > 0) fused_add_rmsnorm_(x, residual, L.input_norm, eps_);
     at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_wq, L.qkv_b);  // [bs, (H + 2 * Hkv) * D]

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -69,9 +70,13 @@ class DecodeModel {
   // hidden [bs, hidden_size] (the token embeddings) -> final normed hidden [bs, hidden_size]; writes
   // this step's K/V at out_cache_loc, attends over req_to_token[req_pool_indices, :seq_lens].
   // token_slots int64 [bs] (LoRA only): each row's adapter slot, -1 for the base model.
+  // should_yield (one rank only: peers would stop at different layers): asked before each layer;
+  // true stops the step and returns an undefined tensor (None in Python), having written only the
+  // K/V of the layers that ran (the step runs again later and writes them again).
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& out_cache_loc,
                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                     const c10::optional<at::Tensor>& token_slots = c10::nullopt) const;
+                     const c10::optional<at::Tensor>& token_slots = c10::nullopt,
+                     const std::function<bool()>& should_yield = nullptr) const;
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
