@@ -5,6 +5,7 @@ llama-server on the same file; output tok/s at each --concurrency, 128 in / 128 
     python benchmark/bench_moe_gguf.py                           # Q4_0 and Q8_0, 4 layers, C=1 and 16
     python benchmark/bench_moe_gguf.py --layers 12 --types Q4_0   # more layers (~10 GiB of Q4_0)
     python benchmark/bench_moe_gguf.py --write-only               # only the files
+    python benchmark/bench_moe_gguf.py --types Q4_0 --radixserve-flags=--cpu-wq-int8-activations
     python benchmark/bench_moe_gguf.py --smoke                    # a tiny shape, 2 requests: the pipeline only
 
 The shape per layer (Qwen3-30B-A3B): hidden 2048, 32 query / 4 KV heads of 128, 128 experts of
@@ -176,6 +177,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_moe_gguf")
     p.add_argument("--results-file", type=Path, default=None)
     p.add_argument("--engines", nargs="+", default=["radixserve", "llama-server"])
+    p.add_argument(
+        "--radixserve-flags",
+        default="",
+        help="extra launch_server flags, e.g. '--cpu-wq-int8-activations' (recorded in each row)",
+    )
     p.add_argument("--write-only", action="store_true")
     p.add_argument("--smoke", action="store_true", help="the tiny shape, 2 layers, C=1, 2 prompts")
     args = p.parse_args(argv)
@@ -230,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     "127.0.0.1",
                     "--port",
                     str(port),
+                    *args.radixserve_flags.split(),
                 ]
             else:
                 binary = llama_cpp.build_server()
@@ -238,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = llama_cpp.server_command(binary, path, port, args.threads, ctx, slots)
             for row in _serve(engine, cmd, port, args, tok, kind):
                 row["bytes_per_token"] = per_token
+                if engine == "radixserve":
+                    row["radixserve_flags"] = args.radixserve_flags
                 with open(results_file, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 print(

@@ -454,6 +454,14 @@ class ServerArgs:
         "at most 16 tokens through sgl-kernel's F16C kernel, halving the bytes a small decode step "
         "reads (+50% weight memory; outputs differ slightly from fp32).",
     )
+    cpu_wq_int8_activations: bool = _f(
+        False,
+        "CPU, weight-only quantized linears (--quantization gguf, --torchao-config) whose groups are "
+        "multiples of 32 inputs: quantize each row's activations to int8 per 32 inputs (llama.cpp's "
+        "Q8_0 form) and sum the products in int32 (sgl-kernel's linear_wq_a8); faster on AVX2 CPUs, "
+        "outputs differ slightly from the fp32-activation product (docs/quantization.md). Refused "
+        "without weight-only quantized linears.",
+    )
     cpu_bf16_gemm: bool = _f(
         False,
         "CPU, fp32 models, CPUs with AVX512_BF16 or AMX: batches above the small-batch kernels' "

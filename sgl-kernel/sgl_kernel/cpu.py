@@ -282,6 +282,34 @@ def linear_wq(
     return _lib().linear_wq(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
 
 
+def linear_wq_a8_isas() -> list[str]:
+    """The code paths `linear_wq_a8` can be forced onto ("scalar" always, "avx2"); [] when the
+    build has none (an older extension)."""
+    if not available() or not hasattr(_ext, "linear_wq_a8"):
+        return []
+    return [str(isa) for isa in getattr(_ext, "linear_wq_a8_isas", ["scalar"])]
+
+
+def linear_wq_a8(
+    x: torch.Tensor,  # [M, K] fp32, rows contiguous
+    qweight: torch.Tensor,  # as linear_wq's
+    scales: torch.Tensor,  # [N, K // group_size] fp32
+    offsets: torch.Tensor | None,  # [N, K // group_size] fp32, or None
+    bits: int,
+    group_size: int,  # a multiple of 32
+    bias: torch.Tensor | None = None,  # [N] fp32
+    isa: str = "auto",
+) -> torch.Tensor:
+    """linear_wq with int8 activations (llama.cpp's Q8_0 form of x): each block of 32 inputs of a
+    row of x is quantized to int8 (scale amax / 127, round half to even), the products with the
+    weight's integers summed in int32 per block, then scaled: fp32 [M, N]. Equal to
+    layers/group_quant.py's linear_wq_a8_reference up to fp32 summation order. `isa`: "scalar",
+    "avx2" or "auto". Raises RuntimeError on a wrong dtype, shape or layout."""
+    if isa not in ("auto", "scalar", "avx2"):
+        raise ValueError(f"linear_wq_a8: isa must be auto, scalar or avx2, got {isa!r}")
+    return _lib().linear_wq_a8(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
+
+
 def greedy_head_isas() -> list[str]:
     """The code paths `greedy_head_candidates` can be forced onto ("scalar" always, "avx2",
     "avx512"); [] when the build has no greedy head (an older extension)."""

@@ -184,3 +184,49 @@ def test_release_and_resume_drop_the_fp32_experts_again(moe_gguf):
     weights.resume_weights()  # reloads the fp32 conversion, checks it against the forms, drops it
     assert all(m.fp32_dropped and m.experts_wq is f for m, f in zip(moes, forms))
     assert all(_resident_bytes(m) == 0 for m in moes)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe-q8_0", "mixtral-q4"])
+def test_int8_activations_serve_close_to_the_fp32_path(moe_gguf, variant, monkeypatch):
+    """--cpu-wq-int8-activations: the experts, attention linears and LM head of a one-row decode
+    run linear_wq_a8 (activations int8 per 32 inputs), close to the fp32 path, not equal to it."""
+    _, folder = moe_gguf(variant)
+    prompts = PROMPTS[:1]  # one row per step: every product is within A8_MAX_ROWS
+    ref, fed = forced_logprobs(_worker(folder), prompts, steps=NUM_NEW)
+    worker = _worker(folder, quantization="gguf", cpu_wq_int8_activations=True)
+    moes = [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    assert all(f.int8_activations for m in moes for f in (*m.experts_wq.w13, *m.experts_wq.w2))
+    assert worker.model_runner.lm_head.weight_wq.int8_activations
+    rows: list[int] = []
+    kernel = group_quant.cpu_kernels.linear_wq_a8
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(group_quant.cpu_kernels, "linear_wq_a8", spy)
+    got, _ = forced_logprobs(worker, prompts, steps=NUM_NEW, forced=fed)
+    # Each decode step: per layer the attention projections and two per chosen expert, and the
+    # head (the prefill's experts that got at most A8_MAX_ROWS tokens too).
+    assert len(rows) >= NUM_NEW * len(moes) * 3 and set(rows) <= {1, group_quant.A8_MAX_ROWS}, rows[:8]
+    # The same semantics through the torch reference (linear_wq_a8_reference). Not equal end to
+    # end: the fp32 sums differ in order, and an activation that sits on a rounding boundary of
+    # the next projection's int8 step then moves by a whole step (measured: mean 2e-3, max 1.2e-2,
+    # a tenth of the int8 rounding's own effect below). The exact comparison is per linear
+    # (test/kernels/test_linear_wq_a8.py); this one catches wiring (a form not marked, a kernel
+    # fed the wrong rows), which moves log-probs by tenths.
+    monkeypatch.setattr(group_quant, "WQ_A8_KERNEL", False)
+    want, _ = forced_logprobs(worker, prompts, steps=NUM_NEW, forced=fed)
+    agreement, mean_diff, max_diff = compare(want, got, fed)
+    assert agreement >= 0.9 and mean_diff < 1e-2 and max_diff < 5e-2, (agreement, mean_diff, max_diff)
+    # Against fp32 activations: close, not equal (activations rounded to 1/254 of their block's
+    # largest value; measured on these tiny files, hidden 64: agreement 1.0, mean 0.02 / 0.08 and
+    # max 0.04 / 0.34 for Q8_0 / Q4 experts). Unrelated weights would disagree on most tokens.
+    agreement, mean_diff, max_diff = compare(ref, got, fed)
+    assert 0 < max_diff < 1.0 and mean_diff < 0.2 and agreement >= 0.9, (agreement, mean_diff, max_diff)
+
+
+def test_int8_activations_need_weight_only_forms(moe_gguf):
+    _, folder = moe_gguf("qwen3_moe-q8_0")
+    with pytest.raises(ValueError, match="--cpu-wq-int8-activations applies to weight-only"):
+        _worker(folder, cpu_wq_int8_activations=True)

@@ -33,6 +33,14 @@ WQ_KERNEL = (
     and hasattr(getattr(cpu_kernels, "_ext", None), "linear_wq")
 )
 
+# sgl-kernel's linear_wq_a8 (int8 activations) is built.
+WQ_A8_KERNEL = WQ_KERNEL and hasattr(getattr(cpu_kernels, "_ext", None), "linear_wq_a8")
+ACT_BLOCK = 32  # inputs per int8 activation scale (llama.cpp's Q8_0 block)
+# int8 activations only up to this many rows: from ~3 rows on linear_wq_a8 is no faster than
+# linear_wq on an AVX2 Zen 1 (the weight conversion it saves is shared by the rows there; ad-hoc
+# timing on a shared machine, docs/quantization.md), so larger products keep fp32 activations.
+A8_MAX_ROWS = 2
+
 
 @dataclass(frozen=True)
 class GroupQuantWeight:
@@ -42,6 +50,9 @@ class GroupQuantWeight:
     its low nibble and input 2j + 1 in its high nibble (values 0..15).
     scales, offsets: fp32 [N, K // group_size]; offsets None means w = q * scale.
     kernel_form: an optional layout private to the kernel (made once, when loaded).
+    int8_activations: x is quantized to int8 per block of 32 inputs before the product (llama.cpp's
+    Q8_0 activations; --cpu-wq-int8-activations): faster on CPUs without fast fp32 dequantization,
+    no longer the fp32 weight's exact product (linear_wq_a8_reference is its reference).
     """
 
     qweight: torch.Tensor
@@ -50,6 +61,7 @@ class GroupQuantWeight:
     group_size: int
     bits: int
     kernel_form: Any = None
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         n, k = self.out_features, self.in_features
@@ -59,6 +71,8 @@ class GroupQuantWeight:
             raise ValueError(
                 f"group_size {self.group_size} must be a multiple of 16 dividing in_features {k}"
             )
+        if self.int8_activations and self.group_size % ACT_BLOCK:
+            raise ValueError(f"int8 activations need a group size that is a multiple of {ACT_BLOCK}")
         expected_dtype = torch.int8 if self.bits == 8 else torch.uint8
         if self.qweight.dtype != expected_dtype:
             raise ValueError(f"{self.bits}-bit qweight must be {expected_dtype}, got {self.qweight.dtype}")
@@ -126,6 +140,27 @@ def linear_wq_reference(
     return out if bias is None else out + bias
 
 
+def quantize_act_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 [M, K] (K a multiple of 32) as int8 per block of 32 inputs, dequantized back to fp32
+    [M, K]: scale = amax / 127, q = round_half_even(x * (127 / amax)) (sgl-kernel's linear_wq_a8
+    makes the same bytes with the same fp32 operations)."""
+    m, k = x.shape
+    blocks = x.to(torch.float32).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # [M, K / 32, 1]
+    # Tensor by tensor: a Python scalar numerator may become a reciprocal multiply (one rounding off).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp_(-127, 127)
+    return (q * (amax / torch.full_like(amax, 127.0))).reshape(m, k)
+
+
+def linear_wq_a8_reference(
+    x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The int8-activation product: x quantized per 32 inputs and dequantized, then the fp32
+    reference. x [M, K] -> [M, N]."""
+    return linear_wq_reference(quantize_act_blocks(x), w, bias)
+
+
 @functools.cache
 def triton_wq_gemm() -> Callable[..., torch.Tensor] | None:
     """sgl-kernel's Triton dequant-GEMM (sgl_kernel/triton/wq_gemm.py) for CUDA tensors, or None
@@ -145,13 +180,18 @@ def triton_wq_gemm() -> Callable[..., torch.Tensor] | None:
 def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """On CUDA, the Triton dequant-GEMM (output in x's dtype, fp32 accumulation); on CPU,
     sgl-kernel's linear_wq when it can take x (2-D fp32 with contiguous rows); else the fp32
-    reference."""
+    reference. A form with int8_activations (CPU only) runs linear_wq_a8 or its reference on up
+    to A8_MAX_ROWS rows."""
     if x.device.type == "cuda":
         gemm = triton_wq_gemm()
         if gemm is not None:
             return gemm(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
         return linear_wq_reference(x, w, bias)
     kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+    if w.int8_activations and x.numel() <= A8_MAX_ROWS * x.shape[-1]:
+        if kernel_ok and WQ_A8_KERNEL:
+            return cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
+        return linear_wq_a8_reference(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
     if kernel_ok and WQ_KERNEL:
         return cpu_kernels.linear_wq(
             x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, kernel_form=w.kernel_form

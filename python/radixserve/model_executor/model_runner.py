@@ -201,6 +201,11 @@ class ModelRunner:
             quantize_linears([self.model])
             quantize_experts([self.model])  # the routed experts; the router stays fp32
             quantize_lm_head(self.lm_head)
+        if args.cpu_wq_int8_activations and (self.weight_only is None or self.device.type != "cpu"):
+            raise ValueError(
+                "--cpu-wq-int8-activations applies to weight-only quantized linears on CPU "
+                "(--quantization gguf or --torchao-config)"
+            )
         if self.weight_only is not None:
             if not self.model_config.is_generation:
                 raise ValueError(f"{self.weight_only.method} applies to generation models only")

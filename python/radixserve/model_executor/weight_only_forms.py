@@ -19,13 +19,14 @@ did not change.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight
+from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
@@ -46,13 +47,24 @@ class WeightOnlyForms:
         forms: list[Form],
         requantize: Callable[[torch.Tensor], GroupQuantWeight | None] | None,
         expert_forms: list[ExpertForm] | None = None,
+        int8_activations: bool = False,
     ) -> None:
         self.method = method
-        self.forms = forms
-        self.expert_forms = expert_forms or []
+        # --cpu-wq-int8-activations: every form whose group size allows it quantizes its activations.
+        self.int8_activations = int8_activations
+        self.forms = [(name, layer, self._mark(form)) for name, layer, form in forms]
+        self.expert_forms = [
+            (name, moe, ExpertsWq(tuple(map(self._mark, f.w13)), tuple(map(self._mark, f.w2))))
+            for name, moe, f in expert_forms or []
+        ]
         self.requantize = requantize  # None: forms that cannot be remade (a file's tensors)
         self.expert_scratch = DequantScratch()  # one for every MoE layer (layers/moe/quantized.py)
         self._attached = False
+
+    def _mark(self, form: GroupQuantWeight) -> GroupQuantWeight:
+        if not self.int8_activations or form.group_size % ACT_BLOCK:
+            return form
+        return dataclasses.replace(form, int8_activations=True)
 
     def attach(self) -> None:
         """Set each layer's weight_wq (module docstring for what happens to changed layers)."""
@@ -69,6 +81,7 @@ class WeightOnlyForms:
                 if self.requantize is None or (form := self.requantize(layer.weight)) is None:
                     dropped.append(name)
                     continue
+                form = self._mark(form)
                 _replace_weight(layer, form)
             layer.weight_wq = form
             kept.append((name, layer, form))
@@ -110,6 +123,15 @@ class WeightOnlyForms:
         self.expert_forms = kept
 
     def _log(self) -> None:
+        if self.int8_activations:
+            marked = sum(f.int8_activations for _, _, f in self.forms)
+            marked += sum(f.w13[0].int8_activations for _, _, f in self.expert_forms if f.w13)
+            logger.info(
+                "--cpu-wq-int8-activations: %d of %d linears and MoE layers quantize their activations to "
+                "int8 per 32 inputs (the rest have groups of other sizes)",
+                marked,
+                len(self.forms) + len(self.expert_forms),
+            )
         wq_bytes = sum(form.nbytes() for _, _, form in self.forms)
         fp32_bytes = sum(layer.weight.numel() * 4 for _, layer, _ in self.forms)
         if self.expert_forms:
@@ -142,7 +164,7 @@ def _replace_weight(layer: Linear, form: GroupQuantWeight) -> None:
         layer.weight.copy_(form.dequantize())
 
 
-def _torchao_forms(config: str, model: torch.nn.Module) -> WeightOnlyForms:
+def _torchao_forms(config: str, model: torch.nn.Module, int8_activations: bool) -> WeightOnlyForms:
     bits, group_size = parse_torchao_config(config)
     forms: list[Form] = []
     skipped: list[str] = []
@@ -165,7 +187,10 @@ def _torchao_forms(config: str, model: torch.nn.Module) -> WeightOnlyForms:
             skipped[0],
         )
     return WeightOnlyForms(
-        f"--torchao-config {config}", forms, lambda weight: quantize_weight_only(weight, bits, group_size)
+        f"--torchao-config {config}",
+        forms,
+        lambda weight: quantize_weight_only(weight, bits, group_size),
+        int8_activations=int8_activations,
     )
 
 
@@ -183,7 +208,7 @@ def create_weight_only(runner: Any) -> WeightOnlyForms | None:  # noqa: ANN401 -
                 f"built-in model); {runner.model_config.path} is not a GGUF conversion"
             )
         forms, expert_forms = gguf_linear_forms(source, runner.model, runner.lm_head)
-        return WeightOnlyForms("--quantization gguf", forms, None, expert_forms)
+        return WeightOnlyForms("--quantization gguf", forms, None, expert_forms, args.cpu_wq_int8_activations)
     if args.torchao_config:
-        return _torchao_forms(args.torchao_config, runner.model)
+        return _torchao_forms(args.torchao_config, runner.model, args.cpu_wq_int8_activations)
     return None

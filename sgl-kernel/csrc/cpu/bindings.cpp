@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "decode_model.h"
+#include "linear_wq_a8.h"
 #include "ops.h"
 #include "shm_comm.h"
 
@@ -48,6 +49,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list wq_isas;
   for (const std::string& isa : linear_wq_isas()) wq_isas.append(isa);
   m.attr("linear_wq_isas") = wq_isas;
+  m.def("linear_wq_a8", &linear_wq_a8,
+        "linear_wq with x quantized to int8 per block of 32 inputs (scale amax/127, round half to even) and "
+        "int32 block dot products; group_size a multiple of 32. isa: 0 best, 1 scalar, 2 avx2",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
+        py::arg("group_size"), py::arg("bias") = py::none(), py::arg("isa") = 0);
+  py::list wq_a8_isas;
+  for (const std::string& isa : linear_wq_a8_isas()) wq_a8_isas.append(isa);
+  m.attr("linear_wq_a8_isas") = wq_a8_isas;
   m.def("greedy_head_candidates", &greedy_head_candidates,
         "Greedy LM head: per row of x fp32 [M,K], the rows of the int8 head copy u [N,K] (stats fp32 [N,3]: "
         "scale, error norm, norm) that may hold its argmax: (indices int64 [C], counts int64 [M], -1 = none proven). "

@@ -1,0 +1,256 @@
+// y[M, N] = quant8(x)[M, K] @ dequant(w)^T (+ bias): the weight-only quantized linear of
+// linear_wq.cpp with its activations quantized to int8 per block of 32 inputs, as llama.cpp's
+// Q4_0 x Q8_0 / Q8_0 x Q8_0 dot products do (opt-in: --cpu-wq-int8-activations).
+//
+// Why: on AVX2 without VNNI (an AMD EPYC Zen 1 here: every 256-bit op is two 128-bit halves)
+// linear_wq's fp32 path spends per 16 weights a widen, a mask or shift, two int -> float converts,
+// two dequantizing FMAs and two FMAs per row of x: one decode token ran at ~4 G weights/s per core,
+// far below the bytes bound (docs/benchmarks.md, "MoE GGUF side by side"). Here 32 weights cost a
+// 16-byte load, a shift, a mask, one vpmaddubsw, one vpmaddwd, one convert and one FMA per row.
+//
+// Numerics: x block b of row m is quantized as in layers/quantization.py (scale amax / 127,
+// q = round_half_even(x * (127 / amax))); within a block the products q_w * q_x are summed exactly
+// in int32, so y = sum over blocks of s_x * (s_w * dot + o_w * sum(q_x)) equals the reference
+// "dequantize x's int8 blocks, dequantize w, fp32 matmul" up to fp32 summation order
+// (layers/group_quant.py: linear_wq_a8_reference).
+//
+// Layout: as linear_wq's (int4: input 2j of a row in byte j's low nibble, 2j + 1 in its high one).
+// The 16 bytes of one 32-input int4 block unpack to [low nibbles | high nibbles], its even inputs
+// then its odd ones, so the quantized x is stored in that order per block (int8 weights: in order).
+#include "common.h"
+#include "linear_wq_a8.h"
+
+namespace {
+
+constexpr int64_t kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2;
+constexpr int64_t kBlock = 32;
+
+// x quantized per 32-input block: q [M, K] (int4 weights: each block's even inputs first),
+// scale [M, K / 32], and gsum [M, groups]: sum over the group's blocks of scale * sum(q), the
+// dequantized x's sum per weight group, which the weight offsets multiply (one dot product per
+// output instead of a scalar FMA per block in the inner loop).
+struct BlockQuantRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<float> gsum;
+};
+
+BlockQuantRows quantize_blocks(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group_size,
+                               bool even_odd) {
+  const int64_t nb = K / kBlock, bpg = group_size / kBlock;
+  BlockQuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * (nb / bpg), 0.f)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * ldx + b * kBlock;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = r.q.data() + m * K + b * kBlock;
+      int32_t s = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inv)));
+        // Input i goes where the weight's unpacked block holds it.
+        const int64_t at = even_odd ? (i & 1) * (kBlock / 2) + (i >> 1) : i;
+        qb[at] = static_cast<int8_t>(v);
+        s += static_cast<int32_t>(v);
+      }
+      r.scale[m * nb + b] = amax / 127.f;
+      r.gsum[m * (nb / bpg) + b / bpg] += r.scale[m * nb + b] * static_cast<float>(s);
+    }
+  return r;
+}
+
+struct A8Problem {
+  const BlockQuantRows* xq;
+  const uint8_t* q;  // row n starts at q + n * qrow
+  int64_t qrow;
+  const float* s;  // [N, groups]
+  const float* o;  // [N, groups] or nullptr
+  const float* bias;
+  float* y;
+  int64_t groups, blocks_per_group, M, N, K;
+  bool int4;
+};
+
+// The 32 weight integers of block b of row n, in the order quantize_blocks stored x's.
+inline int32_t weight_int(const A8Problem& p, int64_t n, int64_t b, int64_t i) {
+  const uint8_t* row = p.q + n * p.qrow;
+  if (!p.int4) return static_cast<int8_t>(row[b * kBlock + i]);
+  const uint8_t byte = row[b * (kBlock / 2) + (i & (kBlock / 2 - 1))];
+  return i < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
+}
+
+inline void store(const A8Problem& p, int64_t m, int64_t n, float v) {
+  p.y[m * p.N + n] = p.bias != nullptr ? v + p.bias[n] : v;
+}
+
+// sum over groups of o_w * gsum: the weight offsets' part of output (m, n).
+inline float offset_term(const A8Problem& p, int64_t m, int64_t n) {
+  if (p.o == nullptr) return 0.f;
+  const float* o = p.o + n * p.groups;
+  const float* gs = p.xq->gsum.data() + m * p.groups;
+  float v = 0.f;
+  for (int64_t g = 0; g < p.groups; ++g) v = std::fma(o[g], gs[g], v);
+  return v;
+}
+
+void rows_scalar(const A8Problem& p, int64_t n0, int64_t n1) {
+  const int64_t nb = p.K / kBlock;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < p.M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* xb = p.xq->q.data() + m * p.K + b * kBlock;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kBlock; ++i) dot += weight_int(p, n, b, i) * static_cast<int32_t>(xb[i]);
+        acc += p.xq->scale[m * nb + b] * p.s[n * p.groups + b / p.blocks_per_group] * static_cast<float>(dot);
+      }
+      store(p, m, n, acc + offset_term(p, m, n));
+    }
+}
+
+#if RS_HAVE_AVX2
+// The 32 weights of block b of row n as bytes: int4 unsigned 0..15 ([low nibbles | high nibbles]),
+// int8 signed.
+inline __m256i weight_bytes(const A8Problem& p, int64_t n, int64_t b) {
+  const uint8_t* row = p.q + n * p.qrow;
+  if (p.int4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (kBlock / 2)));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+}
+
+// 8 int32 partial sums of w . x over one block. int4: w is unsigned, vpmaddubsw takes it as is
+// (pairs at most 2 * 15 * 127); int8: |w| against x * sign(w) (pairs at most 2 * 128 * 127).
+template <bool kInt4>
+inline __m256i block_dot(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kInt4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+}
+
+// MB rows of x against NR weight rows; each weight block is unpacked once for the MB rows, each
+// block scale of x broadcast once for the NR weight rows. The weight offsets' part is added at the
+// end (offset_term).
+template <int MB, int NR, bool kInt4>
+inline void tile_a8(const A8Problem& p, int64_t m0, int64_t n0) {
+  const int64_t nb = p.K / kBlock;
+  __m256 acc[MB][NR];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t gcol = b / p.blocks_per_group;
+    __m256i xv[MB];
+    __m256 sx[MB];
+    for (int m = 0; m < MB; ++m) {
+      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq->q.data() + (m0 + m) * p.K + b * kBlock));
+      sx[m] = _mm256_set1_ps(p.xq->scale[(m0 + m) * nb + b]);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m256i w = weight_bytes(p, n0 + j, b);
+      const __m256 sw = _mm256_set1_ps(p.s[(n0 + j) * p.groups + gcol]);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 d = _mm256_cvtepi32_ps(block_dot<kInt4>(w, xv[m]));
+        acc[m][j] = _mm256_fmadd_ps(d, _mm256_mul_ps(sw, sx[m]), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NR; ++j) store(p, m0 + m, n0 + j, hsum(acc[m][j]) + offset_term(p, m0 + m, n0 + j));
+}
+
+template <int NR, bool kInt4>
+inline void all_m_a8(const A8Problem& p, int64_t n) {
+  int64_t m = 0;
+  for (; m + 2 <= p.M; m += 2) tile_a8<2, NR, kInt4>(p, m, n);
+  if (m < p.M) tile_a8<1, NR, kInt4>(p, m, n);
+}
+
+// 4 weight rows per tile, 2 rows of x (8 accumulators). From ~3 rows of x on this path is no
+// faster than linear_wq's on Zen 1 (vpmaddubsw and vpmaddwd per row and block cost what the fp32
+// FMAs do; the saving is the weight conversion, shared by the rows there too): layers/group_quant.py
+// sends it at most A8_MAX_ROWS rows.
+template <bool kInt4>
+void rows_avx2(const A8Problem& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) all_m_a8<4, kInt4>(p, n);
+  for (; n < n1; ++n) all_m_a8<1, kInt4>(p, n);
+}
+#endif
+
+void rows(const A8Problem& p, int64_t isa, int64_t n0, int64_t n1) {
+#if RS_HAVE_AVX2
+  if (isa == kIsaAvx2) return p.int4 ? rows_avx2<true>(p, n0, n1) : rows_avx2<false>(p, n0, n1);
+#endif
+  rows_scalar(p, n0, n1);
+}
+
+}  // namespace
+
+std::vector<std::string> linear_wq_a8_isas() { return isa_names(RS_HAVE_AVX2, false); }
+
+at::Tensor linear_wq_a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
+                        const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(bits == 4 || bits == 8, "linear_wq_a8: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && scales.device().is_cpu(),
+              "linear_wq_a8: tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "linear_wq_a8: x must be float32 [M, K] with contiguous rows");
+  const auto q_type = bits == 8 ? at::kChar : at::kByte;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == q_type,
+              "linear_wq_a8: ", bits, "-bit qweight must be a contiguous ", bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) * (bits == 4 ? 2 : 1) == K, "linear_wq_a8: x has K=", K, " but qweight does not");
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, "linear_wq_a8: group_size ",
+              group_size, " must be a multiple of 32 dividing K=", K);
+  const int64_t groups = K / group_size;
+  auto check_groups = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                    t.size(0) == N && t.size(1) == groups,
+                "linear_wq_a8: ", name, " must be a contiguous float32 [", N, ", ", groups, "]");
+  };
+  check_groups(scales, "scales");
+  const float* o_ptr = nullptr;
+  if (offsets.has_value() && offsets->defined()) {
+    check_groups(*offsets, "offsets");
+    o_ptr = offsets->data_ptr<float>();
+  }
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "linear_wq_a8: bias must be a contiguous float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  if (isa == kIsaAuto) isa = RS_HAVE_AVX2 ? kIsaAvx2 : kIsaScalar;
+  TORCH_CHECK(isa == kIsaScalar || (isa == kIsaAvx2 && RS_HAVE_AVX2), "linear_wq_a8: ISA path ", isa,
+              " is not compiled into this build");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const bool int4 = bits == 4;
+  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size, int4);
+  const A8Problem p{&xq,
+                    reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                    qweight.size(1),
+                    scales.data_ptr<float>(),
+                    o_ptr,
+                    bias_ptr,
+                    y.data_ptr<float>(),
+                    groups,
+                    group_size / kBlock,
+                    M,
+                    N,
+                    K,
+                    int4};
+  // As linear_wq: units of 8 output rows, runs of less than ~16 KB of weight on one thread.
+  constexpr int64_t kUnit = 8;
+  const int64_t units = (N + kUnit - 1) / kUnit;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (kUnit * p.qrow));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    rows(p, isa, u0 * kUnit, std::min(N, u1 * kUnit));
+  });
+  return y;
+}

@@ -1,0 +1,16 @@
+// linear_wq with x quantized to int8 per block of 32 inputs (linear_wq_a8.cpp); declared apart from
+// ops.h so that the fused decode model, which does not call it, does not depend on it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+// x fp32 [M, K]; qweight, scales, offsets, bits as linear_wq's; group_size a multiple of 32. x is
+// quantized per 32 inputs (scale amax / 127, round half to even) and each block's products summed
+// in int32. isa: 0 the best compiled path, 1 scalar, 2 AVX2.
+at::Tensor linear_wq_a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
+                        const c10::optional<at::Tensor>& bias, int64_t isa);
+std::vector<std::string> linear_wq_a8_isas();
