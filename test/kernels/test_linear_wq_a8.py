@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from test_linear_wq import _weight  # the same random group-quantized weights
 
 from radixserve.layers import group_quant
 from radixserve.layers.group_quant import (
@@ -18,7 +19,6 @@ from radixserve.layers.group_quant import (
     GroupQuantWeight,
     linear_wq_a8_reference,
     linear_wq_reference,
-    pack_int4,
     quantize_act_blocks,
 )
 from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
@@ -32,18 +32,6 @@ ALL_ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"{isa} path not compiled here"))
     for isa in ("scalar", "avx2")
 ]
-
-
-def _weight(n: int, k: int, bits: int, group: int, offsets: bool, seed: int = 0) -> GroupQuantWeight:
-    gen = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
-    else:  # -128 included: |w| = 128 is the int8 path's widest pair
-        qweight = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
-    groups = (n, k // group)
-    scales = (torch.rand(groups, generator=gen) - 0.25) * 0.02
-    off = (torch.rand(groups, generator=gen) - 0.5) * 0.1 if offsets else None
-    return GroupQuantWeight(qweight, scales, off, group, bits)
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None) -> None:
