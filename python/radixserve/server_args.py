@@ -456,11 +456,12 @@ class ServerArgs:
     )
     cpu_wq_int8_activations: bool = _f(
         False,
-        "CPU, weight-only quantized linears (--quantization gguf, --torchao-config) whose groups are "
-        "multiples of 32 inputs: quantize each row's activations to int8 per 32 inputs (llama.cpp's "
-        "Q8_0 form) and sum the products in int32 (sgl-kernel's linear_wq_a8); faster on AVX2 CPUs, "
-        "outputs differ slightly from the fp32-activation product (docs/quantization.md). Refused "
-        "without weight-only quantized linears.",
+        "CPU, weight-only quantized linears (gguf, torchao; groups of multiples of 32): force int8 "
+        "activations on (linear_wq_a8, llama.cpp's scheme) for batches up to the measured wq_a8_max_tokens "
+        "(else 2); outputs differ slightly (docs/quantization.md). Refused without such linears.",
+    )
+    disable_cpu_wq_int8_activations: bool = _f(
+        False, "CPU: force int8 activations off (wq_a8_max_tokens 0): the exact fp32-activation product."
     )
     cpu_bf16_gemm: bool = _f(
         False,
@@ -486,8 +487,8 @@ class ServerArgs:
     cpu_kernel_crossovers: str | None = _f(
         None,
         "CPU: override single crossovers as JSON, e.g. '{\"wq_max_tokens\": 4}' (bounds: "
-        "wq_max_tokens, f32_small_max_tokens, f16_max_tokens; token counts 1-256), on top of "
-        "--cpu-kernel-tuning's.",
+        "wq_max_tokens, f32_small_max_tokens, f16_max_tokens; token counts 1-256; and "
+        "wq_a8_max_tokens, 0-256, 0: no int8 activations), on top of --cpu-kernel-tuning's.",
     )
     disable_cpu_fused_decode: bool = _f(
         False,

@@ -414,8 +414,10 @@ def decode_model(
     down_w, down_b, k_buf, v_buf)` per layer (weights fp32, fp16 or int8, optional ones None), for
     int8 weights `set_layer_scales(index, qkv_s, o_s, gate_up_s, down_s)` (their per-row fp32
     scales, linear_int8's), for weight-only quantized ones `set_layer_wq(index, qkv, o, gate_up,
-    down)` (each (qweight, scales, offsets, bits, group_size) as linear_wq takes them, or None), and
-    `set_final_norm(w)`; with LoRA adapters `set_layer_lora(index, num_slots, qkv, o, gate_up,
+    down)` (each (qweight, scales, offsets, bits, group_size) as linear_wq takes them, or None),
+    then `set_layer_wq_a8(index, qkv, o, gate_up, down)` (bools: the forms that take int8
+    activations, linear_wq_a8, at batches of at most `set_wq_a8_max_tokens(n)` rows; 0, the
+    default: none), and `set_final_norm(w)`; with LoRA adapters `set_layer_lora(index, num_slots, qkv, o, gate_up,
     down)` (per projection a list of (a [slots, rank, in], b [slots, rank, width], output column
     offset) over the LoRA pool's buffers, read in place); then `forward(hidden, positions,
     out_cache_loc, req_to_token, req_pool_indices, seq_lens, token_slots=None)` returns the final

@@ -7,13 +7,14 @@ experts that run it (fused_experts_grouped with marked forms, experts that get n
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_linear_wq import _weight  # the same random group-quantized weights
 
-from radixserve.layers import group_quant
+from radixserve.layers import cpu_crossovers, group_quant
 from radixserve.layers.group_quant import (
     A8_MAX_ROWS,
     GroupQuantWeight,
@@ -32,6 +33,17 @@ ALL_ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"{isa} path not compiled here"))
     for isa in ("scalar", "avx2")
 ]
+
+
+@pytest.fixture(autouse=True)
+def _a8_bound() -> Iterator[None]:
+    """Marked forms take int8 activations up to A8_MAX_ROWS rows here (what
+    --cpu-wq-int8-activations installs where nothing was measured); the process's crossovers are
+    restored afterwards."""
+    before = cpu_crossovers.active()
+    cpu_crossovers.install(cpu_crossovers.Crossovers(wq_a8_max_tokens=A8_MAX_ROWS))
+    yield
+    cpu_crossovers.install(before)
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None) -> None:

@@ -77,7 +77,7 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")
     if args.cpu_kernel_tuning is not None:  # None until resolve() reads the environment
         _check_choice("cpu-kernel-tuning", args.cpu_kernel_tuning, CPU_KERNEL_TUNING_MODES)
-    parse_overrides(args.cpu_kernel_crossovers)  # raises with what is wrong in the JSON
+    _validate_int8_activations(args)
     if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
         raise ValueError(
             "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"
@@ -91,6 +91,20 @@ def validate_server_args(args: ServerArgs) -> None:
             f"--chunked-prefill-size ({args.chunked_prefill_size}) must be at least --page-size "
             f"({args.page_size}), or -1 to disable chunking"
         )
+
+
+def _validate_int8_activations(args: ServerArgs) -> None:
+    """The crossover overrides parse, and the int8-activation flags do not contradict each other
+    or an explicit wq_a8_max_tokens."""
+    bound = parse_overrides(args.cpu_kernel_crossovers).get("wq_a8_max_tokens")  # raises what is wrong
+    on, off = args.cpu_wq_int8_activations, args.disable_cpu_wq_int8_activations
+    if on and off:
+        raise ValueError(
+            "--cpu-wq-int8-activations and --disable-cpu-wq-int8-activations contradict each other"
+        )
+    if (on and bound == 0) or (off and bound):
+        flag = "--cpu-wq-int8-activations" if on else "--disable-cpu-wq-int8-activations"
+        raise ValueError(f"{flag} contradicts --cpu-kernel-crossovers' wq_a8_max_tokens={bound}")
 
 
 def _validate_quantization(args: ServerArgs) -> None:

@@ -30,10 +30,25 @@ class Crossovers:
     f32_small_max_tokens: int = 2
     # --cpu-fp16-weights: sgl-kernel's fp16 kernel up to this many tokens.
     f16_max_tokens: int = 16
+    # Weight-only forms whose groups are multiples of 32 inputs (GGUF, torchao) quantize their
+    # activations to int8 per 32 inputs (linear_wq_a8, llama.cpp's Q8_0 x Q4/Q8 products) in
+    # products of up to this many rows, on the module forward and in the fused decode alike; 0:
+    # never (the exact fp32-activation product). Off by default: it changes outputs (slightly:
+    # docs/quantization.md), so it is on only where this machine measured it faster
+    # (cpu_tuning.py) or the user asked (--cpu-wq-int8-activations). Never above wq_max_tokens.
+    wq_a8_max_tokens: int = 0
     # Where these came from ("defaults", "measured <when>", "cache <path>", "+ overrides"): logged.
     source: str = dataclasses.field(default="defaults", compare=False)
 
-    BOUNDS = ("wq_max_tokens", "f32_small_max_tokens", "f16_max_tokens")
+    BOUNDS = ("wq_max_tokens", "f32_small_max_tokens", "f16_max_tokens", "wq_a8_max_tokens")
+    # Bounds that may be 0 (the form is off).
+    MAY_BE_ZERO = ("wq_a8_max_tokens",)
+
+    def __post_init__(self) -> None:
+        # int8 activations apply to linear_wq's products only: a bound above wq_max_tokens would
+        # promise products that run oneDNN's fp32 GEMM.
+        if self.wq_a8_max_tokens > self.wq_max_tokens:
+            object.__setattr__(self, "wq_a8_max_tokens", self.wq_max_tokens)
 
     def bounds(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.BOUNDS}
@@ -79,7 +94,18 @@ def parse_overrides(text: str | None) -> dict[str, int]:
         raise ValueError(
             f"--cpu-kernel-crossovers: unknown bound(s) {unknown}; known: {list(Crossovers.BOUNDS)}"
         )
-    bad = {k: v for k, v in raw.items() if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 256}
+    bad = {
+        k: v
+        for k, v in raw.items()
+        if not isinstance(v, int) or isinstance(v, bool) or not _lowest(k) <= v <= 256
+    }
     if bad:
-        raise ValueError(f"--cpu-kernel-crossovers: bounds are token counts from 1 to 256, got {bad}")
+        raise ValueError(
+            f"--cpu-kernel-crossovers: bounds are token counts from 1 to 256 (wq_a8_max_tokens from 0: "
+            f"off), got {bad}"
+        )
     return dict(raw)
+
+
+def _lowest(bound: str) -> int:
+    return 0 if bound in Crossovers.MAY_BE_ZERO else 1

@@ -13,6 +13,9 @@ under Triton's CPU interpreter, not on a GPU.
 
 On CPU activations stay fp32: the kernel widens each group's q to fp32 in registers and accumulates in
 fp32, so the result differs from the dequantize-then-matmul reference only in summation order.
+The exception is a form marked `int8_activations` in a product of at most the installed
+`wq_a8_max_tokens` rows (layers/cpu_crossovers.py: 0 unless this machine measured it faster or
+--cpu-wq-int8-activations asked): its activations are quantized to int8 per 32 inputs first.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels
 
 # sgl-kernel's linear_wq is built: decided once, like quantization.INT8_KERNEL.
@@ -36,9 +40,10 @@ WQ_KERNEL = (
 # sgl-kernel's linear_wq_a8 (int8 activations) is built.
 WQ_A8_KERNEL = WQ_KERNEL and hasattr(getattr(cpu_kernels, "_ext", None), "linear_wq_a8")
 ACT_BLOCK = 32  # inputs per int8 activation scale (llama.cpp's Q8_0 block)
-# int8 activations only up to this many rows: from ~3 rows on linear_wq_a8 is no faster than
-# linear_wq on an AVX2 Zen 1 (the weight conversion it saves is shared by the rows there; ad-hoc
-# timing on a shared machine, docs/quantization.md), so larger products keep fp32 activations.
+# --cpu-wq-int8-activations on a machine whose tuning did not measure the int8-activation bound:
+# int8 activations up to this many rows. From ~3 rows on linear_wq_a8 was no faster than linear_wq
+# on an AVX2 Zen 1 (the weight conversion it saves is shared by the rows there; ad-hoc timing on a
+# shared machine, docs/quantization.md). Elsewhere the installed crossovers' wq_a8_max_tokens rules.
 A8_MAX_ROWS = 2
 
 
@@ -50,9 +55,11 @@ class GroupQuantWeight:
     its low nibble and input 2j + 1 in its high nibble (values 0..15).
     scales, offsets: fp32 [N, K // group_size]; offsets None means w = q * scale.
     kernel_form: an optional layout private to the kernel (made once, when loaded).
-    int8_activations: x is quantized to int8 per block of 32 inputs before the product (llama.cpp's
-    Q8_0 activations; --cpu-wq-int8-activations): faster on CPUs without fast fp32 dequantization,
-    no longer the fp32 weight's exact product (linear_wq_a8_reference is its reference).
+    int8_activations: the form may quantize x to int8 per block of 32 inputs before the product
+    (llama.cpp's Q8_0 activations), which it does in products of at most the installed
+    crossovers' wq_a8_max_tokens rows (0 by default): faster on CPUs without fast fp32
+    dequantization, no longer the fp32 weight's exact product (linear_wq_a8_reference is its
+    reference). Set on GGUF and torchao forms whose groups allow it (weight_only_forms.py).
     """
 
     qweight: torch.Tensor
@@ -181,14 +188,14 @@ def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = 
     """On CUDA, the Triton dequant-GEMM (output in x's dtype, fp32 accumulation); on CPU,
     sgl-kernel's linear_wq when it can take x (2-D fp32 with contiguous rows); else the fp32
     reference. A form with int8_activations (CPU only) runs linear_wq_a8 or its reference on up
-    to A8_MAX_ROWS rows."""
+    to the installed wq_a8_max_tokens rows (layers/cpu_crossovers.py)."""
     if x.device.type == "cuda":
         gemm = triton_wq_gemm()
         if gemm is not None:
             return gemm(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
         return linear_wq_reference(x, w, bias)
     kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-    if w.int8_activations and x.numel() <= A8_MAX_ROWS * x.shape[-1]:
+    if w.int8_activations and x.numel() <= crossovers().wq_a8_max_tokens * x.shape[-1]:
         if kernel_ok and WQ_A8_KERNEL:
             return cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
         return linear_wq_a8_reference(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)

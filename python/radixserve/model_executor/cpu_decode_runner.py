@@ -6,7 +6,9 @@ ops of a 30-layer forward (module calls, views, kernel dispatch) cost ~1.5 ms on
 tensors the Python path uses: the small-M linear kernels on the same weights (int8 ones with
 their scales under --quantization w8a8_int8, weight-only group-quantized forms through linear_wq
 where a layer has one, fp16 copies with --cpu-fp16-weights, else the plain fp32 ones), the same KV
-pool, the same rotary tables. The
+pool, the same rotary tables. A wq form marked for int8 activations takes them (linear_wq_a8) in
+steps of at most the installed wq_a8_max_tokens rows, the module forward's rule
+(layers/group_quant.py), so both paths run the same kernel on the same rows. The
 embedding lookup, the LM head and sampling stay in Python.
 
 With --enable-lora the stack adds each adapted projection's LoRA delta too (csrc/cpu/
@@ -64,6 +66,11 @@ def _wq(layer: Linear) -> tuple | None:
     return None if w is None else (w.qweight, w.scales, w.offsets, w.bits, w.group_size)
 
 
+def _takes_a8(layer: Linear) -> bool:
+    w = layer.weight_wq
+    return w is not None and w.int8_activations
+
+
 def _bias(layer: Linear) -> torch.Tensor | None:
     return None if layer.bias is None else layer.bias.detach()
 
@@ -75,6 +82,7 @@ class CpuDecodeRunner:
         token_to_kv_pool: MHATokenToKVPool,
         max_bs: int,
         tp_comm: object | None = None,  # sgl_kernel's ShmComm of the TP group (tp_size > 1)
+        wq_a8_max_tokens: int = 0,  # the installed crossovers' (0: every wq form exact)
     ) -> None:
         inner = model.model
         first = inner.layers[0].self_attn
@@ -118,6 +126,10 @@ class CpuDecodeRunner:
                 self.decode_model.set_layer_scales(layer_id, *(_scale(lin) for lin in linears))
             if any(lin.weight_wq is not None for lin in linears):
                 self.decode_model.set_layer_wq(layer_id, *(_wq(lin) for lin in linears))
+                if wq_a8_max_tokens:
+                    self.decode_model.set_layer_wq_a8(layer_id, *(_takes_a8(lin) for lin in linears))
+        if wq_a8_max_tokens:
+            self.decode_model.set_wq_a8_max_tokens(wq_a8_max_tokens)
         self.decode_model.set_final_norm(inner.norm.weight.detach())
         if tp_comm is not None:
             # Sharded weights: o_proj and down_proj partial sums are all-reduced inside the call.
@@ -238,6 +250,13 @@ def create_cpu_decode_runner(
         # quantized layers run through the module forward (linear_wq per layer) instead.
         logger.info("CPU fused decode off: this sgl-kernel build cannot run weight-only quantized layers")
         return None
+    wq_a8_max_tokens = crossovers().wq_a8_max_tokens if has_wq else 0
+    if wq_a8_max_tokens and not hasattr(decode_model_cls, "set_layer_wq_a8"):
+        # The module forward runs int8 activations through linear_wq_a8; this stack would not.
+        logger.info(
+            "CPU fused decode off: this sgl-kernel build has no int8 activations (rebuild sgl-kernel)"
+        )
+        return None
     if has_wq:
         # The layers run linear_wq up to this size on the module forward too (layers/linear.py).
         max_bs = crossovers().wq_max_tokens
@@ -251,7 +270,7 @@ def create_cpu_decode_runner(
             "CPU fused decode off: this sgl-kernel build has no LoRA delta in it (rebuild sgl-kernel)"
         )
         return None
-    runner = CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm)
+    runner = CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm, wq_a8_max_tokens)
     if lora is not None:
         try:
             runner.attach_lora(lora, len(model.model.layers))
@@ -259,7 +278,11 @@ def create_cpu_decode_runner(
             logger.info("CPU fused decode off: the LoRA adapters' slots do not fit it: %s", e)
             return None
     with_lora = " (LoRA deltas included)" if lora is not None else ""
+    with_a8 = f", int8 activations up to {wq_a8_max_tokens}" if wq_a8_max_tokens else ""
     logger.info(
-        "CPU fused decode: decode batches of <= %d requests run as one compiled call%s", max_bs, with_lora
+        "CPU fused decode: decode batches of <= %d requests run as one compiled call%s%s",
+        max_bs,
+        with_lora,
+        with_a8,
     )
     return runner

@@ -13,6 +13,13 @@ memory bandwidth), so a bound chosen on one machine is wrong on the next. `--cpu
 - `off`: the defaults (layers/cpu_crossovers.py), as the parity tests run.
 
 `--cpu-kernel-crossovers '{"wq_max_tokens": 4}'` overrides single bounds on top of any of these.
+
+One bound is a choice of numerics, not only of speed: `wq_a8_max_tokens`, the largest product in
+which weight-only forms quantize their activations to int8 (linear_wq_a8 against linear_wq, over
+the model's own wq layers at 1, 2, 4 and 8 rows; 0 where int8 activations lose at one row). `auto`
+serves the measured bound only where A8_BY_DEFAULT says the quality holds (docs/cpu_backend.md);
+`--cpu-wq-int8-activations` forces int8 activations on (the measured bound, or A8_MAX_ROWS where
+none was measured) and `--disable-cpu-wq-int8-activations` forces them off (the exact product).
 The cache is a JSON file per (CPU, model) in $RADIXSERVE_CPU_TUNING_DIR (default
 ~/.cache/radixserve/cpu_tuning); delete it to measure again. Multi-rank runs use the defaults (each rank
 would measure alone, and the ranks' fused decode paths must agree on their batch bounds).
@@ -21,6 +28,7 @@ would measure alone, and the ranks' fused decode paths must agree on their batch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import hashlib
@@ -37,7 +45,7 @@ import torch
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, install, parse_overrides
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
-from radixserve.layers.group_quant import linear_wq
+from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL, WQ_KERNEL, linear_wq_reference
 from radixserve.layers.linear import Linear, _linear_bf16
 from radixserve.utils.cpus import available_cpus
 
@@ -50,7 +58,16 @@ CANDIDATES = {
     "wq_max_tokens": (1, 2, 4, 6, 8, 12, 16, 24, 32),
     "f32_small_max_tokens": (1, 2, 3, 4, 6, 8),
     "f16_max_tokens": (2, 4, 8, 12, 16, 24, 32),
+    # int8 activations against fp32 ones, both linear_wq: never above the wq bound measured first.
+    "wq_a8_max_tokens": (1, 2, 4, 8),
 }
+# Whether `--cpu-kernel-tuning auto` serves the measured int8-activation bound (else the bound is
+# measured and cached, but only --cpu-wq-int8-activations uses it). Decided by quality: the
+# built-in model's Q4_1 GGUF with int8 activations scored perplexity 34.967 against the exact
+# path's 34.810 (+0.45%), greedy agreement 0.964 (benchmark/eval_quality.py, 2026-11-30,
+# docs/quantization.md's quality table): the band the docs call keeping fp32's quality (torchao
+# int8wo +0.4% / 0.960, llama.cpp's Q8_0 +0.6% / 0.978), so it is on where measured faster.
+A8_BY_DEFAULT = True
 # A pass reads at most this many bytes of weights (whole layers, in model order): past any
 # last-level cache, so they stream from memory as in a real step, and bounded for big models.
 MAX_PASS_BYTES = 256 << 20
@@ -59,15 +76,25 @@ CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "am
 
 
 def resolve_crossovers(
-    mode: str | None, overrides: str | None, model: Iterable[torch.nn.Module], world_size: int
+    mode: str | None,
+    overrides: str | None,
+    model: Iterable[torch.nn.Module],
+    world_size: int,
+    int8_activations: bool | None = None,
 ) -> Crossovers:
-    """The crossovers to serve with (installed by the caller); logs where they came from."""
+    """The crossovers to serve with (installed by the caller); logs where they came from.
+    int8_activations: True forces them on (--cpu-wq-int8-activations), False off
+    (--disable-cpu-wq-int8-activations), None leaves wq_a8_max_tokens to the mode."""
     mode = mode or os.environ.get("RADIXSERVE_CPU_KERNEL_TUNING") or "auto"  # unresolved args
     extra = parse_overrides(overrides)
+    return choose_int8_activations(_resolve(mode, model, world_size), int8_activations).with_overrides(extra)
+
+
+def _resolve(mode: str, model: Iterable[torch.nn.Module], world_size: int) -> Crossovers:
     if mode == "off":
-        return DEFAULTS.with_overrides(extra)
+        return DEFAULTS
     if world_size > 1:
-        return Crossovers(source="defaults (multi-rank)").with_overrides(extra)
+        return Crossovers(source="defaults (multi-rank)")
     layers = [
         m
         for module in model
@@ -75,12 +102,29 @@ def resolve_crossovers(
         if isinstance(m, Linear) and m.weight_packed is not None
     ]
     if not layers:
-        return DEFAULTS.with_overrides(extra)
+        return DEFAULTS
     path = cache_path(layers)
     # One measurement at a time on this machine (DP replicas start together; two measuring at
     # once would each time the other's traffic): the others wait, then read what it cached.
     with _measurement_lock(path.parent):
-        return _cached_or_measured(mode, path, layers).with_overrides(extra)
+        return _cached_or_measured(mode, path, layers)
+
+
+def choose_int8_activations(chosen: Crossovers, forced: bool | None) -> Crossovers:
+    """The int8-activation bound to serve: the measured one where A8_BY_DEFAULT (0 otherwise),
+    unless forced. Forced on, a bound of 0 (not measured, or int8 activations lost at one row
+    here) becomes A8_MAX_ROWS: the flag means on."""
+    if forced is False:
+        bound, why = 0, "--disable-cpu-wq-int8-activations"
+    elif forced:
+        bound, why = chosen.wq_a8_max_tokens or A8_MAX_ROWS, "--cpu-wq-int8-activations"
+    elif A8_BY_DEFAULT or not chosen.wq_a8_max_tokens:
+        return chosen
+    else:
+        bound, why = 0, f"int8 activations opt-in (measured bound {chosen.wq_a8_max_tokens})"
+    if bound == chosen.wq_a8_max_tokens:
+        return chosen
+    return dataclasses.replace(chosen, wq_a8_max_tokens=bound, source=f"{chosen.source}; {why}")
 
 
 def _cached_or_measured(mode: str, path: Path, layers: list[Linear]) -> Crossovers:
@@ -122,9 +166,13 @@ def _measurement_lock(folder: Path) -> Iterator[None]:
 
 
 def tune_and_install(
-    mode: str | None, overrides: str | None, model: Iterable[torch.nn.Module], world_size: int
+    mode: str | None,
+    overrides: str | None,
+    model: Iterable[torch.nn.Module],
+    world_size: int,
+    int8_activations: bool | None = None,
 ) -> None:
-    install(resolve_crossovers(mode, overrides, model, world_size))
+    install(resolve_crossovers(mode, overrides, model, world_size, int8_activations))
 
 
 def machine_busy() -> str:
@@ -146,10 +194,7 @@ def measure(layers: list[Linear]) -> tuple[dict[str, int], dict[str, Any]]:
     their defaults. Returns (bounds, per-candidate timings in ms) for the cache and the log."""
     bounds, timings = DEFAULTS.bounds(), {}
     groups: dict[str, tuple[list[Linear], Callable[[Linear, torch.Tensor], torch.Tensor]]] = {
-        "wq_max_tokens": (
-            [m for m in layers if m.weight_wq is not None],
-            lambda m, x: linear_wq(x, m.weight_wq, None),
-        ),
+        "wq_max_tokens": ([m for m in layers if m.weight_wq is not None], _exact_wq),
         "f32_small_max_tokens": (
             [m for m in layers if m.weight_wq is None and m.weight_f16 is None and fusable(m.weight)],
             lambda m, x: cpu_kernels.linear_f32(x, m.weight, None),
@@ -164,21 +209,50 @@ def measure(layers: list[Linear]) -> tuple[dict[str, int], dict[str, Any]]:
         if not members or (name != "wq_max_tokens" and not cpu_fused.ENABLED):
             continue
         bounds[name], timings[name] = _crossover(members, small, CANDIDATES[name])
+    a8 = _first_bytes(
+        [m for m in layers if m.weight_wq is not None and m.weight_wq.int8_activations], MAX_PASS_BYTES
+    )
+    if a8 and WQ_A8_KERNEL:
+        candidates = tuple(n for n in CANDIDATES["wq_a8_max_tokens"] if n <= bounds["wq_max_tokens"])
+        bounds["wq_a8_max_tokens"], timings["wq_a8_max_tokens"] = _crossover(
+            a8, _a8_wq, candidates, against=_exact_wq, floor=0
+        )
     return bounds, timings
 
 
+def _exact_wq(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """linear_wq with fp32 activations, whatever bounds are installed now."""
+    w = layer.weight_wq
+    if not WQ_KERNEL:
+        return linear_wq_reference(x, w)
+    return cpu_kernels.linear_wq(
+        x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None, kernel_form=w.kernel_form
+    )
+
+
+def _a8_wq(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    w = layer.weight_wq
+    return cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None)
+
+
 def _crossover(
-    layers: list[Linear], small: Callable[[Linear, torch.Tensor], torch.Tensor], candidates: tuple[int, ...]
+    layers: list[Linear],
+    small: Callable[[Linear, torch.Tensor], torch.Tensor],
+    candidates: tuple[int, ...],
+    against: Callable[[Linear, torch.Tensor], torch.Tensor] | None = None,
+    floor: int | None = None,
 ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """The last candidate before the small kernel loses twice in a row (one loss alone may be a
-    disturbed pass; past two the GEMM has won), never below the first candidate."""
-    best, losses, table = candidates[0], 0, {}
+    """The last candidate before `small` loses to `against` (default: oneDNN's GEMM) twice in a
+    row (one loss alone may be a disturbed pass; past two the other has won), never below `floor`
+    (default: the first candidate; 0 for a form that may not pay at all)."""
+    against = against or _gemm
+    best, losses, table = candidates[0] if floor is None else floor, 0, {}
     for n in candidates:
         inputs = {m.in_features: torch.randn(n, m.in_features) for m in layers}
         t_small = _pass_ms(layers, inputs, small)
-        t_gemm = _pass_ms(layers, inputs, _gemm)
-        table[n] = (round(t_small, 3), round(t_gemm, 3))
-        losses = losses + 1 if t_small > t_gemm else 0
+        t_other = _pass_ms(layers, inputs, against)
+        table[n] = (round(t_small, 3), round(t_other, 3))
+        losses = losses + 1 if t_small > t_other else 0
         if losses == 2:
             break
         if not losses:
@@ -274,7 +348,9 @@ def cache_path(layers: list[Linear]) -> Path:
 
 def _from_cache(path: Path) -> Crossovers:
     data = json.loads(path.read_text())
-    bounds = {k: int(data["bounds"][k]) for k in Crossovers.BOUNDS}
+    # A cache from before the int8-activation bound existed: not measured, so off (its default).
+    stored = {"wq_a8_max_tokens": DEFAULTS.wq_a8_max_tokens, **data["bounds"]}
+    bounds = {k: int(stored[k]) for k in Crossovers.BOUNDS}
     return Crossovers(**bounds, source=f"cached {data.get('measured_at', '?')} at {path}")
 
 
@@ -283,6 +359,8 @@ def _store(path: Path, crossovers: Crossovers, timings: dict[str, Any]) -> None:
         "bounds": crossovers.bounds(),
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_identity(),
+        # Per bound and token count: (the small kernel, oneDNN's GEMM) ms per pass; for
+        # wq_a8_max_tokens (linear_wq_a8, linear_wq).
         "timings_ms_small_vs_gemm": timings,
     }
     try:

@@ -129,6 +129,12 @@ class ModelRunner:
                 server_args.cpu_kernel_crossovers,
                 [m for m in (self.model, self.lm_head) if m is not None],
                 self.parallel.tp.size * self.parallel.pp_size,
+                # --cpu-wq-int8-activations forces int8 activations on, --disable-... off.
+                True
+                if server_args.cpu_wq_int8_activations
+                else False
+                if server_args.disable_cpu_wq_int8_activations
+                else None,
             )
         self._init_memory_pools()
         backend = server_args.attention_backend or "torch_native"

@@ -47,11 +47,8 @@ class WeightOnlyForms:
         forms: list[Form],
         requantize: Callable[[torch.Tensor], GroupQuantWeight | None] | None,
         expert_forms: list[ExpertForm] | None = None,
-        int8_activations: bool = False,
     ) -> None:
         self.method = method
-        # --cpu-wq-int8-activations: every form whose group size allows it quantizes its activations.
-        self.int8_activations = int8_activations
         self.forms = [(name, layer, self._mark(form)) for name, layer, form in forms]
         self.expert_forms = [
             (name, moe, ExpertsWq(tuple(map(self._mark, f.w13)), tuple(map(self._mark, f.w2))))
@@ -61,8 +58,11 @@ class WeightOnlyForms:
         self.expert_scratch = DequantScratch()  # one for every MoE layer (layers/moe/quantized.py)
         self._attached = False
 
-    def _mark(self, form: GroupQuantWeight) -> GroupQuantWeight:
-        if not self.int8_activations or form.group_size % ACT_BLOCK:
+    @staticmethod
+    def _mark(form: GroupQuantWeight) -> GroupQuantWeight:
+        """Every form whose groups allow it may take int8 activations; whether any product does is
+        the installed crossovers' wq_a8_max_tokens (0 unless measured faster here or forced)."""
+        if form.group_size % ACT_BLOCK:
             return form
         return dataclasses.replace(form, int8_activations=True)
 
@@ -123,15 +123,15 @@ class WeightOnlyForms:
         self.expert_forms = kept
 
     def _log(self) -> None:
-        if self.int8_activations:
-            marked = sum(f.int8_activations for _, _, f in self.forms)
-            marked += sum(f.w13[0].int8_activations for _, _, f in self.expert_forms if f.w13)
-            logger.info(
-                "--cpu-wq-int8-activations: %d of %d linears and MoE layers quantize their activations to "
-                "int8 per 32 inputs (the rest have groups of other sizes)",
-                marked,
-                len(self.forms) + len(self.expert_forms),
-            )
+        marked = sum(f.int8_activations for _, _, f in self.forms)
+        marked += sum(f.w13[0].int8_activations for _, _, f in self.expert_forms if f.w13)
+        logger.info(
+            "%s: %d of %d linears and MoE layers can take int8 activations (groups of multiples of 32 "
+            "inputs), in batches of up to wq_a8_max_tokens tokens (logged with the crossovers; 0: none)",
+            self.method,
+            marked,
+            len(self.forms) + len(self.expert_forms),
+        )
         wq_bytes = sum(form.nbytes() for _, _, form in self.forms)
         fp32_bytes = sum(layer.weight.numel() * 4 for _, layer, _ in self.forms)
         if self.expert_forms:
@@ -164,7 +164,7 @@ def _replace_weight(layer: Linear, form: GroupQuantWeight) -> None:
         layer.weight.copy_(form.dequantize())
 
 
-def _torchao_forms(config: str, model: torch.nn.Module, int8_activations: bool) -> WeightOnlyForms:
+def _torchao_forms(config: str, model: torch.nn.Module) -> WeightOnlyForms:
     bits, group_size = parse_torchao_config(config)
     forms: list[Form] = []
     skipped: list[str] = []
@@ -190,7 +190,6 @@ def _torchao_forms(config: str, model: torch.nn.Module, int8_activations: bool) 
         f"--torchao-config {config}",
         forms,
         lambda weight: quantize_weight_only(weight, bits, group_size),
-        int8_activations=int8_activations,
     )
 
 
@@ -208,7 +207,7 @@ def create_weight_only(runner: Any) -> WeightOnlyForms | None:  # noqa: ANN401 -
                 f"built-in model); {runner.model_config.path} is not a GGUF conversion"
             )
         forms, expert_forms = gguf_linear_forms(source, runner.model, runner.lm_head)
-        return WeightOnlyForms("--quantization gguf", forms, None, expert_forms, args.cpu_wq_int8_activations)
+        return WeightOnlyForms("--quantization gguf", forms, None, expert_forms)
     if args.torchao_config:
-        return _torchao_forms(args.torchao_config, runner.model, args.cpu_wq_int8_activations)
+        return _torchao_forms(args.torchao_config, runner.model)
     return None

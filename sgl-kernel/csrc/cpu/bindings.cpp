@@ -113,6 +113,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gate_up"), py::arg("down"),
            "Weight-only quantized forms of a layer's linears, each (qweight, scales, offsets, bits, group_size) "
            "as linear_wq takes them, or None (that linear reads its dense weight)")
+      .def("set_layer_wq_a8", &DecodeModel::set_layer_wq_a8, py::arg("index"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"),
+           "Which of a layer's wq forms (set_layer_wq, called first) take int8 activations (linear_wq_a8) at "
+           "batches of at most wq_a8_max_tokens rows")
+      .def("set_wq_a8_max_tokens", &DecodeModel::set_wq_a8_max_tokens, py::arg("max_tokens"),
+           "The largest batch whose marked wq linears run linear_wq_a8 (0: every wq linear keeps fp32 activations)")
       .def("set_layer_lora", &DecodeModel::set_layer_lora, py::arg("index"), py::arg("num_slots"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"),
            "LoRA slot buffers of a layer's projections: per projection a list of (a [slots, rank, in], "

@@ -1,13 +1,18 @@
 #include "decode_model.h"
 
+#include "linear_wq_a8.h"
 #include "ops.h"
 
 namespace {
 
 // x [M, K] @ w.T (+ b) with the small-M kernel that matches the weight's storage; `s` holds the
-// per-row scales of an int8 weight, `wq` a weight-only quantized form (read instead of w).
+// per-row scales of an int8 weight, `wq` a weight-only quantized form (read instead of w), which
+// takes int8 activations when it is marked so and `a8` says the step is small enough: the same
+// rule, and so the same kernel and bits, as layers/group_quant.py's linear_wq on the module forward.
 at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
-               const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b) {
+               const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b, bool a8) {
+  if (wq.has_value() && a8 && wq->int8_activations)
+    return linear_wq_a8(x, wq->qweight, wq->scales, wq->offsets, wq->bits, wq->group_size, b, 0);
   if (wq.has_value()) return linear_wq(x, wq->qweight, wq->scales, wq->offsets, wq->bits, wq->group_size, b, 0);
   if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(s.has_value(), "DecodeModel: an int8 weight needs its scales (set_layer_scales)");
@@ -108,6 +113,25 @@ void DecodeModel::set_layer_wq(int64_t index, std::optional<WqTuple> qkv, std::o
   L.down_wq = std::move(down_wq);
 }
 
+void DecodeModel::set_layer_wq_a8(int64_t index, bool qkv, bool o, bool gate_up, bool down) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
+  DecodeLayer& L = layers_[index];
+  std::optional<WqForm>* forms[] = {&L.qkv_wq, &L.o_wq, &L.gate_up_wq, &L.down_wq};
+  const bool marks[] = {qkv, o, gate_up, down};
+  const char* names[] = {"qkv_w", "o_w", "gate_up_w", "down_w"};
+  // Check all four before marking any: a bad one leaves the layer as it was.
+  for (int i = 0; i < 4; ++i)
+    TORCH_CHECK(!marks[i] || (forms[i]->has_value() && (*forms[i])->group_size % 32 == 0), "DecodeModel: layer ",
+                index, "'s ", names[i], " has no wq form with groups of a multiple of 32 inputs for int8 activations");
+  for (int i = 0; i < 4; ++i)
+    if (forms[i]->has_value()) (*forms[i])->int8_activations = marks[i];
+}
+
+void DecodeModel::set_wq_a8_max_tokens(int64_t max_tokens) {
+  TORCH_CHECK(max_tokens >= 0, "DecodeModel: wq_a8_max_tokens must be >= 0, got ", max_tokens);
+  wq_a8_max_tokens_ = max_tokens;
+}
+
 void DecodeModel::set_layer_lora(int64_t index, int64_t num_slots, std::vector<LoraPartTuple> qkv,
                                  std::vector<LoraPartTuple> o, std::vector<LoraPartTuple> gate_up,
                                  std::vector<LoraPartTuple> down) {
@@ -131,9 +155,9 @@ void DecodeModel::set_tp_comm(std::shared_ptr<ShmComm> comm) { tp_comm_ = std::m
 
 at::Tensor DecodeModel::row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
                                      const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b,
-                                     const std::vector<LoraPart>& lora, const LoraPlan* plan) const {
+                                     const std::vector<LoraPart>& lora, const LoraPlan* plan, bool a8) const {
   // [bs, hidden]: this rank's partial sum (the whole output on one rank, bias included)
-  at::Tensor y = lin(x, w, s, wq, tp_comm_ ? c10::nullopt : b);
+  at::Tensor y = lin(x, w, s, wq, tp_comm_ ? c10::nullopt : b, a8);
   if (plan != nullptr) add_lora(lora, x, y, *plan);  // a partial sum too: before the all-reduce
   if (!tp_comm_) return y;
   tp_comm_->all_reduce_(y);
@@ -163,11 +187,12 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
   at::Tensor residual = hidden.contiguous().clone();
   at::Tensor x = rmsnorm(residual, layers_[0].input_norm, eps_);
   at::Tensor attn_out = at::empty({bs, H, D}, hidden.options());  // [bs, num_heads, head_dim]
+  const bool a8 = bs <= wq_a8_max_tokens_;  // int8 activations for the marked wq forms this step
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (should_yield && should_yield()) return at::Tensor();
     const DecodeLayer& L = layers_[i];
     if (i > 0) fused_add_rmsnorm_(x, residual, L.input_norm, eps_);
-    at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_wq, L.qkv_b);  // [bs, (H + 2 * Hkv) * D]
+    at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_wq, L.qkv_b, a8);  // [bs, (H + 2 * Hkv) * D]
     if (plan != nullptr) add_lora(L.lora.qkv, x, qkv, *plan);
     qkv = qkv.view({bs, H + 2 * Hkv, D});
     at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, Hkv);
@@ -180,11 +205,11 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
     store_kv(k_buf, v_buf, out_cache_loc, k, v);
     decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_);
-    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b, L.lora.o, plan);
+    x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b, L.lora.o, plan, a8);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
-    at::Tensor gate_up = lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b);  // [bs, 2 * I]
+    at::Tensor gate_up = lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b, a8);  // [bs, 2 * I]
     if (plan != nullptr) add_lora(L.lora.gate_up, x, gate_up, *plan);
-    x = row_parallel(silu_and_mul(gate_up), L.down_w, L.down_s, L.down_wq, L.down_b, L.lora.down, plan);
+    x = row_parallel(silu_and_mul(gate_up), L.down_w, L.down_s, L.down_wq, L.down_b, L.lora.down, plan, a8);
   }
   fused_add_rmsnorm_(x, residual, final_norm_, eps_);
   return x;

@@ -23,6 +23,9 @@ struct WqForm {
   at::Tensor qweight, scales;
   c10::optional<at::Tensor> offsets;
   int64_t bits = 0, group_size = 0;
+  // May quantize its activations to int8 per 32 inputs (linear_wq_a8.h) at batches of at most
+  // DecodeModel's wq_a8_max_tokens rows: the module forward's rule (layers/group_quant.py).
+  bool int8_activations = false;
 };
 
 struct DecodeLayer {
@@ -55,6 +58,12 @@ class DecodeModel {
   // must not be int8); checked here by running it once.
   void set_layer_wq(int64_t index, std::optional<WqTuple> qkv, std::optional<WqTuple> o,
                     std::optional<WqTuple> gate_up, std::optional<WqTuple> down);
+  // Which of layer `index`'s wq forms (set_layer_wq) take int8 activations (linear_wq_a8) at
+  // batches of at most wq_a8_max_tokens rows; each marked one must exist and have groups that are
+  // multiples of 32 inputs.
+  void set_layer_wq_a8(int64_t index, bool qkv, bool o, bool gate_up, bool down);
+  // The largest batch whose marked wq linears run linear_wq_a8 (0: none, every wq linear exact).
+  void set_wq_a8_max_tokens(int64_t max_tokens);
   // LoRA: layer `index`'s adapted parts of each projection, each (a, b, column offset) over the LoRA
   // pool's slot buffers (decode_lora.h); every part of every layer has the same `num_slots`.
   void set_layer_lora(int64_t index, int64_t num_slots, std::vector<LoraPartTuple> qkv,
@@ -86,10 +95,12 @@ class DecodeModel {
   at::Tensor final_norm_;
   std::shared_ptr<ShmComm> tp_comm_;
   int64_t lora_slots_ = 0;  // the LoRA pool's slot count; 0: no layer has LoRA parts
+  int64_t wq_a8_max_tokens_ = 0;  // set_wq_a8_max_tokens
 
   // x @ w.T (+ its LoRA delta) summed over the ranks (+ b once): a row-parallel linear; on one
-  // rank plain lin() (+ the delta). `plan` null: no adapted row this step.
+  // rank plain lin() (+ the delta). `plan` null: no adapted row this step; `a8`: this step's rows
+  // are few enough for int8 activations (wq_a8_max_tokens_).
   at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
                           const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b,
-                          const std::vector<LoraPart>& lora, const LoraPlan* plan) const;
+                          const std::vector<LoraPart>& lora, const LoraPlan* plan, bool a8) const;
 };

@@ -1,5 +1,6 @@
 // linear_wq with x quantized to int8 per block of 32 inputs (linear_wq_a8.cpp); declared apart from
-// ops.h so that the fused decode model, which does not call it, does not depend on it.
+// ops.h. The fused decode model (decode_model.cpp) calls it for the wq forms marked for int8
+// activations, as layers/group_quant.py does on the module forward.
 #pragma once
 
 #include <ATen/ATen.h>

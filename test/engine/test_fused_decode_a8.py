@@ -1,0 +1,106 @@
+"""The CPU fused decode with int8 activations (wq_a8_max_tokens > 0) against the module forward
+with int8 activations: both run sgl-kernel's linear_wq_a8 on the same rows of the same wq forms,
+so they give the same greedy tokens, on tiny random models (Q4_1-like and Q8_0-like forms) and on
+the built-in model's own GGUF tensors; and with the bound at 0 the fused decode stays exact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_cpu_decode_runner import _quantize_rtn
+from test_quantization import BUILTIN_PROMPTS, _worker, compare, forced_logprobs
+
+from radixserve.layers import cpu_fused, group_quant
+from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
+from radixserve.model_executor.tp_worker import TpModelWorker
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_fused.ENABLED and group_quant.WQ_A8_KERNEL), reason="sgl_kernel._cpu built without linear_wq_a8"
+)
+STEPS = 6
+
+
+def _marked_wq_worker(path: str, bits: int, fused: bool, a8_rows: int) -> TpModelWorker:
+    """A worker whose decoder linears read wq forms marked for int8 activations (as a GGUF load
+    marks them), int8 activations up to `a8_rows` rows, the fused decode rebuilt over the forms."""
+    worker = _worker(
+        path,
+        disable_cpu_fused_decode=not fused,
+        cpu_kernel_crossovers=f'{{"wq_a8_max_tokens": {a8_rows}}}',
+    )
+    runner = worker.model_runner
+    for layer in runner.model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            wq = dataclasses.replace(_quantize_rtn(lin.weight.detach(), bits, 32), int8_activations=True)
+            lin.drop_derived()
+            lin.weight.data.copy_(wq.dequantize())
+            lin.weight_wq = wq
+    runner._prepare_cpu_linears()
+    runner.cpu_decode_runner = (
+        create_cpu_decode_runner(runner.model, runner.token_to_kv_pool, runner.server_args, runner.parallel)
+        if fused
+        else None
+    )
+    return worker
+
+
+def _fused_steps(worker: TpModelWorker) -> list[int]:
+    calls: list[int] = []
+    fused = worker.model_runner.cpu_decode_runner
+    replay = fused.replay
+    fused.replay = lambda fb: calls.append(fb.batch_size) or replay(fb)
+    return calls
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("llama", 4), ("qwen2", 8)])
+def test_fused_int8_activations_match_the_module_forward(tiny_model_dir, kind, bits):
+    path = str(tiny_model_dir(kind))
+    prompts = [list(range(3 + i, 3 + i + 5 + 7 * i)) for i in range(2)]  # 2 rows: within the bound
+    ref, fed = forced_logprobs(_marked_wq_worker(path, bits, False, 2), prompts, STEPS)
+    worker = _marked_wq_worker(path, bits, True, 2)
+    calls = _fused_steps(worker)
+    got, got_fed = forced_logprobs(worker, prompts, STEPS)
+    assert calls == [len(prompts)] * STEPS  # every decode step ran fused
+    assert got_fed == fed  # the same greedy tokens, step after step
+    # The same kernel on the same rows: only the fused norms' summation order differs, which may
+    # move an activation across an int8 rounding boundary of the next product now and then.
+    agreement, mean_diff, max_diff = compare(ref, got, fed)
+    assert agreement == 1.0 and mean_diff < 1e-4 and max_diff < 2e-3, (agreement, mean_diff, max_diff)
+    # The fused stack took int8 activations: with them off it gives other numbers (fp32 activations).
+    exact, _ = forced_logprobs(_marked_wq_worker(path, bits, True, 0), prompts, STEPS, forced=fed)
+    _, a8_mean, _ = compare(exact, got, fed)
+    assert a8_mean > 10 * max(mean_diff, 1e-6), (a8_mean, mean_diff)
+
+
+def test_steps_above_the_bound_stay_exact(tiny_model_dir):
+    """3 rows with int8 activations up to 2: the fused steps keep fp32 activations, as the module
+    forward's linear_wq does, so marked forms give the exact path's numbers."""
+    path = str(tiny_model_dir("llama"))
+    prompts = [list(range(3 + i, 3 + i + 5 + 7 * i)) for i in range(3)]
+    ref, fed = forced_logprobs(_marked_wq_worker(path, 4, True, 0), prompts, STEPS)
+    worker = _marked_wq_worker(path, 4, True, 2)
+    calls = _fused_steps(worker)
+    got, _ = forced_logprobs(worker, prompts, STEPS, forced=fed)
+    assert calls == [3] * STEPS
+    for step, (g, r) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+
+
+def test_builtin_model_fused_int8_activations_match_the_module_forward(builtin_model_path):
+    """The built-in GGUF (Q4_1 decoder, Q8_0 head) forced to int8 activations: one stream, the
+    fused decode against the module forward, the same greedy tokens."""
+    from transformers import AutoTokenizer
+
+    prompt = [AutoTokenizer.from_pretrained(builtin_model_path).encode(BUILTIN_PROMPTS[0])]
+    args = {"quantization": "gguf", "cpu_wq_int8_activations": True}
+    module = _worker(builtin_model_path, disable_cpu_fused_decode=True, **args)
+    ref, fed = forced_logprobs(module, prompt, steps=8)
+    worker = _worker(builtin_model_path, **args)
+    assert worker.model_runner.cpu_decode_runner is not None
+    calls = _fused_steps(worker)
+    got, got_fed = forced_logprobs(worker, prompt, steps=8)
+    assert calls == [1] * 8 and got_fed == fed
+    agreement, mean_diff, max_diff = compare(ref, got, fed)
+    assert agreement == 1.0 and mean_diff < 1e-3 and max_diff < 1e-2, (agreement, mean_diff, max_diff)
