@@ -32,7 +32,12 @@ def _marked_wq_worker(path: str, bits: int, fused: bool, a8_rows: int) -> TpMode
     )
     runner = worker.model_runner
     for layer in runner.model.model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for lin in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
             wq = dataclasses.replace(_quantize_rtn(lin.weight.detach(), bits, 32), int8_activations=True)
             lin.drop_derived()
             lin.weight.data.copy_(wq.dequantize())
