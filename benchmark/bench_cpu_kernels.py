@@ -15,7 +15,9 @@ forward_extend (per-request gather + SDPA).
 Crossovers (--only crossovers): what `--cpu-kernel-tuning` picks on this CPU for the built-in model
 (its GGUF default for the weight-only bound, fp32 for the small-M bound, --cpu-fp16-weights for
 the fp16 one), measured now into a temporary cache, with each bound's timings (ms per pass over
-the weights, small kernel vs oneDNN's GEMM; model_executor/cpu_tuning.py).
+the weights, small kernel vs oneDNN's GEMM; model_executor/cpu_tuning.py), and the int8-activation
+choice on the GGUF (wq_a8_max_tokens: linear_wq_a8 vs linear_wq per pass; 0: int8 activations lose
+at one row here; whether `auto` serves it: cpu_tuning.A8_BY_DEFAULT).
 LoRA delta (--only lora): microseconds per projection call at rank 16 with 8 slots, 30 layers of
 adapter slots (as the pool holds them), sgl-kernel's lora_delta_ against lora/kernels.py's dense
 and segmented torch paths, for decode batches (rows spread over the adapters, a few base rows)
@@ -251,17 +253,23 @@ def bench_crossovers() -> None:
     chosen: dict[str, int] = {}
     for form, bound, extra in [
         ("GGUF Q4_1 (the default)", "wq_max_tokens", {}),
+        ("GGUF Q4_1, int8 activations", "wq_a8_max_tokens", {"cpu_kernel_tuning": "auto"}),
         ("fp32", "f32_small_max_tokens", {"quantization": "unquant"}),
         ("fp32 + fp16 copies", "f16_max_tokens", {"quantization": "unquant", "cpu_fp16_weights": True}),
     ]:
-        args = ServerArgs(device="cpu", cpu_kernel_tuning="measure", max_total_tokens=4096, **extra).resolve()
+        # The int8-activation row reads the cache the first row just measured (same CPU and model).
+        extra = {"cpu_kernel_tuning": "measure", **extra}
+        args = ServerArgs(device="cpu", max_total_tokens=4096, **extra).resolve()
         TpModelWorker(args, ModelConfig.from_path(args.model_path, dtype="float32"))
-        chosen[bound] = getattr(active(), bound)
-        cache = Path(active().source.rpartition(" at ")[2])
-        timings = json.loads(cache.read_text())["timings_ms_small_vs_gemm"].get(bound, {})
-        print(f"{form}: {bound} = {chosen[bound]}")
-        for n, (small, gemm) in timings.items():
-            print(f"  {n:>3} tokens: small kernel {small:8.2f} ms, oneDNN {gemm:8.2f} ms per pass")
+        cache = Path(active().source.split(" at ")[1].split(";")[0])
+        data = json.loads(cache.read_text())
+        chosen[bound] = data["bounds"][bound]
+        timings = data["timings_ms_small_vs_gemm"].get(bound, {})
+        names = ("linear_wq_a8", "linear_wq") if bound == "wq_a8_max_tokens" else ("small kernel", "oneDNN")
+        served = f" (served by auto: {getattr(active(), bound)})" if bound == "wq_a8_max_tokens" else ""
+        print(f"{form}: {bound} = {chosen[bound]}{served}")
+        for n, (small, other) in timings.items():
+            print(f"  {n:>3} tokens: {names[0]} {small:8.2f} ms, {names[1]} {other:8.2f} ms per pass")
     print("crossovers:", chosen)
 
 

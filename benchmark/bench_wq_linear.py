@@ -11,7 +11,9 @@ they stream from memory as in a real step) in two weight-only forms:
 - Q4_1-like: 4-bit integers, an fp32 scale and offset per group of 32 inputs (0.75 bytes/weight);
 - Q8_0-like: 8-bit integers, an fp32 scale per group of 32 inputs (1.125 bytes/weight);
 
-each through linear_wq on its AVX-512 and AVX2 paths (each path the machine has), against a plain
+each through linear_wq on its AVX-512 and AVX2 paths (each path the machine has) and through
+linear_wq_a8 (int8 activations per 32 inputs, "a8": what --cpu-wq-int8-activations and a measured
+wq_a8_max_tokens run; its best compiled path), against a plain
 read of the same bytes (torch's amax over one buffer of each linear's size, viewed as int32: what
 the memory gives), and the forms the model serves otherwise: sgl-kernel's linear_f32, linear_f16
 and linear_int8 (W8A8, per-channel), and oneDNN over prepacked fp32 weights (what wq layers run
@@ -64,6 +66,10 @@ def _wq_fn(isa: str) -> Callable:
     return run
 
 
+def _wq_a8(x: torch.Tensor, w: GroupQuantWeight) -> torch.Tensor:
+    return cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size)
+
+
 def forms(
     flat: list[torch.Tensor], shapes: list[tuple[int, int]], wq_only: bool = False
 ) -> dict[str, tuple[Callable, list, float]]:
@@ -75,6 +81,8 @@ def forms(
         for isa in ("avx512", "avx2"):
             if isa in cpu_kernels.linear_wq_isas():
                 out[f"{name} {isa}"] = (_wq_fn(isa), weights, per_weight)
+        if cpu_kernels.linear_wq_a8_isas():
+            out[f"{name} a8"] = (_wq_a8, weights, per_weight)
     if wq_only:
         return out
     out["linear_f32"] = (cpu_kernels.linear_f32, flat, 4)

@@ -23,6 +23,11 @@ sgl-kernel's linear_wq is not built).
 - greedy agreement: the share of positions where the variant's most likely next token is fp32's;
 - mean / max |delta logprob|: how far the variant's log-probability of the text's token is from
   fp32's, over the same positions.
+
+The `-a8` variants quantize activations to int8 per 32 inputs (linear_wq_a8) in every product of
+up to 8 rows, and are scored in chunks of at most 8 tokens: each row's product depends on that
+row only, so this is what one stream's decode computes. The other weight-only variants are pinned
+to exact activations (--disable-cpu-wq-int8-activations) whatever this machine's tuning chose.
 """
 
 from __future__ import annotations
@@ -36,19 +41,28 @@ from typing import Any
 from radixserve.entrypoints.engine import Engine
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "quality_text.txt"
+# int8 activations (linear_wq_a8) in products of up to 8 rows: pinned, whatever this machine's
+# tuning measured, and scored in prefill chunks of at most that many tokens (CHUNK_CAP) so that
+# every product takes them, as every step of a single stream does.
+A8 = {"cpu_wq_int8_activations": True, "cpu_kernel_crossovers": '{"wq_max_tokens": 8, "wq_a8_max_tokens": 8}'}
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"quantization": "unquant"},
-    "gguf": {"quantization": "gguf"},
+    "gguf": {"quantization": "gguf", "disable_cpu_wq_int8_activations": True},
+    "gguf-a8": {"quantization": "gguf", **A8},
     "w8a8_int8": {"quantization": "w8a8_int8"},
-    "int8wo": {"torchao_config": "int8wo"},
+    "int8wo": {"torchao_config": "int8wo", "disable_cpu_wq_int8_activations": True},
+    "int8wo-a8": {"torchao_config": "int8wo", **A8},
     "int4wo-64": {"torchao_config": "int4wo-64"},
     "int4wo-128": {"torchao_config": "int4wo-128"},
 }
+CHUNK_CAP = {"gguf-a8": 8, "int8wo-a8": 8}
 LABELS = {
     "fp32": "fp32 (`--quantization unquant`)",
-    "gguf": "`--quantization gguf` (the default)",
+    "gguf": "`--quantization gguf` (the default), exact activations",
+    "gguf-a8": "`--quantization gguf`, int8 activations (`--cpu-wq-int8-activations`)",
     "w8a8_int8": "`--quantization w8a8_int8`",
     "int8wo": "`--torchao-config int8wo`",
+    "int8wo-a8": "`--torchao-config int8wo`, int8 activations",
     "int4wo-64": "`--torchao-config int4wo-64`",
     "int4wo-128": "`--torchao-config int4wo-128`",
 }
@@ -106,11 +120,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name in variants:
         start = time.perf_counter()
-        results[name] = score(args.model_path, text, VARIANTS[name], args.chunk, args.max_tokens)
+        chunk = min(args.chunk, CHUNK_CAP.get(name, args.chunk))
+        results[name] = score(args.model_path, text, VARIANTS[name], chunk, args.max_tokens)
         print(
             f"{name}: {len(results[name]['logprobs'])} positions in {time.perf_counter() - start:.0f} s",
             flush=True,
         )
+        # Each row as soon as it is scored (a long run keeps what it has if stopped).
+        print(table_row(LABELS[name], results[name], results["fp32"]), flush=True)
     for spec in args.extra_gguf:
         label, _, path = spec.partition("=")
         got = score(path, text, {"quantization": "gguf"}, args.chunk, args.max_tokens)
@@ -124,13 +141,14 @@ def main() -> None:
     print("| mode | perplexity | greedy agreement with fp32 | mean \\|Δ logprob\\| | max \\|Δ logprob\\| |")
     print("|---|---:|---:|---:|---:|")
     for name in variants:
-        got = results[name]
-        ppl = math.exp(-sum(got["logprobs"]) / len(got["logprobs"]))
-        agree = sum(a == b for a, b in zip(got["top1"], ref["top1"])) / len(ref["top1"])
-        diffs = [abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])]
-        print(
-            f"| {LABELS[name]} | {ppl:.3f} | {agree:.3f} | {sum(diffs) / len(diffs):.4f} | {max(diffs):.3f} |"
-        )
+        print(table_row(LABELS[name], results[name], ref))
+
+
+def table_row(label: str, got: dict, ref: dict) -> str:
+    ppl = math.exp(-sum(got["logprobs"]) / len(got["logprobs"]))
+    agree = sum(a == b for a, b in zip(got["top1"], ref["top1"])) / len(ref["top1"])
+    diffs = [abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])]
+    return f"| {label} | {ppl:.3f} | {agree:.3f} | {sum(diffs) / len(diffs):.4f} | {max(diffs):.3f} |"
 
 
 if __name__ == "__main__":
