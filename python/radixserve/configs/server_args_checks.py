@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any
 from urllib.parse import urlsplit
 
 from radixserve.configs.hicache_args import validate_hicache
@@ -16,7 +15,6 @@ from radixserve.configs.quant_args import validate_weight_only
 from radixserve.configs.spec_args import validate_speculative
 from radixserve.layers.cpu_crossovers import parse_overrides
 from radixserve.server_args import (
-    ATTENTION_BACKENDS,
     QUANTIZATION_METHODS,
     SUPPORTED_QUANTIZATION,
     ServerArgs,
@@ -39,8 +37,6 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(
             f"--batch-max-concurrent-requests must be >= 1, got {args.batch_max_concurrent_requests}"
         )
-    if args.attention_backend is not None:
-        _check_choice("attention-backend", args.attention_backend, ATTENTION_BACKENDS)
     _refuse_grammar_backend(args.grammar_backend)
     _check_trace(args)
     _validate_quantization(args)
@@ -190,12 +186,7 @@ def _check_declared_choices(args: ServerArgs) -> None:
     for f in dataclasses.fields(args):
         choices, value = f.metadata.get("choices"), getattr(args, f.name)
         if choices is not None and value not in choices and not (value is None and f.default is None):
-            _check_choice(f.name.replace("_", "-"), value, tuple(choices))
-
-
-def _check_choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:  # noqa: ANN401 - as typed
-    if value not in choices:
-        raise ValueError(f"--{flag} must be one of {choices}, got {value!r}")
+            raise ValueError(f"--{f.name.replace('_', '-')} must be one of {tuple(choices)}, got {value!r}")
 
 
 def _is_host_port(addr: str) -> bool:
