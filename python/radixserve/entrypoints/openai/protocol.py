@@ -124,9 +124,14 @@ class SamplingExtras(RequestModel):
     disagg_prefill_dp_rank: NonNegativeInt | None = None
 
 
-def hidden_states_field() -> Any:  # noqa: ANN401 - a pydantic FieldInfo
-    """SGLang's `hidden_states` on a choice: left out of the JSON unless the request asked."""
-    return Field(default=None, exclude_if=lambda value: value is None)
+class ChoiceBase(BaseModel):
+    """What every completion and chat choice (and stream chunk choice) carries."""
+
+    index: int
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    # SGLang's `hidden_states`: left out of the JSON unless the request asked.
+    hidden_states: list[float] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ResponseEnvelope(BaseModel):
@@ -159,13 +164,9 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(ChoiceBase):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    hidden_states: list[float] | None = hidden_states_field()
 
 
 class CompletionResponse(ResponseEnvelope):
@@ -290,13 +291,9 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int
+class ChatCompletionChoice(ChoiceBase):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    hidden_states: list[float] | None = hidden_states_field()
 
 
 class ChatCompletionResponse(ResponseEnvelope):
@@ -308,13 +305,9 @@ class DeltaMessage(ChatResponseMessage):
     role: str | None = None  # the first chunk of a choice only
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(ChoiceBase):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    hidden_states: list[float] | None = hidden_states_field()
 
 
 class ChatCompletionStreamResponse(ResponseEnvelope):
