@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
@@ -132,6 +132,24 @@ class ChoiceBase(BaseModel):
     matched_stop: int | str | None = None
     # SGLang's `hidden_states`: left out of the JSON unless the request asked.
     hidden_states: list[float] | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
+class ListPage(BaseModel):
+    """OpenAI's cursor list: one page of `data` (each subclass types it), the ids at its ends,
+    whether more follow."""
+
+    object: Literal["list"] = "list"
+    data: list[Any]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+    @classmethod
+    def of(cls, data: list[Any], ids: list[str], has_more: bool) -> Self:
+        """The page of `data`, whose ids are `ids`."""
+        return cls(
+            data=data, first_id=ids[0] if ids else None, last_id=ids[-1] if ids else None, has_more=has_more
+        )
 
 
 class ResponseEnvelope(BaseModel):
