@@ -447,6 +447,7 @@ class ServerArgs:
         "Attention backend: cpu (torch-native extend + sgl-kernel's compiled paged decode), "
         "torch_native (pure torch, the reference), triton or flashinfer (CUDA). Default: triton on "
         "CUDA; cpu on CPU when sgl-kernel's CPU extension is built, else torch_native.",
+        choices=ATTENTION_BACKENDS,
     )
     cpu_fp16_weights: bool = _f(
         False,

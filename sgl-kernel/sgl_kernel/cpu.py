@@ -224,12 +224,23 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 _INT8_ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 
 
-def linear_int8_isas() -> list[str]:
-    """The code paths `linear_int8` can be forced onto in this build ("scalar" always, "avx2",
-    "avx512" for AVX-512 VNNI); [] when the build has no int8 linear (an older extension)."""
-    if not available() or not hasattr(_ext, "linear_int8"):
+def _built_isas(kernel: str, isas: str) -> list[str]:
+    """The code paths `kernel` can be forced onto in this build (the extension's list `isas`;
+    "scalar" always); [] when the build lacks the kernel (an older extension)."""
+    if not available() or not hasattr(_ext, kernel):
         return []
-    return [str(isa) for isa in getattr(_ext, "linear_int8_isas", ["scalar"])]
+    return [str(isa) for isa in getattr(_ext, isas, ["scalar"])]
+
+
+def _isa_code(kernel: str, isa: str) -> int:
+    if isa not in _INT8_ISA_CODES:
+        raise ValueError(f"{kernel}: isa must be one of {sorted(_INT8_ISA_CODES)}, got {isa!r}")
+    return _INT8_ISA_CODES[isa]
+
+
+def linear_int8_isas() -> list[str]:
+    """`linear_int8`'s code paths here: "scalar", "avx2", "avx512" for AVX-512 VNNI (_built_isas)."""
+    return _built_isas("linear_int8", "linear_int8_isas")
 
 
 def linear_int8(
@@ -243,17 +254,12 @@ def linear_int8(
     even), int32 dot products with the int8 weight, y = dot * x_scale * weight_scale (+ bias), fp32
     [M, N]. `isa` forces a code path ("scalar", "avx2", "avx512"; "auto" the best built); every
     path gives the same bits. radixserve.layers.quantization holds the torch reference."""
-    if isa not in _INT8_ISA_CODES:
-        raise ValueError(f"linear_int8: isa must be one of {sorted(_INT8_ISA_CODES)}, got {isa!r}")
-    return _lib().linear_int8(x, weight, weight_scale, bias, _INT8_ISA_CODES[isa])
+    return _lib().linear_int8(x, weight, weight_scale, bias, _isa_code("linear_int8", isa))
 
 
 def linear_wq_isas() -> list[str]:
-    """The code paths `linear_wq` can be forced onto in this build ("scalar" always, "avx2",
-    "avx512"); [] when the build has no weight-only quantized linear (an older extension)."""
-    if not available() or not hasattr(_ext, "linear_wq"):
-        return []
-    return [str(isa) for isa in getattr(_ext, "linear_wq_isas", ["scalar"])]
+    """`linear_wq`'s code paths here: "scalar", "avx2", "avx512" (_built_isas)."""
+    return _built_isas("linear_wq", "linear_wq_isas")
 
 
 def linear_wq(
@@ -275,19 +281,15 @@ def linear_wq(
     "avx2", "avx512"; "auto" the best built). `kernel_form` is reserved for a repacked layout; this
     build reads the canonical tensors and takes None only. Raises RuntimeError on a wrong dtype,
     shape or layout."""
-    if isa not in _INT8_ISA_CODES:
-        raise ValueError(f"linear_wq: isa must be one of {sorted(_INT8_ISA_CODES)}, got {isa!r}")
+    code = _isa_code("linear_wq", isa)
     if kernel_form is not None:
         raise ValueError("linear_wq: this build has no repacked kernel_form; pass None")
-    return _lib().linear_wq(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
+    return _lib().linear_wq(x, qweight, scales, offsets, bits, group_size, bias, code)
 
 
 def linear_wq_a8_isas() -> list[str]:
-    """The code paths `linear_wq_a8` can be forced onto ("scalar" always, "avx2"); [] when the
-    build has none (an older extension)."""
-    if not available() or not hasattr(_ext, "linear_wq_a8"):
-        return []
-    return [str(isa) for isa in getattr(_ext, "linear_wq_a8_isas", ["scalar"])]
+    """`linear_wq_a8`'s code paths here: "scalar", "avx2" (_built_isas)."""
+    return _built_isas("linear_wq_a8", "linear_wq_a8_isas")
 
 
 def linear_wq_a8(
@@ -311,11 +313,8 @@ def linear_wq_a8(
 
 
 def greedy_head_isas() -> list[str]:
-    """The code paths `greedy_head_candidates` can be forced onto ("scalar" always, "avx2",
-    "avx512"); [] when the build has no greedy head (an older extension)."""
-    if not available() or not hasattr(_ext, "greedy_head_candidates"):
-        return []
-    return [str(isa) for isa in getattr(_ext, "greedy_head_isas", ["scalar"])]
+    """`greedy_head_candidates`' code paths here: "scalar", "avx2", "avx512" (_built_isas)."""
+    return _built_isas("greedy_head_candidates", "greedy_head_isas")
 
 
 def greedy_head_candidates(
@@ -328,9 +327,7 @@ def greedy_head_candidates(
     """The vocabulary rows that may hold each row's argmax of x @ w.T (layers/greedy_head.py):
     (indices int64 [C], counts int64 [M]), row m's candidates being the next counts[m] indices,
     ascending. Counts of -1 (and no indices): x is not finite, nothing was proven."""
-    if isa not in _INT8_ISA_CODES:
-        raise ValueError(f"greedy_head_candidates: isa must be one of {sorted(_INT8_ISA_CODES)}, got {isa!r}")
-    return _lib().greedy_head_candidates(x, u, stats, umax, _INT8_ISA_CODES[isa])
+    return _lib().greedy_head_candidates(x, u, stats, umax, _isa_code("greedy_head_candidates", isa))
 
 
 def lora_delta_available() -> bool:

@@ -90,4 +90,4 @@ def test_the_file_backend_and_its_prefetch_policies_are_served(monkeypatch):
 
 def test_a_policy_the_cli_did_not_parse_is_still_refused():
     with pytest.raises(ValueError, match="hicache-write-policy must be one of"):
-        validate_hicache(ServerArgs(enable_hierarchical_cache=True, hicache_write_policy="lazy"))
+        ServerArgs(enable_hierarchical_cache=True, hicache_write_policy="lazy").validate()

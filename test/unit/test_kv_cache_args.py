@@ -26,7 +26,7 @@ from radixserve.server_args import ServerArgs, prepare_server_args
 )
 def test_refused_combinations(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        validate_kv_cache_dtype(ServerArgs(**{"device": "cpu", **kwargs}))
+        ServerArgs(**{"device": "cpu", **kwargs}).validate()  # the choices are checked with every flag's
 
 
 @pytest.mark.parametrize("kv", ["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"])

@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -186,14 +185,16 @@ def test_stop_during_a_restart_stops_the_children_still_starting() -> None:
     children, _ = _launch()
     rec = Recorder()
     starting: list[ChildProcesses] = []
-    launch_began = threading.Event()
+    launch_began, stop_returned = threading.Event(), threading.Event()
 
     def slow_launch(into: ChildProcesses) -> tuple[ChildProcesses, dict[str, Any]]:
         starting.append(into)
         into.start("first", ready_then_sleep, ())
         launch_began.set()
         into.wait_ready(60)
-        time.sleep(0.5)  # stop() lands here at the latest: the group is not handed over yet
+        # The launch goes on only once stop() returned, however slowly the test's thread runs
+        # on a busy machine (a fixed sleep here let a descheduled stop() land after the hand-over).
+        stop_returned.wait(60)
         into.start("second", ready_then_sleep, ())  # refused once stop() terminated the group
         return into, into.wait_ready(60)[0]
 
@@ -202,6 +203,7 @@ def test_stop_during_a_restart_stops_the_children_still_starting() -> None:
     os.kill(children.procs[0].pid, signal.SIGKILL)
     assert launch_began.wait(60)
     sup.stop()
+    stop_returned.set()
     assert not any(p.is_alive() for p in starting[0].procs)  # at once, not when the launch ends
     sup._thread.join(30)
     assert not sup._thread.is_alive()

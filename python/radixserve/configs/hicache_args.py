@@ -79,15 +79,8 @@ def hicache_updates(args: ServerArgs, device: str) -> dict[str, Any]:
 
 
 def validate_hicache(args: ServerArgs) -> None:
-    """Refuse what HiCache cannot do (yet), with the flag to change."""
-    _choice("hicache-write-policy", args.hicache_write_policy, HICACHE_WRITE_POLICIES)
-    _choice("hicache-io-backend", args.hicache_io_backend, HICACHE_IO_BACKENDS)
-    _choice("hicache-mem-layout", args.hicache_mem_layout, HICACHE_MEM_LAYOUTS)
-    _choice(
-        "hicache-storage-prefetch-policy",
-        args.hicache_storage_prefetch_policy,
-        HICACHE_STORAGE_PREFETCH_POLICIES,
-    )
+    """Refuse what HiCache cannot do (yet), with the flag to change (the flags' declared choices
+    are checked with every flag's, server_args_checks._check_declared_choices)."""
     _validate_storage(args)
     if not args.enable_hierarchical_cache:
         return

@@ -4,9 +4,9 @@ names the flag and what to change."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
-from typing import Any
 from urllib.parse import urlsplit
 
 from radixserve.configs.hicache_args import validate_hicache
@@ -15,21 +15,14 @@ from radixserve.configs.quant_args import validate_weight_only
 from radixserve.configs.spec_args import validate_speculative
 from radixserve.layers.cpu_crossovers import parse_overrides
 from radixserve.server_args import (
-    ATTENTION_BACKENDS,
-    CPU_KERNEL_TUNING_MODES,
-    DISAGGREGATION_MODES,
-    DISAGGREGATION_TRANSFER_BACKENDS,
-    GRAMMAR_BACKENDS,
-    LOAD_BALANCE_CHOICES,
     QUANTIZATION_METHODS,
-    RADIX_EVICTION_POLICIES,
-    SCHEDULE_POLICIES,
     SUPPORTED_QUANTIZATION,
     ServerArgs,
 )
 
 
 def validate_server_args(args: ServerArgs) -> None:
+    _check_declared_choices(args)
     if args.enable_overlap_schedule and args.disable_overlap_schedule:
         raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
     if not args.watchdog_timeout > 0:
@@ -44,16 +37,10 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(
             f"--batch-max-concurrent-requests must be >= 1, got {args.batch_max_concurrent_requests}"
         )
-    _check_choice("schedule-policy", args.schedule_policy, SCHEDULE_POLICIES)
-    _check_choice("radix-eviction-policy", args.radix_eviction_policy, RADIX_EVICTION_POLICIES)
-    if args.attention_backend is not None:
-        _check_choice("attention-backend", args.attention_backend, ATTENTION_BACKENDS)
-    _check_grammar_backend(args.grammar_backend)
+    _refuse_grammar_backend(args.grammar_backend)
     _check_trace(args)
     _validate_quantization(args)
     validate_weight_only(args)
-    if args.log_requests_level not in (0, 1, 2, 3):
-        raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {args.log_requests_level}")
     validate_speculative(args)
     _check_media(args)
     args.layout().check()  # LayoutError (a ValueError) says which flag to change
@@ -75,9 +62,7 @@ def validate_server_args(args: ServerArgs) -> None:
     _validate_expert_distribution(args)
     if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")
-    if args.cpu_kernel_tuning is not None:  # None until resolve() reads the environment
-        _check_choice("cpu-kernel-tuning", args.cpu_kernel_tuning, CPU_KERNEL_TUNING_MODES)
-    _validate_int8_activations(args)
+    _validate_int8_activations(args)  # parses --cpu-kernel-crossovers too
     if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
         raise ValueError(
             "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"
@@ -137,7 +122,6 @@ def _validate_quantization(args: ServerArgs) -> None:
 def _validate_dp(args: ServerArgs) -> None:
     if args.dp_size < 1:
         raise ValueError(f"--dp-size must be >= 1, got {args.dp_size}")
-    _check_choice("load-balance-method", args.load_balance_method, LOAD_BALANCE_CHOICES)
     if not 0.0 <= args.dp_cache_threshold <= 1.0:
         raise ValueError(f"--dp-cache-threshold must be in [0, 1], got {args.dp_cache_threshold}")
     if args.dp_balance_abs_threshold < 0 or args.dp_balance_rel_threshold < 1.0:
@@ -152,12 +136,6 @@ def _validate_dp(args: ServerArgs) -> None:
 
 
 def _validate_disaggregation(args: ServerArgs) -> None:
-    _check_choice("disaggregation-mode", args.disaggregation_mode, DISAGGREGATION_MODES)
-    _check_choice(
-        "disaggregation-transfer-backend",
-        args.disaggregation_transfer_backend,
-        DISAGGREGATION_TRANSFER_BACKENDS,
-    )
     if not 0 < args.disaggregation_bootstrap_port < 65536:
         raise ValueError(
             f"--disaggregation-bootstrap-port must be a TCP port, got {args.disaggregation_bootstrap_port}"
@@ -216,9 +194,13 @@ def _validate_restart(args: ServerArgs) -> None:
         )
 
 
-def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:  # noqa: ANN401 - as typed
-    if value not in choices:
-        raise ValueError(f"--{flag} must be one of {choices}, got {value!r}")
+def _check_declared_choices(args: ServerArgs) -> None:
+    """Every flag whose field declares `choices` holds one of them (a None default may stay None):
+    argparse checks the command line, this checks ServerArgs built in code (Engine, tests)."""
+    for f in dataclasses.fields(args):
+        choices, value = f.metadata.get("choices"), getattr(args, f.name)
+        if choices is not None and value not in choices and not (value is None and f.default is None):
+            raise ValueError(f"--{f.name.replace('_', '-')} must be one of {tuple(choices)}, got {value!r}")
 
 
 def _is_host_port(addr: str) -> bool:
@@ -244,10 +226,9 @@ def _check_trace(args: ServerArgs) -> None:
         )
 
 
-def _check_grammar_backend(name: str) -> None:
-    """Refuse at start a grammar backend that is unknown, not implemented or not installed (rather
-    than failing every constrained request later)."""
-    _check_choice("grammar-backend", name, GRAMMAR_BACKENDS)
+def _refuse_grammar_backend(name: str) -> None:
+    """Refuse at start a grammar backend that is not implemented or not installed (rather than
+    failing every constrained request later)."""
     if name in ("outlines", "llguidance"):
         raise ValueError(
             f"--grammar-backend {name} is not supported by radixserve: use xgrammar, or none to turn "

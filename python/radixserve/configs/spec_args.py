@@ -75,13 +75,9 @@ def _eagle_defaults(args: ServerArgs, device: str) -> dict[str, Any]:
 
 
 def validate_speculative(args: ServerArgs) -> None:
-    from radixserve.server_args import SPECULATIVE_ALGORITHMS
-
-    algo = args.speculative_algorithm
+    algo = args.speculative_algorithm  # one of its declared choices, checked with every flag's
     if algo is None:
         return
-    if algo not in SPECULATIVE_ALGORITHMS:
-        raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
     _check_draft_source(args, algo)
     _check_tree_shape(args, algo)
     _check_ngram(args)

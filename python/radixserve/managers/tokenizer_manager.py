@@ -25,7 +25,7 @@ from radixserve.managers.control_client import ControlClient
 from radixserve.managers.crash_dump import CrashDump
 from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
 from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
-from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.generate_request import GenerateReqInput, RequestItem
 from radixserve.managers.input_validation import (
     InvalidRequestError,
     ModelLimits,
@@ -64,6 +64,12 @@ from radixserve.utils.network import PortArgs, get_zmq_socket
 from radixserve.utils.tracing import RequestTracer, tokenize_span
 
 logger = logging.getLogger(__name__)
+# What the scheduler's message takes from the request item unchanged: the fields both name alike
+# (input_ids: the item's as given, the message's as tokenized).
+_FROM_ITEM = tuple(
+    {f.name for f in dataclasses.fields(TokenizedGenerateReqInput)}
+    & {f.name for f in dataclasses.fields(RequestItem)} - {"input_ids"}
+)
 T = TypeVar("T")
 
 # How often a waiting request checks whether its HTTP client went away.
@@ -328,29 +334,13 @@ class TokenizerManager:
     def _tokenized(
         state: ReqState, stream: bool, received: float, mm: MultimodalPayload | None = None
     ) -> TokenizedGenerateReqInput:
-        item = state.item
         return TokenizedGenerateReqInput(
-            rid=item.rid,
-            input_text=item.text or "",
+            **{name: getattr(state.item, name) for name in _FROM_ITEM},
+            input_text=state.item.text or "",
             input_ids=state.input_ids,
-            sampling_params=item.sampling_params,
-            return_logprob=item.return_logprob,
-            logprob_start_len=item.logprob_start_len,
-            top_logprobs_num=item.top_logprobs_num,
-            token_ids_logprob=item.token_ids_logprob,
-            return_hidden_states=item.return_hidden_states,
-            input_embeds=item.input_embeds,
-            health_check=item.health_check,
-            cache_salt=item.cache_salt,
-            custom_logit_processor=item.custom_logit_processor,
-            priority=item.priority,
-            session_params=item.session_params,
-            routed_dp_rank=item.routed_dp_rank,
             # Non-streaming requests get one message at the end instead of one per step.
             stream=stream,
             received_time=received,
-            routing=item.routing,
-            lora_id=item.lora_id,
             mm_inputs=mm,
             trace=state.trace.context if state.trace is not None else None,
         )

@@ -109,6 +109,10 @@ def child_entry(target: Callable[..., None], args: tuple[Any, ...], name: str) -
         raise
 
 
+# How long terminate() waits for a SIGKILLed child to be reaped (see there).
+KILL_REAP_S = 10.0
+
+
 class ChildProcesses:
     """The server's children, their readiness pipes, and a watchdog over them."""
 
@@ -198,6 +202,8 @@ class ChildProcesses:
             proc.join(timeout)
             if proc.is_alive():
                 proc.kill()
-                proc.join(1.0)
+                # SIGKILL cannot be ignored, but on a busy machine the kernel may take more than
+                # a second to run the exit and let us reap it; callers count on it being gone.
+                proc.join(KILL_REAP_S)
         for pipe in pipes:
             pipe.close()

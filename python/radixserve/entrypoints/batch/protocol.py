@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.entrypoints.batch.expiry import ExpiresAfter
+from radixserve.entrypoints.openai.protocol import ListPage
 
 # The routes a batch line may call (OpenAI's `url`, the batch's `endpoint`).
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -30,12 +31,8 @@ class FileObject(BaseModel):
     status_details: str | None = None
 
 
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
+class FileList(ListPage):
     data: list[FileObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
 
 
 class FileDeleted(BaseModel):
@@ -115,12 +112,8 @@ class BatchObject(BaseModel):
     model: str | None = None
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
+class BatchList(ListPage):
     data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
 
 
 class BatchLine(BaseModel):

@@ -87,8 +87,7 @@ class BatchService:
         await self._purge_expired()
         data, more = await self.store.run(self.db.list_files, purpose, after, limit, order == "desc")
         files = [FileObject.model_validate(f) for f in data]
-        ids = [f.id for f in files]
-        return FileList(data=files, first_id=_first(ids), last_id=_last(ids), has_more=more)
+        return FileList.of(files, [f.id for f in files], more)
 
     # ------------------------------------------------------------------ batches
     async def create(self, req: BatchCreateRequest) -> dict[str, Any]:
@@ -146,13 +145,4 @@ class BatchService:
     async def batches(self, after: str | None, limit: int) -> BatchList:
         data, more = await self.store.run(self.db.list_batches, after, limit)
         batches = [BatchObject.model_validate(self.runner.live.get(b["id"], b)) for b in data]
-        ids = [b.id for b in batches]
-        return BatchList(data=batches, first_id=_first(ids), last_id=_last(ids), has_more=more)
-
-
-def _first(ids: list[str]) -> str | None:
-    return ids[0] if ids else None
-
-
-def _last(ids: list[str]) -> str | None:
-    return ids[-1] if ids else None
+        return BatchList.of(batches, [b.id for b in batches], more)

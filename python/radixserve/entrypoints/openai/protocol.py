@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
@@ -124,9 +124,32 @@ class SamplingExtras(RequestModel):
     disagg_prefill_dp_rank: NonNegativeInt | None = None
 
 
-def hidden_states_field() -> Any:  # noqa: ANN401 - a pydantic FieldInfo
-    """SGLang's `hidden_states` on a choice: left out of the JSON unless the request asked."""
-    return Field(default=None, exclude_if=lambda value: value is None)
+class ChoiceBase(BaseModel):
+    """What every completion and chat choice (and stream chunk choice) carries."""
+
+    index: int
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    # SGLang's `hidden_states`: left out of the JSON unless the request asked.
+    hidden_states: list[float] | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
+class ListPage(BaseModel):
+    """OpenAI's cursor list: one page of `data` (each subclass types it), the ids at its ends,
+    whether more follow."""
+
+    object: Literal["list"] = "list"
+    data: list[Any]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+    @classmethod
+    def of(cls, data: list[Any], ids: list[str], has_more: bool) -> Self:
+        """The page of `data`, whose ids are `ids`."""
+        return cls(
+            data=data, first_id=ids[0] if ids else None, last_id=ids[-1] if ids else None, has_more=has_more
+        )
 
 
 class ResponseEnvelope(BaseModel):
@@ -159,13 +182,9 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(ChoiceBase):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    hidden_states: list[float] | None = hidden_states_field()
 
 
 class CompletionResponse(ResponseEnvelope):
@@ -290,13 +309,9 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int
+class ChatCompletionChoice(ChoiceBase):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    hidden_states: list[float] | None = hidden_states_field()
 
 
 class ChatCompletionResponse(ResponseEnvelope):
@@ -308,13 +323,9 @@ class DeltaMessage(ChatResponseMessage):
     role: str | None = None  # the first chunk of a choice only
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(ChoiceBase):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    hidden_states: list[float] | None = hidden_states_field()
 
 
 class ChatCompletionStreamResponse(ResponseEnvelope):

@@ -30,7 +30,7 @@ from radixserve.entrypoints.openai.serving_common import (
     choice_hidden_states,
     finish_reason,
     first_output_checked,
-    model_lora,
+    native_fields,
     raise_if_failed,
     sampling_params,
     sse,
@@ -51,7 +51,7 @@ class ChatHandler:
 
     def plan(self, req: ChatCompletionRequest, stream: bool) -> tuple[GenerateReqInput, ChatPlan]:
         """Runs on the tokenizer threads (the template and the tokenizer are CPU work)."""
-        lora = model_lora(req.model, self.served_names)
+        fields = native_fields(req, self.served_names, stream)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs is only allowed when logprobs is true.")
         images = chat_images(req, self.tm.limits.image_refusal)
@@ -69,19 +69,8 @@ class ChatHandler:
             sampling_params=params,
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
-            return_text_in_logprobs=True,  # the OpenAI logprobs name each token
-            rid=req.rid,
-            stream=stream,
-            routed_dp_rank=req.routed_dp_rank,
-            data_parallel_rank=req.data_parallel_rank,
-            bootstrap_host=req.bootstrap_host,
-            bootstrap_port=req.bootstrap_port,
-            bootstrap_room=req.bootstrap_room,
-            disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
-            lora_path=lora,
-            return_hidden_states=req.return_hidden_states,
-            cache_salt=req.cache_salt,
             image_data=images,
+            **fields,
         )
         return native, plan
 

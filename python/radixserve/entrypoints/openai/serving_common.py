@@ -52,6 +52,19 @@ def model_lora(name: str | None, served_names: tuple[str, ...]) -> str | None:
     return None
 
 
+def native_fields(req: SamplingExtras, served_names: tuple[str, ...], stream: bool) -> dict[str, Any]:
+    """The GenerateReqInput fields completions and chat fill alike: the adapter `req.model` names,
+    the request's id, replica and PD routing, and the extras passed through under their names."""
+    passed = ("rid", "routed_dp_rank", "data_parallel_rank", "bootstrap_host", "bootstrap_port")
+    passed += ("bootstrap_room", "disagg_prefill_dp_rank", "return_hidden_states", "cache_salt")
+    return {
+        **{name: getattr(req, name) for name in passed},
+        "lora_path": model_lora(req.model, served_names),
+        "stream": stream,
+        "return_text_in_logprobs": True,  # the OpenAI logprobs name each token
+    }
+
+
 def sampling_params(req: SamplingExtras, max_new_tokens: int | None) -> dict[str, Any]:
     """Map an OpenAI request onto SGLang sampling parameters (unset fields keep their defaults)."""
     params: dict[str, Any] = {k: getattr(req, k) for k in _PASS_THROUGH if getattr(req, k) is not None}

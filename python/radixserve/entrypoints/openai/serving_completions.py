@@ -16,7 +16,7 @@ from radixserve.entrypoints.openai.serving_common import (
     choice_hidden_states,
     finish_reason,
     first_output_checked,
-    model_lora,
+    native_fields,
     raise_if_failed,
     sampling_params,
     sse,
@@ -33,7 +33,7 @@ class CompletionsHandler:
         self.served_names = served_names
 
     def to_native(self, req: CompletionRequest, stream: bool) -> GenerateReqInput:
-        lora = model_lora(req.model, self.served_names)
+        fields = native_fields(req, self.served_names, stream)
         if req.suffix:
             raise InvalidRequestError("suffix is not supported.")
         if req.best_of is not None and req.best_of != req.n:
@@ -49,18 +49,7 @@ class CompletionsHandler:
             return_logprob=req.logprobs is not None,
             top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
-            return_text_in_logprobs=True,  # the OpenAI logprobs name each token
-            rid=req.rid,
-            stream=stream,
-            routed_dp_rank=req.routed_dp_rank,
-            data_parallel_rank=req.data_parallel_rank,
-            bootstrap_host=req.bootstrap_host,
-            bootstrap_port=req.bootstrap_port,
-            bootstrap_room=req.bootstrap_room,
-            disagg_prefill_dp_rank=req.disagg_prefill_dp_rank,
-            lora_path=lora,
-            return_hidden_states=req.return_hidden_states,
-            cache_salt=req.cache_salt,
+            **fields,
         )
 
     def _prompt_texts(self, obj: GenerateReqInput) -> list[str]:

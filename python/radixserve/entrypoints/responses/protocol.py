@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-from radixserve.entrypoints.openai.protocol import RequestModel
+from radixserve.entrypoints.openai.protocol import ListPage, RequestModel
 
 
 class StrictModel(RequestModel):
@@ -317,14 +317,10 @@ class ResponseObject(BaseModel):
     user: str | None = None
 
 
-class InputItemList(BaseModel):
+class InputItemList(ListPage):
     """GET /v1/responses/{id}/input_items: the request's input items, each with an id."""
 
-    object: Literal["list"] = "list"
     data: list[dict[str, Any]]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
 
 
 class DeletedResponse(BaseModel):

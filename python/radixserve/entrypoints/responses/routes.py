@@ -106,9 +106,4 @@ def page(items: list[dict], after: str | None, limit: int, order: str) -> InputI
             raise ValueError(f"after: no input item {after!r} in this response.")
         ordered = ordered[ids.index(after) + 1 :]
     data = ordered[:limit]
-    return InputItemList(
-        data=data,
-        first_id=data[0]["id"] if data else None,
-        last_id=data[-1]["id"] if data else None,
-        has_more=len(ordered) > limit,
-    )
+    return InputItemList.of(data, [item["id"] for item in data], len(ordered) > limit)

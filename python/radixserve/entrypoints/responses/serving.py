@@ -151,7 +151,7 @@ class ResponsesHandler:
             await self.store.run(self.db.update, job.run.dump(), job.log.events)
 
     async def cancel(self, rid: str) -> dict[str, Any]:
-        stored = await self._stored(rid)
+        stored = await self.retrieve(rid)
         if not stored.get("background"):
             raise InvalidRequestError("Only responses created with background true can be cancelled.")
         job = self.jobs.get(rid)
@@ -163,7 +163,7 @@ class ResponsesHandler:
         return job.run.dump()
 
     # ------------------------------------------------------------------ stored responses
-    async def _stored(self, rid: str) -> dict[str, Any]:
+    async def retrieve(self, rid: str) -> dict[str, Any]:
         job = self.jobs.get(rid)
         if job is not None:
             return job.run.dump()
@@ -172,12 +172,9 @@ class ResponsesHandler:
             raise ResponseNotFoundError(f"No response with id {rid!r} is stored.")
         return found
 
-    async def retrieve(self, rid: str) -> dict[str, Any]:
-        return await self._stored(rid)
-
     async def replay(self, rid: str, starting_after: int) -> AsyncIterator[Event]:
         """GET ?stream=true: a background response's events after `starting_after`."""
-        stored = await self._stored(rid)
+        stored = await self.retrieve(rid)
         if not stored.get("background"):
             raise InvalidRequestError("Only responses created with background true can be streamed again.")
         job = self.jobs.get(rid)
