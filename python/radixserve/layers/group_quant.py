@@ -17,6 +17,7 @@ fp32, so the result differs from the dequantize-then-matmul reference only in su
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,11 +36,18 @@ WQ_KERNEL = (
 
 # sgl-kernel's linear_wq_a8 (int8 activations) is built.
 WQ_A8_KERNEL = WQ_KERNEL and hasattr(getattr(cpu_kernels, "_ext", None), "linear_wq_a8")
+# ... and its AVX2 panel kernel on weights repacked at load (GroupQuantWeight.a8_packed).
+WQ_A8_PACKED = WQ_A8_KERNEL and cpu_kernels.linear_wq_a8_packed_available()
 ACT_BLOCK = 32  # inputs per int8 activation scale (llama.cpp's Q8_0 block)
-# int8 activations only up to this many rows: from ~3 rows on linear_wq_a8 is no faster than
-# linear_wq on an AVX2 Zen 1 (the weight conversion it saves is shared by the rows there; ad-hoc
-# timing on a shared machine, docs/quantization.md), so larger products keep fp32 activations.
+# int8 activations only up to this many rows on the canonical rows (no panel repack: a CPU without
+# AVX2, or a form marked without with_int8_activations): from ~3 rows on linear_wq_a8's row kernel
+# is no faster than linear_wq on an AVX2 Zen 1 (docs/quantization.md), so larger products keep fp32.
 A8_MAX_ROWS = 2
+# ... and on the 8-row panels (GroupQuantWeight.a8_packed): one weight load feeds up to 4 rows of
+# x, and the panel kernel beat linear_wq at every row count measured, 1-16 (Q4_0 2.2-3.1x, Q8_0
+# 1.25-2x per call, thread CPU, benchmark/bench_wq_a8.py, docs/quantization.md). 16: a decode batch
+# of C=16 and a speculative verify step; above, prefill-sized products stay on the fp32 path.
+A8_PACKED_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class GroupQuantWeight:
     int8_activations: x is quantized to int8 per block of 32 inputs before the product (llama.cpp's
     Q8_0 activations; --cpu-wq-int8-activations): faster on CPUs without fast fp32 dequantization,
     no longer the fp32 weight's exact product (linear_wq_a8_reference is its reference).
+    a8_packed: the same integers and scales repacked for linear_wq_a8's AVX2 panel kernel
+    (sgl_kernel.cpu.pack_wq_a8; with_int8_activations makes it), or None.
     """
 
     qweight: torch.Tensor
@@ -62,6 +72,7 @@ class GroupQuantWeight:
     bits: int
     kernel_form: Any = None
     int8_activations: bool = False
+    a8_packed: Any = None
 
     def __post_init__(self) -> None:
         n, k = self.out_features, self.in_features
@@ -126,6 +137,15 @@ class GroupQuantWeight:
         return out
 
 
+def with_int8_activations(w: GroupQuantWeight) -> GroupQuantWeight:
+    """w marked for int8 activations, with its panel repack where the AVX2 panel kernel is built
+    (one more copy of the integers and scales: int8 activations trade memory for speed)."""
+    packed = None
+    if WQ_A8_PACKED and w.qweight.device.type == "cpu":
+        packed = cpu_kernels.pack_wq_a8(w.qweight, w.scales, w.offsets, w.bits, w.group_size)
+    return dataclasses.replace(w, int8_activations=True, a8_packed=packed)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Integers 0..15 [N, K] (K even) -> uint8 [N, K // 2], low nibble first."""
     q = q.to(torch.uint8)
@@ -181,16 +201,19 @@ def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = 
     """On CUDA, the Triton dequant-GEMM (output in x's dtype, fp32 accumulation); on CPU,
     sgl-kernel's linear_wq when it can take x (2-D fp32 with contiguous rows); else the fp32
     reference. A form with int8_activations (CPU only) runs linear_wq_a8 or its reference on up
-    to A8_MAX_ROWS rows."""
+    to A8_MAX_ROWS rows (A8_PACKED_MAX_ROWS with its panel repack)."""
     if x.device.type == "cuda":
         gemm = triton_wq_gemm()
         if gemm is not None:
             return gemm(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
         return linear_wq_reference(x, w, bias)
     kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-    if w.int8_activations and x.numel() <= A8_MAX_ROWS * x.shape[-1]:
+    max_rows = A8_PACKED_MAX_ROWS if w.a8_packed is not None else A8_MAX_ROWS
+    if w.int8_activations and x.numel() <= max_rows * x.shape[-1]:
         if kernel_ok and WQ_A8_KERNEL:
-            return cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
+            return cpu_kernels.linear_wq_a8(
+                x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, packed=w.a8_packed
+            )
         return linear_wq_a8_reference(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
     if kernel_ok and WQ_KERNEL:
         return cpu_kernels.linear_wq(

@@ -19,14 +19,13 @@ did not change.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight
+from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight, with_int8_activations
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
@@ -64,7 +63,7 @@ class WeightOnlyForms:
     def _mark(self, form: GroupQuantWeight) -> GroupQuantWeight:
         if not self.int8_activations or form.group_size % ACT_BLOCK:
             return form
-        return dataclasses.replace(form, int8_activations=True)
+        return with_int8_activations(form)
 
     def attach(self) -> None:
         """Set each layer's weight_wq (module docstring for what happens to changed layers)."""
