@@ -458,9 +458,10 @@ class ServerArgs:
         False,
         "CPU, weight-only quantized linears (--quantization gguf, --torchao-config) whose groups are "
         "multiples of 32 inputs: quantize each row's activations to int8 per 32 inputs (llama.cpp's "
-        "Q8_0 form) and sum the products in int32 (sgl-kernel's linear_wq_a8); faster on AVX2 CPUs, "
-        "outputs differ slightly from the fp32-activation product (docs/quantization.md). Refused "
-        "without weight-only quantized linears.",
+        "Q8_0 form) and sum the products in int32 (sgl-kernel's linear_wq_a8, on the weights repacked "
+        "at load in 8-row panels: one more copy of them in memory), for products of up to 16 rows; "
+        "faster on AVX2 CPUs, outputs differ slightly from the fp32-activation product "
+        "(docs/quantization.md). Refused without weight-only quantized linears.",
     )
     cpu_bf16_gemm: bool = _f(
         False,
