@@ -12,7 +12,9 @@ from test_linear_wq import _weight  # the same random group-quantized weights
 from test_linear_wq_a8 import _check  # the int8-activation reference, with its fp32 tolerance
 
 from radixserve.layers import group_quant
+from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4, with_int8_activations
+from radixserve.layers.linear import linear
 from sgl_kernel import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -107,3 +109,19 @@ def test_marked_forms_carry_and_use_the_packed_weight() -> None:
     _check(group_quant.linear_wq(small, marked), small, w, None)
     # More rows than A8_PACKED_MAX_ROWS: fp32 activations, as for an unmarked form.
     assert torch.equal(group_quant.linear_wq(x, marked), group_quant.linear_wq(x, w))
+
+
+def test_linear_reads_panel_forms_past_wq_max_tokens() -> None:
+    """layers/linear.py's linear(): a form with panels is read up to A8_PACKED_MAX_ROWS rows
+    (the int8-activation product, not the fp32 weight's), other forms up to wq_max_tokens."""
+    w = _weight(16, 64, 4, 32, offsets=False, seed=4)
+    marked = with_int8_activations(w)
+    fp32 = w.dequantize()
+    bound = crossovers().wq_max_tokens
+    rows = group_quant.A8_PACKED_MAX_ROWS
+    assert rows > bound  # else there is nothing to check here
+    x = _x(rows, 64, seed=9)
+    _check(linear(x, fp32, weight_wq=marked), x, w, None)
+    assert group_quant.wq_rows_bound(w, bound) == bound
+    more = _x(rows + 1, 64, seed=10)
+    assert torch.equal(linear(more, fp32, weight_wq=marked), linear(more, fp32))

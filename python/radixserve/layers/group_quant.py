@@ -181,6 +181,16 @@ def linear_wq_a8_reference(
     return linear_wq_reference(quantize_act_blocks(x), w, bias)
 
 
+def wq_rows_bound(w: GroupQuantWeight, wq_max_tokens: int) -> int:
+    """Batches of up to this many rows read w (larger ones the fp32 weight): the machine's
+    wq_max_tokens crossover, or A8_PACKED_MAX_ROWS for a form with int8-activation panels."""
+    return (
+        max(wq_max_tokens, A8_PACKED_MAX_ROWS)
+        if w.int8_activations and w.a8_packed is not None
+        else wq_max_tokens
+    )
+
+
 @functools.cache
 def triton_wq_gemm() -> Callable[..., torch.Tensor] | None:
     """sgl-kernel's Triton dequant-GEMM (sgl_kernel/triton/wq_gemm.py) for CUDA tensors, or None

@@ -10,6 +10,7 @@ import torch
 
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.greedy_head import greedy_logits
+from radixserve.layers.group_quant import wq_rows_bound
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -35,12 +36,13 @@ class LogitsOutput:
 def head_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits [n, vocab] of many rows, from the LM head form decode reads: a head with a
     weight-only quantized form (--quantization gguf, w8a8_int8) is run in blocks of at most
-    `wq_max_tokens` rows (layers/cpu_crossovers.py), which read that form. Under w8a8_int8 it is not the fp32 weight's exact
+    `wq_max_tokens` rows (layers/cpu_crossovers.py; group_quant.wq_rows_bound: more for a form
+    with int8-activation panels), which read that form. Under w8a8_int8 it is not the fp32 weight's exact
     dequantization, so scoring all rows at once would give prompt logprobs from a different head
     than the one sampled tokens (and their logprobs) come from."""
     head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead: every rank runs the same blocks
-    rows, block = hidden.shape[0], crossovers().wq_max_tokens
-    if getattr(head, "weight_wq", None) is None or rows <= block:
+    rows, form = hidden.shape[0], getattr(head, "weight_wq", None)
+    if form is None or rows <= (block := wq_rows_bound(form, crossovers().wq_max_tokens)):
         return lm_head(hidden).float()
     return torch.cat([lm_head(hidden[i : i + block]).float() for i in range(0, rows, block)])
 
