@@ -458,8 +458,9 @@ class ServerArgs:
     cpu_wq_int8_activations: bool = _f(
         False,
         "CPU, weight-only quantized linears (gguf, torchao; groups of multiples of 32): force int8 "
-        "activations on (linear_wq_a8, llama.cpp's scheme) for batches up to the measured wq_a8_max_tokens "
-        "(else 2); outputs differ slightly (docs/quantization.md). Refused without such linears.",
+        "activations on (linear_wq_a8, llama.cpp's scheme), with the weights repacked at load in "
+        "8-row panels (one more copy in memory) for products up to 16 rows, else the measured "
+        "wq_a8_max_tokens (or 2); outputs differ slightly (docs/quantization.md). Refused without such linears.",
     )
     disable_cpu_wq_int8_activations: bool = _f(
         False, "CPU: force int8 activations off (wq_a8_max_tokens 0): the exact fp32-activation product."

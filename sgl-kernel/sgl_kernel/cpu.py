@@ -12,6 +12,10 @@ from types import ModuleType
 
 import torch
 
+# pack_wq_a8 re-exported: the packed weight linear_wq_a8 takes.
+from sgl_kernel.wq_a8_pack import WqA8Packed
+from sgl_kernel.wq_a8_pack import pack_wq_a8 as pack_wq_a8
+
 _ext: ModuleType | None
 try:
     from sgl_kernel import _cpu as _ext
@@ -292,6 +296,11 @@ def linear_wq_a8_isas() -> list[str]:
     return _built_isas("linear_wq_a8", "linear_wq_a8_isas")
 
 
+def linear_wq_a8_packed_available() -> bool:
+    """Whether linear_wq_a8 can take a pack_wq_a8 weight (an AVX2 build with the panel kernel)."""
+    return available() and bool(getattr(_ext, "linear_wq_a8_packed_available", False))
+
+
 def linear_wq_a8(
     x: torch.Tensor,  # [M, K] fp32, rows contiguous
     qweight: torch.Tensor,  # as linear_wq's
@@ -301,14 +310,25 @@ def linear_wq_a8(
     group_size: int,  # a multiple of 32
     bias: torch.Tensor | None = None,  # [N] fp32
     isa: str = "auto",
+    packed: WqA8Packed | None = None,
 ) -> torch.Tensor:
     """linear_wq with int8 activations (llama.cpp's Q8_0 form of x): each block of 32 inputs of a
     row of x is quantized to int8 (scale amax / 127, round half to even), the products with the
     weight's integers summed in int32 per block, then scaled: fp32 [M, N]. Equal to
     layers/group_quant.py's linear_wq_a8_reference up to fp32 summation order. `isa`: "scalar",
-    "avx2" or "auto". Raises RuntimeError on a wrong dtype, shape or layout."""
+    "avx2" or "auto". `packed` (pack_wq_a8 of the same weight, AVX2 builds only): the panel
+    kernel reads it instead of qweight / scales / offsets (isa "auto" or "avx2"). Raises
+    RuntimeError on a wrong dtype, shape or layout."""
     if isa not in ("auto", "scalar", "avx2"):
         raise ValueError(f"linear_wq_a8: isa must be auto, scalar or avx2, got {isa!r}")
+    if packed is not None:
+        if isa == "scalar":
+            raise ValueError(
+                "linear_wq_a8: a packed weight runs the AVX2 panel kernel; isa scalar takes none"
+            )
+        return _lib().linear_wq_a8_packed(
+            x, packed.q, packed.scales, packed.offsets, packed.n, packed.bits, packed.group_size, bias
+        )
     return _lib().linear_wq_a8(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
 
 

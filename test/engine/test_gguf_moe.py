@@ -200,15 +200,18 @@ def test_int8_activations_serve_close_to_the_fp32_path(moe_gguf, variant, monkey
     rows: list[int] = []
     kernel = group_quant.cpu_kernels.linear_wq_a8
 
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+    def spy(x: torch.Tensor, *args: object, packed: object = None) -> torch.Tensor:
         rows.append(x.shape[0])
-        return kernel(x, *args)
+        # Marked at load with the 8-row panel repack wherever the AVX2 panel kernel is built.
+        assert (packed is not None) == group_quant.WQ_A8_PACKED
+        return kernel(x, *args, packed=packed)
 
     monkeypatch.setattr(group_quant.cpu_kernels, "linear_wq_a8", spy)
     got, _ = forced_logprobs(worker, prompts, steps=NUM_NEW, forced=fed)
     # Each decode step: per layer the attention projections and two per chosen expert, and the
-    # head (the prefill's experts that got at most A8_MAX_ROWS tokens too).
-    assert len(rows) >= NUM_NEW * len(moes) * 3 and set(rows) <= {1, group_quant.A8_MAX_ROWS}, rows[:8]
+    # head (the prefill's products of at most A8_PACKED_MAX_ROWS rows too).
+    max_rows = group_quant.A8_PACKED_MAX_ROWS if group_quant.WQ_A8_PACKED else group_quant.A8_MAX_ROWS
+    assert len(rows) >= NUM_NEW * len(moes) * 3 and max(rows) <= max_rows, rows[:8]
     # The same semantics through the torch reference (linear_wq_a8_reference). Not equal end to
     # end: the fp32 sums differ in order, and an activation that sits on a rounding boundary of
     # the next projection's int8 step then moves by a whole step (measured: mean 2e-3, max 1.2e-2,

@@ -20,6 +20,7 @@ The exception is a form marked `int8_activations` in a product of at most the in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,12 +40,19 @@ WQ_KERNEL = (
 
 # sgl-kernel's linear_wq_a8 (int8 activations) is built.
 WQ_A8_KERNEL = WQ_KERNEL and hasattr(getattr(cpu_kernels, "_ext", None), "linear_wq_a8")
+# ... and its AVX2 panel kernel on weights repacked at load (GroupQuantWeight.a8_packed).
+WQ_A8_PACKED = WQ_A8_KERNEL and cpu_kernels.linear_wq_a8_packed_available()
 ACT_BLOCK = 32  # inputs per int8 activation scale (llama.cpp's Q8_0 block)
 # --cpu-wq-int8-activations on a machine whose tuning did not measure the int8-activation bound:
 # int8 activations up to this many rows. From ~3 rows on linear_wq_a8 was no faster than linear_wq
 # on an AVX2 Zen 1 (the weight conversion it saves is shared by the rows there; ad-hoc timing on a
 # shared machine, docs/quantization.md). Elsewhere the installed crossovers' wq_a8_max_tokens rules.
 A8_MAX_ROWS = 2
+# ... and on the 8-row panels (GroupQuantWeight.a8_packed): one weight load feeds up to 4 rows of
+# x, and the panel kernel beat linear_wq at every row count measured, 1-16 (Q4_0 2.2-3.1x, Q8_0
+# 1.25-2x per call, thread CPU, benchmark/bench_wq_a8.py, docs/quantization.md). 16: a decode batch
+# of C=16 and a speculative verify step; above, prefill-sized products stay on the fp32 path.
+A8_PACKED_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,9 @@ class GroupQuantWeight:
     crossovers' wq_a8_max_tokens rows (0 by default): faster on CPUs without fast fp32
     dequantization, no longer the fp32 weight's exact product (linear_wq_a8_reference is its
     reference). Set on GGUF and torchao forms whose groups allow it (weight_only_forms.py).
+    a8_packed: the same integers and scales repacked for linear_wq_a8's AVX2 panel kernel
+    (sgl_kernel.cpu.pack_wq_a8; with_int8_activations(panels=True) makes it: one more copy of them
+    in memory, so only under --cpu-wq-int8-activations), or None.
     """
 
     qweight: torch.Tensor
@@ -69,6 +80,7 @@ class GroupQuantWeight:
     bits: int
     kernel_form: Any = None
     int8_activations: bool = False
+    a8_packed: Any = None
 
     def __post_init__(self) -> None:
         n, k = self.out_features, self.in_features
@@ -133,6 +145,24 @@ class GroupQuantWeight:
         return out
 
 
+def with_int8_activations(w: GroupQuantWeight, panels: bool = False) -> GroupQuantWeight:
+    """w marked for int8 activations; with `panels`, also repacked for the AVX2 panel kernel where
+    it is built (one more copy of the integers and scales: memory traded for speed, so the caller
+    asks for it: --cpu-wq-int8-activations)."""
+    packed = None
+    if panels and WQ_A8_PACKED and w.qweight.device.type == "cpu":
+        packed = cpu_kernels.pack_wq_a8(w.qweight, w.scales, w.offsets, w.bits, w.group_size)
+    return dataclasses.replace(w, int8_activations=True, a8_packed=packed)
+
+
+def a8_rows(w: GroupQuantWeight) -> int:
+    """Products of up to this many rows take int8 activations: A8_PACKED_MAX_ROWS on the panels,
+    else the installed crossovers' wq_a8_max_tokens (0: none) for a marked form."""
+    if not w.int8_activations:
+        return 0
+    return A8_PACKED_MAX_ROWS if w.a8_packed is not None else crossovers().wq_a8_max_tokens
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Integers 0..15 [N, K] (K even) -> uint8 [N, K // 2], low nibble first."""
     q = q.to(torch.uint8)
@@ -168,6 +198,16 @@ def linear_wq_a8_reference(
     return linear_wq_reference(quantize_act_blocks(x), w, bias)
 
 
+def wq_rows_bound(w: GroupQuantWeight, wq_max_tokens: int) -> int:
+    """Batches of up to this many rows read w (larger ones the fp32 weight): the machine's
+    wq_max_tokens crossover, or A8_PACKED_MAX_ROWS for a form with int8-activation panels."""
+    return (
+        max(wq_max_tokens, A8_PACKED_MAX_ROWS)
+        if w.int8_activations and w.a8_packed is not None
+        else wq_max_tokens
+    )
+
+
 @functools.cache
 def triton_wq_gemm() -> Callable[..., torch.Tensor] | None:
     """sgl-kernel's Triton dequant-GEMM (sgl_kernel/triton/wq_gemm.py) for CUDA tensors, or None
@@ -188,16 +228,19 @@ def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = 
     """On CUDA, the Triton dequant-GEMM (output in x's dtype, fp32 accumulation); on CPU,
     sgl-kernel's linear_wq when it can take x (2-D fp32 with contiguous rows); else the fp32
     reference. A form with int8_activations (CPU only) runs linear_wq_a8 or its reference on up
-    to the installed wq_a8_max_tokens rows (layers/cpu_crossovers.py)."""
+    to a8_rows(w) rows: the installed wq_a8_max_tokens (layers/cpu_crossovers.py), or
+    A8_PACKED_MAX_ROWS with its panel repack."""
     if x.device.type == "cuda":
         gemm = triton_wq_gemm()
         if gemm is not None:
             return gemm(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
         return linear_wq_reference(x, w, bias)
     kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-    if w.int8_activations and x.numel() <= crossovers().wq_a8_max_tokens * x.shape[-1]:
+    if x.numel() <= a8_rows(w) * x.shape[-1]:
         if kernel_ok and WQ_A8_KERNEL:
-            return cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
+            return cpu_kernels.linear_wq_a8(
+                x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, packed=w.a8_packed
+            )
         return linear_wq_a8_reference(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
     if kernel_ok and WQ_KERNEL:
         return cpu_kernels.linear_wq(

@@ -9,7 +9,10 @@ built-in model's decode, docs/benchmarks.md):
    sgl-kernel's int8 kernel, or its torch reference). Such layers get none of the forms below.
 0b. A weight-only group-quantized form (`weight_wq`, layers/group_quant.py: GGUF and int4/int8
    weight-only formats), batches of at most `wq_max_tokens` tokens: the fp32 weight is exactly its
-   dequantization, so larger batches take the fp32 forms below unchanged. One exception:
+   dequantization, so larger batches take the fp32 forms below unchanged. A form marked for int8
+   activations with its 8-row panels (--cpu-wq-int8-activations) is read up to
+   group_quant.A8_PACKED_MAX_ROWS tokens when that is higher (wq_rows_bound): the panel kernel beat
+   the fp32 forms at every row count up to there. One exception:
    `--quantization w8a8_int8`'s LM head (`quantize_lm_head`), whose fp32 weight is the tied
    embedding and stays as loaded; its batches above that bound compute with the fp32 head.
 
@@ -45,7 +48,7 @@ from radixserve.layers import cpu_fused
 from radixserve.layers.activation import Activation
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
-from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
+from radixserve.layers.group_quant import GroupQuantWeight, linear_wq, wq_rows_bound
 from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
 from radixserve.layers.weight_only import quantize_int8_groups
 
@@ -80,7 +83,7 @@ def linear(
         assert weight_scale is not None
         return linear_w8a8(x, weight_int8, weight_scale, bias)
     num_tokens, bound = x.shape[0], crossovers()
-    if weight_wq is not None and num_tokens <= bound.wq_max_tokens and x.dim() == 2:
+    if weight_wq is not None and num_tokens <= wq_rows_bound(weight_wq, bound.wq_max_tokens) and x.dim() == 2:
         return linear_wq(x, weight_wq, bias)
     if weight_f16 is not None and num_tokens <= bound.f16_max_tokens and _rows_ok(x):
         return cpu_kernels.linear_f16(x, weight_f16, bias)

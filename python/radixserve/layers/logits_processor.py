@@ -10,6 +10,7 @@ import torch
 
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.greedy_head import greedy_logits
+from radixserve.layers.group_quant import a8_rows
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -35,20 +36,18 @@ class LogitsOutput:
 def head_logits(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits [n, vocab] of many rows, from the LM head form decode reads: a head with a
     weight-only quantized form (--quantization gguf, w8a8_int8) is run in blocks of at most
-    `wq_max_tokens` rows (layers/cpu_crossovers.py; `wq_a8_max_tokens` where the form takes int8
-    activations), which read that form. Under w8a8_int8 it is not the fp32 weight's exact
+    `wq_max_tokens` rows (layers/cpu_crossovers.py), or of group_quant.a8_rows where the form
+    takes int8 activations, which read that form. Under w8a8_int8 it is not the fp32 weight's exact
     dequantization, so scoring all rows at once would give prompt logprobs from a different head
     than the one sampled tokens (and their logprobs) come from."""
     head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead: every rank runs the same blocks
     form = getattr(head, "weight_wq", None)
-    rows, bound = hidden.shape[0], crossovers()
     # A head that takes int8 activations (layers/group_quant.py) in decode's small steps is scored
     # in blocks of that size, so prompt logprobs come from the head one stream's tokens come from.
-    a8 = form is not None and form.int8_activations and bound.wq_a8_max_tokens > 0
-    block = bound.wq_a8_max_tokens if a8 else bound.wq_max_tokens
-    if form is None or rows <= block:
+    block = (form is not None and a8_rows(form)) or crossovers().wq_max_tokens
+    if form is None or hidden.shape[0] <= block:
         return lm_head(hidden).float()
-    return torch.cat([lm_head(hidden[i : i + block]).float() for i in range(0, rows, block)])
+    return torch.cat([lm_head(hidden[i : i + block]).float() for i in range(0, hidden.shape[0], block)])
 
 
 class LogitsProcessor:

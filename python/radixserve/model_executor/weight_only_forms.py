@@ -19,14 +19,13 @@ did not change.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight
+from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight, with_int8_activations
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
@@ -47,8 +46,10 @@ class WeightOnlyForms:
         forms: list[Form],
         requantize: Callable[[torch.Tensor], GroupQuantWeight | None] | None,
         expert_forms: list[ExpertForm] | None = None,
+        a8_panels: bool = False,
     ) -> None:
         self.method = method
+        self.a8_panels = a8_panels  # --cpu-wq-int8-activations: repack for the panel kernel too
         self.forms = [(name, layer, self._mark(form)) for name, layer, form in forms]
         self.expert_forms = [
             (name, moe, ExpertsWq(tuple(map(self._mark, f.w13)), tuple(map(self._mark, f.w2))))
@@ -58,13 +59,13 @@ class WeightOnlyForms:
         self.expert_scratch = DequantScratch()  # one for every MoE layer (layers/moe/quantized.py)
         self._attached = False
 
-    @staticmethod
-    def _mark(form: GroupQuantWeight) -> GroupQuantWeight:
+    def _mark(self, form: GroupQuantWeight) -> GroupQuantWeight:
         """Every form whose groups allow it may take int8 activations; whether any product does is
-        the installed crossovers' wq_a8_max_tokens (0 unless measured faster here or forced)."""
+        the installed crossovers' wq_a8_max_tokens (0 unless measured faster here or forced), or,
+        with the panels (forced only: they cost a second copy of the weights), up to 16 rows."""
         if form.group_size % ACT_BLOCK:
             return form
-        return dataclasses.replace(form, int8_activations=True)
+        return with_int8_activations(form, panels=self.a8_panels)
 
     def attach(self) -> None:
         """Set each layer's weight_wq (module docstring for what happens to changed layers)."""
@@ -164,7 +165,7 @@ def _replace_weight(layer: Linear, form: GroupQuantWeight) -> None:
         layer.weight.copy_(form.dequantize())
 
 
-def _torchao_forms(config: str, model: torch.nn.Module) -> WeightOnlyForms:
+def _torchao_forms(config: str, model: torch.nn.Module, a8_panels: bool) -> WeightOnlyForms:
     bits, group_size = parse_torchao_config(config)
     forms: list[Form] = []
     skipped: list[str] = []
@@ -190,6 +191,7 @@ def _torchao_forms(config: str, model: torch.nn.Module) -> WeightOnlyForms:
         f"--torchao-config {config}",
         forms,
         lambda weight: quantize_weight_only(weight, bits, group_size),
+        a8_panels=a8_panels,
     )
 
 
@@ -207,7 +209,9 @@ def create_weight_only(runner: Any) -> WeightOnlyForms | None:  # noqa: ANN401 -
                 f"built-in model); {runner.model_config.path} is not a GGUF conversion"
             )
         forms, expert_forms = gguf_linear_forms(source, runner.model, runner.lm_head)
-        return WeightOnlyForms("--quantization gguf", forms, None, expert_forms)
+        return WeightOnlyForms(
+            "--quantization gguf", forms, None, expert_forms, a8_panels=args.cpu_wq_int8_activations
+        )
     if args.torchao_config:
-        return _torchao_forms(args.torchao_config, runner.model)
+        return _torchao_forms(args.torchao_config, runner.model, args.cpu_wq_int8_activations)
     return None

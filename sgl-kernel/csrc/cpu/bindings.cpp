@@ -57,6 +57,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list wq_a8_isas;
   for (const std::string& isa : linear_wq_a8_isas()) wq_a8_isas.append(isa);
   m.attr("linear_wq_a8_isas") = wq_a8_isas;
+  m.def("linear_wq_a8_packed", &linear_wq_a8_packed,
+        "linear_wq_a8 on a weight repacked into panels of 8 output rows (sgl_kernel.cpu.pack_wq_a8): packed_q "
+        "[ceil(n/8), K/32, 128 (bits 4) or 256 (bits 8)], packed scales / offsets fp32 [ceil(n/8), groups, 8]; AVX2",
+        py::arg("x"), py::arg("packed_q"), py::arg("packed_scales"), py::arg("packed_offsets"), py::arg("n"),
+        py::arg("bits"), py::arg("group_size"), py::arg("bias") = py::none());
+  m.attr("linear_wq_a8_packed_available") = linear_wq_a8_packed_available();
   m.def("greedy_head_candidates", &greedy_head_candidates,
         "Greedy LM head: per row of x fp32 [M,K], the rows of the int8 head copy u [N,K] (stats fp32 [N,3]: "
         "scale, error norm, norm) that may hold its argmax: (indices int64 [C], counts int64 [M], -1 = none proven). "

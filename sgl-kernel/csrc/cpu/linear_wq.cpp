@@ -27,6 +27,7 @@
 // offsets (at::parallel_for gives each thread one chunk of output rows).
 #include "common.h"
 #include "ops.h"
+#include "wq_form.h"
 
 namespace {
 
@@ -341,38 +342,8 @@ std::vector<std::string> linear_wq_isas() { return isa_names(RS_HAVE_AVX2, RS_HA
 at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t isa) {
-  TORCH_CHECK(bits == 4 || bits == 8, "linear_wq: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && scales.device().is_cpu(),
-              "linear_wq: tensors must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "linear_wq: x must be float32 [M, K] with contiguous rows");
-  const auto q_type = bits == 8 ? at::kChar : at::kByte;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == q_type,
-              "linear_wq: ", bits, "-bit qweight must be a contiguous ", bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  const int64_t qK = qweight.size(1) * (bits == 4 ? 2 : 1);
-  TORCH_CHECK(qK == K, "linear_wq: x has K=", K, " but qweight holds K=", qK);
-  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0, "linear_wq: group_size ", group_size,
-              " must be a multiple of 16 dividing K=", K);
-  const int64_t groups = K / group_size;
-  auto check_groups = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
-                    t.size(0) == N && t.size(1) == groups,
-                "linear_wq: ", name, " must be a contiguous float32 [", N, ", ", groups, "]");
-  };
-  check_groups(scales, "scales");
-  const float* o_ptr = nullptr;
-  if (offsets.has_value() && offsets->defined()) {
-    check_groups(*offsets, "offsets");
-    o_ptr = offsets->data_ptr<float>();
-  }
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "linear_wq: bias must be a contiguous float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const WqForm f = check_wq_form("linear_wq", x, qweight, scales, offsets, bits, group_size, bias, 16);
+  const int64_t M = f.M, K = f.K, N = f.N, groups = f.groups;
   if (isa == kIsaAuto) isa = best_isa();
   TORCH_CHECK(isa == kIsaScalar || (isa == kIsaAvx2 && RS_HAVE_AVX2) || (isa == kIsaAvx512 && RS_HAVE_AVX512),
               "linear_wq: ISA path ", isa, " is not compiled into this build");
@@ -393,9 +364,9 @@ at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::T
                     reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                     qweight.size(1),
                     scales.data_ptr<float>(),
-                    o_ptr,
+                    f.offsets,
                     grp.data(),
-                    bias_ptr,
+                    f.bias,
                     y.data_ptr<float>(),
                     groups,
                     M,

@@ -19,46 +19,12 @@
 // then its odd ones, so the quantized x is stored in that order per block (int8 weights: in order).
 #include "common.h"
 #include "linear_wq_a8.h"
+#include "linear_wq_a8_quant.h"
+#include "wq_form.h"
 
 namespace {
 
 constexpr int64_t kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2;
-constexpr int64_t kBlock = 32;
-
-// x quantized per 32-input block: q [M, K] (int4 weights: each block's even inputs first),
-// scale [M, K / 32], and gsum [M, groups]: sum over the group's blocks of scale * sum(q), the
-// dequantized x's sum per weight group, which the weight offsets multiply (one dot product per
-// output instead of a scalar FMA per block in the inner loop).
-struct BlockQuantRows {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<float> gsum;
-};
-
-BlockQuantRows quantize_blocks(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group_size,
-                               bool even_odd) {
-  const int64_t nb = K / kBlock, bpg = group_size / kBlock;
-  BlockQuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * (nb / bpg), 0.f)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * ldx + b * kBlock;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = r.q.data() + m * K + b * kBlock;
-      int32_t s = 0;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inv)));
-        // Input i goes where the weight's unpacked block holds it.
-        const int64_t at = even_odd ? (i & 1) * (kBlock / 2) + (i >> 1) : i;
-        qb[at] = static_cast<int8_t>(v);
-        s += static_cast<int32_t>(v);
-      }
-      r.scale[m * nb + b] = amax / 127.f;
-      r.gsum[m * (nb / bpg) + b / bpg] += r.scale[m * nb + b] * static_cast<float>(s);
-    }
-  return r;
-}
 
 struct A8Problem {
   const BlockQuantRows* xq;
@@ -194,50 +160,21 @@ std::vector<std::string> linear_wq_a8_isas() { return isa_names(RS_HAVE_AVX2, fa
 at::Tensor linear_wq_a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
                         const c10::optional<at::Tensor>& bias, int64_t isa) {
-  TORCH_CHECK(bits == 4 || bits == 8, "linear_wq_a8: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && scales.device().is_cpu(),
-              "linear_wq_a8: tensors must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "linear_wq_a8: x must be float32 [M, K] with contiguous rows");
-  const auto q_type = bits == 8 ? at::kChar : at::kByte;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == q_type,
-              "linear_wq_a8: ", bits, "-bit qweight must be a contiguous ", bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) * (bits == 4 ? 2 : 1) == K, "linear_wq_a8: x has K=", K, " but qweight does not");
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, "linear_wq_a8: group_size ",
-              group_size, " must be a multiple of 32 dividing K=", K);
-  const int64_t groups = K / group_size;
-  auto check_groups = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
-                    t.size(0) == N && t.size(1) == groups,
-                "linear_wq_a8: ", name, " must be a contiguous float32 [", N, ", ", groups, "]");
-  };
-  check_groups(scales, "scales");
-  const float* o_ptr = nullptr;
-  if (offsets.has_value() && offsets->defined()) {
-    check_groups(*offsets, "offsets");
-    o_ptr = offsets->data_ptr<float>();
-  }
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "linear_wq_a8: bias must be a contiguous float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const WqForm f = check_wq_form("linear_wq_a8", x, qweight, scales, offsets, bits, group_size, bias, kBlock);
+  const int64_t M = f.M, K = f.K, N = f.N, groups = f.groups;
   if (isa == kIsaAuto) isa = RS_HAVE_AVX2 ? kIsaAvx2 : kIsaScalar;
   TORCH_CHECK(isa == kIsaScalar || (isa == kIsaAvx2 && RS_HAVE_AVX2), "linear_wq_a8: ISA path ", isa,
               " is not compiled into this build");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const bool int4 = bits == 4;
-  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size, int4);
+  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size, int4 ? A8Order::kEvenOdd : A8Order::kNatural);
   const A8Problem p{&xq,
                     reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                     qweight.size(1),
                     scales.data_ptr<float>(),
-                    o_ptr,
-                    bias_ptr,
+                    f.offsets,
+                    f.bias,
                     y.data_ptr<float>(),
                     groups,
                     group_size / kBlock,

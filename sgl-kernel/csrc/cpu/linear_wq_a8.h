@@ -15,3 +15,12 @@ at::Tensor linear_wq_a8(const at::Tensor& x, const at::Tensor& qweight, const at
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
                         const c10::optional<at::Tensor>& bias, int64_t isa);
 std::vector<std::string> linear_wq_a8_isas();
+
+// The same product on a weight repacked into panels of 8 output rows (linear_wq_a8_packed.cpp
+// describes the layout; sgl_kernel/cpu.py's pack_wq_a8 makes it): packed_q [P, K / 32, 128 (int4)
+// or 256 (int8)], packed_scales / packed_offsets fp32 [P, groups, 8], P = ceil(n / 8). AVX2 only
+// (linear_wq_a8_packed_available()).
+at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, const at::Tensor& packed_scales,
+                               const c10::optional<at::Tensor>& packed_offsets, int64_t n, int64_t bits,
+                               int64_t group_size, const c10::optional<at::Tensor>& bias);
+bool linear_wq_a8_packed_available();

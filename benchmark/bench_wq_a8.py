@@ -1,0 +1,110 @@
+"""linear_wq's three CPU paths on a GGUF MoE's decode shapes, in thread CPU time per call:
+
+- fp32: linear_wq (fp32 activations, the weight dequantized in registers);
+- a8 rows: linear_wq_a8 on the canonical rows (int8 activations per 32 inputs);
+- a8 panels: linear_wq_a8 on the weight repacked in 8-row panels (pack_wq_a8, what a form marked
+  by --cpu-wq-int8-activations carries).
+
+    python benchmark/bench_wq_a8.py                              # M = 1 2 4 8 16, one thread
+    python benchmark/bench_wq_a8.py --types Q4_0 --tokens 1 3 6 12 16 --repeats 9
+
+Shapes: Qwen3-30B-A3B's (hidden 2048, expert width 768): the LM head (--vocab rows; 32768 by
+default, which already streams from memory: the 151936-row head is the same per weight), one
+expert's gate_up (1536 x 2048) and down (2048 x 768) projections, 16 experts' copies of each
+called in turn so they stream too. Thread CPU time (time.thread_time) on one thread by default: a
+shared machine inflates wall time, much less a thread's own CPU time; still indicative only. Per
+cell: median ms per call, and G weights/s (weights per call over that time). What the crossover
+says sets layers/group_quant.py's A8_MAX_ROWS (rows up to which marked forms take int8 activations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
+from sgl_kernel import cpu as cpu_kernels
+
+TYPES = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}
+EXPERTS = 16
+
+
+def random_form(n: int, k: int, bits: int, offsets: bool) -> GroupQuantWeight:
+    if bits == 4:
+        qweight = pack_int4(torch.randint(0, 16, (n, k)))
+    else:
+        qweight = torch.randint(-127, 128, (n, k)).to(torch.int8)
+    off = torch.rand(n, k // 32) - 0.5 if offsets else None
+    return GroupQuantWeight(qweight, torch.rand(n, k // 32) * 0.01, off, 32, bits)
+
+
+def paths(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    args = (w.qweight, w.scales, w.offsets, w.bits, w.group_size)
+    out = {
+        "fp32": lambda x: cpu_kernels.linear_wq(x, *args),
+        "a8 rows": lambda x: cpu_kernels.linear_wq_a8(x, *args),
+    }
+    if cpu_kernels.linear_wq_a8_packed_available():
+        packed = cpu_kernels.pack_wq_a8(*args)
+        out["a8 panels"] = lambda x: cpu_kernels.linear_wq_a8(x, *args, packed=packed)
+    return out
+
+
+def cpu_ms(calls: list[Callable[[], object]], repeats: int) -> float:
+    """Median thread CPU ms of one pass over `calls`, per call."""
+    for call in calls:
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        for call in calls:
+            call()
+        times.append((time.thread_time() - start) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def bench(
+    name: str, shape: tuple[int, int], copies: int, types: list[str], tokens: list[int], repeats: int
+) -> None:
+    n, k = shape
+    print(f"\n{name} [{n} x {k}], {copies} cop{'y' if copies == 1 else 'ies'} called in turn")
+    for type_name in types:
+        bits, offsets = TYPES[type_name]
+        forms = [random_form(n, k, bits, offsets) for _ in range(copies)]
+        table = [paths(w) for w in forms]
+        print(f"  {type_name:5} {'M':>3} " + " ".join(f"{p:>22}" for p in table[0]))
+        for m in tokens:
+            x = torch.randn(m, k)
+            cells = []
+            for path in table[0]:
+                ms = cpu_ms([lambda fn=t[path], x=x: fn(x) for t in table], repeats)
+                cells.append(f"{ms:8.3f} ms {n * k * m / ms / 1e6:6.2f} G/s")
+            print(f"  {'':5} {m:>3} " + " ".join(f"{c:>22}" for c in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--types", nargs="+", choices=sorted(TYPES), default=["Q4_0", "Q8_0"])
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    if not cpu_kernels.linear_wq_a8_isas():
+        raise SystemExit("sgl_kernel._cpu is not built with linear_wq_a8")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"{torch.get_num_threads()} thread(s); G/s = weights x rows per second")
+    bench("LM head", (args.vocab, 2048), 1, args.types, args.tokens, args.repeats)
+    bench("expert gate_up", (1536, 2048), EXPERTS, args.types, args.tokens, args.repeats)
+    bench("expert down", (2048, 768), EXPERTS, args.types, args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+// The argument checks linear_wq.cpp and linear_wq_a8.cpp share: x fp32 [M, K] with contiguous rows
+// against one weight-only group-quantized weight (qweight, scales, offsets, bias as linear_wq.cpp
+// describes them). One definition, so the two entry points refuse the same inputs with the same
+// messages (each prefixed with its own name).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+struct WqForm {
+  int64_t M, K, N, groups;
+  const float* offsets;  // nullptr: w = q * scale
+  const float* bias;     // nullptr: no bias
+};
+
+// `block`: what group_size must be a multiple of (16 for linear_wq, 32 for linear_wq_a8).
+inline WqForm check_wq_form(const char* name, const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, const c10::optional<at::Tensor>& offsets, int64_t bits,
+                            int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t block) {
+  TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && scales.device().is_cpu(), name,
+              ": tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
+              ": x must be float32 [M, K] with contiguous rows");
+  const auto q_type = bits == 8 ? at::kChar : at::kByte;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == q_type, name, ": ", bits,
+              "-bit qweight must be a contiguous ", bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t qK = qweight.size(1) * (bits == 4 ? 2 : 1);
+  TORCH_CHECK(qK == K, name, ": x has K=", K, " but qweight holds K=", qK);
+  TORCH_CHECK(group_size > 0 && group_size % block == 0 && K % group_size == 0, name, ": group_size ", group_size,
+              " must be a multiple of ", block, " dividing K=", K);
+  const int64_t groups = K / group_size;
+  auto check_groups = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                    t.size(0) == N && t.size(1) == groups,
+                name, ": ", what, " must be a contiguous float32 [", N, ", ", groups, "]");
+  };
+  check_groups(scales, "scales");
+  const float* o_ptr = nullptr;
+  if (offsets.has_value() && offsets->defined()) {
+    check_groups(*offsets, "offsets");
+    o_ptr = offsets->data_ptr<float>();
+  }
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
+                name, ": bias must be a contiguous float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  return {M, K, N, groups, o_ptr, bias_ptr};
+}

@@ -1,0 +1,68 @@
+"""A weight-only quantized weight repacked for linear_wq_a8's panel kernel
+(csrc/cpu/linear_wq_a8_packed.cpp): 8 output rows per panel, each 32-byte load holding 4 bytes of
+each of the 8 rows, so that one vector lane is one output row.
+
+Made once, when a form is marked for int8 activations (layers/group_quant.py); a pure re-layout of
+the same integers and scales (no rounding), so the packed product equals the canonical one up to
+fp32 summation order. Costs one more copy of the integers and scales (rows padded to a multiple of
+8), and a permute per weight at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PANEL = 8  # output rows per panel: one per int32 lane of a 256-bit vector
+BLOCK = 32  # inputs per int8 activation scale
+
+
+@dataclass(frozen=True)
+class WqA8Packed:
+    """q: bits 4: uint8 [P, K // 32, 128], bits 8: int8 [P, K // 32, 256] (P = ceil(n / 8));
+    scales, offsets: fp32 [P, K // group_size, 8] (offsets None: w = q * scale)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    n: int
+    bits: int
+    group_size: int
+
+    def nbytes(self) -> int:
+        extra = 0 if self.offsets is None else self.offsets.numel() * 4
+        return self.q.numel() + self.scales.numel() * 4 + extra
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _panel_groups(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """[N, groups] -> [P, groups, 8], rows past N zero."""
+    groups = t.shape[1]
+    return _pad_rows(t, panels * PANEL).reshape(panels, PANEL, groups).transpose(1, 2).contiguous()
+
+
+def pack_wq_a8(
+    qweight: torch.Tensor,  # bits 8: int8 [N, K]; bits 4: uint8 [N, K // 2], input 2j in byte j's low nibble
+    scales: torch.Tensor,  # [N, K // group_size] fp32
+    offsets: torch.Tensor | None,  # [N, K // group_size] fp32, or None
+    bits: int,
+    group_size: int,  # a multiple of 32
+) -> WqA8Packed:
+    """The panel layout: chunk c of block b of panel p holds, for each of its 8 rows, the row's
+    block bytes 4c..4c+3 (int4: 4 chunks of a 16-byte block; int8: 8 chunks of a 32-byte one)."""
+    n, row_bytes = qweight.shape
+    k = row_bytes * (2 if bits == 4 else 1)
+    if bits not in (4, 8) or group_size % BLOCK or k % group_size:
+        raise ValueError(f"pack_wq_a8: bits {bits}, group_size {group_size}, K {k} not packable")
+    panels, blocks = -(-n // PANEL), k // BLOCK
+    chunks = 4 if bits == 4 else 8
+    q = _pad_rows(qweight, panels * PANEL).reshape(panels, PANEL, blocks, chunks, 4)
+    q = q.permute(0, 2, 3, 1, 4).reshape(panels, blocks, chunks * PANEL * 4).contiguous()
+    packed_offsets = None if offsets is None else _panel_groups(offsets, panels)
+    return WqA8Packed(q, _panel_groups(scales, panels), packed_offsets, n, bits, group_size)

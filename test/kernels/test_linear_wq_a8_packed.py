@@ -1,0 +1,129 @@
+"""sgl-kernel's linear_wq_a8 on weights repacked into panels of 8 output rows (pack_wq_a8, the
+AVX2 panel kernel) against radixserve.layers.group_quant.linear_wq_a8_reference: every weight form
+(int4 / int8, with and without offsets, group sizes 32-128), row counts through the kernel's
+4-row tiles and their rests, output counts not a multiple of the 8-row panel, K of an odd number
+of blocks; the int16 sums at their largest; the lossless re-layout; the forms that carry it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_linear_wq import _weight  # the same random group-quantized weights
+from test_linear_wq_a8 import _check  # the int8-activation reference, with its fp32 tolerance
+
+from radixserve.layers import group_quant
+from radixserve.layers.cpu_crossovers import active as crossovers
+from radixserve.layers.group_quant import GroupQuantWeight, pack_int4, with_int8_activations
+from radixserve.layers.linear import linear
+from sgl_kernel import cpu as cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.linear_wq_a8_packed_available(),
+    reason="no AVX2 panel kernel for linear_wq_a8 in this build",
+)
+
+
+def _run(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    packed = cpu_kernels.pack_wq_a8(w.qweight, w.scales, w.offsets, w.bits, w.group_size)
+    return cpu_kernels.linear_wq_a8(
+        x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, packed=packed
+    )
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    """Blocks of very different magnitudes (each block's own int8 scale matters), one all zero."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).repeat(1, 1, 32).view(
+        m, k
+    )
+    x[0, :32] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("offsets", [False, True], ids=["sym", "offsets"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17])
+def test_matches_the_reference(bits: int, offsets: bool, group: int, m: int) -> None:
+    n, k = 37, 384  # 37: four full panels and one of 5 rows; 384: 12 blocks
+    w = _weight(n, k, bits, group, offsets, seed=bits + group + m)
+    x = _x(m, k, seed=m)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(m)) if m % 2 else None
+    _check(_run(x, w, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n", [1, 8, 9, 23])
+def test_odd_shapes(bits: int, n: int) -> None:
+    """K of 3 blocks (an odd count) and panels with 1-7 live rows."""
+    w = _weight(n, 96, bits, 32, offsets=bits == 4, seed=n)
+    x = _x(6, 96, seed=n)
+    _check(_run(x, w), x, w, None)
+
+
+def test_int4_int16_sums_at_their_largest() -> None:
+    """Every nibble 15 against x at +127 in every byte: a block's 8 vpmaddubsw results add up in
+    int16 to 8 * 2 * 15 * 127 = 30480 per lane; an overflow would flip the sign."""
+    n, k = 8, 128
+    w = GroupQuantWeight(pack_int4(torch.full((n, k), 15)), torch.ones(n, k // 32), None, 32, 4)
+    x = torch.full((3, k), 127.0)  # activation scale exactly 1
+    x[1] = -127.0
+    got = _run(x, w)
+    expect = torch.tensor([1.0, -1.0, 1.0]).unsqueeze(1).expand(3, n) * (15 * 127 * k)
+    assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_is_a_lossless_relayout(bits: int) -> None:
+    """The panel bytes and scales are the canonical ones moved (rows past N zero)."""
+    n, k = 11, 64
+    w = _weight(n, k, bits, 32, offsets=True, seed=2)
+    p = cpu_kernels.pack_wq_a8(w.qweight, w.scales, w.offsets, bits, 32)
+    chunks = 4 if bits == 4 else 8
+    # [P, blocks, chunk, row, 4] -> [rows, blocks * chunk * 4]: the canonical row bytes
+    rows = p.q.view(2, k // 32, chunks, 8, 4).permute(0, 3, 1, 2, 4).reshape(16, -1)
+    assert torch.equal(rows[:n], w.qweight) and not rows[n:].any()
+    assert torch.equal(p.scales.transpose(1, 2).reshape(16, -1)[:n], w.scales)
+    assert torch.equal(p.offsets.transpose(1, 2).reshape(16, -1)[:n], w.offsets)
+    assert p.nbytes() == 16 * (w.qweight.shape[1] + 2 * 4 * (k // 32))
+
+
+def test_refusals() -> None:
+    w = _weight(16, 64, 4, 32, offsets=False)
+    packed = cpu_kernels.pack_wq_a8(w.qweight, w.scales, None, 4, 32)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="scalar"):
+        cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, None, 4, 32, isa="scalar", packed=packed)
+    with pytest.raises(RuntimeError, match="packed_q"):
+        cpu_kernels.linear_wq_a8(torch.randn(2, 128), w.qweight, w.scales, None, 4, 32, packed=packed)
+    with pytest.raises(ValueError, match="not packable"):
+        cpu_kernels.pack_wq_a8(w.qweight, w.scales.repeat(1, 2), None, 4, 16)
+
+
+def test_marked_forms_carry_and_use_the_packed_weight() -> None:
+    w = _weight(24, 128, 4, 32, offsets=True, seed=7)
+    marked = with_int8_activations(w, panels=True)
+    assert marked.int8_activations and marked.a8_packed is not None
+    # Without panels (the default marking: no second copy) the form carries none.
+    assert with_int8_activations(w).a8_packed is None
+    x = _x(group_quant.A8_PACKED_MAX_ROWS + 1, 128, seed=8)
+    small = x[: group_quant.A8_PACKED_MAX_ROWS]
+    _check(group_quant.linear_wq(small, marked), small, w, None)
+    # More rows than A8_PACKED_MAX_ROWS: fp32 activations, as for an unmarked form.
+    assert torch.equal(group_quant.linear_wq(x, marked), group_quant.linear_wq(x, w))
+
+
+def test_linear_reads_panel_forms_past_wq_max_tokens() -> None:
+    """layers/linear.py's linear(): a form with panels is read up to A8_PACKED_MAX_ROWS rows
+    (the int8-activation product, not the fp32 weight's), other forms up to wq_max_tokens."""
+    w = _weight(16, 64, 4, 32, offsets=False, seed=4)
+    marked = with_int8_activations(w, panels=True)
+    fp32 = w.dequantize()
+    bound = crossovers().wq_max_tokens
+    rows = group_quant.A8_PACKED_MAX_ROWS
+    assert rows > bound  # else there is nothing to check here
+    x = _x(rows, 64, seed=9)
+    _check(linear(x, fp32, weight_wq=marked), x, w, None)
+    assert group_quant.wq_rows_bound(w, bound) == bound
+    more = _x(rows + 1, 64, seed=10)
+    assert torch.equal(linear(more, fp32, weight_wq=marked), linear(more, fp32))
