@@ -5,8 +5,6 @@ the built-in model's own GGUF tensors; and with the bound at 0 the fused decode 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from test_cpu_decode_runner import _quantize_rtn
@@ -22,9 +20,10 @@ pytestmark = pytest.mark.skipif(
 STEPS = 6
 
 
-def _marked_wq_worker(path: str, bits: int, fused: bool, a8_rows: int) -> TpModelWorker:
+def _marked_wq_worker(path: str, bits: int, fused: bool, a8_rows: int, panels: bool = False) -> TpModelWorker:
     """A worker whose decoder linears read wq forms marked for int8 activations (as a GGUF load
-    marks them), int8 activations up to `a8_rows` rows, the fused decode rebuilt over the forms."""
+    marks them; with `panels`, as --cpu-wq-int8-activations does), int8 activations up to `a8_rows`
+    rows, the fused decode rebuilt over the forms."""
     worker = _worker(
         path,
         disable_cpu_fused_decode=not fused,
@@ -38,7 +37,9 @@ def _marked_wq_worker(path: str, bits: int, fused: bool, a8_rows: int) -> TpMode
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
         ):
-            wq = dataclasses.replace(_quantize_rtn(lin.weight.detach(), bits, 32), int8_activations=True)
+            wq = group_quant.with_int8_activations(
+                _quantize_rtn(lin.weight.detach(), bits, 32), panels=panels
+            )
             lin.drop_derived()
             lin.weight.data.copy_(wq.dequantize())
             lin.weight_wq = wq
@@ -79,6 +80,39 @@ def test_fused_int8_activations_match_the_module_forward(tiny_model_dir, kind, b
     assert a8_mean > 10 * max(mean_diff, 1e-6), (a8_mean, mean_diff)
 
 
+@pytest.mark.skipif(
+    not group_quant.WQ_A8_PACKED, reason="sgl_kernel._cpu built without the AVX2 panel kernel"
+)
+@pytest.mark.parametrize(("kind", "bits"), [("llama", 4), ("qwen2", 8)])
+def test_fused_decode_reads_the_panels_as_the_module_forward_does(tiny_model_dir, kind, bits):
+    """Forms with int8-activation panels: the fused stack runs linear_wq_a8_packed on them, as the
+    module forward's linear_wq does, so both give the same tokens; and it reads the panels, not
+    the forms' own layout: zeroing the latter's scales changes none of its numbers."""
+    path = str(tiny_model_dir(kind))
+    prompts = [list(range(3 + i, 3 + i + 5 + 7 * i)) for i in range(2)]
+    ref, fed = forced_logprobs(_marked_wq_worker(path, bits, False, 2, panels=True), prompts, STEPS)
+    worker = _marked_wq_worker(path, bits, True, 2, panels=True)
+    calls = _fused_steps(worker)
+    got, got_fed = forced_logprobs(worker, prompts, STEPS)
+    assert calls == [len(prompts)] * STEPS and got_fed == fed
+    agreement, mean_diff, max_diff = compare(ref, got, fed)
+    assert agreement == 1.0 and mean_diff < 1e-4 and max_diff < 2e-3, (agreement, mean_diff, max_diff)
+    # The prefill (17 rows, above the panels' 16) reads the fp32 weights, the decode steps only the
+    # panels: with the row layout's scales zeroed, a stack that read it would give other numbers.
+    for layer in worker.model_runner.model.model.layers:
+        for lin in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            assert lin.weight_wq.a8_packed is not None
+            lin.weight_wq.scales.zero_()
+    again, _ = forced_logprobs(worker, prompts, STEPS, forced=fed)
+    for step, (a, g) in enumerate(zip(again, got)):
+        torch.testing.assert_close(a, g, atol=0, rtol=0, msg=f"step {step}")
+
+
 def test_steps_above_the_bound_stay_exact(tiny_model_dir):
     """3 rows with int8 activations up to 2: the fused steps keep fp32 activations, as the module
     forward's linear_wq does, so marked forms give the exact path's numbers."""
@@ -104,6 +138,9 @@ def test_builtin_model_fused_int8_activations_match_the_module_forward(builtin_m
     ref, fed = forced_logprobs(module, prompt, steps=8)
     worker = _worker(builtin_model_path, **args)
     assert worker.model_runner.cpu_decode_runner is not None
+    # Forced on, the forms carry the panels where the AVX2 kernel is built, and both paths read them.
+    forms = [lin.weight_wq for lin in worker.model_runner.model.modules() if getattr(lin, "weight_wq", None)]
+    assert forms and all((w.a8_packed is not None) == group_quant.WQ_A8_PACKED for w in forms)
     calls = _fused_steps(worker)
     got, got_fed = forced_logprobs(worker, prompt, steps=8)
     assert calls == [1] * 8 and got_fed == fed

@@ -180,6 +180,15 @@ def test_supervisor_without_budget_gives_up_at_once() -> None:
         sup.stop()
 
 
+def _proc_state(pid: int) -> str:
+    """The kernel's state letter for pid (R, S, D, Z...), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def test_stop_during_a_restart_stops_the_children_still_starting() -> None:
     """A shutdown while a restart starts the new group: nothing it started outlives stop()."""
     children, _ = _launch()
@@ -204,7 +213,11 @@ def test_stop_during_a_restart_stops_the_children_still_starting() -> None:
     assert launch_began.wait(60)
     sup.stop()
     stop_returned.set()
-    assert not any(p.is_alive() for p in starting[0].procs)  # at once, not when the launch ends
+    # At once, not when the launch ends. The message says, for a child still seen alive, whether
+    # the kernel still has it (its /proc state) or someone else reaped it (multiprocessing then
+    # reports it alive forever): this failed once in a long unit run and did not reproduce alone.
+    alive = [(p.name, p.pid, _proc_state(p.pid)) for p in starting[0].procs if p.is_alive()]
+    assert not alive, alive
     sup._thread.join(30)
     assert not sup._thread.is_alive()
     assert [c[0] for c in rec.calls] == ["down"]  # never "up": the restart was abandoned

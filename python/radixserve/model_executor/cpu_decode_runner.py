@@ -7,8 +7,9 @@ tensors the Python path uses: the small-M linear kernels on the same weights (in
 their scales under --quantization w8a8_int8, weight-only group-quantized forms through linear_wq
 where a layer has one, fp16 copies with --cpu-fp16-weights, else the plain fp32 ones), the same KV
 pool, the same rotary tables. A wq form marked for int8 activations takes them (linear_wq_a8) in
-steps of at most the installed wq_a8_max_tokens rows, the module forward's rule
-(layers/group_quant.py), so both paths run the same kernel on the same rows. The
+steps of at most group_quant.a8_rows rows (the installed wq_a8_max_tokens; 16 for a form with
+the int8-activation panels, which it then reads), the module forward's rule (layers/group_quant.py),
+so both paths run the same kernel on the same rows. The
 embedding lookup, the LM head and sampling stay in Python.
 
 With --enable-lora the stack adds each adapted projection's LoRA delta too (csrc/cpu/
@@ -33,6 +34,7 @@ import torch
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels
+from radixserve.layers.group_quant import a8_rows
 from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
 from radixserve.model_executor.forward_batch import StepYielded
 from radixserve.models.llama import LlamaForCausalLM
@@ -69,6 +71,13 @@ def _wq(layer: Linear) -> tuple | None:
 def _takes_a8(layer: Linear) -> bool:
     w = layer.weight_wq
     return w is not None and w.int8_activations
+
+
+def _panels(layer: Linear) -> tuple | None:
+    """A marked form's 8-row panels as DecodeModel.set_layer_wq_a8_panels takes them, or None."""
+    w = layer.weight_wq
+    p = None if w is None or not w.int8_activations else w.a8_packed
+    return None if p is None else (p.q, p.scales, p.offsets)
 
 
 def _bias(layer: Linear) -> torch.Tensor | None:
@@ -128,6 +137,8 @@ class CpuDecodeRunner:
                 self.decode_model.set_layer_wq(layer_id, *(_wq(lin) for lin in linears))
                 if wq_a8_max_tokens:
                     self.decode_model.set_layer_wq_a8(layer_id, *(_takes_a8(lin) for lin in linears))
+                    if any(_panels(lin) is not None for lin in linears):
+                        self.decode_model.set_layer_wq_a8_panels(layer_id, *(_panels(lin) for lin in linears))
         if wq_a8_max_tokens:
             self.decode_model.set_wq_a8_max_tokens(wq_a8_max_tokens)
         self.decode_model.set_final_norm(inner.norm.weight.detach())
@@ -243,18 +254,24 @@ def create_cpu_decode_runner(
         # reference). Said at info: the user asked for a fast format and should know it is not.
         logger.info("CPU fused decode off: this sgl-kernel build has no int8 linear (rebuild sgl-kernel)")
         return None
-    has_wq = any(getattr(m, "weight_wq", None) is not None for m in model.modules())
+    wq_forms = [m.weight_wq for m in model.modules() if getattr(m, "weight_wq", None) is not None]
+    has_wq = bool(wq_forms)
     decode_model_cls = getattr(getattr(cpu_kernels, "_ext", None), "DecodeModel", None)
     if has_wq and not hasattr(decode_model_cls, "set_layer_wq"):
         # The fused stack reads each linear's weight as one dense tensor; weight-only group
         # quantized layers run through the module forward (linear_wq per layer) instead.
         logger.info("CPU fused decode off: this sgl-kernel build cannot run weight-only quantized layers")
         return None
-    wq_a8_max_tokens = crossovers().wq_a8_max_tokens if has_wq else 0
-    if wq_a8_max_tokens and not hasattr(decode_model_cls, "set_layer_wq_a8"):
-        # The module forward runs int8 activations through linear_wq_a8; this stack would not.
+    # The module forward's bound per form (panels: 16 rows; else the installed wq_a8_max_tokens).
+    wq_a8_max_tokens = max(map(a8_rows, wq_forms), default=0)
+    panels = any(w.a8_packed is not None for w in wq_forms)
+    needed = "set_layer_wq_a8_panels" if panels else "set_layer_wq_a8"
+    if wq_a8_max_tokens and not hasattr(decode_model_cls, needed):
+        # The module forward runs int8 activations through linear_wq_a8 (on the panels if made);
+        # this stack would not.
         logger.info(
-            "CPU fused decode off: this sgl-kernel build has no int8 activations (rebuild sgl-kernel)"
+            "CPU fused decode off: this sgl-kernel build has no int8 activations%s (rebuild sgl-kernel)",
+            " on panels" if panels else "",
         )
         return None
     if has_wq:

@@ -123,6 +123,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gate_up"), py::arg("down"),
            "Which of a layer's wq forms (set_layer_wq, called first) take int8 activations (linear_wq_a8) at "
            "batches of at most wq_a8_max_tokens rows")
+      .def("set_layer_wq_a8_panels", &DecodeModel::set_layer_wq_a8_panels, py::arg("index"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           "The 8-row panels (q, scales, offsets) of a layer's marked wq forms (set_layer_wq_a8 first), or None: "
+           "their int8-activation products run linear_wq_a8_packed")
       .def("set_wq_a8_max_tokens", &DecodeModel::set_wq_a8_max_tokens, py::arg("max_tokens"),
            "The largest batch whose marked wq linears run linear_wq_a8 (0: every wq linear keeps fp32 activations)")
       .def("set_layer_lora", &DecodeModel::set_layer_lora, py::arg("index"), py::arg("num_slots"), py::arg("qkv"),

@@ -11,8 +11,12 @@ namespace {
 // rule, and so the same kernel and bits, as layers/group_quant.py's linear_wq on the module forward.
 at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
                const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b, bool a8) {
-  if (wq.has_value() && a8 && wq->int8_activations)
+  if (wq.has_value() && a8 && wq->int8_activations) {
+    if (wq->panel_q.has_value())
+      return linear_wq_a8_packed(x, *wq->panel_q, *wq->panel_scales, wq->panel_offsets, wq->qweight.size(0),
+                                 wq->bits, wq->group_size, b);
     return linear_wq_a8(x, wq->qweight, wq->scales, wq->offsets, wq->bits, wq->group_size, b, 0);
+  }
   if (wq.has_value()) return linear_wq(x, wq->qweight, wq->scales, wq->offsets, wq->bits, wq->group_size, b, 0);
   if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(s.has_value(), "DecodeModel: an int8 weight needs its scales (set_layer_scales)");
@@ -125,6 +129,36 @@ void DecodeModel::set_layer_wq_a8(int64_t index, bool qkv, bool o, bool gate_up,
                 index, "'s ", names[i], " has no wq form with groups of a multiple of 32 inputs for int8 activations");
   for (int i = 0; i < 4; ++i)
     if (forms[i]->has_value()) (*forms[i])->int8_activations = marks[i];
+}
+
+void DecodeModel::set_layer_wq_a8_panels(int64_t index, std::optional<PanelTuple> qkv, std::optional<PanelTuple> o,
+                                         std::optional<PanelTuple> gate_up, std::optional<PanelTuple> down) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
+  DecodeLayer& L = layers_[index];
+  std::optional<WqForm>* forms[] = {&L.qkv_wq, &L.o_wq, &L.gate_up_wq, &L.down_wq};
+  std::optional<PanelTuple>* panels[] = {&qkv, &o, &gate_up, &down};
+  const char* names[] = {"qkv_w", "o_w", "gate_up_w", "down_w"};
+  // Check all four before storing any: a bad one leaves the layer as it was. Running each once on
+  // a zero row lets linear_wq_a8_packed validate the layout against the form's shape.
+  for (int i = 0; i < 4; ++i) {
+    if (!panels[i]->has_value()) continue;
+    TORCH_CHECK(forms[i]->has_value() && (*forms[i])->int8_activations, "DecodeModel: layer ", index, "'s ",
+                names[i], " has panels but no wq form marked for int8 activations (set_layer_wq_a8 first)");
+    const WqForm& f = **forms[i];
+    const auto& [q, s, off] = **panels[i];
+    const at::Tensor y = linear_wq_a8_packed(at::zeros({1, f.qweight.size(1) * (f.bits == 4 ? 2 : 1)}, s.options()),
+                                             q, s, off, f.qweight.size(0), f.bits, f.group_size, c10::nullopt);
+    TORCH_CHECK(y.size(1) == f.qweight.size(0), "DecodeModel: layer ", index, "'s ", names[i], " panels give ",
+                y.size(1), " rows, its form ", f.qweight.size(0));
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (!panels[i]->has_value()) continue;
+    auto& [q, s, off] = **panels[i];
+    WqForm& f = **forms[i];
+    f.panel_q = std::move(q);
+    f.panel_scales = std::move(s);
+    f.panel_offsets = std::move(off);
+  }
 }
 
 void DecodeModel::set_wq_a8_max_tokens(int64_t max_tokens) {

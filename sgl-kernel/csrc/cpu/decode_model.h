@@ -26,7 +26,13 @@ struct WqForm {
   // May quantize its activations to int8 per 32 inputs (linear_wq_a8.h) at batches of at most
   // DecodeModel's wq_a8_max_tokens rows: the module forward's rule (layers/group_quant.py).
   bool int8_activations = false;
+  // linear_wq_a8's 8-row panels of the same weight (set_layer_wq_a8_panels; --cpu-wq-int8-activations):
+  // when set, the int8-activation product reads them, as the module forward does (group_quant.py).
+  c10::optional<at::Tensor> panel_q, panel_scales, panel_offsets;
 };
+
+// A weight's panels as sgl_kernel.cpu.pack_wq_a8 makes them: (q, scales, offsets or None).
+using PanelTuple = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>>;
 
 struct DecodeLayer {
   at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32, fp16 or int8
@@ -62,6 +68,10 @@ class DecodeModel {
   // batches of at most wq_a8_max_tokens rows; each marked one must exist and have groups that are
   // multiples of 32 inputs.
   void set_layer_wq_a8(int64_t index, bool qkv, bool o, bool gate_up, bool down);
+  // The 8-row panels (linear_wq_a8_packed) of layer `index`'s marked wq forms (set_layer_wq_a8,
+  // called first; None: that form keeps the row kernel); each is checked by running it once.
+  void set_layer_wq_a8_panels(int64_t index, std::optional<PanelTuple> qkv, std::optional<PanelTuple> o,
+                              std::optional<PanelTuple> gate_up, std::optional<PanelTuple> down);
   // The largest batch whose marked wq linears run linear_wq_a8 (0: none, every wq linear exact).
   void set_wq_a8_max_tokens(int64_t max_tokens);
   // LoRA: layer `index`'s adapted parts of each projection, each (a, b, column offset) over the LoRA
