@@ -103,12 +103,7 @@ def _wq_layers(bits: int, group: int, dense_shift: float):
     def prepare(worker):
         runner = worker.model_runner
         for layer in runner.model.model.layers:
-            for lin in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            ):
+            for lin in decoder_linears(layer):
                 wq = _quantize_rtn(lin.weight.detach(), bits, group)
                 lin.drop_derived()
                 lin.weight.data.copy_(wq.dequantize() + dense_shift)
@@ -173,3 +168,8 @@ def test_fused_decode_is_off_with_a_log_line_when_the_build_cannot_run_wq(
         )
     assert made is None
     assert "cannot run weight-only quantized layers" in caplog.text
+
+
+def decoder_linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """A decoder layer's four linears, in the fused stack's order (qkv, o, gate_up, down)."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

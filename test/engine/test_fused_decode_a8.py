@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_decode_runner import _quantize_rtn
+from test_cpu_decode_runner import _quantize_rtn, decoder_linears
 from test_quantization import BUILTIN_PROMPTS, _worker, compare, forced_logprobs
 
 from radixserve.layers import cpu_fused, group_quant
@@ -31,12 +31,7 @@ def _marked_wq_worker(path: str, bits: int, fused: bool, a8_rows: int, panels: b
     )
     runner = worker.model_runner
     for layer in runner.model.model.layers:
-        for lin in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        ):
+        for lin in decoder_linears(layer):
             wq = group_quant.with_int8_activations(
                 _quantize_rtn(lin.weight.detach(), bits, 32), panels=panels
             )

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
+from test_cpu_tuning import _isolated  # noqa: F401 - autouse: own cache folder, quiet machine, crossovers restored
 
 from radixserve.layers import cpu_crossovers
-from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, active, parse_overrides
+from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, parse_overrides
 from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL
 from radixserve.layers.linear import Linear, onednn_prepack_available, prepare_cpu_linears
 from radixserve.layers.weight_only import quantize_int8_groups
@@ -25,16 +25,6 @@ from radixserve.server_args import ServerArgs
 needs_a8 = pytest.mark.skipif(
     not (onednn_prepack_available() and WQ_A8_KERNEL), reason="needs oneDNN and sgl-kernel's linear_wq_a8"
 )
-
-
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
-    """Its own cache folder, a quiet machine, and the process's crossovers restored afterwards."""
-    monkeypatch.setenv("RADIXSERVE_CPU_TUNING_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "")
-    before = active()
-    yield
-    cpu_crossovers._active = before
 
 
 def _a8_layers() -> list[Linear]:
