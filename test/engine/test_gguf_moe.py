@@ -209,7 +209,7 @@ def test_int8_activations_serve_close_to_the_fp32_path(moe_gguf, variant, monkey
     monkeypatch.setattr(group_quant.cpu_kernels, "linear_wq_a8", spy)
     got, _ = forced_logprobs(worker, prompts, steps=NUM_NEW, forced=fed)
     # Each decode step: per layer the attention projections and two per chosen expert, and the
-    # head (the prefill's products of at most A8_PACKED_MAX_ROWS rows too).
+    # head (the prefill's products too: at every row count on the panels).
     max_rows = group_quant.A8_PACKED_MAX_ROWS if group_quant.WQ_A8_PACKED else group_quant.A8_MAX_ROWS
     assert len(rows) >= NUM_NEW * len(moes) * 3 and max(rows) <= max_rows, rows[:8]
     # The same semantics through the torch reference (linear_wq_a8_reference). Not equal end to

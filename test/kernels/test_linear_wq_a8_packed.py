@@ -14,7 +14,7 @@ from test_linear_wq_a8 import _check  # the int8-activation reference, with its 
 from radixserve.layers import group_quant
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4, with_int8_activations
-from radixserve.layers.linear import linear
+from radixserve.layers.linear import Linear, linear, onednn_prepack_available, prepare_cpu_linears
 from sgl_kernel import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -43,7 +43,7 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("offsets", [False, True], ids=["sym", "offsets"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 130])
 def test_matches_the_reference(bits: int, offsets: bool, group: int, m: int) -> None:
     n, k = 37, 384  # 37: four full panels and one of 5 rows; 384: 12 blocks
     w = _weight(n, k, bits, group, offsets, seed=bits + group + m)
@@ -106,24 +106,36 @@ def test_marked_forms_carry_and_use_the_packed_weight() -> None:
     assert marked.int8_activations and marked.a8_packed is not None
     # Without panels (the default marking: no second copy) the form carries none.
     assert with_int8_activations(w).a8_packed is None
-    x = _x(group_quant.A8_PACKED_MAX_ROWS + 1, 128, seed=8)
-    small = x[: group_quant.A8_PACKED_MAX_ROWS]
-    _check(group_quant.linear_wq(small, marked), small, w, None)
-    # More rows than A8_PACKED_MAX_ROWS: fp32 activations, as for an unmarked form.
-    assert torch.equal(group_quant.linear_wq(x, marked), group_quant.linear_wq(x, w))
+    # Every row count takes the panels (a prefill's 130 rows too), an unmarked form none.
+    for m in (3, 16, 130):
+        x = _x(m, 128, seed=8 + m)
+        _check(group_quant.linear_wq(x, marked), x, w, None)
+        assert not torch.equal(group_quant.linear_wq(x, marked), group_quant.linear_wq(x, w))
 
 
-def test_linear_reads_panel_forms_past_wq_max_tokens() -> None:
-    """layers/linear.py's linear(): a form with panels is read up to A8_PACKED_MAX_ROWS rows
-    (the int8-activation product, not the fp32 weight's), other forms up to wq_max_tokens."""
+def test_linear_reads_panel_forms_at_every_batch_size() -> None:
+    """layers/linear.py's linear(): a form with panels is read at every batch size (the
+    int8-activation product, not the fp32 weight's), other forms up to wq_max_tokens."""
     w = _weight(16, 64, 4, 32, offsets=False, seed=4)
     marked = with_int8_activations(w, panels=True)
     fp32 = w.dequantize()
     bound = crossovers().wq_max_tokens
-    rows = group_quant.A8_PACKED_MAX_ROWS
-    assert rows > bound  # else there is nothing to check here
-    x = _x(rows, 64, seed=9)
-    _check(linear(x, fp32, weight_wq=marked), x, w, None)
+    for rows in (bound + 1, 16, 130):
+        x = _x(rows, 64, seed=9 + rows)
+        _check(linear(x, fp32, weight_wq=marked), x, w, None)
     assert group_quant.wq_rows_bound(w, bound) == bound
-    more = _x(rows + 1, 64, seed=10)
-    assert torch.equal(linear(more, fp32, weight_wq=marked), linear(more, fp32))
+    more = _x(bound + 1, 64, seed=10)
+    assert torch.equal(linear(more, fp32, weight_wq=w), linear(more, fp32))
+
+
+def test_panel_forms_get_no_onednn_copy() -> None:
+    """prepare_cpu_linears leaves a Linear whose form has panels without the oneDNN copy it never
+    reads; other Linears get theirs."""
+    if not onednn_prepack_available():
+        pytest.skip("this torch build has no oneDNN prepacking")
+    layers = [Linear(64, 16), Linear(64, 16)]
+    for layer in layers:
+        layer.weight.data.copy_(_weight(16, 64, 4, 32, offsets=False, seed=5).dequantize())
+    layers[0].weight_wq = with_int8_activations(_weight(16, 64, 4, 32, offsets=False, seed=5), panels=True)
+    prepare_cpu_linears(layers, fp16=False, prepack=True)
+    assert layers[0].weight_packed is None and layers[1].weight_packed is not None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +49,13 @@ ACT_BLOCK = 32  # inputs per int8 activation scale (llama.cpp's Q8_0 block)
 # on an AVX2 Zen 1 (the weight conversion it saves is shared by the rows there; ad-hoc timing on a
 # shared machine, docs/quantization.md). Elsewhere the installed crossovers' wq_a8_max_tokens rules.
 A8_MAX_ROWS = 2
-# ... and on the 8-row panels (GroupQuantWeight.a8_packed): one weight load feeds up to 4 rows of
-# x, and the panel kernel beat linear_wq at every row count measured, 1-16 (Q4_0 2.2-3.1x, Q8_0
-# 1.25-2x per call, thread CPU, benchmark/bench_wq_a8.py, docs/quantization.md). 16: a decode batch
-# of C=16 and a speculative verify step; above, prefill-sized products stay on the fp32 path.
-A8_PACKED_MAX_ROWS = 16
+# ... and on the 8-row panels (GroupQuantWeight.a8_packed): at every row count. One weight load
+# feeds up to 4 rows of x, so the panel kernel's cost per row stays flat as rows grow, and it beat
+# linear_wq at every row count measured, 1-128 (Q4_0 ~2x, Q8_0 ~1.3x), and the fp32 GEMM a
+# dequantized weight would take from 16 rows up (Q4_0 ~23 vs ~15 G weight-rows/s, Q8_0 ~15 vs
+# ~15; thread CPU, benchmark/bench_wq_a8.py, docs/quantization.md). So a form with panels is read
+# through them for decode steps and prefills alike, and needs no fp32 form beside it.
+A8_PACKED_MAX_ROWS = sys.maxsize
 
 
 @dataclass(frozen=True)
@@ -156,8 +159,9 @@ def with_int8_activations(w: GroupQuantWeight, panels: bool = False) -> GroupQua
 
 
 def a8_rows(w: GroupQuantWeight) -> int:
-    """Products of up to this many rows take int8 activations: A8_PACKED_MAX_ROWS on the panels,
-    else the installed crossovers' wq_a8_max_tokens (0: none) for a marked form."""
+    """Products of up to this many rows take int8 activations: every product on the panels
+    (A8_PACKED_MAX_ROWS), else the installed crossovers' wq_a8_max_tokens (0: none) for a marked
+    form."""
     if not w.int8_activations:
         return 0
     return A8_PACKED_MAX_ROWS if w.a8_packed is not None else crossovers().wq_a8_max_tokens
@@ -200,12 +204,14 @@ def linear_wq_a8_reference(
 
 def wq_rows_bound(w: GroupQuantWeight, wq_max_tokens: int) -> int:
     """Batches of up to this many rows read w (larger ones the fp32 weight): the machine's
-    wq_max_tokens crossover, or A8_PACKED_MAX_ROWS for a form with int8-activation panels."""
-    return (
-        max(wq_max_tokens, A8_PACKED_MAX_ROWS)
-        if w.int8_activations and w.a8_packed is not None
-        else wq_max_tokens
-    )
+    wq_max_tokens crossover, or every batch (A8_PACKED_MAX_ROWS) for a form with int8-activation
+    panels."""
+    return A8_PACKED_MAX_ROWS if has_panels(w) else wq_max_tokens
+
+
+def has_panels(w: GroupQuantWeight) -> bool:
+    """Whether w is read through the int8-activation panels (at every batch size)."""
+    return w.int8_activations and w.a8_packed is not None
 
 
 @functools.cache

@@ -10,9 +10,9 @@ built-in model's decode, docs/benchmarks.md):
 0b. A weight-only group-quantized form (`weight_wq`, layers/group_quant.py: GGUF and int4/int8
    weight-only formats), batches of at most `wq_max_tokens` tokens: the fp32 weight is exactly its
    dequantization, so larger batches take the fp32 forms below unchanged. A form marked for int8
-   activations with its 8-row panels (--cpu-wq-int8-activations) is read up to
-   group_quant.A8_PACKED_MAX_ROWS tokens when that is higher (wq_rows_bound): the panel kernel beat
-   the fp32 forms at every row count up to there. One exception:
+   activations with its 8-row panels (--cpu-wq-int8-activations) is read at every batch size
+   (wq_rows_bound): the panel kernel beat the fp32 forms at every row count measured, so such a
+   layer gets no oneDNN copy (path 3). One exception:
    `--quantization w8a8_int8`'s LM head (`quantize_lm_head`), whose fp32 weight is the tied
    embedding and stays as loaded; its batches above that bound compute with the fp32 head.
 
@@ -48,7 +48,7 @@ from radixserve.layers import cpu_fused
 from radixserve.layers.activation import Activation
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
-from radixserve.layers.group_quant import GroupQuantWeight, linear_wq, wq_rows_bound
+from radixserve.layers.group_quant import GroupQuantWeight, has_panels, linear_wq, wq_rows_bound
 from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
 from radixserve.layers.weight_only import quantize_int8_groups
 
@@ -170,7 +170,7 @@ class Linear(nn.Linear):
             and x.dim() == 2
             and n > bound.f32_small_max_tokens
             and (self.weight_f16 is None or n > bound.f16_max_tokens)
-            and (self.weight_wq is None or n > bound.wq_max_tokens)
+            and (self.weight_wq is None or n > wq_rows_bound(self.weight_wq, bound.wq_max_tokens))
         )
 
     def derived_forms(self) -> tuple[torch.Tensor | None, ...]:
@@ -200,6 +200,8 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
     and what it cost."""
     # Quantized layers are left out: the int8 kernel serves every size.
     layers = [m for m in _cpu_fp32_linears(modules) if m.weight_int8 is None]
+    # A form read through its int8-activation panels serves every batch size (wq_rows_bound).
+    layers = [m for m in layers if m.weight_wq is None or not has_panels(m.weight_wq)]
     if fp16:
         # A weight-only quantized layer reads its integers at the sizes the fp16 copy would serve.
         layers_f16 = [m for m in layers if m.weight_wq is None]

@@ -7,8 +7,8 @@ tensors the Python path uses: the small-M linear kernels on the same weights (in
 their scales under --quantization w8a8_int8, weight-only group-quantized forms through linear_wq
 where a layer has one, fp16 copies with --cpu-fp16-weights, else the plain fp32 ones), the same KV
 pool, the same rotary tables. A wq form marked for int8 activations takes them (linear_wq_a8) in
-steps of at most group_quant.a8_rows rows (the installed wq_a8_max_tokens; 16 for a form with
-the int8-activation panels, which it then reads), the module forward's rule (layers/group_quant.py),
+steps of at most group_quant.a8_rows rows (the installed wq_a8_max_tokens; every step for a form
+with the int8-activation panels, which it then reads), the module forward's rule (layers/group_quant.py),
 so both paths run the same kernel on the same rows. The
 embedding lookup, the LM head and sampling stay in Python.
 
@@ -262,7 +262,8 @@ def create_cpu_decode_runner(
         # quantized layers run through the module forward (linear_wq per layer) instead.
         logger.info("CPU fused decode off: this sgl-kernel build cannot run weight-only quantized layers")
         return None
-    # The module forward's bound per form (panels: 16 rows; else the installed wq_a8_max_tokens).
+    # The module forward's bound per form (panels: every row count; else the installed
+    # wq_a8_max_tokens), at most the fused steps' size (below).
     wq_a8_max_tokens = max(map(a8_rows, wq_forms), default=0)
     panels = any(w.a8_packed is not None for w in wq_forms)
     needed = "set_layer_wq_a8_panels" if panels else "set_layer_wq_a8"
@@ -287,6 +288,7 @@ def create_cpu_decode_runner(
             "CPU fused decode off: this sgl-kernel build has no LoRA delta in it (rebuild sgl-kernel)"
         )
         return None
+    wq_a8_max_tokens = min(wq_a8_max_tokens, max_bs)
     runner = CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm, wq_a8_max_tokens)
     if lora is not None:
         try:

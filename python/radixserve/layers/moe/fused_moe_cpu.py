@@ -6,9 +6,9 @@ cheap to decode on a CPU). Python loops over the experts that got tokens, never 
 
 The matmuls go through layers/linear.py's `linear`, so small fp32 groups (decode) take sgl-kernel's
 small-M kernel where it is built; bf16 and larger groups run F.linear. With weight-only quantized
-experts (`wq`, layers/moe/quantized.py) a group of at most `wq_max_tokens` tokens runs each of its
-expert's two projections through linear_wq on the quantized integers instead (the rule a dense
-Linear follows); a larger group reads the fp32 weight, or, where FusedMoE dropped it (its tensors
+experts (`wq`, layers/moe/quantized.py) a group of at most `wq_max_tokens` tokens (every group, for forms
+with int8-activation panels: group_quant.wq_rows_bound) runs each of its expert's two projections
+through linear_wq on the quantized integers instead (the rule a dense Linear follows); a larger group reads the fp32 weight, or, where FusedMoE dropped it (its tensors
 are then on the meta device), linear_wq up to DROPPED_WQ_MAX_TOKENS tokens and beyond that the
 projection dequantized into the scratch buffer."""
 
@@ -18,7 +18,7 @@ import torch
 
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.cpu_crossovers import active as crossovers
-from radixserve.layers.group_quant import GroupQuantWeight, linear_wq
+from radixserve.layers.group_quant import GroupQuantWeight, linear_wq, wq_rows_bound
 from radixserve.layers.linear import linear
 from radixserve.layers.moe.int8_experts import ExpertsInt8
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
@@ -33,7 +33,7 @@ DROPPED_WQ_MAX_TOKENS = 64
 def _project(
     x: torch.Tensor, weight: torch.Tensor, form: GroupQuantWeight | None, scratch: DequantScratch | None
 ) -> torch.Tensor:
-    if form is not None and x.shape[0] <= crossovers().wq_max_tokens:
+    if form is not None and x.shape[0] <= wq_rows_bound(form, crossovers().wq_max_tokens):
         return linear_wq(x, form)
     if weight.is_meta:  # the fp32 copy was dropped: the form is the weight
         assert form is not None
