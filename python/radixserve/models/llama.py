@@ -30,7 +30,7 @@ from radixserve.layers.parallel_linear import (
 from radixserve.layers.rotary import RotaryEmbedding, rope_config
 from radixserve.layers.vocab_parallel import VocabParallelEmbedding
 from radixserve.model_executor.forward_batch import PPProxyTensors, StepYielded
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import ModelLoadError, copy_checked
 from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.vlm_common import lm_name, load_visual, visual_name
 
@@ -326,18 +326,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         if name.startswith("visual."):
             load_visual(param, name, tensor)
-            return
-        owner = self.get_submodule(name.rpartition(".")[0])
-        loader = getattr(owner, "weight_loader", None)
-        if loader is not None:
-            loader(param, tensor, shard)
-            return
-        if tuple(param.shape) != tensor.shape:
-            raise ModelLoadError(
-                f"Shape mismatch for {name}: the config implies {tuple(param.shape)}, the checkpoint "
-                f"has {tensor.shape}"
-            )
-        param.data.copy_(tensor.full().to(param.dtype))
+        else:
+            load_param(self, param, name, shard, tensor)
+
+
+def load_param(
+    model: nn.Module, param: nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
+) -> None:
+    """Copy `tensor` into `model`'s parameter `name`: this rank's part of it through its module's
+    weight_loader (the parallel layers'), else the whole tensor."""
+    loader = getattr(model.get_submodule(name.rpartition(".")[0]), "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard)
+    else:
+        copy_checked(param.data, tensor.full(), name)
 
 
 def fused_target(name: str) -> tuple[str, str | int | None]:

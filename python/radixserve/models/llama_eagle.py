@@ -31,7 +31,7 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.parallel_linear import QKVParallelLinear
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
-from radixserve.models.llama import LlamaDecoderLayer, fused_target
+from radixserve.models.llama import LlamaDecoderLayer, fused_target, load_param
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -75,18 +75,7 @@ class _EagleBase(nn.Module):
                 raise ModelLoadError(
                     f"EAGLE checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
                 )
-            param = params[target]
-            owner = self.get_submodule(target.rpartition(".")[0])
-            loader = getattr(owner, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard)
-            elif tuple(param.shape) != tensor.shape:
-                raise ModelLoadError(
-                    f"Shape mismatch for {name}: the draft config implies {tuple(param.shape)}, the "
-                    f"checkpoint has {tensor.shape}"
-                )
-            else:
-                param.data.copy_(tensor.full().to(param.dtype))
+            load_param(self, params[target], target, shard, tensor)
             loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:

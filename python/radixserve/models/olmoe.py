@@ -12,7 +12,7 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.distributed.model_parallel import ModelParallelism
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import ModelLoadError, check_shape
 from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.llama import LlamaAttention
 from radixserve.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM, MoeSpec
@@ -41,11 +41,7 @@ class ShardedRMSNorm(nn.Module):
         return out.to(x.dtype) * self.weight
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
-        if tuple(loaded.shape) != (self.total,):
-            raise ModelLoadError(
-                f"Shape mismatch for {loaded.name}: the config implies ({self.total},), the "
-                f"checkpoint has {tuple(loaded.shape)}"
-            )
+        check_shape(loaded.name, (self.total,), loaded.shape)
         param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
 
 
