@@ -50,10 +50,9 @@ def check_parallel(parallel: ModelParallelism | None, family: str) -> ModelParal
     return parallel
 
 
-def add_vision(model: nn.Module, config: Any, visual: nn.Module) -> None:  # noqa: ANN401
+def add_vision(model: nn.Module, visual: nn.Module) -> None:
     """What a Qwen-VL model adds to its language model (the ModelRunner sets the cache and the DP
     encoder after loading)."""
-    model.vl_config = config
     model.visual = visual
     model.num_encoder_runs = 0  # images encoded so far (tests count them)
     model.mm_cache: EmbeddingCache | None = None  # --mm-cache-size-mb
