@@ -66,11 +66,11 @@ def quantization_updates(args: ServerArgs, device: str) -> dict[str, Any]:
 
     updates = gguf_updates(args)  # a GGUF --model-path: --quantization gguf (SGLang's rule)
     # The built-in model without a format flag: its own GGUF tensors on CPU (logged), else fp32.
-    quantization = updates.get("quantization", args.quantization) or default_quantization(args, device)
-    if quantization is None or quantization in QUANTIZATION_METHODS:  # other names: validate() says
+    method = updates.get("quantization", args.quantization) or default_quantization(args, device)
+    if method is None or method in QUANTIZATION_METHODS:  # other names: validate() says
         # A pre-quantized checkpoint selects its method; a conflicting flag (unquant too) is an error.
-        quantization = resolve_quantization(quantization, args.model_path)
-    updates["quantization"] = None if quantization == NO_QUANTIZATION else quantization
+        method = resolve_quantization(method, args.model_path)
+    updates["quantization"] = None if method == NO_QUANTIZATION else method
     return updates
 
 
