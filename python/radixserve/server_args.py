@@ -1,7 +1,10 @@
 """Server arguments: what the user typed, then one resolve() that decides every "auto" value.
 
 Each field's `help` metadata is the CLI help text (`add_cli_args` builds the parser from the
-dataclass), so the flags, their defaults and their documentation cannot drift apart.
+dataclass), so the flags, their defaults and their documentation cannot drift apart. A group of
+flags with a module of its own in configs/ (quantization, HiCache, speculative decoding, PD
+disaggregation) keeps each field's default and help there, beside its checks, under the field's
+name (`speculative_algorithm: str | None = spec_args.speculative_algorithm`).
 """
 
 from __future__ import annotations
@@ -10,18 +13,14 @@ import argparse
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from radixserve.configs.checkpoint_quant import resolve_quantization
-from radixserve.configs.hicache_args import (
-    HICACHE_IO_BACKENDS,
-    HICACHE_MEM_LAYOUTS,
-    HICACHE_STORAGE_PREFETCH_POLICIES,
-    HICACHE_WRITE_POLICIES,
-    hicache_updates,
-)
-from radixserve.configs.spec_args import speculative_updates
+from radixserve.configs import disagg_args, hicache_args, quant_args, spec_args
+from radixserve.configs.arg_field import arg_field as _f
+from radixserve.configs.hicache_args import hicache_updates
+from radixserve.configs.quant_args import quantization_updates
+from radixserve.configs.spec_args import log_speculative, speculative_updates
 from radixserve.utils.cpus import available_cpus
 from radixserve.utils.device_probe import default_cpu_attention_backend, default_device
 
@@ -55,30 +54,6 @@ def resolve_load_balance_method(method: str, disaggregation_mode: str) -> str:
     return "follow_bootstrap_room" if disaggregation_mode == "prefill" else "round_robin"
 
 
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
-DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "fake", "mooncake")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-NGRAM_MATCH_TYPES = ("BFS", "PROB")
-# SGLang's --quantization names (its QUANTIZATION_CHOICES). Only SUPPORTED_QUANTIZATION is
-# implemented here; the others are refused at start with a message (docs/quantization.md).
-QUANTIZATION_METHODS = tuple(
-    "awq fp8 mxfp8 gptq marlin gptq_marlin awq_marlin bitsandbytes gguf modelopt modelopt_fp8 modelopt_fp4 "
-    "nvfp4_online modelopt_mixed petit_nvfp4 w8a8_int8 w8a8_fp8 moe_wna16 w4afp8 mxfp4 auto-round "
-    "auto-round-int8 compressed-tensors modelslim mxfp_w4a8 quark quark_int4fp8_moe quark_mxfp4 mlx_q4 "
-    "mlx_q8 unquant humming".split()
-)
-# w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load, or loads a compressed-tensors W8A8
-# one; gguf serves a GGUF file's quantized tensors; the others load pre-quantized checkpoints
-# (configs/checkpoint_quant.py).
-SUPPORTED_QUANTIZATION = tuple("w8a8_int8 gguf gptq gptq_marlin awq awq_marlin compressed-tensors".split())
-# SGLang's explicit "no quantization": accepted, and resolved to None.
-NO_QUANTIZATION = "unquant"
-
-
-def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's name
-    return field(default=default, metadata={"help": help, **kw})
-
-
 @dataclass(frozen=True)
 class ServerArgs:
     # Model and tokenizer
@@ -101,34 +76,9 @@ class ServerArgs:
         "bf16 model (what auto gives).",
         choices=KV_CACHE_DTYPES,
     )
-    quantization: str | None = _f(
-        None,
-        "Quantize the weights (SGLang's names; docs/quantization.md). w8a8_int8: on CPU, the decoder "
-        "layers' linear weights (QKV, o_proj, gate_up, down; a MoE's routed experts, not its router) are quantized at load to int8 with a "
-        "scale per output channel, and activations per token at run time, for int8 dot products "
-        "(sgl-kernel); the LM head gets an int8 weight-only form (GGUF Q8_0's layout: a scale per "
-        "32 inputs) for batches of up to 8 tokens, unlike SGLang, which keeps it unquantized; the "
-        "embedding stays fp32, as does the head for larger batches. gguf: the decoder linears and the LM head of a GGUF model (--model-path "
-        "to a .gguf file, which selects it by itself, or the built-in model) serve from the file's own "
-        "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors for batches of up to 8 tokens, larger batches from their "
-        "exact fp32 dequantization; a file with other quantized types is refused. A pre-quantized "
-        "checkpoint (GPTQ or AWQ int4, compressed-tensors W8A8 int8, its MoE experts too) selects its method from "
-        "config.json's quantization_config without the flag; a flag naming another method is an "
-        "error. unquant: none (a GGUF file then serves dequantized to fp32). Other SGLang names (fp8, "
-        "bitsandbytes, ...) are refused at start. Default: the checkpoint's; the built-in model on CPU: "
-        "gguf (its own tensors, the fp32 weights exactly; fp32 where sgl-kernel lacks linear_wq or with "
-        "--cpu-fp16-weights, --cpu-bf16-gemm, a 16-bit --dtype, --is-embedding, --load-format dummy); else "
-        "none (fp32).",
-    )
-    torchao_config: str = _f(
-        "",
-        "On-the-fly weight-only quantization of the decoder linears (SGLang's flag and names; CPU, "
-        "fp32 models): int8wo (int8, symmetric, a scale per output channel) or int4wo-<group_size> "
-        "(4 bits, asymmetric, a scale and an offset per group of 32, 64, 128 or 256 inputs; layers "
-        "whose inputs the group does not divide stay fp32). Their fp32 weights are replaced by the "
-        "dequantization, so every batch size computes with the quantized model. SGLang's other "
-        "choices (int8dq, fp8wo, fp8dq-*) are refused. Default: none.",
-    )
+    # Weight quantization (docs/quantization.md; default and help: configs/quant_args.py)
+    quantization: str | None = quant_args.quantization
+    torchao_config: str = quant_args.torchao_config
     context_length: int | None = _f(None, "Maximum context length; defaults to the model's.")
     served_model_name: str | None = _f(None, "Model name reported by the API; defaults to the model path.")
     chat_template: str | None = _f(None, "A Jinja chat template file or string overriding the tokenizer's.")
@@ -379,43 +329,16 @@ class ServerArgs:
         "recently used) or 'lfu' (fewest prefix hits; ties go to the least recently used).",
         choices=RADIX_EVICTION_POLICIES,
     )
-    # Hierarchical KV cache (docs/hicache.md): SGLang's flags, names and defaults
-    enable_hierarchical_cache: bool = _f(
-        False, "Back the radix cache with a host-memory KV tier (L2): evicted prefixes are kept there."
-    )
-    hicache_ratio: float = _f(2.0, "Host KV tier size as a multiple of the device KV pool (must be > 1).")
-    hicache_size: int = _f(0, "Host KV tier size in GB; overrides --hicache-ratio when > 0.")
-    hicache_write_policy: str = _f(
-        "write_through",
-        "When KV is copied to the host tier: write_through (when cached), write_through_selective "
-        "(once a prefix is hit twice) or write_back (when evicted from the device pool).",
-        choices=HICACHE_WRITE_POLICIES,
-    )
-    hicache_io_backend: str = _f(
-        "kernel",
-        "How KV moves between the tiers: kernel or direct (on CPU both are torch index copies: "
-        "resolved to direct).",
-        choices=HICACHE_IO_BACKENDS,
-    )
-    hicache_mem_layout: str = _f(
-        "layer_first",
-        "Host tier layout: layer_first (one buffer per layer, like the device pool) or "
-        "page_first / page_first_direct (one buffer, a token's layers contiguous).",
-        choices=HICACHE_MEM_LAYOUTS,
-    )
-    hicache_storage_backend: str | None = _f(
-        None,
-        "The L3 storage tier's backend: file (pages in $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
-        "default /tmp/hicache); SGLang's other names are refused.",
-    )
-    hicache_storage_prefetch_policy: str = _f(
-        "best_effort",
-        "How long a request waits for its L3 prefetch: best_effort, wait_complete or timeout.",
-        choices=HICACHE_STORAGE_PREFETCH_POLICIES,
-    )
-    hicache_storage_max_bytes: int = _f(
-        0, "Size cap of the L3 directory in bytes (LRU files deleted past it); 0: none."
-    )
+    # Hierarchical KV cache (docs/hicache.md): SGLang's flags, names and defaults (configs/hicache_args.py)
+    enable_hierarchical_cache: bool = hicache_args.enable_hierarchical_cache
+    hicache_ratio: float = hicache_args.hicache_ratio
+    hicache_size: int = hicache_args.hicache_size
+    hicache_write_policy: str = hicache_args.hicache_write_policy
+    hicache_io_backend: str = hicache_args.hicache_io_backend
+    hicache_mem_layout: str = hicache_args.hicache_mem_layout
+    hicache_storage_backend: str | None = hicache_args.hicache_storage_backend
+    hicache_storage_prefetch_policy: str = hicache_args.hicache_storage_prefetch_policy
+    hicache_storage_max_bytes: int = hicache_args.hicache_storage_max_bytes
     disable_overlap_schedule: bool = _f(False, "Run the normal (non-overlapped) scheduler loop.")
     enable_overlap_schedule: bool = _f(
         False,
@@ -538,78 +461,21 @@ class ServerArgs:
     )
     max_loaded_loras: int | None = _f(None, "Most adapters held in host memory (default: no limit).")
 
-    # Speculative decoding (docs/speculative_decoding.md)
-    speculative_algorithm: str | None = _f(
-        None,
-        "Speculative decoding: NGRAM drafts from n-grams of each request's own prompt and output (no "
-        "draft model); STANDALONE drafts with a separate draft model (--speculative-draft-model-path) "
-        "or with the target's first --speculative-draft-layers layers (self-speculation); EAGLE / "
-        "EAGLE3 draft with an EAGLE head (--speculative-draft-model-path) reading the target's hidden states.",
-        choices=SPECULATIVE_ALGORITHMS,
-    )
-    speculative_draft_model_path: str | None = _f(
-        None,
-        "STANDALONE: the draft model's folder (a smaller model with the target's tokenizer; its own KV "
-        "pool with the target's slots); EAGLE / EAGLE3: the head's folder (HF format, "
-        "LlamaForCausalLMEagle / LlamaForCausalLMEagle3).",
-    )
-    speculative_draft_layers: int | None = _f(
-        None,
-        "STANDALONE without a draft model path: the draft is the target's own first N layers with "
-        "its final norm and LM head (self-speculation; shares the target's KV pool).",
-    )
-    speculative_num_steps: int | None = _f(
-        None,
-        "Draft steps per round (draft-model algorithms): the depth of the draft tree. Default: "
-        "num_draft_tokens - 1 for a chain; 3 for a tree (--speculative-eagle-topk > 1); EAGLE on CPU: 3.",
-    )
-    speculative_eagle_topk: int | None = _f(
-        None,
-        "STANDALONE / EAGLE: branching of the draft tree; each draft step keeps the topk most likely "
-        "continuations (by the draft's cumulative probability). 1 (the default) drafts a chain.",
-    )
-    speculative_num_draft_tokens: int | None = _f(
-        None,
-        "Tokens per request in one verify forward: the last accepted token plus up to this many "
-        "minus one drafted ones. Default: --speculative-num-steps + 1 when set; else NGRAM: 8 on CPU, "
-        "--speculative-ngram-max-match-window-size on CUDA; STANDALONE / EAGLE: 4 (a chain), 1 + topk x "
-        "num_steps (a tree); EAGLE off CPU with triton or torch-native attention: SGLang's 5 steps, topk 4, 8 tokens.",
-    )
-    speculative_ngram_min_match_window_size: int = _f(
-        1, "NGRAM: shortest suffix of the context that must match an earlier n-gram to draft."
-    )
-    speculative_ngram_max_match_window_size: int = _f(
-        12, "NGRAM: longest suffix of the context tried first when matching."
-    )
-    speculative_ngram_min_bfs_breadth: int = _f(
-        1, "NGRAM: narrowest breadth of the BFS draft tree (a long match, deep in the tree)."
-    )
-    speculative_ngram_max_bfs_breadth: int | None = _f(
-        None,
-        "NGRAM: widest breadth of the BFS draft tree (a short match, at its first level); 1 drafts a "
-        "chain. Default: 1 on CPU (a CPU verify step costs per token), 10 (SGLang's) elsewhere.",
-    )
-    speculative_ngram_match_type: str = _f(
-        "BFS",
-        "NGRAM: how the draft tree is built. BFS: SGLang's breadth-first tree (see "
-        "--speculative-ngram-max-bfs-breadth). PROB is accepted and builds the same BFS tree. A chain "
-        "follows the most frequent continuation (ties: the most recent).",
-        choices=NGRAM_MATCH_TYPES,
-    )
-    speculative_ngram_branch_length: int = _f(
-        18, "NGRAM: longest n-gram stored in a request's trie (its depth)."
-    )
-    disable_speculative_batch_backoff: bool = _f(
-        False,
-        "radixserve's own: turn off the batch-level back-off rule (each request drafts as many tokens "
-        "as its acceptance pays for at the measured cost of a verify row, and a step drafts only when "
-        "its expected accepted drafts pay for the verify step's measured extra cost at this batch "
-        "size; docs/speculative_decoding.md). The per-request back-off stays.",
-    )
-    speculative_ngram_capacity: int = _f(
-        10 * 1000 * 1000,
-        "NGRAM: most trie nodes per request; past it new n-grams are no longer stored.",
-    )
+    # Speculative decoding (docs/speculative_decoding.md; default and help: configs/spec_args.py)
+    speculative_algorithm: str | None = spec_args.speculative_algorithm
+    speculative_draft_model_path: str | None = spec_args.speculative_draft_model_path
+    speculative_draft_layers: int | None = spec_args.speculative_draft_layers
+    speculative_num_steps: int | None = spec_args.speculative_num_steps
+    speculative_eagle_topk: int | None = spec_args.speculative_eagle_topk
+    speculative_num_draft_tokens: int | None = spec_args.speculative_num_draft_tokens
+    speculative_ngram_min_match_window_size: int = spec_args.speculative_ngram_min_match_window_size
+    speculative_ngram_max_match_window_size: int = spec_args.speculative_ngram_max_match_window_size
+    speculative_ngram_min_bfs_breadth: int = spec_args.speculative_ngram_min_bfs_breadth
+    speculative_ngram_max_bfs_breadth: int | None = spec_args.speculative_ngram_max_bfs_breadth
+    speculative_ngram_match_type: str = spec_args.speculative_ngram_match_type
+    speculative_ngram_branch_length: int = spec_args.speculative_ngram_branch_length
+    disable_speculative_batch_backoff: bool = spec_args.disable_speculative_batch_backoff
+    speculative_ngram_capacity: int = spec_args.speculative_ngram_capacity
 
     # Structured output
     grammar_backend: str = _f(
@@ -634,29 +500,11 @@ class ServerArgs:
         choices=["qwen3", "deepseek-r1"],
     )
 
-    # Prefill/decode disaggregation (docs/disaggregation.md)
-    disaggregation_mode: str = _f(
-        "null",
-        "'prefill' or 'decode' to run one half of a disaggregated pair (a load balancer such as "
-        "sglang-router --pd-disaggregation sends each request to both); 'null' serves both phases.",
-        choices=DISAGGREGATION_MODES,
-    )
-    disaggregation_bootstrap_port: int = _f(
-        8998, "Prefill server: port of its bootstrap server, where decode servers look up its KV sender."
-    )
-    disaggregation_transfer_backend: str = _f(
-        "tcp",
-        "How KV moves from prefill to decode: 'tcp' (built in: ZMQ over TCP, CPU or GPU, across "
-        "machines), 'mooncake' (the KV bytes by Mooncake's TransferEngine over its TCP transport; "
-        "needs mooncake-transfer-engine-non-cuda) or 'fake' (moves nothing: warm-up and health "
-        "probes only).",
-        choices=DISAGGREGATION_TRANSFER_BACKENDS,
-    )
-    disaggregation_bootstrap_timeout: float = _f(
-        300.0,
-        "Seconds a disaggregated request may wait for its peer (to bootstrap, then to deliver or "
-        "acknowledge its KV) before it fails with an error and its KV is freed.",
-    )
+    # Prefill/decode disaggregation (docs/disaggregation.md; default and help: configs/disagg_args.py)
+    disaggregation_mode: str = disagg_args.disaggregation_mode
+    disaggregation_bootstrap_port: int = disagg_args.disaggregation_bootstrap_port
+    disaggregation_transfer_backend: str = disagg_args.disaggregation_transfer_backend
+    disaggregation_bootstrap_timeout: float = disagg_args.disaggregation_bootstrap_timeout
 
     def resolve(self) -> ServerArgs:
         """Decide every automatic value once; the result is frozen and passed to constructors."""
@@ -683,16 +531,7 @@ class ServerArgs:
         if self.speculative_algorithm is not None:
             updates.update(speculative_updates(self, device))
         updates.update(hicache_updates(self, device))
-        from radixserve.configs.default_format import default_quantization
-        from radixserve.configs.quant_args import gguf_updates
-
-        updates.update(gguf_updates(self))  # a GGUF --model-path: --quantization gguf (SGLang's rule)
-        # The built-in model without a format flag: its own GGUF tensors on CPU (logged), else fp32.
-        quantization = updates.get("quantization", self.quantization) or default_quantization(self, device)
-        if quantization is None or quantization in QUANTIZATION_METHODS:  # other names: validate() says
-            # A pre-quantized checkpoint selects its method; a conflicting flag (unquant too) is an error.
-            quantization = resolve_quantization(quantization, self.model_path)
-        updates["quantization"] = None if quantization == NO_QUANTIZATION else quantization
+        updates.update(quantization_updates(self, device))
         if self.enable_lora or self.lora_paths:
             from radixserve.lora.adapter import lora_updates
 
@@ -718,20 +557,7 @@ class ServerArgs:
             not resolved.disable_overlap_schedule,
         )
         if resolved.speculative_algorithm is not None:
-            logger.info(
-                "Speculative decoding: algorithm=%s num_draft_tokens=%d num_steps=%d eagle_topk=%d "
-                "ngram_bfs_breadth=%d..%d ngram_match_window=%d..%d ngram_branch_length=%d (overlap loop "
-                "and mixed chunk off)",
-                resolved.speculative_algorithm,
-                resolved.speculative_num_draft_tokens,
-                resolved.speculative_num_steps,
-                resolved.speculative_eagle_topk,
-                resolved.speculative_ngram_min_bfs_breadth,
-                resolved.speculative_ngram_max_bfs_breadth,
-                resolved.speculative_ngram_min_match_window_size,
-                resolved.speculative_ngram_max_match_window_size,
-                resolved.speculative_ngram_branch_length,
-            )
+            log_speculative(resolved)
         return resolved
 
     def validate(self) -> None:

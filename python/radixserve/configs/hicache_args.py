@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from radixserve.configs.arg_field import arg_field
+
 if TYPE_CHECKING:
     from radixserve.server_args import ServerArgs
 
@@ -23,6 +25,45 @@ HICACHE_STORAGE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # Speculative algorithms whose draft model keeps its own K/V pool at the target's slots: a page
 # loaded back from L2 would bring the target's KV but not the draft's.
 _DRAFT_POOL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+
+# ServerArgs' HiCache fields (server_args.py declares each under the same name): SGLang's flags,
+# names and defaults.
+enable_hierarchical_cache = arg_field(
+    False, "Back the radix cache with a host-memory KV tier (L2): evicted prefixes are kept there."
+)
+hicache_ratio = arg_field(2.0, "Host KV tier size as a multiple of the device KV pool (must be > 1).")
+hicache_size = arg_field(0, "Host KV tier size in GB; overrides --hicache-ratio when > 0.")
+hicache_write_policy = arg_field(
+    "write_through",
+    "When KV is copied to the host tier: write_through (when cached), write_through_selective "
+    "(once a prefix is hit twice) or write_back (when evicted from the device pool).",
+    choices=HICACHE_WRITE_POLICIES,
+)
+hicache_io_backend = arg_field(
+    "kernel",
+    "How KV moves between the tiers: kernel or direct (on CPU both are torch index copies: "
+    "resolved to direct).",
+    choices=HICACHE_IO_BACKENDS,
+)
+hicache_mem_layout = arg_field(
+    "layer_first",
+    "Host tier layout: layer_first (one buffer per layer, like the device pool) or "
+    "page_first / page_first_direct (one buffer, a token's layers contiguous).",
+    choices=HICACHE_MEM_LAYOUTS,
+)
+hicache_storage_backend = arg_field(
+    None,
+    "The L3 storage tier's backend: file (pages in $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
+    "default /tmp/hicache); SGLang's other names are refused.",
+)
+hicache_storage_prefetch_policy = arg_field(
+    "best_effort",
+    "How long a request waits for its L3 prefetch: best_effort, wait_complete or timeout.",
+    choices=HICACHE_STORAGE_PREFETCH_POLICIES,
+)
+hicache_storage_max_bytes = arg_field(
+    0, "Size cap of the L3 directory in bytes (LRU files deleted past it); 0: none."
+)
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,13 @@ import importlib.util
 import os
 from urllib.parse import urlsplit
 
+from radixserve.configs.disagg_args import validate_disaggregation
 from radixserve.configs.hicache_args import validate_hicache
 from radixserve.configs.kv_cache_args import validate_kv_cache_dtype
-from radixserve.configs.quant_args import validate_weight_only
+from radixserve.configs.quant_args import validate_quantization, validate_weight_only
 from radixserve.configs.spec_args import validate_speculative
 from radixserve.layers.cpu_crossovers import parse_overrides
-from radixserve.server_args import (
-    QUANTIZATION_METHODS,
-    SUPPORTED_QUANTIZATION,
-    ServerArgs,
-)
+from radixserve.server_args import ServerArgs
 
 
 def validate_server_args(args: ServerArgs) -> None:
@@ -39,7 +36,7 @@ def validate_server_args(args: ServerArgs) -> None:
         )
     _refuse_grammar_backend(args.grammar_backend)
     _check_trace(args)
-    _validate_quantization(args)
+    validate_quantization(args)
     validate_weight_only(args)
     validate_speculative(args)
     _check_media(args)
@@ -55,7 +52,7 @@ def validate_server_args(args: ServerArgs) -> None:
         from radixserve.lora.adapter import validate_lora_args
 
         validate_lora_args(args)
-    _validate_disaggregation(args)
+    validate_disaggregation(args)
     _validate_restart(args)
     validate_hicache(args)
     validate_kv_cache_dtype(args)
@@ -92,33 +89,6 @@ def _validate_int8_activations(args: ServerArgs) -> None:
         raise ValueError(f"{flag} contradicts --cpu-kernel-crossovers' wq_a8_max_tokens={bound}")
 
 
-def _validate_quantization(args: ServerArgs) -> None:
-    method = args.quantization
-    if method is None:
-        return
-    supported = ", ".join(SUPPORTED_QUANTIZATION)
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"--quantization {method!r} is not a quantization method SGLang defines; supported "
-            f"here: {supported} (docs/quantization.md)"
-        )
-    if method not in SUPPORTED_QUANTIZATION:
-        raise ValueError(
-            f"--quantization {method} is not supported by radixserve yet; supported: {supported} "
-            "(w8a8_int8 quantizes an fp32/bf16/fp16 checkpoint at load; gguf serves a GGUF file's "
-            "quantized tensors; the others load pre-quantized checkpoints, on CPU; docs/quantization.md)"
-        )
-    if args.device != "cpu":
-        raise ValueError(f"--quantization {method} runs on CPU only for now (got --device {args.device})")
-    if args.dtype not in ("auto", "float32", "float"):
-        raise ValueError(
-            f"--quantization {method} quantizes the fp32 model (bf16/fp16 checkpoints load as fp32 "
-            f"first): drop --dtype {args.dtype}"
-        )
-    if args.is_embedding:
-        raise ValueError(f"--quantization {method} applies to generation models for now: drop --is-embedding")
-
-
 def _validate_dp(args: ServerArgs) -> None:
     if args.dp_size < 1:
         raise ValueError(f"--dp-size must be >= 1, got {args.dp_size}")
@@ -132,22 +102,6 @@ def _validate_dp(args: ServerArgs) -> None:
         raise ValueError(
             "--dp-size > 1 runs its replicas on one machine; across machines run one server per "
             "machine behind the SGLang Model Gateway (docs/deploy.md)"
-        )
-
-
-def _validate_disaggregation(args: ServerArgs) -> None:
-    if not 0 < args.disaggregation_bootstrap_port < 65536:
-        raise ValueError(
-            f"--disaggregation-bootstrap-port must be a TCP port, got {args.disaggregation_bootstrap_port}"
-        )
-    if args.disaggregation_bootstrap_timeout <= 0:
-        raise ValueError("--disaggregation-bootstrap-timeout must be > 0")
-    if args.disaggregation_mode != "null" and args.is_embedding:
-        raise ValueError("--disaggregation-mode applies to generation; drop it with --is-embedding")
-    if args.disaggregation_mode != "null" and (args.pp_size > 1 or args.nnodes > 1):
-        raise ValueError(
-            "--disaggregation-mode runs with --pp-size 1 and --nnodes 1 for now "
-            "(any --tp-size and --dp-size; docs/disaggregation.md)"
         )
 
 

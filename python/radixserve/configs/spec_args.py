@@ -1,12 +1,93 @@
-"""ServerArgs' speculative-decoding defaults and checks (docs/speculative_decoding.md), kept
-apart from server_args.py so that file stays readable. `args` is the ServerArgs being resolved."""
+"""ServerArgs' speculative-decoding flags, defaults and checks (docs/speculative_decoding.md),
+kept apart from server_args.py so that file stays readable. `args` is the ServerArgs being resolved."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
+
+from radixserve.configs.arg_field import arg_field
 
 if TYPE_CHECKING:
     from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
+
+# ServerArgs' speculative fields (server_args.py declares each under the same name).
+speculative_algorithm = arg_field(
+    None,
+    "Speculative decoding: NGRAM drafts from n-grams of each request's own prompt and output (no "
+    "draft model); STANDALONE drafts with a separate draft model (--speculative-draft-model-path) "
+    "or with the target's first --speculative-draft-layers layers (self-speculation); EAGLE / "
+    "EAGLE3 draft with an EAGLE head (--speculative-draft-model-path) reading the target's hidden states.",
+    choices=SPECULATIVE_ALGORITHMS,
+)
+speculative_draft_model_path = arg_field(
+    None,
+    "STANDALONE: the draft model's folder (a smaller model with the target's tokenizer; its own KV "
+    "pool with the target's slots); EAGLE / EAGLE3: the head's folder (HF format, "
+    "LlamaForCausalLMEagle / LlamaForCausalLMEagle3).",
+)
+speculative_draft_layers = arg_field(
+    None,
+    "STANDALONE without a draft model path: the draft is the target's own first N layers with "
+    "its final norm and LM head (self-speculation; shares the target's KV pool).",
+)
+speculative_num_steps = arg_field(
+    None,
+    "Draft steps per round (draft-model algorithms): the depth of the draft tree. Default: "
+    "num_draft_tokens - 1 for a chain; 3 for a tree (--speculative-eagle-topk > 1); EAGLE on CPU: 3.",
+)
+speculative_eagle_topk = arg_field(
+    None,
+    "STANDALONE / EAGLE: branching of the draft tree; each draft step keeps the topk most likely "
+    "continuations (by the draft's cumulative probability). 1 (the default) drafts a chain.",
+)
+speculative_num_draft_tokens = arg_field(
+    None,
+    "Tokens per request in one verify forward: the last accepted token plus up to this many "
+    "minus one drafted ones. Default: --speculative-num-steps + 1 when set; else NGRAM: 8 on CPU, "
+    "--speculative-ngram-max-match-window-size on CUDA; STANDALONE / EAGLE: 4 (a chain), 1 + topk x "
+    "num_steps (a tree); EAGLE off CPU with triton or torch-native attention: SGLang's 5 steps, topk 4, 8 tokens.",
+)
+speculative_ngram_min_match_window_size = arg_field(
+    1, "NGRAM: shortest suffix of the context that must match an earlier n-gram to draft."
+)
+speculative_ngram_max_match_window_size = arg_field(
+    12, "NGRAM: longest suffix of the context tried first when matching."
+)
+speculative_ngram_min_bfs_breadth = arg_field(
+    1, "NGRAM: narrowest breadth of the BFS draft tree (a long match, deep in the tree)."
+)
+speculative_ngram_max_bfs_breadth = arg_field(
+    None,
+    "NGRAM: widest breadth of the BFS draft tree (a short match, at its first level); 1 drafts a "
+    "chain. Default: 1 on CPU (a CPU verify step costs per token), 10 (SGLang's) elsewhere.",
+)
+speculative_ngram_match_type = arg_field(
+    "BFS",
+    "NGRAM: how the draft tree is built. BFS: SGLang's breadth-first tree (see "
+    "--speculative-ngram-max-bfs-breadth). PROB is accepted and builds the same BFS tree. A chain "
+    "follows the most frequent continuation (ties: the most recent).",
+    choices=NGRAM_MATCH_TYPES,
+)
+speculative_ngram_branch_length = arg_field(
+    18, "NGRAM: longest n-gram stored in a request's trie (its depth)."
+)
+disable_speculative_batch_backoff = arg_field(
+    False,
+    "radixserve's own: turn off the batch-level back-off rule (each request drafts as many tokens "
+    "as its acceptance pays for at the measured cost of a verify row, and a step drafts only when "
+    "its expected accepted drafts pay for the verify step's measured extra cost at this batch "
+    "size; docs/speculative_decoding.md). The per-request back-off stays.",
+)
+speculative_ngram_capacity = arg_field(
+    10 * 1000 * 1000,
+    "NGRAM: most trie nodes per request; past it new n-grams are no longer stored.",
+)
 
 
 def speculative_updates(args: ServerArgs, device: str) -> dict[str, Any]:
@@ -48,6 +129,23 @@ def speculative_updates(args: ServerArgs, device: str) -> dict[str, Any]:
     num_draft = updates.get("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
     updates["speculative_num_steps"] = num_draft - 1
     return updates
+
+
+def log_speculative(args: ServerArgs) -> None:
+    logger.info(
+        "Speculative decoding: algorithm=%s num_draft_tokens=%d num_steps=%d eagle_topk=%d "
+        "ngram_bfs_breadth=%d..%d ngram_match_window=%d..%d ngram_branch_length=%d (overlap loop "
+        "and mixed chunk off)",
+        args.speculative_algorithm,
+        args.speculative_num_draft_tokens,
+        args.speculative_num_steps,
+        args.speculative_eagle_topk,
+        args.speculative_ngram_min_bfs_breadth,
+        args.speculative_ngram_max_bfs_breadth,
+        args.speculative_ngram_min_match_window_size,
+        args.speculative_ngram_max_match_window_size,
+        args.speculative_ngram_branch_length,
+    )
 
 
 def _eagle_defaults(args: ServerArgs, device: str) -> dict[str, Any]:

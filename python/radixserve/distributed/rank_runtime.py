@@ -91,14 +91,6 @@ class RankRuntime:
         return self.groups.rank
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.parallel.is_first_stage
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.parallel.is_last_stage
-
-    @property
     def is_entry_rank(self) -> bool:
         """Rank 0 reads the TokenizerManager's socket and sends every output of the scheduler."""
         return self.groups.rank == 0

@@ -273,7 +273,7 @@ class Engine:
         return self._run(self.tokenizer_manager.lora.unload(lora_name))
 
     def collective_rpc(self, method: str, **kwargs: Any) -> Any:  # noqa: ANN401 - the method's result
-        """Call scheduler method `method` over the RPC channel (control_table.RPC_METHODS)."""
+        """Call scheduler method `method` over the RPC channel (control_table.handle_rpc)."""
         return self._rpc.call(method, kwargs)
 
     @property

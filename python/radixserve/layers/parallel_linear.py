@@ -27,7 +27,7 @@ from torch import nn
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.distributed.layout import HeadShard
 from radixserve.layers.linear import Linear, linear
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import ModelLoadError, check_shape, copy_checked
 from radixserve.model_loader.weights import CheckpointTensor
 
 
@@ -35,25 +35,6 @@ def divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ModelLoadError(f"{what} ({total}) is not divisible by --tp-size {parts}")
     return total // parts
-
-
-def _expect(loaded: CheckpointTensor, shape: tuple[int, ...]) -> None:
-    """The checkpoint tensor must have the whole (unsharded) shape the config implies: a rank reads
-    only its slice, so a mismatch would otherwise go unnoticed."""
-    if tuple(loaded.shape) != tuple(shape):
-        raise ModelLoadError(
-            f"Shape mismatch for {loaded.name}: the config implies {tuple(shape)}, the checkpoint "
-            f"has {tuple(loaded.shape)}"
-        )
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ModelLoadError(
-            f"Shape mismatch for {name}: the config implies {tuple(dst.shape)}, the checkpoint has "
-            f"{tuple(src.shape)}"
-        )
-    dst.copy_(src.to(dst.dtype))
 
 
 class ColumnParallelLinear(Linear):
@@ -65,8 +46,8 @@ class ColumnParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         rows = param.shape[0]
-        _expect(loaded, (rows * self.tp.size, *param.shape[1:]))
-        _copy(param.data, loaded.narrow(0, self.tp.rank * rows, rows), loaded.name)
+        check_shape(loaded.name, (rows * self.tp.size, *param.shape[1:]), loaded.shape)
+        copy_checked(param.data, loaded.narrow(0, self.tp.rank * rows, rows), loaded.name)
 
 
 class MergedColumnParallelLinear(Linear):
@@ -82,8 +63,8 @@ class MergedColumnParallelLinear(Linear):
         index = int(shard_id)  # type: ignore[call-overload]
         size = self.local_sizes[index]
         dst = param.data.narrow(0, sum(self.local_sizes[:index]), size)
-        _expect(loaded, (size * self.tp.size, *param.shape[1:]))
-        _copy(dst, loaded.narrow(0, self.tp.rank * size, size), loaded.name)
+        check_shape(loaded.name, (size * self.tp.size, *param.shape[1:]), loaded.shape)
+        copy_checked(dst, loaded.narrow(0, self.tp.rank * size, size), loaded.name)
 
 
 class QKVParallelLinear(Linear):
@@ -113,14 +94,14 @@ class QKVParallelLinear(Linear):
         d = self.head_dim
         if shard_id == "q":
             dst_start, size, src_start = 0, self.q_size, self.heads.q_start * d
-            _expect(loaded, (self.total_heads * d, *param.shape[1:]))
+            check_shape(loaded.name, (self.total_heads * d, *param.shape[1:]), loaded.shape)
         elif shard_id in ("k", "v"):
             dst_start = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, src_start = self.kv_size, self.heads.kv_start * d
-            _expect(loaded, (self.total_kv_heads * d, *param.shape[1:]))
+            check_shape(loaded.name, (self.total_kv_heads * d, *param.shape[1:]), loaded.shape)
         else:
             raise ModelLoadError(f"{loaded.name}: unknown q/k/v shard {shard_id!r}")
-        _copy(param.data.narrow(0, dst_start, size), loaded.narrow(0, src_start, size), loaded.name)
+        copy_checked(param.data.narrow(0, dst_start, size), loaded.narrow(0, src_start, size), loaded.name)
 
 
 class RowParallelLinear(Linear):
@@ -150,10 +131,10 @@ class RowParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias: whole on every rank, added after the reduction
-            _copy(param.data, loaded.full(), loaded.name)
+            copy_checked(param.data, loaded.full(), loaded.name)
             return
-        _expect(loaded, (param.shape[0], self.total_in_features))
-        _copy(param.data, loaded.narrow(1, self.input_start, self.input_size), loaded.name)
+        check_shape(loaded.name, (param.shape[0], self.total_in_features), loaded.shape)
+        copy_checked(param.data, loaded.narrow(1, self.input_start, self.input_size), loaded.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -19,7 +19,7 @@ from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
 from radixserve.layers.linear import Linear
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import check_shape
 from radixserve.model_loader.weights import CheckpointTensor
 
 
@@ -45,11 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce_(out)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
-        if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != param.shape[1:]:
-            raise ModelLoadError(
-                f"Shape mismatch for {loaded.name}: the config implies ({self.vocab_size}, "
-                f"{param.shape[1]}), the checkpoint has {tuple(loaded.shape)}"
-            )
+        check_shape(loaded.name, (self.vocab_size, *param.shape[1:]), loaded.shape)
         rows = self.num_valid_rows
         if rows:
             param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows).to(param.dtype))

@@ -7,7 +7,7 @@ ScheduleBatch (scheduler-owned) -> ModelWorkerBatch (plain CPU data the forward 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -264,45 +264,32 @@ class ForwardBatch:
         else:
             positions = batch.seq_lens - 1  # the new token sits at seq_len - 1
         fb = cls(
-            forward_mode=batch.forward_mode,
+            **{name: _on_device(getattr(batch, name), device) for name in _FROM_BATCH},
             batch_size=len(seq_lens_cpu),
-            input_ids=batch.input_ids.to(device, non_blocking=True),
             positions=positions.to(device, non_blocking=True),
-            req_pool_indices=batch.req_pool_indices.to(device, non_blocking=True),
-            seq_lens=batch.seq_lens.to(device, non_blocking=True),
             seq_lens_cpu=seq_lens_cpu,
-            out_cache_loc=batch.out_cache_loc.to(device, non_blocking=True),
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
             extend_seq_lens_cpu=batch.extend_seq_lens,
-            extend_num_tokens=batch.extend_num_tokens,
-            sampling_info=batch.sampling_info,
-            return_logprob=batch.return_logprob,
             argmax_only=is_argmax_only(batch),
-            top_logprobs_nums=batch.top_logprobs_nums,
-            token_ids_logprobs=batch.token_ids_logprobs,
-            extend_logprob_start_lens=batch.extend_logprob_start_lens,
-            extend_logprob_next_token_ids=batch.extend_logprob_next_token_ids,
-            token_type_ids=(
-                batch.token_type_ids.to(device, non_blocking=True)
-                if batch.token_type_ids is not None
-                else None
-            ),
-            input_embeds=batch.input_embeds.to(device) if batch.input_embeds is not None else None,
-            multimodal=batch.multimodal,
-            mrope_positions=(
-                batch.mrope_positions.to(device, non_blocking=True)
-                if batch.mrope_positions is not None
-                else None
-            ),
-            should_yield=batch.should_yield,
             attn_causal=attn_causal,
             spec_tree_mask=tree_mask,
         )
         if init_attn_metadata:
             attn_backend.init_forward_metadata(fb)
         return fb
+
+
+# What a ForwardBatch takes from its ModelWorkerBatch under the same name (a field added to both
+# passes on without a third edit), its tensors moved to the model's device.
+_FROM_BATCH = tuple({f.name for f in fields(ForwardBatch)} & {f.name for f in fields(ModelWorkerBatch)})
+
+
+def _on_device(value: Any, device: torch.device) -> Any:  # noqa: ANN401 - any batch field
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    return value.to(device) if isinstance(value, InputEmbeds) else value
 
 
 def _extend_positions(prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:

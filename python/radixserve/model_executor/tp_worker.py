@@ -7,6 +7,8 @@ those, and `worker_stack.build_model_worker` assembles the stack.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from radixserve.configs.model_config import ModelConfig
@@ -84,12 +86,8 @@ class TpModelWorker:
 
         def sample() -> None:
             drawn = self.model_runner.sample(logits_output, fb)
-            result.next_token_ids = drawn.next_token_ids
-            result.next_token_logprobs = drawn.next_token_logprobs
-            result.top_logprobs_val = drawn.top_logprobs_val
-            result.top_logprobs_idx = drawn.top_logprobs_idx
-            result.token_ids_logprobs_val = drawn.token_ids_logprobs_val
-            result.invalid_rows = drawn.invalid_rows
+            for f in dataclasses.fields(drawn):  # every SampleOutput field, under the same name
+                setattr(result, f.name, getattr(drawn, f.name))
 
         if batch.delay_sample_launch:
             result.delay_sample_func = sample

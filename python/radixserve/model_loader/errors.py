@@ -8,6 +8,10 @@ deep inside transformers or safetensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ModelLoadError(Exception):
@@ -15,18 +19,21 @@ class ModelLoadError(Exception):
 
 
 def check_shape(name: str, expected: Sequence[int], got: Sequence[int]) -> None:
-    """Raise if a checkpoint tensor does not fit the parameter it is loaded into.
-
-    Models call this from `load_weights` so a config/weights mismatch (e.g. a config.json from a
-    different model size) fails with the tensor's name instead of a bare copy_() size error.
-    """
+    """Raise if checkpoint tensor `name` (shape `got`) does not have the shape the config implies,
+    so that a config/weights mismatch (a config.json of another model size) fails with the
+    tensor's name instead of a bare copy_() size error, or going unnoticed where a rank reads
+    only its slice of the tensor."""
     expected_t, got_t = tuple(int(d) for d in expected), tuple(int(d) for d in got)
     if expected_t != got_t:
         raise ModelLoadError(
-            f"Weight '{name}' has shape {list(got_t)} in the checkpoint but the model built from "
-            f"config.json expects {list(expected_t)}. The config and the weight files probably "
-            "belong to different models."
+            f"Shape mismatch for {name}: the config implies {expected_t}, the checkpoint has {got_t}"
         )
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """Copy checkpoint tensor `name` (`src`) into `dst`, in dst's dtype, once their shapes agree."""
+    check_shape(name, dst.shape, src.shape)
+    dst.copy_(src.to(dst.dtype))
 
 
 def unsupported_architecture_error(

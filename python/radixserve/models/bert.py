@@ -21,7 +21,7 @@ from radixserve.layers.activation import ACTIVATIONS
 from radixserve.layers.attention.encoder import attends_own_kv, pooled_row_attention
 from radixserve.layers.attention.radix_attention import RadixAttention
 from radixserve.layers.linear import Linear
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import ModelLoadError, copy_checked
 from radixserve.model_loader.weights import CheckpointTensor
 
 if TYPE_CHECKING:
@@ -199,14 +199,7 @@ class BertModel(nn.Module):
                 raise ModelLoadError(
                     f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
                 )
-            tensor = CheckpointTensor.of(name, value)
-            param = params[name]
-            if tuple(param.shape) != tensor.shape:
-                raise ModelLoadError(
-                    f"Shape mismatch for {name}: the config implies {tuple(param.shape)}, the checkpoint "
-                    f"has {tensor.shape}"
-                )
-            param.data.copy_(tensor.full().to(param.dtype))
+            copy_checked(params[name].data, CheckpointTensor.of(name, value).full(), name)
             loaded.add(name)
         missing = sorted(n for n in set(params) - loaded if not n.startswith(self.optional_prefixes))
         if missing:

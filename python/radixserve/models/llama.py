@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,7 @@ from radixserve.layers.parallel_linear import (
 from radixserve.layers.rotary import RotaryEmbedding, rope_config
 from radixserve.layers.vocab_parallel import VocabParallelEmbedding
 from radixserve.model_executor.forward_batch import PPProxyTensors, StepYielded
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import ModelLoadError, copy_checked
 from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.vlm_common import lm_name, load_visual, visual_name
 
@@ -49,24 +50,30 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _TOP_LEVEL_PREFIXES = ("model.", "lm_head.", "score.")
 
 
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What the decoder's layers are built from, passed down unchanged from the model to each
+    layer's attention: the HF config, the architecture's attention options, the longest position
+    (rotary table) and this rank's place in the TP/PP layout."""
+
+    config: Any
+    qkv_bias: bool
+    qk_norm: bool
+    max_position: int
+    parallel: ModelParallelism
+
+
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        config: Any,
-        layer_id: int,
-        qkv_bias: bool,
-        qk_norm: bool,
-        max_position: int,
-        parallel: ModelParallelism,
-    ) -> None:
+    def __init__(self, spec: DecoderSpec, layer_id: int) -> None:
         super().__init__()
+        config, parallel = spec.config, spec.parallel
         tp = parallel.tp
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         heads = parallel.attention_heads(total_heads, total_kv_heads)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias, tp, heads
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, spec.qkv_bias, tp, heads
         )
         # This rank's heads (all of them at tp_size 1).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -78,10 +85,10 @@ class LlamaAttention(nn.Module):
             tp,
             input_slice=(heads.q_start * self.head_dim, self.q_size),  # the columns of this rank's heads
         )
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         theta, scaling = rope_config(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, spec.max_position, theta, scaling)
         # layer_id indexes this rank's KV pool, which holds only this stage's layers.
         self.attn = RadixAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
@@ -113,19 +120,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: Any,
-        layer_id: int,
-        qkv_bias: bool,
-        qk_norm: bool,
-        max_position: int,
-        parallel: ModelParallelism,
-    ) -> None:
+    def __init__(self, spec: DecoderSpec, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, qk_norm, max_position, parallel)
+        config = spec.config
+        self.self_attn = LlamaAttention(spec, layer_id)
         bias = getattr(config, "mlp_bias", False)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, parallel.tp)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, spec.parallel.tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,14 +153,11 @@ class MissingLayer(nn.Identity):
 class LlamaModel(nn.Module):
     def __init__(
         self,
-        config: Any,
-        qkv_bias: bool,
-        qk_norm: bool,
-        max_position: int,
-        parallel: ModelParallelism,
+        spec: DecoderSpec,
         layer_cls: type[nn.Module] = LlamaDecoderLayer,  # MoE models swap in their layer (moe_decoder.py)
     ) -> None:
         super().__init__()
+        config, parallel = spec.config, spec.parallel
         tp = parallel.tp
         self.start_layer, self.end_layer = parallel.stage_layers(config.num_hidden_layers)
         self.is_last_stage = parallel.is_last_stage
@@ -170,7 +167,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            layer_cls(config, i - self.start_layer, qkv_bias, qk_norm, max_position, parallel)
+            layer_cls(spec, i - self.start_layer)
             if self.start_layer <= i < self.end_layer
             else MissingLayer()
             for i in range(config.num_hidden_layers)
@@ -234,9 +231,8 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel = parallel or ModelParallelism()
         max_position = max(max_position or 0, config.max_position_embeddings)
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = LlamaModel(
-            config, qkv_bias, self.qk_norm, max_position, parallel, self.decoder_layer_cls
-        )
+        spec = DecoderSpec(config, qkv_bias, self.qk_norm, max_position, parallel)
+        self.model = LlamaModel(spec, self.decoder_layer_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: VocabParallelEmbedding | None
         if not parallel.is_last_stage or not self.has_lm_head:
@@ -326,18 +322,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         if name.startswith("visual."):
             load_visual(param, name, tensor)
-            return
-        owner = self.get_submodule(name.rpartition(".")[0])
-        loader = getattr(owner, "weight_loader", None)
-        if loader is not None:
-            loader(param, tensor, shard)
-            return
-        if tuple(param.shape) != tensor.shape:
-            raise ModelLoadError(
-                f"Shape mismatch for {name}: the config implies {tuple(param.shape)}, the checkpoint "
-                f"has {tensor.shape}"
-            )
-        param.data.copy_(tensor.full().to(param.dtype))
+        else:
+            load_param(self, param, name, shard, tensor)
+
+
+def load_param(
+    model: nn.Module, param: nn.Parameter, name: str, shard: str | int | None, tensor: CheckpointTensor
+) -> None:
+    """Copy `tensor` into `model`'s parameter `name`: this rank's part of it through its module's
+    weight_loader (the parallel layers'), else the whole tensor."""
+    loader = getattr(model.get_submodule(name.rpartition(".")[0]), "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard)
+    else:
+        copy_checked(param.data, tensor.full(), name)
 
 
 def fused_target(name: str) -> tuple[str, str | int | None]:

@@ -31,7 +31,7 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.parallel_linear import QKVParallelLinear
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
-from radixserve.models.llama import LlamaDecoderLayer, fused_target
+from radixserve.models.llama import DecoderSpec, LlamaDecoderLayer, fused_target, load_param
 
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -75,18 +75,7 @@ class _EagleBase(nn.Module):
                 raise ModelLoadError(
                     f"EAGLE checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
                 )
-            param = params[target]
-            owner = self.get_submodule(target.rpartition(".")[0])
-            loader = getattr(owner, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard)
-            elif tuple(param.shape) != tensor.shape:
-                raise ModelLoadError(
-                    f"Shape mismatch for {name}: the draft config implies {tuple(param.shape)}, the "
-                    f"checkpoint has {tensor.shape}"
-                )
-            else:
-                param.data.copy_(tensor.full().to(param.dtype))
+            load_param(self, params[target], target, shard, tensor)
             loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
@@ -117,7 +106,8 @@ class LlamaForCausalLMEagle(_EagleBase):
         pos = _max_position(config, max_position)
         bias = getattr(config, "attention_bias", False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, bias, False, pos, parallel) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(DecoderSpec(config, bias, False, pos, parallel), i)
+            for i in range(config.num_hidden_layers)
         )
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE's layer 0 has no input norm
         self.embed_tokens = None
@@ -143,9 +133,8 @@ class _Eagle3MidLayer(nn.Module):
     def __init__(self, config: Any, max_position: int, parallel: ModelParallelism) -> None:  # noqa: ANN401
         super().__init__()
         h = config.hidden_size
-        base = LlamaDecoderLayer(
-            config, 0, getattr(config, "attention_bias", False), False, max_position, parallel
-        )
+        bias = getattr(config, "attention_bias", False)
+        base = LlamaDecoderLayer(DecoderSpec(config, bias, False, max_position, parallel), 0)
         attn = base.self_attn
         attn.qkv_proj = QKVParallelLinear(
             2 * h, attn.head_dim, attn.qkv_proj.total_heads, attn.qkv_proj.total_kv_heads, False, parallel.tp

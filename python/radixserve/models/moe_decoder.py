@@ -15,12 +15,17 @@ import torch
 from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
-from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder
 from radixserve.layers.moe.layer import FusedMoE, expert_param_name
 from radixserve.layers.moe.topk import select_experts
 from radixserve.layers.norm import RMSNorm
-from radixserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from radixserve.models.llama import (
+    DecoderSpec,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 
 
 @dataclass(frozen=True)
@@ -84,23 +89,16 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(
-        self,
-        config: Any,
-        layer_id: int,
-        qkv_bias: bool,
-        qk_norm: bool,
-        max_position: int,
-        parallel: ModelParallelism,
-    ) -> None:
+    def __init__(self, spec: DecoderSpec, layer_id: int) -> None:
         nn.Module.__init__(self)  # LlamaDecoderLayer.__init__ would build a dense MLP to discard
-        self.self_attn = self.attention_cls(config, layer_id, qkv_bias, qk_norm, max_position, parallel)
+        config, parallel = spec.config, spec.parallel
+        self.self_attn = self.attention_cls(spec, layer_id)
         # layer_id indexes this stage's KV pool; the config's layer choice uses the global index.
         global_id = parallel.stage_layers(config.num_hidden_layers)[0] + layer_id
         self.mlp: nn.Module
         if self.is_sparse(config, global_id):
-            spec = self.moe_spec(config)
-            self.mlp = SparseMoeBlock(config.hidden_size, spec, parallel.tp, global_id, parallel.ep_size)
+            moe = self.moe_spec(config)
+            self.mlp = SparseMoeBlock(config.hidden_size, moe, parallel.tp, global_id, parallel.ep_size)
         else:
             bias = getattr(config, "mlp_bias", False)
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias, parallel.tp)

@@ -5,16 +5,16 @@ optionally clamped to +-clip_qkv; every MLP is a MoE of `num_experts` experts of
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
-from radixserve.distributed.model_parallel import ModelParallelism
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import ModelLoadError, check_shape
 from radixserve.model_loader.weights import CheckpointTensor
-from radixserve.models.llama import LlamaAttention
+from radixserve.models.llama import DecoderSpec, LlamaAttention
 from radixserve.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM, MoeSpec
 
 if TYPE_CHECKING:
@@ -41,26 +41,14 @@ class ShardedRMSNorm(nn.Module):
         return out.to(x.dtype) * self.weight
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
-        if tuple(loaded.shape) != (self.total,):
-            raise ModelLoadError(
-                f"Shape mismatch for {loaded.name}: the config implies ({self.total},), the "
-                f"checkpoint has {tuple(loaded.shape)}"
-            )
+        check_shape(loaded.name, (self.total,), loaded.shape)
         param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
 
 
 class OlmoeAttention(LlamaAttention):
-    def __init__(
-        self,
-        config: Any,
-        layer_id: int,
-        qkv_bias: bool,
-        qk_norm: bool,
-        max_position: int,
-        parallel: ModelParallelism,
-    ) -> None:
-        super().__init__(config, layer_id, qkv_bias, False, max_position, parallel)
-        heads, d, tp = self.qkv_proj.heads, self.head_dim, parallel.tp
+    def __init__(self, spec: DecoderSpec, layer_id: int) -> None:
+        super().__init__(dataclasses.replace(spec, qk_norm=False), layer_id)
+        config, heads, d, tp = spec.config, self.qkv_proj.heads, self.head_dim, spec.parallel.tp
         total_kv = self.qkv_proj.total_kv_heads
         if tp.size > total_kv:
             # A replicated KV head would count its squares once per rank holding it.

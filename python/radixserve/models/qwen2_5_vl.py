@@ -33,6 +33,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     ) -> None:
         super().__init__(text_config_of(config), max_position, check_parallel(parallel, "Qwen2.5-VL"))
         install_mrope(self.model.layers, self.config, interleaved=False)
-        add_vision(self, config, Qwen2_5_VisionTransformer(config.vision_config))
+        add_vision(self, Qwen2_5_VisionTransformer(config.vision_config))
 
     forward = vl_forward

@@ -63,7 +63,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
     ) -> None:
         super().__init__(text_config_of(config), max_position, check_parallel(parallel, "Qwen3-VL"))
-        add_vision(self, config, _build_vision(self, config))
+        add_vision(self, _build_vision(self, config))
 
     forward = vl_forward
 
@@ -89,7 +89,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         self, config: Any, max_position: int | None = None, parallel: ModelParallelism | None = None
     ) -> None:
         super().__init__(text_config_of(config), max_position, check_parallel(parallel, "Qwen3-VL"))
-        add_vision(self, config, _build_vision(self, config))
+        add_vision(self, _build_vision(self, config))
 
     forward = vl_forward
 

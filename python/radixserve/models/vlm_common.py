@@ -20,7 +20,7 @@ from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.layers.mrope import MRotaryEmbedding
 from radixserve.layers.rotary import rope_config
 from radixserve.model_executor.forward_batch import DeepstackEmbeds, InputEmbeds, PPProxyTensors
-from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.errors import ModelLoadError, copy_checked
 from radixserve.model_loader.weights import CheckpointTensor
 from radixserve.models.vit_dp import encode_sharded
 
@@ -50,10 +50,9 @@ def check_parallel(parallel: ModelParallelism | None, family: str) -> ModelParal
     return parallel
 
 
-def add_vision(model: nn.Module, config: Any, visual: nn.Module) -> None:  # noqa: ANN401
+def add_vision(model: nn.Module, visual: nn.Module) -> None:
     """What a Qwen-VL model adds to its language model (the ModelRunner sets the cache and the DP
     encoder after loading)."""
-    model.vl_config = config
     model.visual = visual
     model.num_encoder_runs = 0  # images encoded so far (tests count them)
     model.mm_cache: EmbeddingCache | None = None  # --mm-cache-size-mb
@@ -191,9 +190,4 @@ def load_visual(param: nn.Parameter, name: str, tensor: CheckpointTensor) -> Non
     data = tensor.full()
     if name == "visual.patch_embed.weight":
         data = data.reshape(data.shape[0], -1)
-    if tuple(param.shape) != tuple(data.shape):
-        raise ModelLoadError(
-            f"Shape mismatch for {name}: the config implies {tuple(param.shape)}, the checkpoint "
-            f"has {tuple(data.shape)}"
-        )
-    param.data.copy_(data.to(param.dtype))
+    copy_checked(param.data, data, name)

@@ -2,8 +2,8 @@
 internal-state report.
 
 Each message type maps to the handler that answers it; a handler's return value (its *Output
-message) goes back to the TokenizerManager. `RpcReqInput` calls one of `RPC_METHODS` by name, the
-way SGLang's Engine reaches scheduler methods that have no HTTP route.
+message) goes back to the TokenizerManager. `RpcReqInput` calls one of `handle_rpc`'s methods by
+name, the way SGLang's Engine reaches scheduler methods that have no HTTP route.
 """
 
 from __future__ import annotations
@@ -43,9 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Scheduler methods an RPC may call: read-only reports and the idempotent operator actions.
-RPC_METHODS = ("check_memory_leak", "flush_cache", "get_internal_state", "freeze_gc", "continue_generation")
-
 
 def control_handlers(s: Scheduler) -> list[tuple[type, Callable[[Any], Any]]]:
     w, mem, pause, ops = s.weight_control, s.memory_occupation, s.pause, s.operators
@@ -78,6 +75,7 @@ def control_handlers(s: Scheduler) -> list[tuple[type, Callable[[Any], Any]]]:
 
 
 def handle_rpc(s: Scheduler, msg: RpcReqInput) -> RpcReqOutput:
+    # Scheduler methods an RPC may call: read-only reports and the idempotent operator actions.
     targets: dict[str, Callable[..., Any]] = {
         "check_memory_leak": s.check_memory_leak,
         "flush_cache": lambda: s.flush_cache(),
@@ -87,7 +85,7 @@ def handle_rpc(s: Scheduler, msg: RpcReqInput) -> RpcReqOutput:
     }
     fn = targets.get(msg.method)
     if fn is None:
-        return RpcReqOutput(False, f"Unknown RPC method {msg.method!r}; available: {list(RPC_METHODS)}.")
+        return RpcReqOutput(False, f"Unknown RPC method {msg.method!r}; available: {list(targets)}.")
     try:
         result = fn(**(msg.parameters or {}))
     except Exception as exc:  # a wrong parameter: report it, keep the scheduler running

@@ -24,6 +24,7 @@ three layers, projected by the head's fc) are kept per slot in `hidden_pool` [sl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -252,17 +253,10 @@ class EagleDraft:
     def _to_draft_coords(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
         """A batch laid out in target positions, as the head runs it: one position earlier."""
         prefix = batch.extend_prefix_lens
-        return ModelWorkerBatch(
-            forward_mode=batch.forward_mode,
-            input_ids=batch.input_ids,
-            req_pool_indices=batch.req_pool_indices,
+        return dataclasses.replace(
+            batch,
             seq_lens=batch.seq_lens - 1,
-            out_cache_loc=batch.out_cache_loc,
-            sampling_info=None,
-            extend_seq_lens=batch.extend_seq_lens,
             extend_prefix_lens=None if prefix is None else [p - 1 for p in prefix],
-            extend_num_tokens=batch.extend_num_tokens,
-            spec_tree_parents=batch.spec_tree_parents,
         )
 
     def _next_tokens(self, step: ModelWorkerBatch) -> torch.Tensor:
