@@ -25,6 +25,7 @@
 #include "common.h"
 #include "linear_wq_a8.h"
 #include "linear_wq_a8_quant.h"
+#include "wq_form.h"
 
 namespace {
 
@@ -158,13 +159,7 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
     check_groups(*packed_offsets, "packed offsets");
     o_ptr = packed_offsets->data_ptr<float>();
   }
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n,
-                "linear_wq_a8_packed: bias must be a contiguous float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = check_bias("linear_wq_a8_packed", bias, n);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
 #if RS_HAVE_AVX2
