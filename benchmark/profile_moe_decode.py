@@ -10,7 +10,7 @@ charged its *exclusive* time (a wrapped callee's time goes to the callee), so th
 "the rest" add up to the step:
 
   LM head            the logits processor (the head's product and its glue)
-  expert products    the experts' linear_wq calls
+  expert products    the experts' linear_wq calls, or a layer's one moe_wq_a8_packed call
   experts: other     silu_and_mul, and fused_experts_grouped's own sort / gather / combine
   router, top-k      the MoE block's own time (router linear, glue) and select_experts
   attention proj.    every qkv_proj / o_proj
@@ -97,7 +97,9 @@ CLOCK = PartClock()
 def instrument(model: nn.Module) -> None:
     """Wrap the parts where their callers look them up (module attributes and methods, read at
     call time; the attention projections per instance)."""
-    fused_moe_cpu.linear_wq = CLOCK.wrap("expert products (linear_wq)", fused_moe_cpu.linear_wq)
+    fused_moe_cpu.linear_wq = CLOCK.wrap("expert products", fused_moe_cpu.linear_wq)
+    # The one-call path (moe_wq_a8_packed: the products, SiLU and combine of a layer's experts).
+    moe_layer.experts_on_panels = CLOCK.wrap("expert products", moe_layer.experts_on_panels)
     fused_moe_cpu.silu_and_mul = CLOCK.wrap("experts: other", fused_moe_cpu.silu_and_mul)
     moe_layer.fused_experts_grouped = CLOCK.wrap("experts: other", moe_layer.fused_experts_grouped)
     moe_decoder.select_experts = CLOCK.wrap("router, top-k", moe_decoder.select_experts)
@@ -130,9 +132,7 @@ def weight_bytes_per_token(model: nn.Module, lm_head: nn.Module | None, top_k: i
             parts["attention projections"] += _form_bytes(form)
         if isinstance(module, FusedMoE) and module.experts_wq is not None:
             forms = module.experts_wq
-            parts["expert products (linear_wq)"] += top_k * (
-                _form_bytes(forms.w13[0]) + _form_bytes(forms.w2[0])
-            )
+            parts["expert products"] += top_k * (_form_bytes(forms.w13[0]) + _form_bytes(forms.w2[0]))
         if isinstance(module, moe_decoder.SparseMoeBlock):
             parts["router, top-k"] += module.gate.weight.numel() * module.gate.weight.element_size()
     return dict(parts)
