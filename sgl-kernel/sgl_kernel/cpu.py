@@ -13,8 +13,9 @@ from types import ModuleType
 import torch
 
 # pack_wq_a8 re-exported: the packed weight linear_wq_a8 takes.
-from sgl_kernel.wq_a8_pack import WqA8Packed
+from sgl_kernel.wq_a8_pack import WqA8Packed, WqA8PackedExperts
 from sgl_kernel.wq_a8_pack import pack_wq_a8 as pack_wq_a8
+from sgl_kernel.wq_a8_pack import pack_wq_a8_experts as pack_wq_a8_experts
 
 _ext: ModuleType | None
 try:
@@ -330,6 +331,30 @@ def linear_wq_a8(
             x, packed.q, packed.scales, packed.offsets, packed.n, packed.bits, packed.group_size, bias
         )
     return _lib().linear_wq_a8(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
+
+
+def moe_wq_a8_packed_available() -> bool:
+    """Whether moe_wq_a8_packed is built (an AVX2 build with the panel kernel)."""
+    return linear_wq_a8_packed_available() and hasattr(_ext, "moe_wq_a8_packed")
+
+
+def moe_wq_a8_packed(
+    x: torch.Tensor,  # [T, H] fp32, rows contiguous
+    topk_ids: torch.Tensor,  # [T, top_k] int64: local expert ids; outside [0, E) another rank's
+    topk_weights: torch.Tensor,  # [T, top_k] fp32
+    w13: WqA8PackedExperts,  # every expert's gate rows then up rows [2 * inter, H]
+    w2: WqA8PackedExperts,  # every expert's down projection [H, inter]
+) -> torch.Tensor:
+    """A MoE layer's routed experts with int8 activations on their stacked panels, in one call:
+    fp32 [T, H], the sum over each token's pairs of weight * down(silu(gate) * up). Equal bit for
+    bit to running each expert's rows through linear_wq_a8 on w13.expert(e) / w2.expert(e),
+    silu_and_mul, then scaling by the weights and index_add_ in expert order (layers/moe/
+    fused_moe_cpu.py's grouped path). Raises RuntimeError on a wrong dtype, shape or layout."""
+    return _lib().moe_wq_a8_packed(
+        x, topk_ids, topk_weights,
+        w13.q, w13.scales, w13.offsets, w13.bits, w13.group_size,
+        w2.q, w2.scales, w2.offsets, w2.bits, w2.group_size,
+    )  # fmt: skip
 
 
 def greedy_head_isas() -> list[str]:

@@ -10,6 +10,7 @@ fp32 summation order. Costs one more copy of the integers and scales (rows padde
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,3 +67,50 @@ def pack_wq_a8(
     q = q.permute(0, 2, 3, 1, 4).reshape(panels, blocks, chunks * PANEL * 4).contiguous()
     packed_offsets = None if offsets is None else _panel_groups(offsets, panels)
     return WqA8Packed(q, _panel_groups(scales, panels), packed_offsets, n, bits, group_size)
+
+
+@dataclass(frozen=True)
+class WqA8PackedExperts:
+    """pack_wq_a8 of every expert of one MoE projection, stacked: q [E, P, K // 32, 128 | 256],
+    scales / offsets fp32 [E, P, K // group_size, 8]; expert e's pack is `expert(e)` (views), so
+    the per-expert products and moe_wq_a8_packed read the same bytes."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    n: int
+    bits: int
+    group_size: int
+
+    def expert(self, e: int) -> WqA8Packed:
+        offsets = None if self.offsets is None else self.offsets[e]
+        return WqA8Packed(self.q[e], self.scales[e], offsets, self.n, self.bits, self.group_size)
+
+    def nbytes(self) -> int:
+        extra = 0 if self.offsets is None else self.offsets.numel() * 4
+        return self.q.numel() + self.scales.numel() * 4 + extra
+
+
+def pack_wq_a8_experts(
+    weights: Sequence[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    ],  # per expert (qweight, scales, offsets)
+    bits: int,
+    group_size: int,
+) -> WqA8PackedExperts:
+    """pack_wq_a8 of each expert's weight (all of one shape, all with or all without offsets), written
+    into one stacked tensor per part as it is made (at most one expert's pack exists apart)."""
+    if not weights or len({(q.shape, o is None) for q, _, o in weights}) != 1:
+        raise ValueError("pack_wq_a8_experts: the experts' weights must share one shape and offsets or not")
+    first = pack_wq_a8(*weights[0], bits, group_size)
+    num = len(weights)
+    q = first.q.new_empty((num, *first.q.shape))
+    scales = first.scales.new_empty((num, *first.scales.shape))
+    offsets = None if first.offsets is None else first.offsets.new_empty((num, *first.offsets.shape))
+    for e, (qweight, s, o) in enumerate(weights):
+        pack = first if e == 0 else pack_wq_a8(qweight, s, o, bits, group_size)
+        q[e].copy_(pack.q)
+        scales[e].copy_(pack.scales)
+        if offsets is not None:
+            offsets[e].copy_(pack.offsets)
+    return WqA8PackedExperts(q, scales, offsets, first.n, bits, group_size)

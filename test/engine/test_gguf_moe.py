@@ -19,7 +19,7 @@ import torch
 from test_quantization import _worker, compare, forced_logprobs
 
 from radixserve.layers import group_quant
-from radixserve.layers.moe import fused_moe_cpu
+from radixserve.layers.moe import fused_moe_a8, fused_moe_cpu
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.weight_read import read_piece
 from radixserve.model_loader.gguf_source import ensure_gguf_converted
@@ -206,12 +206,27 @@ def test_int8_activations_serve_close_to_the_fp32_path(moe_gguf, variant, monkey
         assert (packed is not None) == group_quant.WQ_A8_PACKED
         return kernel(x, *args, packed=packed)
 
+    moe_rows: list[int] = []
+    moe_kernel = group_quant.cpu_kernels.moe_wq_a8_packed
+
+    def moe_spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        moe_rows.append(x.shape[0])
+        return moe_kernel(x, *args)
+
     monkeypatch.setattr(group_quant.cpu_kernels, "linear_wq_a8", spy)
+    monkeypatch.setattr(group_quant.cpu_kernels, "moe_wq_a8_packed", moe_spy)
     got, _ = forced_logprobs(worker, prompts, steps=NUM_NEW, forced=fed)
-    # Each decode step: per layer the attention projections and two per chosen expert, and the
-    # head (the prefill's products too: at every row count on the panels).
+    # Each decode step: per layer the attention projections (two) and the experts, and the head
+    # (the prefill's products too: at every row count on the panels). Where moe_wq_a8_packed is
+    # built the experts of a layer are one call on their stacked panels, else two products per
+    # chosen expert.
     max_rows = group_quant.A8_PACKED_MAX_ROWS if group_quant.WQ_A8_PACKED else group_quant.A8_MAX_ROWS
-    assert len(rows) >= NUM_NEW * len(moes) * 3 and max(rows) <= max_rows, rows[:8]
+    if fused_moe_a8.MOE_A8_KERNEL:
+        assert all(m.experts_wq.w13_panels is not None for m in moes)
+        assert len(moe_rows) >= NUM_NEW * len(moes) and max(moe_rows) <= max_rows, moe_rows[:8]
+        assert len(rows) >= NUM_NEW * len(moes) * 2 and max(rows) <= max_rows, rows[:8]
+    else:
+        assert len(rows) >= NUM_NEW * len(moes) * 3 and max(rows) <= max_rows, rows[:8]
     # The same semantics through the torch reference (linear_wq_a8_reference). Not equal end to
     # end: the fp32 sums differ in order, and an activation that sits on a rounding boundary of
     # the next projection's int8 step then moves by a whole step (measured: mean 2e-3, max 1.2e-2,

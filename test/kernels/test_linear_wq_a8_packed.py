@@ -96,6 +96,8 @@ def test_refusals() -> None:
         cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, None, 4, 32, isa="scalar", packed=packed)
     with pytest.raises(RuntimeError, match="packed_q"):
         cpu_kernels.linear_wq_a8(torch.randn(2, 128), w.qweight, w.scales, None, 4, 32, packed=packed)
+    with pytest.raises(RuntimeError, match="linear_wq_a8_packed: bias must be a contiguous float32"):
+        cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, None, 4, 32, torch.randn(15), packed=packed)
     with pytest.raises(ValueError, match="not packable"):
         cpu_kernels.pack_wq_a8(w.qweight, w.scales.repeat(1, 2), None, 4, 16)
 

@@ -29,7 +29,7 @@ from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
-from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
+from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq, mark_int8_activations
 from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
 from radixserve.model_loader.errors import ModelLoadError
 
@@ -52,7 +52,7 @@ class WeightOnlyForms:
         self.a8_panels = a8_panels  # --cpu-wq-int8-activations: repack for the panel kernel too
         self.forms = [(name, layer, self._mark(form)) for name, layer, form in forms]
         self.expert_forms = [
-            (name, moe, ExpertsWq(tuple(map(self._mark, f.w13)), tuple(map(self._mark, f.w2))))
+            (name, moe, mark_int8_activations(f, panels=a8_panels))
             for name, moe, f in expert_forms or []
         ]
         self.requantize = requantize  # None: forms that cannot be remade (a file's tensors)

@@ -63,6 +63,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed_q"), py::arg("packed_scales"), py::arg("packed_offsets"), py::arg("n"),
         py::arg("bits"), py::arg("group_size"), py::arg("bias") = py::none());
   m.attr("linear_wq_a8_packed_available") = linear_wq_a8_packed_available();
+  m.def("moe_wq_a8_packed", &moe_wq_a8_packed,
+        "A MoE layer's routed experts on int8 activations: x fp32 [T,H], topk_ids int64 / topk_weights fp32 "
+        "[T,top_k]; w13 (gate then up) and w2 (down) as pack_wq_a8 panels stacked over the experts; AVX2",
+        py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("w13_q"), py::arg("w13_scales"),
+        py::arg("w13_offsets"), py::arg("w13_bits"), py::arg("w13_group_size"), py::arg("w2_q"),
+        py::arg("w2_scales"), py::arg("w2_offsets"), py::arg("w2_bits"), py::arg("w2_group_size"));
   m.def("greedy_head_candidates", &greedy_head_candidates,
         "Greedy LM head: per row of x fp32 [M,K], the rows of the int8 head copy u [N,K] (stats fp32 [N,3]: "
         "scale, error norm, norm) that may hold its argmax: (indices int64 [C], counts int64 [M], -1 = none proven). "

@@ -24,3 +24,14 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
                                const c10::optional<at::Tensor>& packed_offsets, int64_t n, int64_t bits,
                                int64_t group_size, const c10::optional<at::Tensor>& bias);
 bool linear_wq_a8_packed_available();
+
+// A MoE layer's routed experts on int8 activations (moe_wq_a8_packed.cpp): x fp32 [T, H], topk_ids
+// int64 / topk_weights fp32 [T, top_k] (ids outside [0, E): another rank's experts, skipped);
+// w13_* every expert's gate-then-up rows [2 * inter, H] and w2_* its down projection [H, inter],
+// as pack_wq_a8 panels stacked over the E experts ([E, P, K / 32, 128 | 256], [E, P, groups, 8]).
+// Returns fp32 [T, H]: sum over each token's pairs of weight * down(silu(gate) * up).
+at::Tensor moe_wq_a8_packed(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& w13_q, const at::Tensor& w13_scales,
+                            const c10::optional<at::Tensor>& w13_offsets, int64_t w13_bits, int64_t w13_group_size,
+                            const at::Tensor& w2_q, const at::Tensor& w2_scales,
+                            const c10::optional<at::Tensor>& w2_offsets, int64_t w2_bits, int64_t w2_group_size);

@@ -25,109 +25,10 @@
 #include "common.h"
 #include "linear_wq_a8.h"
 #include "linear_wq_a8_quant.h"
+#include "wq_a8_panels.h"
+#include "wq_form.h"
 
-namespace {
-
-constexpr int64_t kPanel = 8;  // output rows per panel: one per int32 lane
-
-struct PackedProblem {
-  const BlockQuantRows* xq;
-  const uint8_t* q;  // panel p starts at q + p * nb * panel_block
-  const float* s;    // [P, groups, 8]
-  const float* o;    // [P, groups, 8] or nullptr
-  const float* bias;
-  float* y;
-  int64_t groups, blocks_per_group, M, N, K;
-};
-
-#if RS_HAVE_AVX2
-// x's 4 bytes at q broadcast to every lane.
-inline __m256i bcast4(const int8_t* q) {
-  int32_t v;
-  std::memcpy(&v, q, sizeof v);
-  return _mm256_set1_epi32(v);
-}
-
-// MB rows of x (from m0) against one panel: y[m0 .. m0 + MB, the panel's rows].
-template <int MB, bool kInt4>
-inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
-  constexpr int64_t kChunks = kInt4 ? 4 : 8, kPanelBlock = kChunks * 32;
-  const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
-  const uint8_t* wq = p.q + panel * nb * kPanelBlock;
-  const float* sc = p.s + panel * p.groups * kPanel;
-  const float* of = p.o != nullptr ? p.o + panel * p.groups * kPanel : nullptr;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = wq + b * kPanelBlock;
-    const int8_t* xb[MB];
-    for (int m = 0; m < MB; ++m) xb[m] = p.xq->q.data() + (m0 + m) * p.K + b * kBlock;
-    __m256i dot[MB];
-    if constexpr (kInt4) {
-      __m256i s16[MB];
-      for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
-      for (int c = 0; c < kChunks; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-        const __m256i lo = _mm256_and_si256(raw, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        for (int m = 0; m < MB; ++m) {
-          s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, bcast4(xb[m] + 8 * c)));
-          s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, bcast4(xb[m] + 8 * c + 4)));
-        }
-      }
-      for (int m = 0; m < MB; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
-    } else {
-      // Signed weights: |w| against x * sign(w) (pairs at most 2 * 128 * 127, so each chunk is
-      // widened to int32 at once).
-      for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
-      for (int c = 0; c < kChunks; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-        const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int m = 0; m < MB; ++m) {
-          const __m256i sx = _mm256_sign_epi8(bcast4(xb[m] + 4 * c), w);
-          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-        }
-      }
-    }
-    const int64_t g = b / bpg;
-    const __m256 sw = _mm256_loadu_ps(sc + g * kPanel);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 sx = _mm256_set1_ps(p.xq->scale[(m0 + m) * nb + b]);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(sw, sx), acc[m]);
-    }
-    if (of != nullptr && b % bpg == bpg - 1) {
-      // The group's offsets times x's dequantized sum over the group.
-      const __m256 ow = _mm256_loadu_ps(of + g * kPanel);
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm256_fmadd_ps(ow, _mm256_set1_ps(p.xq->gsum[(m0 + m) * p.groups + g]), acc[m]);
-    }
-  }
-  const int64_t n0 = panel * kPanel, rows = std::min(kPanel, p.N - n0);
-  alignas(32) float out[kPanel];
-  for (int m = 0; m < MB; ++m) {
-    _mm256_store_ps(out, acc[m]);
-    float* y = p.y + (m0 + m) * p.N + n0;
-    for (int64_t r = 0; r < rows; ++r) y[r] = p.bias != nullptr ? out[r] + p.bias[n0 + r] : out[r];
-  }
-}
-
-// Every row of x against one panel, 4 rows of x per tile (the panel's bytes stay in L1 between
-// tiles).
-template <bool kInt4>
-void panel_all_m(const PackedProblem& p, int64_t panel) {
-  int64_t m = 0;
-  for (; m + 4 <= p.M; m += 4) panel_tile<4, kInt4>(p, panel, m);
-  switch (p.M - m) {
-    case 3: panel_tile<3, kInt4>(p, panel, m); break;
-    case 2: panel_tile<2, kInt4>(p, panel, m); break;
-    case 1: panel_tile<1, kInt4>(p, panel, m); break;
-    default: break;
-  }
-}
-#endif
-
-}  // namespace
+using wq_a8_panels::kPanel;
 
 bool linear_wq_a8_packed_available() { return RS_HAVE_AVX2; }
 
@@ -141,51 +42,23 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   const int64_t M = x.size(0), K = x.size(1), P = (n + kPanel - 1) / kPanel, nb = K / kBlock;
   TORCH_CHECK(n >= 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
               "linear_wq_a8_packed: group_size ", group_size, " must be a multiple of 32 dividing K=", K);
-  const int64_t groups = K / group_size, panel_block = bits == 4 ? 128 : 256;
-  TORCH_CHECK(packed_q.device().is_cpu() && packed_q.is_contiguous() &&
-                  packed_q.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && packed_q.dim() == 3 &&
-                  packed_q.size(0) == P && packed_q.size(1) == nb && packed_q.size(2) == panel_block,
-              "linear_wq_a8_packed: packed_q must be a contiguous ", bits == 4 ? "uint8" : "int8", " [", P, ", ",
-              nb, ", ", panel_block, "] (pack_wq_a8's) for N=", n, ", K=", K);
-  auto check_groups = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 &&
-                    t.size(0) == P && t.size(1) == groups && t.size(2) == kPanel,
-                "linear_wq_a8_packed: ", name, " must be a contiguous float32 [", P, ", ", groups, ", 8]");
-  };
-  check_groups(packed_scales, "packed scales");
-  const float* o_ptr = nullptr;
-  if (packed_offsets.has_value() && packed_offsets->defined()) {
-    check_groups(*packed_offsets, "packed offsets");
-    o_ptr = packed_offsets->data_ptr<float>();
-  }
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n,
-                "linear_wq_a8_packed: bias must be a contiguous float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const int64_t groups = K / group_size;
+  const float* o_ptr = wq_a8_panels::check_panels("linear_wq_a8_packed", packed_q, packed_scales, packed_offsets,
+                                                  {P}, nb, groups, bits);
+  const float* bias_ptr = check_bias("linear_wq_a8_packed", bias, n);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
 #if RS_HAVE_AVX2
   const bool int4 = bits == 4;
   const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size,
                                             int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
-  const PackedProblem p{&xq,
-                        reinterpret_cast<const uint8_t*>(packed_q.data_ptr()),
-                        packed_scales.data_ptr<float>(),
-                        o_ptr,
-                        bias_ptr,
-                        y.data_ptr<float>(),
-                        groups,
-                        group_size / kBlock,
-                        M,
-                        n,
-                        K};
-  // Each thread one contiguous run of panels; runs of less than ~16 KB of weight stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (nb * panel_block));
+  const wq_a8_panels::PackedProblem p{&xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()),
+                                      packed_scales.data_ptr<float>(), o_ptr, bias_ptr, y.data_ptr<float>(),
+                                      groups, group_size / kBlock, M, n, K};
+  // Each thread one contiguous run of panels (short runs stay on one thread: grain_panels).
+  const int64_t grain = wq_a8_panels::grain_panels(nb, bits);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t panel = p0; panel < p1; ++panel) int4 ? panel_all_m<true>(p, panel) : panel_all_m<false>(p, panel);
+    for (int64_t panel = p0; panel < p1; ++panel) wq_a8_panels::panel_rows(p, panel, 0, M, int4);
   });
 #endif
   return y;

@@ -1,7 +1,7 @@
 // The argument checks linear_wq.cpp and linear_wq_a8.cpp share: x fp32 [M, K] with contiguous rows
 // against one weight-only group-quantized weight (qweight, scales, offsets, bias as linear_wq.cpp
-// describes them). One definition, so the two entry points refuse the same inputs with the same
-// messages (each prefixed with its own name).
+// describes them). One definition, so the entry points refuse the same inputs with the same
+// messages (each prefixed with its own name); linear_wq_a8_packed.cpp shares the bias check.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,6 +13,15 @@ struct WqForm {
   const float* offsets;  // nullptr: w = q * scale
   const float* bias;     // nullptr: no bias
 };
+
+// The optional bias of an [M, N] output: a contiguous float32 [N] on the CPU, or nullptr when absent.
+inline const float* check_bias(const char* name, const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                  bias->numel() == N,
+              name, ": bias must be a contiguous float32 [N]");
+  return bias->data_ptr<float>();
+}
 
 // `block`: what group_size must be a multiple of (16 for linear_wq, 32 for linear_wq_a8).
 inline WqForm check_wq_form(const char* name, const at::Tensor& x, const at::Tensor& qweight,
@@ -43,12 +52,5 @@ inline WqForm check_wq_form(const char* name, const at::Tensor& x, const at::Ten
     check_groups(*offsets, "offsets");
     o_ptr = offsets->data_ptr<float>();
   }
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == N,
-                name, ": bias must be a contiguous float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  return {M, K, N, groups, o_ptr, bias_ptr};
+  return {M, K, N, groups, o_ptr, check_bias(name, bias, N)};
 }

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed.communication import TensorParallelComm
+from radixserve.layers.moe.fused_moe_a8 import experts_on_panels
 from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
 from radixserve.layers.moe.int8_experts import ExpertsInt8
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
@@ -128,6 +129,10 @@ class FusedMoE(nn.Module):
             from radixserve.layers.moe.fused_moe_triton import fused_experts_triton
 
             out = fused_experts_triton(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        elif (
+            on_panels := experts_on_panels(hidden, topk_weights, topk_ids, start, self.experts_wq)
+        ) is not None:
+            out = on_panels  # decode-sized batches on the stacked int8-activation panels, one call
         else:
             out = fused_experts_grouped(
                 hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,

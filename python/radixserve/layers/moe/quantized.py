@@ -12,20 +12,31 @@ forms' own fp32 products), so results equal the old fp32 copy's bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from radixserve.layers.group_quant import GroupQuantWeight
+from radixserve.layers import group_quant
+from radixserve.layers.group_quant import ACT_BLOCK, GroupQuantWeight, with_int8_activations
 
 
 @dataclass(frozen=True)
 class ExpertsWq:
     """w13[e]: local expert e's gate rows then up rows [2 * inter, hidden_size]; w2[e]: its down
-    projection [hidden_size, inter] (FusedMoE's w13_weight / w2_weight layout, one expert each)."""
+    projection [hidden_size, inter] (FusedMoE's w13_weight / w2_weight layout, one expert each).
+
+    w13_panels / w2_panels: every expert's int8-activation panels of the projection stacked in one
+    tensor (sgl_kernel's WqA8PackedExperts; each form's a8_packed is a view of its expert's part),
+    which moe_wq_a8_packed reads in one call for decode-sized batches (fused_moe_a8.py); None
+    without --cpu-wq-int8-activations or the AVX2 panel kernel."""
 
     w13: tuple[GroupQuantWeight, ...]
     w2: tuple[GroupQuantWeight, ...]
+    w13_panels: Any = None
+    w2_panels: Any = None
 
     def __post_init__(self) -> None:
         if len(self.w13) != len(self.w2):
@@ -40,6 +51,44 @@ class ExpertsWq:
 
     def nbytes(self) -> int:
         return sum(w.nbytes() for w in (*self.w13, *self.w2))
+
+
+def _mark(form: GroupQuantWeight, panels: bool) -> GroupQuantWeight:
+    """form marked for int8 activations where its groups allow it (multiples of 32 inputs)."""
+    return form if form.group_size % ACT_BLOCK else with_int8_activations(form, panels=panels)
+
+
+def _stack_panels(forms: Sequence[GroupQuantWeight]) -> tuple[tuple[GroupQuantWeight, ...], Any]:
+    """forms (one projection of every expert) given panels stacked in one tensor, each form's
+    a8_packed a view of its own part; (forms, None) unchanged where they are not all marked, differ
+    in layout, or the panel kernel is not built."""
+    first = forms[0]
+    layouts = {(f.bits, f.group_size, f.qweight.shape, f.offsets is None) for f in forms}
+    if (
+        len(layouts) != 1
+        or not all(f.int8_activations for f in forms)
+        or not group_quant.WQ_A8_PACKED
+        or first.qweight.device.type != "cpu"
+    ):
+        return tuple(forms), None
+    stacked = group_quant.cpu_kernels.pack_wq_a8_experts(
+        [(f.qweight, f.scales, f.offsets) for f in forms], first.bits, first.group_size
+    )
+    return tuple(dataclasses.replace(f, a8_packed=stacked.expert(e)) for e, f in enumerate(forms)), stacked
+
+
+def mark_int8_activations(experts: ExpertsWq, panels: bool) -> ExpertsWq:
+    """experts with each form marked for int8 activations where its groups allow it, and with
+    `panels` (--cpu-wq-int8-activations) each projection's panels made once and stacked over the
+    experts (one copy, which the per-expert forms view), or where that cannot be, each form's own."""
+    w13 = [_mark(f, False) for f in experts.w13]
+    w2 = [_mark(f, False) for f in experts.w2]
+    if not panels or not w13:
+        return ExpertsWq(tuple(w13), tuple(w2))
+    (w13_forms, w13_panels), (w2_forms, w2_panels) = _stack_panels(w13), _stack_panels(w2)
+    if w13_panels is not None and w2_panels is not None:
+        return ExpertsWq(w13_forms, w2_forms, w13_panels, w2_panels)
+    return ExpertsWq(tuple(_mark(f, True) for f in experts.w13), tuple(_mark(f, True) for f in experts.w2))
 
 
 class DequantScratch:

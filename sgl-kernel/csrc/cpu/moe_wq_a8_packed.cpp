@@ -1,0 +1,182 @@
+// A MoE layer's routed experts in one call, for decode-sized batches: each expert's gate/up and
+// down projections on int8 activations over its weight panels (wq_a8_panels.h), every expert's
+// panels of a projection stacked in one tensor (sgl_kernel/wq_a8_pack.py's pack_wq_a8_experts).
+//
+// Why: layers/moe/fused_moe_cpu.py's grouped path runs per expert that got tokens a Python loop
+// step, two linear_wq_a8_packed calls (each quantizing its rows of x again and opening its own
+// parallel region over that expert's panels) and a silu_and_mul, then a torch sort, gather and
+// index_add: at one token, 8 experts x 4 layers, ~100 small calls a step whose Python and
+// dispatch cost rivals the products' own time. Here x is quantized once, the pairs are sorted by
+// expert in C++, and each projection is one parallel region over (expert, panel) of every routed
+// expert, so both threads get work even when one expert's 96-256 panels are too few to split well.
+//
+// Numbers: those of the grouped path bit for bit. The same rows of int8 x meet the same panels
+// (a row's result does not depend on its tile), silu_and_mul is fused_ops.cpp's, each pair's
+// output is scaled by its weight and rounded before being added to its token's row in the grouped
+// path's order (pairs by expert, then by token; index_add_ adds them one at a time).
+#include "common.h"
+#include "linear_wq_a8.h"
+#include "linear_wq_a8_quant.h"
+#include "ops.h"
+#include "wq_a8_panels.h"
+
+namespace {
+
+using wq_a8_panels::kPanel;
+
+// One projection's panels, every local expert's stacked: [E, P, nb, 128 | 256] and [E, P, groups, 8].
+struct ExpertPanels {
+  const uint8_t* q;
+  const float* s;
+  const float* o;  // nullptr: w = q * scale
+  int64_t panels, nb, groups, bits, group_size, n, k;
+
+  int64_t q_stride() const { return panels * nb * wq_a8_panels::panel_block_bytes(bits); }
+  int64_t group_stride() const { return panels * groups * kPanel; }
+  A8Order order() const { return bits == 4 ? A8Order::kNibbleChunks : A8Order::kNatural; }
+};
+
+ExpertPanels check_expert_panels(const char* what, const at::Tensor& q, const at::Tensor& s,
+                                 const c10::optional<at::Tensor>& o, int64_t experts, int64_t n, int64_t k,
+                                 int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "moe_wq_a8_packed: ", what, " bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(k % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
+              "moe_wq_a8_packed: ", what, " group_size ", group_size, " must be a multiple of 32 dividing K=", k);
+  const int64_t panels = (n + kPanel - 1) / kPanel, nb = k / kBlock, groups = k / group_size;
+  const float* o_ptr =
+      wq_a8_panels::check_panels("moe_wq_a8_packed", q, s, o, {experts, panels}, nb, groups, bits);
+  return {reinterpret_cast<const uint8_t*>(q.data_ptr()), s.data_ptr<float>(), o_ptr, panels, nb, groups,
+          bits, group_size, n, k};
+}
+
+// The (token, expert) pairs routed to this rank's experts, grouped by expert in increasing id,
+// each expert's in token order (torch.argsort(stable=True) of the flat ids).
+struct Routing {
+  std::vector<int64_t> token;   // [pairs]
+  std::vector<float> weight;    // [pairs]
+  std::vector<int64_t> expert;  // [groups]: the expert of each group of pairs
+  std::vector<int64_t> start;   // [groups + 1]: group g is pairs start[g] .. start[g + 1]
+};
+
+Routing route(const int64_t* ids, const float* weights, int64_t slots, int64_t top_k, int64_t experts) {
+  std::vector<int64_t> count(experts + 1, 0);
+  for (int64_t j = 0; j < slots; ++j)
+    if (ids[j] >= 0 && ids[j] < experts) ++count[ids[j] + 1];
+  Routing r;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (count[e + 1] > 0) {
+      r.expert.push_back(e);
+      r.start.push_back(count[e]);
+    }
+    count[e + 1] += count[e];  // now: the first pair of expert e + 1
+  }
+  r.start.push_back(count[experts]);
+  r.token.resize(count[experts]);
+  r.weight.resize(count[experts]);
+  for (int64_t j = 0; j < slots; ++j) {
+    const int64_t e = ids[j];
+    if (e < 0 || e >= experts) continue;  // another rank's expert (expert parallelism)
+    const int64_t at = count[e]++;
+    r.token[at] = j / top_k;
+    r.weight[at] = weights[j];
+  }
+  return r;
+}
+
+// Row i of the result is row rows[i] of xq (K inputs, `groups` weight groups per row).
+BlockQuantRows gather_rows(const BlockQuantRows& xq, const std::vector<int64_t>& rows, int64_t K, int64_t groups) {
+  const int64_t nb = K / kBlock, M = static_cast<int64_t>(rows.size());
+  BlockQuantRows g{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * groups)};
+  for (int64_t i = 0; i < M; ++i) {
+    std::memcpy(g.q.data() + i * K, xq.q.data() + rows[i] * K, K);
+    std::copy_n(xq.scale.data() + rows[i] * nb, nb, g.scale.data() + i * nb);
+    std::copy_n(xq.gsum.data() + rows[i] * groups, groups, g.gsum.data() + i * groups);
+  }
+  return g;
+}
+
+#if RS_HAVE_AVX2
+// y [pairs, proj.n]: each group's rows of xq against its expert's panels, one parallel region over
+// every (group, panel).
+void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Routing& r, float* y) {
+  const int64_t P = proj.panels, items = static_cast<int64_t>(r.expert.size()) * P;
+  const int64_t pairs = r.start.back();
+  at::parallel_for(0, items, wq_a8_panels::grain_panels(proj.nb, proj.bits), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / P, panel = i % P, e = r.expert[g];
+      const wq_a8_panels::PackedProblem p{&xq,
+                                          proj.q + e * proj.q_stride(),
+                                          proj.s + e * proj.group_stride(),
+                                          proj.o != nullptr ? proj.o + e * proj.group_stride() : nullptr,
+                                          nullptr,
+                                          y,
+                                          proj.groups,
+                                          proj.group_size / kBlock,
+                                          pairs,
+                                          proj.n,
+                                          proj.k};
+      wq_a8_panels::panel_rows(p, panel, r.start[g], r.start[g + 1], proj.bits == 4);
+    }
+  });
+}
+#endif
+
+// out[token] += weight * y[pair], pair by pair in group order: first every row scaled (rounded
+// to fp32 and stored, as the grouped path's mul_), then added (its index_add_).
+void combine(const Routing& r, float* y, float* out, int64_t H) {
+  const int64_t pairs = r.start.back();
+  for (int64_t i = 0; i < pairs; ++i) {
+    float* __restrict row = y + i * H;
+    const float w = r.weight[i];
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) row[j] *= w;
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    float* __restrict dst = out + r.token[i] * H;
+    const float* __restrict row = y + i * H;
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) dst[j] += row[j];
+  }
+}
+
+}  // namespace
+
+at::Tensor moe_wq_a8_packed(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& w13_q, const at::Tensor& w13_scales,
+                            const c10::optional<at::Tensor>& w13_offsets, int64_t w13_bits, int64_t w13_group_size,
+                            const at::Tensor& w2_q, const at::Tensor& w2_scales,
+                            const c10::optional<at::Tensor>& w2_offsets, int64_t w2_bits, int64_t w2_group_size) {
+  TORCH_CHECK(RS_HAVE_AVX2, "moe_wq_a8_packed: needs the AVX2 path, not compiled into this build");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "moe_wq_a8_packed: x must be a CPU float32 [T, H] with contiguous rows");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(topk_ids.device().is_cpu() && topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() &&
+                  topk_ids.dim() == 2 && topk_ids.size(0) == T,
+              "moe_wq_a8_packed: topk_ids must be a contiguous int64 [T, top_k] with T = x's rows");
+  TORCH_CHECK(topk_weights.device().is_cpu() && topk_weights.scalar_type() == at::kFloat &&
+                  topk_weights.is_contiguous() && topk_weights.sizes() == topk_ids.sizes(),
+              "moe_wq_a8_packed: topk_weights must be a contiguous float32 of topk_ids' shape");
+  TORCH_CHECK(w13_q.dim() == 4 && w2_q.dim() == 4 && w2_q.size(0) == w13_q.size(0),
+              "moe_wq_a8_packed: w13_q and w2_q must be stacked panels [E, P, K / 32, bytes] of the same E");
+  const int64_t E = w13_q.size(0), inter = w2_q.size(2) * kBlock;
+  const ExpertPanels w13 =
+      check_expert_panels("w13", w13_q, w13_scales, w13_offsets, E, 2 * inter, H, w13_bits, w13_group_size);
+  const ExpertPanels w2 = check_expert_panels("w2", w2_q, w2_scales, w2_offsets, E, H, inter, w2_bits, w2_group_size);
+  at::Tensor out = at::zeros({T, H}, x.options());
+  const Routing r = route(topk_ids.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), topk_ids.numel(),
+                          topk_ids.size(1), E);
+  const int64_t pairs = r.start.back();
+  if (pairs == 0) return out;
+#if RS_HAVE_AVX2
+  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), T, H, w13.group_size, w13.order());
+  const BlockQuantRows x_pairs = gather_rows(xq, r.token, H, w13.groups);
+  at::Tensor gate_up = at::empty({pairs, 2 * inter}, x.options());  // [pairs, 2 * inter]
+  run_projection(w13, x_pairs, r, gate_up.data_ptr<float>());
+  const at::Tensor act = silu_and_mul(gate_up);  // [pairs, inter]
+  const BlockQuantRows aq = quantize_blocks(act.data_ptr<float>(), inter, pairs, inter, w2.group_size, w2.order());
+  at::Tensor y = at::empty({pairs, H}, x.options());  // [pairs, H]
+  run_projection(w2, aq, r, y.data_ptr<float>());
+  combine(r, y.data_ptr<float>(), out.data_ptr<float>(), H);
+#endif
+  return out;
+}
