@@ -92,14 +92,15 @@ class SharedServers:
     """Servers that several test files share (a session fixture holds one): each starts on its
     first use, and again after a test ended it (a lifecycle test's SIGTERM or SIGKILL)."""
 
-    def __init__(self, makers: dict[str, Callable[[], Server]]) -> None:
+    def __init__(self, makers: dict[str, Callable[[], Server]], timeout: float = 180.0) -> None:
         self._makers = makers
+        self._timeout = timeout  # start_servers' bound on each start
         self._live: dict[str, Server] = {}
 
     def get(self, *names: str) -> dict[str, Server]:
         """The named servers, running; those not running are started together."""
         dead = [n for n in names if n not in self._live or self._live[n].proc.poll() is not None]
-        self._live.update(start_servers({n: self._makers[n]() for n in dead}))
+        self._live.update(start_servers({n: self._makers[n]() for n in dead}, self._timeout))
         return {n: self._live[n] for n in names}
 
     def stop(self) -> None:
