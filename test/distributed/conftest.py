@@ -53,8 +53,5 @@ _LIVE: list[SharedServers] = []
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the shared servers once the run leaves this folder, not at the session's end: idle,
-    they would hold their memory through every later folder's tests."""
-    if nextitem is None or os.path.dirname(str(nextitem.path)) != HERE:
-        for shared in _LIVE:
-            shared.stop()
+    for shared in _LIVE:
+        shared.stop_when_leaving(HERE, nextitem)

@@ -8,11 +8,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from radixserve.utils.network import get_free_port
+
+if TYPE_CHECKING:
+    import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # KV pool sizes of the real-model servers and Engines: small, so a leak shows quickly.
@@ -106,6 +109,12 @@ class SharedServers:
     def stop(self) -> None:
         for server in self._live.values():
             server.stop()
+
+    def stop_when_leaving(self, folder: str, nextitem: pytest.Item | None) -> None:
+        """From a conftest's pytest_runtest_teardown: stop the servers once the run leaves
+        `folder` (idle, they would hold their memory through every later folder's tests)."""
+        if nextitem is None or os.path.dirname(str(nextitem.path)) != folder:
+            self.stop()
 
 
 def sse_events(resp: httpx.Response) -> list[str]:

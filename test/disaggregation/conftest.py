@@ -1,0 +1,33 @@
+"""The colocated reference server that the PD files compare with, shared by them."""
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "server"))
+from server_helpers import Server, SharedServers  # noqa: E402
+
+# The tiny model served whole: test_pd_servers.py and test_pd_tp.py compare their prefill/decode
+# pairs' tokens and token counters with it (counters as deltas; nothing else is left behind).
+COLOCATED_FLAGS = ("--max-total-tokens", "8192", "--chunked-prefill-size", "256", "--enable-metrics")
+
+
+@pytest.fixture(scope="session")
+def pd_reference(tiny_llama_path: str) -> SharedServers:
+    """`pd_reference.get("colocated")`: started on first use, stopped when the run leaves this folder."""
+    shared = SharedServers({"colocated": lambda: Server.real(tiny_llama_path, *COLOCATED_FLAGS)}, timeout=300)
+    _LIVE.append(shared)
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+_LIVE: list[SharedServers] = []
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for shared in _LIVE:
+        shared.stop_when_leaving(HERE, nextitem)
