@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def _assert_answers_as(cached: CachedHFConfig, real: Any) -> None:  # noqa: ANN4
         assert getattr(cached, name, _MISSING) == getattr(real, name, _MISSING), name
     assert cached.get_text_config() is cached and real.get_text_config() is real
     assert cached._real is None, "every read above was answered from the cache"
+    copied = pickle.loads(pickle.dumps(cached))  # a ModelConfig crosses process boundaries
+    assert copied._values == cached._values and copied.hidden_size == real.hidden_size
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
