@@ -16,7 +16,7 @@ COLOCATED_FLAGS = ("--max-total-tokens", "8192", "--chunked-prefill-size", "256"
 
 @pytest.fixture(scope="session")
 def pd_reference(tiny_llama_path: str) -> SharedServers:
-    """`pd_reference.get("colocated")`: started on first use, stopped when the run leaves this folder."""
+    """`pd_reference.get("colocated")`: started on first use, stopped after the last test that uses it."""
     shared = SharedServers({"colocated": lambda: Server.real(tiny_llama_path, *COLOCATED_FLAGS)}, timeout=300)
     _LIVE.append(shared)
     try:
@@ -28,6 +28,7 @@ def pd_reference(tiny_llama_path: str) -> SharedServers:
 _LIVE: list[SharedServers] = []
 
 
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures (a router in front) are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     for shared in _LIVE:
-        shared.stop_when_leaving(HERE, nextitem)
+        shared.stop_after_last_user(item, "pd_reference")

@@ -52,6 +52,7 @@ def dp_servers(tiny_model_dir) -> SharedServers:
 _LIVE: list[SharedServers] = []
 
 
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures (a router in front) are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     for shared in _LIVE:
-        shared.stop_when_leaving(HERE, nextitem)
+        shared.stop_after_last_user(item, "dp_servers")

@@ -110,10 +110,14 @@ class SharedServers:
         for server in self._live.values():
             server.stop()
 
-    def stop_when_leaving(self, folder: str, nextitem: pytest.Item | None) -> None:
-        """From a conftest's pytest_runtest_teardown: stop the servers once the run leaves
-        `folder` (idle, they would hold their memory through every later folder's tests)."""
-        if nextitem is None or os.path.dirname(str(nextitem.path)) != folder:
+    def stop_after_last_user(self, item: pytest.Item, fixture: str) -> None:
+        """From a conftest's pytest_runtest_teardown: stop the servers once `item` was the run's
+        last test using `fixture` (idle, they would hold their memory through every later test;
+        a later `get` would start them again)."""
+        if fixture not in item.fixturenames:
+            return
+        items = item.session.items
+        if not any(fixture in later.fixturenames for later in items[items.index(item) + 1 :]):
             self.stop()
 
 
