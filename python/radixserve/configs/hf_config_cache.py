@@ -160,7 +160,10 @@ def snapshot(config: Any) -> dict[str, Any]:  # noqa: ANN401
     for name in names:
         if name in _SKIPPED:
             continue
-        value = getattr(config, name, None)
+        try:
+            value = getattr(config, name)
+        except Exception:  # noqa: BLE001 - a property that fails is left to AutoConfig, as unstored
+            continue
         if callable(value):
             continue
         if isinstance(value, torch.dtype):
