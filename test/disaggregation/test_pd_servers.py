@@ -59,7 +59,7 @@ class Router(Server):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_path):
+def stack(tiny_llama_path, pd_reference):
     bootstrap_port = get_free_port()
     common = ("--max-total-tokens", POOL, "--chunked-prefill-size", "256")
     servers = {
@@ -72,15 +72,15 @@ def stack(tiny_llama_path):
             str(bootstrap_port),
         ),
         "decode": Server.real(tiny_llama_path, *common, "--disaggregation-mode", "decode"),
-        "colocated": Server.real(tiny_llama_path, *common),
     }
     router = None
     try:
+        colocated = pd_reference.get("colocated")["colocated"]  # conftest.py's, started meanwhile
         for server in servers.values():
             server.wait_ready(timeout=300)
         router = Router(servers["prefill"], bootstrap_port, servers["decode"])
         router.wait_ready()
-        yield {**servers, "router": router}
+        yield {**servers, "colocated": colocated, "router": router}
     finally:
         if router is not None:
             router.stop()

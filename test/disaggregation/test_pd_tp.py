@@ -23,7 +23,7 @@ from server_helpers import Server, start_servers, wait_until  # noqa: E402
 
 from radixserve.utils.network import get_free_port  # noqa: E402
 
-# Five servers start in the fixture; a hang ends the test instead of the CI run.
+# Four servers start in the fixture (and conftest.py's colocated one); a hang ends the test instead of the CI run.
 pytestmark = pytest.mark.timeout(900)
 
 POOL = "8192"
@@ -41,18 +41,18 @@ class PDServer(Server):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llama_path):
+def servers(tiny_llama_path, pd_reference):
     """Prefill and decode servers at TP 1 and 2 (any prefill pairs with any decode: the room's
-    bootstrap address picks the prefill server), and the colocated reference."""
+    bootstrap address picks the prefill server), and the colocated reference (conftest.py's)."""
     made = {
         "p1": PDServer(tiny_llama_path, "prefill", 1, get_free_port()),
         "p2": PDServer(tiny_llama_path, "prefill", 2, get_free_port()),
         "d1": PDServer(tiny_llama_path, "decode", 1),
         "d2": PDServer(tiny_llama_path, "decode", 2),
-        "colocated": Server.real(tiny_llama_path, "--max-total-tokens", POOL, "--enable-metrics"),
     }
     try:
-        yield start_servers(made, timeout=300)
+        colocated = pd_reference.get("colocated")  # started while the PD servers start
+        yield {**start_servers(made, timeout=300), **colocated}
     finally:
         for server in made.values():
             server.stop()

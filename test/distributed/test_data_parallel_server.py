@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
-from server_helpers import Server, assert_error, start_servers, wait_until  # noqa: E402
+from server_helpers import Server, SharedServers, assert_error, start_servers, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 # The test machine is shared and often overloaded: a replica's start-up (the warm-up) can be slow.
@@ -69,19 +69,10 @@ def _workload(url: str) -> list[Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir) -> dict[str, Server]:
-    path = tiny_model_dir("llama")
-    servers = {
-        "dp1": Server.real(path, *FLAGS),
-        "dp2": Server.real(
-            path, *FLAGS, "--dp-size", "2", "--load-balance-method", "round_robin", "--enable-metrics"
-        ),
-    }
-    start_servers(servers, START_TIMEOUT_S)
-    yield servers
-    for server in servers.values():
-        server.stop()
+@pytest.fixture
+def tiny(dp_servers: SharedServers) -> dict[str, Server]:
+    """One replica and --dp-size 2 (conftest.py's, shared with test_gateway.py)."""
+    return dp_servers.get("dp1", "dp2")
 
 
 def test_dp2_gives_the_same_greedy_outputs_as_one_replica(tiny: dict[str, Server]) -> None:

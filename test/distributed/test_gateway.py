@@ -18,21 +18,17 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
-from server_helpers import Server, sse_events, start_servers  # noqa: E402
+from server_helpers import sse_events  # noqa: E402
 
 from radixserve.utils.network import get_free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
-# The test machine is shared and often overloaded: a replica's start-up (the warm-up) can be slow.
-START_TIMEOUT_S = 600
 
 
 if importlib.util.find_spec("sglang_router") is None:
     REASON = "sglang-router is not installed (pip install 'radixserve[router]'): the Gateway test cannot run"
     print(f"SKIPPED test_gateway: {REASON}")
     pytest.skip(REASON, allow_module_level=True)
-
-FLAGS = ["--max-total-tokens", "4096"]
 
 
 class Router:
@@ -79,11 +75,11 @@ def _greedy(body: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir, tmp_path_factory):
-    """Two radixserve servers (one of them dp=2) behind a cache_aware router."""
-    path = tiny_model_dir("llama")
-    workers = {"a": Server.real(path, *FLAGS), "b": Server.real(path, *FLAGS)}
-    start_servers(workers, START_TIMEOUT_S)
+def fleet(dp_servers, tmp_path_factory):
+    """Two radixserve servers, one replica and --dp-size 2 (conftest.py's, shared with
+    test_data_parallel_server.py: they give the same greedy tokens), behind a cache_aware router."""
+    servers = dp_servers.get("dp1", "dp2")
+    workers = {"a": servers["dp1"], "b": servers["dp2"]}
     log = str(tmp_path_factory.mktemp("router") / "router.log")
     router = Router([w.url for w in workers.values()], "--policy", "cache_aware", log_path=log)
     try:
@@ -91,8 +87,6 @@ def fleet(tiny_model_dir, tmp_path_factory):
         yield router, workers
     finally:
         router.stop()
-        for w in workers.values():
-            w.stop()
 
 
 def test_generate_through_the_gateway_streaming_and_not(fleet) -> None:
@@ -149,18 +143,22 @@ def test_gateway_flush_cache_and_loads_reach_every_worker(fleet) -> None:
     assert len(loads) == 2 and all(w["load"] >= 0 for w in loads), loads
 
 
-def test_dp_aware_gateway_uses_both_replicas(tiny_model_dir, tmp_path) -> None:
-    server = Server.real(tiny_model_dir("llama"), *FLAGS, "--dp-size", "2")
-    start_servers({"dp2": server}, START_TIMEOUT_S)
+def _cache_query_tokens(url: str) -> list[int]:
+    states = httpx.get(f"{url}/get_server_info", timeout=30).json()["internal_states"]
+    return [s["cache_query_tokens"] for s in states]
+
+
+def test_dp_aware_gateway_uses_both_replicas(dp_servers, tmp_path) -> None:
+    server = dp_servers.get("dp2")["dp2"]  # shared: each replica's count is compared with its own before
     router = Router([server.url], "--policy", "round_robin", "--dp-aware", log_path=str(tmp_path / "r.log"))
     try:
         router.wait_workers(2)  # one worker per replica: "<url>@0" and "<url>@1"
+        before = _cache_query_tokens(server.url)
         for i in range(4):
             body = {"text": f"prompt number {i} " * 3, "sampling_params": {"max_new_tokens": 4}}
             resp = httpx.post(f"{router.url}/generate", json=body, timeout=60)
             assert resp.status_code == 200, resp.text
-        states = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["internal_states"]
-        assert all(s["cache_query_tokens"] > 0 for s in states), states
+        after = _cache_query_tokens(server.url)
+        assert len(after) == 2 and all(a > b for a, b in zip(after, before)), (before, after)
     finally:
         router.stop()
-        server.stop()

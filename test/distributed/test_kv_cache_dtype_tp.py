@@ -23,6 +23,9 @@ def _run(path: str, tp_size: int) -> list[dict]:
         return engine.generate(input_ids=prompts, sampling_params=PARAMS, return_logprob=True)
 
 
+# make test-all only (docs/testing.md): int8 KV at one rank (test_kv_cache_dtype.py,
+# test_kv_cache_dtype_server.py) and fp32 KV at TP 2 (test_multi_rank_engine.py) cover its parts.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_int8_kv_tp2_matches_one_rank(tiny_model_dir):
     path = tiny_model_dir("llama")

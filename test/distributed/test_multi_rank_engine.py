@@ -29,20 +29,46 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
-def _run(path: str, **layout: Any) -> list[dict]:
+def _generate(engine: Engine) -> list[dict]:
+    """The two rounds on an engine with an empty cache (the second round's radix hits are compared)."""
+    assert engine.flush_cache()
     first, second = _prompts()
-    with Engine(model_path=path, **ARGS, **layout) as engine:
-        out = []
-        # Prompt logprobs from position 0 in the first round; none in the second, whose requests
-        # then reuse the cached prefix (prompt logprobs from 0 would recompute it).
-        for batch, start in ((first, 0), (second, None)):
-            out += engine.generate(
-                input_ids=batch,
-                sampling_params={"max_new_tokens": NEW, "temperature": 0},
-                return_logprob=True,
-                logprob_start_len=start,
-            )
+    out = []
+    # Prompt logprobs from position 0 in the first round; none in the second, whose requests
+    # then reuse the cached prefix (prompt logprobs from 0 would recompute it).
+    for batch, start in ((first, 0), (second, None)):
+        out += engine.generate(
+            input_ids=batch,
+            sampling_params={"max_new_tokens": NEW, "temperature": 0},
+            return_logprob=True,
+            logprob_start_len=start,
+        )
     return out
+
+
+@pytest.fixture(scope="module")
+def llama_engines(tiny_model_dir):
+    """`llama_engines(tp_size)`: the tiny llama's Engine at one rank or at TP 2, started once for
+    the module (the parity test and the speculation / near-tie tests use both)."""
+    started: dict[int, Engine] = {}
+
+    def get(tp_size: int) -> Engine:
+        if tp_size not in started:
+            started[tp_size] = Engine(model_path=tiny_model_dir("llama"), tp_size=tp_size, **ARGS)
+        return started[tp_size]
+
+    try:
+        yield get
+    finally:
+        for engine in started.values():
+            engine.shutdown()
+
+
+def _run(path: str, llama_engines: Any, kind: str = "", **layout: Any) -> list[dict]:
+    if kind == "llama" and set(layout) <= {"tp_size"}:
+        return _generate(llama_engines(layout.get("tp_size", 1)))
+    with Engine(model_path=path, **ARGS, **layout) as engine:
+        return _generate(engine)
 
 
 def _until_eos(ids: list[int]) -> list[int]:
@@ -50,7 +76,7 @@ def _until_eos(ids: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
+def reference(tiny_model_dir, llama_engines):
     """Per model: HF greedy continuations and the single-rank engine's outputs."""
     from transformers import AutoModelForCausalLM
 
@@ -62,7 +88,7 @@ def reference(tiny_model_dir):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             first, second = _prompts()
             hf = [_until_eos(hf_greedy(model, p, NEW)[0]) for p in first + second]
-            cache[kind] = (hf, _run(path))
+            cache[kind] = (hf, _run(path, llama_engines, kind))
         return cache[kind]
 
     return get
@@ -112,9 +138,9 @@ LAYOUTS = [
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind, layout", LAYOUTS)
-def test_greedy_parity_with_single_rank_and_hf(kind, layout, tiny_model_dir, reference):
+def test_greedy_parity_with_single_rank_and_hf(kind, layout, tiny_model_dir, reference, llama_engines):
     hf, single = reference(kind)
-    _assert_matches(_run(tiny_model_dir(kind), **layout), hf, single)
+    _assert_matches(_run(tiny_model_dir(kind), llama_engines, kind, **layout), hf, single)
 
 
 @pytest.mark.slow  # make test-all only (docs/testing.md): test/unit/test_input_blocker.py checks the barrier over every rank
@@ -151,15 +177,16 @@ SPEC_NEW = {"max_new_tokens": 40, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def tp2_plain(tiny_model_dir) -> tuple[list[list[int]], list[dict]]:
+def tp2_plain(llama_engines) -> tuple[list[list[int]], list[dict]]:
     """TP 2 without speculation on the copy prompts: its greedy tokens, then (the cache flushed)
     the same run's outputs with the top-2 logprobs of every token."""
-    with Engine(model_path=tiny_model_dir("llama"), tp_size=2, **ARGS) as engine:
-        ids = [o["output_ids"] for o in engine.generate(input_ids=_copy_prompts(), sampling_params=SPEC_NEW)]
-        assert engine.flush_cache()
-        tops = engine.generate(
-            input_ids=_copy_prompts(), sampling_params=SPEC_NEW, return_logprob=True, top_logprobs_num=2
-        )
+    engine = llama_engines(2)
+    assert engine.flush_cache()
+    ids = [o["output_ids"] for o in engine.generate(input_ids=_copy_prompts(), sampling_params=SPEC_NEW)]
+    assert engine.flush_cache()
+    tops = engine.generate(
+        input_ids=_copy_prompts(), sampling_params=SPEC_NEW, return_logprob=True, top_logprobs_num=2
+    )
     return ids, tops
 
 
@@ -192,7 +219,7 @@ def _first_parting(a: list[int], b: list[int]) -> int | None:
 
 
 @pytest.mark.timeout(300)
-def test_tp2_leaves_one_rank_only_at_a_near_tie(tiny_model_dir, tp2_plain):
+def test_tp2_leaves_one_rank_only_at_a_near_tie(llama_engines, tp2_plain):
     """TP 2 adds its partial sums in another order than one rank, so its logits differ in the last
     bits and greedy decoding may take the other token where one rank's top two
     are closer than that. Where TP 2's continuation leaves one rank's, TP 2's token must be one
@@ -200,10 +227,11 @@ def test_tp2_leaves_one_rank_only_at_a_near_tie(tiny_model_dir, tp2_plain):
     shard loaded wrong, ranks out of step). How often: on these prompts never (one rank's top-2
     gaps along them are orders of magnitude above TP 2's differences), and the parity test above
     asserts equal tokens on its prompts; a model with true ties would part here, legitimately."""
-    with Engine(model_path=tiny_model_dir("llama"), **ARGS) as engine:
-        ones = engine.generate(
-            input_ids=_copy_prompts(), sampling_params=SPEC_NEW, return_logprob=True, top_logprobs_num=2
-        )
+    engine = llama_engines(1)
+    assert engine.flush_cache()
+    ones = engine.generate(
+        input_ids=_copy_prompts(), sampling_params=SPEC_NEW, return_logprob=True, top_logprobs_num=2
+    )
     for one, tp2 in zip(ones, tp2_plain[1]):
         a, b = one["output_ids"], tp2["output_ids"]
         top_one, top_tp2 = (o["meta_info"]["output_top_logprobs"] for o in (one, tp2))

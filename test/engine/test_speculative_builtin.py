@@ -94,6 +94,10 @@ def test_builtin_ngram_and_self_speculation_are_exact(builtin):
     assert stats.spec_num_accepted > 0
 
 
+# make test-all only (docs/testing.md): test_speculative.py::test_draft_model_kv_follows_the_target
+# makes the same assertions (the target as its own draft model: exact, acceptance > 0.95) on the
+# tiny model.
+@pytest.mark.slow
 def test_builtin_with_a_draft_model_is_exact(builtin):
     """STANDALONE with a separate draft model: the built-in model drafts for itself (no smaller
     model with its tokenizer ships offline), so nearly every draft must be accepted (its own KV

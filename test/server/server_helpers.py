@@ -8,11 +8,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from radixserve.utils.network import get_free_port
+
+if TYPE_CHECKING:
+    import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # KV pool sizes of the real-model servers and Engines: small, so a leak shows quickly.
@@ -92,19 +95,30 @@ class SharedServers:
     """Servers that several test files share (a session fixture holds one): each starts on its
     first use, and again after a test ended it (a lifecycle test's SIGTERM or SIGKILL)."""
 
-    def __init__(self, makers: dict[str, Callable[[], Server]]) -> None:
+    def __init__(self, makers: dict[str, Callable[[], Server]], timeout: float = 180.0) -> None:
         self._makers = makers
+        self._timeout = timeout  # start_servers' bound on each start
         self._live: dict[str, Server] = {}
 
     def get(self, *names: str) -> dict[str, Server]:
         """The named servers, running; those not running are started together."""
         dead = [n for n in names if n not in self._live or self._live[n].proc.poll() is not None]
-        self._live.update(start_servers({n: self._makers[n]() for n in dead}))
+        self._live.update(start_servers({n: self._makers[n]() for n in dead}, self._timeout))
         return {n: self._live[n] for n in names}
 
     def stop(self) -> None:
         for server in self._live.values():
             server.stop()
+
+    def stop_after_last_user(self, item: pytest.Item, fixture: str) -> None:
+        """From a conftest's pytest_runtest_teardown: stop the servers once `item` was the run's
+        last test using `fixture` (idle, they would hold their memory through every later test;
+        a later `get` would start them again)."""
+        if fixture not in item.fixturenames:
+            return
+        items = item.session.items
+        if not any(fixture in later.fixturenames for later in items[items.index(item) + 1 :]):
+            self.stop()
 
 
 def sse_events(resp: httpx.Response) -> list[str]:

@@ -49,13 +49,21 @@ def test_builtin_default_serves_gguf_and_decodes_as_fp32(builtin_engine) -> None
         assert g["output_ids"] == r["output_ids"]
         assert g["text"] == r["text"]
         assert max(abs(a - b) for a, b in zip(_logprobs(r), _logprobs(g))) < LOGPROB_TOLERANCE
-    # Self-speculation (the target's first layers as the draft) shares the layers, and so their
-    # GGUF forms: it keeps the default and its greedy output.
+
+
+# make test-all only (docs/testing.md): test/unit/test_default_format.py checks that STANDALONE
+# keeps gguf, test_speculative_builtin.py that the built-in model's self-speculation is exact, and
+# the test above that gguf decodes the fp32 tokens.
+@pytest.mark.slow
+def test_self_speculation_keeps_the_default_and_its_greedy_output(builtin_engine) -> None:
+    """Self-speculation (the target's first layers as the draft) shares the layers, and so their
+    GGUF forms: it keeps the default and the fp32 greedy output."""
+    ref = builtin_engine.generate(PROMPTS, sampling_params=GREEDY)
     method, spec = _greedy(
         speculative_algorithm="STANDALONE", speculative_draft_layers=12, speculative_eagle_topk=1
     )
     assert method == "gguf"
-    assert [s["output_ids"] for s in spec] == [g["output_ids"] for g in got]
+    assert [s["output_ids"] for s in spec] == [r["output_ids"] for r in ref]
 
 
 @pytest.mark.slow  # make test-all only (docs/testing.md): test/kernels/test_greedy_head.py checks the head against the full one

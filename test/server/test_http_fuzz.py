@@ -1,8 +1,8 @@
 """Property-based fuzzing of every route from the server's own /openapi.json (schemathesis), over
 the real HTTP server with the fake scheduler: no 5xx, no hang, and every answer (status, Content-
 Type, headers, JSON body, each SSE event) matches what the document declares; schema-invalid
-requests are refused with a 4xx. `make test` draws 8 examples per operation and mode; the slow run
-(`make test-all`) draws 25, for the rarer shapes."""
+requests are refused with a 4xx. 8 and 25 examples per operation and mode, both in `make test-all`
+only: `make test` runs the same fuzzing in-process (test_openapi_contract.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,11 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
         server.stop()
 
 
-# slow: the same routes and checks as [8], with three times the examples per operation.
-@pytest.mark.parametrize("examples", [8, pytest.param(25, marks=pytest.mark.slow)])
+# make test-all only (docs/testing.md): test_openapi_contract.py fuzzes every operation, these
+# serving routes included, in-process with the same checks (schema_fuzz.fuzz) and as many examples
+# as [8]; test_http_hardening.py checks real HTTP answers and SSE events against the document.
+@pytest.mark.slow
+@pytest.mark.parametrize("examples", [8, 25])
 def test_every_route_conforms_and_never_fails(fuzz_server: Server, examples: int) -> None:
     # schemathesis' own pytest integration (schema.parametrize / from_fixture) does not run
     # under pytest 9, so the operations are driven through its Python API.

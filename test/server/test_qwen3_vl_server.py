@@ -48,6 +48,10 @@ def _hf_greedy(vlm_dir: str, text: str, images: list[str]) -> list[int]:
     return hf_vlm_greedy(hf, ids, pixels, torch.tensor([i.grid_thw for i in mm.items]), NUM_NEW)
 
 
+# make test-all only (docs/testing.md): test/engine/test_qwen3_vl_parity.py checks this model's
+# image prompts (through the same image processor, chunks cutting through the images) against HF,
+# and test_vlm_openai.py / test_vlm_server.py the shared request side over HTTP on Qwen2.5-VL.
+@pytest.mark.slow
 def test_generate_and_chat_with_images(vlm_dir: str, vlm_url: str) -> None:
     """Chunks of 4 tokens cut through the images (--chunked-prefill-size 4)."""
     cat, dog = image_data_url(random_image(84, 56, seed=1)), image_data_url(random_image(56, 84, seed=2))

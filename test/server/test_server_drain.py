@@ -2,7 +2,9 @@
 until --graceful-shutdown-timeout, then end with a final abort event (streams) or a 503 (whole
 answers); the process then exits 0 with nothing alarming in its log.
 
-Each test starts its own server on the built-in model, since each one ends it."""
+Each test starts its own server on the tiny model, since each one ends it; its steps are slowed
+down (/slow_down) so that the requests are surely still running at the SIGTERM and the deadline,
+whatever the machine's load."""
 
 from __future__ import annotations
 
@@ -20,22 +22,25 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real_helpers import LONG, internal_state  # noqa: E402
-from server_helpers import BUILTIN_POOL_TOKENS, Server, assert_error, wait_until  # noqa: E402
+from real_helpers import TINY_LONG, internal_state  # noqa: E402
+from server_helpers import Server, assert_error, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)  # a loaded 2-core host decodes a few tokens a second
 
 EXIT_BOUND_S = 30.0  # after the deadline: flush the answers, stop uvicorn and the children
-CMPL_LONG = {"prompt": "Once upon a time", "max_tokens": LONG["max_new_tokens"], "ignore_eos": True}
+CMPL_LONG = {"prompt": "Once upon a time", "max_tokens": TINY_LONG["max_new_tokens"], "ignore_eos": True}
+STEP_SLEEP_S = 0.05  # slept before each forward: a TINY_LONG request runs at least 50 s
 LOG_ALARMS = ("Traceback", "ZMQError", "Task was destroyed", "timeout graceful shutdown exceeded")
 
 
 def _start(model_path: str, log: Path, deadline_s: float) -> Server:
     argv = ["-m", "radixserve.launch_server", "--model-path", model_path]
-    flags = ["--max-total-tokens", str(BUILTIN_POOL_TOKENS), "--log-level", "info"]
+    flags = ["--max-total-tokens", "4096", "--log-level", "info"]
     server = Server([*argv, *flags, "--graceful-shutdown-timeout", str(deadline_s)], log_path=str(log))
     try:
         server.wait_ready(180)
+        slowed = httpx.post(f"{server.url}/slow_down", json={"forward_sleep_time": STEP_SLEEP_S}, timeout=30)
+        assert slowed.status_code == 200, slowed.text
     except BaseException:
         server.stop()
         raise
@@ -93,20 +98,22 @@ def _assert_quiet_exit(server: Server, log: Path, timeout: float) -> None:
         assert alarm not in text, f"{alarm!r} in the server log:\n{text[-4000:]}"
 
 
-def test_sigterm_aborts_open_requests_at_the_deadline(builtin_model_path: str, tmp_path: Path) -> None:
-    deadline_s = 10.0  # LONG needs about a minute here; the checks below take well under a second
+def test_sigterm_aborts_open_requests_at_the_deadline(tiny_llama_path: str, tmp_path: Path) -> None:
+    deadline_s = 10.0  # TINY_LONG needs over 50 s slowed down; the checks below take well under a second
     log = tmp_path / "server.log"
-    server = _start(builtin_model_path, log, deadline_s)
+    server = _start(tiny_llama_path, log, deadline_s)
     url = server.url
     try:
         cmpl_events: list[str] = []
         native_events: list[str] = []
         cmpl = _in_thread(lambda: _stream(url, "/v1/completions", CMPL_LONG, cmpl_events))
         native = _in_thread(
-            lambda: _stream(url, "/generate", {"text": "Once", "sampling_params": LONG}, native_events)
+            lambda: _stream(url, "/generate", {"text": "Once", "sampling_params": TINY_LONG}, native_events)
         )
         whole = _in_thread(
-            lambda: httpx.post(f"{url}/generate", json={"text": "Hi", "sampling_params": LONG}, timeout=120)
+            lambda: httpx.post(
+                f"{url}/generate", json={"text": "Hi", "sampling_params": TINY_LONG}, timeout=120
+            )
         )
         wait_until(lambda: cmpl_events and native_events and _running(url) == 3, 60, "3 running requests")
 
@@ -138,10 +145,10 @@ def test_sigterm_aborts_open_requests_at_the_deadline(builtin_model_path: str, t
         server.stop()
 
 
-def test_sigterm_lets_a_short_request_finish(builtin_model_path: str, tmp_path: Path) -> None:
+def test_sigterm_lets_a_short_request_finish(tiny_llama_path: str, tmp_path: Path) -> None:
     deadline_s = 3600.0  # never reached: the drain must end as soon as the request is done
     log = tmp_path / "server.log"
-    server = _start(builtin_model_path, log, deadline_s)
+    server = _start(tiny_llama_path, log, deadline_s)  # 32 steps: at least 1.6 s after the first chunk
     url = server.url
     try:
         events: list[str] = []

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from radixserve.configs import hf_config_cache
 from radixserve.configs.checkpoint_quant import CheckpointQuant, checkpoint_quantization
 from radixserve.configs.pooling import (
     ENCODER_ARCHITECTURES,
@@ -146,14 +147,17 @@ def _check_model_dir(path: str) -> str:
 
 
 def load_hf_config(path: str) -> Any:
-    """transformers.AutoConfig from a local folder, with hub access ruled out."""
-    # Imported here: transformers takes ~1 s to import and only config loading needs it.
-    from transformers import AutoConfig
-
+    """transformers.AutoConfig from a local folder, with hub access ruled out; for a text model
+    whose config.json an earlier process read, its cached answer (configs/hf_config_cache.py)."""
+    cached = hf_config_cache.read_cached(path)
+    if cached is not None:
+        return cached
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = hf_config_cache.autoconfig(path)
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError depending on the defect
         raise ModelLoadError(f"Cannot read {path}/config.json: {exc}") from exc
+    hf_config_cache.remember(path, config)
+    return config
 
 
 def _get_architecture(hf_config: Any, path: str, draft_head: bool = False) -> str:
