@@ -11,7 +11,6 @@ import pytest
 import torch
 from test_linear_wq import _weight  # random group-quantized weights of every form
 
-from radixserve.layers import group_quant
 from radixserve.layers.activation import silu_and_mul_native
 from radixserve.layers.group_quant import linear_wq_a8_reference
 from radixserve.layers.moe import fused_moe_a8

@@ -52,8 +52,7 @@ class WeightOnlyForms:
         self.a8_panels = a8_panels  # --cpu-wq-int8-activations: repack for the panel kernel too
         self.forms = [(name, layer, self._mark(form)) for name, layer, form in forms]
         self.expert_forms = [
-            (name, moe, mark_int8_activations(f, panels=a8_panels))
-            for name, moe, f in expert_forms or []
+            (name, moe, mark_int8_activations(f, panels=a8_panels)) for name, moe, f in expert_forms or []
         ]
         self.requantize = requantize  # None: forms that cannot be remade (a file's tensors)
         self.expert_scratch = DequantScratch()  # one for every MoE layer (layers/moe/quantized.py)
