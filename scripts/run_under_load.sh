@@ -6,6 +6,7 @@
 #     scripts/run_under_load.sh              # 3 runs, logs in /tmp/load_runs
 #     RUNS=1 scripts/run_under_load.sh -k tp2   # extra pytest arguments pass through
 #
+# (pyproject's addopts already pass -q: a second -q would drop the summary line.)
 # Run it on an otherwise idle machine: the check is "passes beside one spinner", not beside an
 # arbitrary load (docs/testing.md, "Runs under load").
 set -uo pipefail
@@ -23,7 +24,7 @@ echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'), load before: $(cut -d' ' -f1
 status=0
 for i in $(seq 1 "$RUNS"); do
     start=$(date +%s)
-    HF_HUB_OFFLINE=1 "$PY" -m pytest "${SUITES[@]}" -q -p no:cacheprovider "$@" > "$LOG_DIR/run$i.log" 2>&1
+    HF_HUB_OFFLINE=1 "$PY" -m pytest "${SUITES[@]}" -p no:cacheprovider "$@" > "$LOG_DIR/run$i.log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || status=1
     echo "run $i: exit $rc in $(( $(date +%s) - start )) s: $(tail -1 "$LOG_DIR/run$i.log")"
