@@ -1,4 +1,4 @@
-// A MoE layer's routed experts in one call, for decode-sized batches: each expert's gate/up and
+// A MoE layer's routed experts in one call, decode steps and prefills alike: each expert's gate/up and
 // down projections on int8 activations over its weight panels (wq_a8_panels.h), every expert's
 // panels of a projection stacked in one tensor (sgl_kernel/wq_a8_pack.py's pack_wq_a8_experts).
 //
