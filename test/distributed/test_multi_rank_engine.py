@@ -64,8 +64,10 @@ def llama_engines(tiny_model_dir):
             engine.shutdown()
 
 
-def _run(path: str, llama_engines: Any, kind: str = "", **layout: Any) -> list[dict]:
-    if kind == "llama" and set(layout) <= {"tp_size"}:
+def _run(path: str, llama_engines: Any = None, kind: str = "", **layout: Any) -> list[dict]:
+    """The engine's outputs for `path` at `layout`: the shared llama Engines where they serve it
+    (llama_engines, this file's fixture), else an Engine of its own (test_moe_multi_rank too)."""
+    if llama_engines is not None and kind == "llama" and set(layout) <= {"tp_size"}:
         return _generate(llama_engines(layout.get("tp_size", 1)))
     with Engine(model_path=path, **ARGS, **layout) as engine:
         return _generate(engine)
