@@ -20,9 +20,10 @@ BLOCK = 32  # inputs per int8 activation scale
 
 
 @dataclass(frozen=True)
-class WqA8Packed:
-    """q: bits 4: uint8 [P, K // 32, 128], bits 8: int8 [P, K // 32, 256] (P = ceil(n / 8));
-    scales, offsets: fp32 [P, K // group_size, 8] (offsets None: w = q * scale)."""
+class _PanelParts:
+    """The panel layout's integers, scales and offsets (None: w = q * scale), and the weight's
+    output rows n (before padding to whole panels), bits and group size: one weight's, or every
+    expert's stacked on a leading dimension."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -34,6 +35,12 @@ class WqA8Packed:
     def nbytes(self) -> int:
         extra = 0 if self.offsets is None else self.offsets.numel() * 4
         return self.q.numel() + self.scales.numel() * 4 + extra
+
+
+@dataclass(frozen=True)
+class WqA8Packed(_PanelParts):
+    """q: bits 4: uint8 [P, K // 32, 128], bits 8: int8 [P, K // 32, 256] (P = ceil(n / 8));
+    scales, offsets: fp32 [P, K // group_size, 8] (offsets None: w = q * scale)."""
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -70,25 +77,14 @@ def pack_wq_a8(
 
 
 @dataclass(frozen=True)
-class WqA8PackedExperts:
+class WqA8PackedExperts(_PanelParts):
     """pack_wq_a8 of every expert of one MoE projection, stacked: q [E, P, K // 32, 128 | 256],
     scales / offsets fp32 [E, P, K // group_size, 8]; expert e's pack is `expert(e)` (views), so
     the per-expert products and moe_wq_a8_packed read the same bytes."""
 
-    q: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
-    n: int
-    bits: int
-    group_size: int
-
     def expert(self, e: int) -> WqA8Packed:
         offsets = None if self.offsets is None else self.offsets[e]
         return WqA8Packed(self.q[e], self.scales[e], offsets, self.n, self.bits, self.group_size)
-
-    def nbytes(self) -> int:
-        extra = 0 if self.offsets is None else self.offsets.numel() * 4
-        return self.q.numel() + self.scales.numel() * 4 + extra
 
 
 def pack_wq_a8_experts(

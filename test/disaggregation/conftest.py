@@ -7,7 +7,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "server"))
-from server_helpers import Server, SharedServers  # noqa: E402
+from server_helpers import Server, SharedServers, held_by_fixture, stop_after_last_users  # noqa: E402
 
 # The tiny model served whole: test_pd_servers.py and test_pd_tp.py compare their prefill/decode
 # pairs' tokens and token counters with it (counters as deltas; nothing else is left behind).
@@ -18,17 +18,8 @@ COLOCATED_FLAGS = ("--max-total-tokens", "8192", "--chunked-prefill-size", "256"
 def pd_reference(tiny_llama_path: str) -> SharedServers:
     """`pd_reference.get("colocated")`: started on first use, stopped after the last test that uses it."""
     shared = SharedServers({"colocated": lambda: Server.real(tiny_llama_path, *COLOCATED_FLAGS)}, timeout=300)
-    _LIVE.append(shared)
-    try:
+    with held_by_fixture(shared, "pd_reference"):
         yield shared
-    finally:
-        shared.stop()
 
 
-_LIVE: list[SharedServers] = []
-
-
-@pytest.hookimpl(trylast=True)  # after the item's own fixtures (a router in front) are torn down
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    for shared in _LIVE:
-        shared.stop_after_last_user(item, "pd_reference")
+pytest_runtest_teardown = stop_after_last_users

@@ -8,7 +8,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "server"))
-from server_helpers import Server, SharedServers  # noqa: E402
+from server_helpers import Server, SharedServers, held_by_fixture, stop_after_last_users  # noqa: E402
 
 # The tiny model at one replica and at --dp-size 2: test_data_parallel_server.py's subjects, and
 # the gateway's workers in test_gateway.py (a plain one and a DP one behind its router; the DP one
@@ -42,17 +42,8 @@ def dp_servers(tiny_model_dir) -> SharedServers:
         },
         timeout=DP_START_TIMEOUT_S,
     )
-    _LIVE.append(shared)
-    try:
+    with held_by_fixture(shared, "dp_servers"):
         yield shared
-    finally:
-        shared.stop()
 
 
-_LIVE: list[SharedServers] = []
-
-
-@pytest.hookimpl(trylast=True)  # after the item's own fixtures (a router in front) are torn down
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    for shared in _LIVE:
-        shared.stop_after_last_user(item, "dp_servers")
+pytest_runtest_teardown = stop_after_last_users

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import BatchTokenIDOut, GetInternalStateReq, TokenizedGenerateReqInput
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.scheduler.build import build_loop
@@ -134,6 +134,26 @@ class SchedulerRun:
             self.loop.close()
         finally:
             self.scheduler.mem.flush()
+
+
+def serve_rounds(
+    worker: TpModelWorker, args: ServerArgs, rounds: list[list[tuple[str, list[int], int]]], **overrides: Any
+) -> tuple[SchedulerRun, dict]:
+    """A SchedulerRun (`args` with `overrides`) that runs each round of (rid, prompt, max_new_tokens)
+    to idle, then is closed: the run (its outputs, cached_tokens) and its internal state before the
+    close. A failure leaves the worker clean for the next test."""
+    run = SchedulerRun(worker, args, **overrides)
+    try:
+        for batch in rounds:
+            for rid, prompt, max_new in batch:
+                run.submit(rid, prompt, max_new)
+            run.run_until_idle()
+        state = run.scheduler.get_internal_state(GetInternalStateReq()).internal_state
+        run.close()
+    finally:
+        if not run.closed:
+            run.force_clean()
+    return run, state
 
 
 def until_eos(tokens: list[int], eos: int = EOS) -> list[int]:

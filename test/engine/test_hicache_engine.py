@@ -5,9 +5,8 @@ pool give token-identical greedy outputs with and without the host tier, and the
 import random
 
 import pytest
-from scheduler_harness import SchedulerRun, WorkerCache
+from scheduler_harness import WorkerCache, serve_rounds
 
-from radixserve.managers.io_struct import GetInternalStateReq
 from radixserve.testing.tiny_models import TINY_VOCAB
 
 POOL = 384  # device KV pool: two 150-token conversations fit, six do not
@@ -32,17 +31,7 @@ def workers(tiny_model_dir):
 
 def serve(workers, page_size: int, **overrides) -> tuple[dict[str, list[int]], dict, dict[str, int]]:
     worker, args = workers.get("llama", page_size, POOL)
-    run = SchedulerRun(worker, args, max_running_requests=2, **overrides)
-    try:
-        for batch in ROUNDS:
-            for rid, prompt, max_new in batch:
-                run.submit(rid, prompt, max_new)
-            run.run_until_idle()
-        state = run.scheduler.get_internal_state(GetInternalStateReq()).internal_state
-        run.close()
-    finally:
-        if not run.closed:
-            run.force_clean()
+    run, state = serve_rounds(worker, args, ROUNDS, max_running_requests=2, **overrides)
     return run.outputs, state, run.cached_tokens
 
 

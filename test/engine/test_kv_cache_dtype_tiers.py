@@ -7,12 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_harness import SchedulerRun, shared_prefix_workload
+from scheduler_harness import SchedulerRun, serve_rounds, shared_prefix_workload
 from spec_harness import SPEC, OracleDrafter, copy_workload, use_oracle
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import cpu_fused
-from radixserve.managers.io_struct import GetInternalStateReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.worker import SpeculativeWorker
@@ -37,17 +36,7 @@ def _rounds(seed: int = 5, docs: int = 4, doc_len: int = 150) -> list[list[tuple
 
 
 def _serve(worker: TpModelWorker, args: ServerArgs, rounds, **overrides) -> tuple[dict, dict]:
-    run = SchedulerRun(worker, args, max_running_requests=2, **overrides)
-    try:
-        for batch in rounds:
-            for rid, prompt, n in batch:
-                run.submit(rid, prompt, n)
-            run.run_until_idle()
-        state = run.scheduler.get_internal_state(GetInternalStateReq()).internal_state
-        run.close()
-    finally:
-        if not run.closed:
-            run.force_clean()
+    run, state = serve_rounds(worker, args, rounds, max_running_requests=2, **overrides)
     return dict(run.outputs), state
 
 

@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 from scheduler_harness import SchedulerRun, WorkerCache
-from vlm_harness import encoder_runs, hf_reference, submit, use_mm_cache, vlm_prompt
+from vlm_harness import (
+    assert_batch_matches_hf,
+    encoder_runs,
+    hf_reference,
+    image_cases,
+    submit,
+    use_mm_cache,
+    vlm_prompt,
+)
 
 from radixserve.multimodal.processor import load_image_processor
 from radixserve.testing.tiny_vlm import (
@@ -38,21 +46,11 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return hf, processor, AutoTokenizer.from_pretrained(path), WorkerCache(lambda _: path)
 
 
-def _cases(tok, processor) -> dict:
-    # 84x56 and 56x70 px resize to 96x64 and 64x64 (multiples of 32): 4x6 and 4x4 patch grids.
-    cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
-    return {
-        "one": vlm_prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat]),
-        "two": vlm_prompt(tok, processor, f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}: same?", [dog, cat]),
-        "text": vlm_prompt(tok, processor, "The capital of France is", []),
-    }
-
-
 def test_tower_matches_hf(setup) -> None:
     """The tower's embedding and deepstack features against HF's, element by element (fp32, atol and
     rtol 1e-4): the greedy parity below could hide a small error in them behind the argmax."""
     hf, processor, tok, workers = setup
-    ids, mm = _cases(tok, processor)["two"]
+    ids, mm = image_cases(tok, processor)["two"]
     run = SchedulerRun(*workers.get("vlm", 1))
     model = run.worker.model_runner.model
     item = mm.items[0]
@@ -68,16 +66,9 @@ def test_tower_matches_hf(setup) -> None:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
     hf, processor, tok, workers = setup
-    cases = _cases(tok, processor)
+    cases = image_cases(tok, processor)
     run = SchedulerRun(*workers.get("vlm", page_size))
-    use_mm_cache(run, None)
-    before = encoder_runs(run)
-    for rid, (ids, mm) in cases.items():  # one batch: the text-only request rides with the images
-        submit(run, rid, ids, mm)
-    run.run_until_idle()
-    for rid, (ids, mm) in cases.items():
-        assert run.outputs[rid] == hf_reference(hf, ids, mm), rid
-    assert encoder_runs(run) - before == 3  # each image once
+    assert_batch_matches_hf(run, hf, cases)  # one batch: the text-only request rides with the images
     # Text alone: its decode batches have 1-D positions and may take the fused CPU decode.
     submit(run, "text-alone", *cases["text"])
     run.run_until_idle()
@@ -90,19 +81,12 @@ def test_chunked_prefill_through_images(setup, loop: str) -> None:
     """Chunks of 3 tokens cut through the images: each chunk adds the deepstack features of its own
     image rows only; the outputs equal HF's and each image is encoded once."""
     hf, processor, tok, workers = setup
-    cases = _cases(tok, processor)
-    assert all(i.num_tokens > 3 for rid in ("one", "two") for i in cases[rid][1].items)
+    cases = {rid: case for rid, case in image_cases(tok, processor).items() if rid != "text"}
+    assert all(i.num_tokens > 3 for _, mm in cases.values() for i in mm.items)
     run = SchedulerRun(
         *workers.get("vlm", 1), chunked_prefill_size=3, disable_overlap_schedule=loop != "overlap"
     )
-    use_mm_cache(run, None)
-    before = encoder_runs(run)
-    for rid in ("one", "two"):
-        submit(run, rid, *cases[rid])
-    run.run_until_idle()
-    for rid in ("one", "two"):
-        assert run.outputs[rid] == hf_reference(hf, *cases[rid]), rid
-    assert encoder_runs(run) - before == 3
+    assert_batch_matches_hf(run, hf, cases)
     run.close()
 
 

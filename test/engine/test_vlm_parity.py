@@ -7,9 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 from scheduler_harness import SchedulerRun, WorkerCache
-from vlm_harness import NUM_NEW, encoder_runs, hf_reference, submit, use_mm_cache, vlm_prompt
+from vlm_harness import (
+    NUM_NEW,
+    assert_batch_matches_hf,
+    encoder_runs,
+    hf_reference,
+    image_cases,
+    submit,
+    use_mm_cache,
+    vlm_prompt,
+)
 
-from radixserve.managers.io_struct import MultimodalPayload, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.multimodal.processor import load_image_processor
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.testing.tiny_vlm import IMAGE_PLACEHOLDER, make_tiny_qwen2_5_vl, random_image
@@ -30,30 +39,12 @@ def setup(vlm_dir: str):
     return hf, processor, AutoTokenizer.from_pretrained(vlm_dir), WorkerCache(lambda _: vlm_dir)
 
 
-def _cases(tok, processor) -> dict[str, tuple[list[int], MultimodalPayload | None]]:
-    cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
-    return {
-        "one": vlm_prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat]),
-        "two": vlm_prompt(
-            tok, processor, f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}: the same?", [dog, cat]
-        ),
-        "text": vlm_prompt(tok, processor, "The capital of France is", []),
-    }
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_parity_one_two_images_and_text(setup, page_size: int) -> None:
     hf, processor, tok, workers = setup
-    cases = _cases(tok, processor)
+    cases = image_cases(tok, processor)
     run = SchedulerRun(*workers.get("vlm", page_size))
-    use_mm_cache(run, None)
-    before = encoder_runs(run)
-    for rid, (ids, mm) in cases.items():  # one batch: the text-only request rides with the images
-        submit(run, rid, ids, mm)
-    run.run_until_idle()
-    for rid, (ids, mm) in cases.items():
-        assert run.outputs[rid] == hf_reference(hf, ids, mm), rid
-    assert encoder_runs(run) - before == 3  # each image once
+    assert_batch_matches_hf(run, hf, cases)  # one batch: the text-only request rides with the images
     # Text alone: its decode batches have 1-D positions and may take the fused CPU decode.
     ids, _ = cases["text"]
     submit(run, "text-alone", ids, None)
@@ -69,22 +60,15 @@ def test_chunked_prefill_through_images(setup, loop: str) -> None:
     processes a chunk's result after the next chunk was launched, and when the first request's
     decodes ride in the second's chunks, --enable-mixed-chunk)."""
     hf, processor, tok, workers = setup
-    cases = _cases(tok, processor)
-    assert all(i.num_tokens > 3 for rid in ("one", "two") for i in cases[rid][1].items)
+    cases = {rid: case for rid, case in image_cases(tok, processor).items() if rid != "text"}
+    assert all(i.num_tokens > 3 for _, mm in cases.values() for i in mm.items)
     run = SchedulerRun(
         *workers.get("vlm", 1),
         chunked_prefill_size=3,
         disable_overlap_schedule=loop != "overlap",
         enable_mixed_chunk=loop == "mixed",
     )
-    use_mm_cache(run, None)
-    before = encoder_runs(run)
-    for rid in ("one", "two"):
-        submit(run, rid, *cases[rid])
-    run.run_until_idle()
-    for rid in ("one", "two"):
-        assert run.outputs[rid] == hf_reference(hf, *cases[rid]), rid
-    assert encoder_runs(run) - before == 3
+    assert_batch_matches_hf(run, hf, cases)
     run.close()
 
 
@@ -147,7 +131,7 @@ def test_a_text_model_scheduler_refuses_an_image_request(setup, tiny_model_dir) 
     """An in-process caller that skipped the TokenizerManager's check gets a 400, and the
     scheduler serves on (the pad values would otherwise reach a text model's embedding)."""
     _, processor, tok, _ = setup
-    ids, mm = _cases(tok, processor)["one"]
+    ids, mm = image_cases(tok, processor)["one"]
     run = SchedulerRun(*WorkerCache(tiny_model_dir).get("llama", 1))
     submit(run, "image", ids, mm)
     submit(run, "text", ids[:4], None)
@@ -181,7 +165,7 @@ def test_repetition_penalty_counts_only_real_prompt_tokens(setup) -> None:
     """The penalty reads the prompt's ids; an image's pad values lie past the vocabulary and are
     left out (the penalty refuses ids outside the vocabulary), so an image request runs with one."""
     _, processor, tok, workers = setup
-    ids, mm = _cases(tok, processor)["one"]
+    ids, mm = image_cases(tok, processor)["one"]
     run = SchedulerRun(*workers.get("vlm", 1))
     params = SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
     params.normalize()

@@ -12,7 +12,7 @@ from radixserve.managers.io_struct import MultimodalPayload, TokenizedGenerateRe
 from radixserve.multimodal.embedding_cache import EmbeddingCache
 from radixserve.multimodal.processor import ImageInputProcessor
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.testing.tiny_vlm import hf_vlm_greedy, image_data_url
+from radixserve.testing.tiny_vlm import IMAGE_PLACEHOLDER, hf_vlm_greedy, image_data_url, random_image
 
 NUM_NEW = 10
 
@@ -50,3 +50,36 @@ def use_mm_cache(run: SchedulerRun, capacity_bytes: int | None) -> EmbeddingCach
     cache = EmbeddingCache(capacity_bytes) if capacity_bytes is not None else None
     run.worker.model_runner.model.mm_cache = cache
     return cache
+
+
+def image_cases(
+    tok: Any, processor: ImageInputProcessor
+) -> dict[str, tuple[list[int], MultimodalPayload | None]]:
+    """One image, two images (the first case's image again, after another) and text alone. Their
+    84x56 and 56x70 px differ in shape: Qwen3-VL resizes them to 96x64 and 64x64 (multiples of
+    32), 4x6 and 4x4 patch grids."""
+    cat, dog = random_image(84, 56, seed=1), random_image(56, 70, seed=2)
+    return {
+        "one": vlm_prompt(tok, processor, f"Hello {IMAGE_PLACEHOLDER} what is this?", [cat]),
+        "two": vlm_prompt(
+            tok, processor, f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}: the same?", [dog, cat]
+        ),
+        "text": vlm_prompt(tok, processor, "The capital of France is", []),
+    }
+
+
+def assert_batch_matches_hf(
+    run: SchedulerRun,
+    hf: Any,
+    cases: dict[str, tuple[list[int], MultimodalPayload | None]],
+) -> None:
+    """`cases` submitted together to `run` (no embedding cache) and run to idle: each one's tokens
+    equal HF's, and the encoder ran once per image item."""
+    use_mm_cache(run, None)
+    before = encoder_runs(run)
+    for rid, (ids, mm) in cases.items():
+        submit(run, rid, ids, mm)
+    run.run_until_idle()
+    for rid, (ids, mm) in cases.items():
+        assert run.outputs[rid] == hf_reference(hf, ids, mm), rid
+    assert encoder_runs(run) - before == sum(len(mm.items) for _, mm in cases.values() if mm is not None)

@@ -7,15 +7,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import httpx
+import pytest
 
 from radixserve.utils.network import get_free_port
-
-if TYPE_CHECKING:
-    import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # KV pool sizes of the real-model servers and Engines: small, so a leak shows quickly.
@@ -111,14 +110,38 @@ class SharedServers:
             server.stop()
 
     def stop_after_last_user(self, item: pytest.Item, fixture: str) -> None:
-        """From a conftest's pytest_runtest_teardown: stop the servers once `item` was the run's
-        last test using `fixture` (idle, they would hold their memory through every later test;
-        a later `get` would start them again)."""
+        """Stop the servers once `item` was the run's last test using `fixture` (idle, they would
+        hold their memory through every later test; a later `get` would start them again)."""
         if fixture not in item.fixturenames:
             return
         items = item.session.items
         if not any(fixture in later.fixturenames for later in items[items.index(item) + 1 :]):
             self.stop()
+
+
+# The session fixtures (by name) whose servers stop after their last user: see held_by_fixture.
+_STOPPED_AFTER_LAST_USER: dict[str, SharedServers] = {}
+
+
+@contextmanager
+def held_by_fixture(shared: SharedServers, fixture: str) -> Iterator[SharedServers]:
+    """For the session fixture named `fixture`: `shared`, stopped after the last test that uses it
+    (by stop_after_last_users, which that conftest names its pytest_runtest_teardown) and at the
+    session's end in any case."""
+    _STOPPED_AFTER_LAST_USER[fixture] = shared
+    try:
+        yield shared
+    finally:
+        shared.stop()
+        del _STOPPED_AFTER_LAST_USER[fixture]
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures (a router in front) are torn down
+def stop_after_last_users(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A conftest's `pytest_runtest_teardown = stop_after_last_users`: each held_by_fixture server
+    set stops once `item` was its fixture's last user."""
+    for fixture, shared in _STOPPED_AFTER_LAST_USER.items():
+        shared.stop_after_last_user(item, fixture)
 
 
 def sse_events(resp: httpx.Response) -> list[str]:

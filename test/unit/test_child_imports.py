@@ -9,12 +9,8 @@ exactly what a child would have imported at that point.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from fresh_interpreter import probe_json
 
 HTTP_STACK = ("fastapi", "uvicorn", "starlette", "uvloop", "radixserve.entrypoints.http_server")
 CHILD_ENTRIES = {
@@ -34,11 +30,7 @@ print(json.dumps(sorted(sys.modules)))
 
 
 def _modules_after(entry: str) -> set[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, entry], capture_output=True, text=True, timeout=120, env=os.environ
-    )
-    assert out.returncode == 0, out.stderr
-    return set(json.loads(out.stdout.splitlines()[-1]))
+    return set(probe_json(PROBE, entry))
 
 
 @pytest.mark.parametrize("child", sorted(CHILD_ENTRIES))
@@ -74,14 +66,6 @@ def test_the_detokenizer_with_a_spec_imports_neither_torch_nor_transformers(tiny
 
     spec = decode_spec(AutoTokenizer.from_pretrained(tiny_llama_path))
     assert spec is not None
-    out = subprocess.run(
-        [sys.executable, "-c", DETOKENIZER_PROBE, pickle.dumps(spec).hex()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ,
-    )
-    assert out.returncode == 0, out.stderr
-    modules = set(json.loads(out.stdout.splitlines()[-1]))
+    modules = set(probe_json(DETOKENIZER_PROBE, pickle.dumps(spec).hex()))
     assert "tokenizers" in modules
     assert not modules & {"torch", "transformers", *HTTP_STACK}, sorted(modules & {"torch", "transformers"})

@@ -4,13 +4,9 @@ path they serve: resolving a server's arguments imports no torch on a CPU-only b
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from fresh_interpreter import probe_json
 
 from radixserve.utils import device_probe
 
@@ -87,15 +83,7 @@ print(json.dumps({"device": args.device, "backend": args.attention_backend, "tor
 @pytest.mark.skipif(device_probe.torch_has_gpu_build(), reason="a GPU build of torch is asked through torch")
 def test_resolving_a_server_imports_no_torch_on_a_cpu_build(tiny_llama_path: str):
     """The server's main process resolves its arguments before any child starts: no torch there."""
-    out = subprocess.run(
-        [sys.executable, "-c", RESOLVE_PROBE, tiny_llama_path],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ,
-    )
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.splitlines()[-1])
+    got = probe_json(RESOLVE_PROBE, tiny_llama_path)
     assert got["device"] == "cpu"
     assert got["backend"] == device_probe.default_cpu_attention_backend()
     assert got["torch"] is False

@@ -6,14 +6,12 @@ stack must stay unimported."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fresh_interpreter import probe_json
 
 from radixserve.managers.hf_tokenizer import config_facts, load_tokenizer
 from radixserve.server_args import ServerArgs
@@ -138,15 +136,7 @@ print(json.dumps(sorted(sys.modules)))
 
 
 def test_loading_the_tokenizer_does_not_import_transformers_weight_loading(tiny_llama_path: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, tiny_llama_path],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ,
-    )
-    assert out.returncode == 0, out.stderr
-    modules = set(json.loads(out.stdout.splitlines()[-1]))
+    modules = set(probe_json(PROBE, tiny_llama_path))
     assert "transformers.tokenization_utils_tokenizers" in modules  # the probe did load a tokenizer
     heavy = {
         "transformers.activations",

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from radixserve.configs.architectures import TEXT_DECODER_ARCHITECTURES
 from radixserve.model_loader.default_model import cache_root
 
 logger = logging.getLogger(__name__)
@@ -35,17 +36,7 @@ logger = logging.getLogger(__name__)
 # Architectures whose config radixserve reads as flat attributes: their cached answer is complete.
 # Vision-language models (a text sub-config object) and encoders (int-keyed label maps) always
 # use AutoConfig.
-CACHED_ARCHITECTURES: frozenset[str] = frozenset(
-    {
-        "LlamaForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "MixtralForCausalLM",
-        "OlmoeForCausalLM",
-    }
-)
+CACHED_ARCHITECTURES: frozenset[str] = frozenset(TEXT_DECODER_ARCHITECTURES)
 # Deprecated spellings that log a warning when read; radixserve reads their new names.
 _SKIPPED = frozenset({"torch_dtype", "use_return_dict"})
 _FORMAT = 1  # bump when the file's layout changes

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from radixserve.configs import hf_config_cache
+from radixserve.configs.architectures import TEXT_DECODER_ARCHITECTURES
 from radixserve.configs.checkpoint_quant import CheckpointQuant, checkpoint_quantization
 from radixserve.configs.pooling import (
     ENCODER_ARCHITECTURES,
@@ -33,13 +34,7 @@ VISION_LANGUAGE_ARCHITECTURES: tuple[str, ...] = (
 # HF `architectures` names that radixserve/models implements. The registry there is the source of
 # truth for classes; this list lets config validation fail before any model code is imported.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",
+    *TEXT_DECODER_ARCHITECTURES,
     *VISION_LANGUAGE_ARCHITECTURES,
     *NON_GENERATION_ARCHITECTURES,
 )

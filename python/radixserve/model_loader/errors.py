@@ -26,7 +26,9 @@ def check_shape(name: str, expected: Sequence[int], got: Sequence[int]) -> None:
     expected_t, got_t = tuple(int(d) for d in expected), tuple(int(d) for d in got)
     if expected_t != got_t:
         raise ModelLoadError(
-            f"Shape mismatch for {name}: the config implies {expected_t}, the checkpoint has {got_t}"
+            f"Shape mismatch for {name}: the config implies {expected_t}, the checkpoint has {got_t}. "
+            "The config.json and the weight files probably belong to different models (or to "
+            "different sizes of one model)."
         )
 
 
