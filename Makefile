@@ -9,7 +9,10 @@ TORCH_VERSION := 2.13.0
 
 .PHONY: setup serve test test-all lint bench clean-cache
 
-setup: $(STAMP) $(KERNEL_STAMP) $(BROWSER_STAMP)
+# The kernel build (CPU bound) and the browser install (network and disk bound) run side by side
+# once the venv exists; -Otarget prints each one's output whole, when it ends.
+setup: $(STAMP)
+	$(MAKE) --no-print-directory -j2 -Otarget $(KERNEL_STAMP) $(BROWSER_STAMP)
 
 # Re-run setup only when the dependency list changes (idempotent).
 $(STAMP): pyproject.toml Makefile
