@@ -3,10 +3,14 @@
 - fp32: linear_wq (fp32 activations, the weight dequantized in registers);
 - a8 rows: linear_wq_a8 on the canonical rows (int8 activations per 32 inputs);
 - a8 panels: linear_wq_a8 on the weight repacked in 8-row panels (pack_wq_a8, what a form marked
-  by --cpu-wq-int8-activations carries).
+  by --cpu-wq-int8-activations carries: the file's bytes, fp16 scales, Q4_0's offsets formed from
+  the scales);
+- a8 panels fp32 (--fp32-panels): the same panels with fp32 scales and every offset stored (the
+  layout before the panels held the file's bytes), to compare the two back to back.
 
     python benchmark/bench_wq_a8.py                              # M = 1 2 4 8 16, one thread
     python benchmark/bench_wq_a8.py --types Q4_0 --tokens 1 3 6 12 16 --repeats 9
+    python benchmark/bench_wq_a8.py --tokens 1 16 128 --paths "a8 panels" "a8 panels fp32" --fp32-panels
 
 Shapes: Qwen3-30B-A3B's (hidden 2048, expert width 768): the LM head (--vocab rows; 32768 by
 default, which already streams from memory: the 151936-row head is the same per weight), one
@@ -29,20 +33,22 @@ import torch
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
 from sgl_kernel import cpu as cpu_kernels
 
-TYPES = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}
+TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 EXPERTS = 16
 
 
-def random_form(n: int, k: int, bits: int, offsets: bool) -> GroupQuantWeight:
-    if bits == 4:
-        qweight = pack_int4(torch.randint(0, 16, (n, k)))
-    else:
-        qweight = torch.randint(-127, 128, (n, k)).to(torch.int8)
-    off = torch.rand(n, k // 32) - 0.5 if offsets else None
-    return GroupQuantWeight(qweight, torch.rand(n, k // 32) * 0.01, off, 32, bits)
+def random_form(n: int, k: int, type_name: str) -> GroupQuantWeight:
+    """Random integers with fp16 scales (and Q4_1's offsets) as gguf_quant.py makes the forms:
+    Q4_0's offsets are -8 * scale."""
+    scales = (torch.rand(n, k // 32) * 0.01).half().float()
+    if type_name == "Q8_0":
+        return GroupQuantWeight(torch.randint(-127, 128, (n, k)).to(torch.int8), scales, None, 32, 8)
+    qweight = pack_int4(torch.randint(0, 16, (n, k)))
+    off = scales * -8.0 if type_name == "Q4_0" else (torch.rand(n, k // 32) - 0.5).half().float()
+    return GroupQuantWeight(qweight, scales, off, 32, 4)
 
 
-def paths(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def paths(w: GroupQuantWeight, fp32_panels: bool) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     args = (w.qweight, w.scales, w.offsets, w.bits, w.group_size)
     out = {
         "fp32": lambda x: cpu_kernels.linear_wq(x, *args),
@@ -51,6 +57,9 @@ def paths(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.Tenso
     if cpu_kernels.linear_wq_a8_packed_available():
         packed = cpu_kernels.pack_wq_a8(*args)
         out["a8 panels"] = lambda x: cpu_kernels.linear_wq_a8(x, *args, packed=packed)
+        if fp32_panels:
+            full = cpu_kernels.pack_wq_a8(*args, zero_point=0, dtype=torch.float32)
+            out["a8 panels fp32"] = lambda x: cpu_kernels.linear_wq_a8(x, *args, packed=full)
     return out
 
 
@@ -68,20 +77,26 @@ def cpu_ms(calls: list[Callable[[], object]], repeats: int) -> float:
 
 
 def bench(
-    name: str, shape: tuple[int, int], copies: int, types: list[str], tokens: list[int], repeats: int
+    name: str,
+    shape: tuple[int, int],
+    copies: int,
+    types: list[str],
+    tokens: list[int],
+    args: argparse.Namespace,
 ) -> None:
     n, k = shape
     print(f"\n{name} [{n} x {k}], {copies} cop{'y' if copies == 1 else 'ies'} called in turn")
     for type_name in types:
-        bits, offsets = TYPES[type_name]
-        forms = [random_form(n, k, bits, offsets) for _ in range(copies)]
-        table = [paths(w) for w in forms]
+        forms = [random_form(n, k, type_name) for _ in range(copies)]
+        table = [paths(w, args.fp32_panels) for w in forms]
+        if args.paths:
+            table = [{p: fn for p, fn in t.items() if p in args.paths} for t in table]
         print(f"  {type_name:5} {'M':>3} " + " ".join(f"{p:>22}" for p in table[0]))
         for m in tokens:
             x = torch.randn(m, k)
             cells = []
             for path in table[0]:
-                ms = cpu_ms([lambda fn=t[path], x=x: fn(x) for t in table], repeats)
+                ms = cpu_ms([lambda fn=t[path], x=x: fn(x) for t in table], args.repeats)
                 cells.append(f"{ms:8.3f} ms {n * k * m / ms / 1e6:6.2f} G/s")
             print(f"  {'':5} {m:>3} " + " ".join(f"{c:>22}" for c in cells))
 
@@ -95,15 +110,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fp32-panels", action="store_true", help="also the fp32-scale panels")
+    parser.add_argument("--paths", nargs="+", help="only these paths (default: every one)")
     args = parser.parse_args()
     if not cpu_kernels.linear_wq_a8_isas():
         raise SystemExit("sgl_kernel._cpu is not built with linear_wq_a8")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} thread(s); G/s = weights x rows per second")
-    bench("LM head", (args.vocab, 2048), 1, args.types, args.tokens, args.repeats)
-    bench("expert gate_up", (1536, 2048), EXPERTS, args.types, args.tokens, args.repeats)
-    bench("expert down", (2048, 768), EXPERTS, args.types, args.tokens, args.repeats)
+    bench("LM head", (args.vocab, 2048), 1, args.types, args.tokens, args)
+    bench("expert gate_up", (1536, 2048), EXPERTS, args.types, args.tokens, args)
+    bench("expert down", (2048, 768), EXPERTS, args.types, args.tokens, args)
 
 
 if __name__ == "__main__":

@@ -328,8 +328,9 @@ def linear_wq_a8(
                 "linear_wq_a8: a packed weight runs the AVX2 panel kernel; isa scalar takes none"
             )
         return _lib().linear_wq_a8_packed(
-            x, packed.q, packed.scales, packed.offsets, packed.n, packed.bits, packed.group_size, bias
-        )
+            x, packed.q, packed.scales, packed.offsets, packed.n, packed.bits, packed.group_size, bias,
+            packed.zero_point,
+        )  # fmt: skip
     return _lib().linear_wq_a8(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
 
 
@@ -354,6 +355,7 @@ def moe_wq_a8_packed(
         x, topk_ids, topk_weights,
         w13.q, w13.scales, w13.offsets, w13.bits, w13.group_size,
         w2.q, w2.scales, w2.offsets, w2.bits, w2.group_size,
+        w13.zero_point, w2.zero_point,
     )  # fmt: skip
 
 

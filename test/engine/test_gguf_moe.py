@@ -223,6 +223,10 @@ def test_int8_activations_serve_close_to_the_fp32_path(moe_gguf, variant, monkey
     max_rows = group_quant.A8_PACKED_MAX_ROWS if group_quant.WQ_A8_PACKED else group_quant.A8_MAX_ROWS
     if fused_moe_a8.MOE_A8_KERNEL:
         assert all(m.experts_wq.w13_panels is not None for m in moes)
+        # At the file's bytes: fp16 scales, and Mixtral's Q4_0 gate/up offsets (-8 d) not stored.
+        assert all(m.experts_wq.w13_panels.scales.dtype == torch.float16 for m in moes)
+        q4_0 = variant == "mixtral-q4"
+        assert all((m.experts_wq.w13_panels.zero_point == 8) == q4_0 for m in moes)
         assert len(moe_rows) >= NUM_NEW * len(moes) and max(moe_rows) <= max_rows, moe_rows[:8]
         assert len(rows) >= NUM_NEW * len(moes) * 2 and max(rows) <= max_rows, rows[:8]
     else:

@@ -73,7 +73,8 @@ class GroupQuantWeight:
     reference). Set on GGUF and torchao forms whose groups allow it (weight_only_forms.py).
     a8_packed: the same integers and scales repacked for linear_wq_a8's AVX2 panel kernel
     (sgl_kernel.cpu.pack_wq_a8; with_int8_activations(panels=True) makes it: one more copy of them
-    in memory, so only under --cpu-wq-int8-activations), or None.
+    in memory, so only under --cpu-wq-int8-activations; at the file's bytes, fp16 scales and
+    Q4_0's offsets formed from them), or None.
     """
 
     qweight: torch.Tensor

@@ -77,7 +77,7 @@ def _panels(layer: Linear) -> tuple | None:
     """A marked form's 8-row panels as DecodeModel.set_layer_wq_a8_panels takes them, or None."""
     w = layer.weight_wq
     p = None if w is None or not w.int8_activations else w.a8_packed
-    return None if p is None else (p.q, p.scales, p.offsets)
+    return None if p is None else (p.q, p.scales, p.offsets, p.zero_point)
 
 
 def _bias(layer: Linear) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   if (wq.has_value() && a8 && wq->int8_activations) {
     if (wq->panel_q.has_value())
       return linear_wq_a8_packed(x, *wq->panel_q, *wq->panel_scales, wq->panel_offsets, wq->qweight.size(0),
-                                 wq->bits, wq->group_size, b);
+                                 wq->bits, wq->group_size, b, wq->panel_zero_point);
     return linear_wq_a8(x, wq->qweight, wq->scales, wq->offsets, wq->bits, wq->group_size, b, 0);
   }
   if (wq.has_value()) return linear_wq(x, wq->qweight, wq->scales, wq->offsets, wq->bits, wq->group_size, b, 0);
@@ -145,19 +145,21 @@ void DecodeModel::set_layer_wq_a8_panels(int64_t index, std::optional<PanelTuple
     TORCH_CHECK(forms[i]->has_value() && (*forms[i])->int8_activations, "DecodeModel: layer ", index, "'s ",
                 names[i], " has panels but no wq form marked for int8 activations (set_layer_wq_a8 first)");
     const WqForm& f = **forms[i];
-    const auto& [q, s, off] = **panels[i];
-    const at::Tensor y = linear_wq_a8_packed(at::zeros({1, f.qweight.size(1) * (f.bits == 4 ? 2 : 1)}, s.options()),
-                                             q, s, off, f.qweight.size(0), f.bits, f.group_size, c10::nullopt);
+    const auto& [q, s, off, zero] = **panels[i];
+    const at::Tensor x0 = at::zeros({1, f.qweight.size(1) * (f.bits == 4 ? 2 : 1)}, s.options().dtype(at::kFloat));
+    const at::Tensor y =
+        linear_wq_a8_packed(x0, q, s, off, f.qweight.size(0), f.bits, f.group_size, c10::nullopt, zero);
     TORCH_CHECK(y.size(1) == f.qweight.size(0), "DecodeModel: layer ", index, "'s ", names[i], " panels give ",
                 y.size(1), " rows, its form ", f.qweight.size(0));
   }
   for (int i = 0; i < 4; ++i) {
     if (!panels[i]->has_value()) continue;
-    auto& [q, s, off] = **panels[i];
+    auto& [q, s, off, zero] = **panels[i];
     WqForm& f = **forms[i];
     f.panel_q = std::move(q);
     f.panel_scales = std::move(s);
     f.panel_offsets = std::move(off);
+    f.panel_zero_point = zero;
   }
 }
 

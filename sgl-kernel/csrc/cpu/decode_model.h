@@ -29,10 +29,11 @@ struct WqForm {
   // linear_wq_a8's 8-row panels of the same weight (set_layer_wq_a8_panels; --cpu-wq-int8-activations):
   // when set, the int8-activation product reads them, as the module forward does (group_quant.py).
   c10::optional<at::Tensor> panel_q, panel_scales, panel_offsets;
+  int64_t panel_zero_point = 0;
 };
 
-// A weight's panels as sgl_kernel.cpu.pack_wq_a8 makes them: (q, scales, offsets or None).
-using PanelTuple = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>>;
+// A weight's panels as sgl_kernel.cpu.pack_wq_a8 makes them: (q, scales, offsets or None, zero_point).
+using PanelTuple = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t>;
 
 struct DecodeLayer {
   at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32, fp16 or int8

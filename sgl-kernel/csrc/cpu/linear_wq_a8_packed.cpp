@@ -19,9 +19,13 @@
 //         row r's 16-byte block (inputs 8c..8c+7: low nibbles the even ones). x per block in
 //         A8Order::kNibbleChunks order.
 //   int8: int8 [P, nb, 256]: chunk c (0..7) at 32 c holds, for row r at 4 r, inputs 4c..4c+3.
-//   scales, offsets: fp32 [P, groups, 8].
+//   scales, offsets: [P, groups, 8], fp16 where that is exact (GGUF's scales: the file's bytes,
+//         widened with F16C's vcvtph2ps), else fp32. A zero point instead of offsets (Q4_0's 8:
+//         o = -8 s) forms o from s in registers, so Q4_0 panels are 18 bytes a row-block as in the
+//         file, not 24 (fp32 scale and offset).
 // Numerics: those of linear_wq_a8 (exact int32 block dots, then s_x * s_w * dot and the offsets'
-// o_w * gsum in fp32): equal to linear_wq_a8_reference up to fp32 summation order.
+// o_w * gsum in fp32): equal to linear_wq_a8_reference up to fp32 summation order, and the same
+// bits whether the scales are stored fp16 or fp32 and the offsets stored or formed.
 #include "common.h"
 #include "linear_wq_a8.h"
 #include "linear_wq_a8_quant.h"
@@ -34,7 +38,7 @@ bool linear_wq_a8_packed_available() { return RS_HAVE_AVX2; }
 
 at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, const at::Tensor& packed_scales,
                                const c10::optional<at::Tensor>& packed_offsets, int64_t n, int64_t bits,
-                               int64_t group_size, const c10::optional<at::Tensor>& bias) {
+                               int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t zero_point) {
   TORCH_CHECK(RS_HAVE_AVX2, "linear_wq_a8_packed: needs the AVX2 path, not compiled into this build");
   TORCH_CHECK(bits == 4 || bits == 8, "linear_wq_a8_packed: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -43,8 +47,8 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   TORCH_CHECK(n >= 0 && K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
               "linear_wq_a8_packed: group_size ", group_size, " must be a multiple of 32 dividing K=", K);
   const int64_t groups = K / group_size;
-  const float* o_ptr = wq_a8_panels::check_panels("linear_wq_a8_packed", packed_q, packed_scales, packed_offsets,
-                                                  {P}, nb, groups, bits);
+  const wq_a8_panels::PanelGroups pg = wq_a8_panels::check_panels(
+      "linear_wq_a8_packed", packed_q, packed_scales, packed_offsets, zero_point, {P}, nb, groups, bits);
   const float* bias_ptr = check_bias("linear_wq_a8_packed", bias, n);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
@@ -52,9 +56,9 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   const bool int4 = bits == 4;
   const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size,
                                             int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
-  const wq_a8_panels::PackedProblem p{&xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()),
-                                      packed_scales.data_ptr<float>(), o_ptr, bias_ptr, y.data_ptr<float>(),
-                                      groups, group_size / kBlock, M, n, K};
+  const wq_a8_panels::PackedProblem p{
+      &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias_ptr, y.data_ptr<float>(), groups,
+      group_size / kBlock, M, n, K};
   // Each thread one contiguous run of panels (short runs stay on one thread: grain_panels).
   const int64_t grain = wq_a8_panels::grain_panels(nb, bits);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {

@@ -27,8 +27,7 @@ using wq_a8_panels::kPanel;
 // One projection's panels, every local expert's stacked: [E, P, nb, 128 | 256] and [E, P, groups, 8].
 struct ExpertPanels {
   const uint8_t* q;
-  const float* s;
-  const float* o;  // nullptr: w = q * scale
+  wq_a8_panels::PanelGroups g;  // expert 0's; expert e's start group_stride() elements on
   int64_t panels, nb, groups, bits, group_size, n, k;
 
   int64_t q_stride() const { return panels * nb * wq_a8_panels::panel_block_bytes(bits); }
@@ -37,16 +36,15 @@ struct ExpertPanels {
 };
 
 ExpertPanels check_expert_panels(const char* what, const at::Tensor& q, const at::Tensor& s,
-                                 const c10::optional<at::Tensor>& o, int64_t experts, int64_t n, int64_t k,
-                                 int64_t bits, int64_t group_size) {
+                                 const c10::optional<at::Tensor>& o, int64_t zero_point, int64_t experts, int64_t n,
+                                 int64_t k, int64_t bits, int64_t group_size) {
   TORCH_CHECK(bits == 4 || bits == 8, "moe_wq_a8_packed: ", what, " bits must be 4 or 8, got ", bits);
   TORCH_CHECK(k % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
               "moe_wq_a8_packed: ", what, " group_size ", group_size, " must be a multiple of 32 dividing K=", k);
   const int64_t panels = (n + kPanel - 1) / kPanel, nb = k / kBlock, groups = k / group_size;
-  const float* o_ptr =
-      wq_a8_panels::check_panels("moe_wq_a8_packed", q, s, o, {experts, panels}, nb, groups, bits);
-  return {reinterpret_cast<const uint8_t*>(q.data_ptr()), s.data_ptr<float>(), o_ptr, panels, nb, groups,
-          bits, group_size, n, k};
+  const wq_a8_panels::PanelGroups g =
+      wq_a8_panels::check_panels("moe_wq_a8_packed", q, s, o, zero_point, {experts, panels}, nb, groups, bits);
+  return {reinterpret_cast<const uint8_t*>(q.data_ptr()), g, panels, nb, groups, bits, group_size, n, k};
 }
 
 // The (token, expert) pairs routed to this rank's experts, grouped by expert in increasing id,
@@ -104,10 +102,13 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
   at::parallel_for(0, items, wq_a8_panels::grain_panels(proj.nb, proj.bits), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / P, panel = i % P, e = r.expert[g];
+      const int64_t elem = proj.g.half ? 2 : 4, at = e * proj.group_stride() * elem;  // expert e's groups
+      const wq_a8_panels::PanelGroups groups{static_cast<const char*>(proj.g.s) + at,
+                                             proj.g.o != nullptr ? static_cast<const char*>(proj.g.o) + at : nullptr,
+                                             proj.g.half, proj.g.zero};
       const wq_a8_panels::PackedProblem p{&xq,
                                           proj.q + e * proj.q_stride(),
-                                          proj.s + e * proj.group_stride(),
-                                          proj.o != nullptr ? proj.o + e * proj.group_stride() : nullptr,
+                                          groups,
                                           nullptr,
                                           y,
                                           proj.groups,
@@ -145,7 +146,8 @@ at::Tensor moe_wq_a8_packed(const at::Tensor& x, const at::Tensor& topk_ids, con
                             const at::Tensor& w13_q, const at::Tensor& w13_scales,
                             const c10::optional<at::Tensor>& w13_offsets, int64_t w13_bits, int64_t w13_group_size,
                             const at::Tensor& w2_q, const at::Tensor& w2_scales,
-                            const c10::optional<at::Tensor>& w2_offsets, int64_t w2_bits, int64_t w2_group_size) {
+                            const c10::optional<at::Tensor>& w2_offsets, int64_t w2_bits, int64_t w2_group_size,
+                            int64_t w13_zero_point, int64_t w2_zero_point) {
   TORCH_CHECK(RS_HAVE_AVX2, "moe_wq_a8_packed: needs the AVX2 path, not compiled into this build");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "moe_wq_a8_packed: x must be a CPU float32 [T, H] with contiguous rows");
@@ -159,9 +161,10 @@ at::Tensor moe_wq_a8_packed(const at::Tensor& x, const at::Tensor& topk_ids, con
   TORCH_CHECK(w13_q.dim() == 4 && w2_q.dim() == 4 && w2_q.size(0) == w13_q.size(0),
               "moe_wq_a8_packed: w13_q and w2_q must be stacked panels [E, P, K / 32, bytes] of the same E");
   const int64_t E = w13_q.size(0), inter = w2_q.size(2) * kBlock;
-  const ExpertPanels w13 =
-      check_expert_panels("w13", w13_q, w13_scales, w13_offsets, E, 2 * inter, H, w13_bits, w13_group_size);
-  const ExpertPanels w2 = check_expert_panels("w2", w2_q, w2_scales, w2_offsets, E, H, inter, w2_bits, w2_group_size);
+  const ExpertPanels w13 = check_expert_panels("w13", w13_q, w13_scales, w13_offsets, w13_zero_point, E, 2 * inter, H,
+                                                w13_bits, w13_group_size);
+  const ExpertPanels w2 =
+      check_expert_panels("w2", w2_q, w2_scales, w2_offsets, w2_zero_point, E, H, inter, w2_bits, w2_group_size);
   at::Tensor out = at::zeros({T, H}, x.options());
   const Routing r = route(topk_ids.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), topk_ids.numel(),
                           topk_ids.size(1), E);

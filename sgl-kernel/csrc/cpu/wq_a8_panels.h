@@ -11,11 +11,20 @@ namespace wq_a8_panels {
 
 constexpr int64_t kPanel = 8;  // output rows per panel: one per int32 lane
 
+// A panel stack's per-group numbers: scales, and offsets or a zero point (w = scale * (q - zero):
+// the offset -zero * scale formed in registers, so Q4_0 reads no offset stream), all fp32 or all
+// fp16 (pack_wq_a8 stores fp16 where that is exact, as GGUF's scales are: fewer bytes a token).
+struct PanelGroups {
+  const void* s;  // [P, groups, 8]
+  const void* o;  // [P, groups, 8] or nullptr
+  bool half;      // s and o are fp16
+  float zero;     // o == nullptr: offsets -zero * scale (0: none)
+};
+
 struct PackedProblem {
   const BlockQuantRows* xq;
   const uint8_t* q;  // panel p starts at q + p * nb * panel_block
-  const float* s;    // [P, groups, 8]
-  const float* o;    // [P, groups, 8] or nullptr
+  PanelGroups g;     // panel p's groups start at element p * groups * 8
   const float* bias;
   float* y;
   int64_t groups, blocks_per_group, M, N, K;
@@ -30,11 +39,11 @@ inline int64_t grain_panels(int64_t nb, int64_t bits) {
 }
 
 // pack_wq_a8's tensors, each with leading dims `lead` ({P}, or {E, P} for stacked experts):
-// q [*lead, nb, 128 | 256] uint8 | int8, scales and offsets (optional) fp32 [*lead, groups, 8],
-// all contiguous on the CPU. Returns the offsets' data (nullptr without).
-inline const float* check_panels(const char* name, const at::Tensor& q, const at::Tensor& scales,
-                                 const c10::optional<at::Tensor>& offsets, std::vector<int64_t> lead, int64_t nb,
-                                 int64_t groups, int64_t bits) {
+// q [*lead, nb, 128 | 256] uint8 | int8, scales and offsets (optional) [*lead, groups, 8], both
+// fp32 or both fp16, all contiguous on the CPU; zero_point (int4 only, without offsets) in [0, 16).
+inline PanelGroups check_panels(const char* name, const at::Tensor& q, const at::Tensor& scales,
+                                const c10::optional<at::Tensor>& offsets, int64_t zero_point,
+                                std::vector<int64_t> lead, int64_t nb, int64_t groups, int64_t bits) {
   std::vector<int64_t> q_shape = lead, group_shape = lead;
   q_shape.insert(q_shape.end(), {nb, panel_block_bytes(bits)});
   group_shape.insert(group_shape.end(), {groups, kPanel});
@@ -42,15 +51,21 @@ inline const float* check_panels(const char* name, const at::Tensor& q, const at
                   q.sizes() == at::IntArrayRef(q_shape),
               name, ": packed_q must be a contiguous ", bits == 4 ? "uint8 " : "int8 ", at::IntArrayRef(q_shape),
               " (pack_wq_a8's), got ", q.scalar_type(), " ", q.sizes());
+  const auto dtype = scales.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf, name, ": packed scales must be float32 or float16, got ",
+              dtype);
   auto check_groups = [&](const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() &&
                     t.sizes() == at::IntArrayRef(group_shape),
-                name, ": ", what, " must be a contiguous float32 ", at::IntArrayRef(group_shape));
+                name, ": ", what, " must be a contiguous ", dtype, " ", at::IntArrayRef(group_shape));
   };
   check_groups(scales, "packed scales");
-  if (!offsets.has_value() || !offsets->defined()) return nullptr;
-  check_groups(*offsets, "packed offsets");
-  return offsets->data_ptr<float>();
+  const bool with_offsets = offsets.has_value() && offsets->defined();
+  TORCH_CHECK(zero_point == 0 || (bits == 4 && !with_offsets && zero_point > 0 && zero_point < 16), name,
+              ": zero_point ", zero_point, " needs int4 panels without offsets and lies in [0, 16)");
+  if (with_offsets) check_groups(*offsets, "packed offsets");
+  return {scales.data_ptr(), with_offsets ? offsets->data_ptr() : nullptr, dtype == at::kHalf,
+          static_cast<float>(zero_point)};
 }
 
 #if RS_HAVE_AVX2
@@ -61,14 +76,24 @@ inline __m256i bcast4(const int8_t* q) {
   return _mm256_set1_epi32(v);
 }
 
+// 8 lanes of fp32 from element i of an fp32 or (kHalf, F16C: exact) fp16 array.
+template <bool kHalf>
+inline __m256 load8(const void* base, int64_t i) {
+  if constexpr (kHalf)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  else
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+}
+
 // MB rows of x (from m0) against one panel: y[m0 .. m0 + MB, the panel's rows].
-template <int MB, bool kInt4>
+template <int MB, bool kInt4, bool kHalf>
 inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
   constexpr int64_t kChunks = kInt4 ? 4 : 8, kPanelBlock = kChunks * 32;
   const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
   const uint8_t* wq = p.q + panel * nb * kPanelBlock;
-  const float* sc = p.s + panel * p.groups * kPanel;
-  const float* of = p.o != nullptr ? p.o + panel * p.groups * kPanel : nullptr;
+  const int64_t g0 = panel * p.groups * kPanel;  // this panel's first group element
+  const bool offsets = p.g.o != nullptr || p.g.zero != 0.f;
+  const __m256 neg_zero = _mm256_set1_ps(-p.g.zero);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
@@ -104,14 +129,15 @@ inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
       }
     }
     const int64_t g = b / bpg;
-    const __m256 sw = _mm256_loadu_ps(sc + g * kPanel);
+    const __m256 sw = load8<kHalf>(p.g.s, g0 + g * kPanel);
     for (int m = 0; m < MB; ++m) {
       const __m256 sx = _mm256_set1_ps(p.xq->scale[(m0 + m) * nb + b]);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(sw, sx), acc[m]);
     }
-    if (of != nullptr && b % bpg == bpg - 1) {
-      // The group's offsets times x's dequantized sum over the group.
-      const __m256 ow = _mm256_loadu_ps(of + g * kPanel);
+    if (offsets && b % bpg == bpg - 1) {
+      // The group's offsets times x's dequantized sum over the group. -zero * scale is what the
+      // packer checked the dropped offsets equal, bit for bit (the same fp32 product).
+      const __m256 ow = p.g.o != nullptr ? load8<kHalf>(p.g.o, g0 + g * kPanel) : _mm256_mul_ps(sw, neg_zero);
       for (int m = 0; m < MB; ++m)
         acc[m] = _mm256_fmadd_ps(ow, _mm256_set1_ps(p.xq->gsum[(m0 + m) * p.groups + g]), acc[m]);
     }
@@ -127,20 +153,23 @@ inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
 
 // Rows [m0, m1) of x against one panel, 4 rows of x per tile (the panel's bytes stay in L1
 // between tiles). Each row's arithmetic is the same whatever tile it falls in.
-template <bool kInt4>
+template <bool kInt4, bool kHalf>
 inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) panel_tile<4, kInt4>(p, panel, m);
+  for (; m + 4 <= m1; m += 4) panel_tile<4, kInt4, kHalf>(p, panel, m);
   switch (m1 - m) {
-    case 3: panel_tile<3, kInt4>(p, panel, m); break;
-    case 2: panel_tile<2, kInt4>(p, panel, m); break;
-    case 1: panel_tile<1, kInt4>(p, panel, m); break;
+    case 3: panel_tile<3, kInt4, kHalf>(p, panel, m); break;
+    case 2: panel_tile<2, kInt4, kHalf>(p, panel, m); break;
+    case 1: panel_tile<1, kInt4, kHalf>(p, panel, m); break;
     default: break;
   }
 }
 
 inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1, bool int4) {
-  int4 ? panel_rows<true>(p, panel, m0, m1) : panel_rows<false>(p, panel, m0, m1);
+  if (p.g.half)
+    int4 ? panel_rows<true, true>(p, panel, m0, m1) : panel_rows<false, true>(p, panel, m0, m1);
+  else
+    int4 ? panel_rows<true, false>(p, panel, m0, m1) : panel_rows<false, false>(p, panel, m0, m1);
 }
 #endif
 
