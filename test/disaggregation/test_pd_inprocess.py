@@ -110,6 +110,9 @@ def test_greedy_parity_tcp_with_radix_hit_and_chunks(tiny_llama_path, make_pair,
     assert_clean(pair)
 
 
+# make test-all only (docs/testing.md): test_greedy_parity_tcp_with_radix_hit_and_chunks checks the
+# same parity with the colocated scheduler on the tiny model (page sizes 1 and 16, radix hits, chunks).
+@pytest.mark.slow
 def test_greedy_parity_builtin_model(builtin_model_path):
     tok_reqs = [
         (

@@ -118,6 +118,10 @@ def test_weight_update_drops_the_forms_of_changed_layers(tiny_gguf):
     assert changed.weight_wq is None and kept.weight_wq is not None
 
 
+# make test-all only (docs/testing.md): the tiny 'mixed' file above serves every type (Q4_1 and a
+# Q8_0 head included) against its fp32 dequantization, and test_builtin_default_format.py serves
+# this file (gguf) with the fp32 model's greedy tokens and logprobs.
+@pytest.mark.slow
 def test_builtin_model_serves_its_q4_1_and_q8_0_tensors(builtin_model_path):
     from transformers import AutoTokenizer
 

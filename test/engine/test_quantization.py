@@ -231,6 +231,9 @@ BUILTIN_PROMPTS = [
 ]
 
 
+# make test-all only (docs/testing.md): test_tiny_models_quantized_agree_with_fp32 checks W8A8 and
+# the int8 head on three model families against fp32 with the same assertions.
+@pytest.mark.slow
 def test_builtin_model_quantized_agrees_with_fp32(builtin_model_path):
     from transformers import AutoTokenizer
 

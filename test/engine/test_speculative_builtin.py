@@ -117,6 +117,9 @@ def test_builtin_with_a_draft_model_is_exact(builtin):
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted / stats.spec_num_drafts > 0.9
 
 
+# make test-all only (docs/testing.md): test_speculative_trees.py verifies NGRAM's BFS trees and
+# self-speculation trees (topk 2) token-exact on the tiny model through the same cpu extend kernel.
+@pytest.mark.slow
 def test_builtin_draft_trees_are_exact(builtin):
     """Draft trees on the built-in model: NGRAM's BFS trees and self-speculation with topk 2 (the
     first 12 layers grow the tree), verified with the tree mask in the compiled extend kernel."""

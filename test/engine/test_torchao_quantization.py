@@ -76,6 +76,9 @@ def test_weight_update_quantizes_the_new_weights(tiny_model_dir):
 BUILTIN_BOUNDS = {"int8wo": (0.85, 0.12), "int4wo-64": (0.45, 1.3)}
 
 
+# make test-all only (docs/testing.md): test_tiny_models_weight_only_agree_with_fp32 checks both
+# weight-only configs on three model families against fp32 with the same assertions.
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(BUILTIN_BOUNDS))
 def test_builtin_model_weight_only_agrees_with_fp32(builtin_model_path, config):
     from transformers import AutoTokenizer
