@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
+from radixserve.utils.network import get_free_port
+
 HEALTH_POLL_S = 0.5
 
 
@@ -28,10 +29,8 @@ class ServerStartError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now (outside the ephemeral range)."""
+    return get_free_port()
 
 
 def log_tail(path: Path, num_lines: int = 30) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -77,8 +78,45 @@ def get_zmq_socket(context: zmq.Context, socket_type: int, endpoint: str, bind: 
     return sock
 
 
-def get_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and --port 0)."""
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PICKED_PORT = 10000  # below: well-known and registered services
+
+
+def ephemeral_port_range(path: str = _EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's range for automatic ports (bind to 0, outgoing connections), inclusive."""
+    try:
+        with open(path, encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _pick_ranges(ephemeral: tuple[int, int]) -> list[range]:
+    low, high = ephemeral
+    ranges = [range(_LOWEST_PICKED_PORT, low), range(high + 1, 65536)]
+    return [r for r in ranges if len(r) >= 1000]
+
+
+def get_free_port(host: str = "127.0.0.1", ephemeral: tuple[int, int] | None = None) -> int:
+    """A TCP port that was free a moment ago (for tests, ranks' rendezvous and --port 0).
+
+    Why not simply bind to port 0: the kernel hands that port out again to the next automatic
+    bind or outgoing connection anywhere on the host, so between this call and the caller's own
+    bind another process (a rank's store, a client socket) could take it: EADDRINUSE. Picking at
+    random outside the ephemeral range leaves only another explicit pick to collide with.
+    """
+    ranges = _pick_ranges(ephemeral or ephemeral_port_range())
+    rng = random.SystemRandom()
+    for _ in range(64 if ranges else 0):
+        r = rng.choice(ranges)
+        port = rng.randrange(r.start, r.stop)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
