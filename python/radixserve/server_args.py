@@ -395,6 +395,12 @@ class ServerArgs:
         "as fast as fp32; inputs and outputs of those GEMMs are rounded to bf16, as on a bf16 GPU. "
         "Refused on other CPUs and with --disable-cpu-weight-prepack.",
     )
+    disable_cpu_bf16_gemm: bool = _f(
+        False,
+        "CPU: keep every oneDNN GEMM in fp32, including weight-only quantized layers' batches (gguf, "
+        "torchao), which otherwise run in bf16 where this CPU has AVX512_BF16 or AMX and measured "
+        "it faster (--cpu-kernel-tuning): the exact path. Contradicts --cpu-bf16-gemm.",
+    )
     disable_cpu_weight_prepack: bool = _f(
         False,
         "CPU, fp32 models: keep torch's default GEMM (F.linear) instead of prepacking every linear "

@@ -60,6 +60,8 @@ def validate_server_args(args: ServerArgs) -> None:
     if args.pp_max_micro_batch_size is not None and args.pp_max_micro_batch_size < 1:
         raise ValueError("--pp-max-micro-batch-size must be >= 1")
     _validate_int8_activations(args)  # parses --cpu-kernel-crossovers too
+    if args.cpu_bf16_gemm and args.disable_cpu_bf16_gemm:
+        raise ValueError("--cpu-bf16-gemm and --disable-cpu-bf16-gemm contradict each other")
     if args.cpu_bf16_gemm and args.disable_cpu_weight_prepack:
         raise ValueError(
             "--cpu-bf16-gemm runs on oneDNN-prepacked weights: drop --disable-cpu-weight-prepack"

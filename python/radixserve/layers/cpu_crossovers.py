@@ -37,6 +37,12 @@ class Crossovers:
     # docs/quantization.md), so it is on only where this machine measured it faster
     # (cpu_tuning.py) or the user asked (--cpu-wq-int8-activations). Never above wq_max_tokens.
     wq_a8_max_tokens: int = 0
+    # Not a bound but the numerics of the batches above wq_max_tokens: True runs a weight-only
+    # layer's oneDNN GEMM over a bf16 copy of its dequantized weight (activations rounded to bf16
+    # for that product, fp32 accumulation) instead of the exact fp32 one. Off by default (exact);
+    # on where this CPU has native bf16 and measured it faster (cpu_batch_numerics.py), or with
+    # --cpu-bf16-gemm. linear.use_bf16_batch_gemm repacks the layers to match.
+    wq_batch_bf16: bool = False
     # Where these came from ("defaults", "measured <when>", "cache <path>", "+ overrides"): logged.
     source: str = dataclasses.field(default="defaults", compare=False)
 
@@ -60,7 +66,8 @@ class Crossovers:
 
     def describe(self) -> str:
         bounds = ", ".join(f"{k}={v}" for k, v in self.bounds().items())
-        return f"{bounds} ({self.source})"
+        batch = "bf16" if self.wq_batch_bf16 else "fp32"
+        return f"{bounds}, weight-only batch GEMMs in {batch} ({self.source})"
 
 
 DEFAULTS = Crossovers()

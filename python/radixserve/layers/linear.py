@@ -28,6 +28,9 @@ built-in model's decode, docs/benchmarks.md):
    With --cpu-bf16-gemm the packed copy is bf16 instead: inputs are rounded to bf16 and the
    output comes back as bf16 (then fp32), as on a bf16 GPU. On CPUs with AVX512_BF16 oneDNN's bf16
    GEMM runs ~2x its fp32 one; elsewhere it would be emulated and slower, so the flag is refused.
+   A weight-only layer's packed copy (path 0b's batches) is bf16 also without the flag where the
+   CPU's tuning chose it (Crossovers.wq_batch_bf16, `use_bf16_batch_gemm`): measured faster on
+   this CPU and inside the quality band docs/quantization.md calls fp32's.
 4. Without oneDNN (a torch built without it, or --disable-cpu-weight-prepack): `linear_f32` up to
    SMALL_BATCH_MAX_TOKENS tokens, F.linear beyond.
 
@@ -234,6 +237,31 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
             "bf16" if bf16_gemm else "fp32",
             added / 2**20,
         )
+
+
+def use_bf16_batch_gemm(modules: list[nn.Module]) -> int:
+    """Repack every weight-only quantized layer's fp32 oneDNN copy in `modules` to bf16, so its
+    batches above wq_max_tokens run oneDNN's bf16 GEMM (Crossovers.wq_batch_bf16). The fp32
+    weight (the form's exact dequantization) stays: small batches and weight reads use it.
+    Returns how many layers changed; logs what it cost."""
+    layers = [
+        m
+        for m in _cpu_fp32_linears(modules)
+        if m.weight_wq is not None and m.weight_packed is not None and m.weight_packed.dtype == torch.float32
+    ]
+    for layer in layers:
+        # One layer at a time: the fp32 pack is freed before the next bf16 one is made.
+        layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(
+            layer.weight.detach().to(torch.bfloat16), None
+        )
+    if layers:
+        saved = sum(layer.weight.numel() * 2 for layer in layers)
+        logger.info(
+            "CPU linears: %d weight-only layers' batch copies repacked in bf16 (-%.0f MiB)",
+            len(layers),
+            saved / 2**20,
+        )
+    return len(layers)
 
 
 def quantize_linears(modules: list[nn.Module]) -> None:

@@ -20,6 +20,10 @@ the model's own wq layers at 1, 2, 4 and 8 rows; 0 where int8 activations lose a
 serves the measured bound only where A8_BY_DEFAULT says the quality holds (docs/cpu_backend.md);
 `--cpu-wq-int8-activations` forces int8 activations on (the measured bound, or A8_MAX_ROWS where
 none was measured) and `--disable-cpu-wq-int8-activations` forces them off (the exact product).
+
+Another is `wq_batch_bf16`: whether weight-only layers' batches run oneDNN's bf16 GEMM instead of
+the fp32 one (cpu_batch_numerics.py; measured first, since wq_max_tokens is then measured against
+the GEMM that will serve). `--cpu-bf16-gemm` forces it on, `--disable-cpu-bf16-gemm` off.
 The cache is a JSON file per (CPU, model) in $RADIXSERVE_CPU_TUNING_DIR (default
 ~/.cache/radixserve/cpu_tuning); delete it to measure again. Multi-rank runs use the defaults (each rank
 would measure alone, and the ranks' fused decode paths must agree on their batch bounds).
@@ -46,7 +50,8 @@ from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, install, parse_overrides
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL, WQ_KERNEL, linear_wq_reference
-from radixserve.layers.linear import Linear, _linear_bf16
+from radixserve.layers.linear import Linear, _linear_bf16, use_bf16_batch_gemm
+from radixserve.model_executor.cpu_batch_numerics import choose_bf16_batch, measure_bf16_batch
 from radixserve.utils.cpus import available_cpus
 
 logger = logging.getLogger(__name__)
@@ -72,6 +77,9 @@ A8_BY_DEFAULT = True
 # last-level cache, so they stream from memory as in a real step, and bounded for big models.
 MAX_PASS_BYTES = 256 << 20
 REPEATS = 3
+# Part of the cache key: a cache written before a choice was measured (v1: before wq_batch_bf16)
+# is not read, so a quiet start measures the new choice instead of serving without it.
+CACHE_VERSION = 2
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
@@ -81,13 +89,16 @@ def resolve_crossovers(
     model: Iterable[torch.nn.Module],
     world_size: int,
     int8_activations: bool | None = None,
+    bf16_batch: bool | None = None,
 ) -> Crossovers:
     """The crossovers to serve with (installed by the caller); logs where they came from.
     int8_activations: True forces them on (--cpu-wq-int8-activations), False off
-    (--disable-cpu-wq-int8-activations), None leaves wq_a8_max_tokens to the mode."""
+    (--disable-cpu-wq-int8-activations), None leaves wq_a8_max_tokens to the mode. bf16_batch:
+    likewise for wq_batch_bf16 (--cpu-bf16-gemm, --disable-cpu-bf16-gemm)."""
     mode = mode or os.environ.get("RADIXSERVE_CPU_KERNEL_TUNING") or "auto"  # unresolved args
     extra = parse_overrides(overrides)
-    return choose_int8_activations(_resolve(mode, model, world_size), int8_activations).with_overrides(extra)
+    chosen = choose_int8_activations(_resolve(mode, model, world_size), int8_activations)
+    return choose_bf16_batch(chosen, bf16_batch).with_overrides(extra)
 
 
 def _resolve(mode: str, model: Iterable[torch.nn.Module], world_size: int) -> Crossovers:
@@ -171,8 +182,15 @@ def tune_and_install(
     model: Iterable[torch.nn.Module],
     world_size: int,
     int8_activations: bool | None = None,
+    bf16_batch: bool | None = None,
 ) -> None:
-    install(resolve_crossovers(mode, overrides, model, world_size, int8_activations))
+    """Resolve the crossovers, install them, and repack the weight-only layers' batch copies in
+    bf16 where they chose it."""
+    model = list(model)
+    chosen = resolve_crossovers(mode, overrides, model, world_size, int8_activations, bf16_batch)
+    install(chosen)
+    if chosen.wq_batch_bf16:
+        use_bf16_batch_gemm(model)
 
 
 def machine_busy() -> str:
@@ -189,10 +207,14 @@ def machine_busy() -> str:
 # --- measurement ------------------------------------------------------------------------------
 
 
-def measure(layers: list[Linear]) -> tuple[dict[str, int], dict[str, Any]]:
+def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Each bound the model's forms have, from timed passes over its layers; the others keep
-    their defaults. Returns (bounds, per-candidate timings in ms) for the cache and the log."""
+    their defaults; and wq_batch_bf16. Returns (Crossovers fields, per-candidate timings in ms)
+    for the cache and the log."""
     bounds, timings = DEFAULTS.bounds(), {}
+    wq_layers = _first_bytes([m for m in layers if m.weight_wq is not None], MAX_PASS_BYTES)
+    # The batch numerics first: wq_max_tokens is where linear_wq loses to the GEMM that will serve.
+    bf16, bf16_gemm, timings["wq_batch_bf16"] = measure_bf16_batch(wq_layers, _pass_ms)
     groups: dict[str, tuple[list[Linear], Callable[[Linear, torch.Tensor], torch.Tensor]]] = {
         "wq_max_tokens": ([m for m in layers if m.weight_wq is not None], _exact_wq),
         "f32_small_max_tokens": (
@@ -208,7 +230,8 @@ def measure(layers: list[Linear]) -> tuple[dict[str, int], dict[str, Any]]:
         members = _first_bytes(members, MAX_PASS_BYTES)
         if not members or (name != "wq_max_tokens" and not cpu_fused.ENABLED):
             continue
-        bounds[name], timings[name] = _crossover(members, small, CANDIDATES[name])
+        against = bf16_gemm if name == "wq_max_tokens" else None
+        bounds[name], timings[name] = _crossover(members, small, CANDIDATES[name], against=against)
     a8 = _first_bytes(
         [m for m in layers if m.weight_wq is not None and m.weight_wq.int8_activations], MAX_PASS_BYTES
     )
@@ -217,7 +240,7 @@ def measure(layers: list[Linear]) -> tuple[dict[str, int], dict[str, Any]]:
         bounds["wq_a8_max_tokens"], timings["wq_a8_max_tokens"] = _crossover(
             a8, _a8_wq, candidates, against=_exact_wq, floor=0
         )
-    return bounds, timings
+    return {**bounds, "wq_batch_bf16": bf16}, timings
 
 
 def _exact_wq(layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -342,7 +365,7 @@ def cache_dir() -> Path:
 
 
 def cache_path(layers: list[Linear]) -> Path:
-    key = json.dumps([cpu_identity(), model_identity(layers)], sort_keys=True).encode()
+    key = json.dumps([CACHE_VERSION, cpu_identity(), model_identity(layers)], sort_keys=True).encode()
     return cache_dir() / f"{hashlib.sha256(key).hexdigest()[:24]}.json"
 
 
@@ -351,16 +374,22 @@ def _from_cache(path: Path) -> Crossovers:
     # A cache from before the int8-activation bound existed: not measured, so off (its default).
     stored = {"wq_a8_max_tokens": DEFAULTS.wq_a8_max_tokens, **data["bounds"]}
     bounds = {k: int(stored[k]) for k in Crossovers.BOUNDS}
-    return Crossovers(**bounds, source=f"cached {data.get('measured_at', '?')} at {path}")
+    # Missing (written by hand or before the choice): not measured, so the exact fp32 GEMM.
+    bf16 = data.get("wq_batch_bf16", False)
+    if not isinstance(bf16, bool):
+        raise TypeError(f"wq_batch_bf16 is {bf16!r}, not true or false")
+    return Crossovers(**bounds, wq_batch_bf16=bf16, source=f"cached {data.get('measured_at', '?')} at {path}")
 
 
 def _store(path: Path, crossovers: Crossovers, timings: dict[str, Any]) -> None:
     data = {
         "bounds": crossovers.bounds(),
+        "wq_batch_bf16": crossovers.wq_batch_bf16,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_identity(),
         # Per bound and token count: (the small kernel, oneDNN's GEMM) ms per pass; for
-        # wq_a8_max_tokens (linear_wq_a8, linear_wq).
+        # wq_a8_max_tokens (linear_wq_a8, linear_wq); for wq_batch_bf16 per row count (oneDNN
+        # fp32, oneDNN bf16), and wq_max_tokens' GEMM is the bf16 one where that won.
         "timings_ms_small_vs_gemm": timings,
     }
     try:

@@ -135,6 +135,9 @@ class ModelRunner:
                 else False
                 if server_args.disable_cpu_wq_int8_activations
                 else None,
+                # bf16 batch GEMMs for weight-only layers: --cpu-bf16-gemm forces them on,
+                # --disable-cpu-bf16-gemm off (cpu_batch_numerics.py).
+                True if server_args.cpu_bf16_gemm else False if server_args.disable_cpu_bf16_gemm else None,
             )
         self._init_memory_pools()
         backend = server_args.attention_backend or "torch_native"

@@ -1,0 +1,87 @@
+"""Whether a weight-only layer's batches (above wq_max_tokens) run oneDNN's bf16 GEMM or its fp32
+one on this CPU: measured once per CPU and model by cpu_tuning.py, cached with the crossovers.
+
+A weight-only quantized layer (GGUF, int4/int8 weight-only) keeps its exact fp32 dequantization
+for oneDNN's GEMM at batch sizes where the small-batch kernel loses (decode at concurrency 16 and
+up, prefill). On a CPU with native bf16 (AVX512_BF16 or AMX) oneDNN's bf16 GEMM over a bf16 copy
+reads half the bytes and multiplies at twice the rate: activations are rounded to bf16 for those
+products only, with fp32 accumulation (the numerics of a bf16 GPU, and of vLLM's CPU backend).
+Elsewhere it would be emulated, so it is never measured there.
+
+The choice: bf16 where its pass over the model's weight-only layers beat fp32's at every row
+count in BATCH_ROWS (a decode step at concurrency 16 and 64), and where BF16_BY_DEFAULT says the
+quality holds (docs/quantization.md). --cpu-bf16-gemm forces it, --disable-cpu-bf16-gemm keeps
+fp32, and `--cpu-kernel-tuning off` keeps fp32 (the exact path the parity tests run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from radixserve.layers.cpu_crossovers import Crossovers
+from radixserve.layers.linear import Linear, _linear_bf16, bf16_gemm_supported
+
+# Rows of the products timed: decode steps at concurrency 16 and 64 (the issue's batched cells).
+BATCH_ROWS = (16, 64)
+# Whether `--cpu-kernel-tuning auto` serves a measured bf16 choice (else it is measured and cached,
+# but only --cpu-bf16-gemm turns it on). Decided by quality: docs/quantization.md's table.
+BF16_BY_DEFAULT = True
+
+PassMs = Callable[
+    [list[Linear], dict[int, torch.Tensor], Callable[[Linear, torch.Tensor], torch.Tensor]], float
+]
+
+
+class Bf16Packs:
+    """bf16 oneDNN copies of some layers' weights, made for a measurement only (the layers keep
+    their fp32 packs until the choice is installed); called as the GEMM a batch would run."""
+
+    def __init__(self, layers: list[Linear]) -> None:
+        self.packs = {
+            id(m): torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(torch.bfloat16), None)
+            for m in layers
+        }
+
+    def __call__(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return _linear_bf16(x, self.packs[id(layer)], None)
+
+
+def fp32_gemm(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN's fp32 GEMM over the layer's fp32 pack (what the exact path runs)."""
+    return torch.ops.mkldnn._linear_pointwise(x, layer.weight_packed, None, "none", [], "")
+
+
+def measure_bf16_batch(
+    wq_layers: list[Linear], pass_ms: PassMs
+) -> tuple[bool, Bf16Packs | None, dict[int, tuple[float, float]]]:
+    """(whether bf16 won at every row count, the bf16 packs to measure wq_max_tokens against when
+    it did, per row count (fp32, bf16) ms per pass). Nothing is measured without native bf16 or
+    without weight-only layers packed in fp32."""
+    layers = [m for m in wq_layers if m.weight_packed is not None and m.weight_packed.dtype == torch.float32]
+    if not layers or not bf16_gemm_supported():
+        return False, None, {}
+    packs = Bf16Packs(layers)
+    table = {}
+    for n in BATCH_ROWS:
+        inputs = {m.in_features: torch.randn(n, m.in_features) for m in layers}
+        table[n] = (round(pass_ms(layers, inputs, fp32_gemm), 3), round(pass_ms(layers, inputs, packs), 3))
+    won = all(bf16 < fp32 for fp32, bf16 in table.values())
+    return won, (packs if won else None), table
+
+
+def choose_bf16_batch(chosen: Crossovers, forced: bool | None) -> Crossovers:
+    """The batch numerics to serve: the measured choice where BF16_BY_DEFAULT (fp32 otherwise),
+    unless forced (--cpu-bf16-gemm: True, --disable-cpu-bf16-gemm: False)."""
+    if forced is None:
+        if BF16_BY_DEFAULT or not chosen.wq_batch_bf16:
+            return chosen
+        value, why = False, "bf16 batch GEMMs opt-in (measured faster)"
+    else:
+        value = forced
+        why = "--cpu-bf16-gemm" if forced else "--disable-cpu-bf16-gemm"
+    if value == chosen.wq_batch_bf16:
+        return chosen
+    return dataclasses.replace(chosen, wq_batch_bf16=value, source=f"{chosen.source}; {why}")
