@@ -28,6 +28,12 @@ The `-a8` variants quantize activations to int8 per 32 inputs (linear_wq_a8) in 
 up to 8 rows, and are scored in chunks of at most 8 tokens: each row's product depends on that
 row only, so this is what one stream's decode computes. The other weight-only variants are pinned
 to exact activations (--disable-cpu-wq-int8-activations) whatever this machine's tuning chose.
+
+`gguf-bf16` runs the decoder's products as oneDNN bf16 GEMMs (what decode at concurrency 16 and
+up and prefill run where the CPU's tuning chose bf16 batch GEMMs), scored in chunks of at least
+64 tokens. Its LM head is scored in head_logits' small blocks, which read the exact Q8_0 form; the
+head's bf16 product at large batches is bounded by test/unit/test_cpu_batch_numerics.py. `gguf`
+is pinned to fp32 batch GEMMs (--disable-cpu-bf16-gemm).
 """
 
 from __future__ import annotations
@@ -47,8 +53,11 @@ DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "quality_text.txt"
 A8 = {"cpu_wq_int8_activations": True, "cpu_kernel_crossovers": '{"wq_max_tokens": 8, "wq_a8_max_tokens": 8}'}
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"quantization": "unquant"},
-    "gguf": {"quantization": "gguf", "disable_cpu_wq_int8_activations": True},
+    "gguf": {"quantization": "gguf", "disable_cpu_wq_int8_activations": True, "disable_cpu_bf16_gemm": True},
     "gguf-a8": {"quantization": "gguf", **A8},
+    # bf16 batch GEMMs (cpu_batch_numerics.py): scored in chunks of at least CHUNK_MIN tokens, so
+    # every decoder product runs oneDNN's bf16 GEMM, as every decode step at concurrency >= 16 does.
+    "gguf-bf16": {"quantization": "gguf", "cpu_bf16_gemm": True, "disable_cpu_wq_int8_activations": True},
     "w8a8_int8": {"quantization": "w8a8_int8"},
     "int8wo": {"torchao_config": "int8wo", "disable_cpu_wq_int8_activations": True},
     "int8wo-a8": {"torchao_config": "int8wo", **A8},
@@ -56,10 +65,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int4wo-128": {"torchao_config": "int4wo-128"},
 }
 CHUNK_CAP = {"gguf-a8": 8, "int8wo-a8": 8}
+CHUNK_MIN = {"gguf-bf16": 64}
 LABELS = {
     "fp32": "fp32 (`--quantization unquant`)",
     "gguf": "`--quantization gguf` (the default), exact activations",
     "gguf-a8": "`--quantization gguf`, int8 activations (`--cpu-wq-int8-activations`)",
+    "gguf-bf16": "`--quantization gguf`, bf16 batch GEMMs (`--cpu-bf16-gemm`)",
     "w8a8_int8": "`--quantization w8a8_int8`",
     "int8wo": "`--torchao-config int8wo`",
     "int8wo-a8": "`--torchao-config int8wo`, int8 activations",
@@ -120,7 +131,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name in variants:
         start = time.perf_counter()
-        chunk = min(args.chunk, CHUNK_CAP.get(name, args.chunk))
+        chunk = max(min(args.chunk, CHUNK_CAP.get(name, args.chunk)), CHUNK_MIN.get(name, 0))
         results[name] = score(args.model_path, text, VARIANTS[name], chunk, args.max_tokens)
         print(
             f"{name}: {len(results[name]['logprobs'])} positions in {time.perf_counter() - start:.0f} s",

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from model_logits import prefill_decode_logits
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.layers import cpu_crossovers
 from radixserve.layers import linear as linear_module
 from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.linear import (
@@ -19,6 +20,7 @@ from radixserve.layers.linear import (
     onednn_prepack_available,
     prepare_cpu_linears,
 )
+from radixserve.model_executor import cpu_tuning
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.server_args import ServerArgs
 from sgl_kernel import cpu as cpu_kernels
@@ -116,3 +118,37 @@ def test_rejected_off_cpu_fp32(tiny_model_dir, native_bf16):
     args = ServerArgs(model_path=path, max_total_tokens=4096, device="cpu", cpu_bf16_gemm=True).resolve()
     with pytest.raises(ValueError, match="--cpu-bf16-gemm applies to fp32 models on CPU"):
         TpModelWorker(args, ModelConfig.from_path(path, dtype="bfloat16"))
+
+
+@needs_bf16_packing
+def test_weight_only_model_with_tuned_bf16_batches_stays_close_to_exact(
+    tiny_model_dir, monkeypatch, tmp_path
+):
+    """A tiny Llama with int8 weight-only linears, 16 requests prefilled and decoded one step,
+    with the tuning's bf16 batch choice (a faked measurement: cpu_batch_numerics.py) against
+    `--cpu-kernel-tuning off` (the exact fp32 GEMMs): the decode batch (16 > wq_max_tokens) and
+    the prefill run oneDNN's bf16 GEMM, within bf16 rounding of the exact logits."""
+    monkeypatch.setattr(linear_module, "bf16_gemm_supported", lambda: True)
+    monkeypatch.setenv("RADIXSERVE_CPU_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "")
+    monkeypatch.setattr(
+        cpu_tuning, "measure", lambda layers: ({**DEFAULTS.bounds(), "wq_batch_bf16": True}, {})
+    )
+    path = str(tiny_model_dir("llama"))
+    lens = tuple(5 + i % 7 for i in range(16))
+    before = cpu_crossovers.active()
+    try:
+        exact = prefill_decode_logits(path, lens, torchao_config="int8wo", cpu_kernel_tuning="off")
+        tuned = prefill_decode_logits(path, lens, torchao_config="int8wo", cpu_kernel_tuning="auto")
+        assert cpu_crossovers.active().wq_batch_bf16
+    finally:
+        cpu_crossovers.install(before)
+    for got, ref in zip(tuned, exact):
+        torch.testing.assert_close(got, ref, atol=1.5e-1, rtol=5e-2)
+        assert (got - ref).abs().mean() < 5e-2 * ref.abs().mean()
+        # A random tiny model's top logits nearly tie: a greedy token may change only where the
+        # exact run's gap to the bf16 run's choice is within twice the largest logit error.
+        picked = got.argmax(-1, keepdim=True)
+        gap = ref.max(-1).values - ref.gather(-1, picked).squeeze(-1)
+        assert (gap <= 2 * (got - ref).abs().max()).all(), gap
+    assert not torch.equal(tuned[1], exact[1])  # the bf16 path really ran
