@@ -1,0 +1,113 @@
+"""Where a decode step's wall time goes on CPU: decoder linears, the LM head, decode attention,
+sampling, and the rest (norms, rotary, KV writes, batch setup, Python), by timing wrappers.
+
+    python benchmark/profile_decode_step.py                                  # built-in model, b=16 and 64
+    python benchmark/profile_decode_step.py --server-args '{"disable_cpu_bf16_gemm": true}'
+    python benchmark/profile_decode_step.py --threads 1 --batch-size 64
+
+The torch profiler does not see sgl-kernel's attention and norm calls (they bypass the dispatcher)
+and distorts short ops, so this wraps `layers.linear.linear` (the LM head: the call whose weight has
+more than HEAD_ROWS output rows), the cpu attention backend's forward_decode and
+ModelRunner.sample with wall clocks, and reports medians over --steps steps of a static batch
+(radixserve.bench_one_batch's runner; prompts of --input-len random tokens). Sampling at
+--temperature 0.8 by default: temperature 0 would read the greedy head (layers/greedy_head.py)
+instead of the full one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixserve import bench_one_batch
+from radixserve.layers import linear as linear_module
+from radixserve.layers.attention.cpu_backend import CpuAttnBackend
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
+from radixserve.model_executor.worker_stack import build_model_worker
+from radixserve.model_loader.default_model import resolve_model_path
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+HEAD_ROWS = 10_000  # a linear with more output rows than this is the LM head (vocabularies)
+PARTS = ("decoder linears", "LM head", "attention", "sampling")
+spent = dict.fromkeys(PARTS, 0.0)
+
+
+def _timed(fn: Callable[..., Any], part: Callable[..., str]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        spent[part(*args)] += time.perf_counter() - start
+        return out
+
+    return wrapper
+
+
+def _install_timers() -> None:
+    def linear_part(x: torch.Tensor, weight: torch.Tensor, *_: Any) -> str:
+        return "LM head" if weight.shape[0] > HEAD_ROWS else "decoder linears"
+
+    # Linear.forward looks `linear` up in its module at call time, so the wrapper sees every call.
+    linear_module.linear = _timed(linear_module.linear, linear_part)
+    CpuAttnBackend.forward_decode = _timed(CpuAttnBackend.forward_decode, lambda *_: "attention")
+    ModelRunner.sample = _timed(ModelRunner.sample, lambda *_: "sampling")
+
+
+def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, temperature: float) -> str:
+    """One line: the median step and each part's median ms and share."""
+    params = SamplingParams(max_new_tokens=steps + 4, temperature=temperature)
+    reqs = [StaticReq(p, params) for p in prompts]
+    runner.prefill(reqs)
+    runner.decode(reqs)  # warm-up
+    rows = []
+    for _ in range(steps):
+        for part in PARTS:
+            spent[part] = 0.0
+        start = time.perf_counter()
+        runner.decode(reqs)
+        rows.append((time.perf_counter() - start, *(spent[p] for p in PARTS)))
+    runner.release(reqs)
+    total, *parts = (statistics.median(column) * 1e3 for column in zip(*rows))
+    shares = [f"{name} {ms:.1f} ({100 * ms / total:.0f}%)" for name, ms in zip(PARTS, parts)]
+    rest = total - sum(parts)
+    return f"step {total:.1f} ms = " + " + ".join([*shares, f"rest {rest:.1f} ({100 * rest / total:.0f}%)"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the server's)")
+    parser.add_argument("--server-args", default="{}", help="ServerArgs fields as JSON")
+    args = parser.parse_args()
+    max_bs = max(args.batch_size)
+    server_args = ServerArgs(
+        model_path=resolve_model_path(None),
+        quantization="gguf",  # the built-in model's CPU default (a resolved path is not "the built-in")
+        max_total_tokens=max_bs * (args.input_len + args.steps + 8) + 64,
+        max_running_requests=max_bs,
+        **json.loads(args.server_args),
+    ).resolve()
+    worker = build_model_worker(server_args, bench_one_batch._model_config(server_args))
+    torch.set_num_threads(args.threads or server_args.cpu_threads or torch.get_num_threads())
+    _install_timers()
+    vocab = worker.model_config.vocab_size
+    for bs in args.batch_size:
+        prompts = bench_one_batch._random_prompts(bs, args.input_len, vocab, bs)
+        line = profile(StaticBatchRunner(worker), prompts, args.steps, args.temperature)
+        print(f"batch {bs} ({torch.get_num_threads()} threads): {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
