@@ -89,6 +89,11 @@ def paths(
     return out
 
 
+def selected(path: str, wanted: list[str]) -> bool:
+    """Whether --paths names `path`; a name without its isa ("a8 panels") names it on every isa."""
+    return path in wanted or path.rsplit(" ", 1)[0] in wanted
+
+
 def cpu_ms(calls: list[Callable[[], object]], repeats: int) -> float:
     """Median thread CPU ms of one pass over `calls`, per call."""
     for call in calls:
@@ -116,7 +121,7 @@ def bench(
         forms = [random_form(n, k, type_name) for _ in range(copies)]
         table = [paths(w, args.fp32_panels, args.isas) for w in forms]
         if args.paths:
-            table = [{p: fn for p, fn in t.items() if p in args.paths} for t in table]
+            table = [{p: fn for p, fn in t.items() if selected(p, args.paths)} for t in table]
         print(f"  {type_name:5} {'M':>3} " + " ".join(f"{p:>22}" for p in table[0]))
         for m in tokens:
             x = torch.randn(m, k)
@@ -137,7 +142,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fp32-panels", action="store_true", help="also the fp32-scale panels")
-    parser.add_argument("--paths", nargs="+", help="only these paths (default: every one)")
+    parser.add_argument(
+        "--paths", nargs="+", help='only these paths (default: every one; "a8 panels": on every isa)'
+    )
     parser.add_argument(
         "--isas", nargs="+", help='int8-activation paths ("avx2", "avx512"; default: all built)'
     )
