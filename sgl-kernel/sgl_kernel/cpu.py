@@ -293,7 +293,9 @@ def linear_wq(
 
 
 def linear_wq_a8_isas() -> list[str]:
-    """`linear_wq_a8`'s code paths here: "scalar", "avx2" (_built_isas)."""
+    """`linear_wq_a8`'s code paths here: "scalar", "avx2", "avx512" for AVX-512 VNNI (vpdpbusd on
+    256-bit vectors; the same bits as "avx2") (_built_isas). The panel kernels (`packed`,
+    moe_wq_a8_packed) take the same names but "scalar"."""
     return _built_isas("linear_wq_a8", "linear_wq_a8_isas")
 
 
@@ -317,21 +319,21 @@ def linear_wq_a8(
     row of x is quantized to int8 (scale amax / 127, round half to even), the products with the
     weight's integers summed in int32 per block, then scaled: fp32 [M, N]. Equal to
     layers/group_quant.py's linear_wq_a8_reference up to fp32 summation order. `isa`: "scalar",
-    "avx2" or "auto". `packed` (pack_wq_a8 of the same weight, AVX2 builds only): the panel
-    kernel reads it instead of qweight / scales / offsets (isa "auto" or "avx2"). Raises
-    RuntimeError on a wrong dtype, shape or layout."""
-    if isa not in ("auto", "scalar", "avx2"):
-        raise ValueError(f"linear_wq_a8: isa must be auto, scalar or avx2, got {isa!r}")
+    "avx2", "avx512" (VNNI) or "auto" (linear_wq_a8_isas; RuntimeError for one not built here).
+    `packed` (pack_wq_a8 of the same weight, AVX2 builds only): the panel kernel reads it instead
+    of qweight / scales / offsets (any isa but "scalar"). Raises RuntimeError on a wrong dtype,
+    shape or layout."""
+    code = _isa_code("linear_wq_a8", isa)
     if packed is not None:
         if isa == "scalar":
             raise ValueError(
-                "linear_wq_a8: a packed weight runs the AVX2 panel kernel; isa scalar takes none"
+                "linear_wq_a8: a packed weight runs the SIMD panel kernel; isa scalar takes none"
             )
         return _lib().linear_wq_a8_packed(
             x, packed.q, packed.scales, packed.offsets, packed.n, packed.bits, packed.group_size, bias,
-            packed.zero_point,
+            packed.zero_point, code,
         )  # fmt: skip
-    return _lib().linear_wq_a8(x, qweight, scales, offsets, bits, group_size, bias, _INT8_ISA_CODES[isa])
+    return _lib().linear_wq_a8(x, qweight, scales, offsets, bits, group_size, bias, code)
 
 
 def moe_wq_a8_packed_available() -> bool:
@@ -345,17 +347,19 @@ def moe_wq_a8_packed(
     topk_weights: torch.Tensor,  # [T, top_k] fp32
     w13: WqA8PackedExperts,  # every expert's gate rows then up rows [2 * inter, H]
     w2: WqA8PackedExperts,  # every expert's down projection [H, inter]
+    isa: str = "auto",  # the panel kernel's path: "avx2", "avx512" (VNNI) or "auto"
 ) -> torch.Tensor:
     """A MoE layer's routed experts with int8 activations on their stacked panels, in one call:
     fp32 [T, H], the sum over each token's pairs of weight * down(silu(gate) * up). Equal bit for
     bit to running each expert's rows through linear_wq_a8 on w13.expert(e) / w2.expert(e),
     silu_and_mul, then scaling by the weights and index_add_ in expert order (layers/moe/
-    fused_moe_cpu.py's grouped path). Raises RuntimeError on a wrong dtype, shape or layout."""
+    fused_moe_cpu.py's grouped path), on either isa. Raises RuntimeError on a wrong dtype, shape or
+    layout, or an isa not built here ("scalar" included)."""
     return _lib().moe_wq_a8_packed(
         x, topk_ids, topk_weights,
         w13.q, w13.scales, w13.offsets, w13.bits, w13.group_size,
         w2.q, w2.scales, w2.offsets, w2.bits, w2.group_size,
-        w13.zero_point, w2.zero_point,
+        w13.zero_point, w2.zero_point, _isa_code("moe_wq_a8_packed", isa),
     )  # fmt: skip
 
 

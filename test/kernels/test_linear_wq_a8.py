@@ -29,10 +29,27 @@ from sgl_kernel import cpu as cpu_kernels
 
 ISAS = cpu_kernels.linear_wq_a8_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="sgl_kernel._cpu built without linear_wq_a8 (or not built)")
-ALL_ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=f"{isa} path not compiled here"))
-    for isa in ("scalar", "avx2")
-]
+# Why a path is missing: "avx512" is AVX-512 VNNI (vpdpbusd), built only where -march=native has
+# AVX512_VNNI and AVX512VL (Zen 4 and later, Ice Lake and later), not on AVX2-only machines.
+_MISSING = {
+    "avx2": "avx2 path not compiled here (the build machine has no AVX2/FMA/F16C)",
+    "avx512": "avx512 (VNNI) path not compiled here: the build machine lacks AVX512_VNNI/AVX512VL",
+}
+
+
+def isa_params(isas: tuple[str, ...]) -> list:
+    """pytest params over `isas`, each skipped (with the reason printed) where not compiled here."""
+    return [
+        pytest.param(isa, marks=pytest.mark.skipif(isa not in ISAS, reason=_MISSING.get(isa, "")))
+        for isa in isas
+    ]
+
+
+ALL_ISAS = isa_params(("scalar", "avx2", "avx512"))
+# The VNNI path against the AVX2 one, where both are built (the same integer sums: the same bits).
+VNNI = pytest.mark.skipif(
+    not {"avx2", "avx512"} <= set(ISAS), reason=_MISSING["avx512"] if "avx2" in ISAS else _MISSING["avx2"]
+)
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +98,37 @@ def test_matches_the_reference(isa: str, bits: int, offsets: bool, group: int, m
     _check(got, x, w, bias)
 
 
+@VNNI
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("offsets", [False, True], ids=["sym", "offsets"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_vnni_gives_the_avx2_bits(bits: int, offsets: bool, m: int) -> None:
+    """vpdpbusd's int32 lanes are vpmaddubsw + vpmaddwd's (int8: w + 128 and the lane's
+    -128 * sum(x) correction), and the fp32 epilogue is shared: equal bit for bit."""
+    n, k = 37, 320
+    w = _weight(n, k, bits, 64, offsets, seed=11 + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 4
+    bias = torch.randn(n) if m % 2 else None
+    args = (x, w.qweight, w.scales, w.offsets, bits, 64, bias)
+    got = cpu_kernels.linear_wq_a8(*args, isa="avx512")
+    assert torch.equal(got, cpu_kernels.linear_wq_a8(*args, isa="avx2"))
+    _check(got, x, w, bias)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_int8_weight_extremes(isa: str) -> None:
+    """Weights -128 and 127 against x at -127 and +127: |w| = 128 (AVX2's sign trick), w + 128 at
+    0 and 255 (VNNI's unsigned weights) and the largest corrections, all exact integers."""
+    n, k = 4, 64
+    q = torch.tensor([-128, 127, -128, 127], dtype=torch.int8).view(n, 1).expand(n, k).contiguous()
+    q[2, ::2] = 127  # a row mixing both extremes
+    w = GroupQuantWeight(q, torch.ones(n, k // 32), None, 32, 8)
+    x = torch.full((2, k), 127.0)  # activation scale exactly 1
+    x[1, 1::2] = -127.0
+    got = cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, None, 8, 32, isa=isa)
+    assert torch.equal(got, x @ q.float().T)
+
+
 @pytest.mark.parametrize("isa", ALL_ISAS)
 def test_activation_bytes_match_the_reference_quantization(isa: str) -> None:
     """An identity int8 weight (scale 1) returns each input's dequantized byte: one product per
@@ -110,7 +158,7 @@ def test_refusals() -> None:
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.linear_wq_a8(x.double(), w.qweight, w.scales, None, 8, 32)
     with pytest.raises(ValueError, match="isa"):
-        cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, None, 8, 32, isa="avx512")
+        cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, None, 8, 32, isa="avx10")
     with pytest.raises(ValueError, match="multiple of 32"):
         GroupQuantWeight(w.qweight, w.scales.repeat(1, 2), None, 16, 8, int8_activations=True)
 

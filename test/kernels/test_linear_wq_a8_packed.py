@@ -1,5 +1,5 @@
 """sgl-kernel's linear_wq_a8 on weights repacked into panels of 8 output rows (pack_wq_a8, the
-AVX2 panel kernel) against radixserve.layers.group_quant.linear_wq_a8_reference: every weight form
+panel kernel on each of its paths: AVX2, and AVX-512 VNNI where built) against radixserve.layers.group_quant.linear_wq_a8_reference: every weight form
 (int4 / int8, with and without offsets, group sizes 32-128), row counts through the kernel's
 4-row tiles and their rests, output counts not a multiple of the 8-row panel, K of an odd number
 of blocks; the int16 sums at their largest; the lossless re-layout; the forms that carry it."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_linear_wq import _weight  # the same random group-quantized weights
-from test_linear_wq_a8 import _check  # the int8-activation reference, with its fp32 tolerance
+from test_linear_wq_a8 import _check, isa_params  # the int8-activation reference, its tolerance
 
 from radixserve.layers import group_quant
 from radixserve.layers.cpu_crossovers import active as crossovers
@@ -23,10 +23,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+# The panel kernel's paths ("scalar" has none).
+PANEL_ISAS = isa_params(("avx2", "avx512"))
+
+
+def _run(
+    x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None, isa: str = "auto"
+) -> torch.Tensor:
     packed = cpu_kernels.pack_wq_a8(w.qweight, w.scales, w.offsets, w.bits, w.group_size)
     return cpu_kernels.linear_wq_a8(
-        x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, packed=packed
+        x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, isa=isa, packed=packed
     )
 
 
@@ -40,37 +46,59 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("isa", PANEL_ISAS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("offsets", [False, True], ids=["sym", "offsets"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 130])
-def test_matches_the_reference(bits: int, offsets: bool, group: int, m: int) -> None:
+def test_matches_the_reference(isa: str, bits: int, offsets: bool, group: int, m: int) -> None:
     n, k = 37, 384  # 37: four full panels and one of 5 rows; 384: 12 blocks
     w = _weight(n, k, bits, group, offsets, seed=bits + group + m)
     x = _x(m, k, seed=m)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(m)) if m % 2 else None
-    _check(_run(x, w, bias), x, w, bias)
+    got = _run(x, w, bias, isa)
+    _check(got, x, w, bias)
+    if isa != "avx2" and "avx2" in cpu_kernels.linear_wq_a8_isas():
+        # The VNNI block dots are the AVX2 ones' int32s, and the fp32 epilogue is shared.
+        assert torch.equal(got, _run(x, w, bias, "avx2"))
 
 
+@pytest.mark.parametrize("isa", PANEL_ISAS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n", [1, 8, 9, 23])
-def test_odd_shapes(bits: int, n: int) -> None:
+def test_odd_shapes(isa: str, bits: int, n: int) -> None:
     """K of 3 blocks (an odd count) and panels with 1-7 live rows."""
     w = _weight(n, 96, bits, 32, offsets=bits == 4, seed=n)
     x = _x(6, 96, seed=n)
-    _check(_run(x, w), x, w, None)
+    _check(_run(x, w, isa=isa), x, w, None)
 
 
-def test_int4_int16_sums_at_their_largest() -> None:
+@pytest.mark.parametrize("isa", PANEL_ISAS)
+def test_int4_int16_sums_at_their_largest(isa: str) -> None:
     """Every nibble 15 against x at +127 in every byte: a block's 8 vpmaddubsw results add up in
     int16 to 8 * 2 * 15 * 127 = 30480 per lane; an overflow would flip the sign."""
     n, k = 8, 128
     w = GroupQuantWeight(pack_int4(torch.full((n, k), 15)), torch.ones(n, k // 32), None, 32, 4)
     x = torch.full((3, k), 127.0)  # activation scale exactly 1
     x[1] = -127.0
-    got = _run(x, w)
+    got = _run(x, w, isa=isa)
     expect = torch.tensor([1.0, -1.0, 1.0]).unsqueeze(1).expand(3, n) * (15 * 127 * k)
     assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("isa", PANEL_ISAS)
+def test_int8_panels_at_the_extremes(isa: str) -> None:
+    """int8 weights -128 and 127 against x at +-127: VNNI reads them as 0 and 255 and starts each
+    lane at -128 * the block's sum(x), AVX2 as |w| = 128 against x * sign(w); exact either way."""
+    n, k = 9, 96
+    q = torch.where(torch.arange(n * k).view(n, k) % 3 == 0, 127, -128).to(torch.int8)
+    w = GroupQuantWeight(q, torch.ones(n, k // 32), None, 32, 8)
+    x = torch.full((5, k), 127.0)
+    x[1] = -127.0
+    x[2, ::2] = -127.0
+    x[3, :32] = 0.0  # a zero block: scale 0, sum 0
+    got = _run(x, w, isa=isa)
+    assert torch.equal(got, x @ q.float().T)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_linear_wq import _weight  # random group-quantized weights of every form
+from test_linear_wq_a8_packed import PANEL_ISAS  # the panel kernel's paths built here
 
 from radixserve.layers.activation import silu_and_mul_native
 from radixserve.layers.group_quant import linear_wq_a8_reference
@@ -71,15 +72,17 @@ def _reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, wq: Ex
     return out
 
 
+@pytest.mark.parametrize("isa", PANEL_ISAS)
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 16, 40])
-def test_equals_the_grouped_path_and_the_reference(form: str, tokens: int) -> None:
+def test_equals_the_grouped_path_and_the_reference(isa: str, form: str, tokens: int) -> None:
     wq = mark_int8_activations(_experts(form, seed=tokens), panels=True)
     assert wq.w13_panels is not None and wq.w2_panels is not None
     x = _x(tokens, FORMS[form][0], seed=tokens)
     weights, ids = _routing(tokens, seed=tokens)
-    got = cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels)
-    # The grouped path (per-expert linear_wq_a8 on the same panels, silu_and_mul, mul_, index_add_).
+    got = cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels, isa=isa)
+    # The grouped path (per-expert linear_wq_a8 on the same panels, silu_and_mul, mul_, index_add_;
+    # the best path built, whose bits every path gives).
     assert torch.equal(got, _grouped(x, weights, ids, wq))
     # The torch reference: its SiLU rounds differently, and an activation on an int8 rounding
     # boundary then moves by one step (~1/254 of its block's largest value): a few 1e-4 of the
@@ -151,3 +154,5 @@ def test_refusals() -> None:
         cpu_kernels.moe_wq_a8_packed(_x(2, 128, seed=0), ids, weights, wq.w13_panels, wq.w2_panels)
     with pytest.raises(RuntimeError, match="topk_weights must be"):
         cpu_kernels.moe_wq_a8_packed(x, ids, weights[:1], wq.w13_panels, wq.w2_panels)
+    with pytest.raises(RuntimeError, match="ISA path 1 is not compiled"):  # no scalar panel kernel
+        cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels, isa="scalar")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_linear_wq_a8 import _check  # the int8-activation reference, with its fp32 tolerance
-from test_linear_wq_a8_packed import _x
+from test_linear_wq_a8_packed import PANEL_ISAS, _x
 
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
 from radixserve.layers.moe.quantized import ExpertsWq, mark_int8_activations
@@ -67,10 +67,11 @@ def test_scales_fp16_would_round_stay_fp32() -> None:
     assert p.offsets.dtype == torch.float32
 
 
+@pytest.mark.parametrize("isa", PANEL_ISAS)
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("m", [1, 3, 4, 17])
-def test_file_byte_panels_give_the_fp32_panels_bits(kind: str, group: int, m: int) -> None:
+def test_file_byte_panels_give_the_fp32_panels_bits(isa: str, kind: str, group: int, m: int) -> None:
     n, k = 37, 384  # a last panel of 5 rows, 12 blocks
     w = _gguf_like(n, k, kind, group, seed=m)
     x = _x(m, k, seed=m)
@@ -78,14 +79,17 @@ def test_file_byte_panels_give_the_fp32_panels_bits(kind: str, group: int, m: in
     small = _pack(w)
     full = _pack(w, zero_point=0, dtype=torch.float32)
     assert full.nbytes() > small.nbytes()
-    got = cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, group, bias, packed=small)
-    fp32 = cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, group, bias, packed=full)
-    assert torch.equal(got, fp32)
+    args = (x, w.qweight, w.scales, w.offsets, w.bits, group, bias)
+    got = cpu_kernels.linear_wq_a8(*args, isa=isa, packed=small)
+    assert torch.equal(got, cpu_kernels.linear_wq_a8(*args, isa=isa, packed=full))
+    # Every path the same bits (VNNI's int32 block dots are AVX2's).
+    assert torch.equal(got, cpu_kernels.linear_wq_a8(*args, packed=full))
     _check(got, x, w, bias)
 
 
+@pytest.mark.parametrize("isa", PANEL_ISAS)
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_moe_on_file_byte_panels(tokens: int) -> None:
+def test_moe_on_file_byte_panels(isa: str, tokens: int) -> None:
     """Q4_0 gate/up and Q8_0 down experts, stacked at the file's bytes: the one-call kernel's
     numbers are those of the same experts on fp32 panels with Q4_0's offsets stored."""
     hidden, inter, experts, top_k = 96, 64, 5, 3
@@ -98,9 +102,10 @@ def test_moe_on_file_byte_panels(tokens: int) -> None:
     x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
-    got = cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels)
-    want = cpu_kernels.moe_wq_a8_packed(x, ids, weights, _fp32_panels(w13), _fp32_panels(w2))
+    got = cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels, isa=isa)
+    want = cpu_kernels.moe_wq_a8_packed(x, ids, weights, _fp32_panels(w13), _fp32_panels(w2), isa=isa)
     assert torch.equal(got, want)
+    assert torch.equal(got, cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels))
 
 
 def _fp32_panels(forms: tuple[GroupQuantWeight, ...]) -> cpu_kernels.WqA8PackedExperts:

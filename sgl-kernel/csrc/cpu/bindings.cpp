@@ -51,7 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("linear_wq_isas") = wq_isas;
   m.def("linear_wq_a8", &linear_wq_a8,
         "linear_wq with x quantized to int8 per block of 32 inputs (scale amax/127, round half to even) and "
-        "int32 block dot products; group_size a multiple of 32. isa: 0 best, 1 scalar, 2 avx2",
+        "int32 block dot products; group_size a multiple of 32. isa: 0 best, 1 scalar, 2 avx2, 3 avx512 (VNNI)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
         py::arg("group_size"), py::arg("bias") = py::none(), py::arg("isa") = 0);
   py::list wq_a8_isas;
@@ -60,17 +60,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_wq_a8_packed", &linear_wq_a8_packed,
         "linear_wq_a8 on a weight repacked into panels of 8 output rows (sgl_kernel.cpu.pack_wq_a8): packed_q "
         "[ceil(n/8), K/32, 128 (bits 4) or 256 (bits 8)], packed scales / offsets fp32 or fp16 [ceil(n/8), groups, "
-        "8]; zero_point (bits 4, no offsets): w = scale * (q - zero_point); AVX2",
+        "8]; zero_point (bits 4, no offsets): w = scale * (q - zero_point); isa: 0 best, 2 avx2, 3 avx512 (VNNI)",
         py::arg("x"), py::arg("packed_q"), py::arg("packed_scales"), py::arg("packed_offsets"), py::arg("n"),
-        py::arg("bits"), py::arg("group_size"), py::arg("bias") = py::none(), py::arg("zero_point") = 0);
+        py::arg("bits"), py::arg("group_size"), py::arg("bias") = py::none(), py::arg("zero_point") = 0,
+        py::arg("isa") = 0);
   m.attr("linear_wq_a8_packed_available") = linear_wq_a8_packed_available();
   m.def("moe_wq_a8_packed", &moe_wq_a8_packed,
         "A MoE layer's routed experts on int8 activations: x fp32 [T,H], topk_ids int64 / topk_weights fp32 "
-        "[T,top_k]; w13 (gate then up) and w2 (down) as pack_wq_a8 panels stacked over the experts; AVX2",
+        "[T,top_k]; w13 (gate then up) and w2 (down) as pack_wq_a8 panels stacked over the experts; isa: 0 best, "
+        "2 avx2, 3 avx512 (VNNI)",
         py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("w13_q"), py::arg("w13_scales"),
         py::arg("w13_offsets"), py::arg("w13_bits"), py::arg("w13_group_size"), py::arg("w2_q"),
         py::arg("w2_scales"), py::arg("w2_offsets"), py::arg("w2_bits"), py::arg("w2_group_size"),
-        py::arg("w13_zero_point") = 0, py::arg("w2_zero_point") = 0);
+        py::arg("w13_zero_point") = 0, py::arg("w2_zero_point") = 0, py::arg("isa") = 0);
   m.def("greedy_head_candidates", &greedy_head_candidates,
         "Greedy LM head: per row of x fp32 [M,K], the rows of the int8 head copy u [N,K] (stats fp32 [N,3]: "
         "scale, error norm, norm) that may hold its argmax: (indices int64 [C], counts int64 [M], -1 = none proven). "

@@ -14,6 +14,12 @@
 // "dequantize x's int8 blocks, dequantize w, fp32 matmul" up to fp32 summation order
 // (layers/group_quant.py: linear_wq_a8_reference).
 //
+// VNNI (AVX512VL + AVX512_VNNI, isa 3): vpdpbusd does vpmaddubsw + vpmaddwd + add in one
+// instruction, each int32 lane the sum of the same 4 consecutive products as the AVX2 pair, so
+// both paths give the same bits. It multiplies unsigned by signed bytes: int4 weights are unsigned
+// already; int8 weights are read as w + 128 (one xor) and the lane starts at -128 * its 4 x bytes'
+// sum (one vpdpbusd per row of x and block, shared by the weight rows).
+//
 // Layout: as linear_wq's (int4: input 2j of a row in byte j's low nibble, 2j + 1 in its high one).
 // The 16 bytes of one 32-input int4 block unpack to [low nibbles | high nibbles], its even inputs
 // then its odd ones, so the quantized x is stored in that order per block (int8 weights: in order).
@@ -23,8 +29,6 @@
 #include "wq_form.h"
 
 namespace {
-
-constexpr int64_t kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2;
 
 struct A8Problem {
   const BlockQuantRows* xq;
@@ -41,7 +45,10 @@ struct A8Problem {
 // The 32 weight integers of block b of row n, in the order quantize_blocks stored x's.
 inline int32_t weight_int(const A8Problem& p, int64_t n, int64_t b, int64_t i) {
   const uint8_t* row = p.q + n * p.qrow;
-  if (!p.int4) return static_cast<int8_t>(row[b * kBlock + i]);
+  // Read as int8 (not a uint8 cast to int8): GCC 12 at -O3 -march=native on AVX512_VNNI
+  // vectorized the cast form of rows_scalar's sum with vpdpbusd, taking the weights as unsigned
+  // (-1 read as 255; test_linear_wq_a8's scalar int8 cases failed on Zen 4).
+  if (!p.int4) return reinterpret_cast<const int8_t*>(row)[b * kBlock + i];
   const uint8_t byte = row[b * (kBlock / 2) + (i & (kBlock / 2 - 1))];
   return i < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
 }
@@ -97,28 +104,51 @@ inline __m256i block_dot(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
 }
 
+#if RS_HAVE_A8_VNNI
+// block_dot's 8 lanes by vpdpbusd. int8: w arrives as w + 128 (unsigned) and corr is -128 times
+// each lane's 4 x bytes' sum, so the lanes are block_dot's exactly.
+template <bool kInt4>
+inline __m256i block_dot_vnni(__m256i w, __m256i x, __m256i corr) {
+  if constexpr (kInt4) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+  return _mm256_dpbusd_epi32(corr, w, x);
+}
+#endif
+
 // MB rows of x against NR weight rows; each weight block is unpacked once for the MB rows, each
 // block scale of x broadcast once for the NR weight rows. The weight offsets' part is added at the
-// end (offset_term).
-template <int MB, int NR, bool kInt4>
+// end (offset_term). kVnni: the integer dots by vpdpbusd (the same int32 lanes).
+template <int MB, int NR, bool kInt4, bool kVnni>
 inline void tile_a8(const A8Problem& p, int64_t m0, int64_t n0) {
   const int64_t nb = p.K / kBlock;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[MB][NR];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t gcol = b / p.blocks_per_group;
-    __m256i xv[MB];
+    __m256i xv[MB], corr[MB];
     __m256 sx[MB];
     for (int m = 0; m < MB; ++m) {
       xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq->q.data() + (m0 + m) * p.K + b * kBlock));
       sx[m] = _mm256_set1_ps(p.xq->scale[(m0 + m) * nb + b]);
+      corr[m] = _mm256_setzero_si256();
+#if RS_HAVE_A8_VNNI
+      if constexpr (kVnni && !kInt4)
+        corr[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, xv[m]));
+#endif
     }
     for (int j = 0; j < NR; ++j) {
-      const __m256i w = weight_bytes(p, n0 + j, b);
+      __m256i w = weight_bytes(p, n0 + j, b);
+      if constexpr (kVnni && !kInt4) w = _mm256_xor_si256(w, flip);  // w + 128, as unsigned
       const __m256 sw = _mm256_set1_ps(p.s[(n0 + j) * p.groups + gcol]);
       for (int m = 0; m < MB; ++m) {
-        const __m256 d = _mm256_cvtepi32_ps(block_dot<kInt4>(w, xv[m]));
+        __m256i dot;
+#if RS_HAVE_A8_VNNI
+        if constexpr (kVnni) dot = block_dot_vnni<kInt4>(w, xv[m], corr[m]);
+        else
+#endif
+          dot = block_dot<kInt4>(w, xv[m]);
+        const __m256 d = _mm256_cvtepi32_ps(dot);
         acc[m][j] = _mm256_fmadd_ps(d, _mm256_mul_ps(sw, sx[m]), acc[m][j]);
       }
     }
@@ -127,44 +157,45 @@ inline void tile_a8(const A8Problem& p, int64_t m0, int64_t n0) {
     for (int j = 0; j < NR; ++j) store(p, m0 + m, n0 + j, hsum(acc[m][j]) + offset_term(p, m0 + m, n0 + j));
 }
 
-template <int NR, bool kInt4>
+template <int NR, bool kInt4, bool kVnni>
 inline void all_m_a8(const A8Problem& p, int64_t n) {
   int64_t m = 0;
-  for (; m + 2 <= p.M; m += 2) tile_a8<2, NR, kInt4>(p, m, n);
-  if (m < p.M) tile_a8<1, NR, kInt4>(p, m, n);
+  for (; m + 2 <= p.M; m += 2) tile_a8<2, NR, kInt4, kVnni>(p, m, n);
+  if (m < p.M) tile_a8<1, NR, kInt4, kVnni>(p, m, n);
 }
 
 // 4 weight rows per tile, 2 rows of x (8 accumulators). From ~3 rows of x on this path is no
 // faster than linear_wq's on Zen 1 (vpmaddubsw and vpmaddwd per row and block cost what the fp32
 // FMAs do; the saving is the weight conversion, shared by the rows there too): layers/group_quant.py
 // sends it at most A8_MAX_ROWS rows.
-template <bool kInt4>
-void rows_avx2(const A8Problem& p, int64_t n0, int64_t n1) {
+template <bool kInt4, bool kVnni>
+void rows_simd(const A8Problem& p, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) all_m_a8<4, kInt4>(p, n);
-  for (; n < n1; ++n) all_m_a8<1, kInt4>(p, n);
+  for (; n + 4 <= n1; n += 4) all_m_a8<4, kInt4, kVnni>(p, n);
+  for (; n < n1; ++n) all_m_a8<1, kInt4, kVnni>(p, n);
 }
 #endif
 
 void rows(const A8Problem& p, int64_t isa, int64_t n0, int64_t n1) {
+#if RS_HAVE_A8_VNNI
+  if (isa == kA8IsaVnni) return p.int4 ? rows_simd<true, true>(p, n0, n1) : rows_simd<false, true>(p, n0, n1);
+#endif
 #if RS_HAVE_AVX2
-  if (isa == kIsaAvx2) return p.int4 ? rows_avx2<true>(p, n0, n1) : rows_avx2<false>(p, n0, n1);
+  if (isa == kA8IsaAvx2) return p.int4 ? rows_simd<true, false>(p, n0, n1) : rows_simd<false, false>(p, n0, n1);
 #endif
   rows_scalar(p, n0, n1);
 }
 
 }  // namespace
 
-std::vector<std::string> linear_wq_a8_isas() { return isa_names(RS_HAVE_AVX2, false); }
+std::vector<std::string> linear_wq_a8_isas() { return isa_names(RS_HAVE_AVX2, RS_HAVE_A8_VNNI); }
 
 at::Tensor linear_wq_a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
                         const c10::optional<at::Tensor>& bias, int64_t isa) {
   const WqForm f = check_wq_form("linear_wq_a8", x, qweight, scales, offsets, bits, group_size, bias, kBlock);
   const int64_t M = f.M, K = f.K, N = f.N, groups = f.groups;
-  if (isa == kIsaAuto) isa = RS_HAVE_AVX2 ? kIsaAvx2 : kIsaScalar;
-  TORCH_CHECK(isa == kIsaScalar || (isa == kIsaAvx2 && RS_HAVE_AVX2), "linear_wq_a8: ISA path ", isa,
-              " is not compiled into this build");
+  isa = a8_resolve_isa("linear_wq_a8", isa, true);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const bool int4 = bits == 4;

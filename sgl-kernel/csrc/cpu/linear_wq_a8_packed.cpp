@@ -23,6 +23,10 @@
 //         widened with F16C's vcvtph2ps), else fp32. A zero point instead of offsets (Q4_0's 8:
 //         o = -8 s) forms o from s in registers, so Q4_0 panels are 18 bytes a row-block as in the
 //         file, not 24 (fp32 scale and offset).
+// VNNI (isa 3, AVX512VL + AVX512_VNNI): each chunk's vpmaddubsw (+ add) is one vpdpbusd into the
+// row's int32 lane; int8 panels read w + 128 and start each lane at -128 * the block's sum(q).
+// The int32 block dots are the AVX2 path's, so its bits. 256-bit vectors: 8 lanes are one panel,
+// and Zen 4 runs a 512-bit op as two 256-bit halves anyway.
 // Numerics: those of linear_wq_a8 (exact int32 block dots, then s_x * s_w * dot and the offsets'
 // o_w * gsum in fp32): equal to linear_wq_a8_reference up to fp32 summation order, and the same
 // bits whether the scales are stored fp16 or fp32 and the offsets stored or formed.
@@ -38,8 +42,10 @@ bool linear_wq_a8_packed_available() { return RS_HAVE_AVX2; }
 
 at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, const at::Tensor& packed_scales,
                                const c10::optional<at::Tensor>& packed_offsets, int64_t n, int64_t bits,
-                               int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t zero_point) {
+                               int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t zero_point,
+                               int64_t isa) {
   TORCH_CHECK(RS_HAVE_AVX2, "linear_wq_a8_packed: needs the AVX2 path, not compiled into this build");
+  isa = a8_resolve_isa("linear_wq_a8_packed", isa, false);
   TORCH_CHECK(bits == 4 || bits == 8, "linear_wq_a8_packed: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "linear_wq_a8_packed: x must be a CPU float32 [M, K] with contiguous rows");
@@ -62,7 +68,7 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   // Each thread one contiguous run of panels (short runs stay on one thread: grain_panels).
   const int64_t grain = wq_a8_panels::grain_panels(nb, bits);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t panel = p0; panel < p1; ++panel) wq_a8_panels::panel_rows(p, panel, 0, M, int4);
+    for (int64_t panel = p0; panel < p1; ++panel) wq_a8_panels::panel_rows(p, panel, 0, M, int4, isa);
   });
 #endif
   return y;

@@ -10,6 +10,7 @@
 // expert in C++, and each projection is one parallel region over (expert, panel) of every routed
 // expert, so both threads get work even when one expert's 96-256 panels are too few to split well.
 //
+// isa: the panel kernel's path (2 AVX2, 3 AVX-512 VNNI, 0 the best compiled; the same bits).
 // Numbers: those of the grouped path bit for bit. The same rows of int8 x meet the same panels
 // (a row's result does not depend on its tile), silu_and_mul is fused_ops.cpp's, each pair's
 // output is scaled by its weight and rounded before being added to its token's row in the grouped
@@ -84,10 +85,12 @@ Routing route(const int64_t* ids, const float* weights, int64_t slots, int64_t t
 // Row i of the result is row rows[i] of xq (K inputs, `groups` weight groups per row).
 BlockQuantRows gather_rows(const BlockQuantRows& xq, const std::vector<int64_t>& rows, int64_t K, int64_t groups) {
   const int64_t nb = K / kBlock, M = static_cast<int64_t>(rows.size());
-  BlockQuantRows g{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * groups)};
+  BlockQuantRows g{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * groups),
+                   std::vector<int32_t>(M * nb)};
   for (int64_t i = 0; i < M; ++i) {
     std::memcpy(g.q.data() + i * K, xq.q.data() + rows[i] * K, K);
     std::copy_n(xq.scale.data() + rows[i] * nb, nb, g.scale.data() + i * nb);
+    std::copy_n(xq.bsum.data() + rows[i] * nb, nb, g.bsum.data() + i * nb);
     std::copy_n(xq.gsum.data() + rows[i] * groups, groups, g.gsum.data() + i * groups);
   }
   return g;
@@ -96,7 +99,7 @@ BlockQuantRows gather_rows(const BlockQuantRows& xq, const std::vector<int64_t>&
 #if RS_HAVE_AVX2
 // y [pairs, proj.n]: each group's rows of xq against its expert's panels, one parallel region over
 // every (group, panel).
-void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Routing& r, float* y) {
+void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Routing& r, float* y, int64_t isa) {
   const int64_t P = proj.panels, items = static_cast<int64_t>(r.expert.size()) * P;
   const int64_t pairs = r.start.back();
   at::parallel_for(0, items, wq_a8_panels::grain_panels(proj.nb, proj.bits), [&](int64_t i0, int64_t i1) {
@@ -116,7 +119,7 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
                                           pairs,
                                           proj.n,
                                           proj.k};
-      wq_a8_panels::panel_rows(p, panel, r.start[g], r.start[g + 1], proj.bits == 4);
+      wq_a8_panels::panel_rows(p, panel, r.start[g], r.start[g + 1], proj.bits == 4, isa);
     }
   });
 }
@@ -147,8 +150,9 @@ at::Tensor moe_wq_a8_packed(const at::Tensor& x, const at::Tensor& topk_ids, con
                             const c10::optional<at::Tensor>& w13_offsets, int64_t w13_bits, int64_t w13_group_size,
                             const at::Tensor& w2_q, const at::Tensor& w2_scales,
                             const c10::optional<at::Tensor>& w2_offsets, int64_t w2_bits, int64_t w2_group_size,
-                            int64_t w13_zero_point, int64_t w2_zero_point) {
+                            int64_t w13_zero_point, int64_t w2_zero_point, int64_t isa) {
   TORCH_CHECK(RS_HAVE_AVX2, "moe_wq_a8_packed: needs the AVX2 path, not compiled into this build");
+  isa = a8_resolve_isa("moe_wq_a8_packed", isa, false);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "moe_wq_a8_packed: x must be a CPU float32 [T, H] with contiguous rows");
   const int64_t T = x.size(0), H = x.size(1);
@@ -174,11 +178,11 @@ at::Tensor moe_wq_a8_packed(const at::Tensor& x, const at::Tensor& topk_ids, con
   const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), T, H, w13.group_size, w13.order());
   const BlockQuantRows x_pairs = gather_rows(xq, r.token, H, w13.groups);
   at::Tensor gate_up = at::empty({pairs, 2 * inter}, x.options());  // [pairs, 2 * inter]
-  run_projection(w13, x_pairs, r, gate_up.data_ptr<float>());
+  run_projection(w13, x_pairs, r, gate_up.data_ptr<float>(), isa);
   const at::Tensor act = silu_and_mul(gate_up);  // [pairs, inter]
   const BlockQuantRows aq = quantize_blocks(act.data_ptr<float>(), inter, pairs, inter, w2.group_size, w2.order());
   at::Tensor y = at::empty({pairs, H}, x.options());  // [pairs, H]
-  run_projection(w2, aq, r, y.data_ptr<float>());
+  run_projection(w2, aq, r, y.data_ptr<float>(), isa);
   combine(r, y.data_ptr<float>(), out.data_ptr<float>(), H);
 #endif
   return out;

@@ -1,5 +1,5 @@
-// The AVX2 panel kernel of linear_wq_a8_packed.cpp (which describes the layout and the numerics),
-// shared with moe_wq_a8_packed.cpp: rows of int8-quantized x against one panel of 8 output rows.
+// The AVX2 and AVX-512 VNNI panel kernels of linear_wq_a8_packed.cpp (which describes the layout
+// and the numerics), shared with moe_wq_a8_packed.cpp: rows of int8-quantized x against one panel of 8 output rows.
 // A row's result does not depend on which rows share its tile, so any split of the rows (one
 // expert's tokens, all of a product's rows) gives the same numbers.
 #pragma once
@@ -85,8 +85,49 @@ inline __m256 load8(const void* base, int64_t i) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + i);
 }
 
-// MB rows of x (from m0) against one panel: y[m0 .. m0 + MB, the panel's rows].
-template <int MB, bool kInt4, bool kHalf>
+#if RS_HAVE_A8_VNNI
+// The block's exact int32 dots (one lane per panel row) of MB rows of x by vpdpbusd: the AVX2
+// sums below, in one instruction per chunk and row of x instead of two to four, so the same
+// int32s. Two accumulators per row (int4: low / high nibbles; int8: even / odd chunks) halve the
+// dependency chain. int8 weights are read as w + 128 (unsigned) and each lane starts at
+// -128 * the block's sum(q) (bsum), which takes the 128s back off.
+template <int MB, bool kInt4>
+inline void block_dots_vnni(const uint8_t* wb, const int8_t* const* xb, const int32_t* bsum, __m256i* dot) {
+  __m256i d0[MB], d1[MB];
+  for (int m = 0; m < MB; ++m) {
+    d0[m] = kInt4 ? _mm256_setzero_si256() : _mm256_set1_epi32(-128 * bsum[m]);
+    d1[m] = _mm256_setzero_si256();
+  }
+  if constexpr (kInt4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      const __m256i lo = _mm256_and_si256(raw, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      for (int m = 0; m < MB; ++m) {
+        d0[m] = _mm256_dpbusd_epi32(d0[m], lo, bcast4(xb[m] + 8 * c));
+        d1[m] = _mm256_dpbusd_epi32(d1[m], hi, bcast4(xb[m] + 8 * c + 4));
+      }
+    }
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < 8; c += 2) {
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c)), flip);
+      const __m256i w1 =
+          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c + 32)), flip);
+      for (int m = 0; m < MB; ++m) {
+        d0[m] = _mm256_dpbusd_epi32(d0[m], w0, bcast4(xb[m] + 4 * c));
+        d1[m] = _mm256_dpbusd_epi32(d1[m], w1, bcast4(xb[m] + 4 * c + 4));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) dot[m] = _mm256_add_epi32(d0[m], d1[m]);
+}
+#endif
+
+// MB rows of x (from m0) against one panel: y[m0 .. m0 + MB, the panel's rows]. kVnni: the block
+// dots by block_dots_vnni (the same int32s, so the same bits).
+template <int MB, bool kInt4, bool kHalf, bool kVnni>
 inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
   constexpr int64_t kChunks = kInt4 ? 4 : 8, kPanelBlock = kChunks * 32;
   const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
@@ -102,6 +143,13 @@ inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
     const int8_t* xb[MB];
     for (int m = 0; m < MB; ++m) xb[m] = p.xq->q.data() + (m0 + m) * p.K + b * kBlock;
     __m256i dot[MB];
+#if RS_HAVE_A8_VNNI
+    if constexpr (kVnni) {
+      int32_t bsum[MB];
+      for (int m = 0; m < MB; ++m) bsum[m] = p.xq->bsum[(m0 + m) * nb + b];
+      block_dots_vnni<MB, kInt4>(wb, xb, bsum, dot);
+    } else
+#endif
     if constexpr (kInt4) {
       __m256i s16[MB];
       for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
@@ -153,23 +201,32 @@ inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
 
 // Rows [m0, m1) of x against one panel, 4 rows of x per tile (the panel's bytes stay in L1
 // between tiles). Each row's arithmetic is the same whatever tile it falls in.
-template <bool kInt4, bool kHalf>
+template <bool kInt4, bool kHalf, bool kVnni>
 inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) panel_tile<4, kInt4, kHalf>(p, panel, m);
+  for (; m + 4 <= m1; m += 4) panel_tile<4, kInt4, kHalf, kVnni>(p, panel, m);
   switch (m1 - m) {
-    case 3: panel_tile<3, kInt4, kHalf>(p, panel, m); break;
-    case 2: panel_tile<2, kInt4, kHalf>(p, panel, m); break;
-    case 1: panel_tile<1, kInt4, kHalf>(p, panel, m); break;
+    case 3: panel_tile<3, kInt4, kHalf, kVnni>(p, panel, m); break;
+    case 2: panel_tile<2, kInt4, kHalf, kVnni>(p, panel, m); break;
+    case 1: panel_tile<1, kInt4, kHalf, kVnni>(p, panel, m); break;
     default: break;
   }
 }
 
+template <bool kVnni>
 inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1, bool int4) {
   if (p.g.half)
-    int4 ? panel_rows<true, true>(p, panel, m0, m1) : panel_rows<false, true>(p, panel, m0, m1);
+    int4 ? panel_rows<true, true, kVnni>(p, panel, m0, m1) : panel_rows<false, true, kVnni>(p, panel, m0, m1);
   else
-    int4 ? panel_rows<true, false>(p, panel, m0, m1) : panel_rows<false, false>(p, panel, m0, m1);
+    int4 ? panel_rows<true, false, kVnni>(p, panel, m0, m1) : panel_rows<false, false, kVnni>(p, panel, m0, m1);
+}
+
+// isa: kA8IsaAvx2 or kA8IsaVnni (a8_resolve_isa's, so a VNNI isa is compiled in).
+inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1, bool int4, int64_t isa) {
+#if RS_HAVE_A8_VNNI
+  if (isa == kA8IsaVnni) return panel_rows<true>(p, panel, m0, m1, int4);
+#endif
+  panel_rows<false>(p, panel, m0, m1, int4);
 }
 #endif
 
