@@ -28,6 +28,10 @@ def builtin_path() -> str:
         pytest.skip(f"built-in model unavailable: {exc}")
 
 
+# make test-all only (docs/testing.md): test/server/test_server_real.py checks the built-in model
+# against HF in make test (greedy chat tokens through the server and the Engine, token-exact, and
+# prompt log-probs within 1e-3), and test_hf_parity.py batched decoding against HF on tiny models.
+@pytest.mark.slow
 def test_builtin_greedy_matches_hf(builtin_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

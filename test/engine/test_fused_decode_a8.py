@@ -1,7 +1,8 @@
 """The CPU fused decode with int8 activations (wq_a8_max_tokens > 0) against the module forward
 with int8 activations: both run sgl-kernel's linear_wq_a8 on the same rows of the same wq forms,
-so they give the same greedy tokens, on tiny random models (Q4_1-like and Q8_0-like forms) and on
-the built-in model's own GGUF tensors; and with the bound at 0 the fused decode stays exact."""
+so they give the same greedy tokens, on tiny random models (Q4_1-like and Q8_0-like forms), on a
+tiny GGUF of the built-in model's layout and (make test-all) on the built-in model's own GGUF
+tensors; and with the bound at 0 the fused decode stays exact."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from test_quantization import BUILTIN_PROMPTS, _worker, compare, forced_logprobs
 from radixserve.layers import cpu_fused, group_quant
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_executor.tp_worker import TpModelWorker
+from radixserve.model_loader.gguf_source import ensure_gguf_converted
+from radixserve.testing.tiny_gguf import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(
     not (cpu_fused.ENABLED and group_quant.WQ_A8_KERNEL), reason="sgl_kernel._cpu built without linear_wq_a8"
@@ -122,22 +125,44 @@ def test_steps_above_the_bound_stay_exact(tiny_model_dir):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=f"step {step}")
 
 
-def test_builtin_model_fused_int8_activations_match_the_module_forward(builtin_model_path):
-    """The built-in GGUF (Q4_1 decoder, Q8_0 head) forced to int8 activations: one stream, the
-    fused decode against the module forward, the same greedy tokens."""
-    from transformers import AutoTokenizer
-
-    prompt = [AutoTokenizer.from_pretrained(builtin_model_path).encode(BUILTIN_PROMPTS[0])]
+def _gguf_fused_a8_matches_the_module_forward(path: str, prompt: list[list[int]]) -> None:
+    """A GGUF folder served from its own tensors, forced to int8 activations (the load marks the
+    forms, with panels where the AVX2 kernel is built): one stream, the fused decode against the
+    module forward, the same greedy tokens."""
     args = {"quantization": "gguf", "cpu_wq_int8_activations": True}
-    module = _worker(builtin_model_path, disable_cpu_fused_decode=True, **args)
+    module = _worker(path, disable_cpu_fused_decode=True, **args)
     ref, fed = forced_logprobs(module, prompt, steps=8)
-    worker = _worker(builtin_model_path, **args)
+    worker = _worker(path, **args)
     assert worker.model_runner.cpu_decode_runner is not None
     # Forced on, the forms carry the panels where the AVX2 kernel is built, and both paths read them.
     forms = [lin.weight_wq for lin in worker.model_runner.model.modules() if getattr(lin, "weight_wq", None)]
+    assert forms and all(w.int8_activations for w in forms)
     assert forms and all((w.a8_packed is not None) == group_quant.WQ_A8_PACKED for w in forms)
     calls = _fused_steps(worker)
     got, got_fed = forced_logprobs(worker, prompt, steps=8)
     assert calls == [1] * 8 and got_fed == fed
     agreement, mean_diff, max_diff = compare(ref, got, fed)
     assert agreement == 1.0 and mean_diff < 1e-3 and max_diff < 1e-2, (agreement, mean_diff, max_diff)
+
+
+def test_tiny_gguf_fused_int8_activations_match_the_module_forward(tmp_path, monkeypatch):
+    """The built-in model's layout at tiny size: a GGUF with Q4_1 decoder linears and a Q8_0
+    token_embd as the tied head, loaded with --cpu-wq-int8-activations."""
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))  # not the user's cache
+    q4_1 = {
+        k: "Q4_1" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    }
+    gguf_file = make_tiny_gguf(tmp_path / "q4_1.gguf", {**q4_1, "token_embd": "Q8_0"}, tied=True)
+    folder = ensure_gguf_converted(str(gguf_file), show_progress=False)
+    _gguf_fused_a8_matches_the_module_forward(folder, [list(range(3, 20))])
+
+
+# make test-all only (docs/testing.md): test_tiny_gguf_fused_int8_activations_match_the_module_forward
+# runs the same check on a tiny GGUF of the same layout (Q4_1 decoder, tied Q8_0 head).
+@pytest.mark.slow
+def test_builtin_model_fused_int8_activations_match_the_module_forward(builtin_model_path):
+    """The built-in GGUF (Q4_1 decoder, Q8_0 head): the same check at its size."""
+    from transformers import AutoTokenizer
+
+    prompt = [AutoTokenizer.from_pretrained(builtin_model_path).encode(BUILTIN_PROMPTS[0])]
+    _gguf_fused_a8_matches_the_module_forward(builtin_model_path, prompt)

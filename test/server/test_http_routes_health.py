@@ -16,8 +16,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fake_control import FAKE_WEIGHTS  # noqa: E402
-from fake_scheduler import write_tiny_tokenizer  # noqa: E402
-from server_helpers import Server, assert_error, start_servers, wait_until  # noqa: E402
+from server_helpers import SharedServers, assert_error, wait_until  # noqa: E402
 
 from radixserve.managers.control_messages import MAX_WEIGHT_REPLY_ELEMENTS  # noqa: E402
 
@@ -27,14 +26,11 @@ EMBED = "model.embed_tokens.weight"
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tok_dir = str(tmp_path_factory.mktemp("tok"))
-    write_tiny_tokenizer(tok_dir)
-    srv = Server.fake(tok_dir, "--max-queued-requests", "4")
-    try:
-        yield start_servers({"s": srv})["s"].url
-    finally:
-        srv.stop()
+def url(fake_servers: SharedServers) -> str:
+    """conftest's shared fake server (test_http_fake.py's "main": --max-queued-requests 4, which
+    test_busy_server_is_healthy_without_a_probe fills); every test here leaves it idle and counts
+    the scheduler's requests before and after."""
+    return fake_servers.get("main")["main"].url
 
 
 def _num_received(url: str) -> int:

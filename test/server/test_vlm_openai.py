@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import Server, assert_error, start_servers
+from server_helpers import Server, SharedServers, assert_error
 
-from radixserve.testing.tiny_models import write_tiny_tokenizer
 from radixserve.testing.tiny_vlm import IMAGE_PLACEHOLDER, image_data_url, random_image
 
 NUM_NEW = 6
@@ -75,15 +74,10 @@ def local_dir(vlm_local_media: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(vlm_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """vlm: conftest's tiny Qwen2.5-VL server (its media flags are this file's); text: a text-only fake."""
-    tok_dir = str(tmp_path_factory.mktemp("text_only") / "tok")
-    write_tiny_tokenizer(tok_dir)
-    text = Server.fake(tok_dir)
-    try:
-        yield {"vlm": vlm_server.url, "text": start_servers({"text": text})["text"].url}
-    finally:
-        text.stop()
+def servers(vlm_server: Server, fake_servers: SharedServers) -> dict:
+    """vlm: conftest's tiny Qwen2.5-VL server (its media flags are this file's); text: conftest's
+    shared text-only fake server (test_http_fake.py's "main"), which only refuses here."""
+    return {"vlm": vlm_server.url, "text": fake_servers.get("main")["main"].url}
 
 
 def _chat(url: str, content: list[dict], **extra: object) -> httpx.Response:
