@@ -132,6 +132,7 @@ def server_command(python: Path, model_dir: Path, port: int, threads: int, max_m
         "serve",
         str(model_dir),
         *("--host", "127.0.0.1", "--port", str(port)),
+        # No request-logging flag: 0.32's CLI refuses --disable-log-requests (logging per request
+        # is off unless --enable-log-requests).
         *("--dtype", "bfloat16", "--max-model-len", str(max_model_len)),
-        "--disable-log-requests",
     ]

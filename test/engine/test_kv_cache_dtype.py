@@ -24,6 +24,8 @@ from radixserve.server_args import ServerArgs
 
 LOGIT_BOUND = {"bf16": 0.25, "fp8_e4m3": 2.0, "fp8_e5m2": 5.0, "int8": 0.6}
 EXACT_GREEDY = ("bf16", "int8")
+# Compiled kernels against torch-native on pools of the same dtype (see the test for why not 2e-3).
+KERNEL_BOUND = {"bf16": 1e-2, "fp8_e4m3": 1e-2, "int8": 1e-2}
 PROMPTS = [
     [5 + (7 * i) % 200 for i in range(90)],
     [11, 12, 13, 14, 15],
@@ -106,12 +108,20 @@ def test_greedy_against_fp32_kv(tiny_llama_path, fp32_run, kv):
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "int8"])
 def test_compiled_kernels_match_torch_native(tiny_llama_path, kv):
     """The CPU backend's kernels dequantize in their inner loops; torch-native dequantizes the
-    gathered rows: on the same quantized pool they agree to fp32 rounding, step after step."""
+    gathered rows: the same greedy tokens, logits within KERNEL_BOUND[kv] step after step.
+
+    Not fp32 rounding alone: each run writes its own pool, and the K/V it stores come from layers
+    whose attention already differs by fp32 rounding between the two, so a value that lies near a
+    rounding boundary of the stored dtype lands on the neighbouring code in one run: from then on
+    the two pools differ by one code there (int8: one step of its per-token scale). Measured max
+    logit difference: 2.3e-3 with int8 on an AMD EPYC Zen 4 (AVX-512 kernels), under 2e-3 on AVX2
+    machines; the bound is a few times that and still far below the dtypes' own error against fp32
+    KV (LOGIT_BOUND: int8 0.6)."""
     fast_logits, fast_tokens, _ = _greedy(tiny_llama_path, kv, "cpu")
     ref_logits, ref_tokens, _ = _greedy(tiny_llama_path, kv, "torch_native")
     assert fast_tokens == ref_tokens
     for got, ref in zip(fast_logits, ref_logits):
-        torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(got, ref, atol=KERNEL_BOUND[kv], rtol=1e-3)
 
 
 @needs_ext
