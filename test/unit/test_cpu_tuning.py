@@ -27,6 +27,10 @@ from radixserve.server_args import ServerArgs
 needs_onednn = pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
 
 
+# The real check, kept before the autouse fixture below replaces it for every test.
+REAL_MACHINE_BUSY = cpu_tuning.machine_busy
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
     """Each test gets its own cache folder and leaves the process's crossovers as it found them."""
@@ -184,3 +188,17 @@ def test_the_model_runner_installs_the_overrides_and_the_fused_decode_follows(ti
     fused = worker.model_runner.cpu_decode_runner
     if fused is not None:  # sgl-kernel built: its batch bound is the installed one
         assert fused.max_bs == 4
+
+
+def test_machine_busy_sees_a_neighbour_now_and_a_high_load_average(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_tuning, "available_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_tuning.os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    monkeypatch.setattr(cpu_tuning, "busy_cpus_now", lambda: 1.0)  # a neighbour that just started
+    machine_busy = REAL_MACHINE_BUSY
+    assert "1.0 of 2 CPUs busy" in machine_busy()
+    monkeypatch.setattr(cpu_tuning, "busy_cpus_now", lambda: 0.1)
+    assert machine_busy() == ""
+    monkeypatch.setattr(cpu_tuning.os, "getloadavg", lambda: (1.8, 1.0, 0.5))  # still settling
+    assert "load 1.8" in machine_busy()
+    monkeypatch.setattr(cpu_tuning, "busy_cpus_now", lambda: None)  # /proc/stat unreadable
+    assert "load 1.8" in machine_busy()

@@ -184,3 +184,32 @@ def test_importing_radixserve_sets_the_wait_for_its_children() -> None:
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ACTIVE", out.stderr
+
+
+_STAT = """cpu  300 0 100 1000 50 0 0 0 0 0
+cpu0 100 0 50 500 25 0 0 0 0 0
+cpu1 200 0 50 500 25 0 0 10 0 0
+intr 12345
+"""
+
+
+def test_cpu_times_reads_only_the_asked_cpus_lines(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(_STAT)
+    # busy = user + nice + system + irq + softirq + steal; idle and iowait are not
+    assert cpus._cpu_times(stat, {0, 1}) == {0: (150, 675), 1: (260, 785)}
+    assert cpus._cpu_times(stat, {1}) == {1: (260, 785)}
+
+
+def test_busy_between_sums_each_cpus_busy_share() -> None:
+    before = {0: (100, 1000), 1: (500, 1000)}
+    after = {0: (200, 1100), 1: (510, 1100)}  # cpu0 fully busy, cpu1 10% busy
+    assert cpus.busy_between(before, after) == pytest.approx(1.1)
+    assert cpus.busy_between(after, after) == 0.0  # no time passed: nothing known to be busy
+
+
+def test_busy_cpus_now_on_this_machine_and_without_a_stat_file(tmp_path: Path) -> None:
+    now = cpus.busy_cpus_now(window_s=0.05)
+    if Path("/proc/stat").exists():
+        assert now is not None and 0.0 <= now <= cpus.affinity_cpus() + 1e-6
+    assert cpus.busy_cpus_now(window_s=0.0, stat_path=tmp_path / "missing") is None

@@ -52,7 +52,7 @@ from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL, WQ_KERNEL, linear_wq_reference
 from radixserve.layers.linear import Linear, _linear_bf16, use_bf16_batch_gemm
 from radixserve.model_executor.cpu_batch_numerics import choose_bf16_batch, measure_bf16_batch
-from radixserve.utils.cpus import available_cpus
+from radixserve.utils.cpus import available_cpus, busy_cpus_now
 
 logger = logging.getLogger(__name__)
 
@@ -194,13 +194,20 @@ def tune_and_install(
 
 
 def machine_busy() -> str:
-    """Why the machine is too busy to measure on ('' when quiet): the 1-minute load average
-    against the CPUs this process may use (our own start-up adds a fraction of one)."""
+    """Why the machine is too busy to measure on ('' when quiet): other work keeping more than a
+    quarter of this process's CPUs busy right now (busy_cpus_now), or a 1-minute load average
+    above 3/4 of them (our own start-up adds a fraction of one). Both, because the costs are not
+    alike: a measurement beside a neighbour caches wrong bounds for good, while calling a quiet
+    machine busy only defers the measurement to a later start; and the load average alone trails
+    by a minute or more, so it missed a neighbour that had just started."""
+    cpus = available_cpus()
+    now = busy_cpus_now()
+    if now is not None and now > 0.25 * cpus:
+        return f"machine busy ({now:.1f} of {cpus} CPUs busy with other work)"
     try:
         load = os.getloadavg()[0]
     except OSError:
         return ""
-    cpus = available_cpus()
     return f"machine busy (load {load:.1f} on {cpus} CPUs)" if load > 0.75 * cpus else ""
 
 

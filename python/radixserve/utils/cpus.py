@@ -29,6 +29,7 @@ import ctypes
 import importlib.util
 import math
 import os
+import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -169,3 +170,48 @@ def _spin_library() -> ctypes.CDLL | None:
             except OSError:
                 continue
     return None
+
+
+def _cpu_times(stat_path: Path, cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """(busy, total) jiffies of each of `cpus` from a /proc/stat-style file's `cpuN` lines."""
+    times: dict[int, tuple[int, int]] = {}
+    for line in stat_path.read_text(encoding="ascii").splitlines():
+        name, *fields = line.split()
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+            continue
+        values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+        idle = values[3] + (values[4] if len(values) > 4 else 0)
+        times[int(name[3:])] = (sum(values) - idle, sum(values))
+    return times
+
+
+def busy_cpus_now(
+    window_s: float = 0.3, stat_path: Path = Path("/proc/stat"), cpus: set[int] | None = None
+) -> float | None:
+    """How many of this process's CPUs other work kept busy over the next `window_s` (this thread
+    sleeps meanwhile), from /proc/stat; None where it cannot be read. Unlike the load average,
+    which trails by a minute or more, this sees a neighbour that started a moment ago (and stops
+    seeing one that just ended). Steal time counts as busy: a hypervisor's other tenants."""
+    if cpus is None:
+        cpus = (
+            set(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else set(range(os.cpu_count() or 1))
+        )
+    try:
+        before = _cpu_times(stat_path, cpus)
+        time.sleep(window_s)
+        after = _cpu_times(stat_path, cpus)
+    except (OSError, ValueError):
+        return None
+    return busy_between(before, after) if after else None
+
+
+def busy_between(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> float:
+    """CPUs' worth of busy time between two _cpu_times samples (each CPU's busy share, summed)."""
+    busy = 0.0
+    for cpu, (busy1, total1) in after.items():
+        busy0, total0 = before.get(cpu, (busy1, total1))
+        if total1 > total0:
+            busy += (busy1 - busy0) / (total1 - total0)
+    return busy
