@@ -10,11 +10,11 @@ fp32 one)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cpu_tuning import _isolated  # noqa: F401 - autouse: own cache folder, quiet machine, crossovers restored
 
 from radixserve.layers import cpu_crossovers
 from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, active
@@ -28,16 +28,6 @@ from radixserve.server_args import ServerArgs
 U = 2.0**-8
 BOUNDS = {"wq_max_tokens": 6, "f32_small_max_tokens": 2, "f16_max_tokens": 16}
 needs_bf16 = pytest.mark.skipif(not bf16_gemm_supported(), reason="no native bf16 (AVX512_BF16 / AMX)")
-
-
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
-    """Its own cache folder, a quiet machine, and the process's crossovers restored."""
-    monkeypatch.setenv("RADIXSERVE_CPU_TUNING_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "")
-    before = active()
-    yield
-    cpu_crossovers._active = before
 
 
 def _layers() -> list[Linear]:

@@ -228,8 +228,7 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
     if prepack:
         packed_dtype = torch.bfloat16 if bf16_gemm else torch.float32
         for layer in layers:
-            weight = layer.weight.detach().to(packed_dtype)
-            layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            layer.weight_packed = onednn_pack(layer.weight, packed_dtype)
         added = sum(layer.weight.numel() * packed_dtype.itemsize for layer in layers)
         logger.info(
             "CPU linears: %d weights prepacked for oneDNN in %s (+%.0f MiB)",
@@ -237,6 +236,11 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
             "bf16" if bf16_gemm else "fp32",
             added / 2**20,
         )
+
+
+def onednn_pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """oneDNN's prepacked copy of `weight` in `dtype` (what _linear_bf16 / the fp32 GEMM read)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), None)
 
 
 def use_bf16_batch_gemm(modules: list[nn.Module]) -> int:
@@ -251,9 +255,7 @@ def use_bf16_batch_gemm(modules: list[nn.Module]) -> int:
     ]
     for layer in layers:
         # One layer at a time: the fp32 pack is freed before the next bf16 one is made.
-        layer.weight_packed = torch.ops.mkldnn._reorder_linear_weight(
-            layer.weight.detach().to(torch.bfloat16), None
-        )
+        layer.weight_packed = onednn_pack(layer.weight, torch.bfloat16)
     if layers:
         saved = sum(layer.weight.numel() * 2 for layer in layers)
         logger.info(

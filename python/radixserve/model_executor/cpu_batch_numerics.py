@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from radixserve.layers.cpu_crossovers import Crossovers
-from radixserve.layers.linear import Linear, _linear_bf16, bf16_gemm_supported
+from radixserve.layers.linear import Linear, _linear_bf16, bf16_gemm_supported, onednn_pack
 
 # Rows of the products timed: decode steps at concurrency 16 and 64 (the issue's batched cells).
 BATCH_ROWS = (16, 64)
@@ -40,10 +40,7 @@ class Bf16Packs:
     their fp32 packs until the choice is installed); called as the GEMM a batch would run."""
 
     def __init__(self, layers: list[Linear]) -> None:
-        self.packs = {
-            id(m): torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(torch.bfloat16), None)
-            for m in layers
-        }
+        self.packs = {id(m): onednn_pack(m.weight, torch.bfloat16) for m in layers}
 
     def __call__(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return _linear_bf16(x, self.packs[id(layer)], None)
