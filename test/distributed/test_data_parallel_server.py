@@ -182,11 +182,15 @@ def test_abort_all_after_a_mixed_load_leaves_both_pools_whole(tiny: dict[str, Se
     threads = [threading.Thread(target=long_request, args=(i,)) for i in range(12)]
     for t in threads:
         t.start()
-    wait_until(
-        lambda: all(x["num_reqs"] > 0 for x in httpx.get(f"{url}/get_load", timeout=30).json()),
-        60,
-        "both busy",
-    )
+
+    # abort_all stops what the server has received; a request still on its way when it is sent
+    # would run to its length. Abort only once all 12 are in the replicas (none can finish first:
+    # 800 tokens each).
+    def all_arrived_and_both_busy() -> bool:
+        load = httpx.get(f"{url}/get_load", timeout=30).json()
+        return all(x["num_reqs"] > 0 for x in load) and sum(x["num_reqs"] for x in load) == 12
+
+    wait_until(all_arrived_and_both_busy, 60, "all 12 requests in both replicas")
     assert httpx.post(f"{url}/abort_request", json={"abort_all": True}, timeout=30).status_code == 200
     for t in threads:
         t.join(60)
