@@ -33,10 +33,35 @@
 #include "common.h"
 #include "linear_wq_a8.h"
 #include "linear_wq_a8_quant.h"
+#include "wq_a8_gemm.h"
 #include "wq_a8_panels.h"
 #include "wq_form.h"
 
 using wq_a8_panels::kPanel;
+
+#if RS_HAVE_A8_VNNI
+// A batch (wq_a8_gemm::serves) on the GEMM tiles: x quantized on every thread, then each thread
+// one contiguous run of panel pairs (the tiles take two panels at a time).
+static void linear_wq_a8_gemm(const at::Tensor& x, const at::Tensor& packed_q, const wq_a8_panels::PanelGroups& pg,
+                              const float* bias, at::Tensor& y, int64_t groups, int64_t group_size, int64_t n,
+                              bool int4) {
+  const int64_t M = x.size(0), K = x.size(1), P = (n + kPanel - 1) / kPanel, nb = K / kBlock;
+  const BlockQuantRows xq = wq_a8_gemm::quantize_blocks_parallel(
+      x.data_ptr<float>(), x.stride(0), M, K, group_size, int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
+  const wq_a8_panels::PackedProblem p{
+      &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias, y.data_ptr<float>(), groups,
+      group_size / kBlock, M, n, K};
+  const int64_t pairs = (P + 1) / 2, grain = std::max<int64_t>(1, wq_a8_panels::grain_panels(nb, int4 ? 4 : 8) / 2);
+  at::parallel_for(0, pairs, grain, [&](int64_t q0, int64_t q1) {
+    wq_a8_gemm::gemm_block(p, 2 * q0, std::min(P, 2 * q1), 0, M, int4);
+  });
+}
+#else
+static void linear_wq_a8_gemm(const at::Tensor&, const at::Tensor&, const wq_a8_panels::PanelGroups&, const float*,
+                              at::Tensor&, int64_t, int64_t, int64_t, bool) {
+  TORCH_CHECK(false, "linear_wq_a8_packed: the GEMM tiles are not compiled into this build");
+}
+#endif
 
 bool linear_wq_a8_packed_available() { return RS_HAVE_AVX2; }
 
@@ -60,8 +85,12 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   if (M == 0 || n == 0) return y;
 #if RS_HAVE_AVX2
   const bool int4 = bits == 4;
-  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size,
-                                            int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
+  const A8Order order = int4 ? A8Order::kNibbleChunks : A8Order::kNatural;
+  if (wq_a8_gemm::serves(M, isa)) {
+    linear_wq_a8_gemm(x, packed_q, pg, bias_ptr, y, groups, group_size, n, int4);
+    return y;
+  }
+  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size, order);
   const wq_a8_panels::PackedProblem p{
       &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias_ptr, y.data_ptr<float>(), groups,
       group_size / kBlock, M, n, K};

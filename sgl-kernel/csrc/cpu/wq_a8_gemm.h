@@ -1,0 +1,232 @@
+// The batched (GEMM) form of the int8-activation panel kernels (wq_a8_panels.h): the same
+// pack_wq_a8 panels, the same quantized x, the same per-element arithmetic, register-blocked for
+// batches of many rows (decode steps at concurrency 16-64, prefill chunks).
+//
+// Why: wq_a8_panels' tile holds 4 rows of x against one panel of 8 output rows, so each chunk's
+// x bytes are broadcast once per panel and each panel's nibbles unpacked once per 4 rows. Here a
+// tile is MB rows of x against NP panels (MB x NP int32 dot registers, MB x NP fp32
+// accumulators): each x broadcast feeds NP vpdpbusd, each unpacked chunk MB, and the rows are
+// cut in chunks of kRowChunk so a thread's run of panels is swept once per chunk with that
+// chunk's quantized x hot in L2 (prefill's thousands of rows would otherwise stream x from
+// memory once per panel pair). With 32 ymm registers (AVX512VL) a 6 x 2 tile fits without spills.
+//
+// Numerics: per output element, the block's exact int32 dot (vpdpbusd; integer sums in any order
+// are the same int32), then acc = fma(float(dot), s_w * s_x, acc) block by block and the group's
+// offset term fma(o_w, gsum, acc) at its last block, then + bias: the panel kernel's operations
+// in its order, so the same bits whatever tile or chunk a row falls in (test_wq_a8_gemm.py).
+// quantize_blocks_parallel makes quantize_blocks' bytes (the same fp32 operations, vectorized
+// and spread over threads).
+#pragma once
+
+#include "common.h"
+#include "linear_wq_a8_quant.h"
+#include "wq_a8_panels.h"
+
+namespace wq_a8_gemm {
+
+using wq_a8_panels::kPanel;
+using wq_a8_panels::PackedProblem;
+
+// Products of at least this many rows take the GEMM tiles (fewer: the panel kernel's 4-row tiles,
+// which q4row's one-row work owns). Both give the same bits, so the bound is speed only.
+constexpr int64_t kMinRows = 8;
+// Rows of x per sweep of a thread's panels: 128 rows of the widest K here (1536) are 192 KB of
+// int8 x, inside Zen 4's 1 MB L2 beside the panels.
+constexpr int64_t kRowChunk = 128;
+
+#if RS_HAVE_A8_VNNI
+// x's 4 bytes at q broadcast to every lane.
+inline __m256i bcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// MB rows of x (from m0) against NP consecutive panels (from panel): y[m0 .. m0 + MB, the
+// panels' rows], by vpdpbusd on 256-bit vectors.
+template <int MB, int NP, bool kInt4, bool kHalf>
+inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
+  constexpr int64_t kChunks = kInt4 ? 4 : 8, kPanelBlock = kChunks * 32;
+  const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
+  const bool offsets = p.g.o != nullptr || p.g.zero != 0.f;
+  const __m256 neg_zero = _mm256_set1_ps(-p.g.zero);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* wq[NP];
+  int64_t g0[NP];
+  for (int j = 0; j < NP; ++j) {
+    wq[j] = p.q + (panel + j) * nb * kPanelBlock;
+    g0[j] = (panel + j) * p.groups * kPanel;
+  }
+  const int8_t* xrow[MB];
+  for (int m = 0; m < MB; ++m) xrow[m] = p.xq->q.data() + (m0 + m) * p.K;
+  __m256 acc[MB][NP];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i dot[MB][NP];
+    for (int m = 0; m < MB; ++m) {
+      // int8: weights read as w + 128, so each lane starts at -128 * the block's sum(q).
+      const __m256i start =
+          kInt4 ? _mm256_setzero_si256() : _mm256_set1_epi32(-128 * p.xq->bsum[(m0 + m) * nb + b]);
+      for (int j = 0; j < NP; ++j) dot[m][j] = start;
+    }
+    if constexpr (kInt4) {
+      for (int c = 0; c < kChunks; ++c) {
+        __m256i lo[NP], hi[NP];
+        for (int j = 0; j < NP; ++j) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq[j] + b * kPanelBlock + 32 * c));
+          lo[j] = _mm256_and_si256(raw, low4);
+          hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xl = bcast4(xrow[m] + b * kBlock + 8 * c), xh = bcast4(xrow[m] + b * kBlock + 8 * c + 4);
+          for (int j = 0; j < NP; ++j) {
+            dot[m][j] = _mm256_dpbusd_epi32(dot[m][j], lo[j], xl);
+            dot[m][j] = _mm256_dpbusd_epi32(dot[m][j], hi[j], xh);
+          }
+        }
+      }
+    } else {
+      for (int c = 0; c < kChunks; ++c) {
+        __m256i w[NP];
+        for (int j = 0; j < NP; ++j)
+          w[j] = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq[j] + b * kPanelBlock + 32 * c)), flip);
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xv = bcast4(xrow[m] + b * kBlock + 4 * c);
+          for (int j = 0; j < NP; ++j) dot[m][j] = _mm256_dpbusd_epi32(dot[m][j], w[j], xv);
+        }
+      }
+    }
+    const int64_t g = b / bpg;
+    __m256 sw[NP];
+    for (int j = 0; j < NP; ++j) sw[j] = wq_a8_panels::load8<kHalf>(p.g.s, g0[j] + g * kPanel);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 sx = _mm256_set1_ps(p.xq->scale[(m0 + m) * nb + b]);
+      for (int j = 0; j < NP; ++j)
+        acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][j]), _mm256_mul_ps(sw[j], sx), acc[m][j]);
+    }
+    if (offsets && b % bpg == bpg - 1) {
+      // As the panel kernel: the group's offsets (stored, or -zero * scale) times x's group sum.
+      for (int j = 0; j < NP; ++j) {
+        const __m256 ow =
+            p.g.o != nullptr ? wq_a8_panels::load8<kHalf>(p.g.o, g0[j] + g * kPanel) : _mm256_mul_ps(sw[j], neg_zero);
+        for (int m = 0; m < MB; ++m)
+          acc[m][j] = _mm256_fmadd_ps(ow, _mm256_set1_ps(p.xq->gsum[(m0 + m) * p.groups + g]), acc[m][j]);
+      }
+    }
+  }
+  alignas(32) float out[kPanel];
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n0 = (panel + j) * kPanel, rows = std::min(kPanel, p.N - n0);
+    for (int m = 0; m < MB; ++m) {
+      _mm256_store_ps(out, acc[m][j]);
+      float* y = p.y + (m0 + m) * p.N + n0;
+      for (int64_t r = 0; r < rows; ++r) y[r] = p.bias != nullptr ? out[r] + p.bias[n0 + r] : out[r];
+    }
+  }
+}
+
+// Rows [m0, m1) against NP panels from `panel`: tiles of kMB rows, then one of the remainder.
+template <int kMB, int NP, bool kInt4, bool kHalf>
+inline void gemm_rows_np(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kMB <= m1; m += kMB) gemm_tile<kMB, NP, kInt4, kHalf>(p, panel, m);
+  switch (m1 - m) {
+    case 5: if constexpr (kMB > 5) gemm_tile<5, NP, kInt4, kHalf>(p, panel, m); break;
+    case 4: if constexpr (kMB > 4) gemm_tile<4, NP, kInt4, kHalf>(p, panel, m); break;
+    case 3: gemm_tile<3, NP, kInt4, kHalf>(p, panel, m); break;
+    case 2: gemm_tile<2, NP, kInt4, kHalf>(p, panel, m); break;
+    case 1: gemm_tile<1, NP, kInt4, kHalf>(p, panel, m); break;
+    default: break;
+  }
+}
+
+constexpr int kTileRows = 6, kTilePanels = 2;
+
+// Panels [p0, p1) for rows [m0, m1): the rows in chunks of kRowChunk, each chunk swept over the
+// panels two at a time (an odd last panel alone).
+template <bool kInt4, bool kHalf>
+inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
+  for (int64_t c0 = m0; c0 < m1; c0 += kRowChunk) {
+    const int64_t c1 = std::min(m1, c0 + kRowChunk);
+    int64_t panel = p0;
+    for (; panel + kTilePanels <= p1; panel += kTilePanels)
+      gemm_rows_np<kTileRows, kTilePanels, kInt4, kHalf>(p, panel, c0, c1);
+    for (; panel < p1; ++panel) gemm_rows_np<kTileRows, 1, kInt4, kHalf>(p, panel, c0, c1);
+  }
+}
+
+inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool int4) {
+  if (p.g.half)
+    int4 ? gemm_block<true, true>(p, p0, p1, m0, m1) : gemm_block<false, true>(p, p0, p1, m0, m1);
+  else
+    int4 ? gemm_block<true, false>(p, p0, p1, m0, m1) : gemm_block<false, false>(p, p0, p1, m0, m1);
+}
+#endif
+
+#if RS_HAVE_AVX2
+// quantize_blocks' bytes for the panel orders (kNatural, kNibbleChunks), vectorized and spread
+// over threads by rows: the same fp32 product x * (127 / amax), rounded half to even
+// (vroundps in the default rounding mode is nearbyint), clamped, and the same scale, bsum and
+// gsum (summed block by block in order). A batch of hundreds of rows otherwise spends more in the
+// scalar quantizer, on one thread, than in the product.
+inline void quantize_rows_simd(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t group_size,
+                               A8Order order, BlockQuantRows& r) {
+  const int64_t nb = K / kBlock, bpg = group_size / kBlock, groups = nb / bpg;
+  const __m256 sign = _mm256_set1_ps(-0.f), lim = _mm256_set1_ps(127.f), neg_lim = _mm256_set1_ps(-127.f);
+  const __m256i to_natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // Per 8 inputs: the 4 even ones, then the 4 odd ones (a8_position's kNibbleChunks).
+  const __m256i nibble_chunks = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1,
+                                                 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * ldx + b * kBlock;
+      __m256 v[4], amax8 = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), amax8);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, amax8);
+      float amax = 0.f;
+      for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]);
+      const float inv_s = amax > 0.f ? 127.f / amax : 0.f;
+      const __m256 inv = _mm256_set1_ps(inv_s);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256 t = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_cvtps_epi32(_mm256_min_ps(lim, _mm256_max_ps(neg_lim, t)));
+      }
+      const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      alignas(32) int32_t sums[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), sum4);
+      int32_t s = 0;
+      for (int i = 0; i < 8; ++i) s += sums[i];
+      __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), to_natural);
+      if (order == A8Order::kNibbleChunks) bytes = _mm256_shuffle_epi8(bytes, nibble_chunks);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + m * K + b * kBlock), bytes);
+      r.scale[m * nb + b] = amax / 127.f;
+      r.bsum[m * nb + b] = s;
+      r.gsum[m * groups + b / bpg] += r.scale[m * nb + b] * static_cast<float>(s);
+    }
+}
+
+// quantize_blocks(x, ldx, M, K, group_size, order) for order kNatural or kNibbleChunks.
+inline BlockQuantRows quantize_blocks_parallel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group_size,
+                                               A8Order order) {
+  const int64_t nb = K / kBlock, bpg = group_size / kBlock;
+  BlockQuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * (nb / bpg), 0.f),
+                   std::vector<int32_t>(M * nb)};
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows_simd(x, ldx, m0, m1, K, group_size, order, r);
+  });
+  return r;
+}
+#endif
+
+// Whether the GEMM tiles serve a product of `rows` rows on path `isa` (a8_resolve_isa's).
+inline bool serves(int64_t rows, int64_t isa) { return RS_HAVE_A8_VNNI && isa == kA8IsaVnni && rows >= kMinRows; }
+
+}  // namespace wq_a8_gemm
