@@ -43,6 +43,13 @@ class Crossovers:
     # on where this CPU has native bf16 and measured it faster (cpu_batch_numerics.py), or with
     # --cpu-bf16-gemm. linear.use_bf16_batch_gemm repacks the layers to match.
     wq_batch_bf16: bool = False
+    # Also the batches' numerics, for forms marked for int8 activations: True runs their batches
+    # above wq_max_tokens as int8-activation GEMMs over 8-row panels (linear_wq_a8 on pack_wq_a8,
+    # the VNNI GEMM tiles where built) instead of oneDNN's GEMM, and they keep no oneDNN copy.
+    # Off by default; on where this CPU measured it faster than the fp32 and bf16 GEMMs
+    # (cpu_batch_numerics.py) and int8 activations are not disabled. linear.use_a8_batch_panels
+    # makes the panels to match. Small products keep wq_a8_max_tokens' choice.
+    wq_batch_a8: bool = False
     # Where these came from ("defaults", "measured <when>", "cache <path>", "+ overrides"): logged.
     source: str = dataclasses.field(default="defaults", compare=False)
 
@@ -67,6 +74,8 @@ class Crossovers:
     def describe(self) -> str:
         bounds = ", ".join(f"{k}={v}" for k, v in self.bounds().items())
         batch = "bf16" if self.wq_batch_bf16 else "fp32"
+        if self.wq_batch_a8:
+            batch = f"int8 activations on panels (unmarked forms: {batch})"
         return f"{bounds}, weight-only batch GEMMs in {batch} ({self.source})"
 
 

@@ -160,12 +160,22 @@ def with_int8_activations(w: GroupQuantWeight, panels: bool = False) -> GroupQua
 
 
 def a8_rows(w: GroupQuantWeight) -> int:
-    """Products of up to this many rows take int8 activations: every product on the panels
-    (A8_PACKED_MAX_ROWS), else the installed crossovers' wq_a8_max_tokens (0: none) for a marked
-    form."""
+    """Products of up to this many rows take int8 activations: every product on panels made by
+    --cpu-wq-int8-activations (A8_PACKED_MAX_ROWS), else the installed crossovers'
+    wq_a8_max_tokens (0: none) for a marked form. Panels made for the batches
+    (Crossovers.wq_batch_a8) leave the small products to wq_a8_max_tokens: a8_batch takes the
+    batches."""
     if not w.int8_activations:
         return 0
-    return A8_PACKED_MAX_ROWS if w.a8_packed is not None else crossovers().wq_a8_max_tokens
+    bound = crossovers()
+    return A8_PACKED_MAX_ROWS if w.a8_packed is not None and not bound.wq_batch_a8 else bound.wq_a8_max_tokens
+
+
+def a8_batch(w: GroupQuantWeight, rows: int) -> bool:
+    """Whether a product of `rows` rows is one of the batches (above wq_max_tokens) that a form
+    with panels runs on int8 activations because this CPU chose that (Crossovers.wq_batch_a8)."""
+    bound = crossovers()
+    return bound.wq_batch_a8 and has_panels(w) and rows > bound.wq_max_tokens
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -236,14 +246,14 @@ def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = 
     sgl-kernel's linear_wq when it can take x (2-D fp32 with contiguous rows); else the fp32
     reference. A form with int8_activations (CPU only) runs linear_wq_a8 or its reference on up
     to a8_rows(w) rows: the installed wq_a8_max_tokens (layers/cpu_crossovers.py), or
-    A8_PACKED_MAX_ROWS with its panel repack."""
+    A8_PACKED_MAX_ROWS with its panel repack; and on the batches a8_batch gives it."""
     if x.device.type == "cuda":
         gemm = triton_wq_gemm()
         if gemm is not None:
             return gemm(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
         return linear_wq_reference(x, w, bias)
     kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-    if x.numel() <= a8_rows(w) * x.shape[-1]:
+    if x.numel() <= a8_rows(w) * x.shape[-1] or (x.dim() == 2 and a8_batch(w, x.shape[0])):
         if kernel_ok and WQ_A8_KERNEL:
             return cpu_kernels.linear_wq_a8(
                 x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, packed=w.a8_packed

@@ -12,7 +12,9 @@ built-in model's decode, docs/benchmarks.md):
    dequantization, so larger batches take the fp32 forms below unchanged. A form marked for int8
    activations with its 8-row panels (--cpu-wq-int8-activations) is read at every batch size
    (wq_rows_bound): the panel kernel beat the fp32 forms at every row count measured, so such a
-   layer gets no oneDNN copy (path 3). One exception:
+   layer gets no oneDNN copy (path 3). So does a marked form where this CPU's tuning chose
+   int8-activation batches (Crossovers.wq_batch_a8, `use_a8_batch_panels`): its batches above
+   wq_max_tokens run the panels' GEMM tiles, its small ones keep wq_a8_max_tokens' choice. One exception:
    `--quantization w8a8_int8`'s LM head (`quantize_lm_head`), whose fp32 weight is the tied
    embedding and stays as loaded; its batches above that bound compute with the fp32 head.
 
@@ -51,7 +53,14 @@ from radixserve.layers import cpu_fused
 from radixserve.layers.activation import Activation
 from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
-from radixserve.layers.group_quant import GroupQuantWeight, has_panels, linear_wq, wq_rows_bound
+from radixserve.layers.group_quant import (
+    WQ_A8_PACKED,
+    GroupQuantWeight,
+    has_panels,
+    linear_wq,
+    with_int8_activations,
+    wq_rows_bound,
+)
 from radixserve.layers.quantization import INT8_KERNEL, linear_w8a8, quantize_weight_int8
 from radixserve.layers.weight_only import quantize_int8_groups
 
@@ -262,6 +271,37 @@ def use_bf16_batch_gemm(modules: list[nn.Module]) -> int:
             "CPU linears: %d weight-only layers' batch copies repacked in bf16 (-%.0f MiB)",
             len(layers),
             saved / 2**20,
+        )
+    return len(layers)
+
+
+def use_a8_batch_panels(modules: list[nn.Module]) -> int:
+    """Give every CPU Linear in `modules` whose weight-only form is marked for int8 activations
+    (and has no panels yet) its 8-row panels (group_quant.with_int8_activations(panels=True)), and
+    drop its oneDNN copy: its batches above wq_max_tokens then run linear_wq_a8 on the panels
+    (Crossovers.wq_batch_a8, group_quant.a8_batch). The fp32 weight stays. Returns how many layers
+    changed; logs what it cost (the panels hold the form's own bytes: about the file's size)."""
+    if not WQ_A8_PACKED:
+        return 0
+    layers = [
+        m
+        for m in _cpu_fp32_linears(modules)
+        if m.weight_wq is not None and m.weight_wq.int8_activations and m.weight_wq.a8_packed is None
+    ]
+    added = freed = 0
+    for layer in layers:
+        layer.weight_wq = with_int8_activations(layer.weight_wq, panels=True)
+        added += layer.weight_wq.a8_packed.nbytes()
+        if layer.weight_packed is not None:
+            freed += layer.weight_packed.numel() * layer.weight_packed.element_size()
+            layer.weight_packed = None
+    if layers:
+        logger.info(
+            "CPU linears: %d weight-only layers' batches on int8-activation panels (+%.0f MiB panels, "
+            "-%.0f MiB oneDNN copies)",
+            len(layers),
+            added / 2**20,
+            freed / 2**20,
         )
     return len(layers)
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 
 from radixserve.layers.cpu_crossovers import Crossovers
+from radixserve.layers.cpu_fused import cpu_kernels
+from radixserve.layers.group_quant import WQ_A8_PACKED
 from radixserve.layers.linear import Linear, _linear_bf16, bf16_gemm_supported, onednn_pack
 
 # Rows of the products timed: decode steps at concurrency 16 and 64 (the issue's batched cells).
@@ -29,6 +31,14 @@ BATCH_ROWS = (16, 64)
 # Whether `--cpu-kernel-tuning auto` serves a measured bf16 choice (else it is measured and cached,
 # but only --cpu-bf16-gemm turns it on). Decided by quality: docs/quantization.md's table.
 BF16_BY_DEFAULT = True
+
+# int8-activation batches are also timed at a prefill chunk's rows, over the first 1/PREFILL_SHARE
+# of the layers' bytes (a pass then costs what one at 64 rows does).
+PREFILL_ROWS = 512
+PREFILL_SHARE = 8
+# Whether `--cpu-kernel-tuning auto` serves a measured int8-activation batch choice (else it is
+# measured and cached, but not served). Decided by quality: docs/quantization.md's table.
+A8_BATCH_BY_DEFAULT = True
 
 PassMs = Callable[
     [list[Linear], dict[int, torch.Tensor], Callable[[Linear, torch.Tensor], torch.Tensor]], float
@@ -82,3 +92,78 @@ def choose_bf16_batch(chosen: Crossovers, forced: bool | None) -> Crossovers:
     if value == chosen.wq_batch_bf16:
         return chosen
     return dataclasses.replace(chosen, wq_batch_bf16=value, source=f"{chosen.source}; {why}")
+
+
+class A8Panels:
+    """pack_wq_a8 panels of some marked layers' forms, made for a measurement only (the layers get
+    theirs when the choice is installed: linear.use_a8_batch_panels); called as the product a batch
+    would run (linear_wq_a8 on the panels: the VNNI GEMM tiles where built); a layer without
+    panels (an unmarked form) runs `fallback`, the GEMM it keeps."""
+
+    def __init__(
+        self, layers: list[Linear], fallback: Callable[[Linear, torch.Tensor], torch.Tensor]
+    ) -> None:
+        self.fallback = fallback
+        self.packs = {
+            id(m): cpu_kernels.pack_wq_a8(w.qweight, w.scales, w.offsets, w.bits, w.group_size)
+            for m in layers
+            for w in (m.weight_wq,)
+        }
+
+    def __call__(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if id(layer) not in self.packs:
+            return self.fallback(layer, x)
+        w = layer.weight_wq
+        return cpu_kernels.linear_wq_a8(
+            x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None, packed=self.packs[id(layer)]
+        )
+
+
+def measure_a8_batch(
+    a8_layers: list[Linear], bf16: Bf16Packs | None, pass_ms: PassMs
+) -> tuple[bool, A8Panels | None, dict[int, tuple[float, float]]]:
+    """(whether int8 activations on panels beat the batch GEMM that would serve otherwise, bf16's
+    packs where given, else fp32's, at every row count of BATCH_ROWS and PREFILL_ROWS; the panels
+    to measure wq_max_tokens against when they did; per row count (that GEMM, a8) ms per pass).
+    Nothing is measured without marked layers packed for oneDNN or without the panel kernel."""
+    layers = [m for m in a8_layers if m.weight_packed is not None and m.weight_packed.dtype == torch.float32]
+    if not layers or not WQ_A8_PACKED:
+        return False, None, {}
+    gemm = bf16 if bf16 is not None else fp32_gemm
+    panels = A8Panels(layers, gemm)
+    total = sum(m.weight.numel() for m in layers)
+    table = {}
+    for n in (*BATCH_ROWS, PREFILL_ROWS):
+        timed = layers if n != PREFILL_ROWS else _first_weights(layers, total // PREFILL_SHARE)
+        inputs = {m.in_features: torch.randn(n, m.in_features) for m in timed}
+        table[n] = (round(pass_ms(timed, inputs, gemm), 3), round(pass_ms(timed, inputs, panels), 3))
+    won = all(a8 < other for other, a8 in table.values())
+    return won, (panels if won else None), table
+
+
+def _first_weights(layers: list[Linear], limit: int) -> list[Linear]:
+    """The first layers, in model order, up to `limit` weights (at least one layer)."""
+    out, total = [], 0
+    for m in layers:
+        if out and total + m.weight.numel() > limit:
+            break
+        out.append(m)
+        total += m.weight.numel()
+    return out
+
+
+def choose_a8_batch(chosen: Crossovers, int8_forced: bool | None, bf16_forced: bool | None) -> Crossovers:
+    """The int8-activation batch choice to serve: the measured one where A8_BATCH_BY_DEFAULT, off
+    under --disable-cpu-wq-int8-activations (int8_forced False: the exact batches) and
+    --cpu-bf16-gemm (bf16_forced True: the batches the flag asks for)."""
+    if not chosen.wq_batch_a8:
+        return chosen
+    if int8_forced is False:
+        why = "--disable-cpu-wq-int8-activations"
+    elif bf16_forced:
+        why = "--cpu-bf16-gemm"
+    elif not A8_BATCH_BY_DEFAULT and not int8_forced:
+        why = "int8-activation batches opt-in (measured faster)"
+    else:
+        return chosen
+    return dataclasses.replace(chosen, wq_batch_a8=False, source=f"{chosen.source}; {why}")

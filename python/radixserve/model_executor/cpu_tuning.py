@@ -50,8 +50,13 @@ from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, install, parse_overrides
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL, WQ_KERNEL, linear_wq_reference
-from radixserve.layers.linear import Linear, _linear_bf16, use_bf16_batch_gemm
-from radixserve.model_executor.cpu_batch_numerics import choose_bf16_batch, measure_bf16_batch
+from radixserve.layers.linear import Linear, _linear_bf16, use_a8_batch_panels, use_bf16_batch_gemm
+from radixserve.model_executor.cpu_batch_numerics import (
+    choose_a8_batch,
+    choose_bf16_batch,
+    measure_a8_batch,
+    measure_bf16_batch,
+)
 from radixserve.utils.cpus import available_cpus, busy_cpus_now
 
 logger = logging.getLogger(__name__)
@@ -78,8 +83,9 @@ A8_BY_DEFAULT = True
 MAX_PASS_BYTES = 256 << 20
 REPEATS = 3
 # Part of the cache key: a cache written before a choice was measured (v1: before wq_batch_bf16)
-# is not read, so a quiet start measures the new choice instead of serving without it.
-CACHE_VERSION = 2
+# (v2: before wq_batch_a8) is not read, so a quiet start measures the new choice instead of
+# serving without it.
+CACHE_VERSION = 3  # v3: wq_batch_a8
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
@@ -98,7 +104,8 @@ def resolve_crossovers(
     mode = mode or os.environ.get("RADIXSERVE_CPU_KERNEL_TUNING") or "auto"  # unresolved args
     extra = parse_overrides(overrides)
     chosen = choose_int8_activations(_resolve(mode, model, world_size), int8_activations)
-    return choose_bf16_batch(chosen, bf16_batch).with_overrides(extra)
+    chosen = choose_a8_batch(choose_bf16_batch(chosen, bf16_batch), int8_activations, bf16_batch)
+    return chosen.with_overrides(extra)
 
 
 def _resolve(mode: str, model: Iterable[torch.nn.Module], world_size: int) -> Crossovers:
@@ -128,7 +135,9 @@ def choose_int8_activations(chosen: Crossovers, forced: bool | None) -> Crossove
     if forced is False:
         bound, why = 0, "--disable-cpu-wq-int8-activations"
     elif forced:
-        bound, why = chosen.wq_a8_max_tokens or A8_MAX_ROWS, "--cpu-wq-int8-activations"
+        # Every product: with batch panels (wq_batch_a8) a8_rows leaves the small ones to this bound.
+        bound = chosen.wq_max_tokens if chosen.wq_batch_a8 else chosen.wq_a8_max_tokens or A8_MAX_ROWS
+        why = "--cpu-wq-int8-activations"
     elif A8_BY_DEFAULT or not chosen.wq_a8_max_tokens:
         return chosen
     else:
@@ -189,6 +198,9 @@ def tune_and_install(
     model = list(model)
     chosen = resolve_crossovers(mode, overrides, model, world_size, int8_activations, bf16_batch)
     install(chosen)
+    if chosen.wq_batch_a8:
+        # First: the marked layers' oneDNN copies go, so bf16 repacks only the others.
+        use_a8_batch_panels(model)
     if chosen.wq_batch_bf16:
         use_bf16_batch_gemm(model)
 
@@ -222,6 +234,11 @@ def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
     wq_layers = _first_bytes([m for m in layers if m.weight_wq is not None], MAX_PASS_BYTES)
     # The batch numerics first: wq_max_tokens is where linear_wq loses to the GEMM that will serve.
     bf16, bf16_gemm, timings["wq_batch_bf16"] = measure_bf16_batch(wq_layers, _pass_ms)
+    # Then int8-activation panels against the winner of those two, for the marked layers.
+    a8_layers = [m for m in wq_layers if m.weight_wq.int8_activations] if WQ_A8_KERNEL else []
+    a8_batch, a8_gemm, timings["wq_batch_a8"] = measure_a8_batch(a8_layers, bf16_gemm, _pass_ms)
+    if a8_gemm is not None:
+        bf16_gemm = a8_gemm
     groups: dict[str, tuple[list[Linear], Callable[[Linear, torch.Tensor], torch.Tensor]]] = {
         "wq_max_tokens": ([m for m in layers if m.weight_wq is not None], _exact_wq),
         "f32_small_max_tokens": (
@@ -247,7 +264,7 @@ def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
         bounds["wq_a8_max_tokens"], timings["wq_a8_max_tokens"] = _crossover(
             a8, _a8_wq, candidates, against=_exact_wq, floor=0
         )
-    return {**bounds, "wq_batch_bf16": bf16}, timings
+    return {**bounds, "wq_batch_bf16": bf16, "wq_batch_a8": a8_batch}, timings
 
 
 def _exact_wq(layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -382,21 +399,29 @@ def _from_cache(path: Path) -> Crossovers:
     stored = {"wq_a8_max_tokens": DEFAULTS.wq_a8_max_tokens, **data["bounds"]}
     bounds = {k: int(stored[k]) for k in Crossovers.BOUNDS}
     # Missing (written by hand or before the choice): not measured, so the exact fp32 GEMM.
-    bf16 = data.get("wq_batch_bf16", False)
-    if not isinstance(bf16, bool):
-        raise TypeError(f"wq_batch_bf16 is {bf16!r}, not true or false")
-    return Crossovers(**bounds, wq_batch_bf16=bf16, source=f"cached {data.get('measured_at', '?')} at {path}")
+    bf16, a8 = data.get("wq_batch_bf16", False), data.get("wq_batch_a8", False)
+    for name, value in (("wq_batch_bf16", bf16), ("wq_batch_a8", a8)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} is {value!r}, not true or false")
+    return Crossovers(
+        **bounds,
+        wq_batch_bf16=bf16,
+        wq_batch_a8=a8,
+        source=f"cached {data.get('measured_at', '?')} at {path}",
+    )
 
 
 def _store(path: Path, crossovers: Crossovers, timings: dict[str, Any]) -> None:
     data = {
         "bounds": crossovers.bounds(),
         "wq_batch_bf16": crossovers.wq_batch_bf16,
+        "wq_batch_a8": crossovers.wq_batch_a8,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_identity(),
         # Per bound and token count: (the small kernel, oneDNN's GEMM) ms per pass; for
         # wq_a8_max_tokens (linear_wq_a8, linear_wq); for wq_batch_bf16 per row count (oneDNN
-        # fp32, oneDNN bf16), and wq_max_tokens' GEMM is the bf16 one where that won.
+        # fp32, oneDNN bf16); for wq_batch_a8 per row count (the better oneDNN GEMM, int8
+        # activations on panels); wq_max_tokens' GEMM is the one that won.
         "timings_ms_small_vs_gemm": timings,
     }
     try:
