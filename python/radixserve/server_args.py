@@ -383,10 +383,14 @@ class ServerArgs:
         "CPU, weight-only quantized linears (gguf, torchao; groups of multiples of 32): force int8 "
         "activations on (linear_wq_a8, llama.cpp's scheme), with the weights repacked at load in "
         "8-row panels (one more copy in memory) for products up to 16 rows, else the measured "
-        "wq_a8_max_tokens (or 2); outputs differ slightly (docs/quantization.md). Refused without such linears.",
+        "wq_a8_max_tokens (or 2); outputs differ slightly (docs/quantization.md). Refused without such linears. "
+        "Without this flag, batches above wq_max_tokens take int8 activations (the panels' GEMM tiles) "
+        "where --cpu-kernel-tuning measured them faster than the fp32 and bf16 GEMMs.",
     )
     disable_cpu_wq_int8_activations: bool = _f(
-        False, "CPU: force int8 activations off (wq_a8_max_tokens 0): the exact fp32-activation product."
+        False,
+        "CPU: force int8 activations off (wq_a8_max_tokens 0, and no int8-activation batch GEMMs even "
+        "where --cpu-kernel-tuning measured them faster): the exact fp32-activation product.",
     )
     cpu_bf16_gemm: bool = _f(
         False,
