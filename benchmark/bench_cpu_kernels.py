@@ -19,7 +19,10 @@ the weights, small kernel vs oneDNN's GEMM; model_executor/cpu_tuning.py), and t
 choice on the GGUF (wq_a8_max_tokens: linear_wq_a8 vs linear_wq per pass; 0: int8 activations lose
 at one row here; whether `auto` serves it: cpu_tuning.A8_BY_DEFAULT), and the weight-only
 layers' batch GEMM numerics (wq_batch_bf16: oneDNN fp32 vs bf16 per pass at 16 and 64 rows; where
-bf16 won, the wq_max_tokens row's oneDNN timings are the bf16 GEMM's).
+bf16 won, the wq_max_tokens row's oneDNN timings are the bf16 GEMM's), and whether batches take
+int8 activations on panels (wq_batch_a8: the winning oneDNN GEMM vs the panels at 16, 64 and 512
+rows, the 512-row pass over an eighth of the layers; where they won, the wq_max_tokens row's
+"oneDNN" timings are the panels').
 LoRA delta (--only lora): microseconds per projection call at rank 16 with 8 slots, 30 layers of
 adapter slots (as the pool holds them), sgl-kernel's lora_delta_ against lora/kernels.py's dense
 and segmented torch paths, for decode batches (rows spread over the adapters, a few base rows)
@@ -273,18 +276,25 @@ def bench_crossovers() -> None:
         for n, (small, other) in timings.items():
             print(f"  {n:>3} tokens: {names[0]} {small:8.2f} ms, {names[1]} {other:8.2f} ms per pass")
         if bound == "wq_max_tokens":
-            _print_batch_numerics(data, active().wq_batch_bf16)
+            _print_batch_numerics(data, active().wq_batch_bf16, active().wq_batch_a8)
     print("crossovers:", chosen)
 
 
-def _print_batch_numerics(data: dict, served: bool) -> None:
-    """The weight-only layers' batch GEMM choice in a crossover cache (cpu_batch_numerics.py)."""
+def _print_batch_numerics(data: dict, served: bool, a8_served: bool) -> None:
+    """The weight-only layers' batch GEMM choices in a crossover cache (cpu_batch_numerics.py)."""
     measured = "bf16" if data.get("wq_batch_bf16") else "fp32"
     print(
         f"GGUF Q4_1 batch GEMMs: wq_batch_bf16 = {measured} (served by auto: {'bf16' if served else 'fp32'})"
     )
     for n, (fp32, bf16) in data["timings_ms_small_vs_gemm"].get("wq_batch_bf16", {}).items():
         print(f"  {n:>3} tokens: oneDNN fp32 {fp32:8.2f} ms, oneDNN bf16 {bf16:8.2f} ms per pass")
+    print(
+        f"GGUF Q4_1 batches on int8 activations: wq_batch_a8 = {data.get('wq_batch_a8')} (served: {a8_served})"
+    )
+    for n, (gemm, a8) in data["timings_ms_small_vs_gemm"].get("wq_batch_a8", {}).items():
+        print(
+            f"  {n:>3} tokens: the oneDNN GEMM {gemm:8.2f} ms, int8-activation panels {a8:8.2f} ms per pass"
+        )
 
 
 LORA_SHAPES = ((HIDDEN, HIDDEN), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN))

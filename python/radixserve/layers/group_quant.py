@@ -15,7 +15,9 @@ On CPU activations stay fp32: the kernel widens each group's q to fp32 in regist
 fp32, so the result differs from the dequantize-then-matmul reference only in summation order.
 The exception is a form marked `int8_activations` in a product of at most the installed
 `wq_a8_max_tokens` rows (layers/cpu_crossovers.py: 0 unless this machine measured it faster or
---cpu-wq-int8-activations asked): its activations are quantized to int8 per 32 inputs first.
+--cpu-wq-int8-activations asked): its activations are quantized to int8 per 32 inputs first;
+and such a form's batches above wq_max_tokens where this CPU chose int8-activation batch GEMMs
+(Crossovers.wq_batch_a8: the panels' GEMM tiles, a8_batch).
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ none was measured) and `--disable-cpu-wq-int8-activations` forces them off (the 
 Another is `wq_batch_bf16`: whether weight-only layers' batches run oneDNN's bf16 GEMM instead of
 the fp32 one (cpu_batch_numerics.py; measured first, since wq_max_tokens is then measured against
 the GEMM that will serve). `--cpu-bf16-gemm` forces it on, `--disable-cpu-bf16-gemm` off.
+And `wq_batch_a8`: whether the marked forms' batches run int8-activation GEMMs on their panels
+instead (measured after bf16, against the GEMM it chose); `--disable-cpu-wq-int8-activations` and
+`--cpu-bf16-gemm` keep it off.
 The cache is a JSON file per (CPU, model) in $RADIXSERVE_CPU_TUNING_DIR (default
 ~/.cache/radixserve/cpu_tuning); delete it to measure again. Multi-rank runs use the defaults (each rank
 would measure alone, and the ranks' fused decode paths must agree on their batch bounds).
