@@ -19,6 +19,7 @@
 #include "linear_wq_a8.h"
 #include "linear_wq_a8_quant.h"
 #include "ops.h"
+#include "wq_a8_gemm.h"
 #include "wq_a8_panels.h"
 
 namespace {
@@ -119,6 +120,13 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
                                           pairs,
                                           proj.n,
                                           proj.k};
+#if RS_HAVE_A8_VNNI
+      // An expert with a batch of rows (prefill): the GEMM tiles, the same bits.
+      if (wq_a8_gemm::serves(r.start[g + 1] - r.start[g], isa)) {
+        wq_a8_gemm::gemm_block(p, panel, panel + 1, r.start[g], r.start[g + 1], proj.bits == 4);
+        continue;
+      }
+#endif
       wq_a8_panels::panel_rows(p, panel, r.start[g], r.start[g + 1], proj.bits == 4, isa);
     }
   });
@@ -175,12 +183,15 @@ at::Tensor moe_wq_a8_packed(const at::Tensor& x, const at::Tensor& topk_ids, con
   const int64_t pairs = r.start.back();
   if (pairs == 0) return out;
 #if RS_HAVE_AVX2
-  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), T, H, w13.group_size, w13.order());
+  // quantize_blocks' bytes, vectorized and on every thread (a prefill's thousands of rows).
+  const BlockQuantRows xq =
+      wq_a8_gemm::quantize_blocks_parallel(x.data_ptr<float>(), x.stride(0), T, H, w13.group_size, w13.order());
   const BlockQuantRows x_pairs = gather_rows(xq, r.token, H, w13.groups);
   at::Tensor gate_up = at::empty({pairs, 2 * inter}, x.options());  // [pairs, 2 * inter]
   run_projection(w13, x_pairs, r, gate_up.data_ptr<float>(), isa);
   const at::Tensor act = silu_and_mul(gate_up);  // [pairs, inter]
-  const BlockQuantRows aq = quantize_blocks(act.data_ptr<float>(), inter, pairs, inter, w2.group_size, w2.order());
+  const BlockQuantRows aq =
+      wq_a8_gemm::quantize_blocks_parallel(act.data_ptr<float>(), inter, pairs, inter, w2.group_size, w2.order());
   at::Tensor y = at::empty({pairs, H}, x.options());  // [pairs, H]
   run_projection(w2, aq, r, y.data_ptr<float>(), isa);
   combine(r, y.data_ptr<float>(), out.data_ptr<float>(), H);
