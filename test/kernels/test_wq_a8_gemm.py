@@ -143,3 +143,16 @@ def test_auto_batches_match_the_reference() -> None:
         w = _form(33, 160, kind, seed=9)
         x = _x(40, 160, seed=10)
         _check(_run(x, w), x, w, None)
+
+
+@pytest.mark.skipif("avx2" not in cpu_kernels.linear_wq_a8_isas(), reason="no AVX2 path in this build")
+@pytest.mark.parametrize("kind", KINDS)
+def test_avx2_batches_quantize_on_every_thread_to_the_same_bits(kind: str) -> None:
+    """On the AVX2 panels (no GEMM tiles) a batch of 8+ rows takes the threaded quantizer: each
+    row's bits are still those of the row alone (the one-row quantizer)."""
+    n, k, m = 29, 160, 21
+    w = _form(n, k, kind, seed=11)
+    x = _x(m, k, seed=12)
+    got = _run(x, w, None, "avx2")
+    assert torch.equal(got, torch.cat([_run(x[i : i + 1], w, None, "avx2") for i in range(m)]))
+    _check(got, x, w, None)

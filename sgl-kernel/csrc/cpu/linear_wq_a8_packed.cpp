@@ -90,7 +90,11 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
     linear_wq_a8_gemm(x, packed_q, pg, bias_ptr, y, groups, group_size, n, int4);
     return y;
   }
-  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size, order);
+  // A batch on the AVX2 panels (no GEMM tiles there) still quantizes on every thread (the same bytes).
+  const BlockQuantRows xq =
+      M >= wq_a8_gemm::kMinRows
+          ? wq_a8_gemm::quantize_blocks_parallel(x.data_ptr<float>(), x.stride(0), M, K, group_size, order)
+          : quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size, order);
   const wq_a8_panels::PackedProblem p{
       &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias_ptr, y.data_ptr<float>(), groups,
       group_size / kBlock, M, n, K};
