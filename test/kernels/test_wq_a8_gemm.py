@@ -1,5 +1,5 @@
 """linear_wq_a8 on pack_wq_a8 panels at batch sizes (sgl-kernel's wq_a8_gemm.h: the VNNI GEMM
-tiles and the threaded quantizer serve products of 8 rows and more) against its references:
+tiles and the threaded quantizer serve products of 5 rows and more) against its references:
 
 - each row's result is the same bits whether it runs alone (the one-row / panel path) or inside a
   batch of any size (whatever tile, remainder tile or row chunk it falls in);
@@ -80,7 +80,7 @@ KINDS = ["Q4_0", "Q4_1", "Q4_1g64", "Q8_0"]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "m, n, k",
-    [(8, 16, 64), (9, 8, 64), (13, 23, 96), (16, 40, 384), (31, 1, 192), (64, 72, 576), (133, 57, 320)],
+    [(5, 24, 96), (8, 16, 64), (9, 8, 64), (13, 23, 96), (16, 40, 384), (31, 1, 192), (64, 72, 576), (133, 57, 320)],
 )
 def test_rows_alone_and_in_a_batch_are_the_same_bits(kind: str, m: int, n: int, k: int) -> None:
     w = _form(n, k, kind, seed=m + n)
@@ -148,7 +148,7 @@ def test_auto_batches_match_the_reference() -> None:
 @pytest.mark.skipif("avx2" not in cpu_kernels.linear_wq_a8_isas(), reason="no AVX2 path in this build")
 @pytest.mark.parametrize("kind", KINDS)
 def test_avx2_batches_quantize_on_every_thread_to_the_same_bits(kind: str) -> None:
-    """On the AVX2 panels (no GEMM tiles) a batch of 8+ rows takes the threaded quantizer: each
+    """On the AVX2 panels (no GEMM tiles) a batch of 5+ rows takes the threaded quantizer: each
     row's bits are still those of the row alone (the one-row quantizer)."""
     n, k, m = 29, 160, 21
     w = _form(n, k, kind, seed=11)
