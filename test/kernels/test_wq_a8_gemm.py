@@ -80,7 +80,16 @@ KINDS = ["Q4_0", "Q4_1", "Q4_1g64", "Q8_0"]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "m, n, k",
-    [(5, 24, 96), (8, 16, 64), (9, 8, 64), (13, 23, 96), (16, 40, 384), (31, 1, 192), (64, 72, 576), (133, 57, 320)],
+    [
+        (5, 24, 96),
+        (8, 16, 64),
+        (9, 8, 64),
+        (13, 23, 96),
+        (16, 40, 384),
+        (31, 1, 192),
+        (64, 72, 576),
+        (133, 57, 320),
+    ],
 )
 def test_rows_alone_and_in_a_batch_are_the_same_bits(kind: str, m: int, n: int, k: int) -> None:
     w = _form(n, k, kind, seed=m + n)
