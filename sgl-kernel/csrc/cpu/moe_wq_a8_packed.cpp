@@ -20,6 +20,7 @@
 #include "linear_wq_a8_quant.h"
 #include "ops.h"
 #include "wq_a8_panels.h"
+#include "wq_a8_row1.h"
 
 namespace {
 
@@ -103,8 +104,10 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
   const int64_t P = proj.panels, items = static_cast<int64_t>(r.expert.size()) * P;
   const int64_t pairs = r.start.back();
   at::parallel_for(0, items, wq_a8_panels::grain_panels(proj.nb, proj.bits), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+    // One run of panels per group in [i0, i1) (panel_run prefetches along a run).
+    for (int64_t i = i0, next; i < i1; i = next) {
       const int64_t g = i / P, panel = i % P, e = r.expert[g];
+      next = std::min(i1, (g + 1) * P);
       const int64_t elem = proj.g.half ? 2 : 4, at = e * proj.group_stride() * elem;  // expert e's groups
       const wq_a8_panels::PanelGroups groups{static_cast<const char*>(proj.g.s) + at,
                                              proj.g.o != nullptr ? static_cast<const char*>(proj.g.o) + at : nullptr,
@@ -119,7 +122,7 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
                                           pairs,
                                           proj.n,
                                           proj.k};
-      wq_a8_panels::panel_rows(p, panel, r.start[g], r.start[g + 1], proj.bits == 4, isa);
+      wq_a8_panels::panel_run(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4, isa);
     }
   });
 }
