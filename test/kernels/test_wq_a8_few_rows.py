@@ -1,4 +1,4 @@
-"""The panel kernels' few-row path (wq_a8_row1.h: 1-4 rows of x, what a decode step and an
+"""The panel kernels' few-row path (wq_a8_few_rows.h: 1-4 rows of x, what a decode step and an
 expert's few tokens take) against their 4-row tiles (panel_tile, what 5 or more rows take), bit
 for bit: a row's result does not depend on which path or tile computes it, so each row of a
 9-row product (tiles of 4, 4, 1) must equal the same row computed alone and in 2-4 row products.
