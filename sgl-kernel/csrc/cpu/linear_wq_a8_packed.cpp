@@ -34,7 +34,7 @@
 #include "linear_wq_a8.h"
 #include "linear_wq_a8_quant.h"
 #include "wq_a8_panels.h"
-#include "wq_a8_few_rows.h"
+#include "wq_a8_one_row.h"
 #include "wq_form.h"
 
 using wq_a8_panels::kPanel;

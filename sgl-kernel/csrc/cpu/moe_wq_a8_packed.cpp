@@ -20,7 +20,7 @@
 #include "linear_wq_a8_quant.h"
 #include "ops.h"
 #include "wq_a8_panels.h"
-#include "wq_a8_few_rows.h"
+#include "wq_a8_one_row.h"
 
 namespace {
 

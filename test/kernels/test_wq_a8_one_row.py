@@ -1,10 +1,10 @@
-"""The panel kernels' few-row path (wq_a8_few_rows.h: 1-4 rows of x, what a decode step and an
-expert's few tokens take) against their 4-row tiles (panel_tile, what 5 or more rows take), bit
-for bit: a row's result does not depend on which path or tile computes it, so each row of a
-9-row product (tiles of 4, 4, 1) must equal the same row computed alone and in 2-4 row products.
-Every panel form (Q4_0's zero point, Q4_1's offsets, Q8_0; fp16 and fp32 panels; groups of 32-128),
-a bias and a last panel of 5 rows; the MoE one-call kernel at one token against the same token
-repeated 9 times."""
+"""The panel kernels' one-row path (wq_a8_one_row.h: what a decode step and an expert's single
+pair take, with the weight stream prefetched) against their 4-row tiles (panel_tile, what more
+rows take), bit for bit: a row's result does not depend on which path or tile computes it, so each
+row of a 9-row product (tiles of 4, 4, 1) must equal the same row computed alone (and in 2-4 row
+products, which dispatch to the tiles). Every panel form (Q4_0's zero point, Q4_1's offsets,
+Q8_0; fp16 and fp32 panels; groups of 32 and 128), with and without a bias, a last panel of 5
+rows; the MoE one-call kernel at one token against the same token repeated 9 times."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
     reason="no AVX2 panel kernels in this build",
 )
 
-TILED_ROWS = 9  # more than the few-row path's 4: panel_tile's 4, 4 and 1
+TILED_ROWS = 9  # panel_tile's 4, 4 and 1
 
 
 def _linear(
@@ -37,7 +37,7 @@ def _linear(
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("fp32_panels", [False, True], ids=["file-bytes", "fp32"])
-def test_few_rows_equal_the_tiles(isa: str, kind: str, group: int, fp32_panels: bool) -> None:
+def test_one_row_equals_the_tiles(isa: str, kind: str, group: int, fp32_panels: bool) -> None:
     n, k = 37, 384  # a last panel of 5 rows, 12 blocks
     w = _gguf_like(n, k, kind, group, seed=group)
     packed = _pack(w, zero_point=0, dtype=torch.float32) if fp32_panels else _pack(w)
@@ -54,7 +54,7 @@ def test_few_rows_equal_the_tiles(isa: str, kind: str, group: int, fp32_panels: 
 @pytest.mark.parametrize("isa", PANEL_ISAS)
 @pytest.mark.parametrize("form", list(FORMS))
 def test_moe_one_token_equals_its_tiles(isa: str, form: str) -> None:
-    """Every expert gets the token 9 times (tiles) or once (the few-row path): the same rows."""
+    """Every expert gets the token 9 times (tiles) or once (the one-row path): the same rows."""
     wq = mark_int8_activations(_experts(form, seed=3), panels=True)
     weights, ids = _routing(1, seed=3)
     x = _x(1, FORMS[form][0], seed=3)
