@@ -35,6 +35,7 @@
 #include "linear_wq_a8_quant.h"
 #include "wq_a8_gemm.h"
 #include "wq_a8_panels.h"
+#include "wq_a8_one_row.h"
 #include "wq_form.h"
 
 using wq_a8_panels::kPanel;
@@ -100,9 +101,8 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
       group_size / kBlock, M, n, K};
   // Each thread one contiguous run of panels (short runs stay on one thread: grain_panels).
   const int64_t grain = wq_a8_panels::grain_panels(nb, bits);
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t panel = p0; panel < p1; ++panel) wq_a8_panels::panel_rows(p, panel, 0, M, int4, isa);
-  });
+  at::parallel_for(0, P, grain,
+                   [&](int64_t p0, int64_t p1) { wq_a8_panels::panel_run(p, p0, p1, 0, M, int4, isa); });
 #endif
   return y;
 }

@@ -21,6 +21,7 @@
 #include "ops.h"
 #include "wq_a8_gemm.h"
 #include "wq_a8_panels.h"
+#include "wq_a8_one_row.h"
 
 namespace {
 
@@ -104,8 +105,10 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
   const int64_t P = proj.panels, items = static_cast<int64_t>(r.expert.size()) * P;
   const int64_t pairs = r.start.back();
   at::parallel_for(0, items, wq_a8_panels::grain_panels(proj.nb, proj.bits), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+    // One run of panels per group in [i0, i1) (panel_run prefetches along a run).
+    for (int64_t i = i0, next; i < i1; i = next) {
       const int64_t g = i / P, panel = i % P, e = r.expert[g];
+      next = std::min(i1, (g + 1) * P);
       const int64_t elem = proj.g.half ? 2 : 4, at = e * proj.group_stride() * elem;  // expert e's groups
       const wq_a8_panels::PanelGroups groups{static_cast<const char*>(proj.g.s) + at,
                                              proj.g.o != nullptr ? static_cast<const char*>(proj.g.o) + at : nullptr,
@@ -123,11 +126,11 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
 #if RS_HAVE_A8_VNNI
       // An expert with a batch of rows (prefill): the GEMM tiles, the same bits.
       if (wq_a8_gemm::serves(r.start[g + 1] - r.start[g], isa)) {
-        wq_a8_gemm::gemm_block(p, panel, panel + 1, r.start[g], r.start[g + 1], proj.bits == 4);
+        wq_a8_gemm::gemm_block(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4);
         continue;
       }
 #endif
-      wq_a8_panels::panel_rows(p, panel, r.start[g], r.start[g + 1], proj.bits == 4, isa);
+      wq_a8_panels::panel_run(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4, isa);
     }
   });
 }

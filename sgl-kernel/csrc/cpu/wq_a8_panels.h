@@ -125,6 +125,48 @@ inline void block_dots_vnni(const uint8_t* wb, const int8_t* const* xb, const in
 }
 #endif
 
+// The block's exact int32 dots (one lane per panel row) of MB rows of x on AVX2. int4: a block's
+// 8 vpmaddubsw add up in int16 before one vpmaddwd (8 * 2 * 15 * 127 = 30480 < 2^15); int8:
+// |w| against x * sign(w) (pairs at most 2 * 128 * 127, so each chunk is widened to int32 at once).
+template <int MB, bool kInt4>
+inline void block_dots_avx2(const uint8_t* wb, const int8_t* const* xb, __m256i* dot) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  if constexpr (kInt4) {
+    __m256i s16[MB];
+    for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      const __m256i lo = _mm256_and_si256(raw, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      for (int m = 0; m < MB; ++m) {
+        s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, bcast4(xb[m] + 8 * c)));
+        s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, bcast4(xb[m] + 8 * c + 4)));
+      }
+    }
+    for (int m = 0; m < MB; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
+  } else {
+    for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i sx = _mm256_sign_epi8(bcast4(xb[m] + 4 * c), w);
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+      }
+    }
+  }
+}
+
+// The block dots on the chosen path (kVnni: block_dots_vnni; the same int32s, so the same bits).
+template <int MB, bool kInt4, bool kVnni>
+inline void block_dots(const uint8_t* wb, const int8_t* const* xb, const int32_t* bsum, __m256i* dot) {
+#if RS_HAVE_A8_VNNI
+  if constexpr (kVnni) return block_dots_vnni<MB, kInt4>(wb, xb, bsum, dot);
+#endif
+  (void)bsum;
+  block_dots_avx2<MB, kInt4>(wb, xb, dot);
+}
+
 // MB rows of x (from m0) against one panel: y[m0 .. m0 + MB, the panel's rows]. kVnni: the block
 // dots by block_dots_vnni (the same int32s, so the same bits).
 template <int MB, bool kInt4, bool kHalf, bool kVnni>
@@ -135,47 +177,16 @@ inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
   const int64_t g0 = panel * p.groups * kPanel;  // this panel's first group element
   const bool offsets = p.g.o != nullptr || p.g.zero != 0.f;
   const __m256 neg_zero = _mm256_set1_ps(-p.g.zero);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = wq + b * kPanelBlock;
     const int8_t* xb[MB];
     for (int m = 0; m < MB; ++m) xb[m] = p.xq->q.data() + (m0 + m) * p.K + b * kBlock;
+    int32_t bsum[MB];
+    for (int m = 0; m < MB; ++m) bsum[m] = p.xq->bsum[(m0 + m) * nb + b];
     __m256i dot[MB];
-#if RS_HAVE_A8_VNNI
-    if constexpr (kVnni) {
-      int32_t bsum[MB];
-      for (int m = 0; m < MB; ++m) bsum[m] = p.xq->bsum[(m0 + m) * nb + b];
-      block_dots_vnni<MB, kInt4>(wb, xb, bsum, dot);
-    } else
-#endif
-    if constexpr (kInt4) {
-      __m256i s16[MB];
-      for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
-      for (int c = 0; c < kChunks; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-        const __m256i lo = _mm256_and_si256(raw, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        for (int m = 0; m < MB; ++m) {
-          s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, bcast4(xb[m] + 8 * c)));
-          s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, bcast4(xb[m] + 8 * c + 4)));
-        }
-      }
-      for (int m = 0; m < MB; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
-    } else {
-      // Signed weights: |w| against x * sign(w) (pairs at most 2 * 128 * 127, so each chunk is
-      // widened to int32 at once).
-      for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
-      for (int c = 0; c < kChunks; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-        const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int m = 0; m < MB; ++m) {
-          const __m256i sx = _mm256_sign_epi8(bcast4(xb[m] + 4 * c), w);
-          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-        }
-      }
-    }
+    block_dots<MB, kInt4, kVnni>(wb, xb, bsum, dot);
     const int64_t g = b / bpg;
     const __m256 sw = load8<kHalf>(p.g.s, g0 + g * kPanel);
     for (int m = 0; m < MB; ++m) {
