@@ -255,10 +255,6 @@ def create_cpu_decode_runner(
             reasons.append("tensor parallelism without the shared-memory all-reduce")
     if server_args.device != "cpu" or not _fp32_model(model):
         reasons.append("not an fp32 CPU model")
-    elif not _reads_pool_dtype(token_to_kv_pool.dtype):
-        reasons.append(
-            f"a {token_to_kv_pool.dtype} KV pool with an sgl-kernel build that reads fp32 pools only"
-        )
     if server_args.attention_backend != "cpu":
         reasons.append(f"attention backend {server_args.attention_backend}")
     if not cpu_fused.ENABLED:
@@ -311,6 +307,15 @@ def create_cpu_decode_runner(
     if lora is not None and not hasattr(decode_model_cls, "set_layer_lora"):
         logger.info(
             "CPU fused decode off: this sgl-kernel build has no LoRA delta in it (rebuild sgl-kernel)"
+        )
+        return None
+    if not _reads_pool_dtype(token_to_kv_pool.dtype):
+        # A quantized KV pool (the default for quantized models) with a build whose stack reads fp32
+        # pools only: the module forward runs every decode step.
+        logger.info(
+            "CPU fused decode off: this sgl-kernel build reads fp32 KV pools only, this pool is %s "
+            "(rebuild sgl-kernel)",
+            token_to_kv_pool.dtype,
         )
         return None
     wq_a8_max_tokens = min(wq_a8_max_tokens, max_bs)
