@@ -1,7 +1,7 @@
 """Quality and decode speed of each --kv-cache-dtype against the fp32 KV pool (docs/benchmarks.md).
 
     python benchmark/bench_kv_dtype.py                    # the built-in model, its server defaults
-    python benchmark/bench_kv_dtype.py --dtypes auto int8 --prompts 4 --new-tokens 64
+    python benchmark/bench_kv_dtype.py --dtypes float32 int8 --prompts 4 --new-tokens 64
 
 Per dtype, on the same weights (the model as the server loads it by default):
 - perplexity of the fixed text (benchmark/data/quality_text.txt, first --max-tokens tokens), one
@@ -9,10 +9,11 @@ Per dtype, on the same weights (the model as the server loads it by default):
 - greedy agreement: --prompts prompts (slices of the text) decoded --new-tokens greedy tokens in one
   batch; the fraction of positions whose token equals the fp32-KV run's, and the mean index of the
   first differing token (a flip changes the context, so later positions disagree more);
-- decode step time at one request with 128 and 2048 tokens of context (median of --steps steps).
-  auto (fp32 KV) decodes through the fused CPU decode (model_executor/cpu_decode_runner.py), which
-  reads fp32 pools only; the other dtypes through the module forward. --no-fused compares all of
-  them on the module forward.
+- decode step time at one request with 128 and 2048 tokens of context (median of --steps steps),
+  through the fused CPU decode (model_executor/cpu_decode_runner.py), which reads every pool dtype;
+  --no-fused compares them on the module forward.
+The first dtype is the reference: float32 (fp32 K/V; `auto` is bf16 for the built-in model's GGUF
+default on CPU, configs/kv_cache_args.py).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def main() -> None:
     )
     parser.add_argument("--model-path", default=None, help="default: the built-in model")
     parser.add_argument("--text", default=str(DEFAULT_TEXT))
-    parser.add_argument("--dtypes", nargs="+", default=["auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8"])
     parser.add_argument("--max-tokens", type=int, default=1024, help="tokens of the text for perplexity")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -113,8 +114,7 @@ def main() -> None:
     parser.add_argument(
         "--no-fused",
         action="store_true",
-        help="--disable-cpu-fused-decode for every dtype (the fused decode reads fp32 pools only, so "
-        "by default auto decodes through it and the others do not)",
+        help="--disable-cpu-fused-decode for every dtype (the module forward's decode)",
     )
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -132,7 +132,7 @@ def main() -> None:
         worker = make_worker(path, kv, pool_tokens, args.no_fused)
         ppl = perplexity(worker, text_ids)
         tokens = greedy(worker, prompts, args.new_tokens)
-        ref_tokens = ref_tokens or tokens  # the first dtype (auto: fp32) is the reference
+        ref_tokens = ref_tokens or tokens  # the first dtype (float32) is the reference
         agree, first = agreement(tokens, ref_tokens)
         step_ms = [decode_step_ms(worker, ids, c, args.steps) for c in CONTEXTS]
         per_token = worker.model_runner._kv_bytes_per_token()

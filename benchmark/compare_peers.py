@@ -45,6 +45,8 @@ ENGINES = (
     "radixserve-int8",
     "radixserve-gguf",
     "radixserve-gguf-q8_0",
+    "radixserve-kv-bf16",
+    "radixserve-kv-fp32",
     "llama-server-f16",
     "llama-server-f32",
     "llama-server-q8_0",
@@ -73,6 +75,9 @@ RADIXSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "radixserve-fp16": ("--cpu-fp16-weights",),
     "radixserve-int8": ("--quantization", "w8a8_int8"),
     "radixserve-gguf": ("--quantization", "gguf"),
+    # The default model with each KV pool dtype forced (docs/cpu_backend.md "KV cache dtypes").
+    "radixserve-kv-bf16": ("--kv-cache-dtype", "bf16"),
+    "radixserve-kv-fp32": ("--kv-cache-dtype", "float32"),
 }
 # Engines that are radixserve serving a GGUF that llama.cpp's converter made (the file the
 # llama-server engine of the same format serves): `--model-path <file>` loads it as gguf, its own

@@ -64,7 +64,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int4wo-64": {"torchao_config": "int4wo-64"},
     "int4wo-128": {"torchao_config": "int4wo-128"},
 }
-CHUNK_CAP = {"gguf-a8": 8, "int8wo-a8": 8}
+# The variants above keep fp32 K/V (--kv-cache-dtype float32; `auto` stores bf16 for quantized
+# models on CPU); the -kv-bf16 ones store bf16 K/V: gguf-a8-kv-bf16 is the built-in model's default.
+FP32_KV = {"kv_cache_dtype": "float32"}
+for _name in list(VARIANTS):
+    VARIANTS[_name] = {**VARIANTS[_name], **FP32_KV}
+VARIANTS["gguf-kv-bf16"] = {**VARIANTS["gguf"], "kv_cache_dtype": "bf16"}
+VARIANTS["gguf-a8-kv-bf16"] = {**VARIANTS["gguf-a8"], "kv_cache_dtype": "bf16"}
+CHUNK_CAP = {"gguf-a8": 8, "int8wo-a8": 8, "gguf-a8-kv-bf16": 8}
 CHUNK_MIN = {"gguf-bf16": 64}
 LABELS = {
     "fp32": "fp32 (`--quantization unquant`)",
@@ -76,6 +83,8 @@ LABELS = {
     "int8wo-a8": "`--torchao-config int8wo`, int8 activations",
     "int4wo-64": "`--torchao-config int4wo-64`",
     "int4wo-128": "`--torchao-config int4wo-128`",
+    "gguf-kv-bf16": "`--quantization gguf`, exact activations, bf16 K/V",
+    "gguf-a8-kv-bf16": "the built-in model's default: gguf, int8 activations, bf16 K/V",
 }
 
 

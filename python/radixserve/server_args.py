@@ -35,7 +35,7 @@ ATTENTION_BACKENDS = ("cpu", "torch_native", "triton", "flashinfer")
 # SGLang's --kv-cache-dtype names (its fp4_e2m1 not taken), plus radixserve's int8 (CPU).
 # --cpu-kernel-tuning (model_executor/cpu_tuning.py).
 CPU_KERNEL_TUNING_MODES = ("auto", "measure", "off")
-KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "int8")
 # SGLang's names. Only xgrammar is implemented here; the others are refused at start with a message.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # The DataParallelController's dispatch methods (managers/dp_policy.py), SGLang's names.
@@ -69,9 +69,11 @@ class ServerArgs:
     )
     kv_cache_dtype: str = _f(
         "auto",
-        "KV cache storage dtype (SGLang's flag; docs/cpu_backend.md): auto (the model dtype), bf16 / "
-        "bfloat16 (2x the tokens of fp32), fp8_e4m3 / fp8_e5m2 (4x; scale 1.0, saturating), or int8 "
-        "(radixserve's own, CPU: int8 with an fp32 scale per token and KV head, ~3.8x at head_dim 64). "
+        "KV cache storage dtype (SGLang's flag; docs/cpu_backend.md): auto (the model dtype; on CPU bf16 "
+        "for a quantized model, the built-in model's GGUF default included), float32 (radixserve's: fp32 "
+        "K/V, exact, for an fp32 model), bf16 / bfloat16 (2x the tokens of fp32), fp8_e4m3 / fp8_e5m2 "
+        "(4x; scale 1.0, saturating), or int8 (radixserve's own, CPU: int8 with an fp32 scale per token "
+        "and KV head, ~3.8x at head_dim 64). "
         "Non-auto values need the cpu or torch_native attention backend; on CUDA only bf16 with a "
         "bf16 model (what auto gives).",
         choices=KV_CACHE_DTYPES,
@@ -542,6 +544,11 @@ class ServerArgs:
             updates.update(speculative_updates(self, device))
         updates.update(hicache_updates(self, device))
         updates.update(quantization_updates(self, device))
+        from radixserve.configs.kv_cache_args import resolve_kv_cache_dtype
+
+        quantized = updates.get("quantization", self.quantization) is not None or bool(self.torchao_config)
+        backend = updates.get("attention_backend", self.attention_backend)
+        updates["kv_cache_dtype"] = resolve_kv_cache_dtype(self, device, backend, quantized)
         if self.enable_lora or self.lora_paths:
             from radixserve.lora.adapter import lora_updates
 

@@ -20,6 +20,8 @@ GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 
 
 def _greedy(path: str, **kw: object) -> list[dict]:
+    # fp32 K/V on both sides: the weights are compared (`auto` stores bf16 K/V for gguf on CPU).
+    kw = {"kv_cache_dtype": "float32", **kw}
     with Engine(model_path=path, max_total_tokens=4096, log_level="warning", **kw) as engine:
         return engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
 

@@ -19,6 +19,8 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 def _greedy(path: str, **kw: object) -> list[dict]:
+    # fp32 K/V on both sides: the weights are compared (`auto` stores bf16 K/V for gguf on CPU).
+    kw = {"kv_cache_dtype": "float32", **kw}
     with Engine(model_path=path, max_total_tokens=4096, log_level="warning", **kw) as engine:
         if kw.get("tp_size"):
             assert engine.server_args.quantization == "gguf"

@@ -153,7 +153,8 @@ def test_engine_serves_a_gguf_file_as_its_fp32_dequantization_does(tiny_gguf, tm
     greedy = {"temperature": 0.0, "max_new_tokens": 16}
     prompts = [p[:8] for p in TINY_PROMPTS]
     outputs = {}
-    for name, extra in (("fp32", {"quantization": "unquant"}), ("gguf", {})):
+    # fp32 K/V on both: the weights are compared (`auto` stores bf16 K/V for the quantized one).
+    for name, extra in (("fp32", {"quantization": "unquant"}), ("gguf", {"kv_cache_dtype": "float32"})):
         with Engine(model_path=str(path), max_total_tokens=2048, **extra) as engine:
             if name == "gguf":  # the file selects --quantization gguf by itself (SGLang's rule)
                 assert engine.server_args.quantization == "gguf"

@@ -32,7 +32,10 @@ WQ_MAX_TOKENS = DEFAULTS.wq_max_tokens
 
 
 def _worker(path: str, **server_args: object) -> TpModelWorker:
-    args = ServerArgs(model_path=path, max_total_tokens=4096, device="cpu", **server_args).resolve()
+    """A CPU worker with fp32 K/V unless told otherwise: these tests compare weight formats against
+    the fp32 model, and `auto` stores bf16 K/V for quantized models (configs/kv_cache_args.py)."""
+    flags = {"kv_cache_dtype": "float32", **server_args}
+    args = ServerArgs(model_path=path, max_total_tokens=4096, device="cpu", **flags).resolve()
     return TpModelWorker(args, ModelConfig.from_path(path, dtype="float32"))
 
 

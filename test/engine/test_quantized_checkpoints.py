@@ -24,7 +24,9 @@ from radixserve.testing.quantized_checkpoints import write_quantized_checkpoint
 
 
 def _worker(path: Path, **server_args: object) -> TpModelWorker:
-    args = ServerArgs(model_path=str(path), max_total_tokens=4096, device="cpu", **server_args).resolve()
+    # fp32 K/V on both sides: the weights are compared (`auto` stores bf16 K/V for quantized models).
+    flags = {"kv_cache_dtype": "float32", **server_args}
+    args = ServerArgs(model_path=str(path), max_total_tokens=4096, device="cpu", **flags).resolve()
     return TpModelWorker(args, ModelConfig.from_path(str(path)))
 
 

@@ -70,6 +70,25 @@ def test_decode_attention_few_long_requests(heads, lens):
 
 
 @needs_ext
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[40, 90], [30, 7, 64, 100, 1, 55]])
+def test_decode_attention_task_grain(threads, lens):
+    # A task takes every KV head of a segment when there are at least twice as many segments as
+    # threads, else one KV head: with 1 and 2 threads these batches take each grain.
+    q, k_buf, v_buf, r2t, pool_idx, seq_lens, rows = _decode_inputs(1, 9, 3, 64, lens, seed=8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.decode_attention(q, k_buf, v_buf, r2t, pool_idx, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    for i, r in enumerate(rows):
+        slots = torch.tensor(r)
+        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], len(r) - 1, 0.125)[0]
+        torch.testing.assert_close(out[i], ref, **FP32_TOL)
+
+
+@needs_ext
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_shared_prefixes(kv_dtype):
     # Two radix-style groups: requests 0, 2, 3, 5 share their first 200 slots (then diverge at

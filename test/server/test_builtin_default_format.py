@@ -8,7 +8,10 @@ below what one wrong weight group or a misread scale moves (test_quantization.py
 move them by 0.1-1).
 
 The fp32 side is the session's `builtin_engine` (conftest.py): the built-in folder as --model-path,
-which is fp32 without a flag (configs/default_format.py) -- one Engine start fewer than its own."""
+which is fp32 without a flag (configs/default_format.py) -- one Engine start fewer than its own.
+The gguf side keeps fp32 K/V (--kv-cache-dtype float32): `auto` stores bf16 K/V for it
+(configs/kv_cache_args.py; its quality is in docs/quantization.md), and the weights are what is
+compared here."""
 
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def _logprobs(out: dict) -> list[float]:
 
 def test_builtin_default_serves_gguf_and_decodes_as_fp32(builtin_engine) -> None:
     ref = builtin_engine.generate(PROMPTS, sampling_params=GREEDY, return_logprob=True)
-    method, got = _greedy()
+    method, got = _greedy(kv_cache_dtype="float32")
     assert (builtin_engine.server_args.quantization, method) == (None, "gguf")
     for r, g in zip(ref, got):
         assert g["output_ids"] == r["output_ids"]
@@ -60,7 +63,10 @@ def test_self_speculation_keeps_the_default_and_its_greedy_output(builtin_engine
     GGUF forms: it keeps the default and the fp32 greedy output."""
     ref = builtin_engine.generate(PROMPTS, sampling_params=GREEDY)
     method, spec = _greedy(
-        speculative_algorithm="STANDALONE", speculative_draft_layers=12, speculative_eagle_topk=1
+        speculative_algorithm="STANDALONE",
+        speculative_draft_layers=12,
+        speculative_eagle_topk=1,
+        kv_cache_dtype="float32",
     )
     assert method == "gguf"
     assert [s["output_ids"] for s in spec] == [r["output_ids"] for r in ref]

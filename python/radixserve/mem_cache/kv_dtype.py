@@ -1,6 +1,8 @@
 """What `--kv-cache-dtype` stores in the KV pool, and how a write quantizes to it.
 
-SGLang's names: `auto` (the model dtype), `bf16`/`bfloat16`, `fp8_e4m3`, `fp8_e5m2`. fp8 is
+SGLang's names: `auto` (the model dtype; ServerArgs.resolve turns it into `bf16` for quantized
+models on CPU: configs/kv_cache_args.py), `bf16`/`bfloat16`, `fp8_e4m3`, `fp8_e5m2`; radixserve's
+`float32` (fp32 K/V for an fp32 model, whatever its weights' format). fp8 is
 stored with a scale of 1.0, as SGLang does without checkpoint scales: values are saturated at the
 format's largest finite value (e4m3fn has no infinity, and a plain cast of a larger value gives
 NaN). `int8` is radixserve's own (CPU): int8 K/V with one fp32 scale per (token, KV head),
@@ -15,6 +17,7 @@ import torch
 from radixserve.server_args import KV_CACHE_DTYPES
 
 _STORAGE = {
+    "float32": torch.float32,
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,

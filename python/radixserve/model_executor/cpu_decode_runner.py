@@ -6,7 +6,8 @@ ops of a 30-layer forward (module calls, views, kernel dispatch) cost ~1.5 ms on
 tensors the Python path uses: the small-M linear kernels on the same weights (int8 ones with
 their scales under --quantization w8a8_int8, weight-only group-quantized forms through linear_wq
 where a layer has one, fp16 copies with --cpu-fp16-weights, else the plain fp32 ones), the same KV
-pool, the same rotary tables. A wq form marked for int8 activations takes them (linear_wq_a8) in
+pool in its own dtype (fp32, or --kv-cache-dtype's bf16 / fp8 / int8, quantized on write and
+dequantized on read by the same store_kv and decode attention), the same rotary tables. A wq form marked for int8 activations takes them (linear_wq_a8) in
 steps of at most group_quant.a8_rows rows (the installed wq_a8_max_tokens; every step for a form
 with the int8-activation panels, which it then reads), the module forward's rule (layers/group_quant.py),
 so both paths run the same kernel on the same rows. The
@@ -130,6 +131,9 @@ class CpuDecodeRunner:
                 k_buf,
                 v_buf,
             )
+            kv_scales = token_to_kv_pool.get_kv_scale_buffer(layer_id)  # int8 pools only
+            if kv_scales is not None:
+                self.decode_model.set_layer_kv_scales(layer_id, *kv_scales)
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(lin.weight_int8 is not None for lin in linears):
                 self.decode_model.set_layer_scales(layer_id, *(_scale(lin) for lin in linears))
@@ -213,6 +217,23 @@ def verify_rows_as_decode_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Te
     return pool_rows.contiguous(), (fb.positions + 1).contiguous()
 
 
+def _fp32_model(model: torch.nn.Module) -> bool:
+    """The stack computes in fp32: the embeddings (and so the hidden states) are fp32."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    return weight is not None and weight.dtype == torch.float32
+
+
+def _reads_pool_dtype(dtype: torch.dtype) -> bool:
+    """Whether this sgl-kernel build's DecodeModel reads and writes a KV pool of `dtype` in place:
+    fp32 always; bf16 / fp8 / int8 in builds with set_layer_kv_scales (which also take every
+    attention_kv_dtypes pool in add_layer)."""
+    if dtype == torch.float32:
+        return True
+    decode_model_cls = getattr(getattr(cpu_kernels, "_ext", None), "DecodeModel", None)
+    return hasattr(decode_model_cls, "set_layer_kv_scales") and dtype in cpu_kernels.attention_kv_dtypes()
+
+
 def create_cpu_decode_runner(
     model: torch.nn.Module,
     token_to_kv_pool: MHATokenToKVPool,
@@ -232,7 +253,7 @@ def create_cpu_decode_runner(
         decode_model_cls = getattr(getattr(cpu_kernels, "_ext", None), "DecodeModel", None)
         if tp_comm is None or not hasattr(decode_model_cls, "set_tp_comm"):
             reasons.append("tensor parallelism without the shared-memory all-reduce")
-    if server_args.device != "cpu" or token_to_kv_pool.dtype != torch.float32:
+    if server_args.device != "cpu" or not _fp32_model(model):
         reasons.append("not an fp32 CPU model")
     if server_args.attention_backend != "cpu":
         reasons.append(f"attention backend {server_args.attention_backend}")
@@ -286,6 +307,15 @@ def create_cpu_decode_runner(
     if lora is not None and not hasattr(decode_model_cls, "set_layer_lora"):
         logger.info(
             "CPU fused decode off: this sgl-kernel build has no LoRA delta in it (rebuild sgl-kernel)"
+        )
+        return None
+    if not _reads_pool_dtype(token_to_kv_pool.dtype):
+        # A quantized KV pool (the default for quantized models) with a build whose stack reads fp32
+        # pools only: the module forward runs every decode step.
+        logger.info(
+            "CPU fused decode off: this sgl-kernel build reads fp32 KV pools only, this pool is %s "
+            "(rebuild sgl-kernel)",
+            token_to_kv_pool.dtype,
         )
         return None
     wq_a8_max_tokens = min(wq_a8_max_tokens, max_bs)

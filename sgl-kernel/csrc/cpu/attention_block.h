@@ -48,11 +48,14 @@ struct Vec {
 };
 #endif
 
-// Scores of one query row against a block of kBlockTokens keys, from the block's K transposed to
-// kt [D][kBlockTokens]: out[j] = sum_d q[d] * kt[d][j]. Transposing once per block (shared by every
-// query head and every request folded over it) makes each score a plain FMA chain: no horizontal
-// sum per (token, head), which cost as much as the dot product itself.
+// Scores of G query rows against a block of kBlockTokens keys.
 #if RS_HAVE_AVX512
+// AVX-512: the block's K rows are widened to fp32 once (kb [kBlockTokens][D], shared by every
+// query head and every request folded over the block), each score is a chain of D / 16 FMAs, and
+// the 16 tokens' partial-sum vectors are reduced together by a tree of shuffles (45 operations
+// per query row and block), far cheaper than transposing the block (a 16x16 transpose per 16 of
+// D, 3x the FMAs' cost at head_dim 64, measured on Zen 4) or a horizontal sum per token.
+// A 16x16 transpose in registers (extend_attention_tile.h transposes its key tiles with it).
 inline void transpose16x16(__m512 r[16]) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {
@@ -76,28 +79,54 @@ inline void transpose16x16(__m512 r[16]) {
   }
 }
 
-// kt [D][16] from the K rows slots[0..n) (rows n..15 read as zeros).
-// k_scale: the int8 pool's per-row scales (offset to this KV head, stride scale_stride), or nullptr.
+// kb [num_heads][kBlockTokens][D] from the K rows slots[0..n) of num_heads consecutive KV heads
+// (rows n..15 zero), each row read front to back; k_scale: the int8 pool's per-row scales (offset
+// to the first of these KV heads, stride scale_stride), folded into the rows, or nullptr.
 template <typename kv_t>
-inline void transpose_keys(const kv_t* k_buf, int64_t row_stride, const float* k_scale, int64_t scale_stride,
-                           const int32_t* slots, int n, int64_t D, float* kt) {
-  for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    __m512 r[16];
-    for (int j = 0; j < 16; ++j) {
-      r[j] = j < n ? load16(k_buf + static_cast<int64_t>(slots[j]) * row_stride + d0) : _mm512_setzero_ps();
-      if (k_scale && j < n) r[j] = _mm512_mul_ps(r[j], _mm512_set1_ps(row_scale(k_scale, slots[j], scale_stride)));
+inline void prepare_keys(const kv_t* k_buf, int64_t row_stride, const float* k_scale, int64_t scale_stride,
+                         const int32_t* slots, int n, int64_t num_heads, int64_t D, float* kb) {
+  for (int j = 0; j < kBlockTokens; ++j) {
+    const kv_t* src = j < n ? k_buf + static_cast<int64_t>(slots[j]) * row_stride : nullptr;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* dst = kb + (h * kBlockTokens + j) * D;
+      if (src == nullptr) {
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(dst + d, _mm512_setzero_ps());
+        continue;
+      }
+      const __m512 ks = _mm512_set1_ps(row_scale(k_scale ? k_scale + h : nullptr, slots[j], scale_stride));
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 x = load16(src + h * D + d);
+        _mm512_store_ps(dst + d, k_scale ? _mm512_mul_ps(x, ks) : x);
+      }
     }
-    transpose16x16(r);
-    for (int x = 0; x < 16; ++x) _mm512_store_ps(kt + (d0 + x) * 16, r[x]);
   }
 }
 
-inline void score_row(const float* q, const float* kt, int64_t D, float scale, float* out) {
-  __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t d = 0; d < D; d += 4)  // 4 independent chains (D is a multiple of 16)
-    for (int i = 0; i < 4; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + i]), _mm512_load_ps(kt + (d + i) * 16), s[i]);
-  const __m512 sum = _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
-  _mm512_store_ps(out, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+// Lane j of the result: the sum of the 16 lanes of s[j].
+inline __m512 reduce16x16(__m512 s[16]) {
+  __m512 x[8], y[4], z[2];
+  // x[i], per 128-bit lane: (s[2i], s[2i+1], s[2i], s[2i+1]) partials.
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+  // y[i], per 128-bit lane: tokens 4i..4i+3, one partial each.
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  // z[i]: y[2i]'s lanes (0+2, 1+3), then y[2i+1]'s.
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// out[j] = scale * q . kb[j] for j < kBlockTokens (D a multiple of 16).
+inline void score_row(const float* q, const float* kb, int64_t D, float scale, float* out) {
+  __m512 s[16];
+  for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {  // 16 independent FMA chains
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < 16; ++j) s[j] = _mm512_fmadd_ps(qd, _mm512_load_ps(kb + j * D + d), s[j]);
+  }
+  _mm512_store_ps(out, _mm512_mul_ps(reduce16x16(s), _mm512_set1_ps(scale)));
 }
 #else
 inline void transpose8x8(__m256 r[8]) {
@@ -119,6 +148,8 @@ inline void transpose8x8(__m256 r[8]) {
   }
 }
 
+// AVX2 (16 registers: no room for 16 partial sums): the block's K transposed to kt [D][16], so each
+// score is a plain FMA chain over D; the transpose is shared by every query head and request.
 template <typename kv_t>
 inline void transpose_keys(const kv_t* k_buf, int64_t row_stride, const float* k_scale, int64_t scale_stride,
                            const int32_t* slots, int n, int64_t D, float* kt) {
@@ -134,6 +165,15 @@ inline void transpose_keys(const kv_t* k_buf, int64_t row_stride, const float* k
       for (int x = 0; x < 8; ++x) _mm256_store_ps(kt + (d0 + x) * 16 + 8 * half, r[x]);
     }
   }
+}
+
+// kt [num_heads][D][16]: transpose_keys for each of num_heads consecutive KV heads.
+template <typename kv_t>
+inline void prepare_keys(const kv_t* k_buf, int64_t row_stride, const float* k_scale, int64_t scale_stride,
+                         const int32_t* slots, int n, int64_t num_heads, int64_t D, float* kt) {
+  for (int64_t h = 0; h < num_heads; ++h)
+    transpose_keys(k_buf + h * D, row_stride, k_scale ? k_scale + h : nullptr, scale_stride, slots, n, D,
+                   kt + h * D * kBlockTokens);
 }
 
 inline void score_row(const float* q, const float* kt, int64_t D, float scale, float* out) {
@@ -185,27 +225,54 @@ constexpr int max_value_chunks() {
   return (Vec::kRegisters - 1) / (G + 1) >= 4 ? 4 : (Vec::kRegisters - 1) / (G + 1) >= 2 ? 2 : 1;
 }
 
-// Folds K/V rows slots[0..n) into `st` for the G query heads of `v`; kt is the block's K
-// transposed by transpose_keys.
+// The online-softmax step of one query row over a block: p [kBlockTokens] holds its scores (lanes
+// n.. are padding); on return p[j] = exp(p[j] - m_new) (0 for the padding), l = l * alpha + sum p,
+// m = m_new = max(m, scores); returns alpha = exp(m_old - m_new), what came before is rescaled by.
+#if RS_HAVE_AVX512
+inline float softmax_update(float* p, int n, float& m, float& l) {
+  const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __m512 s = _mm512_load_ps(p);
+  const float m_new = std::max(m, _mm512_mask_reduce_max_ps(valid, s));
+  const float alpha = std::exp(m - m_new);
+  const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+  _mm512_store_ps(p, e);
+  l = l * alpha + _mm512_reduce_add_ps(e);
+  m = m_new;
+  return alpha;
+}
+#else
+inline float softmax_update(float* p, int n, float& m, float& l) {
+  float m_new = m;
+  for (int j = 0; j < n; ++j) m_new = std::max(m_new, p[j]);
+  const float alpha = std::exp(m - m_new);
+  for (int j = n; j < kBlockTokens; ++j) p[j] = m_new;  // padding: exp(0), zeroed below
+  for (int64_t j = 0; j < kBlockTokens; j += Vec::kWidth) {
+    Vec::store(p + j, Vec::exp(Vec::sub(Vec::load(p + j), Vec::set1(m_new))));
+  }
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) sum += p[j];
+  for (int j = n; j < kBlockTokens; ++j) p[j] = 0.f;
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+#endif
+
+// Folds K/V rows slots[0..n) into `st` for the G query heads of `v`; keys: the block's K as
+// prepare_keys left it.
 template <int G, int kNB, typename kv_t>
-void fold_block(const HeadView<kv_t>& v, int64_t D, const int32_t* slots, int n, const float* kt, const HeadState& st) {
+void fold_block(const HeadView<kv_t>& v, int64_t D, const int32_t* slots, int n, const float* keys,
+                const HeadState& st) {
   constexpr int64_t W = Vec::kWidth;
   alignas(64) float p[G][kBlockTokens];
-  for (int g = 0; g < G; ++g) score_row(v.q + g * v.q_head_stride, kt, D, v.scale, p[g]);
+  for (int g = 0; g < G; ++g) score_row(v.q + g * v.q_head_stride, keys, D, v.scale, p[g]);
   float alpha[G];
-  for (int g = 0; g < G; ++g) {  // online softmax: what came before is rescaled by exp(m_old - m_new)
-    float m_new = st.m[g];
-    for (int j = 0; j < n; ++j) m_new = std::max(m_new, p[g][j]);
-    alpha[g] = std::exp(st.m[g] - m_new);
-    for (int j = n; j < kBlockTokens; ++j) p[g][j] = m_new;  // padding: exp(0), zeroed below
-    for (int64_t j = 0; j < kBlockTokens; j += W) {
-      Vec::store(&p[g][j], Vec::exp(Vec::sub(Vec::load(&p[g][j]), Vec::set1(m_new))));
-    }
-    float sum = 0.f;
-    for (int j = 0; j < n; ++j) sum += p[g][j];
-    for (int j = n; j < kBlockTokens; ++j) p[g][j] = 0.f;
-    st.l[g] = st.l[g] * alpha[g] + sum;
-    st.m[g] = m_new;
+  for (int g = 0; g < G; ++g) alpha[g] = softmax_update(p[g], n, st.m[g], st.l[g]);
+  if (v.v_scale) {  // int8 V: each row's scale folded into its weights (after the sum l)
+    alignas(64) float vs[kBlockTokens];
+    for (int j = 0; j < n; ++j) vs[j] = row_scale(v.v_scale, slots[j], v.scale_stride);
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < n; ++j) p[g][j] *= vs[j];
   }
   for (int64_t d0 = 0; d0 < D; d0 += W * kNB) {  // values
     typename Vec::reg o[G][kNB];
@@ -213,11 +280,10 @@ void fold_block(const HeadView<kv_t>& v, int64_t D, const int32_t* slots, int n,
       for (int c = 0; c < kNB; ++c) o[g][c] = Vec::mul(Vec::load(st.acc + g * D + d0 + W * c), Vec::set1(alpha[g]));
     for (int j = 0; j < n; ++j) {
       const kv_t* row = v.v_buf + static_cast<int64_t>(slots[j]) * v.kv_row_stride + d0;
-      const float vs = row_scale(v.v_scale, slots[j], v.scale_stride);  // folded into the weight
       typename Vec::reg rows[kNB];
       for (int c = 0; c < kNB; ++c) rows[c] = Vec::load_kv(row + W * c);
       for (int g = 0; g < G; ++g) {
-        const typename Vec::reg w = Vec::set1(p[g][j] * vs);
+        const typename Vec::reg w = Vec::set1(p[g][j]);
         for (int c = 0; c < kNB; ++c) o[g][c] = Vec::fma(w, rows[c], o[g][c]);
       }
     }
@@ -226,32 +292,46 @@ void fold_block(const HeadView<kv_t>& v, int64_t D, const int32_t* slots, int n,
   }
 }
 
+// Prefetches `bytes` from the start of each of the rows slots[0..n).
 template <typename kv_t>
-inline void prefetch_rows(const kv_t* buf, int64_t row_stride, const int32_t* slots, int64_t n, int64_t D) {
+inline void prefetch_rows(const kv_t* buf, int64_t row_stride, const int32_t* slots, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j) {
     const char* p = reinterpret_cast<const char*>(buf + static_cast<int64_t>(slots[j]) * row_stride);
-    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(kv_t)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
   }
 }
 
-// Tokens [t0, t1) of `slots`, shared by `num_heads_sets` query-head sets (the requests of a
-// shared prefix, or one request): each block of K/V rows is read from memory once and folded into
-// every set's state while it sits in L1; the next block is prefetched (the slot indirection
-// defeats the hardware prefetcher).
+// Blocks ahead that fold_range prefetches: into L2, two blocks ahead (measured on Zen 4: into L1
+// one block ahead, the prefetches filled the core's miss buffers and stalled it).
+constexpr int64_t kPrefetchBlocks = 2;
+
+// Tokens [t0, t1) of `slots` for `num_heads` consecutive KV heads, shared by `num_sets` query-head
+// sets (the requests of a shared prefix, or one request); views and states are [set][head]. Each
+// block of K/V rows is read from memory once and folded into every set's state while it sits in
+// cache. A task that takes every KV head reads each token's K and V row whole and front to back,
+// where a task per head read a third of each row at a stride; the rows two blocks ahead are
+// prefetched, since the slot indirection defeats the hardware prefetcher when slots are scattered.
 template <int G, int kNB, typename kv_t>
-void fold_range(const HeadView<kv_t>* views, const HeadState* states, int64_t num_heads_sets, int64_t D,
+void fold_range(const HeadView<kv_t>* views, const HeadState* states, int64_t num_sets, int64_t num_heads, int64_t D,
                 const int32_t* slots, int64_t t0, int64_t t1) {
-  alignas(64) thread_local float kt[kMaxHeadDim * kBlockTokens];  // [D][kBlockTokens]
+  thread_local std::vector<float> key_storage;  // the block's keys as prepare_keys leaves them, 64-byte aligned
+  key_storage.resize(static_cast<size_t>(num_heads * D * kBlockTokens + 16));
+  float* keys = key_storage.data() + ((64 - reinterpret_cast<uintptr_t>(key_storage.data()) % 64) % 64) / sizeof(float);
+  const int64_t row_bytes = num_heads * D * static_cast<int64_t>(sizeof(kv_t));  // heads are contiguous in a row
+  constexpr int64_t ahead = kPrefetchBlocks * kBlockTokens;
   for (int64_t tb = t0; tb < t1; tb += kBlockTokens) {
     const int n = static_cast<int>(std::min<int64_t>(kBlockTokens, t1 - tb));
-    const int64_t next = std::min<int64_t>(kBlockTokens, t1 - tb - kBlockTokens);
+    const int64_t next = std::min<int64_t>(kBlockTokens, t1 - tb - ahead);
     if (next > 0) {
-      prefetch_rows(views[0].k_buf, views[0].kv_row_stride, slots + tb + kBlockTokens, next, D);
-      prefetch_rows(views[0].v_buf, views[0].kv_row_stride, slots + tb + kBlockTokens, next, D);
+      prefetch_rows(views[0].k_buf, views[0].kv_row_stride, slots + tb + ahead, next, row_bytes);
+      prefetch_rows(views[0].v_buf, views[0].kv_row_stride, slots + tb + ahead, next, row_bytes);
     }
-    transpose_keys(views[0].k_buf, views[0].kv_row_stride, views[0].k_scale, views[0].scale_stride, slots + tb, n, D,
-                   kt);
-    for (int64_t i = 0; i < num_heads_sets; ++i) fold_block<G, kNB>(views[i], D, slots + tb, n, kt, states[i]);
+    prepare_keys(views[0].k_buf, views[0].kv_row_stride, views[0].k_scale, views[0].scale_stride, slots + tb, n,
+                 num_heads, D, keys);
+    for (int64_t h = 0; h < num_heads; ++h)
+      for (int64_t i = 0; i < num_sets; ++i)
+        fold_block<G, kNB>(views[i * num_heads + h], D, slots + tb, n, keys + h * D * kBlockTokens,
+                           states[i * num_heads + h]);
   }
 }
 

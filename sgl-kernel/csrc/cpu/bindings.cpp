@@ -123,6 +123,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scaling"),
            py::arg("cos"), py::arg("sin"))
       .def("add_layer", &DecodeModel::add_layer)
+      .def("set_layer_kv_scales", &DecodeModel::set_layer_kv_scales, py::arg("index"), py::arg("k_scale"),
+           py::arg("v_scale"),
+           "An int8 KV pool's per-(slot, KV head) scales for a layer (fp32 [pool_size, num_kv_heads]); a build with "
+           "this method takes every attention_kv_dtypes pool in add_layer")
       .def("set_layer_scales", &DecodeModel::set_layer_scales, py::arg("index"), py::arg("qkv_s"), py::arg("o_s"),
            py::arg("gate_up_s"), py::arg("down_s"), "Per-row fp32 scales of a layer's int8 weights (None: not int8)")
       .def("set_layer_wq", &DecodeModel::set_layer_wq, py::arg("index"), py::arg("qkv"), py::arg("o"),

@@ -112,28 +112,28 @@ constexpr int64_t kMinSplitTokens = 128;  // no split shorter than this
 constexpr int64_t kMinSharedTokens = 64;  // a shared prefix shorter than this is not worth a segment
 
 template <int G, typename kv_t>
-void fold_range_g(const HeadView<kv_t>* views, const HeadState* states, int64_t n, int64_t D, const int32_t* slots,
-                  int64_t t0, int64_t t1) {
+void fold_range_g(const HeadView<kv_t>* views, const HeadState* states, int64_t n, int64_t nh, int64_t D,
+                  const int32_t* slots, int64_t t0, int64_t t1) {
   constexpr int kMax = max_value_chunks<G>();
   const int64_t chunks = D / Vec::kWidth;
-  if (kMax >= 4 && chunks % 4 == 0) return fold_range<G, 4>(views, states, n, D, slots, t0, t1);
-  if (kMax >= 2 && chunks % 2 == 0) return fold_range<G, 2>(views, states, n, D, slots, t0, t1);
-  fold_range<G, 1>(views, states, n, D, slots, t0, t1);
+  if (kMax >= 4 && chunks % 4 == 0) return fold_range<G, 4>(views, states, n, nh, D, slots, t0, t1);
+  if (kMax >= 2 && chunks % 2 == 0) return fold_range<G, 2>(views, states, n, nh, D, slots, t0, t1);
+  fold_range<G, 1>(views, states, n, nh, D, slots, t0, t1);
 }
 
 template <typename kv_t>
-bool fold_range_dispatch(const HeadView<kv_t>* views, const HeadState* states, int64_t n, int64_t G, int64_t D,
-                         const int32_t* slots, int64_t t0, int64_t t1) {
+bool fold_range_dispatch(const HeadView<kv_t>* views, const HeadState* states, int64_t n, int64_t nh, int64_t G,
+                         int64_t D, const int32_t* slots, int64_t t0, int64_t t1) {
   if (D % Vec::kWidth != 0) return false;
   switch (G) {
-    case 1: fold_range_g<1>(views, states, n, D, slots, t0, t1); return true;
-    case 2: fold_range_g<2>(views, states, n, D, slots, t0, t1); return true;
-    case 3: fold_range_g<3>(views, states, n, D, slots, t0, t1); return true;
-    case 4: fold_range_g<4>(views, states, n, D, slots, t0, t1); return true;
-    case 5: fold_range_g<5>(views, states, n, D, slots, t0, t1); return true;
-    case 6: fold_range_g<6>(views, states, n, D, slots, t0, t1); return true;
-    case 7: fold_range_g<7>(views, states, n, D, slots, t0, t1); return true;
-    case 8: fold_range_g<8>(views, states, n, D, slots, t0, t1); return true;
+    case 1: fold_range_g<1>(views, states, n, nh, D, slots, t0, t1); return true;
+    case 2: fold_range_g<2>(views, states, n, nh, D, slots, t0, t1); return true;
+    case 3: fold_range_g<3>(views, states, n, nh, D, slots, t0, t1); return true;
+    case 4: fold_range_g<4>(views, states, n, nh, D, slots, t0, t1); return true;
+    case 5: fold_range_g<5>(views, states, n, nh, D, slots, t0, t1); return true;
+    case 6: fold_range_g<6>(views, states, n, nh, D, slots, t0, t1); return true;
+    case 7: fold_range_g<7>(views, states, n, nh, D, slots, t0, t1); return true;
+    case 8: fold_range_g<8>(views, states, n, nh, D, slots, t0, t1); return true;
     default: return false;
   }
 }
@@ -277,25 +277,32 @@ void decode_attention_impl(
     const int64_t state_size = G * D + 2 * G;
     std::vector<float> parts(static_cast<size_t>(plan.num_parts * Hkv * state_size));
     auto part_at = [&](int64_t part, int64_t kh) { return parts.data() + (part * Hkv + kh) * state_size; };
+    // A task folds one segment for every KV head (whole K/V rows: see fold_range), unless there
+    // are too few segments to keep the threads busy; then one KV head each.
+    const int64_t num_segments = static_cast<int64_t>(plan.segments.size());
+    const int64_t nh = num_segments >= 2 * at::get_num_threads() ? Hkv : 1;  // KV heads per task
+    const int64_t head_groups = Hkv / nh;
     // Segments come heaviest first (shared prefixes, then own tails), which dynamic scheduling
     // needs to balance well.
-    parallel_tasks(static_cast<int64_t>(plan.segments.size()) * Hkv, [&](int64_t task) {
-      thread_local std::vector<HeadView<kv_t>> views;
+    parallel_tasks(num_segments * head_groups, [&](int64_t task) {
+      thread_local std::vector<HeadView<kv_t>> views;  // [member][head]
       thread_local std::vector<HeadState> states;
-      const Segment& seg = plan.segments[task / Hkv];
-      const int64_t kh = task % Hkv;
+      const Segment& seg = plan.segments[task / head_groups];
+      const int64_t h0 = (task % head_groups) * nh;
       views.clear();
       states.clear();
       for (int64_t i = seg.mb; i < seg.me; ++i) {
         const int64_t b = plan.members[i];
-        views.push_back({q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, Hkv * D,
-                         static_cast<float>(scale), k_scale ? k_scale + kh : nullptr,
-                         v_scale ? v_scale + kh : nullptr, Hkv});
-        float* st = part_at(seg.part_base + (i - seg.mb), kh);
-        states.push_back({st, st + G * D, st + G * D + G});
-        reset_state(states.back(), G, D);
+        for (int64_t kh = h0; kh < h0 + nh; ++kh) {
+          views.push_back({q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, Hkv * D,
+                           static_cast<float>(scale), k_scale ? k_scale + kh : nullptr,
+                           v_scale ? v_scale + kh : nullptr, Hkv});
+          float* st = part_at(seg.part_base + (i - seg.mb), kh);
+          states.push_back({st, st + G * D, st + G * D + G});
+          reset_state(states.back(), G, D);
+        }
       }
-      fold_range_dispatch(views.data(), states.data(), seg.me - seg.mb, G, D, rows[seg.rep], seg.t0, seg.t1);
+      fold_range_dispatch(views.data(), states.data(), seg.me - seg.mb, nh, G, D, rows[seg.rep], seg.t0, seg.t1);
     });
     at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {

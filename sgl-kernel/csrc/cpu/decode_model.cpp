@@ -1,5 +1,7 @@
 #include "decode_model.h"
 
+#include "common.h"
+
 #include "linear_wq_a8.h"
 #include "ops.h"
 
@@ -82,10 +84,20 @@ void DecodeModel::add_layer(at::Tensor input_norm, at::Tensor qkv_w, c10::option
   check_weight(down_w, hidden, gate_up_w.size(0) / 2, "down_w");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeModel: q_norm and k_norm come together");
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.size(1) == num_kv_heads_ && k_buf.size(2) == head_dim_ &&
-                  k_buf.scalar_type() == at::kFloat,
-              "DecodeModel: KV buffers must be fp32 [pool_size, num_kv_heads, head_dim]");
+                  k_buf.sizes() == v_buf.sizes() && k_buf.scalar_type() == v_buf.scalar_type(),
+              "DecodeModel: KV buffers must be [pool_size, num_kv_heads, head_dim] of one dtype");
+  // Any pool dtype the attention kernels read (an int8 pool's scales come by set_layer_kv_scales).
+  dispatch_kv_dtype(k_buf.scalar_type(), "DecodeModel", [](auto) {});
   layers_.push_back(DecodeLayer{input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, qkv_b, q_norm, k_norm, o_b,
                                 gate_up_b, down_b, k_buf, v_buf});
+}
+
+void DecodeModel::set_layer_kv_scales(int64_t index, at::Tensor k_scale, at::Tensor v_scale) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
+  DecodeLayer& L = layers_[index];
+  kv_scales("DecodeModel", L.k_buf, k_scale, v_scale);  // int8 pools only, [pool_size, Hkv] fp32
+  L.k_scale = std::move(k_scale);
+  L.v_scale = std::move(v_scale);
 }
 
 void DecodeModel::set_layer_scales(int64_t index, c10::optional<at::Tensor> qkv_s, c10::optional<at::Tensor> o_s,
@@ -207,6 +219,9 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
                                 const c10::optional<at::Tensor>& token_slots,
                                 const std::function<bool()>& should_yield) const {
   TORCH_CHECK(!layers_.empty() && final_norm_.defined(), "DecodeModel: layers or final norm missing");
+  for (const DecodeLayer& L : layers_)
+    TORCH_CHECK(L.k_buf.scalar_type() != at::kChar || L.k_scale.has_value(),
+                "DecodeModel: an int8 KV pool needs its scales (set_layer_kv_scales)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "DecodeModel: hidden must be fp32 [bs, H]");
   const int64_t bs = hidden.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
   // The rows' adapters, sorted once for every projection of every layer; none: the base model.
@@ -239,8 +254,9 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     }
     rotary_neox_(positions, q, k, cos_, sin_);
     at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
-    store_kv(k_buf, v_buf, out_cache_loc, k, v);
-    decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_);
+    store_kv(k_buf, v_buf, out_cache_loc, k, v, L.k_scale, L.v_scale);  // quantized to the pool's dtype
+    decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_, L.k_scale,
+                     L.v_scale);
     x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b, L.lora.o, plan, a8);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
     at::Tensor gate_up = lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b, a8);  // [bs, 2 * I]

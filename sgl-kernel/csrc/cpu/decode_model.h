@@ -38,7 +38,11 @@ using PanelTuple = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>,
 struct DecodeLayer {
   at::Tensor input_norm, qkv_w, o_w, post_norm, gate_up_w, down_w;  // weights: fp32, fp16 or int8
   c10::optional<at::Tensor> qkv_b, q_norm, k_norm, o_b, gate_up_b, down_b;
-  at::Tensor k_buf, v_buf;  // this layer's KV pool [pool_size, num_kv_heads, head_dim] fp32
+  // This layer's KV pool [pool_size, num_kv_heads, head_dim]: fp32, bf16, fp8 or int8 (read and
+  // written in place, quantized as the module forward's store_kv does); an int8 pool's per-(slot,
+  // KV head) scales [pool_size, num_kv_heads] fp32 beside it.
+  at::Tensor k_buf, v_buf;
+  c10::optional<at::Tensor> k_scale, v_scale;
   // Per-output-row fp32 scales of the int8 weights (--quantization w8a8_int8); unset otherwise.
   c10::optional<at::Tensor> qkv_s, o_s, gate_up_s, down_s;
   // Weight-only quantized forms (GGUF, GPTQ/AWQ, int4/int8 weight-only): when set, the linear runs
@@ -57,6 +61,9 @@ class DecodeModel {
                  c10::optional<at::Tensor> o_b, at::Tensor post_norm, at::Tensor gate_up_w,
                  c10::optional<at::Tensor> gate_up_b, at::Tensor down_w, c10::optional<at::Tensor> down_b,
                  at::Tensor k_buf, at::Tensor v_buf);
+  // The per-(slot, KV head) scales of layer `index`'s int8 KV pool (fp32 [pool_size, num_kv_heads]
+  // each); an int8 pool needs them, other dtypes refuse them.
+  void set_layer_kv_scales(int64_t index, at::Tensor k_scale, at::Tensor v_scale);
   // The scales of layer `index`'s int8 weights (linear_int8's w_scale); every int8 weight needs one.
   void set_layer_scales(int64_t index, c10::optional<at::Tensor> qkv_s, c10::optional<at::Tensor> o_s,
                         c10::optional<at::Tensor> gate_up_s, c10::optional<at::Tensor> down_s);
