@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 PROMPTS = [[9, 88, 140, 23, 200, 71, 5, 301, 12], [40, 41, 42, 43, 44], list(range(100, 130)), [7, 300, 8]]
 NEW = 12
-ARGS = {"max_total_tokens": 4096, "log_level": "warning"}
+# fp32 K/V: these tests compare quantized weights with the fp32 model, and `auto` stores bf16 K/V
+# for quantized models on CPU (configs/kv_cache_args.py).
+ARGS = {"max_total_tokens": 4096, "log_level": "warning", "kv_cache_dtype": "float32"}
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 

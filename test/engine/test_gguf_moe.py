@@ -69,8 +69,11 @@ def moe_gguf(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _scheduler_greedy(folder: str, **server_args: object) -> list[list[int]]:
-    """Greedy tokens of every prompt through the real scheduler (one batch, chunked prefill)."""
-    sched = InProcessScheduler(folder, max_total_tokens=4096, chunked_prefill_size=8, **server_args)
+    """Greedy tokens of every prompt through the real scheduler (one batch, chunked prefill), with
+    fp32 K/V: the test compares the file's tensors with HF on their fp32 twin, and `auto` stores
+    bf16 K/V for quantized models (configs/kv_cache_args.py)."""
+    flags = {"kv_cache_dtype": "float32", **server_args}
+    sched = InProcessScheduler(folder, max_total_tokens=4096, chunked_prefill_size=8, **flags)
     try:
         for i, prompt in enumerate(PROMPTS):
             sched.submit(f"r{i}", prompt, max_new_tokens=NUM_NEW, ignore_eos=True)
