@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from test_cpu_tuning import _isolated  # noqa: F401 - autouse: own cache folder, quiet machine, crossovers restored
+from test_cpu_tuning import _isolated, cache_only  # noqa: F401 - autouse: own cache folder, quiet machine, crossovers restored
 
 from radixserve.layers import cpu_crossovers
 from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, active
@@ -117,10 +117,8 @@ def test_installed_batches_run_the_panels_and_small_products_stay_exact() -> Non
 
 def test_flags_and_modes_decide_over_the_cache(monkeypatch) -> None:
     layers = _layers()
-    path = cache_path(layers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"bounds": BOUNDS, "wq_batch_a8": True}))
-    monkeypatch.setattr(cpu_tuning, "measure", lambda layers: pytest.fail("measured despite the cache"))
+    write = cache_only(monkeypatch, layers)
+    write({"wq_batch_a8": True})
     assert resolve_crossovers("auto", None, layers, 1).wq_batch_a8
     off = resolve_crossovers("auto", None, layers, 1, int8_activations=False)
     assert not off.wq_batch_a8 and off.wq_a8_max_tokens == 0
@@ -130,12 +128,12 @@ def test_flags_and_modes_decide_over_the_cache(monkeypatch) -> None:
     forced = resolve_crossovers("auto", None, layers, 1, int8_activations=True)
     assert forced.wq_batch_a8 and forced.wq_a8_max_tokens == BOUNDS["wq_max_tokens"]  # every product
     assert not resolve_crossovers("off", None, layers, 1).wq_batch_a8  # the parity tests' exact path
-    path.write_text(json.dumps({"bounds": BOUNDS}))  # a cache without the choice: not measured
+    write({})  # a cache without the choice: not measured
     assert not resolve_crossovers("auto", None, layers, 1).wq_batch_a8
-    path.write_text(json.dumps({"bounds": BOUNDS, "wq_batch_a8": True}))
+    write({"wq_batch_a8": True})
     monkeypatch.setattr(cpu_batch_numerics, "A8_BATCH_BY_DEFAULT", False)
     assert not resolve_crossovers("auto", None, layers, 1).wq_batch_a8  # opt-in: measured, not served
-    path.write_text(json.dumps({"bounds": BOUNDS, "wq_batch_a8": 1}))
+    write({"wq_batch_a8": 1})
     monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "busy")
     assert not resolve_crossovers("auto", None, layers, 1).wq_batch_a8  # unreadable, busy: defaults
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cpu_tuning import _isolated  # noqa: F401 - autouse: own cache folder, quiet machine, crossovers restored
+from test_cpu_tuning import _isolated, cache_only  # noqa: F401 - autouse: own cache folder, quiet machine, crossovers restored
 
 from radixserve.layers import cpu_crossovers
 from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, active
@@ -131,22 +131,20 @@ def test_without_native_bf16_nothing_is_measured(monkeypatch) -> None:
 @needs_bf16
 def test_flags_and_modes_decide_over_the_cache(monkeypatch) -> None:
     layers = _layers()
-    path = cache_path(layers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"bounds": BOUNDS, "wq_batch_bf16": True}))
-    monkeypatch.setattr(cpu_tuning, "measure", lambda layers: pytest.fail("measured despite the cache"))
+    write = cache_only(monkeypatch, layers)
+    write({"wq_batch_bf16": True})
     assert resolve_crossovers("auto", None, layers, 1).wq_batch_bf16
     forced_off = resolve_crossovers("auto", None, layers, 1, bf16_batch=False)
     assert not forced_off.wq_batch_bf16 and "--disable-cpu-bf16-gemm" in forced_off.source
     assert not resolve_crossovers("off", None, layers, 1).wq_batch_bf16  # the parity tests' exact path
     assert resolve_crossovers("off", None, layers, 1, bf16_batch=True).wq_batch_bf16
     assert not resolve_crossovers("auto", None, layers, 2).wq_batch_bf16  # multi-rank: defaults
-    path.write_text(json.dumps({"bounds": BOUNDS}))  # a cache without the choice: not measured, fp32
+    write({})  # a cache without the choice: not measured, fp32
     assert not resolve_crossovers("auto", None, layers, 1).wq_batch_bf16
-    path.write_text(json.dumps({"bounds": BOUNDS, "wq_batch_bf16": True}))
+    write({"wq_batch_bf16": True})
     monkeypatch.setattr(cpu_batch_numerics, "BF16_BY_DEFAULT", False)
     assert not resolve_crossovers("auto", None, layers, 1).wq_batch_bf16  # opt-in: measured, not served
-    path.write_text(json.dumps({"bounds": BOUNDS, "wq_batch_bf16": "yes"}))
+    write({"wq_batch_bf16": "yes"})
     monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "busy")
     assert not resolve_crossovers("auto", None, layers, 1).wq_batch_bf16  # unreadable, busy: defaults
 

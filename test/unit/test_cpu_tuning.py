@@ -8,7 +8,8 @@ linear() and the fused decode path follow whatever is installed."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,9 @@ from radixserve.server_args import ServerArgs
 needs_onednn = pytest.mark.skipif(not onednn_prepack_available(), reason="torch built without oneDNN")
 
 
+# The bounds of the cache entries the tests write (cache_only).
+CACHED_BOUNDS = {"wq_max_tokens": 6, "f32_small_max_tokens": 2, "f16_max_tokens": 16}
+
 # The real check, kept before the autouse fixture below replaces it for every test.
 REAL_MACHINE_BUSY = cpu_tuning.machine_busy
 
@@ -39,6 +43,20 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[None]:
     before = active()
     yield
     cpu_crossovers._active = before
+
+
+def cache_only(monkeypatch: pytest.MonkeyPatch, layers: list[Linear]) -> Callable[[dict[str, Any]], None]:
+    """A writer of `layers`' tuning cache entry ({"bounds": ..., **entries}); from the first call on
+    a measurement fails the test, so what resolve_crossovers answers comes from the cache (or the
+    flags and modes over it)."""
+    path = cache_path(layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(cpu_tuning, "measure", lambda layers: pytest.fail("measured despite the cache"))
+
+    def write(entries: dict[str, Any]) -> None:
+        path.write_text(json.dumps({"bounds": CACHED_BOUNDS, **entries}))
+
+    return write
 
 
 def _layers(wq: bool = True) -> list[Linear]:
