@@ -1,9 +1,10 @@
 """MoE models from GGUF files (issue 37): tiny random Qwen2-MoE (shared expert), Qwen3-MoE and
-Mixtral written as llama.cpp writes them (testing/tiny_gguf_moe.py), converted to HF folders.
+Mixtral written as llama.cpp writes them (testing/tiny_gguf_moe.py), converted to HF folders
+(which leave the routed experts in the file: test_gguf_moe_load.py).
 
-- The conversion is the dequantized HF twin: radixserve's greedy tokens on it, through the real
-  scheduler with chunked prefill, equal HF transformers' on the same folder, in fp32 and with
-  --quantization gguf.
+- The dequantized HF twin (the file converted whole, experts included): radixserve's greedy tokens
+  on the file's conversion, through the real scheduler with chunked prefill, equal HF
+  transformers' on the twin, in fp32 and with --quantization gguf.
 - --quantization gguf serves the file's own expert (and attention) integers: its log-probs equal
   the fp32 path's on the same file up to summation order (thresholds below), teacher-forced as in
   test_gguf_quantization.py.
@@ -22,6 +23,7 @@ from radixserve.layers import group_quant
 from radixserve.layers.moe import fused_moe_a8, fused_moe_cpu
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.weight_read import read_piece
+from radixserve.model_loader.gguf_convert import convert_gguf_to_hf
 from radixserve.model_loader.gguf_source import ensure_gguf_converted
 from radixserve.testing.inprocess import InProcessScheduler
 from radixserve.testing.tiny_gguf_moe import make_tiny_moe_gguf
@@ -41,7 +43,10 @@ VARIANTS = {
     "mixtral-q8_0": ("mixtral", "Q8_0", {}, {}),
     "mixtral-q4": ("mixtral", "Q8_0", Q4_EXPERTS, {}),
     "qwen2_moe-dense-layer": ("qwen2_moe", "Q4_1", {}, {"mlp_only_layers": [1]}),
+    # Experts in a plain type: they serve in fp32 under --quantization gguf too, read from the file.
+    "qwen3_moe-f16-experts": ("qwen3_moe", "Q8_0", dict.fromkeys(Q4_EXPERTS, "F16"), {}),
 }
+QUANTIZED_EXPERTS = [v for v in VARIANTS if v != "qwen3_moe-f16-experts"]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,25 @@ def moe_gguf(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="module")
+def hf_twin(moe_gguf, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: hf_twin(variant) -> an HF folder of the file dequantized whole (experts included),
+    which transformers loads; made once each."""
+    root = tmp_path_factory.mktemp("moe_twin")
+    made: dict[str, str] = {}
+
+    def get(variant: str) -> str:
+        if variant not in made:
+            path, _ = moe_gguf(variant)
+            folder = root / variant
+            folder.mkdir()
+            convert_gguf_to_hf(str(path), str(folder), show_progress=False, include_experts=True)
+            made[variant] = str(folder)
+        return made[variant]
+
+    return get
+
+
 def _scheduler_greedy(folder: str, **server_args: object) -> list[list[int]]:
     """Greedy tokens of every prompt through the real scheduler (one batch, chunked prefill), with
     fp32 K/V: the test compares the file's tensors with HF on their fp32 twin, and `auto` stores
@@ -84,13 +108,14 @@ def _scheduler_greedy(folder: str, **server_args: object) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "variant", ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q8_0", "qwen2_moe-dense-layer"]
+    "variant",
+    ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q8_0", "qwen2_moe-dense-layer", "qwen3_moe-f16-experts"],
 )
-def test_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, variant):
+def test_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, hf_twin, variant):
     from transformers import AutoModelForCausalLM
 
     _, folder = moe_gguf(variant)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_twin(variant), dtype=torch.float32).eval()
     assert hf.config.model_type == VARIANTS[variant][0]  # the tiny kinds are HF model types
     assert hf.config.vocab_size == TINY_VOCAB
     expected = [hf_greedy(hf, prompt, NUM_NEW)[0] for prompt in PROMPTS]
@@ -102,7 +127,7 @@ def test_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, variant):
     assert _scheduler_greedy(folder, quantization="gguf") == expected
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", QUANTIZED_EXPERTS)
 def test_quantized_experts_serve_like_the_fp32_dequantization(moe_gguf, variant, monkeypatch):
     _, folder = moe_gguf(variant)
     ref, fed = forced_logprobs(_worker(folder), PROMPTS, steps=NUM_NEW)

@@ -11,10 +11,10 @@ while its layer's fp32 weight is exactly its dequantization, the invariant linea
   layer, which serves in fp32 from then on) and an on-the-fly one is made anew from the new
   weight, which is then replaced by its dequantization.
 A MoE layer's quantized experts (FusedMoE.experts_wq, from a GGUF file only) follow the same rule,
-all the layer's experts together, with one difference: once attached they are the only copy (the
-fp32 experts are dropped, layers/moe/quantized.py), so a weight update first brings back the fp32
-experts of the layers it writes (weight_sync.py) and the next attach drops them again where they
-did not change.
+all the layer's experts together, with one difference: they are the only copy (the loader built
+the layer without fp32 experts and attached the file's forms, model_loader/gguf_experts.py), so a
+weight update first brings back the fp32 experts of the layers it writes (weight_sync.py) and the
+next attach drops them again where they did not change.
 """
 
 from __future__ import annotations
@@ -103,7 +103,11 @@ class WeightOnlyForms:
         the forms' dequantization; a layer still dropped was not written since, and keeps them."""
         kept: list[ExpertForm] = []
         for name, moe, form in self.expert_forms:
-            if moe.fp32_dropped and moe.experts_wq is form:
+            if moe.fp32_dropped:
+                # No fp32 experts: never loaded (the loader attached the file's forms to a layer
+                # built without them, gguf_experts.py), or dropped and not written since. `form` is
+                # the attached one, marked for int8 activations.
+                moe.attach_quantized(form, self.expert_scratch)
                 kept.append((name, moe, form))
                 continue
             w13, w2 = form.dequantize()
