@@ -12,84 +12,22 @@ Mixtral written as llama.cpp writes them (testing/tiny_gguf_moe.py), converted t
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from gguf_moe_files import QUANTIZED_EXPERTS, VARIANTS
 from test_quantization import _worker, compare, forced_logprobs
 
 from radixserve.layers import group_quant
 from radixserve.layers.moe import fused_moe_a8, fused_moe_cpu
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.weight_read import read_piece
-from radixserve.model_loader.gguf_convert import convert_gguf_to_hf
-from radixserve.model_loader.gguf_source import ensure_gguf_converted
 from radixserve.testing.inprocess import InProcessScheduler
-from radixserve.testing.tiny_gguf_moe import make_tiny_moe_gguf
 from radixserve.testing.tiny_models import TINY_VOCAB, hf_greedy
 
 pytest.importorskip("gguf")
 
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 88, 61, 12, 9, 300, 45, 18], [64]]
 NUM_NEW = 12
-# (tiny kind, file type of the weight matrices, per-tensor types, HF config overrides): Q8_0
-# everywhere, Mixtral's experts in 4 bits (gate/up Q4_0, down Q4_1) beside Q8_0 attention, and a
-# Qwen2-MoE whose layer 1 is dense (a file may hold one; llama.cpp's graph would not run it).
-Q4_EXPERTS = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q4_1"}
-VARIANTS = {
-    "qwen2_moe-q8_0": ("qwen2_moe", "Q8_0", {}, {}),
-    "qwen3_moe-q8_0": ("qwen3_moe", "Q8_0", {}, {}),
-    "mixtral-q8_0": ("mixtral", "Q8_0", {}, {}),
-    "mixtral-q4": ("mixtral", "Q8_0", Q4_EXPERTS, {}),
-    "qwen2_moe-dense-layer": ("qwen2_moe", "Q4_1", {}, {"mlp_only_layers": [1]}),
-    # Experts in a plain type: they serve in fp32 under --quantization gguf too, read from the file.
-    "qwen3_moe-f16-experts": ("qwen3_moe", "Q8_0", dict.fromkeys(Q4_EXPERTS, "F16"), {}),
-}
-QUANTIZED_EXPERTS = [v for v in VARIANTS if v != "qwen3_moe-f16-experts"]
-
-
-@pytest.fixture(scope="module")
-def moe_gguf(tmp_path_factory: pytest.TempPathFactory):
-    """Factory: moe_gguf(variant) -> (the .gguf file, its converted folder), made once each."""
-    root = tmp_path_factory.mktemp("moe_gguf")
-    made: dict[str, tuple[Path, str]] = {}
-
-    def get(variant: str) -> tuple[Path, str]:
-        if variant not in made:
-            kind, qtype, types, overrides = VARIANTS[variant]
-            path = make_tiny_moe_gguf(root / f"{variant}.gguf", kind, qtype, types, overrides=overrides)
-            previous = os.environ.get("RADIXSERVE_CACHE_DIR")
-            os.environ["RADIXSERVE_CACHE_DIR"] = str(root / "cache")
-            try:
-                made[variant] = (path, ensure_gguf_converted(str(path), show_progress=False))
-            finally:
-                if previous is None:
-                    del os.environ["RADIXSERVE_CACHE_DIR"]
-                else:
-                    os.environ["RADIXSERVE_CACHE_DIR"] = previous
-        return made[variant]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def hf_twin(moe_gguf, tmp_path_factory: pytest.TempPathFactory):
-    """Factory: hf_twin(variant) -> an HF folder of the file dequantized whole (experts included),
-    which transformers loads; made once each."""
-    root = tmp_path_factory.mktemp("moe_twin")
-    made: dict[str, str] = {}
-
-    def get(variant: str) -> str:
-        if variant not in made:
-            path, _ = moe_gguf(variant)
-            folder = root / variant
-            folder.mkdir()
-            convert_gguf_to_hf(str(path), str(folder), show_progress=False, include_experts=True)
-            made[variant] = str(folder)
-        return made[variant]
-
-    return get
 
 
 def _scheduler_greedy(folder: str, **server_args: object) -> list[list[int]]:
