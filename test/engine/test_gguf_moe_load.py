@@ -152,7 +152,7 @@ def test_each_rank_reads_its_part_of_the_file(moe_gguf, hf_twin, tp_size, ep_siz
             assert torch.equal(moe.w2_weight[local], w2[:, start : start + width]), (rank, e)
         # The forms this rank would serve instead: the same values.
         _, reader_moe = _one_layer(rank, tp_size, ep_size, config)
-        form = experts_form(_open(str(path))[0], 0, reader_moe)
+        form = experts_form(str(path), _open(str(path))[0], 0, reader_moe)
         w13, w2 = form.dequantize()
         assert torch.equal(w13, moe.w13_weight) and torch.equal(w2, moe.w2_weight)
 

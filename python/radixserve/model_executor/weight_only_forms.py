@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight, with_int8_activations
+from radixserve.layers.group_quant_ops import take_rows
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
@@ -71,7 +72,7 @@ class WeightOnlyForms:
         kept: list[Form] = []
         dropped: list[str] = []
         for name, layer, form in self.forms:
-            if not torch.equal(layer.weight, form.dequantize()):
+            if not equals_dequantization(layer.weight, form):
                 if not self._attached:
                     raise ModelLoadError(
                         f"{self.method}: the fp32 weight of {name} is not the dequantization of its "
@@ -161,6 +162,22 @@ class WeightOnlyForms:
             if WQ_KERNEL
             else "the torch reference (sgl-kernel's linear_wq not built)",
         )
+
+
+# Rows compared at a time: the dequantization of a whole LM head (151936 x 2048) would be 1.2 GB
+# of fp32 beside its weight, the peak of a GGUF load; a block is ~64 MB at hidden size 2048.
+_COMPARE_ROWS = 8192
+
+
+def equals_dequantization(weight: torch.Tensor, form: GroupQuantWeight) -> bool:
+    """Whether `weight` is exactly `form`'s dequantization, compared a block of rows at a time."""
+    if tuple(weight.shape) != (form.out_features, form.in_features):
+        return False
+    for start in range(0, form.out_features, _COMPARE_ROWS):
+        rows = slice(start, min(start + _COMPARE_ROWS, form.out_features))
+        if not torch.equal(weight[rows], take_rows(form, rows).dequantize()):
+            return False
+    return True
 
 
 def _replace_weight(layer: Linear, form: GroupQuantWeight) -> None:

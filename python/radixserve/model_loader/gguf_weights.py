@@ -170,7 +170,11 @@ def gguf_linear_forms(
             name = f"model.layers.{i}.mlp.experts"
             # Attached by the loader, which built the layer without fp32 experts (gguf_experts.py);
             # else (a conversion of the old layout, with fp32 experts) made here and checked.
-            form = moe.experts_wq if moe.experts_wq is not None else experts_form(tensors.by_name, i, moe)
+            form = (
+                moe.experts_wq
+                if moe.experts_wq is not None
+                else experts_form(tensors.path, tensors.by_name, i, moe)
+            )
             (plain.append(name) if form is None else expert_forms.append((name, moe, form)))
     if lm_head is not None:
         head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead under TP
