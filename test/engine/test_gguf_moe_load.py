@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,22 @@ def test_old_layout_conversion_is_not_reused_and_is_removed(tmp_path, monkeypatc
     folder = ensure_gguf_converted(path, show_progress=False)
     assert Path(folder) != old and not old.exists()
     assert experts_source(folder) == os.path.realpath(path)
+
+
+def test_an_old_layout_folder_still_serves_its_experts_as_the_file_forms(moe_gguf, hf_twin, tmp_path):
+    """A folder of the old converter passed as --model-path (fp32 experts inside, a marker naming
+    the file without the new layout): its experts load from the folder, are checked against the
+    file's forms and dropped, as before."""
+    path, _ = moe_gguf("mixtral-q4")
+    old = tmp_path / "old"
+    shutil.copytree(hf_twin("mixtral-q4"), old)
+    marker = {
+        "conversion_version": default_model.CONVERSION_VERSION,
+        "source_path": os.path.realpath(path),
+        "source_bytes": os.path.getsize(path),
+    }
+    (old / default_model.MARKER_FILE).write_text(json.dumps(marker))
+    assert experts_source(str(old)) is None
+    worker = _worker(str(old), quantization="gguf")
+    moes = [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.experts_wq is not None and m.fp32_dropped for m in moes)
