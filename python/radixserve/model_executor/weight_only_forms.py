@@ -141,7 +141,7 @@ class WeightOnlyForms:
         fp32_bytes = sum(layer.weight.numel() * 4 for _, layer, _ in self.forms)
         if self.expert_forms:
             logger.info(
-                "%s: %d MoE layers' experts weight-only quantized, their fp32 copy dropped (%.0f MiB instead "
+                "%s: %d MoE layers' experts weight-only quantized, without an fp32 copy (%.0f MiB instead "
                 "of %.0f MiB of fp32; groups of up to %d tokens read the integers, larger ones dequantize "
                 "one expert at a time)",
                 self.method,
