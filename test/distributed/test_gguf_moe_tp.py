@@ -1,8 +1,9 @@
 """--quantization gguf on a MoE GGUF at two ranks: Mixtral's experts split by width (TP=2: each
 rank the gate/up rows and down inputs of its half, whole quantization groups), Qwen3-MoE's by
-expert (--ep-size 2). A rank refuses to start when a form is not exactly its fp32 shard's
-dequantization, so an engine that starts holds the right parts; decoding then differs from the
-one-rank fp32 model only in summation order."""
+expert (--ep-size 2). The experts' forms come straight from the file (no fp32 copy to check them
+against: test/engine/test_gguf_moe_load.py checks each rank's part); decoding differs from the
+one-rank fp32 model (--quantization unquant: its experts read from the file expert by expert) only
+in summation order."""
 
 from __future__ import annotations
 

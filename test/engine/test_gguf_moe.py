@@ -1,9 +1,10 @@
 """MoE models from GGUF files (issue 37): tiny random Qwen2-MoE (shared expert), Qwen3-MoE and
-Mixtral written as llama.cpp writes them (testing/tiny_gguf_moe.py), converted to HF folders.
+Mixtral written as llama.cpp writes them (testing/tiny_gguf_moe.py), converted to HF folders
+(which leave the routed experts in the file: test_gguf_moe_load.py).
 
-- The conversion is the dequantized HF twin: radixserve's greedy tokens on it, through the real
-  scheduler with chunked prefill, equal HF transformers' on the same folder, in fp32 and with
-  --quantization gguf.
+- The dequantized HF twin (the file converted whole, experts included): radixserve's greedy tokens
+  on the file's conversion, through the real scheduler with chunked prefill, equal HF
+  transformers' on the twin, in fp32 and with --quantization gguf.
 - --quantization gguf serves the file's own expert (and attention) integers: its log-probs equal
   the fp32 path's on the same file up to summation order (thresholds below), teacher-forced as in
   test_gguf_quantization.py.
@@ -11,61 +12,22 @@ Mixtral written as llama.cpp writes them (testing/tiny_gguf_moe.py), converted t
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from gguf_moe_files import QUANTIZED_EXPERTS, VARIANTS
 from test_quantization import _worker, compare, forced_logprobs
 
 from radixserve.layers import group_quant
 from radixserve.layers.moe import fused_moe_a8, fused_moe_cpu
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.weight_read import read_piece
-from radixserve.model_loader.gguf_source import ensure_gguf_converted
 from radixserve.testing.inprocess import InProcessScheduler
-from radixserve.testing.tiny_gguf_moe import make_tiny_moe_gguf
 from radixserve.testing.tiny_models import TINY_VOCAB, hf_greedy
 
 pytest.importorskip("gguf")
 
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 88, 61, 12, 9, 300, 45, 18], [64]]
 NUM_NEW = 12
-# (tiny kind, file type of the weight matrices, per-tensor types, HF config overrides): Q8_0
-# everywhere, Mixtral's experts in 4 bits (gate/up Q4_0, down Q4_1) beside Q8_0 attention, and a
-# Qwen2-MoE whose layer 1 is dense (a file may hold one; llama.cpp's graph would not run it).
-Q4_EXPERTS = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q4_1"}
-VARIANTS = {
-    "qwen2_moe-q8_0": ("qwen2_moe", "Q8_0", {}, {}),
-    "qwen3_moe-q8_0": ("qwen3_moe", "Q8_0", {}, {}),
-    "mixtral-q8_0": ("mixtral", "Q8_0", {}, {}),
-    "mixtral-q4": ("mixtral", "Q8_0", Q4_EXPERTS, {}),
-    "qwen2_moe-dense-layer": ("qwen2_moe", "Q4_1", {}, {"mlp_only_layers": [1]}),
-}
-
-
-@pytest.fixture(scope="module")
-def moe_gguf(tmp_path_factory: pytest.TempPathFactory):
-    """Factory: moe_gguf(variant) -> (the .gguf file, its converted folder), made once each."""
-    root = tmp_path_factory.mktemp("moe_gguf")
-    made: dict[str, tuple[Path, str]] = {}
-
-    def get(variant: str) -> tuple[Path, str]:
-        if variant not in made:
-            kind, qtype, types, overrides = VARIANTS[variant]
-            path = make_tiny_moe_gguf(root / f"{variant}.gguf", kind, qtype, types, overrides=overrides)
-            previous = os.environ.get("RADIXSERVE_CACHE_DIR")
-            os.environ["RADIXSERVE_CACHE_DIR"] = str(root / "cache")
-            try:
-                made[variant] = (path, ensure_gguf_converted(str(path), show_progress=False))
-            finally:
-                if previous is None:
-                    del os.environ["RADIXSERVE_CACHE_DIR"]
-                else:
-                    os.environ["RADIXSERVE_CACHE_DIR"] = previous
-        return made[variant]
-
-    return get
 
 
 def _scheduler_greedy(folder: str, **server_args: object) -> list[list[int]]:
@@ -84,13 +46,14 @@ def _scheduler_greedy(folder: str, **server_args: object) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "variant", ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q8_0", "qwen2_moe-dense-layer"]
+    "variant",
+    ["qwen2_moe-q8_0", "qwen3_moe-q8_0", "mixtral-q8_0", "qwen2_moe-dense-layer", "qwen3_moe-f16-experts"],
 )
-def test_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, variant):
+def test_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, hf_twin, variant):
     from transformers import AutoModelForCausalLM
 
     _, folder = moe_gguf(variant)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_twin(variant), dtype=torch.float32).eval()
     assert hf.config.model_type == VARIANTS[variant][0]  # the tiny kinds are HF model types
     assert hf.config.vocab_size == TINY_VOCAB
     expected = [hf_greedy(hf, prompt, NUM_NEW)[0] for prompt in PROMPTS]
@@ -102,7 +65,7 @@ def test_moe_gguf_decodes_as_hf_on_its_dequantized_twin(moe_gguf, variant):
     assert _scheduler_greedy(folder, quantization="gguf") == expected
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", QUANTIZED_EXPERTS)
 def test_quantized_experts_serve_like_the_fp32_dequantization(moe_gguf, variant, monkeypatch):
     _, folder = moe_gguf(variant)
     ref, fed = forced_logprobs(_worker(folder), PROMPTS, steps=NUM_NEW)

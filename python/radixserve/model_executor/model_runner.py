@@ -93,7 +93,19 @@ class ModelRunner:
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
         start = time.perf_counter()
-        self.model = load_model(model_config, server_args.load_format, self.device, parallel=self.parallel)
+        # --quantization gguf on a MoE file: the experts load as the file's forms, never in fp32.
+        gguf_forms = (
+            server_args.quantization == "gguf"
+            and self.device.type == "cpu"
+            and model_config.dtype == torch.float32
+        )
+        self.model = load_model(
+            model_config,
+            server_args.load_format,
+            self.device,
+            parallel=self.parallel,
+            gguf_expert_forms=gguf_forms,
+        )
         if getattr(self.model, "takes_images", False):
             self.model.mm_cache = embedding_cache_of(server_args.mm_cache_size_mb)
             if server_args.mm_enable_dp_encoder and self.parallel.tp.size > 1:

@@ -11,10 +11,10 @@ while its layer's fp32 weight is exactly its dequantization, the invariant linea
   layer, which serves in fp32 from then on) and an on-the-fly one is made anew from the new
   weight, which is then replaced by its dequantization.
 A MoE layer's quantized experts (FusedMoE.experts_wq, from a GGUF file only) follow the same rule,
-all the layer's experts together, with one difference: once attached they are the only copy (the
-fp32 experts are dropped, layers/moe/quantized.py), so a weight update first brings back the fp32
-experts of the layers it writes (weight_sync.py) and the next attach drops them again where they
-did not change.
+all the layer's experts together, with one difference: they are the only copy (the loader built
+the layer without fp32 experts and attached the file's forms, model_loader/gguf_experts.py), so a
+weight update first brings back the fp32 experts of the layers it writes (weight_sync.py) and the
+next attach drops them again where they did not change.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from radixserve.layers.group_quant import ACT_BLOCK, WQ_KERNEL, GroupQuantWeight, with_int8_activations
+from radixserve.layers.group_quant_ops import take_rows
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
@@ -71,7 +72,7 @@ class WeightOnlyForms:
         kept: list[Form] = []
         dropped: list[str] = []
         for name, layer, form in self.forms:
-            if not torch.equal(layer.weight, form.dequantize()):
+            if not equals_dequantization(layer.weight, form):
                 if not self._attached:
                     raise ModelLoadError(
                         f"{self.method}: the fp32 weight of {name} is not the dequantization of its "
@@ -103,7 +104,11 @@ class WeightOnlyForms:
         the forms' dequantization; a layer still dropped was not written since, and keeps them."""
         kept: list[ExpertForm] = []
         for name, moe, form in self.expert_forms:
-            if moe.fp32_dropped and moe.experts_wq is form:
+            if moe.fp32_dropped:
+                # No fp32 experts: never loaded (the loader attached the file's forms to a layer
+                # built without them, gguf_experts.py), or dropped and not written since. `form` is
+                # the attached one, marked for int8 activations.
+                moe.attach_quantized(form, self.expert_scratch)
                 kept.append((name, moe, form))
                 continue
             w13, w2 = form.dequantize()
@@ -136,7 +141,7 @@ class WeightOnlyForms:
         fp32_bytes = sum(layer.weight.numel() * 4 for _, layer, _ in self.forms)
         if self.expert_forms:
             logger.info(
-                "%s: %d MoE layers' experts weight-only quantized, their fp32 copy dropped (%.0f MiB instead "
+                "%s: %d MoE layers' experts weight-only quantized, without an fp32 copy (%.0f MiB instead "
                 "of %.0f MiB of fp32; groups of up to %d tokens read the integers, larger ones dequantize "
                 "one expert at a time)",
                 self.method,
@@ -157,6 +162,22 @@ class WeightOnlyForms:
             if WQ_KERNEL
             else "the torch reference (sgl-kernel's linear_wq not built)",
         )
+
+
+# Rows compared at a time: the dequantization of a whole LM head (151936 x 2048) would be 1.2 GB
+# of fp32 beside its weight, the peak of a GGUF load; a block is ~64 MB at hidden size 2048.
+_COMPARE_ROWS = 8192
+
+
+def equals_dequantization(weight: torch.Tensor, form: GroupQuantWeight) -> bool:
+    """Whether `weight` is exactly `form`'s dequantization, compared a block of rows at a time."""
+    if tuple(weight.shape) != (form.out_features, form.in_features):
+        return False
+    for start in range(0, form.out_features, _COMPARE_ROWS):
+        rows = slice(start, min(start + _COMPARE_ROWS, form.out_features))
+        if not torch.equal(weight[rows], take_rows(form, rows).dequantize()):
+            return False
+    return True
 
 
 def _replace_weight(layer: Linear, form: GroupQuantWeight) -> None:

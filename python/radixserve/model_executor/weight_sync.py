@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import json
 import logging
 import os
@@ -29,6 +30,8 @@ from radixserve.layers.linear import Linear
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.gguf_experts import file_expert_weights
+from radixserve.model_loader.gguf_source import experts_source
 from radixserve.model_loader.loader import _init_dummy_weights, load_checkpoint_weights
 from radixserve.model_loader.weights import CheckpointTensor, iterate_checkpoint
 
@@ -250,10 +253,11 @@ class ModelWeights:
             return
         params = dict(self.model.named_parameters())
         for name, (shape, dtype) in self.released_shapes.items():
-            data = torch.empty(shape, dtype=dtype, device=self.runner.device)
-            if params[
-                name
-            ].is_meta:  # dropped fp32 experts (layers/moe/quantized.py): `.data =` cannot leave meta
+            owner = self.model.get_submodule(name.rpartition(".")[0]) if "." in name else self.model
+            # Experts served from quantized forms (kept through the release) stay without fp32.
+            on_meta = isinstance(owner, FusedMoE) and owner.experts_wq is not None
+            data = torch.empty(shape, dtype=dtype, device="meta" if on_meta else self.runner.device)
+            if params[name].is_meta or on_meta:  # `.data =` cannot move to or from meta
                 torch.utils.swap_tensors(params[name], nn.Parameter(data, requires_grad=False))
             else:
                 params[name].data = data
@@ -261,6 +265,10 @@ class ModelWeights:
             _init_dummy_weights(self.model, self.runner.device, 0)
         else:
             weights = iterate_checkpoint(self.source_path, show_progress=False)
+            experts_file = experts_source(self.source_path)
+            if experts_file is not None:  # a GGUF conversion: the other experts come from the file
+                experts = file_expert_weights(self.model, experts_file, False, self.runner.device)
+                weights = itertools.chain(weights, experts)
             load_checkpoint_weights(self.model, weights, self.runner.model_config.quantization)
         self.released_shapes = None
         self.rebuild_derived()

@@ -5,7 +5,9 @@ Output: config.json, generation_config.json, model.safetensors (fp32, dequantize
 tokenizer.json (built with `tokenizers` from the GGUF BPE vocab/merges) and tokenizer_config.json
 (special tokens and chat template). Used for the built-in SmolLM2 model, whose only offline source
 is a Q4_1 GGUF, and for `--model-path model.gguf`. llama.cpp's stacked expert tensors
-(`blk.N.ffn_*_exps.weight`, [num_experts, rows, cols]) become HF's one tensor per expert.
+(`blk.N.ffn_*_exps.weight`, [num_experts, rows, cols]) are left out: radixserve's loader reads
+them from the file (model_loader/gguf_experts.py). With `include_experts` they become HF's one
+tensor per expert, a folder transformers loads whole (the tests' dequantized HF twin).
 """
 
 from __future__ import annotations
@@ -68,11 +70,16 @@ class GgufHParams:
 
 
 def convert_gguf_to_hf(
-    gguf_path: str, out_dir: str, show_progress: bool = True, default_chat_template: str | None = None
+    gguf_path: str,
+    out_dir: str,
+    show_progress: bool = True,
+    default_chat_template: str | None = None,
+    include_experts: bool = False,
 ) -> None:
     """Write an HF-format folder for `gguf_path` into the existing directory `out_dir`.
 
-    `default_chat_template` is used only when the GGUF carries no tokenizer.chat_template.
+    `default_chat_template` is used only when the GGUF carries no tokenizer.chat_template;
+    `include_experts` writes the routed experts too (in fp32: ~8x their bytes in a Q4 file).
     """
     from gguf import GGUFReader  # the gguf package is only needed at conversion time
 
@@ -85,7 +92,8 @@ def convert_gguf_to_hf(
     special = _special_token_ids(meta)
     _write_json(os.path.join(out_dir, "config.json"), hf_config_dict(hparams, special))
     _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(special))
-    _write_weights(reader, hparams, os.path.join(out_dir, "model.safetensors"), show_progress)
+    path = os.path.join(out_dir, "model.safetensors")
+    _write_weights(reader, hparams, path, show_progress, include_experts)
     write_tokenizer(meta, special, hparams.context_len, out_dir, default_chat_template)
 
 
@@ -227,14 +235,17 @@ def hf_tensors(tensor: Any, hp: GgufHParams) -> dict[str, np.ndarray]:
     return {name: array}
 
 
-def _write_weights(reader: Any, hp: GgufHParams, path: str, show_progress: bool) -> None:
+def _write_weights(
+    reader: Any, hp: GgufHParams, path: str, show_progress: bool, include_experts: bool
+) -> None:
     from safetensors.numpy import save_file
 
     tensors: dict[str, np.ndarray] = {}
     for tensor in tqdm(
         reader.tensors, desc="Converting GGUF tensors", unit="tensor", disable=not show_progress
     ):
-        tensors.update(hf_tensors(tensor, hp))
+        if include_experts or expert_tensor_names(tensor.name, hp.arch, hp.num_experts) is None:
+            tensors.update(hf_tensors(tensor, hp))
     expected_embed = (hp.vocab_size, hp.hidden_size)
     got_embed = tensors.get("model.embed_tokens.weight", np.empty(0)).shape
     if got_embed != expected_embed:

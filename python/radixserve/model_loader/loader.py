@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -15,7 +16,9 @@ from torch import nn
 from radixserve.configs.checkpoint_quant import CheckpointQuant
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.model_parallel import ModelParallelism
+from radixserve.layers.moe.layer import experts_on_meta
 from radixserve.model_loader.errors import ModelLoadError
+from radixserve.model_loader.gguf_source import experts_source
 from radixserve.model_loader.weights import iterate_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -33,12 +36,15 @@ def load_model(
     model_cls: type[nn.Module] | None = None,
     seed: int = 0,
     parallel: ModelParallelism | None = None,
+    gguf_expert_forms: bool = False,
 ) -> nn.Module:
     """Construct the architecture's model class on `device` in `model_config.dtype`, load, eval().
 
     `model_cls` overrides the registry lookup (tests); `seed` only affects load_format="dummy".
     `parallel` (tensor/pipeline parallelism) makes the model hold only this rank's shards, and
-    only those are read from the checkpoint.
+    only those are read from the checkpoint. A GGUF conversion's routed experts come from the
+    file (model_loader/gguf_experts.py): as its quantized forms with `gguf_expert_forms`
+    (--quantization gguf), else in fp32, one expert at a time.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"Unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}.")
@@ -53,7 +59,15 @@ def load_model(
     else:
         # Discover and validate the weight files before paying for model construction.
         weights = iterate_checkpoint(model_config.path)
-        model = _construct(cls, model_config, torch.device(device), parallel)
+        experts_file = experts_source(model_config.path)
+        # Experts from a GGUF file are built without storage: forms or fp32 come from the file.
+        with experts_on_meta() if experts_file else contextlib.nullcontext():
+            model = _construct(cls, model_config, torch.device(device), parallel)
+        if experts_file is not None:
+            from radixserve.model_loader.gguf_experts import file_expert_weights
+
+            experts = file_expert_weights(model, experts_file, gguf_expert_forms, torch.device(device))
+            weights = itertools.chain(weights, experts)
         load_checkpoint_weights(model, weights, model_config.quantization)
     _finalize(model, model_config.dtype)
     logger.info(

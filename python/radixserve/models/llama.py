@@ -284,7 +284,9 @@ class LlamaForCausalLM(nn.Module):
                     )
                 self._load_one(params[t], t, shard, tensor)
                 loaded.add(t)
-        missing = sorted(set(params) - loaded)
+        # A parameter on the meta device has no values to load: a MoE layer's experts that serve
+        # from a GGUF file's quantized forms only (model_loader/gguf_experts.py).
+        missing = sorted(n for n in set(params) - loaded if not params[n].is_meta)
         if missing and require_all:
             raise ModelLoadError(f"Checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
 

@@ -22,11 +22,17 @@ With quantized experts attached (`attach_quantized`, --quantization gguf) the fp
 are dropped: w13_weight / w2_weight keep their shapes on the meta device and hold no memory. A
 weight update brings them back first (`materialize_fp32`: the forms' exact dequantization) so it
 has something to write into; a read (/get_weights_by_name) dequantizes the one expert it asks for.
+A GGUF model's experts never have an fp32 copy at all: the loader builds the layers under
+`experts_on_meta()` and attaches the file's forms, or fills the fp32 weights it allocates for them
+expert by expert (model_loader/gguf_experts.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -43,6 +49,19 @@ from radixserve.model_loader.weights import CheckpointTensor
 # `experts.{id}.{projection}.weight` -> which part of the stacked weights it fills.
 EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+# Set while a loader builds a model whose experts come from elsewhere than the checkpoint folder.
+_EXPERTS_ON_META = contextvars.ContextVar("experts_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def experts_on_meta() -> Iterator[None]:
+    """FusedMoE layers built inside the block create w13_weight / w2_weight on the meta device:
+    shapes only, no storage, so a GGUF's experts are never held in fp32 unless asked for."""
+    token = _EXPERTS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _EXPERTS_ON_META.reset(token)
 
 
 def expert_param_name(name: str) -> str | None:
@@ -82,8 +101,11 @@ class FusedMoE(nn.Module):
         self.num_local = num_experts // ep_size
         self.expert_start = (tp.rank // moe_tp) * self.num_local  # this rank's first expert
         self.inter = divide(intermediate_size, moe_tp, "moe intermediate size")  # this rank's part
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter))
+        device = "meta" if _EXPERTS_ON_META.get() else None  # None: the surrounding default device
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.num_local, 2 * self.inter, hidden_size, device=device)
+        )
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter, device=device))
         # The local experts' weight-only quantized forms (--quantization gguf), set after loading,
         # and the buffer large groups dequantize into (shared by the model's MoE layers).
         self.experts_wq: ExpertsWq | None = None
@@ -98,6 +120,13 @@ class FusedMoE(nn.Module):
         self.experts_wq, self.scratch = form, scratch
         for param in (self.w13_weight, self.w2_weight):
             _replace_storage(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+
+    def allocate_fp32(self, device: torch.device) -> None:
+        """Give weights built on the meta device (`experts_on_meta`) uninitialised storage on
+        `device` for a loader to fill."""
+        for param in (self.w13_weight, self.w2_weight):
+            if param.is_meta:
+                _replace_storage(param, torch.empty(param.shape, dtype=param.dtype, device=device))
 
     def detach_quantized(self) -> None:
         """Serve the fp32 weights again (they changed: the form no longer describes them)."""

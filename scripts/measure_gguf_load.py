@@ -1,0 +1,89 @@
+"""Peak memory of loading a GGUF model in-process, the way a server rank does (docs/models.md,
+"GGUF MoE memory"): resolve the server args (which converts the file on first use), then build the
+TP worker (model, quantized forms, KV pool). Prints the peak RSS after each phase, the RSS once
+loaded, and the conversion folder's size on disk.
+
+    RADIXSERVE_CACHE_DIR=$(mktemp -d) python scripts/measure_gguf_load.py model.gguf [--quantization unquant]
+
+Point RADIXSERVE_CACHE_DIR at an empty folder to include the conversion; run it again for a load
+from the cached conversion. Peak RSS is the process's own (getrusage), so run one load per process.
+RSS counts the pages of files the process maps (the safetensors folder, the GGUF) as well as its
+own memory: a thread samples /proc/self/status every 5 ms for the peak of each (RssAnon: what the
+load needs; RssFile: mapped file pages, page cache the kernel can take back under pressure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import threading
+import time
+from pathlib import Path
+
+_peaks = {"RssAnon": 0, "RssFile": 0}
+
+
+def _sample() -> None:
+    while True:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":")[0]
+                if key in _peaks:
+                    _peaks[key] = max(_peaks[key], int(line.split()[1]))
+        time.sleep(0.005)
+
+
+def _sampled() -> str:
+    return ", ".join(f"peak {k} {v / 2**20:.2f} GiB" for k, v in _peaks.items())
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**30
+
+
+def _folder_gib(folder: str) -> float:
+    return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file()) / 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("gguf")
+    parser.add_argument("--quantization", default=None, help="e.g. unquant (default: the file's, gguf)")
+    parser.add_argument("--max-total-tokens", type=int, default=4096)
+    args = parser.parse_args()
+    threading.Thread(target=_sample, daemon=True).start()
+
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.model_executor.tp_worker import TpModelWorker
+    from radixserve.server_args import ServerArgs
+
+    start = time.perf_counter()
+    server_args = ServerArgs(
+        model_path=args.gguf,
+        device="cpu",
+        quantization=args.quantization,
+        max_total_tokens=args.max_total_tokens,
+        log_level="warning",
+    ).resolve()
+    folder = server_args.model_path
+    print(
+        f"resolve (conversion if not cached): {time.perf_counter() - start:.1f} s, peak RSS "
+        f"{_peak_gib():.2f} GiB ({_sampled()})"
+    )
+    print(f"conversion folder {folder}: {_folder_gib(folder):.2f} GiB on disk")
+    start = time.perf_counter()
+    config = ModelConfig.from_path(folder, dtype="float32")  # what --quantization gguf serves
+    TpModelWorker(server_args, config)
+    print(
+        f"load: {time.perf_counter() - start:.1f} s, peak RSS {_peak_gib():.2f} GiB ({_sampled()}), "
+        f"RSS once loaded {_rss_gib():.2f} GiB"
+    )
+
+
+if __name__ == "__main__":
+    main()
