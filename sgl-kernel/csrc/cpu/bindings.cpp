@@ -30,10 +30,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("extend_attention_isa") = RS_HAVE_AVX512 ? "avx512" : RS_HAVE_AVX2 ? "avx2" : "none";
   // Whether bf16 pools run extend_attention's bf16-dot tiles (RS_HAVE_EXTEND_BF16 of
   // extend_attention_bf16.h: Q and P rounded to bf16) rather than the fp32 ones.
+// Likewise decode_attention's block step (RS_HAVE_DECODE_BF16 of attention_block_bf16.h), for
+// head_dim a multiple of 32.
 #if RS_HAVE_AVX512 && defined(__AVX512BF16__)
   m.attr("extend_attention_bf16_dot") = true;
+  m.attr("decode_attention_bf16_dot") = true;
 #else
   m.attr("extend_attention_bf16_dot") = false;
+  m.attr("decode_attention_bf16_dot") = false;
 #endif
   m.def("linear_f16", &linear_f16, "y = x @ w.T (+ bias): x fp32 [M,K], w fp16 [N,K], fp32 math",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());

@@ -1,15 +1,18 @@
-"""sgl-kernel's extend attention on bf16 K/V pools, whose AVX512_BF16 builds run vdpbf16ps tiles.
+"""sgl-kernel's extend and decode attention on bf16 K/V pools, which AVX512_BF16 builds compute by
+vdpbf16ps (extend: its tiles; decode: its block step, head_dim a multiple of 32, up to 8 query
+heads per KV head).
 
 There q * scale and the softmax weights P are rounded to bf16 before their fp32-accumulated
-products (sgl_kernel.cpu.extend_attention_bf16_dot). Two references per case, on paged pools
-(page sizes 1 and 16, GQA, lengths off the 64-key and query-block boundaries, cached prefixes):
+products (sgl_kernel.cpu.extend_attention_bf16_dot / decode_attention_bf16_dot). Two references
+per case, on paged pools (page sizes 1 and 16, GQA, lengths off the block boundaries, cached and
+shared prefixes):
 - q rounded: the torch reference on the pool's own K/V with q * scale rounded to bf16 as the
   kernel rounds it; what is left is P's rounding: max abs error < Q_ROUNDED_BOUND;
 - exact: the fp32 reference on the same pool (what the fp32 tiles match to TOL): max abs error
   < EXACT_BOUND. q, K, V ~ N(0, 1) (outputs of magnitude ~0.1-1); measured maxima over these
   cases on Zen 4: see the bounds' comments.
-Builds without AVX512_BF16 run the fp32 tiles on bf16 pools, which must match the exact
-reference to TOL: the same cases check that instead.
+Builds without AVX512_BF16 (and shapes the bf16 step does not take) run the fp32 step on bf16
+pools, which must match the exact reference to TOL: the same cases check that instead.
 """
 
 from __future__ import annotations
@@ -88,3 +91,40 @@ def test_extend_attention_fp32_pool_stays_exact_beside_bf16():
     slots = torch.tensor(rows[0])
     ref = ref_attention(q, k_buf[slots], v_buf[slots], 0, 0.125).reshape(300, -1)
     torch.testing.assert_close(out, ref, **TOL)
+
+
+DECODE_CASES = [
+    # lens, (num_heads, num_kv_heads), head_dim, page_size, shared prefix
+    ([2048, 2047, 1500, 33], (9, 3), 64, 1, 0),  # the built-in model at 2k context
+    ([1], (9, 3), 64, 16, 0),  # a single token
+    ([96, 140, 201], (8, 2), 128, 16, 80),  # a shared prefix folded for three requests
+    ([5, 17, 300], (6, 1), 32, 1, 0),  # 6 heads per KV head: two value chunks per pass
+    ([77, 130], (3, 1), 96, 16, 0),  # head_dim 96: passes of 32
+    ([9, 150], (16, 1), 32, 1, 0),  # 16 heads per KV head: the fp32 two-pass path
+    ([3, 70], (4, 2), 40, 16, 0),  # head_dim not a multiple of 32: the fp32 step
+]
+
+
+@pytest.mark.skipif(
+    torch.bfloat16 not in cpu_kernels.attention_kv_dtypes(), reason="sgl_kernel._cpu without bf16 pools"
+)
+@pytest.mark.parametrize("lens,heads,head_dim,page_size,share", DECODE_CASES)
+def test_decode_attention_bf16_pool_error_is_bounded(lens, heads, head_dim, page_size, share):
+    gen = torch.Generator().manual_seed(sum(lens) + head_dim)
+    q, k_buf, v_buf, req_to_token, pool_idx, rows = paged_pool(
+        lens, page_size, heads[0], heads[1], head_dim, len(lens), gen, share=share
+    )
+    k_buf, v_buf, q = k_buf.bfloat16(), v_buf.bfloat16(), q.contiguous()
+    scale = head_dim**-0.5
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, req_to_token, pool_idx, torch.tensor(lens), scale)
+    bf16_dot = cpu_kernels.decode_attention_bf16_dot(head_dim) and heads[0] // heads[1] <= 8
+    for b, r in enumerate(rows):
+        slots = torch.tensor(r)
+        k, v = k_buf[slots], v_buf[slots]
+        exact = _ref(q[b : b + 1], k, v, len(r) - 1, scale, False)[0]
+        if not bf16_dot:
+            torch.testing.assert_close(out[b], exact, **TOL)
+        else:
+            rounded = _ref(q[b : b + 1], k, v, len(r) - 1, scale, True)[0]
+            assert (out[b] - rounded).abs().max().item() < Q_ROUNDED_BOUND
+            assert (out[b] - exact).abs().max().item() < EXACT_BOUND
