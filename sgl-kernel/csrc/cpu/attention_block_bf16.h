@@ -54,8 +54,10 @@ inline void scores_bf16(const uint32_t* qb, const at::BFloat16* k_buf, int64_t r
 
 // vpermt2w indices interleaving two rows of 32 bf16 (a: 0-31, b: 32-63) into pairs: lane 2i of
 // the first register is a[i], lane 2i + 1 b[i] (i < 16); the second register the same for i + 16.
-alignas(64) inline constexpr int16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-alignas(64) inline constexpr int16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+alignas(64) inline constexpr int16_t kPairLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) inline constexpr int16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
 // fold_block for a bf16 pool by bf16 dot products (qb: this view's query, see scores_bf16).
 template <int G, int kNB>
@@ -75,10 +77,12 @@ void fold_block_bf16(const HeadView<at::BFloat16>& v, const uint32_t* qb, int64_
   for (int64_t d0 = 0; d0 < D; d0 += 16 * kNB) {
     __m512 o[G][kNB];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < kNB; ++c) o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(st.acc + g * D + d0 + 16 * c), _mm512_set1_ps(alpha[g]));
+      for (int c = 0; c < kNB; ++c)
+        o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(st.acc + g * D + d0 + 16 * c), _mm512_set1_ps(alpha[g]));
     for (int i = 0; i < pairs; ++i) {
       const at::BFloat16* a = v.v_buf + static_cast<int64_t>(slots[2 * i]) * v.kv_row_stride + d0;
-      const at::BFloat16* b = 2 * i + 1 < n ? v.v_buf + static_cast<int64_t>(slots[2 * i + 1]) * v.kv_row_stride + d0 : nullptr;
+      const at::BFloat16* b =
+          2 * i + 1 < n ? v.v_buf + static_cast<int64_t>(slots[2 * i + 1]) * v.kv_row_stride + d0 : nullptr;
       __m512bh vv[kNB];
       for (int c = 0; c < kNB; c += 2) {
         const __m512i ra = _mm512_loadu_si512(a + 16 * c);

@@ -116,6 +116,11 @@ inline void pack_query_row_bf16(const float* q, int64_t D, int64_t Dp, float sca
   round_row_bf16(tmp, Dp, qb);
 }
 
+// The first min(n, 16) lanes.
+inline __mmask16 low_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // Kt [key_pair_rows(Dp)][kKeys] pairs: pair i of K rows slots[0..n) (head_dim 2i, 2i + 1), columns
 // n up to the next 16 and rows past D / 2 zeros.
 inline void pack_keys_t_bf16(const at::BFloat16* k, int64_t row_stride, const int32_t* slots, int64_t n, int64_t D,
@@ -123,7 +128,7 @@ inline void pack_keys_t_bf16(const at::BFloat16* k, int64_t row_stride, const in
   const int64_t P = D / 2;  // pairs per pool row (D is a multiple of 8)
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     for (int64_t i0 = 0; i0 < P; i0 += 16) {
-      const __mmask16 valid = P - i0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (P - i0)) - 1);
+      const __mmask16 valid = low_lanes(P - i0);
       __m512 r[16];
       for (int64_t t = 0; t < 16; ++t) {
         r[t] = j0 + t < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
@@ -144,7 +149,7 @@ inline void pack_values_bf16(const at::BFloat16* v, int64_t row_stride, const in
     const at::BFloat16* lo = v + static_cast<int64_t>(slots[j]) * row_stride;
     const at::BFloat16* hi = j + 1 < n ? v + static_cast<int64_t>(slots[j + 1]) * row_stride : nullptr;
     for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
-      const __mmask16 valid = D - d0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (D - d0)) - 1);
+      const __mmask16 valid = low_lanes(D - d0);
       const __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, lo + d0));
       const __m512i b = hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, hi + d0)) : _mm512_setzero_si512();
       _mm512_storeu_si512(vt + (j / 2) * Dp + d0, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
