@@ -128,3 +128,43 @@ def test_decode_attention_bf16_pool_error_is_bounded(lens, heads, head_dim, page
             rounded = _ref(q[b : b + 1], k, v, len(r) - 1, scale, True)[0]
             assert (out[b] - rounded).abs().max().item() < Q_ROUNDED_BOUND
             assert (out[b] - exact).abs().max().item() < EXACT_BOUND
+
+
+@needs_extend
+def test_extend_attention_bf16_pool_tree_mask_error_is_bounded():
+    """Draft trees (speculative verify) on a bf16 pool: each new row sees the prefix and its
+    ancestors; the vdpbf16ps tiles mask the same keys as the fp32 ones (hidden weights exactly 0),
+    so only the bf16 rounding separates the output from the exact tree reference."""
+    from radixserve.speculative.tree import ancestor_mask, flat_tree_mask
+
+    if not cpu_kernels.extend_attention_takes_tree_mask():
+        pytest.skip("this sgl_kernel build has no tree mask")
+    prefix, ext = [70, 0, 130], [8, 40, 100]
+    lens = [p + e for p, e in zip(prefix, ext)]
+    gen = torch.Generator().manual_seed(11)
+    q, k_buf, v_buf, req_to_token, pool_idx, rows = paged_pool(lens, 16, 9, 3, 64, sum(ext), gen)
+    k_buf, v_buf = k_buf.bfloat16(), v_buf.bfloat16()
+    trees = [[-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)] for n in ext]
+    out = cpu_kernels.extend_attention(
+        q,
+        k_buf,
+        v_buf,
+        req_to_token,
+        pool_idx,
+        torch.tensor(lens),
+        ext,
+        0.125,
+        tree_mask=flat_tree_mask(trees),
+    )
+    start = 0
+    for r, p, n, parents in zip(rows, prefix, ext, trees):
+        slots = torch.tensor(r)
+        k = k_buf[slots].repeat_interleave(3, 1).float()
+        v = v_buf[slots].repeat_interleave(3, 1).float()
+        s = torch.einsum("qhd,khd->hqk", q[start : start + n].float(), k) * 0.125
+        visible = torch.cat([torch.ones(n, p, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+        ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible[None], float("-inf")).softmax(-1), v)
+        err = (out[start : start + n] - ref.reshape(n, -1)).abs().max().item()
+        # fp32 tiles on a bf16 pool: fp32 rounding only (TOL's atol plus its rtol on outputs below 1).
+        assert err < (EXACT_BOUND if BF16_DOT else TOL["atol"] + TOL["rtol"])
+        start += n
