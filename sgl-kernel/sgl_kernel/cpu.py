@@ -93,6 +93,21 @@ def extend_attention_isa() -> str:
     return str(getattr(_ext, "extend_attention_isa", "none")) if available() else "none"
 
 
+def extend_attention_bf16_dot() -> bool:
+    """Whether extend_attention runs bf16 pools through vdpbf16ps tiles here (AVX512_BF16 builds):
+    q * scale and the softmax weights are then rounded to bf16 before their fp32-accumulated
+    products, as a bf16 engine computes (docs/cpu_backend.md); fp32 pools stay exact."""
+    return bool(getattr(_ext, "extend_attention_bf16_dot", False)) and extend_attention_isa() != "none"
+
+
+def decode_attention_bf16_dot(head_dim: int) -> bool:
+    """Whether decode_attention folds bf16 pools of this head_dim by vdpbf16ps here (AVX512_BF16
+    builds, head_dim a multiple of 32 up to 256, up to 8 query heads per KV head): q * scale and
+    the softmax weights rounded to bf16, as extend_attention_bf16_dot; fp32 pools stay exact."""
+    built = bool(getattr(_ext, "decode_attention_bf16_dot", False)) and available()
+    return built and head_dim % 32 == 0 and head_dim <= 256
+
+
 def extend_attention_supported(head_dim: int) -> bool:
     """Whether extend_attention handles this shape here (built, with AVX2, head_dim % 8 == 0)."""
     return extend_attention_isa() != "none" and head_dim % 8 == 0 and 8 <= head_dim <= 512

@@ -21,11 +21,15 @@ from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from sgl_kernel import cpu as cpu_kernels
 
 LOGIT_BOUND = {"bf16": 0.25, "fp8_e4m3": 2.0, "fp8_e5m2": 5.0, "int8": 0.6}
 EXACT_GREEDY = ("bf16", "int8")
 # Compiled kernels against torch-native on pools of the same dtype (see the test for why not 2e-3).
 KERNEL_BOUND = {"bf16": 1e-2, "fp8_e4m3": 1e-2, "int8": 1e-2}
+# An AVX512_BF16 build's extend attention on a bf16 pool rounds q and the softmax weights to bf16
+# (vdpbf16ps tiles, as a bf16 engine): measured max 0.033, a quarter of bf16 K/V's own 0.12.
+BF16_DOT_KERNEL_BOUND = 6e-2
 PROMPTS = [
     [5 + (7 * i) % 200 for i in range(90)],
     [11, 12, 13, 14, 15],
@@ -120,8 +124,10 @@ def test_compiled_kernels_match_torch_native(tiny_llama_path, kv):
     fast_logits, fast_tokens, _ = _greedy(tiny_llama_path, kv, "cpu")
     ref_logits, ref_tokens, _ = _greedy(tiny_llama_path, kv, "torch_native")
     assert fast_tokens == ref_tokens
+    bf16_dot = kv == "bf16" and cpu_kernels.extend_attention_bf16_dot()
+    bound = BF16_DOT_KERNEL_BOUND if bf16_dot else KERNEL_BOUND[kv]
     for got, ref in zip(fast_logits, ref_logits):
-        torch.testing.assert_close(got, ref, atol=KERNEL_BOUND[kv], rtol=1e-3)
+        torch.testing.assert_close(got, ref, atol=bound, rtol=1e-3)
 
 
 @needs_ext

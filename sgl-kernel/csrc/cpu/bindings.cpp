@@ -28,6 +28,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("attention_kv_dtypes") = py::make_tuple("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8");
   // Which vector path extend_attention was compiled with ("none": it raises, use torch).
   m.attr("extend_attention_isa") = RS_HAVE_AVX512 ? "avx512" : RS_HAVE_AVX2 ? "avx2" : "none";
+  // Whether bf16 pools run extend_attention's bf16-dot tiles (RS_HAVE_EXTEND_BF16 of
+  // extend_attention_bf16.h: Q and P rounded to bf16) rather than the fp32 ones.
+// Likewise decode_attention's block step (RS_HAVE_DECODE_BF16 of attention_block_bf16.h), for
+// head_dim a multiple of 32.
+#if RS_HAVE_AVX512 && defined(__AVX512BF16__)
+  m.attr("extend_attention_bf16_dot") = true;
+  m.attr("decode_attention_bf16_dot") = true;
+#else
+  m.attr("extend_attention_bf16_dot") = false;
+  m.attr("decode_attention_bf16_dot") = false;
+#endif
   m.def("linear_f16", &linear_f16, "y = x @ w.T (+ bias): x fp32 [M,K], w fp16 [N,K], fp32 math",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("linear_f32", &linear_f32, "y = x @ w.T (+ bias) for small M: x, w fp32",

@@ -13,13 +13,17 @@
 // - Splits. When there are too few (segment, KV head) tasks for the threads (one long request),
 //   segments are split; partial states are merged by their log-sum-exp at the end.
 // Other shapes (and builds without AVX2) take a two-pass path: scores, softmax, values.
+// bf16 pools on AVX512_BF16 builds fold by bf16 dot products (attention_block_bf16.h: q * scale and
+// the softmax weights rounded to bf16); other pools, the fp32 block step.
 #include "attention_block.h"
+#include "attention_block_bf16.h"
 #include "common.h"
 #include "ops.h"
 
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <type_traits>
 
 namespace {
 
@@ -114,8 +118,18 @@ constexpr int64_t kMinSharedTokens = 64;  // a shared prefix shorter than this i
 template <int G, typename kv_t>
 void fold_range_g(const HeadView<kv_t>* views, const HeadState* states, int64_t n, int64_t nh, int64_t D,
                   const int32_t* slots, int64_t t0, int64_t t1) {
-  constexpr int kMax = max_value_chunks<G>();
   const int64_t chunks = D / Vec::kWidth;
+#if RS_HAVE_DECODE_BF16
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) {  // vdpbf16ps (attention_block_bf16.h)
+    if (decode_bf16_applies(D)) {
+      if constexpr (bf16_value_chunks<G>() == 4) {
+        if (chunks % 4 == 0) return fold_range_bf16<G, 4>(views, states, n, nh, D, slots, t0, t1);
+      }
+      return fold_range_bf16<G, 2>(views, states, n, nh, D, slots, t0, t1);
+    }
+  }
+#endif
+  constexpr int kMax = max_value_chunks<G>();
   if (kMax >= 4 && chunks % 4 == 0) return fold_range<G, 4>(views, states, n, nh, D, slots, t0, t1);
   if (kMax >= 2 && chunks % 2 == 0) return fold_range<G, 2>(views, states, n, nh, D, slots, t0, t1);
   fold_range<G, 1>(views, states, n, nh, D, slots, t0, t1);

@@ -11,16 +11,20 @@
 //   AVX-512 (or AVX2) products, with an online softmax in between.
 // - Causality: a query at position p sees keys 0..p, so key blocks past the item's last position
 //   are never visited and only the blocks on the diagonal are masked, row by row.
+// - bf16 pools on AVX512_BF16 builds run the same loop on vdpbf16ps tiles (extend_attention_bf16.h:
+//   q * scale and the softmax weights rounded to bf16, fp32 accumulation); other pools, fp32 tiles.
 // - A draft tree (speculative decoding) passes a mask among each request's new tokens: query i sees
 //   the whole cached prefix and the new tokens j with mask[i][j] set (its ancestors and itself, so
 //   j <= i). Then only the prefix is visited unmasked; keys from the first new token on are masked
 //   per row through the tree mask instead of the causal diagonal.
 // - Items are scheduled heaviest first (later query blocks see more keys) onto threads that each
 //   take the next item when done.
+#include "extend_attention_bf16.h"
 #include "extend_attention_tile.h"
 #include "ops.h"
 
 #include <atomic>
+#include <type_traits>
 
 namespace {
 
@@ -34,16 +38,29 @@ struct WorkItem {
   int64_t cost;           // rows x keys visited: the order of scheduling
 };
 
+template <typename T>
+void grow(std::vector<T>& x, int64_t n) {
+  if (static_cast<int64_t>(x.size()) < n) x.resize(static_cast<size_t>(n));
+}
+
 struct Buffers {  // per thread, grown to the largest item seen
   std::vector<float> q, s, o, kt, v, m, l, alpha;
-  void reserve(int64_t M, int64_t Dp) {
-    auto grow = [](std::vector<float>& x, int64_t n) {
-      if (static_cast<int64_t>(x.size()) < n) x.resize(static_cast<size_t>(n));
-    };
-    grow(q, M * Dp), grow(s, M * kKeys), grow(o, M * Dp), grow(kt, Dp * kKeys), grow(v, kKeys * Dp);
-    grow(m, M), grow(l, M), grow(alpha, M);
+  std::vector<uint32_t> qb, kb, vb, pb;  // the bf16-dot tiles (extend_attention_bf16.h): bf16 pairs
+  void reserve(int64_t M, int64_t Dp, bool bf16_dot) {
+    grow(s, M * kKeys), grow(o, M * Dp), grow(m, M), grow(l, M), grow(alpha, M);
+    if (!bf16_dot) {
+      grow(q, M * Dp), grow(kt, Dp * kKeys), grow(v, kKeys * Dp);
+      return;
+    }
+#if RS_HAVE_EXTEND_BF16
+    grow(qb, M * pairs(Dp)), grow(kb, key_pair_rows(Dp) * kKeys), grow(vb, kKeys / 2 * Dp), grow(pb, M * kKeys / 2);
+#endif
   }
 };
+
+// Whether a pool of kv_t runs the bf16-dot tiles: bf16 pools, where this build has AVX512_BF16.
+template <typename kv_t>
+constexpr bool kBf16Dot = RS_HAVE_EXTEND_BF16 && std::is_same_v<kv_t, at::BFloat16>;
 
 template <typename kv_t>
 struct Problem {
@@ -62,6 +79,49 @@ struct Problem {
   float scale;
 };
 
+// S = (scale Q) K^T over one block of n keys at slots[0..n) (nc: n rounded up to whole registers).
+template <typename kv_t>
+void scores_block(const Problem<kv_t>& pb, const kv_t* k, const float* k_scale, const int32_t* slots, int64_t n,
+                  int64_t nc, int64_t M, Buffers& buf) {
+#if RS_HAVE_EXTEND_BF16
+  if constexpr (kBf16Dot<kv_t>) {
+    pack_keys_t_bf16(k, pb.kv_row_stride, slots, n, pb.D, buf.kb.data());
+    tile_gemm_bf16<false>(buf.qb.data(), pairs(pb.Dp), buf.kb.data(), kKeys, pairs(pb.Dp), buf.s.data(), kKeys, M,
+                          nc, nullptr);
+    return;
+  }
+#endif
+  pack_keys_t(k, pb.kv_row_stride, k_scale, pb.Hkv, slots, n, pb.D, pb.Dp, buf.kt.data());
+  tile_gemm<false>(buf.q.data(), pb.Dp, buf.kt.data(), kKeys, pb.Dp, buf.s.data(), kKeys, M, nc, nullptr);
+}
+
+// O = O * alpha + P V over the same block (the first block: O = P V), P the block's weights in buf.s.
+template <typename kv_t>
+void values_block(const Problem<kv_t>& pb, const kv_t* v, const float* v_scale, const int32_t* slots, int64_t n,
+                  int64_t nc, int64_t M, bool first, Buffers& buf) {
+  float* o = buf.o.data();
+  const int64_t Dp = pb.Dp;
+#if RS_HAVE_EXTEND_BF16
+  if constexpr (kBf16Dot<kv_t>) {
+    pack_values_bf16(v, pb.kv_row_stride, slots, n, pb.D, Dp, buf.vb.data());
+    for (int64_t r = 0; r < M; ++r) round_row_bf16(buf.s.data() + r * kKeys, nc, buf.pb.data() + r * (kKeys / 2));
+    const int64_t kp = (n + 1) / 2;  // key pairs; an odd n's last pair meets a zero V row
+    if (first) {
+      tile_gemm_bf16<false>(buf.pb.data(), kKeys / 2, buf.vb.data(), Dp, kp, o, Dp, M, Dp, nullptr);
+    } else {
+      tile_gemm_bf16<true>(buf.pb.data(), kKeys / 2, buf.vb.data(), Dp, kp, o, Dp, M, Dp, buf.alpha.data());
+    }
+    return;
+  }
+#endif
+  pack_values(v, pb.kv_row_stride, v_scale, pb.Hkv, slots, n, pb.D, Dp, buf.v.data());
+  if (first) {
+    tile_gemm<false>(buf.s.data(), kKeys, buf.v.data(), Dp, n, o, Dp, M, Dp, nullptr);
+  } else {
+    tile_gemm<true>(buf.s.data(), kKeys, buf.v.data(), Dp, n, o, Dp, M, Dp, buf.alpha.data());
+  }
+}
+
 template <typename kv_t>
 void run_item(const Problem<kv_t>& pb, const WorkItem& it, Buffers& buf) {
   const int64_t G = pb.G, D = pb.D, Dp = pb.Dp, M = it.nq * G;
@@ -77,13 +137,17 @@ void run_item(const Problem<kv_t>& pb, const WorkItem& it, Buffers& buf) {
   const kv_t* v = pb.v + it.kh * D;
   const float* k_scale = pb.k_scale ? pb.k_scale + it.kh : nullptr;
   const float* v_scale = pb.v_scale ? pb.v_scale + it.kh : nullptr;
-  buf.reserve(M, Dp);
-  float *qp = buf.q.data(), *s = buf.s.data(), *o = buf.o.data(), *kt = buf.kt.data(), *vt = buf.v.data();
+  buf.reserve(M, Dp, kBf16Dot<kv_t>);
+  float *s = buf.s.data(), *o = buf.o.data();
   // Row r is query position p0 + r / G of head kh * G + r % G: position-major, so that rows of one
   // position share the causal limit.
   for (int64_t r = 0; r < M; ++r) {
     const float* src = pb.q + (pb.q_start[it.b] + it.p0 + r / G) * pb.qs0 + (it.kh * G + r % G) * pb.qs1;
-    pack_query_row(src, D, Dp, pb.scale, qp + r * Dp);
+#if RS_HAVE_EXTEND_BF16
+    if constexpr (kBf16Dot<kv_t>) pack_query_row_bf16(src, D, Dp, pb.scale, buf.qb.data() + r * pairs(Dp));
+    if constexpr (!kBf16Dot<kv_t>)
+#endif
+      pack_query_row(src, D, Dp, pb.scale, buf.q.data() + r * Dp);
     buf.m[r] = -std::numeric_limits<float>::infinity();
     buf.l[r] = 0.f;
   }
@@ -98,9 +162,7 @@ void run_item(const Problem<kv_t>& pb, const WorkItem& it, Buffers& buf) {
       prefetch_rows(k, pb.kv_row_stride, slots + kb + n, next, D);
       prefetch_rows(v, pb.kv_row_stride, slots + kb + n, next, D);
     }
-    pack_keys_t(k, pb.kv_row_stride, k_scale, pb.Hkv, slots + kb, n, D, Dp, kt);
-    pack_values(v, pb.kv_row_stride, v_scale, pb.Hkv, slots + kb, n, D, Dp, vt);
-    tile_gemm<false>(qp, Dp, kt, kKeys, Dp, s, kKeys, M, nc, nullptr);  // S = (scale Q) K^T
+    scores_block(pb, k, k_scale, slots + kb, n, nc, M, buf);
     const bool diagonal = kb + n - 1 > first_pos;  // some key here lies past some row's position
     for (int64_t r = 0; r < M; ++r) {
       if (tree && kb >= full_end) {  // new tokens: the row's ancestors and itself
@@ -112,11 +174,7 @@ void run_item(const Problem<kv_t>& pb, const WorkItem& it, Buffers& buf) {
       buf.alpha[r] = softmax_row(s + r * kKeys, visible, n, nc, buf.m[r], buf.l[r]);
     }
     // The first block is visible to every row (key 0), so O starts as its P V.
-    if (kb == 0) {
-      tile_gemm<false>(s, kKeys, vt, Dp, n, o, Dp, M, Dp, nullptr);
-    } else {
-      tile_gemm<true>(s, kKeys, vt, Dp, n, o, Dp, M, Dp, buf.alpha.data());
-    }
+    values_block(pb, v, v_scale, slots + kb, n, nc, M, kb == 0, buf);
     kb += n;
   }
   for (int64_t r = 0; r < M; ++r) {
