@@ -163,8 +163,11 @@ class CpuDecodeRunner:
             if any(lin.weight_int8 is not None for lin in linears):
                 self.decode_model.set_layer_scales(layer_id, *(_scale(lin) for lin in linears))
             if any(lin.weight_wq is not None for lin in linears):
-                # A form that may take int8 activations here keeps fp32 scales (linear_wq_a8's).
-                narrow = [not (wq_a8_max_tokens and _takes_a8(lin)) for lin in linears]
+                # A form that may take int8 activations here without panels keeps fp32 groups
+                # (linear_wq_a8 reads them); with panels its int8-activation products read those.
+                narrow = [
+                    not (wq_a8_max_tokens and _takes_a8(lin) and _panels(lin) is None) for lin in linears
+                ]
                 self.decode_model.set_layer_wq(layer_id, *(_wq(lin, n) for lin, n in zip(linears, narrow)))
                 if wq_a8_max_tokens:
                     self.decode_model.set_layer_wq_a8(layer_id, *(_takes_a8(lin) for lin in linears))
