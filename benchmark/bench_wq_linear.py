@@ -11,7 +11,8 @@ they stream from memory as in a real step) in two weight-only forms:
 - Q4_1-like: 4-bit integers, an fp32 scale and offset per group of 32 inputs (0.75 bytes/weight);
 - Q8_0-like: 8-bit integers, an fp32 scale per group of 32 inputs (1.125 bytes/weight);
 
-each through linear_wq on its AVX-512 and AVX2 paths (each path the machine has) and through
+each through linear_wq on its AVX-512 and AVX2 paths (each path the machine has; "f16 groups": the
+same form with fp16 scales and offsets, what the fused decode stack reads for GGUF forms) and through
 linear_wq_a8 (int8 activations per 32 inputs, "a8": what --cpu-wq-int8-activations and a measured
 wq_a8_max_tokens run; its best compiled path), against a plain
 read of the same bytes (torch's amax over one buffer of each linear's size, viewed as int32: what
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 from bench_cpu_kernels import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, median_ms
 
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
 from radixserve.layers.quantization import quantize_weight_int8
+from radixserve.model_executor.cpu_decode_runner import KERNEL_TAKES_HALF_GROUPS
 from sgl_kernel import cpu as cpu_kernels
 
 # name -> (bits, group_size, offsets)
@@ -50,6 +53,17 @@ def random_wq(n: int, k: int, bits: int, group: int, offsets: bool) -> GroupQuan
     scales = torch.rand(n, k // group) * 0.01
     return GroupQuantWeight(
         qweight, scales, torch.rand(n, k // group) - 0.5 if offsets else None, group, bits
+    )
+
+
+def half_groups_form(w: GroupQuantWeight) -> SimpleNamespace:
+    """w with fp16 scales and offsets (rounded through fp16: the values do not change the speed),
+    as cpu_decode_runner.half_groups gives the fused decode stack for GGUF forms."""
+    scales = w.scales.half()
+    offsets = None if w.offsets is None else w.offsets.half()
+    nbytes = w.qweight.numel() + 2 * scales.numel() + (0 if offsets is None else 2 * offsets.numel())
+    return SimpleNamespace(
+        qweight=w.qweight, scales=scales, offsets=offsets, bits=w.bits, group_size=w.group_size, nbytes=nbytes
     )
 
 
@@ -78,9 +92,13 @@ def forms(
     for name, (bits, group, offsets) in WQ_FORMATS.items():
         weights = [random_wq(n, k, bits, group, offsets) for n, k in shapes]
         per_weight = sum(w.nbytes() for w in weights) / sum(n * k for n, k in shapes)
+        halves = [half_groups_form(w) for w in weights] if KERNEL_TAKES_HALF_GROUPS else []
+        per_weight_half = sum(h.nbytes for h in halves) / sum(n * k for n, k in shapes)
         for isa in ("avx512", "avx2"):
             if isa in cpu_kernels.linear_wq_isas():
                 out[f"{name} {isa}"] = (_wq_fn(isa), weights, per_weight)
+                if halves:  # what the fused decode stack reads (GGUF's fp16 d and m)
+                    out[f"{name} {isa} f16 groups"] = (_wq_fn(isa), halves, per_weight_half)
         if cpu_kernels.linear_wq_a8_isas():
             out[f"{name} a8"] = (_wq_a8, weights, per_weight)
     if wq_only:

@@ -4,11 +4,13 @@ sampling, and the rest (norms, rotary, KV writes, batch setup, Python), by timin
     python benchmark/profile_decode_step.py                                  # built-in model, b=16 and 64
     python benchmark/profile_decode_step.py --server-args '{"disable_cpu_bf16_gemm": true}'
     python benchmark/profile_decode_step.py --threads 1 --batch-size 64
+    python benchmark/profile_decode_step.py --batch-size 1 --temperature 0 --threads 1 --cpu-time
 
 The torch profiler does not see sgl-kernel's attention and norm calls (they bypass the dispatcher)
-and distorts short ops, so this wraps `layers.linear.linear` (the LM head: the call whose weight has
-more than HEAD_ROWS output rows), the cpu attention backend's forward_decode and
-ModelRunner.sample with wall clocks, and reports medians over --steps steps of a static batch
+and distorts short ops, so this wraps `layers.linear.linear` (decoder linears), the cpu attention
+backend's forward_decode, the fused decode stack (CpuDecodeRunner.replay: small batches run the
+whole decoder in one compiled call that the other wrappers never see), the LM head
+(ModelRunner._logits: the greedy head or the full one) and ModelRunner.sample with wall clocks, and reports medians over --steps steps of a static batch
 (radixserve.bench_one_batch's runner; prompts of --input-len random tokens). Sampling at
 --temperature 0.8 by default: temperature 0 would read the greedy head (layers/greedy_head.py)
 instead of the full one.
@@ -28,6 +30,7 @@ import torch
 from radixserve import bench_one_batch
 from radixserve.layers import linear as linear_module
 from radixserve.layers.attention.cpu_backend import CpuAttnBackend
+from radixserve.model_executor.cpu_decode_runner import CpuDecodeRunner
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.worker_stack import build_model_worker
@@ -36,15 +39,20 @@ from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
 HEAD_ROWS = 10_000  # a linear with more output rows than this is the LM head (vocabularies)
-PARTS = ("decoder linears", "LM head", "attention", "sampling")
-spent = dict.fromkeys(PARTS, 0.0)
+PARTS = ("decoder linears", "LM head", "attention", "fused stack", "sampling")
+# The head's linear call runs inside ModelRunner._logits, which is timed as "LM head" already.
+NESTED = "nested"
+spent = dict.fromkeys((*PARTS, NESTED), 0.0)
+# The wall clock; with --cpu-time on one thread, that thread's CPU time (a shared machine's
+# descheduling left out, its memory traffic not).
+clock: Callable[[], float] = time.perf_counter
 
 
 def _timed(fn: Callable[..., Any], part: Callable[..., str]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = clock()
         out = fn(*args, **kwargs)
-        spent[part(*args)] += time.perf_counter() - start
+        spent[part(*args)] += clock() - start
         return out
 
     return wrapper
@@ -52,12 +60,16 @@ def _timed(fn: Callable[..., Any], part: Callable[..., str]) -> Callable[..., An
 
 def _install_timers() -> None:
     def linear_part(x: torch.Tensor, weight: torch.Tensor, *_: Any) -> str:
-        return "LM head" if weight.shape[0] > HEAD_ROWS else "decoder linears"
+        return NESTED if weight.shape[0] > HEAD_ROWS else "decoder linears"
 
     # Linear.forward looks `linear` up in its module at call time, so the wrapper sees every call.
     linear_module.linear = _timed(linear_module.linear, linear_part)
     CpuAttnBackend.forward_decode = _timed(CpuAttnBackend.forward_decode, lambda *_: "attention")
     ModelRunner.sample = _timed(ModelRunner.sample, lambda *_: "sampling")
+    # Small batches run the decoder stack in one compiled call (cpu_decode_runner.py), which the
+    # wrappers above never see: time that call, and the LM head (greedy or full) as a whole.
+    CpuDecodeRunner.replay = _timed(CpuDecodeRunner.replay, lambda *_: "fused stack")
+    ModelRunner._logits = _timed(ModelRunner._logits, lambda *_: "LM head")
 
 
 def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, temperature: float) -> str:
@@ -70,9 +82,9 @@ def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, tem
     for _ in range(steps):
         for part in PARTS:
             spent[part] = 0.0
-        start = time.perf_counter()
+        start = clock()
         runner.decode(reqs)
-        rows.append((time.perf_counter() - start, *(spent[p] for p in PARTS)))
+        rows.append((clock() - start, *(spent[p] for p in PARTS)))
     runner.release(reqs)
     total, *parts = (statistics.median(column) * 1e3 for column in zip(*rows))
     shares = [f"{name} {ms:.1f} ({100 * ms / total:.0f}%)" for name, ms in zip(PARTS, parts)]
@@ -90,7 +102,15 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the server's)")
     parser.add_argument("--server-args", default="{}", help="ServerArgs fields as JSON")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1)"
+    )
     args = parser.parse_args()
+    if args.cpu_time:
+        if args.threads != 1:
+            parser.error("--cpu-time needs --threads 1 (other threads' time would be left out)")
+        global clock
+        clock = time.thread_time
     max_bs = max(args.batch_size)
     server_args = ServerArgs(
         model_path=resolve_model_path(None),

@@ -285,8 +285,8 @@ def linear_wq_isas() -> list[str]:
 def linear_wq(
     x: torch.Tensor,  # [M, K] fp32, rows contiguous
     qweight: torch.Tensor,  # bits 8: int8 [N, K]; bits 4: uint8 [N, K // 2], input 2j in byte j's low nibble
-    scales: torch.Tensor,  # [N, K // group_size] fp32, contiguous
-    offsets: torch.Tensor | None,  # [N, K // group_size] fp32, or None
+    scales: torch.Tensor,  # [N, K // group_size] fp32 (or fp16, see below), contiguous
+    offsets: torch.Tensor | None,  # [N, K // group_size] scales' dtype, or None
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,  # [N] fp32
@@ -297,7 +297,9 @@ def linear_wq(
     q[n, k] * scales[n, g] (+ offsets[n, g]) with g = k // group_size (layers/group_quant.py's
     GroupQuantWeight; q in 0..15 for bits 4, int8 for bits 8). Activations and sums stay fp32: the
     result is the dequantize-then-matmul reference's up to summation order and FMA contraction.
-    Fast for small M (decode): it streams the integers once. `isa` forces a code path ("scalar",
+    Fast for small M (decode): it streams the integers once. fp16 scales and offsets (both, or
+    scales alone without offsets) are widened to fp32 exactly: the same bits as fp32 tensors of the
+    same values, for fewer bytes read (GGUF's d and m are fp16). `isa` forces a code path ("scalar",
     "avx2", "avx512"; "auto" the best built). `kernel_form` is reserved for a repacked layout; this
     build reads the canonical tensors and takes None only. Raises RuntimeError on a wrong dtype,
     shape or layout."""

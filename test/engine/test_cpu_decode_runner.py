@@ -97,22 +97,24 @@ def test_batches_past_the_bound_take_the_module_forward(tiny_model_dir):
     assert fused_calls == []
 
 
-def _quantize_rtn(w: torch.Tensor, bits: int, group: int) -> GroupQuantWeight:
+def _quantize_rtn(w: torch.Tensor, bits: int, group: int, fp16_groups: bool = False) -> GroupQuantWeight:
     """Round to nearest per group of inputs: int4 asymmetric (min, max), as Q4_1; int8 symmetric, as
-    Q8_0."""
+    Q8_0. `fp16_groups`: scales and offsets rounded through fp16, as a GGUF file stores them."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
+    narrow = (lambda t: t.half().float()) if fp16_groups else (lambda t: t)
+    floor = 1e-4 if fp16_groups else 1e-8  # fp16 holds the former (and rounds the latter to 0)
     if bits == 4:
-        lo = g.amin(-1)
-        scales = ((g.amax(-1) - lo) / 15).clamp_min(1e-8)
+        lo = narrow(g.amin(-1))
+        scales = narrow(((g.amax(-1) - lo) / 15).clamp_min(floor))
         q = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 15).reshape(n, k)
         return GroupQuantWeight(pack_int4(q), scales.contiguous(), lo.contiguous(), group, 4)
-    scales = (g.abs().amax(-1) / 127).clamp_min(1e-8)
+    scales = narrow((g.abs().amax(-1) / 127).clamp_min(floor))
     q = (g / scales[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
     return GroupQuantWeight(q.contiguous(), scales.contiguous(), None, group, 8)
 
 
-def _wq_layers(bits: int, group: int, dense_shift: float):
+def _wq_layers(bits: int, group: int, dense_shift: float, fp16_groups: bool = False):
     """prepare(): every decoder linear gets a wq form of its weight, and its fp32 weight becomes that
     form's dequantization (+ dense_shift: a dense weight that differs tells which form a path read);
     then the derived forms and the fused runner are rebuilt, as a loader's would be."""
@@ -121,7 +123,7 @@ def _wq_layers(bits: int, group: int, dense_shift: float):
         runner = worker.model_runner
         for layer in runner.model.model.layers:
             for lin in decoder_linears(layer):
-                wq = _quantize_rtn(lin.weight.detach(), bits, group)
+                wq = _quantize_rtn(lin.weight.detach(), bits, group, fp16_groups)
                 lin.drop_derived()
                 lin.weight.data.copy_(wq.dequantize() + dense_shift)
                 lin.weight_wq = wq
@@ -137,14 +139,27 @@ def _wq_layers(bits: int, group: int, dense_shift: float):
 @pytest.mark.skipif(not group_quant.WQ_KERNEL, reason="sgl_kernel._cpu built without linear_wq")
 @pytest.mark.parametrize(("kind", "bits", "group"), [("llama", 4, 32), ("qwen2", 8, 32), ("qwen3", 4, 16)])
 @pytest.mark.parametrize("dense_shift", [0.0, 0.05])
+@pytest.mark.parametrize("fp16_groups", [False, True])
 def test_fused_decode_runs_wq_layers_as_the_module_forward_does(
-    tiny_model_dir, kind, bits, group, dense_shift
+    tiny_model_dir, monkeypatch, kind, bits, group, dense_shift, fp16_groups
 ):
     path = str(tiny_model_dir(kind))
     prompts = [list(range(3 + i, 3 + i + 5 + 7 * i)) for i in range(4)]  # 4 > the fp32 bound of 2
-    prepare = _wq_layers(bits, group, dense_shift)
+    prepare = _wq_layers(bits, group, dense_shift, fp16_groups)
+    # With GGUF-like groups the stack reads fp16 copies of them (half_groups), else the fp32 ones.
+    stack_groups = []
+    half_groups = cpu_decode_runner.half_groups
+
+    def spy(scales, offsets):  # noqa: ANN001, ANN202 - half_groups' own signature
+        out = half_groups(scales, offsets)
+        stack_groups.append(out[0].dtype)
+        return out
+
+    monkeypatch.setattr(cpu_decode_runner, "half_groups", spy)
     ref, _ = _decode_logits(path, False, False, prompts, steps=6, prepare=prepare)
     got, fused_calls = _decode_logits(path, True, False, prompts, steps=6, prepare=prepare)
+    narrowed = fp16_groups and cpu_decode_runner.KERNEL_TAKES_HALF_GROUPS
+    assert stack_groups and set(stack_groups) == {torch.float16 if narrowed else torch.float32}
     assert len(prompts) <= WQ_MAX_TOKENS
     assert fused_calls == [len(prompts)] * 6  # every decode step took the fused path
     # The same linear_wq calls and attention on both paths: only the fused norms' summation order

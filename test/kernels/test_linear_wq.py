@@ -185,7 +185,10 @@ _w8 = _weight(8, 64, 8, 32, offsets=False)
         ({"bits": 8}, "8-bit qweight must be a contiguous int8"),
         ({"bits": 3}, "bits must be 4 or 8"),
         ({"qweight": torch.zeros(16, 64, dtype=torch.uint8)[::2]}, "4-bit qweight must be a contiguous"),
-        ({"scales": torch.ones(8, 2, dtype=torch.float16)}, "scales must be a contiguous float32"),
+        ({"scales": torch.ones(8, 2, dtype=torch.bfloat16)}, "scales must be a contiguous float32"),
+        # fp16 scales take fp16 offsets (test_linear_wq_half_groups.py), and fp32 ones fp32.
+        ({"scales": torch.ones(8, 2, dtype=torch.float16)}, "offsets must be a contiguous float16"),
+        ({"offsets": torch.ones(8, 2, dtype=torch.float16)}, "offsets must be a contiguous float32"),
         ({"scales": torch.ones(2, 8).T}, "scales must be a contiguous float32"),
         ({"scales": torch.ones(8, 4)}, r"scales must be a contiguous float32 \[8, 2\]"),
         ({"offsets": torch.ones(7, 2)}, r"offsets must be a contiguous float32 \[8, 2\]"),

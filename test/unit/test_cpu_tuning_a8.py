@@ -19,8 +19,10 @@ from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL
 from radixserve.layers.linear import Linear, onednn_prepack_available, prepare_cpu_linears
 from radixserve.layers.weight_only import quantize_int8_groups
 from radixserve.model_executor import cpu_tuning
+from radixserve.model_executor.cpu_batch_numerics import A8Panels
 from radixserve.model_executor.cpu_tuning import cache_path, choose_int8_activations, resolve_crossovers
 from radixserve.server_args import ServerArgs
+from sgl_kernel import cpu as cpu_kernels
 
 needs_a8 = pytest.mark.skipif(
     not (onednn_prepack_available() and WQ_A8_KERNEL), reason="needs oneDNN and sgl-kernel's linear_wq_a8"
@@ -199,3 +201,23 @@ def test_prompt_logprobs_score_an_int8_activation_head_in_blocks_of_its_bound() 
     off = Head(True)
     head_logits(off, hidden)
     assert off.rows == [8, 3]
+
+
+@needs_a8
+@pytest.mark.parametrize("panels_won", [True, False])
+def test_small_products_are_timed_on_what_would_serve_them(monkeypatch, panels_won) -> None:
+    """Where the batches chose panels (which every marked layer then gets), the int8-activation
+    bound times linear_wq_a8 on panels; else on the form's own tensors."""
+    layers = _a8_layers()
+    panels = A8Panels(layers, cpu_tuning._gemm) if panels_won else None
+    monkeypatch.setattr(cpu_tuning, "measure_a8_batch", lambda *_: (panels_won, panels, {}))
+    calls: list[bool] = []
+    real = cpu_kernels.linear_wq_a8
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - linear_wq_a8's own signature
+        calls.append(kwargs.get("packed") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "linear_wq_a8", spy)
+    cpu_tuning.measure(layers)
+    assert calls and all(packed == panels_won for packed in calls)

@@ -16,7 +16,8 @@ memory bandwidth), so a bound chosen on one machine is wrong on the next. `--cpu
 
 One bound is a choice of numerics, not only of speed: `wq_a8_max_tokens`, the largest product in
 which weight-only forms quantize their activations to int8 (linear_wq_a8 against linear_wq, over
-the model's own wq layers at 1, 2, 4 and 8 rows; 0 where int8 activations lose at one row). `auto`
+the model's own wq layers at 1, 2, 4 and 8 rows, on the panels where the batches chose them: what
+would serve; 0 where int8 activations lose at one row). `auto`
 serves the measured bound only where A8_BY_DEFAULT says the quality holds (docs/cpu_backend.md);
 `--cpu-wq-int8-activations` forces int8 activations on (the measured bound, or A8_MAX_ROWS where
 none was measured) and `--disable-cpu-wq-int8-activations` forces them off (the exact product).
@@ -55,6 +56,7 @@ from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL, WQ_KERNEL, linear_wq_reference
 from radixserve.layers.linear import Linear, _linear_bf16, use_a8_batch_panels, use_bf16_batch_gemm
 from radixserve.model_executor.cpu_batch_numerics import (
+    A8Panels,
     choose_a8_batch,
     choose_bf16_batch,
     measure_a8_batch,
@@ -240,6 +242,13 @@ def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
     # Then int8-activation panels against the winner of those two, for the marked layers.
     a8_layers = [m for m in wq_layers if m.weight_wq.int8_activations] if WQ_A8_KERNEL else []
     a8_batch, a8_gemm, timings["wq_batch_a8"] = measure_a8_batch(a8_layers, bf16_gemm, _pass_ms)
+    # Small int8-activation products are timed on what will serve them: the panels where the
+    # batches chose them (use_a8_batch_panels installs them for every marked layer, and a8_rows
+    # then gives products up to wq_a8_max_tokens rows to them; one row takes the prefetched one-row
+    # path, csrc/cpu/wq_a8_one_row.h), else linear_wq_a8 on the form's own tensors. Timing the
+    # latter when the panels serve chose exact one-row products on Zen 4 although the panels ran
+    # them ~1.9x faster (docs/cpu_backend.md, "One row").
+    small_a8 = _a8_wq if a8_gemm is None else _on_panels(a8_gemm)
     if a8_gemm is not None:
         bf16_gemm = a8_gemm
     groups: dict[str, tuple[list[Linear], Callable[[Linear, torch.Tensor], torch.Tensor]]] = {
@@ -265,7 +274,7 @@ def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
     if a8 and WQ_A8_KERNEL:
         candidates = tuple(n for n in CANDIDATES["wq_a8_max_tokens"] if n <= bounds["wq_max_tokens"])
         bounds["wq_a8_max_tokens"], timings["wq_a8_max_tokens"] = _crossover(
-            a8, _a8_wq, candidates, against=_exact_wq, floor=0
+            a8, small_a8, candidates, against=_exact_wq, floor=0
         )
     return {**bounds, "wq_batch_bf16": bf16, "wq_batch_a8": a8_batch}, timings
 
@@ -278,6 +287,16 @@ def _exact_wq(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.linear_wq(
         x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None, kernel_form=w.kernel_form
     )
+
+
+def _on_panels(panels: A8Panels) -> Callable[[Linear, torch.Tensor], torch.Tensor]:
+    """linear_wq_a8 on the measurement's panels of a layer, on its form's tensors where it has none
+    (never the GEMM A8Panels falls back to: a small product would not run that)."""
+
+    def run(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return panels(layer, x) if id(layer) in panels.packs else _a8_wq(layer, x)
+
+    return run
 
 
 def _a8_wq(layer: Linear, x: torch.Tensor) -> torch.Tensor:

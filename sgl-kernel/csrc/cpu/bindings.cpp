@@ -53,7 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("linear_int8_isas") = int8_isas;
   m.def("linear_wq", &linear_wq,
         "Weight-only group-quantized linear: x fp32 [M,K]; qweight int8 [N,K] (bits 8) or uint8 [N,K/2] "
-        "(bits 4, low nibble first); scales / offsets fp32 [N, K/group_size]: w = q*scale (+offset); fp32 math. "
+        "(bits 4, low nibble first); scales / offsets fp32 [N, K/group_size] (or both fp16, widened exactly): "
+        "w = q*scale (+offset); fp32 math. "
         "isa: 0 best, 1 scalar, 2 avx2, 3 avx512",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
         py::arg("group_size"), py::arg("bias") = py::none(), py::arg("isa") = 0);

@@ -19,6 +19,9 @@
 // per call, M * K floats): the low nibbles of a byte vector are then the even inputs and the
 // high nibbles the odd ones, with no shuffle of the weight.
 //
+// Scales and offsets are fp32, or both fp16 (GGUF's d and m as stored: widened exactly, the same
+// weights and bits; rows_half says how).
+//
 // Paths (`isa` forces one, for tests): AVX-512 (16 floats per vector, int4 in blocks of 32
 // inputs), AVX2 + FMA (8 floats, int4 in blocks of 16), scalar (CPUs without AVX2, and the last
 // 16 int4 inputs of the AVX-512 path when K is an odd multiple of 16). Every path computes the
@@ -40,8 +43,9 @@ struct WqProblem {
   int64_t ldxp;
   const uint8_t* q;  // row n starts at q + n * qrow
   int64_t qrow;      // bytes per row: K (8 bits) or K / 2 (4 bits)
-  const float* s;    // [N, groups]
-  const float* o;    // [N, groups] or nullptr
+  const float* s;    // [N, groups], or from row s_row0 on (fp16 forms: a chunk widened to fp32)
+  const float* o;    // as s, or nullptr
+  int64_t s_row0;    // the weight row s and o start at
   const int32_t* grp;  // grp[c]: the group of inputs [16 c, 16 c + 16)
   const float* bias;   // [N] or nullptr
   float* y;            // [M, N]
@@ -59,7 +63,7 @@ inline float weight_at(const WqProblem& p, int64_t n, int64_t k) {
   } else {
     q = static_cast<int8_t>(row[k]);
   }
-  const int64_t g = n * p.groups + p.grp[k >> 4];
+  const int64_t g = (n - p.s_row0) * p.groups + p.grp[k >> 4];
   return std::fma(static_cast<float>(q), p.s[g], p.o != nullptr ? p.o[g] : 0.f);
 }
 
@@ -89,7 +93,7 @@ struct Weights512 {
 template <bool kInt4>
 inline Weights512 weights512(const WqProblem& p, int64_t n, int64_t k, int64_t ga, int64_t gb) {
   const __m512 zero = _mm512_setzero_ps();
-  const int64_t g = n * p.groups;
+  const int64_t g = (n - p.s_row0) * p.groups;
   if constexpr (kInt4) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i b =
@@ -242,7 +246,7 @@ inline void tile256(const WqProblem& p, int64_t m0, int64_t n0) {
         _mm_prefetch(reinterpret_cast<const char*>(p.q + (n0 + NR + j) * p.qrow + byte), _MM_HINT_T0);
     }
     for (int j = 0; j < NR; ++j) {
-      const int64_t n = n0 + j, g = n * p.groups + ga;
+      const int64_t n = n0 + j, g = (n - p.s_row0) * p.groups + ga;
       const __m256 sv = _mm256_set1_ps(p.s[g]);
       const __m256 ov = p.o != nullptr ? _mm256_set1_ps(p.o[g]) : zero;
       __m256 w0, w1;
@@ -315,6 +319,36 @@ void rows(const WqProblem& p, int64_t isa, int64_t n0, int64_t n1) {
   rows_scalar(p, n0, n1);
 }
 
+// fp16 scales and offsets (GGUF's own d and m: half the bytes of fp32 ones, ~1/6 of a Q4_1
+// weight's), widened to fp32 exactly, so the paths above compute the same weights, bit for bit,
+// as from an fp32 copy of the same values. Widened by chunks of kHalfChunk weight rows into a
+// buffer that stays in L1 (one row's groups at a time would cost a call per row; the whole
+// range, a second pass over memory), ahead of the tiles that read them.
+constexpr int64_t kHalfChunk = 8;  // a multiple of every tile height (rows512, rows256)
+
+void widen(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if RS_HAVE_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void rows_half(const WqProblem& p, const at::Half* s, const at::Half* o, int64_t isa, int64_t n0, int64_t n1) {
+  const int64_t span = kHalfChunk * p.groups;
+  std::vector<float> buf(o != nullptr ? 2 * span : span);
+  WqProblem c = p;
+  c.s = buf.data();
+  c.o = o != nullptr ? buf.data() + span : nullptr;
+  for (int64_t n = n0; n < n1; n += kHalfChunk) {
+    const int64_t end = std::min(n1, n + kHalfChunk), len = (end - n) * p.groups;
+    widen(s + n * p.groups, buf.data(), len);
+    if (o != nullptr) widen(o + n * p.groups, buf.data() + span, len);
+    c.s_row0 = n;
+    rows(c, isa, n, end);
+  }
+}
+
 // x with each `block` of inputs reordered as its even inputs, then its odd ones (the rest of K,
 // shorter than a block, copied as it is).
 std::vector<float> even_odd_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t block) {
@@ -342,7 +376,7 @@ std::vector<std::string> linear_wq_isas() { return isa_names(RS_HAVE_AVX2, RS_HA
 at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t isa) {
-  const WqForm f = check_wq_form("linear_wq", x, qweight, scales, offsets, bits, group_size, bias, 16);
+  const WqForm f = check_wq_form("linear_wq", x, qweight, scales, offsets, bits, group_size, bias, 16, true);
   const int64_t M = f.M, K = f.K, N = f.N, groups = f.groups;
   if (isa == kIsaAuto) isa = best_isa();
   TORCH_CHECK(isa == kIsaScalar || (isa == kIsaAvx2 && RS_HAVE_AVX2) || (isa == kIsaAvx512 && RS_HAVE_AVX512),
@@ -363,8 +397,9 @@ at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::T
                     xp.empty() ? x.stride(0) : K,
                     reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                     qweight.size(1),
-                    scales.data_ptr<float>(),
-                    f.offsets,
+                    f.half ? nullptr : scales.data_ptr<float>(),
+                    f.half ? nullptr : static_cast<const float*>(f.offsets),
+                    0,
                     grp.data(),
                     f.bias,
                     y.data_ptr<float>(),
@@ -378,8 +413,13 @@ at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::T
   constexpr int64_t kUnit = 8;
   const int64_t units = (N + kUnit - 1) / kUnit;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (kUnit * p.qrow));
+  static_assert(kUnit % kHalfChunk == 0, "a thread's run starts at a chunk of rows_half");
+  const auto* s_half = f.half ? scales.data_ptr<at::Half>() : nullptr;
+  const auto* o_half = f.half ? static_cast<const at::Half*>(f.offsets) : nullptr;
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    rows(p, isa, u0 * kUnit, std::min(N, u1 * kUnit));
+    const int64_t n0 = u0 * kUnit, n1 = std::min(N, u1 * kUnit);
+    if (f.half) return rows_half(p, s_half, o_half, isa, n0, n1);
+    rows(p, isa, n0, n1);
   });
   return y;
 }

@@ -204,7 +204,7 @@ at::Tensor linear_wq_a8(const at::Tensor& x, const at::Tensor& qweight, const at
                     reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                     qweight.size(1),
                     scales.data_ptr<float>(),
-                    f.offsets,
+                    static_cast<const float*>(f.offsets),  // fp32: check_wq_form allows no fp16 here
                     f.bias,
                     y.data_ptr<float>(),
                     groups,

@@ -29,8 +29,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                        const c10::optional<at::Tensor>& bias, int64_t isa);
 std::vector<std::string> linear_int8_isas();
 // Weight-only group-quantized: x fp32 [M, K]; qweight int8 [N, K] (bits 8) or uint8 [N, K / 2]
-// (bits 4, low nibble first); scales (and optional offsets) fp32 [N, K / group_size]:
-// w = q * scale (+ offset). fp32 math. isa as linear_int8's (3: AVX-512F).
+// (bits 4, low nibble first); scales (and optional offsets) fp32 [N, K / group_size], or both
+// fp16 (widened exactly): w = q * scale (+ offset). fp32 math. isa as linear_int8's (3: AVX-512F).
 at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t isa);
