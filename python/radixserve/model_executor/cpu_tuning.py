@@ -29,7 +29,7 @@ And `wq_batch_a8`: whether the marked forms' batches run int8-activation GEMMs o
 instead (measured after bf16, against the GEMM it chose); `--disable-cpu-wq-int8-activations` and
 `--cpu-bf16-gemm` keep it off.
 The cache is a JSON file per (CPU, model) in $RADIXSERVE_CPU_TUNING_DIR (default
-~/.cache/radixserve/cpu_tuning); delete it to measure again. Multi-rank runs use the defaults (each rank
+~/.cache/radixserve/cpu_tuning; cpu_tuning_cache.py); delete it to measure again. Multi-rank runs use the defaults (each rank
 would measure alone, and the ranks' fused decode paths must agree on their batch bounds).
 """
 
@@ -37,10 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import time
@@ -62,6 +59,7 @@ from radixserve.model_executor.cpu_batch_numerics import (
     measure_a8_batch,
     measure_bf16_batch,
 )
+from radixserve.model_executor.cpu_tuning_cache import cache_path, read_cache, write_cache
 from radixserve.utils.cpus import available_cpus, busy_cpus_now
 
 logger = logging.getLogger(__name__)
@@ -90,8 +88,6 @@ REPEATS = 3
 # Part of the cache key: a cache written before a choice was measured (v1: before wq_batch_bf16)
 # (v2: before wq_batch_a8) is not read, so a quiet start measures the new choice instead of
 # serving without it.
-CACHE_VERSION = 3  # v3: wq_batch_a8
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
 def resolve_crossovers(
@@ -155,7 +151,7 @@ def choose_int8_activations(chosen: Crossovers, forced: bool | None) -> Crossove
 def _cached_or_measured(mode: str, path: Path, layers: list[Linear]) -> Crossovers:
     if mode == "auto" and path.exists():
         try:
-            return _from_cache(path)
+            return read_cache(path)
         except (ValueError, KeyError, TypeError, OSError) as exc:
             logger.warning("CPU tuning cache %s unreadable (%s): measuring again", path, exc)
     busy = machine_busy()
@@ -169,7 +165,7 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear]) -> Crossove
     measured = Crossovers(
         **bounds, source=f"measured in {time.perf_counter() - start:.1f} s, cached at {path}"
     )
-    _store(path, measured, timings)
+    write_cache(path, measured, timings)
     return measured
 
 
@@ -358,98 +354,3 @@ def _first_bytes(layers: list[Linear], limit: int) -> list[Linear]:
         out.append(m)
         total += m.weight.numel() * m.weight.element_size()
     return out
-
-
-# --- cache ------------------------------------------------------------------------------------
-
-
-def cpu_identity() -> dict[str, Any]:
-    """What the crossovers depend on besides the model: the CPU, the threads, torch, the kernels."""
-    name, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name == "unknown":
-                    name = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    ext = getattr(getattr(cpu_kernels, "_ext", None), "__file__", None)
-    kernel = f"{os.path.getsize(ext)}-{int(os.path.getmtime(ext))}" if ext and os.path.exists(ext) else "none"
-    return {
-        "cpu": name,
-        "flags": [f for f in CPU_FLAGS if f in flags],
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "kernel": kernel,
-    }
-
-
-def model_identity(layers: list[Linear]) -> list[list[Any]]:
-    """The layers' shapes and forms, in order (the weights' values do not move a crossover)."""
-    return [
-        [m.in_features, m.out_features, str(m.weight_packed.dtype), _wq_kind(m), m.weight_f16 is not None]
-        for m in layers
-    ]
-
-
-def _wq_kind(layer: Linear) -> str:
-    wq = layer.weight_wq
-    return (
-        "" if wq is None else f"{type(wq).__name__}:{getattr(wq, 'bits', '')}:{getattr(wq, 'group_size', '')}"
-    )
-
-
-def cache_dir() -> Path:
-    """$RADIXSERVE_CPU_TUNING_DIR, else <$RADIXSERVE_CACHE_DIR or ~/.cache/radixserve>/cpu_tuning."""
-    from radixserve.model_loader.default_model import cache_root
-
-    folder = os.environ.get("RADIXSERVE_CPU_TUNING_DIR")
-    return Path(folder).expanduser() if folder else cache_root() / "cpu_tuning"
-
-
-def cache_path(layers: list[Linear]) -> Path:
-    key = json.dumps([CACHE_VERSION, cpu_identity(), model_identity(layers)], sort_keys=True).encode()
-    return cache_dir() / f"{hashlib.sha256(key).hexdigest()[:24]}.json"
-
-
-def _from_cache(path: Path) -> Crossovers:
-    data = json.loads(path.read_text())
-    # A cache from before the int8-activation bound existed: not measured, so off (its default).
-    stored = {"wq_a8_max_tokens": DEFAULTS.wq_a8_max_tokens, **data["bounds"]}
-    bounds = {k: int(stored[k]) for k in Crossovers.BOUNDS}
-    # Missing (written by hand or before the choice): not measured, so the exact fp32 GEMM.
-    bf16, a8 = data.get("wq_batch_bf16", False), data.get("wq_batch_a8", False)
-    for name, value in (("wq_batch_bf16", bf16), ("wq_batch_a8", a8)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} is {value!r}, not true or false")
-    return Crossovers(
-        **bounds,
-        wq_batch_bf16=bf16,
-        wq_batch_a8=a8,
-        source=f"cached {data.get('measured_at', '?')} at {path}",
-    )
-
-
-def _store(path: Path, crossovers: Crossovers, timings: dict[str, Any]) -> None:
-    data = {
-        "bounds": crossovers.bounds(),
-        "wq_batch_bf16": crossovers.wq_batch_bf16,
-        "wq_batch_a8": crossovers.wq_batch_a8,
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_identity(),
-        # Per bound and token count: (the small kernel, oneDNN's GEMM) ms per pass; for
-        # wq_a8_max_tokens (linear_wq_a8, linear_wq); for wq_batch_bf16 per row count (oneDNN
-        # fp32, oneDNN bf16); for wq_batch_a8 per row count (the better oneDNN GEMM, int8
-        # activations on panels); wq_max_tokens' GEMM is the one that won.
-        "timings_ms_small_vs_gemm": timings,
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)  # atomic: two servers starting at once never read half a file
-    except OSError as exc:
-        logger.warning("CPU tuning: could not cache the crossovers at %s (%s)", path, exc)
