@@ -9,6 +9,9 @@
 // dispatch cost rivals the products' own time. Here x is quantized once, the pairs are sorted by
 // expert in C++, and each projection is one parallel region over (expert, panel) of every routed
 // expert, so both threads get work even when one expert's 96-256 panels are too few to split well.
+// The (expert, panel) items are cut over the threads by rows (a prefill's experts get 1-20 rows
+// each), and each expert's run of panels prefetches its weights ahead at every row count: at the
+// 1-16 rows an expert gets here, its arithmetic alone does not hide the read from memory.
 //
 // isa: the panel kernel's path (2 AVX2, 3 AVX-512 VNNI, 0 the best compiled; the same bits).
 // Numbers: those of the grouped path bit for bit. The same rows of int8 x meet the same panels
