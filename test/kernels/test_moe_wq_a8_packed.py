@@ -156,3 +156,22 @@ def test_refusals() -> None:
         cpu_kernels.moe_wq_a8_packed(x, ids, weights[:1], wq.w13_panels, wq.w2_panels)
     with pytest.raises(RuntimeError, match="ISA path 1 is not compiled"):  # no scalar panel kernel
         cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels, isa="scalar")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [7, 11, 13, 64])
+def test_prefill_groups_on_any_thread_split_equal_the_grouped_path(threads: int, tokens: int) -> None:
+    """A prefill's 5-16 rows an expert (7-13 tokens x top-3 over 5 experts; 64: ~38 rows) take the
+    GEMM tiles in balanced tiles with the weight prefetch, the items cut over the threads by rows:
+    none of that may move a bit against the grouped path (per-expert linear_wq_a8 on the same
+    panels), whatever the thread count."""
+    wq = mark_int8_activations(_experts("q4-sym-q4-offsets", seed=tokens), panels=True)
+    x = _x(tokens, FORMS["q4-sym-q4-offsets"][0], seed=tokens)
+    weights, ids = _routing(tokens, seed=tokens)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = cpu_kernels.moe_wq_a8_packed(x, ids, weights, wq.w13_panels, wq.w2_panels)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, _grouped(x, weights, ids, wq))

@@ -9,6 +9,9 @@
 // dispatch cost rivals the products' own time. Here x is quantized once, the pairs are sorted by
 // expert in C++, and each projection is one parallel region over (expert, panel) of every routed
 // expert, so both threads get work even when one expert's 96-256 panels are too few to split well.
+// The (expert, panel) items are cut over the threads by rows (a prefill's experts get 1-20 rows
+// each), and each expert's run of panels prefetches its weights ahead at every row count: at the
+// 1-16 rows an expert gets here, its arithmetic alone does not hide the read from memory.
 //
 // isa: the panel kernel's path (2 AVX2, 3 AVX-512 VNNI, 0 the best compiled; the same bits).
 // Numbers: those of the grouped path bit for bit. The same rows of int8 x meet the same panels
@@ -99,13 +102,60 @@ BlockQuantRows gather_rows(const BlockQuantRows& xq, const std::vector<int64_t>&
 }
 
 #if RS_HAVE_AVX2
+// A work item (one panel of one routed expert) costs its expert's rows plus this many rows' worth
+// for reading the panel's bytes (at one row the read is most of the item's time; at a prefill's
+// 5-16 rows the rows are).
+constexpr int64_t kPanelCostRows = 2;
+
+// The items [0, groups * P) cut into one contiguous range per thread of about equal cost (rows +
+// kPanelCostRows per item): a prefill's experts get 1-20 rows each, so equal counts of items, as
+// at::parallel_for cuts them, can leave one thread with most of the rows. bounds[t] .. bounds[t + 1]
+// is thread t's range.
+std::vector<int64_t> balanced_bounds(const Routing& r, int64_t P, int64_t threads) {
+  const int64_t groups = static_cast<int64_t>(r.expert.size());
+  auto cost = [&](int64_t g) { return r.start[g + 1] - r.start[g] + kPanelCostRows; };
+  int64_t total = 0;
+  for (int64_t g = 0; g < groups; ++g) total += cost(g) * P;
+  std::vector<int64_t> bounds(threads + 1, groups * P);
+  bounds[0] = 0;
+  int64_t g = 0, before = 0;  // before: the cost of groups [0, g)
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t target = total * t / threads;  // thread t starts at the first item at or past it
+    while (g < groups && before + cost(g) * P <= target) before += cost(g++) * P;
+    bounds[t] = g == groups ? groups * P : g * P + (target - before + cost(g) - 1) / cost(g);
+    bounds[t] = std::max(bounds[t], bounds[t - 1]);
+  }
+  return bounds;
+}
+
+// Rows [m0, m0 + MB) of x (MB 2..4) against panels [p0, p1), prefetching the run's weights
+// (wq_a8_one_row.h's rows_run: panel_tile's bits). A decode step at concurrency 16 gives most
+// experts 1-3 rows, whose few dots a panel leave its read from memory uncovered without it.
+template <int MB>
+void few_rows_run(const wq_a8_panels::PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, bool int4, int64_t isa) {
+  using wq_a8_panels::rows_run;
+#if RS_HAVE_A8_VNNI
+  if (isa == kA8IsaVnni) {
+    if (p.g.half)
+      return int4 ? rows_run<MB, true, true, true>(p, p0, p1, m0) : rows_run<MB, false, true, true>(p, p0, p1, m0);
+    return int4 ? rows_run<MB, true, false, true>(p, p0, p1, m0) : rows_run<MB, false, false, true>(p, p0, p1, m0);
+  }
+#endif
+  (void)isa;
+  if (p.g.half)
+    return int4 ? rows_run<MB, true, true, false>(p, p0, p1, m0) : rows_run<MB, false, true, false>(p, p0, p1, m0);
+  int4 ? rows_run<MB, true, false, false>(p, p0, p1, m0) : rows_run<MB, false, false, false>(p, p0, p1, m0);
+}
+
 // y [pairs, proj.n]: each group's rows of xq against its expert's panels, one parallel region over
-// every (group, panel).
+// every (group, panel), cut by balanced_bounds.
 void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Routing& r, float* y, int64_t isa) {
   const int64_t P = proj.panels, items = static_cast<int64_t>(r.expert.size()) * P;
   const int64_t pairs = r.start.back();
-  at::parallel_for(0, items, wq_a8_panels::grain_panels(proj.nb, proj.bits), [&](int64_t i0, int64_t i1) {
-    // One run of panels per group in [i0, i1) (panel_run prefetches along a run).
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  const std::vector<int64_t> bounds = balanced_bounds(r, P, threads);
+  auto run = [&](int64_t i0, int64_t i1) {
+    // One run of panels per group in [i0, i1) (panel_run and gemm_block prefetch along a run).
     for (int64_t i = i0, next; i < i1; i = next) {
       const int64_t g = i / P, panel = i % P, e = r.expert[g];
       next = std::min(i1, (g + 1) * P);
@@ -124,14 +174,25 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
                                           proj.n,
                                           proj.k};
 #if RS_HAVE_A8_VNNI
-      // An expert with a batch of rows (prefill): the GEMM tiles, the same bits.
+      // An expert with a batch of rows (prefill): the GEMM tiles, the same bits, prefetching the
+      // run's weights (a few rows' arithmetic does not hide their read from memory).
       if (wq_a8_gemm::serves(r.start[g + 1] - r.start[g], isa)) {
-        wq_a8_gemm::gemm_block(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4);
+        wq_a8_gemm::gemm_block(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4, true);
         continue;
       }
 #endif
-      wq_a8_panels::panel_run(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4, isa);
+      const int64_t m0 = r.start[g], p1 = panel + next - i, int4 = proj.bits == 4;
+      switch (r.start[g + 1] - m0) {
+        case 2: few_rows_run<2>(p, panel, p1, m0, int4, isa); break;
+        case 3: few_rows_run<3>(p, panel, p1, m0, int4, isa); break;
+        case 4: few_rows_run<4>(p, panel, p1, m0, int4, isa); break;
+        default: wq_a8_panels::panel_run(p, panel, p1, m0, r.start[g + 1], int4, isa); break;
+      }
     }
+  };
+  if (threads <= 1) return run(0, items);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run(bounds[t], bounds[t + 1]);
   });
 }
 #endif

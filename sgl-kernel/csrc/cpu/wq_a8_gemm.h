@@ -44,9 +44,11 @@ inline __m256i bcast4(const int8_t* q) {
 }
 
 // MB rows of x (from m0) against NP consecutive panels (from panel): y[m0 .. m0 + MB, the
-// panels' rows], by vpdpbusd on 256-bit vectors.
-template <int MB, int NP, bool kInt4, bool kHalf>
-inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
+// panels' rows], by vpdpbusd on 256-bit vectors. kPrefetch: each block of the NP panels also
+// prefetches (into L2) the same block of the NP panels after them, so one tile's pass covers the
+// next tile's weights; none at or past `end` (the run's last byte).
+template <int MB, int NP, bool kInt4, bool kHalf, bool kPrefetch = false>
+inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0, const uint8_t* end = nullptr) {
   constexpr int64_t kChunks = kInt4 ? 4 : 8, kPanelBlock = kChunks * 32;
   const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
   const bool offsets = p.g.o != nullptr || p.g.zero != 0.f;
@@ -64,6 +66,14 @@ inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (kPrefetch) {
+      for (int j = 0; j < NP; ++j) {
+        const uint8_t* ahead = wq[j] + b * kPanelBlock + NP * nb * kPanelBlock;
+        if (ahead < end)
+          for (int64_t at = 0; at < kPanelBlock; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
+      }
+    }
     __m256i dot[MB][NP];
     for (int m = 0; m < MB; ++m) {
       // int8: weights read as w + 128, so each lane starts at -128 * the block's sum(q).
@@ -128,41 +138,62 @@ inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
   }
 }
 
-// Rows [m0, m1) against NP panels from `panel`: tiles of kMB rows, then one of the remainder.
-template <int kMB, int NP, bool kInt4, bool kHalf>
-inline void gemm_rows_np(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + kMB <= m1; m += kMB) gemm_tile<kMB, NP, kInt4, kHalf>(p, panel, m);
-  switch (m1 - m) {
-    case 5: if constexpr (kMB > 5) gemm_tile<5, NP, kInt4, kHalf>(p, panel, m); break;
-    case 4: if constexpr (kMB > 4) gemm_tile<4, NP, kInt4, kHalf>(p, panel, m); break;
-    case 3: gemm_tile<3, NP, kInt4, kHalf>(p, panel, m); break;
-    case 2: gemm_tile<2, NP, kInt4, kHalf>(p, panel, m); break;
-    case 1: gemm_tile<1, NP, kInt4, kHalf>(p, panel, m); break;
+// One tile of `rows` (1..kMB) rows from m (kPrefetch: gemm_tile's prefetch up to `end`).
+template <int kMB, int NP, bool kInt4, bool kHalf, bool kPrefetch>
+inline void gemm_tile_rows(const PackedProblem& p, int64_t panel, int64_t m, int64_t rows, const uint8_t* end) {
+  switch (rows) {
+    case 6: if constexpr (kMB >= 6) gemm_tile<6, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
+    case 5: if constexpr (kMB >= 5) gemm_tile<5, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
+    case 4: gemm_tile<4, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
+    case 3: gemm_tile<3, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
+    case 2: gemm_tile<2, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
+    case 1: gemm_tile<1, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
     default: break;
+  }
+}
+
+// Rows [m0, m1) against NP panels from `panel`, in as few tiles of at most kMB rows as fit, their
+// sizes differing by at most one (8 rows: 4 + 4, not 6 + 2: a tile of few rows unpacks each
+// weight for little work; an expert's 5-16 rows of a prefill are mostly such remainders).
+// end != nullptr: the first tile prefetches the next NP panels' weights (gemm_tile), up to end.
+template <int kMB, int NP, bool kInt4, bool kHalf>
+inline void gemm_rows_np(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1, const uint8_t* end) {
+  const int64_t rows = m1 - m0, tiles = (rows + kMB - 1) / kMB;
+  for (int64_t t = 0, m = m0; t < tiles; ++t) {
+    const int64_t n = rows / tiles + (t < rows % tiles ? 1 : 0);
+    if (t == 0 && end != nullptr)
+      gemm_tile_rows<kMB, NP, kInt4, kHalf, true>(p, panel, m, n, end);
+    else
+      gemm_tile_rows<kMB, NP, kInt4, kHalf, false>(p, panel, m, n, nullptr);
+    m += n;
   }
 }
 
 constexpr int kTileRows = 6, kTilePanels = 2;
 
 // Panels [p0, p1) for rows [m0, m1): the rows in chunks of kRowChunk, each chunk swept over the
-// panels two at a time (an odd last panel alone).
+// panels two at a time (an odd last panel alone). prefetch: each pass also prefetches the next
+// panels' weights, never past p1 (for runs whose few rows leave the weight stream from memory
+// uncovered by the arithmetic: a prefill's 5-16 rows an expert).
 template <bool kInt4, bool kHalf>
-inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
+inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool prefetch) {
+  const uint8_t* end = prefetch ? p.q + p1 * (p.K / kBlock) * (kInt4 ? 128 : 256) : nullptr;
   for (int64_t c0 = m0; c0 < m1; c0 += kRowChunk) {
     const int64_t c1 = std::min(m1, c0 + kRowChunk);
     int64_t panel = p0;
     for (; panel + kTilePanels <= p1; panel += kTilePanels)
-      gemm_rows_np<kTileRows, kTilePanels, kInt4, kHalf>(p, panel, c0, c1);
-    for (; panel < p1; ++panel) gemm_rows_np<kTileRows, 1, kInt4, kHalf>(p, panel, c0, c1);
+      gemm_rows_np<kTileRows, kTilePanels, kInt4, kHalf>(p, panel, c0, c1, end);
+    for (; panel < p1; ++panel) gemm_rows_np<kTileRows, 1, kInt4, kHalf>(p, panel, c0, c1, end);
   }
 }
 
-inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool int4) {
+inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool int4,
+                       bool prefetch = false) {
   if (p.g.half)
-    int4 ? gemm_block<true, true>(p, p0, p1, m0, m1) : gemm_block<false, true>(p, p0, p1, m0, m1);
+    int4 ? gemm_block<true, true>(p, p0, p1, m0, m1, prefetch) : gemm_block<false, true>(p, p0, p1, m0, m1, prefetch);
   else
-    int4 ? gemm_block<true, false>(p, p0, p1, m0, m1) : gemm_block<false, false>(p, p0, p1, m0, m1);
+    int4 ? gemm_block<true, false>(p, p0, p1, m0, m1, prefetch)
+         : gemm_block<false, false>(p, p0, p1, m0, m1, prefetch);
 }
 #endif
 
