@@ -282,6 +282,12 @@ def linear_wq_isas() -> list[str]:
     return _built_isas("linear_wq", "linear_wq_isas")
 
 
+def linear_wq_half_groups() -> bool:
+    """Whether this build's linear_wq (and DecodeModel's wq layers) takes fp16 scales and offsets,
+    widened to fp32 exactly (older builds: fp32 only)."""
+    return available() and hasattr(_ext, "linear_wq") and bool(getattr(_ext, "linear_wq_half_groups", False))
+
+
 def linear_wq(
     x: torch.Tensor,  # [M, K] fp32, rows contiguous
     qweight: torch.Tensor,  # bits 8: int8 [N, K]; bits 4: uint8 [N, K // 2], input 2j in byte j's low nibble

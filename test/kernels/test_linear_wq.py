@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from wq_weights import random_wq_weight as _weight  # also imported from here by the wq_a8 tests
 
-from radixserve.layers.group_quant import GroupQuantWeight, linear_wq_reference, pack_int4
+from radixserve.layers.group_quant import GroupQuantWeight, linear_wq_reference
 from sgl_kernel import cpu as cpu_kernels
 
 ISAS = cpu_kernels.linear_wq_isas()
@@ -32,19 +33,6 @@ def _isa_param(isa: str) -> object:
 
 
 ALL_ISAS = [_isa_param(isa) for isa in ("scalar", "avx2", "avx512")]
-
-
-def _weight(n: int, k: int, bits: int, group: int, offsets: bool, seed: int = 0) -> GroupQuantWeight:
-    gen = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
-    else:
-        qweight = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
-    groups = (n, k // group)
-    # Scales of both signs (GGUF's fp16 d may be negative) and offsets around zero, as Q4_1 / AWQ.
-    scales = (torch.rand(groups, generator=gen) - 0.25) * 0.02
-    off = (torch.rand(groups, generator=gen) - 0.5) * 0.1 if offsets else None
-    return GroupQuantWeight(qweight, scales, off, group, bits)
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None) -> None:

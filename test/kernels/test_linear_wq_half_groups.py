@@ -6,30 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from wq_weights import random_wq_weight
 
-from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
-from radixserve.model_executor import cpu_decode_runner
 from radixserve.model_executor.cpu_decode_runner import half_groups
 from sgl_kernel import cpu as cpu_kernels
 
 ISAS = cpu_kernels.linear_wq_isas()
 pytestmark = pytest.mark.skipif(
-    not cpu_decode_runner.KERNEL_TAKES_HALF_GROUPS,
+    not cpu_kernels.linear_wq_half_groups(),
     reason="sgl_kernel._cpu's linear_wq takes fp32 groups only",
 )
-
-
-def _weight(n: int, k: int, bits: int, group: int, offsets: bool, seed: int = 0) -> GroupQuantWeight:
-    """Scales and offsets that fp16 holds exactly (rounded through it), of both signs."""
-    gen = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
-    else:
-        qweight = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
-    groups = (n, k // group)
-    scales = ((torch.rand(groups, generator=gen) - 0.25) * 0.02).half().float()
-    off = ((torch.rand(groups, generator=gen) - 0.5) * 0.1).half().float() if offsets else None
-    return GroupQuantWeight(qweight, scales, off, group, bits)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -39,7 +25,7 @@ def _weight(n: int, k: int, bits: int, group: int, offsets: bool, seed: int = 0)
 def test_fp16_groups_give_the_fp32_bits(isa, bits, k, group, offsets):
     # N: one 8-row chunk and a tail (61), a thread's runs of several chunks (1000), fewer than a chunk (5).
     for n in (5, 61, 1000):
-        w = _weight(n, k, bits, group, offsets, seed=n)
+        w = random_wq_weight(n, k, bits, group, offsets, seed=n, fp16_exact=True)
         half_offsets = None if w.offsets is None else w.offsets.half()
         bias = torch.randn(n)
         for m in (1, 2, 3, 5, 9):
@@ -53,7 +39,7 @@ def test_fp16_groups_give_the_fp32_bits(isa, bits, k, group, offsets):
 
 def test_fp16_groups_differ_where_the_values_differ():
     # The widened values are used, not ignored: a scale that fp16 rounds gives other bits.
-    w = _weight(16, 64, 4, 32, offsets=True)
+    w = random_wq_weight(16, 64, 4, 32, offsets=True, fp16_exact=True)
     scales = w.scales.clone()
     scales[3, 1] += 1e-7  # below fp16's resolution at this magnitude: the fp16 copy drops it
     x = torch.randn(1, 64)
@@ -64,7 +50,7 @@ def test_fp16_groups_differ_where_the_values_differ():
 
 
 def test_half_groups_narrows_only_exact_values():
-    w = _weight(8, 64, 4, 32, offsets=True)
+    w = random_wq_weight(8, 64, 4, 32, offsets=True, fp16_exact=True)
     s, o = half_groups(w.scales, w.offsets)
     assert s.dtype == o.dtype == torch.float16
     assert torch.equal(s.float(), w.scales) and torch.equal(o.float(), w.offsets)

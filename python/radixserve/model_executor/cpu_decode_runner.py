@@ -49,10 +49,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Whether this sgl-kernel build's linear_wq takes fp16 scales and offsets (its docstring says so).
-KERNEL_TAKES_HALF_GROUPS = "both fp16" in (
-    getattr(getattr(getattr(cpu_kernels, "_ext", None), "linear_wq", None), "__doc__", None) or ""
-)
+# Whether this sgl-kernel build's linear_wq takes fp16 scales and offsets (the bindings say so;
+# older builds: fp32 groups, read as they are).
+KERNEL_TAKES_HALF_GROUPS = cpu_kernels is not None and cpu_kernels.linear_wq_half_groups()
 
 
 def _weight(layer: Linear) -> torch.Tensor:

@@ -61,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list wq_isas;
   for (const std::string& isa : linear_wq_isas()) wq_isas.append(isa);
   m.attr("linear_wq_isas") = wq_isas;
+  // linear_wq takes fp16 scales and offsets (widened exactly): callers may narrow GGUF's d and m.
+  m.attr("linear_wq_half_groups") = true;
   m.def("linear_wq_a8", &linear_wq_a8,
         "linear_wq with x quantized to int8 per block of 32 inputs (scale amax/127, round half to even) and "
         "int32 block dot products; group_size a multiple of 32. isa: 0 best, 1 scalar, 2 avx2, 3 avx512 (VNNI)",
