@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from radixserve.constrained.validation import prewarm as prewarm_grammar
 from radixserve.managers.control_client import ControlClient
@@ -56,6 +55,7 @@ from radixserve.managers.quarantine import Quarantine
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.managers.request_logger import RequestLogger
 from radixserve.managers.request_metrics import observe_finish, observe_load, observe_output
+from radixserve.managers.socket_reader import SocketReader
 from radixserve.multimodal.media_fetch import MediaFetcher
 from radixserve.multimodal.processor import load_image_processor
 from radixserve.server_args import ServerArgs
@@ -132,7 +132,7 @@ class TokenizerManager:
         self.control = ControlClient(
             self._send_to_scheduler, self.dp_size, self._raise_if_dead, self._on_new_weights
         )
-        self._recv_task: asyncio.Task[None] | None = None
+        self._reader: SocketReader | None = None
         # LoRA adapters by name, load and unload (managers/lora_registry.py).
         self.lora = LoRARegistry(
             server_args, self.control.ask, lambda: [s.item.lora_id for s in self.rid_to_state.values()]
@@ -158,23 +158,21 @@ class TokenizerManager:
         self._send = get_zmq_socket(
             self._sync_ctx, zmq.PUSH, self.port_args.scheduler_input_ipc_name, bind=False
         )
-        self._async_ctx = zmq.asyncio.Context(1)
-        self._recv = get_zmq_socket(self._async_ctx, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True)
+        self._recv = get_zmq_socket(self._sync_ctx, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True)
         self._started = True
-        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        self._reader = SocketReader(self._recv, self._on_message)
+        self._reader.start(asyncio.get_running_loop())
         prewarm_grammar()
 
     async def close(self) -> None:
         """Stop receiving, then close the sockets and their contexts, in that order: a socket
         closed under a pending recv, or sent on once closed, raises ZMQError."""
         self._closed = True  # later aborts (a cancelled stream's cleanup) send nothing
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-            await asyncio.gather(self._recv_task, return_exceptions=True)
+        if self._reader is not None:
+            self._reader.stop()
         for sock in (self._send, self._recv):
             sock.close(linger=0)
         self._sync_ctx.term()
-        self._async_ctx.term()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.tracer is not None:
             self.tracer.shutdown()  # export the spans still buffered
@@ -434,14 +432,10 @@ class TokenizerManager:
             self.model_path = model_path
 
     # ------------------------------------------------------------------ receiving
-    async def _recv_loop(self) -> None:
-        while True:
-            msg = await self._recv.recv_pyobj()
-            try:
-                if not self.control.deliver(msg):  # a control reply stops there
-                    self._dispatch(msg)
-            except Exception:
-                logger.exception("Failed to handle %s", type(msg).__name__)
+    def _on_message(self, msg: object) -> None:
+        """Every message from the detokenizer and the scheduler (SocketReader logs a failure)."""
+        if not self.control.deliver(msg):  # a control reply stops there
+            self._dispatch(msg)
 
     def _on_batch_str_out(self, msg: BatchStrOut) -> None:
         self.last_output_time = time.monotonic()
