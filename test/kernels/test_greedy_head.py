@@ -69,9 +69,10 @@ def test_argmax_and_kept_logits_are_the_full_heads(m, n, k):
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
-def test_every_path_finds_the_same_candidates(isa):
+@pytest.mark.parametrize("m", [7, 20])  # tiles of 4 rows of x, with and without a remainder
+def test_every_path_finds_the_same_candidates(isa, m):
     w = _q8(1001, 576, seed=1)  # 1001: a partial last tile of 4 rows
-    x = _states(7, 576, seed=2)
+    x = _states(m, 576, seed=2)
     assert _candidates(x, w, isa) == _candidates(x, w, "scalar")
     full_argmax = linear_wq(x, w).argmax(dim=-1).tolist()
     for row, cands in zip(full_argmax, _candidates(x, w, isa)):
