@@ -9,9 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from radixserve.layers import logits_processor
+from radixserve.layers import cpu_crossovers, logits_processor
+from radixserve.layers.cpu_crossovers import Crossovers
 from radixserve.layers.greedy_head import GREEDY_HEAD_KERNEL, greedy_logits, make_form
-from radixserve.layers.group_quant import GroupQuantWeight, linear_wq, pack_int4
+from radixserve.layers.group_quant import (
+    WQ_A8_PACKED,
+    GroupQuantWeight,
+    linear_wq,
+    pack_int4,
+    with_int8_activations,
+)
 from radixserve.layers.linear import Linear
 from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.model_executor.forward_batch import ForwardMode, is_argmax_only
@@ -69,9 +76,10 @@ def test_argmax_and_kept_logits_are_the_full_heads(m, n, k):
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
-def test_every_path_finds_the_same_candidates(isa):
+@pytest.mark.parametrize("m", [7, 20])  # tiles of 4 rows of x, with and without a remainder
+def test_every_path_finds_the_same_candidates(isa, m):
     w = _q8(1001, 576, seed=1)  # 1001: a partial last tile of 4 rows
-    x = _states(7, 576, seed=2)
+    x = _states(m, 576, seed=2)
     assert _candidates(x, w, isa) == _candidates(x, w, "scalar")
     full_argmax = linear_wq(x, w).argmax(dim=-1).tolist()
     for row, cands in zip(full_argmax, _candidates(x, w, isa)):
@@ -199,3 +207,25 @@ def _batch(**changes: object) -> SimpleNamespace:
 def test_argmax_only_steps_are_plain_greedy_ones(changes):
     assert is_argmax_only(_batch())
     assert not is_argmax_only(_batch(**changes))
+
+
+@pytest.mark.skipif(not WQ_A8_PACKED, reason="sgl_kernel._cpu built without the int8-activation panels")
+def test_batches_on_int8_activation_panels_take_the_full_heads_argmax():
+    """Where the tuning put batches on the panels (wq_batch_a8), the full head of a batch is the
+    panels' product: the greedy head steps aside there, so a greedy step reads its argmax."""
+    w = with_int8_activations(_q8(1001, 576, seed=5), panels=True)
+    head = _head(w)
+    before = cpu_crossovers.active()
+    cpu_crossovers.install(Crossovers(wq_max_tokens=1, wq_batch_a8=True))
+    try:
+        one, batch = _states(1, 576, seed=6), _states(16, 576, seed=7)
+        assert greedy_logits(head, one) is not None  # one row: not a batch, the exact product
+        assert greedy_logits(head, batch) is None
+        full = linear_wq(batch, w)
+        direct = cpu_kernels.linear_wq_a8(
+            batch, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None, packed=w.a8_packed
+        )
+        assert torch.equal(full, direct)  # the batch's full head is the panels' product
+    finally:
+        cpu_crossovers.install(before)
+    assert greedy_logits(head, batch) is not None  # batches off the panels: the greedy head again

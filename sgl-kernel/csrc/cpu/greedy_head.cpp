@@ -21,7 +21,6 @@
 //
 // Paths (`isa` forces one, for tests; all give the same integers, and so the same A, B and
 // candidates): AVX-512BW (vpdpwssd with VNNI, else vpmaddwd + add), AVX2 (vpmaddwd + add), scalar.
-#include <memory>
 
 #include "common.h"
 #include "ops.h"
@@ -99,14 +98,18 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, double umax) {
 // streams ran at a third of the memory's speed on the development machine).
 constexpr int64_t kTileBytesPerStep = 4 * 32;
 constexpr int64_t kAhead = 4;  // tiles between a tile's prefetch and its use
+constexpr int64_t kBlock = 64;  // vocabulary rows per task (36 KB of int8 at K = 576)
 
 struct Problem {
   const Rows& x;
   const int8_t* u;  // packed, see above
   const float* stats;  // [N, 3]: t, delta, omega
-  float* a;  // [M, N]
-  float* b;  // [M, N]
-  int64_t M, N, Kp;
+  // [M, kBlock]: A and B of one block of vocabulary rows (n0 .. n0 + kBlock), the caller's
+  // scratch. Never [M, N]: at 64 rows that was 25 MB written and read back per call, for the
+  // handful of entries the candidates need (they are recomputed, exactly, in their blocks).
+  float* a;
+  float* b;
+  int64_t M, N, Kp, n0;
 
   const int8_t* tile_at(int64_t n) const { return u + (n / 4) * Kp * 4; }
   const int16_t* row(int64_t m) const { return x.r.data() + m * x.ld; }
@@ -123,11 +126,11 @@ inline void store(const Problem& p, int64_t m0, int64_t n, const int64_t* dot) {
   for (int i = 0; i < MB; ++i) {
     const int64_t m = m0 + i;
     const float sx = static_cast<float>(p.x.sx[m]), cd = p.x.c_delta[m], co = p.x.c_omega[m];
-    float* a = p.a + m * p.N + n;
-    float* b = p.b + m * p.N + n;
+    float* a = p.a + m * kBlock + (n - p.n0);
+    float* b = p.b + m * kBlock + (n - p.n0);
     for (int64_t j = 0; j < jn; ++j) {
       const float* st = p.stats + 3 * (n + j);
-      const float av = static_cast<float>(dot[j * 4 + i]) * (st[0] * sx);
+      const float av = static_cast<float>(dot[j * MB + i]) * (st[0] * sx);
       a[j] = av;
       b[j] = (st[1] * cd + st[2] * co + std::fabs(av) * 0x1p-22f + 1e-30f) * (1 + 0x1p-20f);
     }
@@ -149,7 +152,7 @@ void tile_scalar(const Problem& p, int64_t m0, int MB, int64_t n, int64_t* out) 
       const int16_t* r = p.row(m0 + i);
       int64_t s = 0;
       for (int64_t k = 0; k < p.Kp; ++k) s += static_cast<int64_t>(r[k]) * t[(k / 32) * kTileBytesPerStep + j * 32 + k % 32];
-      out[j * 4 + i] = s;
+      out[j * MB + i] = s;
     }
 }
 
@@ -192,7 +195,7 @@ void tile512(const Problem& p, int64_t m0, int64_t n, int64_t* out, bool prefetc
   for (int i = 0; i < MB; ++i) {
     int32_t sums[4];
     _mm_storeu_si128(reinterpret_cast<__m128i*>(sums), reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
-    for (int j = 0; j < 4; ++j) out[j * 4 + i] = sums[j];
+    for (int j = 0; j < 4; ++j) out[j * MB + i] = sums[j];
   }
 }
 #endif
@@ -222,14 +225,14 @@ void tile256(const Problem& p, int64_t m0, int64_t n, int64_t* out, bool prefetc
       __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[j][i]), _mm256_extracti128_si256(acc[j][i], 1));
       s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
       s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-      out[j * 4 + i] = _mm_cvtsi128_si32(s);
+      out[j * MB + i] = _mm_cvtsi128_si32(s);
     }
 }
 #endif
 
 template <int MB>
 void tile(const Problem& p, int64_t isa, int64_t m0, int64_t n, bool prefetch) {
-  int64_t dot[16];
+  int64_t dot[4 * MB];
 #if RS_GH_AVX512
   if (isa == kIsaAvx512) {
     tile512<MB>(p, m0, n, dot, prefetch);
@@ -246,26 +249,41 @@ void tile(const Problem& p, int64_t isa, int64_t m0, int64_t n, bool prefetch) {
   store<MB>(p, m0, n, dot);
 }
 
-// Vocabulary rows [n0, n1), n0 a multiple of 4; then, per row of x, the largest A - B and A + B
-// over them (in double, where both are exact: B >= 2^-22 |A| keeps their exponents close).
-void rows(const Problem& p, int64_t isa, int64_t n0, int64_t n1, double* lower, double* upper) {
-  for (int64_t n = n0; n < n1; n += 4) {
+// Rows of x per tile: 4 vocabulary rows x 4 rows of x, 16 accumulators. 6 rows (24 of AVX-512's
+// 32 registers) ran 1.4-1.6x slower at 16 and 64 rows on Zen 4 (the compiler spilled them).
+constexpr int64_t kTileRows = 4;
+
+// The tile of `rows` (1..kTileRows) rows of x from m against vocabulary rows n.. n + 3.
+void tile_any(const Problem& p, int64_t isa, int64_t rows, int64_t m, int64_t n, bool prefetch) {
+  switch (rows) {
+    case 4: tile<4>(p, isa, m, n, prefetch); break;
+    case 3: tile<3>(p, isa, m, n, prefetch); break;
+    case 2: tile<2>(p, isa, m, n, prefetch); break;
+    default: tile<1>(p, isa, m, n, prefetch); break;
+  }
+}
+
+// Vocabulary rows [p.n0, n1) (one block, n0 a multiple of 4) against rows [m0, m1) of x: A and B
+// into p's scratch; then, per row of x, the largest A - B and A + B over them (in double, where
+// both are exact: B >= 2^-22 |A| keeps their exponents close), at lower[m - m0]. Every tile shape gives each
+// (row, vocabulary row) the same integer sum, so the same A and B.
+void rows(const Problem& p, int64_t isa, int64_t n1, int64_t m0, int64_t m1, double* lower, double* upper) {
+  for (int64_t n = p.n0; n < n1; n += 4) {
     // The first pass over a tile fetches the tile kAhead further on.
     const bool prefetch = n + 4 * (kAhead + 1) <= p.N;
-    int64_t m = 0;
-    for (; m + 4 <= p.M; m += 4) tile<4>(p, isa, m, n, prefetch && m == 0);
-    for (; m < p.M; ++m) tile<1>(p, isa, m, n, prefetch && m == 0);
+    for (int64_t m = m0; m < m1; m += kTileRows)
+      tile_any(p, isa, std::min(kTileRows, m1 - m), m, n, prefetch && m == m0);
   }
-  for (int64_t m = 0; m < p.M; ++m) {
-    const float* a = p.a + m * p.N;
-    const float* b = p.b + m * p.N;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* a = p.a + m * kBlock;
+    const float* b = p.b + m * kBlock;
     double lo = -std::numeric_limits<double>::infinity(), hi = lo;
-    for (int64_t n = n0; n < n1; ++n) {
-      lo = std::max(lo, static_cast<double>(a[n]) - b[n]);
-      hi = std::max(hi, static_cast<double>(a[n]) + b[n]);
+    for (int64_t j = 0; j < n1 - p.n0; ++j) {
+      lo = std::max(lo, static_cast<double>(a[j]) - b[j]);
+      hi = std::max(hi, static_cast<double>(a[j]) + b[j]);
     }
-    lower[m] = lo;
-    upper[m] = hi;
+    lower[m - m0] = lo;
+    upper[m - m0] = hi;
   }
 }
 
@@ -293,28 +311,38 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, c
   at::Tensor counts = at::full({M}, -1, at::kLong);
   const Rows xq = quantize(x.data_ptr<float>(), x.stride(0), M, K, umax);
   if (!xq.proven || M == 0) return {at::empty({0}, at::kLong), counts};
-  // Every entry is written by the pass below: no zeroing (M x N x 8 bytes per call).
-  const std::unique_ptr<float[]> a(new float[M * N]), b(new float[M * N]);
-  const Problem p{xq, u.data_ptr<int8_t>(), stats.data_ptr<float>(), a.get(), b.get(), M, N, Kp};
-  constexpr int64_t kBlock = 64;  // vocabulary rows per task (36 KB of int8 at K = 576)
+  Problem p{xq, u.data_ptr<int8_t>(), stats.data_ptr<float>(), nullptr, nullptr, M, N, Kp, 0};
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   std::vector<double> lower(blocks * M), upper(blocks * M);  // [block][m]
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk)
-      rows(p, isa, blk * kBlock, std::min(N, (blk + 1) * kBlock), &lower[blk * M], &upper[blk * M]);
+    std::vector<float> scratch(2 * M * kBlock);  // this task's A and B, one block at a time
+    Problem q = p;
+    q.a = scratch.data();
+    q.b = scratch.data() + M * kBlock;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      q.n0 = blk * kBlock;
+      rows(q, isa, std::min(N, q.n0 + kBlock), 0, M, &lower[blk * M], &upper[blk * M]);
+    }
   });
   // Per row of x: the largest A - B, then every n with A + B above it, looked for only in the
-  // blocks whose largest A + B reaches it.
+  // blocks whose largest A + B reaches it (a handful), their A and B computed again for that row.
   std::vector<std::vector<int64_t>> found(M);
+  std::vector<float> scratch(2 * M * kBlock);
+  p.a = scratch.data();
+  p.b = scratch.data() + M * kBlock;
   for (int64_t m = 0; m < M; ++m) {
     double bound = -std::numeric_limits<double>::infinity();
     for (int64_t blk = 0; blk < blocks; ++blk) bound = std::max(bound, lower[blk * M + m]);
-    const float* am = a.get() + m * N;
-    const float* bm = b.get() + m * N;
+    const float* am = p.a + m * kBlock;
+    const float* bm = p.b + m * kBlock;
     for (int64_t blk = 0; blk < blocks; ++blk) {
       if (upper[blk * M + m] < bound) continue;
-      for (int64_t n = blk * kBlock; n < std::min(N, (blk + 1) * kBlock); ++n)
-        if (static_cast<double>(am[n]) + bm[n] >= bound) found[m].push_back(n);
+      p.n0 = blk * kBlock;
+      const int64_t n1 = std::min(N, p.n0 + kBlock);
+      double lo, hi;
+      rows(p, isa, n1, m, m + 1, &lo, &hi);
+      for (int64_t n = p.n0; n < n1; ++n)
+        if (static_cast<double>(am[n - p.n0]) + bm[n - p.n0] >= bound) found[m].push_back(n);
     }
   }
   int64_t total = 0;

@@ -8,7 +8,8 @@
 // accumulators): each x broadcast feeds NP vpdpbusd, each unpacked chunk MB, and the rows are
 // cut in chunks of kRowChunk so a thread's run of panels is swept once per chunk with that
 // chunk's quantized x hot in L2 (prefill's thousands of rows would otherwise stream x from
-// memory once per panel pair). With 32 ymm registers (AVX512VL) a 6 x 2 tile fits without spills.
+// memory once per panel pair). With 32 ymm registers (AVX512VL) a 6 x 2 tile of 8-bit weights
+// fits without spills; 4-bit weights take 5 x 2 (kTileRows).
 //
 // Numerics: per output element, the block's exact int32 dot (vpdpbusd; integer sums in any order
 // are the same int32), then acc = fma(float(dot), s_w * s_x, acc) block by block and the group's
@@ -169,7 +170,13 @@ inline void gemm_rows_np(const PackedProblem& p, int64_t panel, int64_t m0, int6
   }
 }
 
-constexpr int kTileRows = 6, kTilePanels = 2;
+// Rows of x per tile: 4-bit weights take 5 (their unpacked low and high nibbles are 4 more live
+// registers: 6 rows' 12 dot + 12 accumulator registers then left too few and the compiler
+// spilled; one thread on Zen 4, the built-in model's Q4_1 layers: 64 rows 59 vs 64-67 ms a pass,
+// 512 rows 423-455 vs 479-489, 16 rows 20.7 vs 20.3), 8-bit ones 6 (5 ran 0-10% slower).
+template <bool kInt4>
+constexpr int kTileRows = kInt4 ? 5 : 6;
+constexpr int kTilePanels = 2;
 
 // Panels [p0, p1) for rows [m0, m1): the rows in chunks of kRowChunk, each chunk swept over the
 // panels two at a time (an odd last panel alone). prefetch: each pass also prefetches the next
@@ -182,8 +189,8 @@ inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m
     const int64_t c1 = std::min(m1, c0 + kRowChunk);
     int64_t panel = p0;
     for (; panel + kTilePanels <= p1; panel += kTilePanels)
-      gemm_rows_np<kTileRows, kTilePanels, kInt4, kHalf>(p, panel, c0, c1, end);
-    for (; panel < p1; ++panel) gemm_rows_np<kTileRows, 1, kInt4, kHalf>(p, panel, c0, c1, end);
+      gemm_rows_np<kTileRows<kInt4>, kTilePanels, kInt4, kHalf>(p, panel, c0, c1, end);
+    for (; panel < p1; ++panel) gemm_rows_np<kTileRows<kInt4>, 1, kInt4, kHalf>(p, panel, c0, c1, end);
   }
 }
 
