@@ -102,6 +102,9 @@ DECODE_CASES = [
     ([77, 130], (3, 1), 96, 16, 0),  # head_dim 96: passes of 32
     ([9, 150], (16, 1), 32, 1, 0),  # 16 heads per KV head: the fp32 two-pass path
     ([3, 70], (4, 2), 40, 16, 0),  # head_dim not a multiple of 32: the fp32 step
+    ([63, 64, 65, 127, 128, 129, 130], (9, 3), 64, 1, 0),  # around the bf16 step's 64 tokens
+    ([3000, 130, 5], (9, 3), 64, 16, 0),  # a split request (merged parts) beside unsplit ones
+    ([200, 70], (4, 1), 128, 1, 0),  # head_dim 128: two value passes per step
 ]
 
 
@@ -168,3 +171,20 @@ def test_extend_attention_bf16_pool_tree_mask_error_is_bounded():
         # fp32 tiles on a bf16 pool: fp32 rounding only (TOL's atol plus its rtol on outputs below 1).
         assert err < (EXACT_BOUND if BF16_DOT else TOL["atol"] + TOL["rtol"])
         start += n
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_strided_out_matches_contiguous_out(kv_dtype):
+    """Requests folded in one part accumulate straight into a contiguous out and are normalized
+    there; a strided out (head rows not adjacent) takes the part states and the merge pass
+    instead. A one-part merge computes the same products in the same order, so both outputs are
+    bit-identical; a split request (3000 tokens) goes through the merge either way."""
+    lens = [130, 3000, 1, 64, 65]
+    gen = torch.Generator().manual_seed(5)
+    q, k_buf, v_buf, req_to_token, pool_idx, _ = paged_pool(lens, 16, 9, 3, 64, len(lens), gen)
+    k_buf, v_buf, q = k_buf.to(kv_dtype), v_buf.to(kv_dtype), q.contiguous()
+    args = (q, k_buf, v_buf, req_to_token, pool_idx, torch.tensor(lens), 0.125)
+    contiguous = cpu_kernels.decode_attention(*args)
+    strided = torch.full((len(lens), 9, 128), float("nan"))[:, :, :64]
+    cpu_kernels.decode_attention(*args, out=strided)
+    assert torch.equal(strided, contiguous)

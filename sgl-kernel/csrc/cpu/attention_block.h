@@ -218,6 +218,16 @@ inline void reset_state(const HeadState& s, int64_t G, int64_t D) {
   std::memset(s.acc, 0, sizeof(float) * G * D);
 }
 
+// acc /= l: the finished output of a state that holds all of its request's tokens (l > 0: at
+// least one token was folded, and the largest score's weight is 1).
+inline void normalize_state(const HeadState& s, int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; ++g) {
+    const Vec::reg inv = Vec::set1(1.f / s.l[g]);
+    float* acc = s.acc + g * D;
+    for (int64_t d = 0; d < D; d += Vec::kWidth) Vec::store(acc + d, Vec::mul(Vec::load(acc + d), inv));
+  }
+}
+
 // Value chunks (of kWidth floats) per pass over a block: G * kNB accumulators + kNB rows + 1
 // weight must fit the register file, and kNB must divide D / kWidth.
 template <int G>

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <memory>
 #include <type_traits>
 
 namespace {
@@ -167,6 +168,7 @@ struct Plan {
   std::vector<int64_t> members;
   std::vector<std::vector<int64_t>> parts_of;  // per request, the parts merged into its output
   int64_t num_parts = 0;
+  bool any_merge = false;  // some request has more than one part
 };
 
 // Runs f(0..n-1) on the thread pool, each thread taking the next task when it finishes one:
@@ -228,6 +230,7 @@ Plan make_plan(int64_t bs, int64_t Hkv, const std::vector<const int32_t*>& rows,
       for (int64_t m : r.members) plan.parts_of[m].push_back(plan.num_parts++);
     }
   }
+  for (const auto& parts : plan.parts_of) plan.any_merge |= parts.size() > 1;
   return plan;
 }
 
@@ -289,8 +292,14 @@ void decode_attention_impl(
   const Plan plan = online_path_applies(G, D) ? make_plan(bs, Hkv, rows, lens) : Plan{};
   if (online_path_applies(G, D) && (RS_HAVE_AVX512 || plan.has_shared)) {
     const int64_t state_size = G * D + 2 * G;
-    std::vector<float> parts(static_cast<size_t>(plan.num_parts * Hkv * state_size));
-    auto part_at = [&](int64_t part, int64_t kh) { return parts.data() + (part * Hkv + kh) * state_size; };
+    // Uninitialized: every state is reset by the task that folds it.
+    const std::unique_ptr<float[]> parts(new float[static_cast<size_t>(plan.num_parts * Hkv * state_size)]);
+    auto part_at = [&](int64_t part, int64_t kh) { return parts.get() + (part * Hkv + kh) * state_size; };
+    // A request folded in one part (no shared prefix, no split: a batch of short contexts)
+    // accumulates straight into its output rows and is normalized by its task; the others keep
+    // part states, merged in a second pass (a second fork-join, skipped when none needs it).
+    const bool direct_ok = os1 == D;
+    auto direct = [&](int64_t b) { return direct_ok && plan.parts_of[b].size() == 1; };
     // A task folds one segment for every KV head (whole K/V rows: see fold_range), unless there
     // are too few segments to keep the threads busy; then one KV head each.
     const int64_t num_segments = static_cast<int64_t>(plan.segments.size());
@@ -312,15 +321,22 @@ void decode_attention_impl(
                            static_cast<float>(scale), k_scale ? k_scale + kh : nullptr,
                            v_scale ? v_scale + kh : nullptr, Hkv});
           float* st = part_at(seg.part_base + (i - seg.mb), kh);
-          states.push_back({st, st + G * D, st + G * D + G});
+          float* acc = direct(b) ? out_ptr + b * os0 + kh * G * os1 : st;
+          states.push_back({acc, st + G * D, st + G * D + G});
           reset_state(states.back(), G, D);
         }
       }
       fold_range_dispatch(views.data(), states.data(), seg.me - seg.mb, nh, G, D, rows[seg.rep], seg.t0, seg.t1);
+      for (int64_t i = seg.mb; i < seg.me; ++i) {
+        if (!direct(plan.members[i])) continue;
+        for (int64_t j = (i - seg.mb) * nh; j < (i - seg.mb + 1) * nh; ++j) normalize_state(states[j], G, D);
+      }
     });
+    if (!plan.any_merge && direct_ok) return;
     at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / Hkv, kh = task % Hkv;
+        if (direct(b)) continue;
         merge_parts(plan.parts_of[b], [&](int64_t p) { return part_at(p, kh); }, G, D,
                     out_ptr + b * os0 + kh * G * os1, os1);
       }
