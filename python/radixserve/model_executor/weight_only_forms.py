@@ -34,6 +34,7 @@ from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq, mark_int8_activations
 from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
 from radixserve.model_loader.errors import ModelLoadError
+from radixserve.utils.process import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,9 @@ class WeightOnlyForms:
             self.expert_forms[i] = (name, moe, panels)
             served += 1
             del form, panels
+        # The forms' integers were many small blocks glibc keeps in its arenas once freed: hand
+        # them back, or RSS stays at both copies (measured: +1.35 GiB on the 4-layer Q4_0 file).
+        release_free_memory()
         logger.info(
             "%s: %d of %d MoE layers' experts serve on int8 activations from their 8-row panels "
             "(one call a layer; %.0f MiB, the forms' own integers dropped)",
