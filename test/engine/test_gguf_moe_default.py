@@ -96,3 +96,14 @@ def test_the_exact_path_stays_available(moe_gguf, panels_measured_faster):
     assert not active().moe_a8
     for moe in _moes(worker):
         assert moe.experts_wq.w13_panels is None and not isinstance(moe.experts_wq.w13, PanelForms)
+
+
+def test_release_and_resume_keep_the_panels(moe_gguf, panels_measured_faster):
+    _, folder = moe_gguf("mixtral-q4")
+    worker = _worker(folder, quantization="gguf", cpu_kernel_tuning="measure")
+    moes = _moes(worker)
+    forms = [m.experts_wq for m in moes]
+    assert all(isinstance(f.w13, PanelForms) for f in forms)
+    worker.model_runner.weights.release_weights()
+    worker.model_runner.weights.resume_weights()  # the dense weights reload; the experts keep theirs
+    assert all(m.fp32_dropped and m.experts_wq is f for m, f in zip(moes, forms))
