@@ -15,6 +15,7 @@ load needs; RssFile: mapped file pages, page cache the kernel can take back unde
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import threading
 import time
@@ -55,6 +56,11 @@ def main() -> None:
     parser.add_argument("gguf")
     parser.add_argument("--quantization", default=None, help="e.g. unquant (default: the file's, gguf)")
     parser.add_argument("--max-total-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--server-args",
+        default="{}",
+        help="more ServerArgs as JSON, e.g. '{\"disable_cpu_wq_int8_activations\": true}'",
+    )
     args = parser.parse_args()
     threading.Thread(target=_sample, daemon=True).start()
 
@@ -69,6 +75,7 @@ def main() -> None:
         quantization=args.quantization,
         max_total_tokens=args.max_total_tokens,
         log_level="warning",
+        **json.loads(args.server_args),
     ).resolve()
     folder = server_args.model_path
     print(
@@ -78,11 +85,28 @@ def main() -> None:
     print(f"conversion folder {folder}: {_folder_gib(folder):.2f} GiB on disk")
     start = time.perf_counter()
     config = ModelConfig.from_path(folder, dtype="float32")  # what --quantization gguf serves
-    TpModelWorker(server_args, config)
+    worker = TpModelWorker(server_args, config)
     print(
         f"load: {time.perf_counter() - start:.1f} s, peak RSS {_peak_gib():.2f} GiB ({_sampled()}), "
         f"RSS once loaded {_rss_gib():.2f} GiB"
     )
+    _print_experts(worker)
+
+
+def _print_experts(worker: object) -> None:
+    """What holds a MoE's experts once loaded: their path and resident bytes."""
+    from radixserve.layers.cpu_crossovers import active
+    from radixserve.layers.moe.layer import FusedMoE
+
+    print(f"crossovers: {active().describe()}")
+    wq = [m.experts_wq for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    wq = [w for w in wq if w is not None]
+    if wq:
+        on_panels = sum(w.w13_panels is not None for w in wq)
+        print(
+            f"experts: {len(wq)} quantized MoE layers, {on_panels} on int8-activation panels "
+            f"(moe_a8={active().moe_a8}), {sum(w.nbytes() for w in wq) / 2**30:.3f} GiB resident"
+        )
 
 
 if __name__ == "__main__":

@@ -387,12 +387,14 @@ class ServerArgs:
         "8-row panels (one more copy in memory) for products up to 16 rows, else the measured "
         "wq_a8_max_tokens (or 2); outputs differ slightly (docs/quantization.md). Refused without such linears. "
         "Without this flag, batches above wq_max_tokens take int8 activations (the panels' GEMM tiles) "
-        "where --cpu-kernel-tuning measured them faster than the fp32 and bf16 GEMMs.",
+        "where --cpu-kernel-tuning measured them faster than the fp32 and bf16 GEMMs, and a GGUF "
+        "MoE's experts serve from their panels alone (one call a layer) where it measured that faster.",
     )
     disable_cpu_wq_int8_activations: bool = _f(
         False,
         "CPU: force int8 activations off (wq_a8_max_tokens 0, and no int8-activation batch GEMMs even "
-        "where --cpu-kernel-tuning measured them faster): the exact fp32-activation product.",
+        "where --cpu-kernel-tuning measured them faster, and a GGUF MoE's experts on the exact grouped "
+        "path): the exact fp32-activation product.",
     )
     cpu_bf16_gemm: bool = _f(
         False,

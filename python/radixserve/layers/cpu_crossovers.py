@@ -50,6 +50,14 @@ class Crossovers:
     # (cpu_batch_numerics.py) and int8 activations are not disabled. linear.use_a8_batch_panels
     # makes the panels to match. Small products keep wq_a8_max_tokens' choice.
     wq_batch_a8: bool = False
+    # A weight-only quantized MoE's experts (a GGUF MoE) serve every batch on int8 activations
+    # from their stacked 8-row panels through one moe_wq_a8_packed call per layer, the forms' own
+    # integers dropped (one resident copy: layers/moe/panel_forms.py). Off in the defaults (the
+    # exact path, as the parity tests run); on where this CPU measured the one-call kernel faster
+    # than the exact grouped path (model_executor/cpu_tuning_moe.py), or where the machine was
+    # too busy to measure and the kernel is built (it won ~4x on every CPU measured), or with
+    # --cpu-wq-int8-activations; --disable-cpu-wq-int8-activations keeps it off.
+    moe_a8: bool = False
     # Where these came from ("defaults", "measured <when>", "cache <path>", "+ overrides"): logged.
     source: str = dataclasses.field(default="defaults", compare=False)
 
@@ -76,7 +84,10 @@ class Crossovers:
         batch = "bf16" if self.wq_batch_bf16 else "fp32"
         if self.wq_batch_a8:
             batch = f"int8 activations on panels (unmarked forms: {batch})"
-        return f"{bounds}, weight-only batch GEMMs in {batch} ({self.source})"
+        experts = "int8 activations on panels" if self.moe_a8 else "exact (fp32 activations)"
+        return (
+            f"{bounds}, weight-only batch GEMMs in {batch}, quantized MoE experts {experts} ({self.source})"
+        )
 
 
 DEFAULTS = Crossovers()

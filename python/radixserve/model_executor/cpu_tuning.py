@@ -28,6 +28,9 @@ the GEMM that will serve). `--cpu-bf16-gemm` forces it on, `--disable-cpu-bf16-g
 And `wq_batch_a8`: whether the marked forms' batches run int8-activation GEMMs on their panels
 instead (measured after bf16, against the GEMM it chose); `--disable-cpu-wq-int8-activations` and
 `--cpu-bf16-gemm` keep it off.
+And `moe_a8`: whether a weight-only quantized MoE's experts serve on their int8-activation panels
+(one call per layer) instead of the exact grouped path (cpu_tuning_moe.py); the two flags force it
+as they force wq_a8_max_tokens.
 The cache is a JSON file per (CPU, model) in $RADIXSERVE_CPU_TUNING_DIR (default
 ~/.cache/radixserve/cpu_tuning; cpu_tuning_cache.py); delete it to measure again. Multi-rank runs use the defaults (each rank
 would measure alone, and the ranks' fused decode paths must agree on their batch bounds).
@@ -52,6 +55,8 @@ from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, install, pars
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL, WQ_KERNEL, linear_wq_reference
 from radixserve.layers.linear import Linear, _linear_bf16, use_a8_batch_panels, use_bf16_batch_gemm
+from radixserve.layers.moe import fused_moe_a8
+from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.cpu_batch_numerics import (
     A8Panels,
     choose_a8_batch,
@@ -60,6 +65,7 @@ from radixserve.model_executor.cpu_batch_numerics import (
     measure_bf16_batch,
 )
 from radixserve.model_executor.cpu_tuning_cache import cache_path, read_cache, write_cache
+from radixserve.model_executor.cpu_tuning_moe import measure_moe_a8, moe_identity, quantized_moes
 from radixserve.utils.cpus import available_cpus, busy_cpus_now
 
 logger = logging.getLogger(__name__)
@@ -110,6 +116,7 @@ def resolve_crossovers(
 
 
 def _resolve(mode: str, model: Iterable[torch.nn.Module], world_size: int) -> Crossovers:
+    model = list(model)
     if mode == "off":
         return DEFAULTS
     if world_size > 1:
@@ -122,11 +129,12 @@ def _resolve(mode: str, model: Iterable[torch.nn.Module], world_size: int) -> Cr
     ]
     if not layers:
         return DEFAULTS
-    path = cache_path(layers)
+    moes = quantized_moes(model)  # their expert path is measured too (cpu_tuning_moe.py)
+    path = cache_path(layers, moe_identity(moes))
     # One measurement at a time on this machine (DP replicas start together; two measuring at
     # once would each time the other's traffic): the others wait, then read what it cached.
     with _measurement_lock(path.parent):
-        return _cached_or_measured(mode, path, layers)
+        return _cached_or_measured(mode, path, layers, moes)
 
 
 def choose_int8_activations(chosen: Crossovers, forced: bool | None) -> Crossovers:
@@ -134,21 +142,21 @@ def choose_int8_activations(chosen: Crossovers, forced: bool | None) -> Crossove
     unless forced. Forced on, a bound of 0 (not measured, or int8 activations lost at one row
     here) becomes A8_MAX_ROWS: the flag means on."""
     if forced is False:
-        bound, why = 0, "--disable-cpu-wq-int8-activations"
+        bound, moe, why = 0, False, "--disable-cpu-wq-int8-activations"
     elif forced:
         # Every product: with batch panels (wq_batch_a8) a8_rows leaves the small ones to this bound.
         bound = chosen.wq_max_tokens if chosen.wq_batch_a8 else chosen.wq_a8_max_tokens or A8_MAX_ROWS
-        why = "--cpu-wq-int8-activations"
-    elif A8_BY_DEFAULT or not chosen.wq_a8_max_tokens:
+        moe, why = True, "--cpu-wq-int8-activations"
+    elif A8_BY_DEFAULT or not (chosen.wq_a8_max_tokens or chosen.moe_a8):
         return chosen
     else:
-        bound, why = 0, f"int8 activations opt-in (measured bound {chosen.wq_a8_max_tokens})"
-    if bound == chosen.wq_a8_max_tokens:
+        bound, moe, why = 0, False, f"int8 activations opt-in (measured bound {chosen.wq_a8_max_tokens})"
+    if (bound, moe) == (chosen.wq_a8_max_tokens, chosen.moe_a8):
         return chosen
-    return dataclasses.replace(chosen, wq_a8_max_tokens=bound, source=f"{chosen.source}; {why}")
+    return dataclasses.replace(chosen, wq_a8_max_tokens=bound, moe_a8=moe, source=f"{chosen.source}; {why}")
 
 
-def _cached_or_measured(mode: str, path: Path, layers: list[Linear]) -> Crossovers:
+def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[FusedMoE]) -> Crossovers:
     if mode == "auto" and path.exists():
         try:
             return read_cache(path)
@@ -159,9 +167,12 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear]) -> Crossove
         logger.info(
             "CPU kernel tuning: %s; serving with the default crossovers (a quiet start measures)", busy
         )
-        return Crossovers(source="defaults (machine busy)")
+        # Quantized experts take the one-call kernel where it is built: it won ~4x over the exact
+        # path on every CPU measured (docs/benchmarks.md), so a busy start does not serve them slow.
+        return Crossovers(source="defaults (machine busy)", moe_a8=bool(moes) and fused_moe_a8.MOE_A8_KERNEL)
     start = time.perf_counter()
     bounds, timings = measure(layers)
+    bounds["moe_a8"], timings["moe_a8"] = measure_moe_a8(moes)
     measured = Crossovers(
         **bounds, source=f"measured in {time.perf_counter() - start:.1f} s, cached at {path}"
     )

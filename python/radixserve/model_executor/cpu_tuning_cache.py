@@ -22,7 +22,7 @@ from radixserve.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # v3: wq_batch_a8
+CACHE_VERSION = 4  # v3: wq_batch_a8; v4: moe_a8 (and the experts in the key)
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
@@ -73,8 +73,10 @@ def cache_dir() -> Path:
     return Path(folder).expanduser() if folder else cache_root() / "cpu_tuning"
 
 
-def cache_path(layers: list[Linear]) -> Path:
-    key = json.dumps([CACHE_VERSION, cpu_identity(), model_identity(layers)], sort_keys=True).encode()
+def cache_path(layers: list[Linear], experts: list[list[Any]] | None = None) -> Path:
+    """experts: the quantized MoE layers' identity (cpu_tuning_moe.moe_identity), if any."""
+    key = [CACHE_VERSION, cpu_identity(), model_identity(layers)] + ([experts] if experts else [])
+    key = json.dumps(key, sort_keys=True).encode()
     return cache_dir() / f"{hashlib.sha256(key).hexdigest()[:24]}.json"
 
 
@@ -85,13 +87,15 @@ def read_cache(path: Path) -> Crossovers:
     bounds = {k: int(stored[k]) for k in Crossovers.BOUNDS}
     # Missing (written by hand or before the choice): not measured, so the exact fp32 GEMM.
     bf16, a8 = data.get("wq_batch_bf16", False), data.get("wq_batch_a8", False)
-    for name, value in (("wq_batch_bf16", bf16), ("wq_batch_a8", a8)):
+    moe = data.get("moe_a8", False)
+    for name, value in (("wq_batch_bf16", bf16), ("wq_batch_a8", a8), ("moe_a8", moe)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} is {value!r}, not true or false")
     return Crossovers(
         **bounds,
         wq_batch_bf16=bf16,
         wq_batch_a8=a8,
+        moe_a8=moe,
         source=f"cached {data.get('measured_at', '?')} at {path}",
     )
 
@@ -101,12 +105,14 @@ def write_cache(path: Path, crossovers: Crossovers, timings: dict[str, Any]) -> 
         "bounds": crossovers.bounds(),
         "wq_batch_bf16": crossovers.wq_batch_bf16,
         "wq_batch_a8": crossovers.wq_batch_a8,
+        "moe_a8": crossovers.moe_a8,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_identity(),
         # Per bound and token count: (the small kernel, oneDNN's GEMM) ms per pass; for
         # wq_a8_max_tokens (linear_wq_a8, linear_wq); for wq_batch_bf16 per row count (oneDNN
         # fp32, oneDNN bf16); for wq_batch_a8 per row count (the better oneDNN GEMM, int8
-        # activations on panels); wq_max_tokens' GEMM is the one that won.
+        # activations on panels); wq_max_tokens' GEMM is the one that won; for moe_a8 per token
+        # count (the exact grouped experts, the one-call kernel on panels).
         "timings_ms_small_vs_gemm": timings,
     }
     try:

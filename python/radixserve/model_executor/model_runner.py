@@ -14,6 +14,7 @@ from radixserve.configs.pooling import EmbeddingConfig, PoolingType
 from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.cpu_crossovers import active as active_crossovers
 from radixserve.layers.linear import prepare_cpu_linears, quantize_linears, quantize_lm_head
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder, attach_recorder
@@ -151,6 +152,8 @@ class ModelRunner:
                 # --disable-cpu-bf16-gemm off (cpu_batch_numerics.py).
                 True if server_args.cpu_bf16_gemm else False if server_args.disable_cpu_bf16_gemm else None,
             )
+            if self.weight_only is not None:  # a quantized MoE's experts: the path tuned above
+                self.weight_only.serve_experts(active_crossovers().moe_a8)
         self._init_memory_pools()
         backend = server_args.attention_backend or "torch_native"
         if not self.embedding_config.is_causal and backend not in ("cpu", "torch_native"):

@@ -21,6 +21,7 @@ import torch
 
 from radixserve.layers import group_quant
 from radixserve.layers.group_quant import ACT_BLOCK, GroupQuantWeight, with_int8_activations
+from radixserve.layers.moe.panel_forms import PanelForms
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,13 @@ class ExpertsWq:
 
     w13_panels / w2_panels: every expert's int8-activation panels of the projection stacked in one
     tensor (sgl_kernel's WqA8PackedExperts; each form's a8_packed is a view of its expert's part),
-    which moe_wq_a8_packed reads in one call for decode-sized batches (fused_moe_a8.py); None
-    without --cpu-wq-int8-activations or the AVX2 panel kernel."""
+    which moe_wq_a8_packed reads in one call for every batch (fused_moe_a8.py); None where the
+    experts do not serve on int8 activations (Crossovers.moe_a8, model_executor/cpu_tuning_moe.py)
+    or the panel kernel is not built. With panels, w13 / w2 are PanelForms (panel_forms.py): the
+    forms' own integers were dropped, and a form asked for is unpacked from the panels."""
 
-    w13: tuple[GroupQuantWeight, ...]
-    w2: tuple[GroupQuantWeight, ...]
+    w13: Sequence[GroupQuantWeight]
+    w2: Sequence[GroupQuantWeight]
     w13_panels: Any = None
     w2_panels: Any = None
 
@@ -50,6 +53,9 @@ class ExpertsWq:
         )
 
     def nbytes(self) -> int:
+        """Resident bytes of the experts: the panels where they serve (the only copy), else the forms'."""
+        if self.w13_panels is not None:
+            return self.w13_panels.nbytes() + self.w2_panels.nbytes()
         return sum(w.nbytes() for w in (*self.w13, *self.w2))
 
 
@@ -60,8 +66,8 @@ def _mark(form: GroupQuantWeight, panels: bool) -> GroupQuantWeight:
 
 def _stack_panels(forms: Sequence[GroupQuantWeight]) -> tuple[tuple[GroupQuantWeight, ...], Any]:
     """forms (one projection of every expert) given panels stacked in one tensor, each form's
-    a8_packed a view of its own part; (forms, None) unchanged where they are not all marked, differ
-    in layout, or the panel kernel is not built."""
+    a8_packed a view of its own part, and the stack; (forms, None) unchanged where they are not all
+    marked, differ in layout, or the panel kernel is not built."""
     first = forms[0]
     layouts = {(f.bits, f.group_size, f.qweight.shape, f.offsets is None) for f in forms}
     if (
@@ -79,15 +85,17 @@ def _stack_panels(forms: Sequence[GroupQuantWeight]) -> tuple[tuple[GroupQuantWe
 
 def mark_int8_activations(experts: ExpertsWq, panels: bool) -> ExpertsWq:
     """experts with each form marked for int8 activations where its groups allow it, and with
-    `panels` (--cpu-wq-int8-activations) each projection's panels made once and stacked over the
-    experts (one copy, which the per-expert forms view), or where that cannot be, each form's own."""
+    `panels` (Crossovers.moe_a8: the experts serve on int8 activations) each projection's panels
+    made once and stacked over the experts, the forms' own integers then dropped (PanelForms: one
+    resident copy of the expert bytes); where stacking cannot be (forms of different layouts, no
+    panel kernel) each form gets its own panels beside its integers."""
     w13 = [_mark(f, False) for f in experts.w13]
     w2 = [_mark(f, False) for f in experts.w2]
     if not panels or not w13:
         return ExpertsWq(tuple(w13), tuple(w2))
-    (w13_forms, w13_panels), (w2_forms, w2_panels) = _stack_panels(w13), _stack_panels(w2)
+    (_, w13_panels), (_, w2_panels) = _stack_panels(w13), _stack_panels(w2)
     if w13_panels is not None and w2_panels is not None:
-        return ExpertsWq(w13_forms, w2_forms, w13_panels, w2_panels)
+        return ExpertsWq(PanelForms(w13_panels), PanelForms(w2_panels), w13_panels, w2_panels)
     return ExpertsWq(tuple(_mark(f, True) for f in experts.w13), tuple(_mark(f, True) for f in experts.w2))
 
 
