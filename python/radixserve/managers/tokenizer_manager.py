@@ -51,6 +51,7 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.managers.lora_registry import LoRARegistry
 from radixserve.managers.output_applier import apply_batch_str_out
+from radixserve.managers.progress_waiter import ProgressWaiter
 from radixserve.managers.quarantine import Quarantine
 from radixserve.managers.req_state import ReqState, build_embedding_output, build_output, embedding_item
 from radixserve.managers.request_logger import RequestLogger
@@ -217,9 +218,10 @@ class TokenizerManager:
     async def _stream_states(
         self, states: list[ReqState], request: ClientRequest | None
     ) -> AsyncIterator[dict]:
+        waiter = ProgressWaiter(states[0].group_event, DISCONNECT_POLL_S)
         try:
             while True:
-                await self._wait(states, request)
+                await self._wait(waiter, states, request)
                 for state in states:
                     if state.dirty:
                         state.dirty = False
@@ -235,6 +237,7 @@ class TokenizerManager:
                 logger.info("Client disconnected; aborting %s", [s.rid for s in states if not s.finished])
             raise
         finally:
+            waiter.close()
             self._abort_unfinished(states)
 
     async def _submit(self, obj: GenerateReqInput, stream: bool) -> list[ReqState]:
@@ -276,10 +279,12 @@ class TokenizerManager:
         self._update_load_metrics()
 
     async def _run_to_completion(self, states: list[ReqState], request: ClientRequest | None) -> None:
+        waiter = ProgressWaiter(states[0].group_event, DISCONNECT_POLL_S)
         try:
             while not all(s.finished for s in states):
-                await self._wait(states, request)
+                await self._wait(waiter, states, request)
         finally:
+            waiter.close()
             self._abort_unfinished(states)
 
     # ------------------------------------------------------------------ prefill-only requests
@@ -343,18 +348,18 @@ class TokenizerManager:
             trace=state.trace.context if state.trace is not None else None,
         )
 
-    async def _wait(self, states: list[ReqState], request: ClientRequest | None) -> None:
-        """Wait for progress on any of `states`; abort them if the client disconnected."""
-        event = states[0].group_event
-        while not event.is_set():
-            try:
-                await asyncio.wait_for(event.wait(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    logger.info("Client disconnected; aborting %s", [s.rid for s in states if not s.finished])
-                    self._abort_unfinished(states)
-                    raise ClientDisconnected() from None
-        event.clear()
+    async def _wait(
+        self, waiter: ProgressWaiter, states: list[ReqState], request: ClientRequest | None
+    ) -> None:
+        """Wait for progress on any of `states` (or a poll: callers re-check their states); abort
+        them if a poll finds the client disconnected. One timer per call, not per chunk
+        (managers/progress_waiter.py)."""
+        if await waiter.wait() or request is None:
+            return
+        if await request.is_disconnected():
+            logger.info("Client disconnected; aborting %s", [s.rid for s in states if not s.finished])
+            self._abort_unfinished(states)
+            raise ClientDisconnected()
 
     def _abort_unfinished(self, states: list[ReqState]) -> None:
         for state in states:
