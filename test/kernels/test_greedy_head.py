@@ -226,6 +226,28 @@ def test_batches_on_int8_activation_panels_take_the_full_heads_argmax():
             batch, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None, packed=w.a8_packed
         )
         assert torch.equal(full, direct)  # the batch's full head is the panels' product
+        cpu_crossovers.install(Crossovers(wq_max_tokens=64, wq_batch_a8=True))
+        assert greedy_logits(head, batch) is not None  # 16 rows below the batches: the greedy head
     finally:
         cpu_crossovers.install(before)
-    assert greedy_logits(head, batch) is not None  # batches off the panels: the greedy head again
+
+
+@pytest.mark.skipif(not WQ_A8_PACKED, reason="sgl_kernel._cpu built without the int8-activation panels")
+def test_one_row_on_int8_activations_takes_the_full_heads_argmax_as_batches_do():
+    """Where the tuning also runs one row on int8 activations (wq_a8_max_tokens 1), the greedy head
+    steps aside at one row too: a one-row decode step and a 16-row (speculative verify) step of the
+    same states read the argmax of the same int8-activation product, row for row."""
+    w = with_int8_activations(_q8(1001, 576, seed=5), panels=True)
+    head = _head(w)
+    before = cpu_crossovers.active()
+    cpu_crossovers.install(Crossovers(wq_max_tokens=1, wq_a8_max_tokens=1, wq_batch_a8=True))
+    try:
+        batch = _states(16, 576, seed=8)
+        assert greedy_logits(head, batch[:1]) is None
+        assert greedy_logits(head, batch) is None
+        rows = torch.stack([linear_wq(batch[i : i + 1], w)[0] for i in range(16)])
+        assert torch.equal(rows.argmax(dim=1), linear_wq(batch, w).argmax(dim=1))
+        cpu_crossovers.install(Crossovers(wq_max_tokens=1, wq_batch_a8=True))
+        assert greedy_logits(head, batch[:1]) is not None  # one row on fp32 activations: the head
+    finally:
+        cpu_crossovers.install(before)

@@ -18,8 +18,10 @@ greedy_accept's argmax (first index of the maximum) read the same token as over 
 
 It applies where linear_wq is the head's kernel (an 8-bit form without offsets or bias, a single
 rank, fp32 CPU states) and its fp32-activation product is what the full head computes for the
-batch (not a batch the machine's tuning put on int8-activation panels, group_quant.a8_batch: the
-greedy step then takes the argmax of the same logits a sampled step computes), and falls back to
+rows (not a row count the machine's tuning runs on int8 activations, one-row or panel batches,
+group_quant.takes_int8_activations: the greedy step then takes the argmax of the same logits a
+sampled step computes, at every row count alike, so a speculative verify step of several rows
+and a plain decode step of one read the same head), and falls back to
 the full head otherwise, or when a row is not finite, or
 when too many rows stay candidates (more than MAX_CANDIDATE_SHARE of the vocabulary). The int8
 copy (about as large as a Q8_0 head) is made on first use and dropped with the head's other forms.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.layers.cpu_fused import cpu_kernels
-from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight, a8_batch, linear_wq
+from radixserve.layers.group_quant import WQ_KERNEL, GroupQuantWeight, linear_wq, takes_int8_activations
 from radixserve.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -120,11 +122,13 @@ def greedy_logits(lm_head: object, hidden: torch.Tensor) -> torch.Tensor | None:
     if hidden.device.type != "cpu" or hidden.dim() != 2 or hidden.shape[0] == 0:
         return None
     form = _form(lm_head)
-    if form is None or a8_batch(form.source, hidden.shape[0]):
-        # A batch this CPU runs on int8-activation panels (Crossovers.wq_batch_a8): the full
-        # head's logits are the panels' product, not the fp32-activation one whose argmax the
-        # candidates prove, and the panels are the faster of the two there (built-in model's head,
-        # one thread on Zen 4: 16 rows 7.2 vs 9.2 ms, 64 rows 15.8 vs 31 ms).
+    if form is None or takes_int8_activations(form.source, hidden.shape[0]):
+        # Rows this CPU runs on int8 activations (Crossovers.wq_a8_max_tokens, wq_batch_a8): the
+        # full head's logits are that product, not the fp32-activation one whose argmax the
+        # candidates prove, and the panels are the faster of the two at batches (built-in model's
+        # head, one thread on Zen 4: 16 rows 7.2 vs 9.2 ms, 64 rows 15.8 vs 31 ms). Proving the
+        # exact argmax at one row only would make a one-row decode step and a several-row
+        # speculative verify step of the same tokens disagree.
         return None
     x = hidden.float().contiguous()
     idx, counts = cpu_kernels.greedy_head_candidates(x, form.u, form.stats, form.umax)

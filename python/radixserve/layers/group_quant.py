@@ -180,6 +180,13 @@ def a8_batch(w: GroupQuantWeight, rows: int) -> bool:
     return bound.wq_batch_a8 and has_panels(w) and rows > bound.wq_max_tokens
 
 
+def takes_int8_activations(w: GroupQuantWeight, rows: int) -> bool:
+    """Whether linear_wq runs a product of `rows` rows of x on int8 activations (a8_rows for
+    small products, a8_batch for the batches): what the greedy head asks before it proves an
+    fp32-activation argmax the full head would not compute."""
+    return rows <= a8_rows(w) or a8_batch(w, rows)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Integers 0..15 [N, K] (K even) -> uint8 [N, K // 2], low nibble first."""
     q = q.to(torch.uint8)
