@@ -92,6 +92,7 @@ def test_refused_without_native_bf16_or_prepack(monkeypatch):
 
 def test_supported_check_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(linear_module, "onednn_prepack_available", lambda: True)
+    monkeypatch.setattr(linear_module, "onednn_packs_bf16", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert not linear_module.bf16_gemm_supported()
@@ -152,3 +153,20 @@ def test_weight_only_model_with_tuned_bf16_batches_stays_close_to_exact(
         gap = ref.max(-1).values - ref.gather(-1, picked).squeeze(-1)
         assert (gap <= 2 * (got - ref).abs().max()).all(), gap
     assert not torch.equal(tuned[1], exact[1])  # the bf16 path really ran
+
+
+def test_supported_check_follows_onednn_when_its_isa_is_capped(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on a CPU whose flags say AVX512_BF16: oneDNN refuses the bf16
+    reorder, so bf16 batches are not offered (a server choosing them failed to start)."""
+    monkeypatch.setattr(linear_module, "onednn_prepack_available", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+
+    def refuse(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(linear_module, "onednn_pack", refuse)
+    linear_module.onednn_packs_bf16.cache_clear()
+    try:
+        assert not linear_module.bf16_gemm_supported()
+    finally:
+        linear_module.onednn_packs_bf16.cache_clear()

@@ -42,6 +42,7 @@ summation order (and by fp16 rounding of the weights on path 1).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -125,10 +126,24 @@ def _linear_bf16(x: torch.Tensor, weight_packed: torch.Tensor, bias: torch.Tenso
 
 
 def bf16_gemm_supported() -> bool:
-    """Whether this CPU runs bf16 GEMMs natively (AVX512_BF16 or AMX), so --cpu-bf16-gemm pays."""
+    """Whether this CPU runs bf16 GEMMs natively (AVX512_BF16 or AMX), so --cpu-bf16-gemm pays,
+    and oneDNN packs bf16 here (onednn_packs_bf16)."""
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return onednn_prepack_available() and any(getattr(cpu, c, lambda: False)() for c in checks)
+    native = onednn_prepack_available() and any(getattr(cpu, c, lambda: False)() for c in checks)
+    return native and onednn_packs_bf16()
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN takes a bf16 reorder: torch's feature checks read the CPU's flags, while
+    ONEDNN_MAX_CPU_ISA (the AVX2 paths forced on an AVX-512 machine, docs/cpu_backend.md) makes
+    oneDNN refuse it, and a server that chose bf16 batches then failed to start."""
+    try:
+        onednn_pack(torch.zeros(16, 32), torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
