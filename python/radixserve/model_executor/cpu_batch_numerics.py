@@ -17,6 +17,7 @@ fp32, and `--cpu-kernel-tuning off` keeps fp32 (the exact path the parity tests 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,6 +57,18 @@ class Bf16Packs:
 
     def __call__(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return _linear_bf16(x, self.packs[id(layer)], None)
+
+
+def fastest_ms(passes: int, run: Callable[[int], object]) -> float:
+    """The fastest of run(1) .. run(passes) in ms, after run(0) as a warm-up: the least disturbed
+    pass (the tuning's timings, cpu_tuning.py and cpu_tuning_moe.py)."""
+    times = []
+    for i in range(passes + 1):
+        start = time.perf_counter()
+        run(i)
+        if i:
+            times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
 
 
 def fp32_gemm(layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ from radixserve.model_executor.cpu_batch_numerics import (
     A8Panels,
     choose_a8_batch,
     choose_bf16_batch,
+    fastest_ms,
     measure_a8_batch,
     measure_bf16_batch,
 )
@@ -347,14 +348,12 @@ def _pass_ms(
     layers: list[Linear], inputs: dict[int, torch.Tensor], fn: Callable[[Linear, torch.Tensor], torch.Tensor]
 ) -> float:
     """The fastest of REPEATS passes (after a warm-up) over every layer: the least disturbed."""
-    times = []
-    for i in range(REPEATS + 1):
-        start = time.perf_counter()
+
+    def one_pass(_: int) -> None:
         for m in layers:
             fn(m, inputs[m.in_features])
-        if i:
-            times.append((time.perf_counter() - start) * 1e3)
-    return min(times)
+
+    return fastest_ms(REPEATS, one_pass)
 
 
 def _first_bytes(layers: list[Linear], limit: int) -> list[Linear]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +26,7 @@ from radixserve.layers.moe.fused_moe_a8 import experts_on_panels
 from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq, mark_int8_activations
+from radixserve.model_executor.cpu_batch_numerics import fastest_ms
 
 # Token counts timed: one decode step at concurrency 1 and at 16.
 TOKENS = (1, 16)
@@ -120,10 +120,4 @@ def _route(tokens: int, top_k: int, num: int, rotation: int, gen: torch.Generato
 
 def _best_ms(routes: list[torch.Tensor], fn: Callable[[torch.Tensor], Any]) -> float:
     """The fastest of the timed passes (the first route is the warm-up): the least disturbed."""
-    times = []
-    for i, ids in enumerate(routes):
-        start = time.perf_counter()
-        fn(ids)
-        if i:
-            times.append((time.perf_counter() - start) * 1e3)
-    return min(times)
+    return fastest_ms(len(routes) - 1, lambda i: fn(routes[i]))
