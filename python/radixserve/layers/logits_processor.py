@@ -88,7 +88,7 @@ class LogitsProcessor:
         """fp32 logits of `hidden`'s rows; for a step that reads only argmaxes, the greedy head's
         (exact at every possible maximum, -inf elsewhere) where it applies: from one row on it is
         faster than the full head (1.4-1.6x on the built-in model's, benchmark/bench_greedy_head.py),
-        except on batches this CPU runs on int8-activation panels (greedy_logits says why)."""
+        except at row counts this CPU runs on int8 activations (greedy_logits says why)."""
         if forward_batch.argmax_only:
             logits = greedy_logits(lm_head, hidden)
             if logits is not None:
