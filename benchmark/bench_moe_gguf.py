@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from compare_peers import Workload, run_serving
 from peers import llama_cpp
 from peers.process import ServerProcess, free_port
+from peers.workloads import Workload, run_serving
 
 # name -> (hidden, heads, kv_heads, head_dim, experts, top_k, expert width, vocab)
 SHAPES = {

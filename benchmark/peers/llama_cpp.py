@@ -41,6 +41,22 @@ CMAKE_CONFIGURE_FLAGS = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
+# Per ISA (peers/isa.py): the build directory and the flags that replace -DGGML_NATIVE=ON. The
+# AVX2 build is what llama.cpp's own CMake enables on an AVX2-only host (AVX-512 stays off).
+BUILDS = {
+    "native": ("build", ()),
+    "avx2": (
+        "build-avx2",
+        (
+            "-DGGML_NATIVE=OFF",
+            "-DGGML_AVX=ON",
+            "-DGGML_AVX2=ON",
+            "-DGGML_FMA=ON",
+            "-DGGML_F16C=ON",
+            "-DGGML_BMI2=ON",
+        ),
+    ),
+}
 
 
 class PeerSetupError(RuntimeError):
@@ -55,8 +71,8 @@ def source_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     return peers_dir() / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
 
 
-def server_binary(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    return source_dir(version) / "build" / "bin" / "llama-server"
+def server_binary(version: str = LLAMA_CPP_PYTHON_VERSION, isa: str = "native") -> Path:
+    return source_dir(version) / BUILDS[isa][0] / "bin" / "llama-server"
 
 
 def gguf_path(model_dir: Path, outtype: str) -> Path:
@@ -124,20 +140,24 @@ def check_build_tools() -> None:
         )
 
 
-def build_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path:
-    """Path of a built `llama-server`, fetching and compiling it first if it is not in the cache."""
-    binary = server_binary(version)
+def build_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, isa: str = "native") -> Path:
+    """Path of a built `llama-server` for `isa` (BUILDS), fetching and compiling it first if it is
+    not in the cache."""
+    binary = server_binary(version, isa)
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
     check_build_tools()
     src = fetch_source(version)
-    log_path = peers_dir() / f"build-llama-server-{version}.log"
+    build_dir, isa_flags = BUILDS[isa]
+    suffix = "" if isa == "native" else f"-{isa}"
+    log_path = peers_dir() / f"build-llama-server-{version}{suffix}.log"
     print(
-        f"[llama.cpp] building llama-server with {jobs} jobs (~10 min on 2 cores; log {log_path})",
+        f"[llama.cpp] building llama-server ({isa}) with {jobs} jobs (~10 min on 2 cores; log {log_path})",
         file=sys.stderr,
     )
-    _run_logged(["cmake", "-B", "build", *CMAKE_CONFIGURE_FLAGS], log_path, cwd=src)
-    _run_logged(["cmake", "--build", "build", f"-j{jobs}", "--target", "llama-server"], log_path, cwd=src)
+    configure = [f for f in CMAKE_CONFIGURE_FLAGS if not (isa_flags and f.startswith("-DGGML_NATIVE="))]
+    _run_logged(["cmake", "-B", build_dir, *configure, *isa_flags], log_path, cwd=src)
+    _run_logged(["cmake", "--build", build_dir, f"-j{jobs}", "--target", "llama-server"], log_path, cwd=src)
     if not binary.is_file():
         raise PeerSetupError(f"the build finished but {binary} is missing; log {log_path}")
     return binary

