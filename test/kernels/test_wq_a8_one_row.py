@@ -64,3 +64,24 @@ def test_moe_one_token_equals_its_tiles(isa: str, form: str) -> None:
         x.repeat(rep), ids.repeat(rep), weights.repeat(rep), wq.w13_panels, wq.w2_panels, isa=isa
     )
     assert torch.equal(tiled, one.expand(TILED_ROWS, -1))
+
+
+@pytest.mark.parametrize("isa", PANEL_ISAS)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_one_row_runs_split_across_threads(isa: str, kind: str) -> None:
+    """Long enough that each of two threads gets its own run of panels (with the run's opening
+    prefetches and the group streams' prefetches reaching past the end of some runs): the
+    one-row path still equals the tiles row by row."""
+    n, k = 1029, 576  # 129 panels, the last of 5 rows; groups of 32 (fp16 scales and offsets)
+    w = _gguf_like(n, k, kind, 32, seed=5)
+    packed = _pack(w)
+    x = _x(TILED_ROWS, k, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tiled = _linear(x, w, packed, None, isa)
+        for start in range(TILED_ROWS):
+            got = _linear(x[start : start + 1], w, packed, None, isa)
+            assert torch.equal(got, tiled[start : start + 1]), start
+    finally:
+        torch.set_num_threads(threads)

@@ -37,6 +37,7 @@ from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels
 from radixserve.layers.group_quant import a8_rows
 from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
+from radixserve.model_executor.cpu_panel_arena import gather_panels, step_order
 from radixserve.model_executor.forward_batch import StepYielded
 from radixserve.models.llama import LlamaForCausalLM
 
@@ -136,6 +137,8 @@ class CpuDecodeRunner:
         # sgl-kernel built before that: such steps run the module forward, which can).
         forward_doc = type(self.decode_model).forward.__doc__ or ""
         self.can_yield = tp_comm is None and "should_yield" in forward_doc
+        # The panels the stack reads at one token, moved end to end in step order (cpu_panel_arena).
+        self.panel_arena = gather_panels(step_order(inner.layers)) if wq_a8_max_tokens else None
         for layer_id, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer_id)

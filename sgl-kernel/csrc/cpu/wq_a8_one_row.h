@@ -7,7 +7,11 @@
 // ~60-80% of a plain read of the same bytes from memory (about the sum of the two times).
 // Prefetching the weights into L2 kRowPrefetchBytes ahead (a thread's panels lie end to end, so
 // past a panel's end that is the next one's start; never past the run) cut the built-in model's
-// one-row Q4 decoder panels by 10-30% (docs/cpu_backend.md). The prefetches cost ~20% from cache,
+// one-row Q4 decoder panels by 10-30% (docs/cpu_backend.md). A run also opens with its first
+// kRowPrefetchBytes (and its scales' and offsets' first bytes) requested at once, and the scales and
+// offsets are prefetched ahead like the weights: a decode step is ~120 runs a thread, each of
+// three streams that began cold (1-2.5% on the built-in model's 120 one-row linears, one Zen 4
+// thread, A/B in one process). The prefetches cost ~20% from cache,
 // so 2-4 rows, where the integer work dominates, stay on panel_tile (this path at 4 rows: 10-16%
 // slower). Tried and dropped (no gain measured on Zen 4): VNNI int4 high nibbles used in place
 // (w & 0xF0), four vpdpbusd accumulators a row; two panels a pass sharing x's broadcasts ran ~15%
@@ -23,10 +27,32 @@ namespace wq_a8_panels {
 // prefetches into L1 at this distance ran slower on Zen 4, 8-32 KB into L2 alike).
 constexpr int64_t kRowPrefetchBytes = 8192;
 
+// L2 prefetches of [from, min(from + bytes, end)), one a cache line.
+inline void prefetch_span(const uint8_t* from, int64_t bytes, const uint8_t* end) {
+  const uint8_t* stop = std::min(from + bytes, end);
+  for (const uint8_t* at = from; at < stop; at += 64) _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+}
+
+// Bytes of one group element of the scales (and of the offsets): fp16 or fp32.
+template <bool kHalf>
+constexpr int64_t group_elem_bytes() {
+  return kHalf ? 2 : 4;
+}
+
+// A run's streams for rows_panel's prefetches: where the weights, scales and offsets of the run
+// end (prefetches stop there), and how far ahead the group streams are fetched (the same share of
+// the run as kRowPrefetchBytes is of its weights).
+struct RunStreams {
+  const uint8_t* q_end;
+  const uint8_t* s_end;
+  const uint8_t* o_end;  // nullptr: no offsets stream
+  int64_t group_ahead;
+};
+
 // y[m0 .. m0 + MB, the panel's rows]: panel_tile<MB, ...>'s result, bit for bit (groups walked
-// outside their blocks: no division a block). Prefetches stop at `end`, the run's last byte.
+// outside their blocks: no division a block).
 template <int MB, bool kInt4, bool kHalf, bool kVnni>
-inline void rows_panel(const PackedProblem& p, int64_t panel, int64_t m0, const uint8_t* end) {
+inline void rows_panel(const PackedProblem& p, int64_t panel, int64_t m0, const RunStreams& run) {
   constexpr int64_t kPanelBlock = kInt4 ? 128 : 256;
   const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
   const bool offsets = p.g.o != nullptr || p.g.zero != 0.f;
@@ -35,10 +61,20 @@ inline void rows_panel(const PackedProblem& p, int64_t panel, int64_t m0, const 
   const int64_t g0 = panel * p.groups * kPanel;  // this panel's first group element
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  constexpr int64_t kGroupBytes = group_elem_bytes<kHalf>() * kPanel;  // one group's 8 scales
   for (int64_t g = 0, b = 0; g < p.groups; ++g) {
     const __m256 sw = load8<kHalf>(p.g.s, g0 + g * kPanel);
+    // The scales and offsets lie end to end like the weights: one prefetch a cache line (torch's
+    // CPU tensors start 64-byte aligned), issued by the group that starts it.
+    const int64_t ahead = (g0 + g * kPanel) * group_elem_bytes<kHalf>() + run.group_ahead;
+    if (ahead % 64 < kGroupBytes) {
+      const uint8_t* s_at = static_cast<const uint8_t*>(p.g.s) + ahead;
+      if (s_at < run.s_end) _mm_prefetch(reinterpret_cast<const char*>(s_at), _MM_HINT_T1);
+      if (run.o_end != nullptr && static_cast<const uint8_t*>(p.g.o) + ahead < run.o_end)
+        _mm_prefetch(static_cast<const char*>(p.g.o) + ahead, _MM_HINT_T1);
+    }
     for (int64_t last = b + bpg; b < last; ++b, wb += kPanelBlock) {
-      if (wb + kRowPrefetchBytes < end)
+      if (wb + kRowPrefetchBytes < run.q_end)
         for (int64_t at = 0; at < kPanelBlock; at += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wb + kRowPrefetchBytes + at), _MM_HINT_T1);
       const int8_t* xb[MB];
@@ -75,8 +111,23 @@ inline void rows_panel(const PackedProblem& p, int64_t panel, int64_t m0, const 
 
 template <int MB, bool kInt4, bool kHalf, bool kVnni>
 inline void rows_run(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0) {
-  const uint8_t* end = p.q + p1 * (p.K / kBlock) * (kInt4 ? 128 : 256);
-  for (int64_t panel = p0; panel < p1; ++panel) rows_panel<MB, kInt4, kHalf, kVnni>(p, panel, m0, end);
+  constexpr int64_t kPanelBlock = kInt4 ? 128 : 256;
+  const int64_t nb = p.K / kBlock;
+  const uint8_t* q0 = p.q + p0 * nb * kPanelBlock;
+  const uint8_t* end = p.q + p1 * nb * kPanelBlock;
+  // The run's first kRowPrefetchBytes, and its groups' first bytes, requested at once: rows_panel
+  // prefetches only ahead of the block it reads, so a run (each linear's share of a thread) began
+  // on demand misses and the hardware prefetcher's ramp, on three streams (weights, scales,
+  // offsets). Many lines in flight at the start is what a cold run lacks.
+  prefetch_span(q0, kRowPrefetchBytes, end);
+  const int64_t group_bytes = group_elem_bytes<kHalf>() * kPanel * p.groups;  // one panel's scales
+  const int64_t ahead = kRowPrefetchBytes * group_bytes / (nb * kPanelBlock);  // the same share of the run
+  const uint8_t* s = static_cast<const uint8_t*>(p.g.s);
+  const uint8_t* o = static_cast<const uint8_t*>(p.g.o);
+  prefetch_span(s + p0 * group_bytes, ahead, s + p1 * group_bytes);
+  if (o != nullptr) prefetch_span(o + p0 * group_bytes, ahead, o + p1 * group_bytes);
+  const RunStreams run{end, s + p1 * group_bytes, o != nullptr ? o + p1 * group_bytes : nullptr, ahead};
+  for (int64_t panel = p0; panel < p1; ++panel) rows_panel<MB, kInt4, kHalf, kVnni>(p, panel, m0, run);
 }
 
 template <bool kVnni>
