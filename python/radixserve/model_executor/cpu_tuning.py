@@ -189,9 +189,7 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[
         logger.info(
             "CPU kernel tuning: %s; serving with the default crossovers (a quiet start measures)", busy
         )
-        # Quantized experts take the one-call kernel where it is built: it won ~4x over the exact
-        # path on every CPU measured (docs/benchmarks.md), so a busy start does not serve them slow.
-        return Crossovers(source="defaults (machine busy)", moe_a8=bool(moes) and fused_moe_a8.MOE_A8_KERNEL)
+        return busy_defaults(layers, moes)
     start = time.perf_counter()
     bounds, timings = measure(layers)
     bounds["moe_a8"], timings["moe_a8"] = measure_moe_a8(moes)
@@ -200,6 +198,25 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[
     )
     write_cache(path, measured, timings)
     return measured
+
+
+def busy_defaults(layers: list[Linear], moes: list[FusedMoE]) -> Crossovers:
+    """What a start too busy to measure serves: the defaults, except for a weight-only quantized
+    MoE. Its experts take the one-call kernel where it is built: it won ~4x over the exact path on
+    every CPU measured (docs/benchmarks.md). And its marked dense layers (the LM head, 57% of a
+    Qwen3-30B-A3B-shaped Q4_0 token's bytes) take int8 activations at one row on panels of their
+    own: 1.9x the exact product on Zen 4, ~3x on Zen 1 (docs/cpu_backend.md, "One row"), the
+    numerics its experts already have. Dense models keep the exact defaults."""
+    if not (moes and fused_moe_a8.MOE_A8_KERNEL):
+        return Crossovers(source="defaults (machine busy)")
+    marked = any(m.weight_wq is not None and m.weight_wq.int8_activations for m in layers)
+    one_row = 1 if marked and WQ_A8_PACKED else 0
+    return Crossovers(
+        source="defaults (machine busy)",
+        moe_a8=True,
+        wq_a8_max_tokens=one_row,
+        wq_a8_small_panels=bool(one_row),
+    )
 
 
 @contextlib.contextmanager
