@@ -147,3 +147,19 @@ def test_batches_turned_off_leave_the_small_products_their_panels() -> None:
     assert not choose_a8_batch(measured, False, None).wq_a8_small_panels
     none = Crossovers(wq_max_tokens=W, wq_a8_max_tokens=0, wq_batch_a8=True)
     assert not choose_a8_batch(none, None, True).wq_a8_small_panels
+
+
+@needs_panels
+@pytest.mark.parametrize(("batch_a8", "small"), [(True, False), (False, True), (False, False)])
+def test_tuned_forms_are_made_again_after_a_rebuild(batch_a8, small) -> None:
+    """weight_sync.rebuild_derived remakes the layers' forms from the weights (marked forms, no
+    panels, fp32 oneDNN copies); install_tuned_forms gives them back what the installed crossovers
+    serve from: batch panels without the oneDNN copy, small panels beside it, or nothing."""
+    from radixserve.model_executor.cpu_tuning import install_tuned_forms
+
+    layers = _layers()  # as after prepare_cpu_linears: no panels, fp32 oneDNN copies
+    chosen = Crossovers(wq_max_tokens=W, wq_a8_max_tokens=2, wq_batch_a8=batch_a8, wq_a8_small_panels=small)
+    install_tuned_forms(layers, chosen)
+    made = batch_a8 or small
+    assert all(has_panels(m.weight_wq) == made for m in layers)
+    assert all((m.weight_packed is None) == batch_a8 for m in layers)

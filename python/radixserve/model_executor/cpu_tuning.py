@@ -249,6 +249,13 @@ def tune_and_install(
     model = list(model)
     chosen = resolve_crossovers(mode, overrides, model, world_size, int8_activations, bf16_batch)
     install(chosen)
+    install_tuned_forms(model, chosen)
+
+
+def install_tuned_forms(model: list[torch.nn.Module], chosen: Crossovers) -> None:
+    """The weight forms `chosen` serves from (panels, bf16 batch copies), made on the layers that
+    lack them: at start, and again when a weight update or a resume rebuilt the layers' derived
+    forms from the weights (weight_sync.rebuild_derived), which would otherwise serve without them."""
     if chosen.wq_batch_a8:
         # First: the marked layers' oneDNN copies go, so bf16 repacks only the others.
         use_a8_batch_panels(model)
