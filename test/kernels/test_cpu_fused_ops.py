@@ -31,6 +31,22 @@ def test_rmsnorm_matches_reference(m, n):
 
 
 @needs_ext
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_per_head_rmsnorm_runs_the_compiled_rows(tokens):
+    """A [tokens, heads, head_dim] view of a fused qkv (Qwen3's q/k norms) takes the compiled
+    kernel over its heads' rows: the same bits as those rows through it, the reference's values."""
+    heads, d = 4, 64
+    qkv = torch.randn(tokens, heads * d + 2 * d, generator=torch.Generator().manual_seed(tokens))
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    norm = _norm(d, 3)
+    out = norm(q)
+    assert out.shape == q.shape
+    rows = cpu_kernels.rmsnorm(q.reshape(-1, d).contiguous(), norm.weight, 1e-5)
+    assert torch.equal(out.reshape(-1, d), rows)
+    torch.testing.assert_close(out, norm.forward_native(q), **TOL)
+
+
+@needs_ext
 @pytest.mark.parametrize("m,n", [(1, 576), (4, 20), (100, 576)])
 def test_fused_add_rmsnorm_updates_both_in_place(m, n):
     gen = torch.Generator().manual_seed(m * n)

@@ -57,6 +57,8 @@ def _fake_timings(monkeypatch: pytest.MonkeyPatch, a8_wins_up_to: int) -> list[i
         return 2.0
 
     monkeypatch.setattr(cpu_tuning, "_pass_ms", pass_ms)
+    # No panels made for the timing, so the small products are timed as _a8_wq (recognised above).
+    monkeypatch.setattr(cpu_tuning, "_timing_panels", lambda layers: None)
     return seen
 
 
@@ -206,8 +208,9 @@ def test_prompt_logprobs_score_an_int8_activation_head_in_blocks_of_its_bound() 
 @needs_a8
 @pytest.mark.parametrize("panels_won", [True, False])
 def test_small_products_are_timed_on_what_would_serve_them(monkeypatch, panels_won) -> None:
-    """Where the batches chose panels (which every marked layer then gets), the int8-activation
-    bound times linear_wq_a8 on panels; else on the form's own tensors."""
+    """The int8-activation bound times linear_wq_a8 on panels: the batches' where they chose them
+    (every marked layer then gets them), else panels made for the timing (the layers get them for
+    their small products where int8 activations won: wq_a8_small_panels)."""
     layers = _a8_layers()
     panels = A8Panels(layers, cpu_tuning._gemm) if panels_won else None
     monkeypatch.setattr(cpu_tuning, "measure_a8_batch", lambda *_: (panels_won, panels, {}))
@@ -219,5 +222,6 @@ def test_small_products_are_timed_on_what_would_serve_them(monkeypatch, panels_w
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_kernels, "linear_wq_a8", spy)
-    cpu_tuning.measure(layers)
-    assert calls and all(packed == panels_won for packed in calls)
+    bounds, _ = cpu_tuning.measure(layers)
+    assert calls and all(calls)
+    assert bounds["wq_a8_small_panels"] == (not panels_won and bounds["wq_a8_max_tokens"] > 0)

@@ -7,6 +7,7 @@ kernel is built."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from test_cpu_tuning import _isolated, _layers  # noqa: F401 - autouse: own cache folder, quiet machine
 
 from radixserve.distributed.communication import TensorParallelComm
-from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
+from radixserve.layers.group_quant import WQ_A8_PACKED, GroupQuantWeight, pack_int4
 from radixserve.layers.linear import onednn_prepack_available
 from radixserve.layers.moe import fused_moe_a8
 from radixserve.layers.moe.layer import FusedMoE
@@ -122,4 +123,13 @@ def test_off_and_multi_rank_keep_the_exact_path_and_busy_serves_the_kernel(monke
     monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "machine busy (load 5.0 on 2 CPUs)")
     busy = resolve_crossovers("auto", None, [*layers, moe], 1)
     assert busy.moe_a8 == fused_moe_a8.MOE_A8_KERNEL and "busy" in busy.source
-    assert not resolve_crossovers("auto", None, layers, 1).moe_a8  # no quantized experts
+    dense = resolve_crossovers("auto", None, layers, 1)
+    assert not dense.moe_a8 and dense.wq_a8_max_tokens == 0  # no quantized experts: exact
+    # The MoE's marked dense layers (its LM head) take int8 activations at one row on their own
+    # panels; unmarked ones (these) stay exact.
+    assert (busy.wq_a8_max_tokens, busy.wq_a8_small_panels) == (0, False)
+    for m in layers:
+        m.weight_wq = dataclasses.replace(m.weight_wq, int8_activations=True)
+    marked = resolve_crossovers("auto", None, [*layers, moe], 1)
+    one_row = 1 if fused_moe_a8.MOE_A8_KERNEL and WQ_A8_PACKED else 0
+    assert (marked.wq_a8_max_tokens, marked.wq_a8_small_panels) == (one_row, bool(one_row))

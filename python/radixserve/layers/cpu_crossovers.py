@@ -50,6 +50,13 @@ class Crossovers:
     # (cpu_batch_numerics.py) and int8 activations are not disabled. linear.use_a8_batch_panels
     # makes the panels to match. Small products keep wq_a8_max_tokens' choice.
     wq_batch_a8: bool = False
+    # Where the batches did not choose those panels (wq_batch_a8 False) but int8 activations on
+    # panels won the one-row timing (cpu_tuning.py times small products on the panels that would
+    # serve, made for the timing): the marked forms get panels for their small products only
+    # (rows <= wq_a8_max_tokens), and keep their oneDNN copy for the batches. The rule that maps
+    # rows to a kernel is group_quant.a8_rows / wq_rows_bound. Off by default and under either
+    # int8-activation flag (--cpu-wq-int8-activations' panels serve every row).
+    wq_a8_small_panels: bool = False
     # A weight-only quantized MoE's experts (a GGUF MoE) serve every batch on int8 activations
     # from their stacked 8-row panels through one moe_wq_a8_packed call per layer, the forms' own
     # integers dropped (one resident copy: layers/moe/panel_forms.py). Off in the defaults (the
@@ -84,6 +91,8 @@ class Crossovers:
         batch = "bf16" if self.wq_batch_bf16 else "fp32"
         if self.wq_batch_a8:
             batch = f"int8 activations on panels (unmarked forms: {batch})"
+        elif self.wq_a8_small_panels and self.wq_a8_max_tokens:
+            bounds += " (int8-activation products on panels)"
         experts = "int8 activations on panels" if self.moe_a8 else "exact (fp32 activations)"
         return (
             f"{bounds}, weight-only batch GEMMs in {batch}, quantized MoE experts {experts} ({self.source})"

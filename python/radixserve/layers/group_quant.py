@@ -17,7 +17,7 @@ The exception is a form marked `int8_activations` in a product of at most the in
 `wq_a8_max_tokens` rows (layers/cpu_crossovers.py: 0 unless this machine measured it faster or
 --cpu-wq-int8-activations asked): its activations are quantized to int8 per 32 inputs first;
 and such a form's batches above wq_max_tokens where this CPU chose int8-activation batch GEMMs
-(Crossovers.wq_batch_a8: the panels' GEMM tiles, a8_batch).
+(Crossovers.wq_batch_a8: the panels' GEMM tiles, a8_batch). wq_kernel states the whole rule.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ class GroupQuantWeight:
     reference). Set on GGUF and torchao forms whose groups allow it (weight_only_forms.py).
     a8_packed: the same integers and scales repacked for linear_wq_a8's AVX2 panel kernel
     (sgl_kernel.cpu.pack_wq_a8; with_int8_activations(panels=True) makes it: one more copy of them
-    in memory, so only under --cpu-wq-int8-activations; at the file's bytes, fp16 scales and
-    Q4_0's offsets formed from them), or None.
+    in memory, so only under --cpu-wq-int8-activations or where this CPU's tuning chose panels for
+    the batches or the small products; at the file's bytes, fp16 scales and Q4_0's offsets formed
+    from them), or None.
     """
 
     qweight: torch.Tensor
@@ -162,15 +163,38 @@ def with_int8_activations(w: GroupQuantWeight, panels: bool = False) -> GroupQua
 
 
 def a8_rows(w: GroupQuantWeight) -> int:
-    """Products of up to this many rows take int8 activations: every product on panels made by
-    --cpu-wq-int8-activations (A8_PACKED_MAX_ROWS), else the installed crossovers'
-    wq_a8_max_tokens (0: none) for a marked form. Panels made for the batches
-    (Crossovers.wq_batch_a8) leave the small products to wq_a8_max_tokens: a8_batch takes the
-    batches."""
+    """Products of up to this many rows take int8 activations (wq_kernel has the whole rule): 0
+    for an unmarked form; every product (A8_PACKED_MAX_ROWS) on panels that serve every row
+    (panels_serve_every_row); else the installed crossovers' wq_a8_max_tokens (0: none)."""
     if not w.int8_activations:
         return 0
+    return A8_PACKED_MAX_ROWS if panels_serve_every_row(w) else crossovers().wq_a8_max_tokens
+
+
+def panels_serve_every_row(w: GroupQuantWeight) -> bool:
+    """Whether w's panels serve every product: panels made for the whole form
+    (--cpu-wq-int8-activations, or a MoE's experts) rather than for one kind of product. The
+    crossovers say which: panels made for the batches (wq_batch_a8) or for the small products only
+    (wq_a8_small_panels) leave the other products to their own choice."""
     bound = crossovers()
-    return A8_PACKED_MAX_ROWS if w.a8_packed is not None and not bound.wq_batch_a8 else bound.wq_a8_max_tokens
+    return has_panels(w) and not (bound.wq_batch_a8 or bound.wq_a8_small_panels)
+
+
+def wq_kernel(w: GroupQuantWeight, rows: int) -> str:
+    """The one rule mapping a product of `rows` rows over w (CPU) to its kernel, given the
+    installed crossovers (A = wq_a8_max_tokens, W = wq_max_tokens): "a8" (linear_wq_a8, on the
+    panels where w has them), "wq" (exact linear_wq) or "gemm" (the layer's oneDNN copy, or its
+    fp32 weight):
+    - unmarked form: "wq" up to W rows, "gemm" above;
+    - panels serving every row (panels_serve_every_row): "a8" at every row count;
+    - else "a8" up to A rows, "wq" up to W, then "a8" where the batches chose the panels
+      (wq_batch_a8, a form with panels), "gemm" otherwise (the panels made for the small products
+      only, wq_a8_small_panels, keep the layer's oneDNN copy for these)."""
+    if rows <= a8_rows(w):
+        return "a8"
+    if rows <= crossovers().wq_max_tokens:
+        return "wq"
+    return "a8" if a8_batch(w, rows) else "gemm"
 
 
 def a8_batch(w: GroupQuantWeight, rows: int) -> bool:
@@ -223,10 +247,12 @@ def linear_wq_a8_reference(
 
 
 def wq_rows_bound(w: GroupQuantWeight, wq_max_tokens: int) -> int:
-    """Batches of up to this many rows read w (larger ones the fp32 weight): the machine's
-    wq_max_tokens crossover, or every batch (A8_PACKED_MAX_ROWS) for a form with int8-activation
-    panels."""
-    return A8_PACKED_MAX_ROWS if has_panels(w) else wq_max_tokens
+    """Batches of up to this many rows read w (larger ones the fp32 weight's GEMM): the machine's
+    wq_max_tokens crossover, or every batch (A8_PACKED_MAX_ROWS) for a form whose panels serve its
+    batches (every row, or the batches wq_batch_a8 gives them): wq_kernel's "gemm" rows."""
+    bound = crossovers()
+    batches_on_panels = panels_serve_every_row(w) or (bound.wq_batch_a8 and has_panels(w))
+    return A8_PACKED_MAX_ROWS if batches_on_panels else wq_max_tokens
 
 
 def has_panels(w: GroupQuantWeight) -> bool:
@@ -253,16 +279,16 @@ def triton_wq_gemm() -> Callable[..., torch.Tensor] | None:
 def linear_wq(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """On CUDA, the Triton dequant-GEMM (output in x's dtype, fp32 accumulation); on CPU,
     sgl-kernel's linear_wq when it can take x (2-D fp32 with contiguous rows); else the fp32
-    reference. A form with int8_activations (CPU only) runs linear_wq_a8 or its reference on up
-    to a8_rows(w) rows: the installed wq_a8_max_tokens (layers/cpu_crossovers.py), or
-    A8_PACKED_MAX_ROWS with its panel repack; and on the batches a8_batch gives it."""
+    reference. A form with int8_activations (CPU only) runs linear_wq_a8 or its reference where
+    wq_kernel(w, rows) says "a8" (the rule: the installed crossovers and whether w has panels)."""
     if x.device.type == "cuda":
         gemm = triton_wq_gemm()
         if gemm is not None:
             return gemm(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias)
         return linear_wq_reference(x, w, bias)
     kernel_ok = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-    if x.numel() <= a8_rows(w) * x.shape[-1] or (x.dim() == 2 and a8_batch(w, x.shape[0])):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if wq_kernel(w, rows) == "a8":
         if kernel_ok and WQ_A8_KERNEL:
             return cpu_kernels.linear_wq_a8(
                 x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, bias, packed=w.a8_packed

@@ -14,7 +14,9 @@ built-in model's decode, docs/benchmarks.md):
    (wq_rows_bound): the panel kernel beat the fp32 forms at every row count measured, so such a
    layer gets no oneDNN copy (path 3). So does a marked form where this CPU's tuning chose
    int8-activation batches (Crossovers.wq_batch_a8, `use_a8_batch_panels`): its batches above
-   wq_max_tokens run the panels' GEMM tiles, its small ones keep wq_a8_max_tokens' choice. One exception:
+   wq_max_tokens run the panels' GEMM tiles, its small ones keep wq_a8_max_tokens' choice. Where
+   only the small products won on panels (Crossovers.wq_a8_small_panels, `use_a8_small_panels`)
+   the layer gets panels for those and keeps its oneDNN copy (group_quant.wq_kernel). One exception:
    `--quantization w8a8_int8`'s LM head (`quantize_lm_head`), whose fp32 weight is the tied
    embedding and stays as loaded; its batches above that bound compute with the fp32 head.
 
@@ -296,6 +298,17 @@ def use_a8_batch_panels(modules: list[nn.Module]) -> int:
     drop its oneDNN copy: its batches above wq_max_tokens then run linear_wq_a8 on the panels
     (Crossovers.wq_batch_a8, group_quant.a8_batch). The fp32 weight stays. Returns how many layers
     changed; logs what it cost (the panels hold the form's own bytes: about the file's size)."""
+    return _add_a8_panels(modules, keep_gemm=False)
+
+
+def use_a8_small_panels(modules: list[nn.Module]) -> int:
+    """The same panels for the products of at most wq_a8_max_tokens rows only
+    (Crossovers.wq_a8_small_panels, group_quant.wq_kernel): the oneDNN copy stays for the
+    batches, which keep the GEMM this CPU chose for them."""
+    return _add_a8_panels(modules, keep_gemm=True)
+
+
+def _add_a8_panels(modules: list[nn.Module], keep_gemm: bool) -> int:
     if not WQ_A8_PACKED:
         return 0
     layers = [
@@ -307,14 +320,15 @@ def use_a8_batch_panels(modules: list[nn.Module]) -> int:
     for layer in layers:
         layer.weight_wq = with_int8_activations(layer.weight_wq, panels=True)
         added += layer.weight_wq.a8_packed.nbytes()
-        if layer.weight_packed is not None:
+        if layer.weight_packed is not None and not keep_gemm:
             freed += layer.weight_packed.numel() * layer.weight_packed.element_size()
             layer.weight_packed = None
     if layers:
         logger.info(
-            "CPU linears: %d weight-only layers' batches on int8-activation panels (+%.0f MiB panels, "
+            "CPU linears: %d weight-only layers' %s on int8-activation panels (+%.0f MiB panels, "
             "-%.0f MiB oneDNN copies)",
             len(layers),
+            "small products" if keep_gemm else "batches",
             added / 2**20,
             freed / 2**20,
         )

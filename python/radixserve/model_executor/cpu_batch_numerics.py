@@ -193,4 +193,10 @@ def choose_a8_batch(chosen: Crossovers, int8_forced: bool | None, bf16_forced: b
         why = "int8-activation batches opt-in (measured faster)"
     else:
         return chosen
-    return dataclasses.replace(chosen, wq_batch_a8=False, source=f"{chosen.source}; {why}")
+    # wq_a8_max_tokens was timed on the batches' panels: without them, the small products keep
+    # panels of their own (wq_a8_small_panels), unless a flag decides int8 activations (forced
+    # on, its own panels serve every row).
+    small = int8_forced is None and chosen.wq_a8_max_tokens > 0
+    return dataclasses.replace(
+        chosen, wq_batch_a8=False, wq_a8_small_panels=small, source=f"{chosen.source}; {why}"
+    )

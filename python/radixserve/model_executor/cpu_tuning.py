@@ -16,8 +16,9 @@ memory bandwidth), so a bound chosen on one machine is wrong on the next. `--cpu
 
 One bound is a choice of numerics, not only of speed: `wq_a8_max_tokens`, the largest product in
 which weight-only forms quantize their activations to int8 (linear_wq_a8 against linear_wq, over
-the model's own wq layers at 1, 2, 4 and 8 rows, on the panels where the batches chose them: what
-would serve; 0 where int8 activations lose at one row). `auto`
+the model's own wq layers at 1, 2, 4 and 8 rows, on panels: the batches' where they chose them,
+else panels made for the timing, which the layers then get for these products where they won,
+wq_a8_small_panels; 0 where int8 activations lose at one row). `auto`
 serves the measured bound only where A8_BY_DEFAULT says the quality holds (docs/cpu_backend.md);
 `--cpu-wq-int8-activations` forces int8 activations on (the measured bound, or A8_MAX_ROWS where
 none was measured) and `--disable-cpu-wq-int8-activations` forces them off (the exact product).
@@ -53,8 +54,20 @@ import torch
 from radixserve.layers import cpu_fused
 from radixserve.layers.cpu_crossovers import DEFAULTS, Crossovers, install, parse_overrides
 from radixserve.layers.cpu_fused import cpu_kernels, fusable
-from radixserve.layers.group_quant import A8_MAX_ROWS, WQ_A8_KERNEL, WQ_KERNEL, linear_wq_reference
-from radixserve.layers.linear import Linear, _linear_bf16, use_a8_batch_panels, use_bf16_batch_gemm
+from radixserve.layers.group_quant import (
+    A8_MAX_ROWS,
+    WQ_A8_KERNEL,
+    WQ_A8_PACKED,
+    WQ_KERNEL,
+    linear_wq_reference,
+)
+from radixserve.layers.linear import (
+    Linear,
+    _linear_bf16,
+    use_a8_batch_panels,
+    use_a8_small_panels,
+    use_bf16_batch_gemm,
+)
 from radixserve.layers.moe import fused_moe_a8
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.cpu_batch_numerics import (
@@ -152,9 +165,17 @@ def choose_int8_activations(chosen: Crossovers, forced: bool | None) -> Crossove
         return chosen
     else:
         bound, moe, why = 0, False, f"int8 activations opt-in (measured bound {chosen.wq_a8_max_tokens})"
-    if (bound, moe) == (chosen.wq_a8_max_tokens, chosen.moe_a8):
+    if (bound, moe, False) == (chosen.wq_a8_max_tokens, chosen.moe_a8, chosen.wq_a8_small_panels):
         return chosen
-    return dataclasses.replace(chosen, wq_a8_max_tokens=bound, moe_a8=moe, source=f"{chosen.source}; {why}")
+    # Forced either way, no panels for the small products only: the flag's own panels serve every
+    # row (group_quant.panels_serve_every_row), and off makes none.
+    return dataclasses.replace(
+        chosen,
+        wq_a8_max_tokens=bound,
+        moe_a8=moe,
+        wq_a8_small_panels=False,
+        source=f"{chosen.source}; {why}",
+    )
 
 
 def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[FusedMoE]) -> Crossovers:
@@ -168,9 +189,7 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[
         logger.info(
             "CPU kernel tuning: %s; serving with the default crossovers (a quiet start measures)", busy
         )
-        # Quantized experts take the one-call kernel where it is built: it won ~4x over the exact
-        # path on every CPU measured (docs/benchmarks.md), so a busy start does not serve them slow.
-        return Crossovers(source="defaults (machine busy)", moe_a8=bool(moes) and fused_moe_a8.MOE_A8_KERNEL)
+        return busy_defaults(layers, moes)
     start = time.perf_counter()
     bounds, timings = measure(layers)
     bounds["moe_a8"], timings["moe_a8"] = measure_moe_a8(moes)
@@ -179,6 +198,25 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[
     )
     write_cache(path, measured, timings)
     return measured
+
+
+def busy_defaults(layers: list[Linear], moes: list[FusedMoE]) -> Crossovers:
+    """What a start too busy to measure serves: the defaults, except for a weight-only quantized
+    MoE. Its experts take the one-call kernel where it is built: it won ~4x over the exact path on
+    every CPU measured (docs/benchmarks.md). And its marked dense layers (the LM head, 57% of a
+    Qwen3-30B-A3B-shaped Q4_0 token's bytes) take int8 activations at one row on panels of their
+    own: 1.9x the exact product on Zen 4, ~3x on Zen 1 (docs/cpu_backend.md, "One row"), the
+    numerics its experts already have. Dense models keep the exact defaults."""
+    if not (moes and fused_moe_a8.MOE_A8_KERNEL):
+        return Crossovers(source="defaults (machine busy)")
+    marked = any(m.weight_wq is not None and m.weight_wq.int8_activations for m in layers)
+    one_row = 1 if marked and WQ_A8_PACKED else 0
+    return Crossovers(
+        source="defaults (machine busy)",
+        moe_a8=True,
+        wq_a8_max_tokens=one_row,
+        wq_a8_small_panels=bool(one_row),
+    )
 
 
 @contextlib.contextmanager
@@ -211,9 +249,18 @@ def tune_and_install(
     model = list(model)
     chosen = resolve_crossovers(mode, overrides, model, world_size, int8_activations, bf16_batch)
     install(chosen)
+    install_tuned_forms(model, chosen)
+
+
+def install_tuned_forms(model: list[torch.nn.Module], chosen: Crossovers) -> None:
+    """The weight forms `chosen` serves from (panels, bf16 batch copies), made on the layers that
+    lack them: at start, and again when a weight update or a resume rebuilt the layers' derived
+    forms from the weights (weight_sync.rebuild_derived), which would otherwise serve without them."""
     if chosen.wq_batch_a8:
         # First: the marked layers' oneDNN copies go, so bf16 repacks only the others.
         use_a8_batch_panels(model)
+    elif chosen.wq_a8_small_panels and chosen.wq_a8_max_tokens:
+        use_a8_small_panels(model)  # the oneDNN copies stay: the batches keep their GEMM
     if chosen.wq_batch_bf16:
         use_bf16_batch_gemm(model)
 
@@ -250,13 +297,6 @@ def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
     # Then int8-activation panels against the winner of those two, for the marked layers.
     a8_layers = [m for m in wq_layers if m.weight_wq.int8_activations] if WQ_A8_KERNEL else []
     a8_batch, a8_gemm, timings["wq_batch_a8"] = measure_a8_batch(a8_layers, bf16_gemm, _pass_ms)
-    # Small int8-activation products are timed on what will serve them: the panels where the
-    # batches chose them (use_a8_batch_panels installs them for every marked layer, and a8_rows
-    # then gives products up to wq_a8_max_tokens rows to them; one row takes the prefetched one-row
-    # path, csrc/cpu/wq_a8_one_row.h), else linear_wq_a8 on the form's own tensors. Timing the
-    # latter when the panels serve chose exact one-row products on Zen 4 although the panels ran
-    # them ~1.9x faster (docs/cpu_backend.md, "One row").
-    small_a8 = _a8_wq if a8_gemm is None else _on_panels(a8_gemm)
     if a8_gemm is not None:
         bf16_gemm = a8_gemm
     groups: dict[str, tuple[list[Linear], Callable[[Linear, torch.Tensor], torch.Tensor]]] = {
@@ -279,12 +319,29 @@ def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
     a8 = _first_bytes(
         [m for m in layers if m.weight_wq is not None and m.weight_wq.int8_activations], MAX_PASS_BYTES
     )
+    small_panels = False
     if a8 and WQ_A8_KERNEL:
+        # Small int8-activation products are timed on what would serve them: panels (one row
+        # takes their prefetched one-row path, csrc/cpu/wq_a8_one_row.h), the batches' where they
+        # chose them, else panels made for this timing only, which the layers then get for their
+        # small products where they won (wq_a8_small_panels). Timing linear_wq_a8 on the forms'
+        # own tensors instead chose exact one-row products on Zen 4 although the panels ran them
+        # ~1.9x faster (docs/cpu_backend.md, "One row"): a GGUF MoE's LM head then ran exact.
+        panels = a8_gemm if a8_gemm is not None else _timing_panels(a8)
+        small_a8 = _a8_wq if panels is None else _on_panels(panels)
         candidates = tuple(n for n in CANDIDATES["wq_a8_max_tokens"] if n <= bounds["wq_max_tokens"])
         bounds["wq_a8_max_tokens"], timings["wq_a8_max_tokens"] = _crossover(
             a8, small_a8, candidates, against=_exact_wq, floor=0
         )
-    return {**bounds, "wq_batch_bf16": bf16, "wq_batch_a8": a8_batch}, timings
+        small_panels = a8_gemm is None and panels is not None and bounds["wq_a8_max_tokens"] > 0
+    chosen = {"wq_batch_bf16": bf16, "wq_batch_a8": a8_batch, "wq_a8_small_panels": small_panels}
+    return {**bounds, **chosen}, timings
+
+
+def _timing_panels(layers: list[Linear]) -> A8Panels | None:
+    """Panels of `layers` for the small products' timing (freed with it), or None without the
+    panel kernel."""
+    return A8Panels(layers, _exact_wq) if WQ_A8_PACKED else None
 
 
 def _exact_wq(layer: Linear, x: torch.Tensor) -> torch.Tensor:

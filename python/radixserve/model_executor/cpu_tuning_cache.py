@@ -22,7 +22,7 @@ from radixserve.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 4  # v3: wq_batch_a8; v4: moe_a8 (and the experts in the key)
+CACHE_VERSION = 5  # v3: wq_batch_a8; v4: moe_a8 (and the experts in the key); v5: wq_a8_small_panels
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
@@ -87,8 +87,9 @@ def read_cache(path: Path) -> Crossovers:
     bounds = {k: int(stored[k]) for k in Crossovers.BOUNDS}
     # Missing (written by hand or before the choice): not measured, so the exact fp32 GEMM.
     bf16, a8 = data.get("wq_batch_bf16", False), data.get("wq_batch_a8", False)
-    moe = data.get("moe_a8", False)
-    for name, value in (("wq_batch_bf16", bf16), ("wq_batch_a8", a8), ("moe_a8", moe)):
+    moe, small = data.get("moe_a8", False), data.get("wq_a8_small_panels", False)
+    choices = (("wq_batch_bf16", bf16), ("wq_batch_a8", a8), ("moe_a8", moe), ("wq_a8_small_panels", small))
+    for name, value in choices:
         if not isinstance(value, bool):
             raise TypeError(f"{name} is {value!r}, not true or false")
     return Crossovers(
@@ -96,6 +97,7 @@ def read_cache(path: Path) -> Crossovers:
         wq_batch_bf16=bf16,
         wq_batch_a8=a8,
         moe_a8=moe,
+        wq_a8_small_panels=small,
         source=f"cached {data.get('measured_at', '?')} at {path}",
     )
 
@@ -106,6 +108,7 @@ def write_cache(path: Path, crossovers: Crossovers, timings: dict[str, Any]) -> 
         "wq_batch_bf16": crossovers.wq_batch_bf16,
         "wq_batch_a8": crossovers.wq_batch_a8,
         "moe_a8": crossovers.moe_a8,
+        "wq_a8_small_panels": crossovers.wq_a8_small_panels,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_identity(),
         # Per bound and token count: (the small kernel, oneDNN's GEMM) ms per pass; for

@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.layers.cpu_crossovers import active as active_crossovers
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
+from radixserve.model_executor.cpu_tuning import install_tuned_forms
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.gguf_experts import file_expert_weights
 from radixserve.model_loader.gguf_source import experts_source
@@ -210,6 +212,10 @@ class ModelWeights:
         for layer, weight_int8, weight_scale, weight_wq in kept:
             layer.weight_int8, layer.weight_scale, layer.weight_wq = weight_int8, weight_scale, weight_wq
         runner._prepare_cpu_linears()
+        if runner.device.type == "cpu" and runner.model_config.dtype == torch.float32:
+            # The tuned forms (panels, bf16 batch copies) went with the derived ones: made again.
+            modules = [m for m in (runner.model, runner.lm_head) if m is not None]
+            install_tuned_forms(modules, active_crossovers())
         if self.released_kv is not None:
             return  # the fused decode path reads the KV pool: recreated when it is back
         runner.cpu_decode_runner = create_cpu_decode_runner(
