@@ -9,6 +9,10 @@ process), waits for the load to settle, then samples the scheduler process with
 `py-spy record --nonblocking` for --duration seconds while reading every process's CPU time from
 /proc. It prints two markdown tables (what the scheduler's samples were doing; CPU seconds per
 process) that docs/benchmarks.md quotes, and keeps py-spy's raw stacks (--raw-out) for a flamegraph.
+Then the full decode batches' step times over the same window (polled from /dashboard/state:
+peers/step_times.py), the scheduler's context switches a step (an OpenMP worker that slept
+between parallel regions switches voluntarily) and each process's CPU per decoded token. --rate 0
+leaves py-spy out (its sampling takes CPU beside the server).
 
 The scheduler's overhead is everything in its samples that is not the model forward or sampling;
 IPC is also paid by the tokenizer manager and the detokenizer, whose CPU seconds the second table
