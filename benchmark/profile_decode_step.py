@@ -20,11 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+# radixserve before torch: its import sets the OpenMP workers' spin (GOMP_SPINCOUNT, utils/cpus.py)
+# that the served scheduler runs with, and the runtime reads it once, when torch loads it.
+import radixserve  # noqa: F401
+
+# isort: split
 import torch
 
 from radixserve import bench_one_batch
@@ -79,17 +85,24 @@ def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, tem
     runner.prefill(reqs)
     runner.decode(reqs)  # warm-up
     rows = []
+    cpu = []  # the process's CPU time a step, all threads: what a served step's CPU is compared with
+    switches = []  # voluntary context switches a step, all threads (OpenMP workers that slept)
     for _ in range(steps):
         for part in PARTS:
             spent[part] = 0.0
+        cpu_start, vcsw_start = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
         start = clock()
         runner.decode(reqs)
         rows.append((clock() - start, *(spent[p] for p in PARTS)))
+        cpu.append(time.process_time() - cpu_start)
+        switches.append(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - vcsw_start)
     runner.release(reqs)
     total, *parts = (statistics.median(column) * 1e3 for column in zip(*rows))
     shares = [f"{name} {ms:.1f} ({100 * ms / total:.0f}%)" for name, ms in zip(PARTS, parts)]
     rest = total - sum(parts)
-    return f"step {total:.1f} ms = " + " + ".join([*shares, f"rest {rest:.1f} ({100 * rest / total:.0f}%)"])
+    line = " + ".join([*shares, f"rest {rest:.1f} ({100 * rest / total:.0f}%)"])
+    cpu_ms, vcsw = statistics.median(cpu) * 1e3, statistics.median(switches)
+    return f"step {total:.1f} ms (process CPU {cpu_ms:.1f} ms, {vcsw:.0f} voluntary switches) = {line}"
 
 
 def main() -> None:

@@ -9,6 +9,10 @@ process), waits for the load to settle, then samples the scheduler process with
 `py-spy record --nonblocking` for --duration seconds while reading every process's CPU time from
 /proc. It prints two markdown tables (what the scheduler's samples were doing; CPU seconds per
 process) that docs/benchmarks.md quotes, and keeps py-spy's raw stacks (--raw-out) for a flamegraph.
+Then the full decode batches' step times over the same window (polled from /dashboard/state:
+peers/step_times.py), the scheduler's context switches a step (an OpenMP worker that slept
+between parallel regions switches voluntarily) and each process's CPU per decoded token. --rate 0
+leaves py-spy out (its sampling takes CPU beside the server).
 
 The scheduler's overhead is everything in its samples that is not the model forward or sampling;
 IPC is also paid by the tokenizer manager and the detokenizer, whose CPU seconds the second table
@@ -28,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 from peers.process import ServerProcess, free_port
+from peers.step_times import StepPoller, summarize
 
 # Categories, first match wins (checked from the top): a frame substring -> category. IPC comes
 # first because the send happens inside result processing; the forward before batch construction
@@ -85,6 +90,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14-15 of stat)
 
 
+def context_switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches summed over a process's threads: an OpenMP worker
+    that sleeps between parallel regions (GOMP_SPINCOUNT ran out) switches voluntarily, and pays a
+    wake-up at the next region; a thread preempted by another process switches involuntarily."""
+    vol = invol = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if line.startswith("voluntary_ctxt_switches:"):
+                vol += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                invol += int(line.split()[1])
+    return vol, invol
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=64)
@@ -93,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup-s", type=float, default=10.0, help="load time before sampling starts")
     p.add_argument("--duration", type=int, default=20, help="seconds py-spy samples")
-    p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    p.add_argument("--rate", type=int, default=200, help="py-spy samples per second (0: no py-spy)")
     p.add_argument("--server-flags", default="", help="extra launch_server flags")
     p.add_argument("--raw-out", default=None, help="keep py-spy's raw stacks here")
     return p.parse_args(argv)
@@ -130,21 +153,53 @@ def main(argv: list[str] | None = None) -> int:
         procs["scheduler"] = busiest
         for i, pid in enumerate(k for k in kids if k != busiest):
             procs[f"other child {i} (detokenizer, resource tracker)"] = pid
+        poller = StepPoller(base_url)
+        poller.start()
         before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+        switches_before = context_switches(busiest)
         tic = time.monotonic()
-        subprocess.run(
-            [py_spy, "record", "--nonblocking", "-p", str(busiest), "-d", str(args.duration),
-             "-r", str(args.rate), "-f", "raw", "-o", str(raw_path)],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        if args.rate > 0:
+            subprocess.run(
+                [py_spy, "record", "--nonblocking", "-p", str(busiest), "-d", str(args.duration),
+                 "-r", str(args.rate), "-f", "raw", "-o", str(raw_path)],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        else:  # steps and CPU only: py-spy's own sampling takes CPU from a 2-core box
+            time.sleep(args.duration)
+            raw_path.write_text("")
         wall = time.monotonic() - tic
         used = {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
+        switches = tuple(b - a for a, b in zip(switches_before, context_switches(busiest)))
+        poller.stop()
         still_loaded = client.poll() is None
         client.terminate()
         client.wait()
     counts = summarize_raw(raw_path.read_text())
     print_report(args, counts, used, wall, still_loaded, raw_path)
+    print_steps(args.concurrency, poller, used, switches)
     return 0
+
+
+def print_steps(
+    concurrency: int, poller: StepPoller, used: dict[str, float], switches: tuple[int, ...]
+) -> None:
+    """The full decode batches' step times, the scheduler's context switches per step (a step
+    is `concurrency` decoded tokens) and each process's CPU per decoded token."""
+    s = summarize(poller.ordered(), concurrency)
+    tokens = poller.decode_tokens[1] - poller.decode_tokens[0]
+    print(
+        f"\n{s.get('count', 0)} decode steps of {concurrency} requests, {tokens} decoded tokens in the window"
+    )
+    if s["count"]:
+        print(f"step (launch to result) median {s['median_ms']:.1f} ms, p90 {s['p90_ms']:.1f}, "
+              f"max {s['max_ms']:.1f}; launch-to-launch median {s['median_period_ms']:.1f} ms")  # fmt: skip
+    if tokens:
+        steps = tokens / concurrency
+        print(f"scheduler context switches per {concurrency}-token step: {switches[0] / steps:.0f} voluntary, "
+              f"{switches[1] / steps:.0f} involuntary")  # fmt: skip
+        print("\n| process | CPU ms per decoded token |\n|---|---:|")
+        for name, seconds in sorted(used.items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {1e3 * seconds / tokens:.3f} |")
 
 
 def print_report(

@@ -14,6 +14,8 @@ VNNI-forced cases here skip with the reason."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from test_linear_wq import _weight  # the same random group-quantized weights
@@ -164,4 +166,45 @@ def test_avx2_batches_quantize_on_every_thread_to_the_same_bits(kind: str) -> No
     x = _x(m, k, seed=12)
     got = _run(x, w, None, "avx2")
     assert torch.equal(got, torch.cat([_run(x[i : i + 1], w, None, "avx2") for i in range(m)]))
+    _check(got, x, w, None)
+
+
+def _with_threads(threads: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("m", [3, 16, 64])
+def test_batches_the_threads_pull_are_the_same_bits(isa: str, m: int) -> None:
+    """Decode-sized batches (one row chunk) run in panel runs the threads pull from a counter
+    (wq_a8_gemm.h's parallel_chunks): one thread, two, and three (more tasks taken by fewer cores
+    than threads) give the bits of each row alone, at the built-in model's K (576) and an N of an
+    odd panel count (65 panels, ~33 pairs: several runs a thread). 3 rows: the panel path."""
+    if isa not in cpu_kernels.linear_wq_a8_isas():
+        pytest.skip(f"no {isa} path in this build")
+    n, k = 520, 576
+    w = _form(n, k, "Q4_1", seed=13)
+    x = _x(m, k, seed=14)
+    got = _with_threads(2, lambda: _run(x, w, None, isa))
+    for threads in (1, 3):
+        assert torch.equal(got, _with_threads(threads, lambda: _run(x, w, None, isa)))
+    assert torch.equal(got, torch.cat([_run(x[i : i + 1], w, None, isa) for i in range(m)]))
+    _check(got, x, w, None)
+
+
+@needs_vnni
+def test_quantizer_on_threads_past_the_inline_bound() -> None:
+    """150 rows of K 1536 (230,400 elements, past kInlineQuantElems): x quantized on every thread,
+    the tiles in one contiguous run a thread (past one row chunk); the bits of 4-row batches,
+    whose x is quantized inline."""
+    n, k, m = 40, 1536, 150
+    w = _form(n, k, "Q8_0", seed=15)
+    x = _x(m, k, seed=16)
+    got = _run(x, w, None, "avx512")
+    assert torch.equal(got, torch.cat([_run(x[i : i + 4], w, None, "avx512") for i in range(0, m, 4)]))
     _check(got, x, w, None)

@@ -47,3 +47,32 @@ def test_cpu_seconds_and_children_of_this_process():
     assert profile_serving.cpu_seconds(os.getpid()) > 0
     assert profile_serving.cpu_seconds(2**22 + 12345) == 0.0  # no such process
     assert isinstance(profile_serving.children(os.getpid()), list)
+
+
+def test_context_switches_of_this_process() -> None:
+    vol, invol = profile_serving.context_switches(os.getpid())
+    assert vol > 0 and invol >= 0  # the interpreter has slept on I/O by now
+    assert profile_serving.context_switches(2**22 + 12345) == (0, 0)  # no such process
+
+
+def _batch(t: float, mode: str, reqs: int, ms: float) -> dict[str, float | int | str]:
+    return {"launched_at": t, "mode": mode, "num_reqs": reqs, "ms": ms}
+
+
+def test_step_summary_takes_full_decode_batches_and_consecutive_periods() -> None:
+    from peers.step_times import summarize
+
+    steps = [
+        _batch(0.00, "extend", 16, 900.0),  # the wave's prefill: not a decode step
+        _batch(0.90, "decode", 16, 40.0),
+        _batch(0.95, "decode", 16, 44.0),
+        _batch(1.00, "decode", 15, 30.0),  # a request left: not a full batch
+        _batch(1.04, "decode", 16, 60.0),
+        _batch(1.11, "decode", 16, 42.0),
+    ]
+    s = summarize(steps, 16)
+    assert s["count"] == 4
+    assert s["median_ms"] == 43.0 and s["max_ms"] == 60.0
+    # Periods only between two full decode steps in a row: 50 ms and 70 ms.
+    assert abs(s["median_period_ms"] - 60.0) < 1e-6
+    assert summarize(steps, 64) == {"count": 0}

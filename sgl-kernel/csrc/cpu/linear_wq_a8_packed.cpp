@@ -41,8 +41,10 @@
 using wq_a8_panels::kPanel;
 
 #if RS_HAVE_A8_VNNI
-// A batch (wq_a8_gemm::serves) on the GEMM tiles: x quantized on every thread, then each thread
-// one contiguous run of panel pairs (the tiles take two panels at a time).
+// A batch (wq_a8_gemm::serves) on the GEMM tiles: x quantized (on every thread past
+// kInlineQuantElems), then the panel pairs (the tiles take two panels at a time): a decode batch
+// (one row chunk) in runs the threads pull (parallel_chunks), a longer one in one contiguous run a
+// thread (each sweeps its panels once per row chunk with that chunk's x hot in its L2).
 static void linear_wq_a8_gemm(const at::Tensor& x, const at::Tensor& packed_q, const wq_a8_panels::PanelGroups& pg,
                               const float* bias, at::Tensor& y, int64_t groups, int64_t group_size, int64_t n,
                               bool int4) {
@@ -53,9 +55,11 @@ static void linear_wq_a8_gemm(const at::Tensor& x, const at::Tensor& packed_q, c
       &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias, y.data_ptr<float>(), groups,
       group_size / kBlock, M, n, K};
   const int64_t pairs = (P + 1) / 2, grain = std::max<int64_t>(1, wq_a8_panels::grain_panels(nb, int4 ? 4 : 8) / 2);
-  at::parallel_for(0, pairs, grain, [&](int64_t q0, int64_t q1) {
-    wq_a8_gemm::gemm_block(p, 2 * q0, std::min(P, 2 * q1), 0, M, int4);
-  });
+  const auto run = [&](int64_t q0, int64_t q1) { wq_a8_gemm::gemm_block(p, 2 * q0, std::min(P, 2 * q1), 0, M, int4); };
+  if (M <= wq_a8_gemm::kRowChunk)
+    wq_a8_gemm::parallel_chunks(pairs, wq_a8_gemm::chunk_for(pairs, grain), run);
+  else
+    at::parallel_for(0, pairs, grain, run);
 }
 #else
 static void linear_wq_a8_gemm(const at::Tensor&, const at::Tensor&, const wq_a8_panels::PanelGroups&, const float*,
@@ -99,10 +103,14 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   const wq_a8_panels::PackedProblem p{
       &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias_ptr, y.data_ptr<float>(), groups,
       group_size / kBlock, M, n, K};
-  // Each thread one contiguous run of panels (short runs stay on one thread: grain_panels).
+  // A batch: runs of panels the threads pull (parallel_chunks); one row (the one-row work's domain,
+  // wq_a8_one_row.h): one contiguous run a thread. Short products stay on one thread (grain_panels).
   const int64_t grain = wq_a8_panels::grain_panels(nb, bits);
-  at::parallel_for(0, P, grain,
-                   [&](int64_t p0, int64_t p1) { wq_a8_panels::panel_run(p, p0, p1, 0, M, int4, isa); });
+  const auto run = [&](int64_t p0, int64_t p1) { wq_a8_panels::panel_run(p, p0, p1, 0, M, int4, isa); };
+  if (M > 1)
+    wq_a8_gemm::parallel_chunks(P, wq_a8_gemm::chunk_for(P, grain), run);
+  else
+    at::parallel_for(0, P, grain, run);
 #endif
   return y;
 }

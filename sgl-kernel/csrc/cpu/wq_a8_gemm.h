@@ -19,6 +19,8 @@
 // and spread over threads).
 #pragma once
 
+#include <atomic>
+
 #include "common.h"
 #include "linear_wq_a8_quant.h"
 #include "wq_a8_panels.h"
@@ -35,6 +37,40 @@ constexpr int64_t kMinRows = 5;
 // Rows of x per sweep of a thread's panels: 128 rows of the widest K here (1536) are 192 KB of
 // int8 x, inside Zen 4's 1 MB L2 beside the panels.
 constexpr int64_t kRowChunk = 128;
+// x of at most this many elements is quantized on the calling thread: a decode batch's x (16 x
+// 576 is ~2 us of work) cost more in a parallel region's start, which wakes a sleeping worker
+// (the server's OpenMP workers sleep after 10 us: utils/cpus.py), than the quantization itself.
+constexpr int64_t kInlineQuantElems = int64_t{1} << 16;
+// Tasks per thread when the threads pull their work (parallel_chunks): enough that a thread that
+// starts late or is preempted leaves at most an eighth of its share to the join.
+constexpr int64_t kTasksPerThread = 8;
+
+// f(t0, t1) over [0, n) in runs of `chunk`, each thread taking the next run from an atomic counter
+// when it finishes one, instead of at::parallel_for's fixed halves: on a 2-core server the other
+// processes (HTTP, tokenizer, detokenizer) preempt one thread now and then, and a worker woken
+// late starts its fixed half late; either way the join waited for that thread's whole share while
+// the other core idled. Which thread computes a run never changes its bits (each output is one
+// thread's, in the same order).
+template <typename F>
+inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  const int64_t tasks = (n + chunk - 1) / chunk;
+  if (tasks <= 1) {
+    if (n > 0) f(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
+         t = next.fetch_add(1, std::memory_order_relaxed))
+      f(t * chunk, std::min(n, (t + 1) * chunk));
+  });
+}
+
+// The run length for parallel_chunks over n items whose runs should not be shorter than `grain`.
+inline int64_t chunk_for(int64_t n, int64_t grain) {
+  const int64_t per_task = (n + kTasksPerThread * at::get_num_threads() - 1) / (kTasksPerThread * at::get_num_threads());
+  return std::max<int64_t>({int64_t{1}, grain, per_task});
+}
 
 #if RS_HAVE_A8_VNNI
 // x's 4 bytes at q broadcast to every lane.
@@ -258,7 +294,8 @@ inline BlockQuantRows quantize_blocks_parallel(const float* x, int64_t ldx, int6
   const int64_t nb = K / kBlock, bpg = group_size / kBlock;
   BlockQuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * (nb / bpg), 0.f),
                    std::vector<int32_t>(M * nb)};
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+  // Runs of at least kInlineQuantElems elements a thread (at::parallel_for runs inline below that).
+  at::parallel_for(0, M, std::max<int64_t>(1, kInlineQuantElems / K), [&](int64_t m0, int64_t m1) {
     quantize_rows_simd(x, ldx, m0, m1, K, group_size, order, r);
   });
   return r;
