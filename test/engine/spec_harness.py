@@ -57,9 +57,11 @@ class Workers:
                 device="cuda" if on_gpu else "cpu",
                 dtype="float32" if on_gpu else "auto",  # the tiny models' fp32 (CUDA's default: bf16)
                 attention_backend=backend,
-                # Speculation runs in the normal loop; resolve() turns overlap off only when the
-                # speculative flags are given to it, and SchedulerRun adds them after.
+                # Speculation runs in the normal loop without mixed chunks; resolve() turns overlap
+                # and the CPU's mixing off only when the speculative flags are given to it, and
+                # SchedulerRun adds them after.
                 disable_overlap_schedule=True,
+                disable_mixed_chunk=True,
             ).resolve()
             target = TpModelWorker(args, ModelConfig.from_path(path, dtype="float32"))
             self.cache[key] = (SpeculativeWorker(target, None), args)

@@ -80,7 +80,13 @@ class ForwardLog:
 @pytest.mark.parametrize("priority_scheduling", [False, True], ids=["prio-off", "prio-on"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 def test_interactive_prefill_is_next_forward(overlap, priority_scheduling, make_run, reference):
-    run = make_run(disable_overlap_schedule=not overlap, enable_priority_scheduling=priority_scheduling)
+    # Decodes apart from chunks (the CPU default rides them in the prefill): the arrival's prefill
+    # is then a forward of its own.
+    run = make_run(
+        disable_overlap_schedule=not overlap,
+        enable_priority_scheduling=priority_scheduling,
+        enable_mixed_chunk=False,
+    )
     log = ForwardLog(run)
     for rid, prompt, max_new in BATCH_LINES:
         run.submit(rid, prompt, max_new, priority=BATCH_PRIORITY)
@@ -120,7 +126,7 @@ def test_batch_class_lines_keep_overlap_beside_interactive(make_run, reference):
 
 
 def test_only_batch_class(make_run):
-    run = make_run()
+    run = make_run(enable_mixed_chunk=False)  # "c" prefills in a forward of its own
     run.submit("a", [5, 6, 7], 2, priority=BATCH_PRIORITY)
     run.submit("b", [5, 6, 8], 2, priority=BATCH_PRIORITY - 1)
     run.step()

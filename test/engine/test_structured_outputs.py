@@ -102,8 +102,14 @@ def test_retraction_keeps_outputs_valid(tiny: str, overlap: bool, caplog: pytest
     matcher must continue exactly where the kept output left off."""
     schemas = random_schemas(seed=99, count=24)
     # Optimistic admission (tiny reservations) into a small pool: running requests outgrow it.
+    # Decodes apart from chunks (the CPU default mixes them, and a mixed chunk reserves the
+    # riding decodes' pages before it admits, which here leaves nothing to retract).
     sched = make(
-        tiny, max_total_tokens=500, schedule_conservativeness=0.01, disable_overlap_schedule=not overlap
+        tiny,
+        max_total_tokens=500,
+        schedule_conservativeness=0.01,
+        disable_overlap_schedule=not overlap,
+        disable_mixed_chunk=True,
     )
     with caplog.at_level(logging.WARNING, logger="radixserve.scheduler.batch_builder"):
         submit_schemas(sched, schemas, temps=(0.0, 0.8))

@@ -212,3 +212,16 @@ def test_rank_device_is_the_resolved_config_rule():
     assert ServerArgs(device="cuda", tp_size=2, dp_size=2).rank_device(1, dp_rank=1) == "cuda:3"
     assert ServerArgs(device="cuda", dp_size=2).rank_device(0, dp_rank=1) == "cuda:1"
     assert ServerArgs(device="cpu", tp_size=2).rank_device(1) == "cpu"
+
+
+def test_cpu_mixes_decodes_into_chunks_by_default() -> None:
+    """CPU turns --enable-mixed-chunk on unless --disable-mixed-chunk, pipeline stages,
+    disaggregation or speculation (which turns it off) say otherwise; CUDA keeps SGLang's off."""
+    assert ServerArgs(device="cpu").resolve().enable_mixed_chunk
+    assert not ServerArgs(device="cpu", disable_mixed_chunk=True).resolve().enable_mixed_chunk
+    assert not ServerArgs(device="cpu", speculative_algorithm="NGRAM").resolve().enable_mixed_chunk
+    for kwargs in ({"pp_size": 2}, {"disaggregation_mode": "prefill"}):
+        assert not ServerArgs(device="cpu", **kwargs)._mixed_chunk_by_default("cpu")
+    assert not ServerArgs()._mixed_chunk_by_default("cuda")
+    cli = prepare_server_args(["--disable-mixed-chunk"])
+    assert cli.disable_mixed_chunk and not cli.enable_mixed_chunk
