@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from test_cpu_a8_batch import _layers  # two marked weight-only layers, as a GGUF load makes them
 from test_cpu_tuning import _isolated  # noqa: F401 - autouse: own cache folder, quiet machine, crossovers restored
 
 from radixserve.layers import cpu_crossovers
@@ -20,11 +21,10 @@ from radixserve.layers.group_quant import (
     WQ_A8_PACKED,
     has_panels,
     linear_wq_a8_reference,
-    with_int8_activations,
     wq_kernel,
     wq_rows_bound,
 )
-from radixserve.layers.linear import Linear, prepare_cpu_linears
+from radixserve.layers.linear import Linear
 from radixserve.layers.weight_only import quantize_int8_groups
 from radixserve.model_executor import cpu_tuning
 from radixserve.model_executor.cpu_batch_numerics import choose_a8_batch
@@ -72,17 +72,6 @@ def test_rows_to_kernel_for_every_combination(marked, panels, a, batch_a8, small
         assert wq_kernel(form, rows) == want, rows
         # linear() reads the form for every row the rule does not give to the GEMM.
         assert (rows <= wq_rows_bound(form, W)) == (want != "gemm"), rows
-
-
-def _layers() -> list[Linear]:
-    """Two weight-only layers marked for int8 activations, as a GGUF load makes them."""
-    torch.manual_seed(0)
-    layers = [Linear(64, 96, bias=False), Linear(96, 64, bias=False)]
-    for m in layers:
-        m.weight_wq = with_int8_activations(quantize_int8_groups(m.weight.data, 32))
-        m.weight.data.copy_(m.weight_wq.dequantize())
-    prepare_cpu_linears(layers, fp16=False, prepack=True)
-    return layers
 
 
 def _write_cache(layers: list[Linear], small: bool, batch_a8: bool = False) -> None:
