@@ -225,3 +225,5 @@ def test_cpu_mixes_decodes_into_chunks_by_default() -> None:
     assert not ServerArgs()._mixed_chunk_by_default("cuda")
     cli = prepare_server_args(["--disable-mixed-chunk"])
     assert cli.disable_mixed_chunk and not cli.enable_mixed_chunk
+    with pytest.raises(ValueError, match="contradict each other"):
+        ServerArgs(device="cpu", enable_mixed_chunk=True, disable_mixed_chunk=True).resolve()

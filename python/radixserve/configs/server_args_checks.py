@@ -22,6 +22,8 @@ def validate_server_args(args: ServerArgs) -> None:
     _check_declared_choices(args)
     if args.enable_overlap_schedule and args.disable_overlap_schedule:
         raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
+    if args.enable_mixed_chunk and args.disable_mixed_chunk:
+        raise ValueError("--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
     if not args.watchdog_timeout > 0:
         raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {args.watchdog_timeout}")
     if not args.graceful_shutdown_timeout >= 0:
