@@ -40,3 +40,21 @@ def test_two_rank_gguf_moe_decodes_as_the_fp32_model(kind, parallel, tmp_path, m
         r_lp = [lp for lp, *_ in r["meta_info"]["output_token_logprobs"]]
         g_lp = [lp for lp, *_ in g["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(r_lp, g_lp)) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("kind", "parallel"), [("mixtral", {"tp_size": 2}), ("qwen3_moe", {"tp_size": 2, "ep_size": 2})]
+)
+def test_two_rank_experts_on_panels_decode_as_one_rank(kind, parallel, tmp_path, monkeypatch) -> None:
+    """The experts' int8-activation panels (what multi-rank starts serve with no flag: cpu_tuning's
+    unmeasured defaults) on each rank's part: a width cut under TP, whole experts under EP. Both
+    sides take int8 activations everywhere (the flag), so only the order of sums differs."""
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(make_tiny_moe_gguf(tmp_path / f"{kind}.gguf", kind, "Q8_0", {"ffn_down_exps": "Q4_1"}))
+    ref = _greedy(path, cpu_wq_int8_activations=True)
+    got = _greedy(path, cpu_wq_int8_activations=True, **parallel)
+    for r, g in zip(ref, got):
+        assert g["output_ids"] == r["output_ids"]
+        r_lp = [lp for lp, *_ in r["meta_info"]["output_token_logprobs"]]
+        g_lp = [lp for lp, *_ in g["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(r_lp, g_lp)) < 1e-2

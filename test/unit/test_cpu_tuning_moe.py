@@ -2,8 +2,8 @@
 measured as the exact grouped path against the one-call panel kernel on the model's own first MoE
 layer, the panels chosen only where they won at every token count; cached with the other
 crossovers and deterministic given the cache; forced by --cpu-wq-int8-activations and
---disable-cpu-wq-int8-activations; off under `off` and multi-rank; on for a busy start where the
-kernel is built."""
+--disable-cpu-wq-int8-activations; off under `off`; on for a busy start and a multi-rank one where
+the kernel is built."""
 
 from __future__ import annotations
 
@@ -115,14 +115,19 @@ def test_cached_deterministic_and_keyed_on_the_experts(monkeypatch) -> None:
 
 
 @needs_onednn
-def test_off_and_multi_rank_keep_the_exact_path_and_busy_serves_the_kernel(monkeypatch) -> None:
+def test_off_keeps_the_exact_path_and_busy_and_multi_rank_serve_the_kernel(monkeypatch) -> None:
     layers, moe = _layers(), _moe()
     monkeypatch.setattr(cpu_tuning, "measure_moe_a8", lambda moes: pytest.fail("measured"))
     assert not resolve_crossovers("off", None, [*layers, moe], 1).moe_a8
-    assert not resolve_crossovers("auto", None, [*layers, moe], 2).moe_a8
+    # Multi-rank: nothing measured (each rank would time alone), the same unmeasured defaults as a
+    # busy start, so every rank resolves alike from the model and the build.
+    multi = resolve_crossovers("auto", None, [*layers, moe], 2)
+    assert multi.moe_a8 == fused_moe_a8.MOE_A8_KERNEL and "multi-rank" in multi.source
     monkeypatch.setattr(cpu_tuning, "machine_busy", lambda: "machine busy (load 5.0 on 2 CPUs)")
     busy = resolve_crossovers("auto", None, [*layers, moe], 1)
     assert busy.moe_a8 == fused_moe_a8.MOE_A8_KERNEL and "busy" in busy.source
+    assert dataclasses.replace(multi, source="") == dataclasses.replace(busy, source="")
+    assert not resolve_crossovers("auto", None, layers, 2).moe_a8  # a dense model: exact, as before
     dense = resolve_crossovers("auto", None, layers, 1)
     assert not dense.moe_a8 and dense.wq_a8_max_tokens == 0  # no quantized experts: exact
     # The MoE's marked dense layers (its LM head) take int8 activations at one row on their own

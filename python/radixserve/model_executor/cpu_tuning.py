@@ -133,17 +133,19 @@ def _resolve(mode: str, model: Iterable[torch.nn.Module], world_size: int) -> Cr
     model = list(model)
     if mode == "off":
         return DEFAULTS
-    if world_size > 1:
-        return Crossovers(source="defaults (multi-rank)")
     layers = [
         m
         for module in model
         for m in module.modules()
         if isinstance(m, Linear) and m.weight_packed is not None
     ]
+    moes = quantized_moes(model)  # their expert path is measured too (cpu_tuning_moe.py)
+    if world_size > 1:
+        # Each rank would measure alone, and the ranks must agree: the unmeasured defaults, which
+        # depend on the model and the build only, so every rank resolves the same.
+        return unmeasured_defaults(layers, moes, "multi-rank")
     if not layers:
         return DEFAULTS
-    moes = quantized_moes(model)  # their expert path is measured too (cpu_tuning_moe.py)
     path = cache_path(layers, moe_identity(moes))
     # One measurement at a time on this machine (DP replicas start together; two measuring at
     # once would each time the other's traffic): the others wait, then read what it cached.
@@ -189,7 +191,7 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[
         logger.info(
             "CPU kernel tuning: %s; serving with the default crossovers (a quiet start measures)", busy
         )
-        return busy_defaults(layers, moes)
+        return unmeasured_defaults(layers, moes, "machine busy")
     start = time.perf_counter()
     bounds, timings = measure(layers)
     bounds["moe_a8"], timings["moe_a8"] = measure_moe_a8(moes)
@@ -200,19 +202,19 @@ def _cached_or_measured(mode: str, path: Path, layers: list[Linear], moes: list[
     return measured
 
 
-def busy_defaults(layers: list[Linear], moes: list[FusedMoE]) -> Crossovers:
-    """What a start too busy to measure serves: the defaults, except for a weight-only quantized
-    MoE. Its experts take the one-call kernel where it is built: it won ~4x over the exact path on
+def unmeasured_defaults(layers: list[Linear], moes: list[FusedMoE], why: str) -> Crossovers:
+    """What a start that does not measure (`why`: too busy, or one rank of several) serves: the
+    defaults, except for a weight-only quantized MoE. Its experts take the one-call kernel where it is built: it won ~4x over the exact path on
     every CPU measured (docs/benchmarks.md). And its marked dense layers (the LM head, 57% of a
     Qwen3-30B-A3B-shaped Q4_0 token's bytes) take int8 activations at one row on panels of their
     own: 1.9x the exact product on Zen 4, ~3x on Zen 1 (docs/cpu_backend.md, "One row"), the
     numerics its experts already have. Dense models keep the exact defaults."""
     if not (moes and fused_moe_a8.MOE_A8_KERNEL):
-        return Crossovers(source="defaults (machine busy)")
+        return Crossovers(source=f"defaults ({why})")
     marked = any(m.weight_wq is not None and m.weight_wq.int8_activations for m in layers)
     one_row = 1 if marked and WQ_A8_PACKED else 0
     return Crossovers(
-        source="defaults (machine busy)",
+        source=f"defaults ({why})",
         moe_a8=True,
         wq_a8_max_tokens=one_row,
         wq_a8_small_panels=bool(one_row),
