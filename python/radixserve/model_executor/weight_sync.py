@@ -21,7 +21,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch import nn
 from radixserve.layers.cpu_crossovers import active as active_crossovers
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.layer import FusedMoE
+from radixserve.model_executor import gguf_update
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_executor.cpu_tuning import install_tuned_forms
 from radixserve.model_loader.errors import ModelLoadError
@@ -36,6 +37,9 @@ from radixserve.model_loader.gguf_experts import file_expert_weights
 from radixserve.model_loader.gguf_source import experts_source
 from radixserve.model_loader.loader import _init_dummy_weights, load_checkpoint_weights
 from radixserve.model_loader.weights import CheckpointTensor, iterate_checkpoint
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.weight_only_forms import WeightOnlyForms
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +96,18 @@ class ModelWeights:
             raise WeightUpdateError(
                 f"load_format {fmt!r} cannot update weights (use 'auto' or 'safetensors')."
             )
-        self._check_architecture(model_path)
         try:
-            weights = list(iterate_checkpoint(model_path, show_progress=False))
+            # A .gguf file: its conversion; a conversion's experts from its GGUF file (gguf_update.py).
+            folder = gguf_update.checkpoint_folder(model_path)
+            self._check_architecture(folder)
+            forms = gguf_update.new_file_forms(self.runner, folder)
+            weights = list(iterate_checkpoint(folder, show_progress=False))
+            if forms is None:
+                weights += gguf_update.expert_weights(self.runner, folder)
         except ModelLoadError as exc:
             raise WeightUpdateError(str(exc)) from exc
-        self._load(weights, require_all=True)
-        self.source_path, self.source_format = model_path, "auto"
+        self._load(weights, require_all=True, forms=forms)
+        self.source_path, self.source_format = folder, "auto"
 
     def update_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a subset of the weights from in-memory tensors (checkpoint names)."""
@@ -165,7 +174,13 @@ class ModelWeights:
             if isinstance(owner, FusedMoE):
                 owner.materialize_fp32()
 
-    def _load(self, weights: list[tuple[str, CheckpointTensor]], require_all: bool) -> None:
+    def _load(
+        self,
+        weights: list[tuple[str, CheckpointTensor]],
+        require_all: bool,
+        forms: WeightOnlyForms | None = None,
+    ) -> None:
+        """Load `weights` (all or nothing); with `forms` (another GGUF file's), serve them after."""
         model = self.model
         params = dict(model.named_parameters())
         touched: set[str] = set()
@@ -188,6 +203,8 @@ class ModelWeights:
             raise WeightUpdateError(f"{exc} (the previous weights are kept)") from exc
         finally:
             del backup
+        if forms is not None:
+            gguf_update.swap_forms(self.runner, forms)
         self.rebuild_derived()
         _trim_heap()
 

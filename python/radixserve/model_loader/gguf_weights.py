@@ -141,11 +141,12 @@ def _block_linears(block: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 def gguf_linear_forms(
-    path: str, model: nn.Module, lm_head: nn.Module | None
+    path: str, model: nn.Module, lm_head: nn.Module | None, fresh_experts: bool = False
 ) -> tuple[list[Form], list[ExpertForm]]:
     """(name, layer, form) for every decoder linear of this rank's stage and its LM head (the
     runner's Linear over the head weight) whose GGUF tensors are quantized; and (name, FusedMoE,
-    forms) for every MoE layer's experts."""
+    forms) for every MoE layer's experts: those the loader attached, or with `fresh_experts` (a
+    weight update from another file) read from `path`."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         raise ModelLoadError(
@@ -172,7 +173,7 @@ def gguf_linear_forms(
             # else (a conversion of the old layout, with fp32 experts) made here and checked.
             form = (
                 moe.experts_wq
-                if moe.experts_wq is not None
+                if moe.experts_wq is not None and not fresh_experts
                 else experts_form(tensors.path, tensors.by_name, i, moe)
             )
             (plain.append(name) if form is None else expert_forms.append((name, moe, form)))
