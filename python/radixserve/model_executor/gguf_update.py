@@ -26,7 +26,7 @@ from radixserve.model_loader.gguf_source import (
     gguf_source,
     is_gguf_file,
 )
-from radixserve.model_loader.gguf_weights import gguf_linear_forms
+from radixserve.model_loader.gguf_weights import gguf_embedding_form, gguf_linear_forms
 from radixserve.model_loader.weights import CheckpointTensor
 
 
@@ -47,7 +47,10 @@ def new_file_forms(runner: Any, folder: str) -> WeightOnlyForms | None:  # noqa:
     if source is None or source == gguf_source(runner.model_config.path):
         return None
     forms, expert_forms = gguf_linear_forms(source, runner.model, runner.lm_head, fresh_experts=True)
-    return WeightOnlyForms(current.method, forms, None, expert_forms, a8_panels=current.a8_panels)
+    embedding = gguf_embedding_form(source, runner.model)
+    return WeightOnlyForms(
+        current.method, forms, None, expert_forms, a8_panels=current.a8_panels, embedding=embedding
+    )
 
 
 def expert_weights(runner: Any, folder: str) -> list[tuple[str, CheckpointTensor]]:  # noqa: ANN401

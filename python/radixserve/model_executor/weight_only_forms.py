@@ -32,6 +32,7 @@ from radixserve.layers.moe.fused_moe_a8 import MOE_A8_KERNEL
 from radixserve.layers.moe.fused_moe_cpu import DROPPED_WQ_MAX_TOKENS
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq, mark_int8_activations
+from radixserve.layers.vocab_parallel import VocabParallelEmbedding
 from radixserve.layers.weight_only import parse_torchao_config, quantize_weight_only
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.utils.process import release_free_memory
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 Form = tuple[str, Linear, GroupQuantWeight]
 ExpertForm = tuple[str, FusedMoE, ExpertsWq]
+EmbeddingForm = tuple[str, VocabParallelEmbedding, GroupQuantWeight]
 
 
 class WeightOnlyForms:
@@ -50,8 +52,11 @@ class WeightOnlyForms:
         requantize: Callable[[torch.Tensor], GroupQuantWeight | None] | None,
         expert_forms: list[ExpertForm] | None = None,
         a8_panels: bool = False,
+        embedding: EmbeddingForm | None = None,
     ) -> None:
         self.method = method
+        # A GGUF file's quantized token embedding (untied models): served from the form alone.
+        self.embedding = embedding
         self.a8_panels = a8_panels  # --cpu-wq-int8-activations: repack for the panel kernel too
         self.forms = [(name, layer, self._mark(form)) for name, layer, form in forms]
         # Marked, without panels: whether the experts serve on panels is the tuning's choice
@@ -99,6 +104,7 @@ class WeightOnlyForms:
             )
         self.forms = kept
         self._attach_experts()
+        self._attach_embedding()
         if not self._attached:
             self._attached = True
             self._log()
@@ -130,6 +136,27 @@ class WeightOnlyForms:
             moe.detach_quantized()
             logger.warning("%s: the experts of %s changed and serve in fp32 now", self.method, name)
         self.expert_forms = kept
+
+    def _attach_embedding(self) -> None:
+        """Drop the embedding's fp32 block while it is the form's dequantization (the lookups read
+        the form: layers/vocab_parallel.py); a block written since serves in fp32 from then on."""
+        if self.embedding is None:
+            return
+        name, embed, form = self.embedding
+        if embed.fp32_dropped:  # not written since it was dropped
+            embed.weight_wq = form
+            return
+        if not equals_dequantization(embed.weight, form):
+            if not self._attached:
+                raise ModelLoadError(
+                    f"{self.method}: the fp32 weight of {name} is not the dequantization of the file's "
+                    "token_embd; the converted folder does not come from this file (delete it to convert again)"
+                )
+            embed.weight_wq = self.embedding = None
+            logger.warning("%s: %s changed and serves in fp32 now", self.method, name)
+            return
+        embed.drop_fp32(form)
+        release_free_memory()
 
     def serve_experts(self, on_panels: bool) -> None:
         """With `on_panels` (the installed Crossovers.moe_a8), every MoE layer's experts get their
@@ -254,7 +281,7 @@ def create_weight_only(runner: Any) -> WeightOnlyForms | None:  # noqa: ANN401 -
     args = runner.server_args
     if args.quantization == "gguf":
         from radixserve.model_loader.gguf_source import gguf_source
-        from radixserve.model_loader.gguf_weights import gguf_linear_forms
+        from radixserve.model_loader.gguf_weights import gguf_embedding_form, gguf_linear_forms
 
         source = gguf_source(runner.model_config.path)
         if source is None:
@@ -264,7 +291,12 @@ def create_weight_only(runner: Any) -> WeightOnlyForms | None:  # noqa: ANN401 -
             )
         forms, expert_forms = gguf_linear_forms(source, runner.model, runner.lm_head)
         return WeightOnlyForms(
-            "--quantization gguf", forms, None, expert_forms, a8_panels=args.cpu_wq_int8_activations
+            "--quantization gguf",
+            forms,
+            None,
+            expert_forms,
+            a8_panels=args.cpu_wq_int8_activations,
+            embedding=gguf_embedding_form(source, runner.model),
         )
     if args.torchao_config:
         return _torchao_forms(args.torchao_config, runner.model, args.cpu_wq_int8_activations)

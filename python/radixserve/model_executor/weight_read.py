@@ -76,7 +76,7 @@ def read_piece(model: nn.Module, name: str, truncate_size: int) -> WeightPiece |
             return None
         piece = WeightPiece(slot, full_shape, dim, start)
     else:
-        piece = _locate(owner, param, shard)
+        piece = _locate(owner, param, shard, truncate_size)
         _check_size(name, piece.full_shape, truncate_size)
     return _cut(piece, truncate_size)
 
@@ -87,9 +87,12 @@ def _check_size(name: str, full_shape: tuple[int, ...], truncate_size: int) -> N
         raise WeightReadError(too_large)
 
 
-def _locate(owner: nn.Module, param: torch.Tensor, shard: str | int | None) -> WeightPiece:
+def _locate(
+    owner: nn.Module, param: torch.Tensor, shard: str | int | None, truncate_size: int
+) -> WeightPiece:
     """Where this rank's `param` (or its part `shard` of a fused parameter) sits in the full
-    checkpoint tensor."""
+    checkpoint tensor (an embedding: only the rows below `truncate_size`, which may have to be
+    dequantized)."""
     rest = tuple(param.shape[1:])
     if isinstance(owner, (QKVParallelLinear, MergedColumnParallelLinear)) and shard is None:
         # The fused parameter asked for by its own name: whole at one rank; sharded, its ranks'
@@ -122,7 +125,8 @@ def _locate(owner: nn.Module, param: torch.Tensor, shard: str | int | None) -> W
         full = (param.shape[0], owner.total_in_features)
         return WeightPiece(param, full, 1, owner.input_start)
     if isinstance(owner, VocabParallelEmbedding):
-        local = param[: owner.num_valid_rows]  # the last block may end in padding rows
+        # The last block may end in padding rows; a GGUF embedding's rows may exist as integers only.
+        local = owner.valid_rows(truncate_size - owner.vocab_start)
         return WeightPiece(local, (owner.vocab_size, *rest), 0, owner.vocab_start)
     return WeightPiece(param, tuple(param.shape), None, 0)
 

@@ -29,6 +29,7 @@ from torch import nn
 from radixserve.layers.cpu_crossovers import active as active_crossovers
 from radixserve.layers.linear import Linear
 from radixserve.layers.moe.layer import FusedMoE
+from radixserve.layers.vocab_parallel import VocabParallelEmbedding
 from radixserve.model_executor import gguf_update
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_executor.cpu_tuning import install_tuned_forms
@@ -167,11 +168,12 @@ class ModelWeights:
             )
 
     def _materialize_experts(self, param_names: Iterable[str]) -> None:
-        """Quantized MoE experts hold no fp32 copy (layers/moe/quantized.py): bring back those of
-        the layers an update writes into; the rebuild drops them again where nothing changed."""
+        """Quantized MoE experts and a GGUF token embedding hold no fp32 copy (layers/moe/quantized.py,
+        layers/vocab_parallel.py): bring back those an update writes into; the rebuild drops them
+        again where nothing changed."""
         for name in param_names:
             owner = self.model.get_submodule(name.rpartition(".")[0]) if "." in name else self.model
-            if isinstance(owner, FusedMoE):
+            if isinstance(owner, (FusedMoE, VocabParallelEmbedding)):
                 owner.materialize_fp32()
 
     def _load(

@@ -25,6 +25,7 @@ from radixserve.layers.group_quant import GroupQuantWeight
 from radixserve.layers.group_quant_ops import concat_rows, pad_rows, take_inputs, take_rows
 from radixserve.layers.linear import Linear
 from radixserve.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.vocab_parallel import VocabParallelEmbedding
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.gguf_arch import resolve_arch
 from radixserve.model_loader.gguf_convert import read_metadata, undo_rope_permute
@@ -48,6 +49,7 @@ _SHARED_EXPERT_LINEARS = (
 )
 
 Form = tuple[str, Linear, GroupQuantWeight]
+EmbeddingForm = tuple[str, VocabParallelEmbedding, GroupQuantWeight]  # as weight_only_forms.py's
 
 
 class _Tensors:
@@ -131,6 +133,28 @@ def _lm_head_form(tensors: _Tensors, model: Any, head: Linear) -> GroupQuantWeig
     block = model.lm_head  # VocabParallelEmbedding: this rank's block of vocabulary rows
     rows = take_rows(w, slice(block.vocab_start, block.vocab_start + block.num_valid_rows))
     return pad_rows(rows, head.weight.shape[0])
+
+
+def gguf_embedding_form(path: str, model: nn.Module) -> EmbeddingForm | None:
+    """The token embedding's form (this rank's block of rows) where the file's token_embd is
+    quantized and the model's embedding is its own (untied: a tied embedding's fp32 rows are the
+    LM head's weight, which the head's batches read); else None."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not isinstance(embed, VocabParallelEmbedding) or getattr(model, "lm_head", None) is embed:
+        return None
+    if getattr(model, "tie_word_embeddings", False) or embed.weight.dtype != torch.float32:
+        return None
+    w = _Tensors(path).group_quant("token_embd.weight")
+    if w is None:
+        return None
+    rows = take_rows(w, slice(embed.vocab_start, embed.vocab_start + embed.num_valid_rows))
+    form = pad_rows(rows, embed.rows_per_rank)
+    if (form.out_features, form.in_features) != tuple(embed.weight.shape):
+        raise ModelLoadError(
+            f"GGUF token_embd makes a [{form.out_features}, {form.in_features}] block; the model's "
+            f"embedding is {list(embed.weight.shape)}"
+        )
+    return ("model.embed_tokens", embed, form)
 
 
 def _block_linears(block: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:

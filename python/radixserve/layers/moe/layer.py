@@ -43,6 +43,7 @@ from radixserve.layers.moe.fused_moe_cpu import fused_experts_grouped
 from radixserve.layers.moe.int8_experts import ExpertsInt8
 from radixserve.layers.moe.quantized import DequantScratch, ExpertsWq
 from radixserve.layers.parallel_linear import divide
+from radixserve.layers.param_storage import replace_storage
 from radixserve.model_loader.errors import ModelLoadError
 from radixserve.model_loader.weights import CheckpointTensor
 
@@ -72,12 +73,6 @@ def expert_param_name(name: str) -> str | None:
         return None
     stacked = "w2_weight" if match.group(2) in _DOWN else "w13_weight"
     return f"{name[: match.start()]}.experts.{stacked}"
-
-
-def _replace_storage(param: nn.Parameter, data: torch.Tensor) -> None:
-    """Give `param` new contents, the same Python object (callers hold it: the loader's
-    parameter dicts). `param.data = ...` cannot move a parameter to or from the meta device."""
-    torch.utils.swap_tensors(param, nn.Parameter(data, requires_grad=param.requires_grad))
 
 
 class FusedMoE(nn.Module):
@@ -119,14 +114,14 @@ class FusedMoE(nn.Module):
         weights, checked by the caller): the fp32 stacked weights are freed, their shapes kept."""
         self.experts_wq, self.scratch = form, scratch
         for param in (self.w13_weight, self.w2_weight):
-            _replace_storage(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+            replace_storage(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
 
     def allocate_fp32(self, device: torch.device) -> None:
         """Give weights built on the meta device (`experts_on_meta`) uninitialised storage on
         `device` for a loader to fill."""
         for param in (self.w13_weight, self.w2_weight):
             if param.is_meta:
-                _replace_storage(param, torch.empty(param.shape, dtype=param.dtype, device=device))
+                replace_storage(param, torch.empty(param.shape, dtype=param.dtype, device=device))
 
     def detach_quantized(self) -> None:
         """Serve the fp32 weights again (they changed: the form no longer describes them)."""
@@ -144,8 +139,8 @@ class FusedMoE(nn.Module):
             return
         assert self.experts_wq is not None
         w13, w2 = self.experts_wq.dequantize()
-        _replace_storage(self.w13_weight, w13.to(self.w13_weight.dtype))
-        _replace_storage(self.w2_weight, w2.to(self.w2_weight.dtype))
+        replace_storage(self.w13_weight, w13.to(self.w13_weight.dtype))
+        replace_storage(self.w2_weight, w2.to(self.w2_weight.dtype))
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
