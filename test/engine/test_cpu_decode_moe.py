@@ -2,7 +2,8 @@
 layer runs inside the one compiled call (router, softmax top-k, the experts on their stacked
 panels, the shared expert and its gate) and gives the module forward's logits. Covered: Qwen2-MoE
 (shared expert with its gate, top-2, no renormalisation), Qwen3-MoE (top-8 renormalised, and
-top-1 not), Mixtral (top-2 renormalised) with Q4_0 / Q4_1 experts, Q8_0 elsewhere."""
+top-1 not), Mixtral (top-2 renormalised) with Q4_0 / Q4_1 experts, Q8_0 elsewhere, and a
+Qwen2-MoE with a dense layer among its MoE ones (Q4_1)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ MODELS = {
     "qwen3_moe-top8-norm": ("qwen3_moe", "Q8_0", {}, {}),
     "qwen3_moe-top1-q4_0": ("qwen3_moe", "Q4_0", {}, {"num_experts_per_tok": 1, "norm_topk_prob": False}),
     "mixtral-q4-experts": ("mixtral", "Q8_0", Q4_EXPERTS, {}),
+    # A dense layer between MoE ones (the stack's dense MLP path beside its MoE blocks), Q4_1.
+    "qwen2_moe-dense-layer-q4_1": ("qwen2_moe", "Q4_1", {}, {"mlp_only_layers": [1]}),
 }
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 88, 61, 12, 9, 300, 45, 18]]
 STEPS = 5
