@@ -203,7 +203,8 @@ void DecodeModel::set_layer_moe(int64_t index, at::Tensor router_w, int64_t top_
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
   DecodeLayer& L = layers_[index];
   TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == L.input_norm.numel() && shared == (L.gate_up_w.size(0) > 0),
-              "DecodeModel: layer ", index, "'s router must be [E, hidden] and its dense MLP the shared expert or empty");
+              "DecodeModel: layer ", index,
+              "'s router must be [E, hidden] and its dense MLP the shared expert or empty");
   L.moe = make_decode_moe(std::move(router_w), top_k, renormalize, std::move(w13), std::move(w2), shared,
                           std::move(shared_gate_w));
 }
