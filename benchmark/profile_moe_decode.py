@@ -16,6 +16,8 @@ charged its *exclusive* time (a wrapped callee's time goes to the callee), so th
   attention proj.    every qkv_proj / o_proj
   attention          RadixAttention (the backend and the KV store)
   rotary, norms      RotaryEmbedding, RMSNorm
+  fused decoder      the CPU fused decode's one call (cpu_decode_runner: every layer, MoE ones
+                     included, and the embedding) where it runs the step instead of the modules
   the rest           embedding, the layer loop, sampling, the runner's Python
 
 Two clocks per part: the calling thread's CPU time (time.thread_time: what a busy machine does
@@ -43,6 +45,7 @@ from torch import nn
 import radixserve.layers.logits_processor as logits_processor
 import radixserve.layers.moe.fused_moe_cpu as fused_moe_cpu
 import radixserve.layers.moe.layer as moe_layer
+import radixserve.model_executor.cpu_decode_runner as cpu_decode_runner
 import radixserve.models.moe_decoder as moe_decoder
 from radixserve.bench_one_batch import _model_config
 from radixserve.layers.attention.radix_attention import RadixAttention
@@ -110,6 +113,8 @@ def instrument(model: nn.Module) -> None:
     for module_name, module in model.named_modules():
         if module_name.endswith(("qkv_proj", "o_proj")):
             module.forward = CLOCK.wrap("attention projections", module.forward)  # type: ignore[method-assign]
+    runner = cpu_decode_runner.CpuDecodeRunner
+    runner.replay = CLOCK.wrap("fused decoder", runner.replay)  # type: ignore[method-assign]
     logits = logits_processor.LogitsProcessor
     logits.__call__ = CLOCK.wrap("LM head", logits.__call__)  # type: ignore[method-assign]
 

@@ -159,7 +159,9 @@ def test_int8_activations_serve_close_to_the_fp32_path(moe_gguf, variant, monkey
     _, folder = moe_gguf(variant)
     prompts = PROMPTS[:1]  # one row per step: every product is within A8_MAX_ROWS
     ref, fed = forced_logprobs(_worker(folder), prompts, steps=NUM_NEW)
-    worker = _worker(folder, quantization="gguf", cpu_wq_int8_activations=True)
+    # The module forward's kernel calls are what is counted: the fused decode (which runs the same
+    # kernels inside one call, test_cpu_decode_moe.py) is off.
+    worker = _worker(folder, quantization="gguf", cpu_wq_int8_activations=True, disable_cpu_fused_decode=True)
     moes = [m for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
     assert all(f.int8_activations for m in moes for f in (*m.experts_wq.w13, *m.experts_wq.w2))
     assert worker.model_runner.lm_head.weight_wq.int8_activations

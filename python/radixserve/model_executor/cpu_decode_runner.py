@@ -37,6 +37,13 @@ from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels
 from radixserve.layers.group_quant import a8_rows
 from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
+from radixserve.model_executor.cpu_decode_moe import (
+    dense_mlp,
+    empty_mlp_weights,
+    moe_blocks,
+    set_layer_moe,
+    why_not_fused,
+)
 from radixserve.model_executor.cpu_panel_arena import gather_panels, step_order
 from radixserve.model_executor.forward_batch import StepYielded
 from radixserve.models.llama import LlamaForCausalLM
@@ -64,14 +71,15 @@ def _weight(layer: Linear) -> torch.Tensor:
     raise AssertionError("a Linear always has its weight")
 
 
-def _scale(layer: Linear) -> torch.Tensor | None:
-    return layer.weight_scale
+def _scale(layer: Linear | None) -> torch.Tensor | None:
+    return None if layer is None else layer.weight_scale
 
 
-def _wq(layer: Linear, narrow: bool) -> tuple | None:
+def _wq(layer: Linear | None, narrow: bool) -> tuple | None:
     """A weight-only quantized form as DecodeModel.set_layer_wq takes it (linear_wq's arguments);
-    with `narrow`, its scales and offsets as fp16 where that holds them exactly (half_groups)."""
-    w = layer.weight_wq
+    with `narrow`, its scales and offsets as fp16 where that holds them exactly (half_groups).
+    None for no form, or no linear (the empty MLP slot of a MoE layer without a shared expert)."""
+    w = None if layer is None else layer.weight_wq
     if w is None:
         return None
     scales, offsets = half_groups(w.scales, w.offsets) if narrow else (w.scales, w.offsets)
@@ -94,20 +102,20 @@ def half_groups(
     return narrow[0], (narrow[1] if offsets is not None else None)
 
 
-def _takes_a8(layer: Linear) -> bool:
-    w = layer.weight_wq
+def _takes_a8(layer: Linear | None) -> bool:
+    w = None if layer is None else layer.weight_wq
     return w is not None and w.int8_activations
 
 
-def _panels(layer: Linear) -> tuple | None:
+def _panels(layer: Linear | None) -> tuple | None:
     """A marked form's 8-row panels as DecodeModel.set_layer_wq_a8_panels takes them, or None."""
-    w = layer.weight_wq
+    w = None if layer is None else layer.weight_wq
     p = None if w is None or not w.int8_activations else w.a8_packed
     return None if p is None else (p.q, p.scales, p.offsets, p.zero_point)
 
 
-def _bias(layer: Linear) -> torch.Tensor | None:
-    return None if layer.bias is None else layer.bias.detach()
+def _bias(layer: Linear | None) -> torch.Tensor | None:
+    return None if layer is None or layer.bias is None else layer.bias.detach()
 
 
 class CpuDecodeRunner:
@@ -140,7 +148,9 @@ class CpuDecodeRunner:
         # The panels the stack reads at one token, moved end to end in step order (cpu_panel_arena).
         self.panel_arena = gather_panels(step_order(inner.layers)) if wq_a8_max_tokens else None
         for layer_id, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, dense_mlp(layer)  # mlp None: a MoE layer, no shared expert
+            gate_up, down = (None, None) if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
+            empty_up, empty_down = empty_mlp_weights(inner.norm.weight.numel())
             k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer_id)
             self.decode_model.add_layer(
                 layer.input_layernorm.weight.detach(),
@@ -151,20 +161,20 @@ class CpuDecodeRunner:
                 _weight(attn.o_proj),
                 _bias(attn.o_proj),
                 layer.post_attention_layernorm.weight.detach(),
-                _weight(mlp.gate_up_proj),
-                _bias(mlp.gate_up_proj),
-                _weight(mlp.down_proj),
-                _bias(mlp.down_proj),
+                empty_up if gate_up is None else _weight(gate_up),
+                _bias(gate_up),
+                empty_down if down is None else _weight(down),
+                _bias(down),
                 k_buf,
                 v_buf,
             )
             kv_scales = token_to_kv_pool.get_kv_scale_buffer(layer_id)  # int8 pools only
             if kv_scales is not None:
                 self.decode_model.set_layer_kv_scales(layer_id, *kv_scales)
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.weight_int8 is not None for lin in linears):
+            linears = (attn.qkv_proj, attn.o_proj, gate_up, down)
+            if any(lin is not None and lin.weight_int8 is not None for lin in linears):
                 self.decode_model.set_layer_scales(layer_id, *(_scale(lin) for lin in linears))
-            if any(lin.weight_wq is not None for lin in linears):
+            if any(lin is not None and lin.weight_wq is not None for lin in linears):
                 # A form that may take int8 activations here without panels keeps fp32 groups
                 # (linear_wq_a8 reads them); with panels its int8-activation products read those.
                 narrow = [
@@ -175,6 +185,8 @@ class CpuDecodeRunner:
                     self.decode_model.set_layer_wq_a8(layer_id, *(_takes_a8(lin) for lin in linears))
                     if any(_panels(lin) is not None for lin in linears):
                         self.decode_model.set_layer_wq_a8_panels(layer_id, *(_panels(lin) for lin in linears))
+            if layer.mlp is not mlp:  # a MoE layer: its block replaces the MLP (cpu_decode_moe.py)
+                set_layer_moe(self.decode_model, layer_id, layer.mlp)
         if wq_a8_max_tokens:
             self.decode_model.set_wq_a8_max_tokens(wq_a8_max_tokens)
         self.decode_model.set_final_norm(inner.norm.weight.detach())
@@ -293,8 +305,8 @@ def create_cpu_decode_runner(
         reasons.append("sgl-kernel's CPU extension is not built")
     if not isinstance(model, LlamaForCausalLM):
         reasons.append(f"{type(model).__name__} is not Llama-family")
-    elif any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers if hasattr(layer, "mlp")):
-        reasons.append("MoE layers (the fused stack runs dense MLPs only)")
+    elif (why := why_not_fused(moe_blocks(list(model.model.layers)), lora)) is not None:
+        reasons.append(why)
     if server_args.disable_cpu_fused_decode:
         reasons.append("--disable-cpu-fused-decode")
     if reasons:

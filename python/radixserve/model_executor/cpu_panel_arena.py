@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.layers.linear import Linear
+from radixserve.model_executor.cpu_decode_moe import dense_mlp
 
 ALIGN = 64  # bytes: each tensor starts on a cache line, as torch's own allocations do
 
@@ -62,14 +63,12 @@ def gather_panels(linears: Sequence[Linear]) -> torch.Tensor | None:
 
 
 def step_order(layers: Sequence[torch.nn.Module]) -> list[Linear]:
-    """A Llama-style decoder's linears in the order a decode step runs them."""
-    return [
-        lin
-        for layer in layers
-        for lin in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
+    """A Llama-style decoder's linears in the order a decode step runs them (a MoE layer's MLP:
+    its shared expert's, if any; its routed experts' panels are stacked apart)."""
+    order = []
+    for layer in layers:
+        order += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        mlp = dense_mlp(layer)
+        if mlp is not None:
+            order += [mlp.gate_up_proj, mlp.down_proj]
+    return order

@@ -161,6 +161,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("o"), py::arg("gate_up"), py::arg("down"),
            "LoRA slot buffers of a layer's projections: per projection a list of (a [slots, rank, in], "
            "b [slots, rank, width], output column offset), read in place at every forward with token_slots")
+      .def("set_layer_moe", &DecodeModel::set_layer_moe, py::arg("index"), py::arg("router_w"), py::arg("top_k"),
+           py::arg("renormalize"), py::arg("w13"), py::arg("w2"), py::arg("shared"), py::arg("shared_gate_w"),
+           "A layer's MLP as a MoE block: router [E, hidden] fp32, softmax top-k, the experts' stacked panels per "
+           "projection (q, scales, offsets, bits, group_size, zero_point) through moe_wq_a8_packed; shared: the "
+           "dense MLP given to add_layer is the shared expert (gated by shared_gate_w [1, hidden] where given)")
       .def("set_final_norm", &DecodeModel::set_final_norm)
       .def("set_tp_comm", &DecodeModel::set_tp_comm, py::arg("comm"),
            "All-reduce o_proj/down_proj outputs over this ShmComm (the layers hold the rank's shards); None: one rank")

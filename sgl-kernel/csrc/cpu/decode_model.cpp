@@ -197,6 +197,27 @@ void DecodeModel::set_layer_lora(int64_t index, int64_t num_slots, std::vector<L
   lora_slots_ = num_slots;
 }
 
+void DecodeModel::set_layer_moe(int64_t index, at::Tensor router_w, int64_t top_k, bool renormalize,
+                                ExpertPanelTuple w13, ExpertPanelTuple w2, bool shared,
+                                c10::optional<at::Tensor> shared_gate_w) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "DecodeModel: no layer ", index);
+  DecodeLayer& L = layers_[index];
+  TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == L.input_norm.numel() && shared == (L.gate_up_w.size(0) > 0),
+              "DecodeModel: layer ", index,
+              "'s router must be [E, hidden] and its dense MLP the shared expert or empty");
+  L.moe = make_decode_moe(std::move(router_w), top_k, renormalize, std::move(w13), std::move(w2), shared,
+                          std::move(shared_gate_w));
+}
+
+at::Tensor DecodeModel::moe_block(const DecodeLayer& L, const at::Tensor& x, bool a8) const {
+  TORCH_CHECK(!tp_comm_, "DecodeModel: MoE layers run on one rank only");
+  at::Tensor out = decode_moe_routed(*L.moe, x);
+  if (!L.moe->shared) return out;
+  const at::Tensor gate_up = lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b, a8);
+  const at::Tensor shared = lin(silu_and_mul(gate_up), L.down_w, L.down_s, L.down_wq, L.down_b, a8);
+  return decode_moe_add_shared(*L.moe, x, std::move(out), shared);
+}
+
 void DecodeModel::set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
 
 void DecodeModel::set_tp_comm(std::shared_ptr<ShmComm> comm) { tp_comm_ = std::move(comm); }
@@ -259,6 +280,10 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
                      L.v_scale);
     x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b, L.lora.o, plan, a8);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
+    if (L.moe.has_value()) {  // a MoE layer (set_layer_moe): no LoRA there, checked in Python
+      x = moe_block(L, x, a8);
+      continue;
+    }
     at::Tensor gate_up = lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b, a8);  // [bs, 2 * I]
     if (plan != nullptr) add_lora(L.lora.gate_up, x, gate_up, *plan);
     x = row_parallel(silu_and_mul(gate_up), L.down_w, L.down_s, L.down_wq, L.down_b, L.lora.down, plan, a8);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "decode_lora.h"
+#include "decode_moe.h"
 #include "shm_comm.h"
 
 // A weight-only group-quantized weight (layers/group_quant.py's GroupQuantWeight): qweight, scales,
@@ -49,6 +50,9 @@ struct DecodeLayer {
   // linear_wq over them instead of reading its dense weight.
   std::optional<WqForm> qkv_wq, o_wq, gate_up_wq, down_wq;
   LayerLora lora;  // LoRA adapters' slot buffers per projection (set_layer_lora); empty without
+  // A MoE layer's sparse MLP (set_layer_moe, decode_moe.h): replaces the dense MLP, whose slot then
+  // holds the shared expert (or nothing).
+  std::optional<DecodeMoe> moe;
 };
 
 class DecodeModel {
@@ -87,6 +91,12 @@ class DecodeModel {
   void set_layer_lora(int64_t index, int64_t num_slots, std::vector<LoraPartTuple> qkv,
                       std::vector<LoraPartTuple> o, std::vector<LoraPartTuple> gate_up,
                       std::vector<LoraPartTuple> down);
+  // Layer `index`'s MLP is a MoE block (decode_moe.h): router [E, hidden] fp32, top-k (renormalised
+  // or not), every expert's stacked panels per projection; `shared`: the dense MLP add_layer was given
+  // is its shared expert (else empty [0, hidden] / [hidden, 0] weights), scaled by sigmoid of
+  // shared_gate_w [1, hidden] where given. One rank, no LoRA on that layer.
+  void set_layer_moe(int64_t index, at::Tensor router_w, int64_t top_k, bool renormalize, ExpertPanelTuple w13,
+                     ExpertPanelTuple w2, bool shared, c10::optional<at::Tensor> shared_gate_w);
   void set_final_norm(at::Tensor weight);
   // Tensor parallelism: with a communicator the layers hold this rank's shards (the constructor's
   // head counts are per rank, o_w/down_w are row shards [hidden, in / world]); the o_proj and
@@ -118,6 +128,8 @@ class DecodeModel {
   // x @ w.T (+ its LoRA delta) summed over the ranks (+ b once): a row-parallel linear; on one
   // rank plain lin() (+ the delta). `plan` null: no adapted row this step; `a8`: this step's rows
   // are few enough for int8 activations (wq_a8_max_tokens_).
+  // A MoE layer's block output for normed x (decode_moe.h; the shared expert on the dense slot).
+  at::Tensor moe_block(const DecodeLayer& L, const at::Tensor& x, bool a8) const;
   at::Tensor row_parallel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& s,
                           const std::optional<WqForm>& wq, const c10::optional<at::Tensor>& b,
                           const std::vector<LoraPart>& lora, const LoraPlan* plan, bool a8) const;
