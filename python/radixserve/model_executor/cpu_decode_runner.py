@@ -21,8 +21,8 @@ hooks: the same delta at the same point of the same chain.
 It takes decode batches up to the size where the small-M linear kernels stop beating oneDNN
 (layers/linear.py); for a weight-only quantized model whose every decoder linear runs its batches
 on int8-activation panels (cpu_decode_batches.py), every decode batch, so a batched step too is one
-call with no Python between its parallel regions; and speculative verify steps of chains with as many rows in all (each row a
-decode row of its request: verify_rows_as_decode_rows); larger batches, extend batches, draft
+call with no Python between its parallel regions; and speculative verify steps of chains with as
+many rows in all (each row a decode row of its request: verify_rows_as_decode_rows); larger batches, extend batches, draft
 trees, and models or devices it does not cover run the module forward. The module forward is the
 reference it is tested against.
 """
