@@ -19,8 +19,10 @@ step's per-row slots (-1: the base model) that LoRAManager.prepare built for the
 hooks: the same delta at the same point of the same chain.
 
 It takes decode batches up to the size where the small-M linear kernels stop beating oneDNN
-(layers/linear.py), and speculative verify steps of chains with as many rows in all (each row a
-decode row of its request: verify_rows_as_decode_rows); larger batches, extend batches, draft
+(layers/linear.py); for a weight-only quantized model whose every decoder linear runs its batches
+on int8-activation panels (cpu_decode_batches.py), every decode batch, so a batched step too is one
+call with no Python between its parallel regions; and speculative verify steps of chains with as
+many rows in all (each row a decode row of its request: verify_rows_as_decode_rows); larger batches, extend batches, draft
 trees, and models or devices it does not cover run the module forward. The module forward is the
 reference it is tested against.
 """
@@ -37,6 +39,7 @@ from radixserve.layers.cpu_crossovers import active as crossovers
 from radixserve.layers.cpu_fused import cpu_kernels
 from radixserve.layers.group_quant import a8_rows
 from radixserve.layers.linear import INT8_FUSED_MAX_TOKENS, Linear
+from radixserve.model_executor.cpu_decode_batches import fused_batch_bound
 from radixserve.model_executor.cpu_decode_moe import (
     dense_mlp,
     empty_mlp_weights,
@@ -126,6 +129,7 @@ class CpuDecodeRunner:
         max_bs: int,
         tp_comm: object | None = None,  # sgl_kernel's ShmComm of the TP group (tp_size > 1)
         wq_a8_max_tokens: int = 0,  # the installed crossovers' (0: every wq form exact)
+        wq_batch_a8_above: int = 0,  # batches above this run every wq form on its panels (0: none)
     ) -> None:
         inner = model.model
         first = inner.layers[0].self_attn
@@ -189,6 +193,8 @@ class CpuDecodeRunner:
                 set_layer_moe(self.decode_model, layer_id, layer.mlp)
         if wq_a8_max_tokens:
             self.decode_model.set_wq_a8_max_tokens(wq_a8_max_tokens)
+        if wq_batch_a8_above:
+            self.decode_model.set_wq_batch_a8(wq_batch_a8_above)
         self.decode_model.set_final_norm(inner.norm.weight.detach())
         if tp_comm is not None:
             # Sharded weights: o_proj and down_proj partial sums are all-reduced inside the call.
@@ -284,9 +290,12 @@ def create_cpu_decode_runner(
     server_args: ServerArgs,
     parallel: ModelParallelism | None = None,
     lora: LoRAManager | None = None,
+    max_decode_batch: int = 0,
 ) -> CpuDecodeRunner | None:
     """The fused decode path, or None where it does not apply (says why in the log at debug; at
-    info where the user asked for something it cannot take: a quantized form, LoRA)."""
+    info where the user asked for something it cannot take: a quantized form, LoRA).
+    `max_decode_batch`: the largest decode batch (the request pool's rows; 0: unknown, the small
+    bound only), which a model whose batches run on panels takes whole (cpu_decode_batches.py)."""
     reasons = []
     tp_comm = None
     if parallel is not None and parallel.pp_size > 1:
@@ -340,9 +349,16 @@ def create_cpu_decode_runner(
             " on panels" if panels else "",
         )
         return None
+    wq_batch_a8_above = 0
     if has_wq:
-        # The layers run linear_wq up to this size on the module forward too (layers/linear.py).
+        # The layers run linear_wq up to wq_max_tokens on the module forward too (layers/linear.py),
+        # and every batch where each runs its panels above that.
         max_bs = crossovers().wq_max_tokens
+        if hasattr(decode_model_cls, "set_wq_batch_a8"):  # a build before it: the small bound
+            layers = model.model.layers
+            max_bs = fused_batch_bound(layers, max_decode_batch, tp_comm is None, lora is not None)
+        if max_bs > crossovers().wq_max_tokens:
+            wq_batch_a8_above = crossovers().wq_max_tokens
     elif quantized:
         max_bs = INT8_FUSED_MAX_TOKENS
     else:
@@ -363,7 +379,7 @@ def create_cpu_decode_runner(
         )
         return None
     wq_a8_max_tokens = min(wq_a8_max_tokens, max_bs)
-    runner = CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm, wq_a8_max_tokens)
+    runner = CpuDecodeRunner(model, token_to_kv_pool, max_bs, tp_comm, wq_a8_max_tokens, wq_batch_a8_above)
     if lora is not None:
         try:
             runner.attach_lora(lora, len(model.model.layers))
@@ -372,6 +388,8 @@ def create_cpu_decode_runner(
             return None
     with_lora = " (LoRA deltas included)" if lora is not None else ""
     with_a8 = f", int8 activations up to {wq_a8_max_tokens}" if wq_a8_max_tokens else ""
+    if wq_batch_a8_above:
+        with_a8 += f" and above {wq_batch_a8_above} (the batches' panels)"
     logger.info(
         "CPU fused decode: decode batches of <= %d requests run as one compiled call%s%s",
         max_bs,

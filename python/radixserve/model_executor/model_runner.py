@@ -194,7 +194,7 @@ class ModelRunner:
             self.graph_runner = None if pipelined else create_cuda_graph_runner(self, server_args)
             # Small CPU decode batches as one compiled call (None off CPU, or where it does not apply).
             self.cpu_decode_runner = create_cpu_decode_runner(
-                self.model, self.token_to_kv_pool, server_args, self.parallel, self.lora
+                self.model, self.token_to_kv_pool, server_args, self.parallel, self.lora, self.max_req_num
             )
         # Weight updates, reads and memory release / resume (model_executor/weight_sync.py).
         self.weights = ModelWeights(self)

@@ -238,7 +238,12 @@ class ModelWeights:
         if self.released_kv is not None:
             return  # the fused decode path reads the KV pool: recreated when it is back
         runner.cpu_decode_runner = create_cpu_decode_runner(
-            runner.model, runner.token_to_kv_pool, runner.server_args, runner.parallel, runner.lora
+            runner.model,
+            runner.token_to_kv_pool,
+            runner.server_args,
+            runner.parallel,
+            runner.lora,
+            runner.max_req_num,
         )
         if self._had_graphs and runner.graph_runner is None:
             from radixserve.model_executor.cuda_graph_runner import create_cuda_graph_runner

@@ -157,6 +157,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "their int8-activation products run linear_wq_a8_packed")
       .def("set_wq_a8_max_tokens", &DecodeModel::set_wq_a8_max_tokens, py::arg("max_tokens"),
            "The largest batch whose marked wq linears run linear_wq_a8 (0: every wq linear keeps fp32 activations)")
+      .def("set_wq_batch_a8", &DecodeModel::set_wq_batch_a8, py::arg("wq_max_tokens"),
+           "Batches above wq_max_tokens run every wq form on int8 activations over its panels (each layer's four "
+           "linears must be marked wq forms with panels; 0: off)")
       .def("set_layer_lora", &DecodeModel::set_layer_lora, py::arg("index"), py::arg("num_slots"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"),
            "LoRA slot buffers of a layer's projections: per projection a list of (a [slots, rank, in], "

@@ -180,6 +180,20 @@ void DecodeModel::set_wq_a8_max_tokens(int64_t max_tokens) {
   wq_a8_max_tokens_ = max_tokens;
 }
 
+void DecodeModel::set_wq_batch_a8(int64_t wq_max_tokens) {
+  TORCH_CHECK(wq_max_tokens >= 0, "DecodeModel: wq_max_tokens must be >= 0, got ", wq_max_tokens);
+  const char* names[] = {"qkv_w", "o_w", "gate_up_w", "down_w"};
+  for (size_t i = 0; wq_max_tokens > 0 && i < layers_.size(); ++i) {
+    const DecodeLayer& L = layers_[i];
+    const std::optional<WqForm>* forms[] = {&L.qkv_wq, &L.o_wq, &L.gate_up_wq, &L.down_wq};
+    for (int j = 0; j < 4; ++j)
+      TORCH_CHECK(forms[j]->has_value() && (*forms[j])->int8_activations && (*forms[j])->panel_q.has_value(),
+                  "DecodeModel: layer ", i, "'s ", names[j],
+                  " has no marked wq form with panels, which batches on int8 activations need");
+  }
+  wq_batch_a8_above_ = wq_max_tokens;
+}
+
 void DecodeModel::set_layer_lora(int64_t index, int64_t num_slots, std::vector<LoraPartTuple> qkv,
                                  std::vector<LoraPartTuple> o, std::vector<LoraPartTuple> gate_up,
                                  std::vector<LoraPartTuple> down) {
@@ -259,7 +273,9 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
   at::Tensor residual = hidden.contiguous().clone();
   at::Tensor x = rmsnorm(residual, layers_[0].input_norm, eps_);
   at::Tensor attn_out = at::empty({bs, H, D}, hidden.options());  // [bs, num_heads, head_dim]
-  const bool a8 = bs <= wq_a8_max_tokens_;  // int8 activations for the marked wq forms this step
+  // int8 activations for the marked wq forms this step: the small products' bound, or a batch
+  // above wq_max_tokens where every form has panels (set_wq_batch_a8 checked that).
+  const bool a8 = bs <= wq_a8_max_tokens_ || (wq_batch_a8_above_ > 0 && bs > wq_batch_a8_above_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (should_yield && should_yield()) return at::Tensor();
     const DecodeLayer& L = layers_[i];

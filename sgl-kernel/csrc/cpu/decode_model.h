@@ -86,6 +86,12 @@ class DecodeModel {
                               std::optional<PanelTuple> gate_up, std::optional<PanelTuple> down);
   // The largest batch whose marked wq linears run linear_wq_a8 (0: none, every wq linear exact).
   void set_wq_a8_max_tokens(int64_t max_tokens);
+  // Batches of more than `wq_max_tokens` rows run every wq form on int8 activations over its
+  // panels (the module forward's Crossovers.wq_batch_a8, group_quant.wq_kernel); rows in
+  // (wq_a8_max_tokens, wq_max_tokens] keep exact linear_wq. Called after every layer's forms and
+  // panels: each linear of each layer must be a marked wq form with panels (else the module
+  // forward runs oneDNN at those rows, which this stack does not). wq_max_tokens 0: off.
+  void set_wq_batch_a8(int64_t wq_max_tokens);
   // LoRA: layer `index`'s adapted parts of each projection, each (a, b, column offset) over the LoRA
   // pool's slot buffers (decode_lora.h); every part of every layer has the same `num_slots`.
   void set_layer_lora(int64_t index, int64_t num_slots, std::vector<LoraPartTuple> qkv,
@@ -124,6 +130,7 @@ class DecodeModel {
   std::shared_ptr<ShmComm> tp_comm_;
   int64_t lora_slots_ = 0;  // the LoRA pool's slot count; 0: no layer has LoRA parts
   int64_t wq_a8_max_tokens_ = 0;  // set_wq_a8_max_tokens
+  int64_t wq_batch_a8_above_ = 0;  // set_wq_batch_a8 (0: off)
 
   // x @ w.T (+ its LoRA delta) summed over the ranks (+ b once): a row-parallel linear; on one
   // rank plain lin() (+ the delta). `plan` null: no adapted row this step; `a8`: this step's rows
