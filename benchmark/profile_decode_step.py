@@ -5,6 +5,7 @@ sampling, and the rest (norms, rotary, KV writes, batch setup, Python), by timin
     python benchmark/profile_decode_step.py --server-args '{"disable_cpu_bf16_gemm": true}'
     python benchmark/profile_decode_step.py --threads 1 --batch-size 64
     python benchmark/profile_decode_step.py --batch-size 1 --temperature 0 --threads 1 --cpu-time
+    python benchmark/profile_decode_step.py --batch-size 1 --temperature 0 --parts   # inside the stack
 
 The torch profiler does not see sgl-kernel's attention and norm calls (they bypass the dispatcher)
 and distorts short ops, so this wraps `layers.linear.linear` (decoder linears), the cpu attention
@@ -13,13 +14,16 @@ whole decoder in one compiled call that the other wrappers never see), the LM he
 (ModelRunner._logits: the greedy head or the full one) and ModelRunner.sample with wall clocks, and reports medians over --steps steps of a static batch
 (radixserve.bench_one_batch's runner; prompts of --input-len random tokens). Sampling at
 --temperature 0.8 by default: temperature 0 would read the greedy head (layers/greedy_head.py)
-instead of the full one.
+instead of the full one. --parts also splits the fused stack's forward (DecodeModel) into its
+parts, per layer (sgl-kernel's RADIXSERVE_DECODE_TIMERS: wall laps on the calling thread, each
+part's parallel region included; with --cpu-time the thread's CPU time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -43,6 +47,7 @@ from radixserve.model_executor.worker_stack import build_model_worker
 from radixserve.model_loader.default_model import resolve_model_path
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from sgl_kernel import cpu as cpu_kernels
 
 HEAD_ROWS = 10_000  # a linear with more output rows than this is the LM head (vocabularies)
 PARTS = ("decoder linears", "LM head", "attention", "fused stack", "sampling")
@@ -84,6 +89,7 @@ def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, tem
     reqs = [StaticReq(p, params) for p in prompts]
     runner.prefill(reqs)
     runner.decode(reqs)  # warm-up
+    cpu_kernels.decode_model_timers(reset=True)
     rows = []
     cpu = []  # the process's CPU time a step, all threads: what a served step's CPU is compared with
     switches = []  # voluntary context switches a step, all threads (OpenMP workers that slept)
@@ -102,7 +108,22 @@ def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, tem
     rest = total - sum(parts)
     line = " + ".join([*shares, f"rest {rest:.1f} ({100 * rest / total:.0f}%)"])
     cpu_ms, vcsw = statistics.median(cpu) * 1e3, statistics.median(switches)
-    return f"step {total:.1f} ms (process CPU {cpu_ms:.1f} ms, {vcsw:.0f} voluntary switches) = {line}"
+    summary = f"step {total:.1f} ms (process CPU {cpu_ms:.1f} ms, {vcsw:.0f} voluntary switches) = {line}"
+    return summary + _stack_parts(runner.worker.model_config.num_layers)
+
+
+def _stack_parts(layers: int) -> str:
+    """The fused stack's parts as us per layer a forward (mean), or nothing when not timed."""
+    parts, forwards = cpu_kernels.decode_model_timers(reset=True)
+    if forwards == 0:
+        return ""
+    cells = [f"{name} {1e3 * ms / forwards / layers:.1f}" for name, ms in parts.items() if name != "other"]
+    per_forward = sum(parts.values()) / forwards
+    other = 1e3 * parts["other"] / forwards
+    return (
+        f"\n  stack {per_forward:.2f} ms a forward; us a layer: {', '.join(cells)}; "
+        f"outside the layers {other:.0f} us a forward"
+    )
 
 
 def main() -> None:
@@ -118,7 +139,10 @@ def main() -> None:
     parser.add_argument(
         "--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1)"
     )
+    parser.add_argument("--parts", action="store_true", help="split the fused stack's forward into its parts")
     args = parser.parse_args()
+    if args.parts:  # read by sgl-kernel at the first forward; "cpu": the thread's CPU time
+        os.environ["RADIXSERVE_DECODE_TIMERS"] = "cpu" if args.cpu_time else "1"
     if args.cpu_time:
         if args.threads != 1:
             parser.error("--cpu-time needs --threads 1 (other threads' time would be left out)")

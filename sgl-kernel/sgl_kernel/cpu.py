@@ -496,6 +496,20 @@ def decode_model(
     return _lib().DecodeModel(num_heads, num_kv_heads, head_dim, rms_norm_eps, scaling, cos, sin)
 
 
+DECODE_MODEL_PARTS = ("norm", "qkv", "rope_kv", "attention", "o", "gate_up", "act", "down", "other")
+
+
+def decode_model_timers(reset: bool = False) -> tuple[dict[str, float], int]:
+    """DecodeModel.forward's wall time per part (ms, summed over forwards: each part's parallel
+    region fork and join included) and how many forwards were counted, since the last reset; `reset`
+    zeroes them. Counted only when RADIXSERVE_DECODE_TIMERS is set before the first forward: "1"
+    wall time, "cpu" the calling thread's CPU time (an older build or the variable unset: zeros)."""
+    if not hasattr(_lib(), "decode_model_timers"):
+        return dict.fromkeys(DECODE_MODEL_PARTS, 0.0), 0
+    *ns, count = _lib().decode_model_timers(reset)
+    return {name: t / 1e6 for name, t in zip(DECODE_MODEL_PARTS, ns)}, count
+
+
 def shm_comm_available() -> bool:
     """Whether this build has `ShmComm` (shared-memory collectives; radixserve.distributed.shm_comm)."""
     return available() and hasattr(_ext, "ShmComm")

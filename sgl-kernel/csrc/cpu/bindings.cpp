@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "decode_model.h"
+#include "decode_timers.h"
 #include "linear_wq_a8.h"
 #include "ops.h"
 #include "shm_comm.h"
@@ -100,6 +101,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 [n, in]/[n, out] (rows contiguous), a [slots, rank, in], b [slots, rank, out] fp32 or bf16, "
         "token_slots int64 [n] (-1: untouched)",
         py::arg("x"), py::arg("a"), py::arg("b"), py::arg("token_slots"), py::arg("out"));
+  m.def("decode_model_timers", &decode_timers::read, py::arg("reset") = false,
+        "DecodeModel.forward's wall ns per part (norm, qkv, rope_kv, attention, o, gate_up, act, down, other) "
+        "and the forwards counted; zeros unless RADIXSERVE_DECODE_TIMERS=1 at load");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of each row: x [M,N] fp32, w [N]");
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");

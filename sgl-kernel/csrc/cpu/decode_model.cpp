@@ -2,6 +2,8 @@
 
 #include "common.h"
 
+#include "decode_kv_prefetch.h"
+#include "decode_timers.h"
 #include "linear_wq_a8.h"
 #include "ops.h"
 
@@ -270,18 +272,24 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     if (!lora_plan_storage.items.empty()) plan = &lora_plan_storage;
   }
   // The same chain as LlamaDecoderLayer: residual carries the sum, x the normed input of each block.
+  decode_timers::Laps laps;  // inert unless RADIXSERVE_DECODE_TIMERS is set (decode_timers.h)
   at::Tensor residual = hidden.contiguous().clone();
   at::Tensor x = rmsnorm(residual, layers_[0].input_norm, eps_);
   at::Tensor attn_out = at::empty({bs, H, D}, hidden.options());  // [bs, num_heads, head_dim]
   // int8 activations for the marked wq forms this step: the small products' bound, or a batch
   // above wq_max_tokens where every form has panels (set_wq_batch_a8 checked that).
   const bool a8 = bs <= wq_a8_max_tokens_ || (wq_batch_a8_above_ > 0 && bs > wq_batch_a8_above_);
+  const bool kv_prefetch = kv_prefetch_enabled() && bs <= kKvPrefetchMaxRows;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (should_yield && should_yield()) return at::Tensor();
     const DecodeLayer& L = layers_[i];
     if (i > 0) fused_add_rmsnorm_(x, residual, L.input_norm, eps_);
+    laps.lap(i > 0 ? decode_timers::kNorm : decode_timers::kOther);
+    // A few rows: their context's K/V on its way into L2 while qkv streams (decode_kv_prefetch.h).
+    if (kv_prefetch) prefetch_kv_rows(L.k_buf, L.v_buf, req_to_token, req_pool_indices, seq_lens);
     at::Tensor qkv = lin(x, L.qkv_w, L.qkv_s, L.qkv_wq, L.qkv_b, a8);  // [bs, (H + 2 * Hkv) * D]
     if (plan != nullptr) add_lora(L.lora.qkv, x, qkv, *plan);
+    laps.lap(decode_timers::kQkv);
     qkv = qkv.view({bs, H + 2 * Hkv, D});
     at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, Hkv);
     const at::Tensor v = qkv.narrow(1, H + Hkv, Hkv);
@@ -292,18 +300,28 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
     rotary_neox_(positions, q, k, cos_, sin_);
     at::Tensor k_buf = L.k_buf, v_buf = L.v_buf;
     store_kv(k_buf, v_buf, out_cache_loc, k, v, L.k_scale, L.v_scale);  // quantized to the pool's dtype
+    laps.lap(decode_timers::kRopeKv);
     decode_attention(q, k_buf, v_buf, attn_out, req_to_token, req_pool_indices, seq_lens, scaling_, L.k_scale,
                      L.v_scale);
+    laps.lap(decode_timers::kAttention);
     x = row_parallel(attn_out.view({bs, H * D}), L.o_w, L.o_s, L.o_wq, L.o_b, L.lora.o, plan, a8);
+    laps.lap(decode_timers::kO);
     fused_add_rmsnorm_(x, residual, L.post_norm, eps_);
+    laps.lap(decode_timers::kNorm);
     if (L.moe.has_value()) {  // a MoE layer (set_layer_moe): no LoRA there, checked in Python
       x = moe_block(L, x, a8);
+      laps.lap(decode_timers::kDown);  // the whole MoE block counts as the down projection's part
       continue;
     }
     at::Tensor gate_up = lin(x, L.gate_up_w, L.gate_up_s, L.gate_up_wq, L.gate_up_b, a8);  // [bs, 2 * I]
     if (plan != nullptr) add_lora(L.lora.gate_up, x, gate_up, *plan);
-    x = row_parallel(silu_and_mul(gate_up), L.down_w, L.down_s, L.down_wq, L.down_b, L.lora.down, plan, a8);
+    laps.lap(decode_timers::kGateUp);
+    const at::Tensor act = silu_and_mul(gate_up);
+    laps.lap(decode_timers::kAct);
+    x = row_parallel(act, L.down_w, L.down_s, L.down_wq, L.down_b, L.lora.down, plan, a8);
+    laps.lap(decode_timers::kDown);
   }
   fused_add_rmsnorm_(x, residual, final_norm_, eps_);
+  laps.lap(decode_timers::kOther);
   return x;
 }
