@@ -7,7 +7,8 @@
 // Each loop runs 24 independent accumulator chains (more than latency x throughput of any of
 // these), timed by the thread's CPU time, and prints ns per instruction and the multiply-adds per
 // second that stands for: vdpbf16ps zmm (bf16 attention tiles, 32 multiply-adds), vpdpbusd zmm
-// (int8 VNNI GEMM tiles, 64), vfmadd zmm (fp32 tiles, 16) and vfmadd ymm (the AVX2 builds, 8).
+// (int8 VNNI, 64; its ymm form, 32, is what the wq_a8 GEMM tiles issue), vfmadd zmm (fp32 tiles, 16)
+// and vfmadd ymm (the AVX2 builds, 8).
 #include <immintrin.h>
 
 #include <cstdio>
@@ -54,6 +55,8 @@ int main() {
 #if defined(__AVX512VNNI__)
   const __m512i b = _mm512_set1_epi8(1);
   report("vpdpbusd zmm", 64, _mm512_setzero_si512(), [&](__m512i a) { return _mm512_dpbusd_epi32(a, b, b); });
+  const __m256i c = _mm256_set1_epi8(1);
+  report("vpdpbusd ymm", 32, _mm256_setzero_si256(), [&](__m256i a) { return _mm256_dpbusd_epi32(a, c, c); });
 #endif
 #if defined(__AVX512F__)
   const __m512 f = _mm512_set1_ps(1.f);
