@@ -6,6 +6,11 @@ sampling, and the rest (norms, rotary, KV writes, batch setup, Python), by timin
     python benchmark/profile_decode_step.py --threads 1 --batch-size 64
     python benchmark/profile_decode_step.py --batch-size 1 --temperature 0 --threads 1 --cpu-time
     python benchmark/profile_decode_step.py --batch-size 1 --temperature 0 --parts   # inside the stack
+    python benchmark/profile_decode_step.py --prefill --batch-size 1 --input-len 2048 --threads 1 --cpu-time
+
+--prefill times the prefill of the batch's prompts instead (one forward of batch x input-len
+tokens, no chunking), with the cpu attention backend's forward_extend as "attention": where a
+long prompt's time goes.
 
 The torch profiler does not see sgl-kernel's attention and norm calls (they bypass the dispatcher)
 and distorts short ops, so this wraps `layers.linear.linear` (decoder linears), the cpu attention
@@ -76,6 +81,7 @@ def _install_timers() -> None:
     # Linear.forward looks `linear` up in its module at call time, so the wrapper sees every call.
     linear_module.linear = _timed(linear_module.linear, linear_part)
     CpuAttnBackend.forward_decode = _timed(CpuAttnBackend.forward_decode, lambda *_: "attention")
+    CpuAttnBackend.forward_extend = _timed(CpuAttnBackend.forward_extend, lambda *_: "attention")
     ModelRunner.sample = _timed(ModelRunner.sample, lambda *_: "sampling")
     # Small batches run the decoder stack in one compiled call (cpu_decode_runner.py), which the
     # wrappers above never see: time that call, and the LM head (greedy or full) as a whole.
@@ -83,13 +89,27 @@ def _install_timers() -> None:
     ModelRunner._logits = _timed(ModelRunner._logits, lambda *_: "LM head")
 
 
-def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, temperature: float) -> str:
-    """One line: the median step and each part's median ms and share."""
+def profile(
+    runner: StaticBatchRunner, prompts: list[list[int]], steps: int, temperature: float, prefill: bool = False
+) -> str:
+    """One line: the median step (a decode step, or with `prefill` the prompts' prefill) and each
+    part's median ms and share."""
     params = SamplingParams(max_new_tokens=steps + 4, temperature=temperature)
     reqs = [StaticReq(p, params) for p in prompts]
     runner.prefill(reqs)
     runner.decode(reqs)  # warm-up
     cpu_kernels.decode_model_timers(reset=True)
+    if prefill:
+        runner.release(reqs)
+
+    def step() -> None:
+        if not prefill:
+            runner.decode(reqs)
+            return
+        fresh = [StaticReq(p, params) for p in prompts]
+        runner.prefill(fresh)
+        runner.release(fresh)
+
     rows = []
     cpu = []  # the process's CPU time a step, all threads: what a served step's CPU is compared with
     switches = []  # voluntary context switches a step, all threads (OpenMP workers that slept)
@@ -98,11 +118,12 @@ def profile(runner: StaticBatchRunner, prompts: list[list[int]], steps: int, tem
             spent[part] = 0.0
         cpu_start, vcsw_start = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
         start = clock()
-        runner.decode(reqs)
+        step()
         rows.append((clock() - start, *(spent[p] for p in PARTS)))
         cpu.append(time.process_time() - cpu_start)
         switches.append(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - vcsw_start)
-    runner.release(reqs)
+    if not prefill:
+        runner.release(reqs)
     total, *parts = (statistics.median(column) * 1e3 for column in zip(*rows))
     shares = [f"{name} {ms:.1f} ({100 * ms / total:.0f}%)" for name, ms in zip(PARTS, parts)]
     rest = total - sum(parts)
@@ -140,6 +161,7 @@ def main() -> None:
         "--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1)"
     )
     parser.add_argument("--parts", action="store_true", help="split the fused stack's forward into its parts")
+    parser.add_argument("--prefill", action="store_true", help="time the prompts' prefill, not a decode step")
     args = parser.parse_args()
     if args.parts:  # read by sgl-kernel at the first forward; "cpu": the thread's CPU time
         os.environ["RADIXSERVE_DECODE_TIMERS"] = "cpu" if args.cpu_time else "1"
@@ -162,8 +184,9 @@ def main() -> None:
     vocab = worker.model_config.vocab_size
     for bs in args.batch_size:
         prompts = bench_one_batch._random_prompts(bs, args.input_len, vocab, bs)
-        line = profile(StaticBatchRunner(worker), prompts, args.steps, args.temperature)
-        print(f"batch {bs} ({torch.get_num_threads()} threads): {line}", flush=True)
+        line = profile(StaticBatchRunner(worker), prompts, args.steps, args.temperature, args.prefill)
+        what = f"prefill {bs} x {args.input_len}" if args.prefill else f"batch {bs}"
+        print(f"{what} ({torch.get_num_threads()} threads): {line}", flush=True)
 
 
 if __name__ == "__main__":

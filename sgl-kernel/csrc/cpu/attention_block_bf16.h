@@ -11,8 +11,8 @@
 // - values: two V rows interleaved into pairs (vpermt2w) per 32 elements, one vdpbf16ps per query
 //   head and 16 outputs against the pair of softmax weights rounded to bf16.
 // Numerics: K and V exactly; q * scale and the weights P rounded to bf16 (relative 2^-9 each),
-// products and sums fp32, the softmax state (m, l, alpha) fp32 on fp32 scores: what a bf16 engine
-// computes. fp32 pools keep the exact fp32 step.
+// products and sums fp32, the softmax state (m, l, alpha) fp32 on fp32 scores, the weights' exp to
+// a relative 5e-5 (exp16_bf16_weights, below their bf16 rounding): what a bf16 engine computes. fp32 pools keep the exact fp32 step.
 #pragma once
 
 #include "attention_block.h"
@@ -74,11 +74,12 @@ inline float softmax_update_wide(float* p, int n, float& m, float& l) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int i = 0; i < nv; ++i) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_load_ps(p + 16 * i));
   const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
-  const float alpha = std::exp(m - m_new);
+  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // most blocks of a long row keep m
   const __m512 mv = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < nv; ++i) {
-    const __m512 e = _mm512_maskz_mov_ps(valid(i), exp16(_mm512_sub_ps(_mm512_load_ps(p + 16 * i), mv)));
+    const __m512 e =
+        _mm512_maskz_mov_ps(valid(i), exp16_bf16_weights(_mm512_sub_ps(_mm512_load_ps(p + 16 * i), mv)));
     _mm512_store_ps(p + 16 * i, e);
     sum = _mm512_add_ps(sum, e);
   }

@@ -171,7 +171,7 @@ void run_item(const Problem<kv_t>& pb, const WorkItem& it, Buffers& buf) {
         continue;
       }
       const int64_t visible = diagonal && !tree ? std::min(n, first_pos + r / G - kb + 1) : n;
-      buf.alpha[r] = softmax_row(s + r * kKeys, visible, n, nc, buf.m[r], buf.l[r]);
+      buf.alpha[r] = softmax_row<kBf16Dot<kv_t>>(s + r * kKeys, visible, n, nc, buf.m[r], buf.l[r]);
     }
     // The first block is visible to every row (key 0), so O starts as its P V.
     values_block(pb, v, v_scale, slots + kb, n, nc, M, kb == 0, buf);

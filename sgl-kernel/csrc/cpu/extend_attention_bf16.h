@@ -11,7 +11,7 @@
 //   stored [kKeys / 2][Dp] of pairs (row 2i in the low half, 2i + 1 in the high half).
 // Numerics: K and V are the pool's values exactly; Q * scale and P are rounded to bf16 (relative
 // error 2^-9 each), the products and sums are fp32, the softmax (max, exp, running sum l) stays fp32
-// on fp32 scores. This is what a bf16 engine computes (vLLM's CPU backend, SGLang's AMX kernels);
+// on fp32 scores, its exp to a relative 5e-5 (exp16_bf16_weights, common.h: below P's rounding). This is what a bf16 engine computes (vLLM's CPU backend, SGLang's AMX kernels);
 // fp32 pools keep the exact fp32 tiles (extend_attention_tile.h).
 #pragma once
 

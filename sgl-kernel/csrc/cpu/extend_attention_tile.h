@@ -183,7 +183,10 @@ inline float row_max(const float* s, int64_t nc) {
 // One row's online-softmax step over a block of n keys of which the first `visible` are visible
 // (the rest lie past the causal diagonal): s [nc] scores (nc = n rounded up to whole registers)
 // become weights p = exp(s - m_new), zero where not visible; l and m are updated. Returns alpha,
-// the factor that rescales what the row accumulated so far.
+// the factor that rescales what the row accumulated so far (1 without an exp when the block does
+// not raise the row's max, as most blocks of a long row do not). kBf16Weights: the weights are
+// rounded to bf16 next (the bf16-dot tiles), so exp16_bf16_weights computes them.
+template <bool kBf16Weights = false>
 inline float softmax_row(float* s, int64_t visible, int64_t n, int64_t nc, float& m, float& l) {
   if (visible <= 0) {  // the whole block lies above this row's diagonal
     std::fill(s, s + n, 0.f);
@@ -191,11 +194,16 @@ inline float softmax_row(float* s, int64_t visible, int64_t n, int64_t nc, float
   }
   if (visible < nc) std::fill(s + visible, s + nc, -std::numeric_limits<float>::infinity());
   const float m_new = std::max(m, row_max(s, nc));
-  const float alpha = std::exp(m - m_new);  // 0 for the first block (m = -inf)
+  const float alpha = m_new == m ? 1.f : std::exp(m - m_new);  // 0 for the first block (m = -inf)
   const Vec::reg mv = Vec::set1(m_new);
   Vec::reg sum = Vec::zero();
   for (int64_t j = 0; j < nc; j += Vec::kWidth) {
-    const Vec::reg p = Vec::exp(Vec::sub(Vec::load(s + j), mv));
+    const Vec::reg x = Vec::sub(Vec::load(s + j), mv);
+#if RS_HAVE_AVX512
+    const Vec::reg p = kBf16Weights ? exp16_bf16_weights(x) : Vec::exp(x);
+#else
+    const Vec::reg p = Vec::exp(x);
+#endif
     Vec::store(s + j, p);
     sum = Vec::fma(p, Vec::set1(1.f), sum);
   }
