@@ -35,7 +35,8 @@ def dense_mlp(layer: torch.nn.Module) -> Any:  # noqa: ANN401 - LlamaMLP or None
 
 
 def moe_blocks(layers: list[torch.nn.Module]) -> list[SparseMoeBlock]:
-    return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+    # getattr: a pipeline stage holds placeholders (MissingLayer) for the other stages' layers.
+    return [m for m in (getattr(layer, "mlp", None) for layer in layers) if isinstance(m, SparseMoeBlock)]
 
 
 def why_not_fused(blocks: list[SparseMoeBlock], lora: object | None) -> str | None:
