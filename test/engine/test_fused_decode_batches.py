@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from test_cpu_decode_runner import _quantize_rtn, decoder_linears
+from test_fused_decode_a8 import _fused_steps
 from test_quantization import _worker, compare, forced_logprobs
 
 from radixserve.layers import cpu_crossovers, cpu_fused, group_quant
@@ -56,14 +57,6 @@ def _panel_worker(path: str, fused: bool, panels: bool, kv: str) -> TpModelWorke
     )
     runner.cpu_decode_runner = made if fused else None
     return worker
-
-
-def _fused_steps(worker: TpModelWorker) -> list[int]:
-    calls: list[int] = []
-    fused = worker.model_runner.cpu_decode_runner
-    replay = fused.replay
-    fused.replay = lambda fb: calls.append(fb.batch_size) or replay(fb)
-    return calls
 
 
 def _prompts(n: int) -> list[list[int]]:
