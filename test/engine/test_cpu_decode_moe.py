@@ -11,15 +11,14 @@ import logging
 
 import pytest
 import torch
+from test_cpu_decode_runner import decode_steps
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import cpu_fused
 from radixserve.layers.moe import fused_moe_a8
 from radixserve.model_executor.cpu_decode_moe import moe_blocks
-from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
 from radixserve.model_loader.gguf_source import ensure_gguf_converted
-from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.testing.tiny_gguf_moe import make_tiny_moe_gguf
 
@@ -79,25 +78,7 @@ def _worker(folder: str, fused: bool, **flags: object) -> TpModelWorker:
 
 def _decode(worker: TpModelWorker) -> tuple[list[torch.Tensor], list[int]]:
     """Every step's logits (prefill, then STEPS decodes) and the batch size of each fused call."""
-    model_runner = worker.model_runner
-    processor, seen, fused_calls = model_runner.logits_processor, [], []
-    if model_runner.cpu_decode_runner is not None:
-        replay = model_runner.cpu_decode_runner.replay
-        model_runner.cpu_decode_runner.replay = lambda fb: fused_calls.append(fb.batch_size) or replay(fb)
-
-    def record(hidden, lm_head, fb):  # noqa: ANN001, ANN202 - the LogitsProcessor's signature
-        fb.argmax_only = False
-        out = processor(hidden, lm_head, fb)
-        seen.append(out.next_token_logits.clone())
-        return out
-
-    model_runner.logits_processor = record
-    runner = StaticBatchRunner(worker)
-    reqs = [StaticReq(p, SamplingParams(max_new_tokens=STEPS + 1, temperature=0.0)) for p in PROMPTS]
-    runner.prefill(reqs)
-    for _ in range(STEPS):
-        runner.decode(reqs)
-    return seen, fused_calls
+    return decode_steps(worker, PROMPTS, STEPS)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

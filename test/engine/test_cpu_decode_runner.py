@@ -12,6 +12,7 @@ from radixserve.layers import cpu_fused, group_quant
 from radixserve.layers.cpu_crossovers import DEFAULTS
 from radixserve.layers.group_quant import GroupQuantWeight, pack_int4
 from radixserve.model_executor import cpu_decode_runner
+from radixserve.model_executor.cpu_decode_batches import decoder_linears
 from radixserve.model_executor.cpu_decode_runner import create_cpu_decode_runner
 from radixserve.model_executor.static_batch import StaticBatchRunner, StaticReq
 from radixserve.model_executor.tp_worker import TpModelWorker
@@ -38,14 +39,22 @@ def _decode_logits(path, fused, fp16, prompts, steps, prepare=None, kv="auto"):
     worker = TpModelWorker(args, ModelConfig.from_path(path, dtype="float32"))
     if prepare is not None:
         prepare(worker)
+    assert (worker.model_runner.cpu_decode_runner is not None) == fused
+    return decode_steps(worker, prompts, steps)
+
+
+def decode_steps(
+    worker: TpModelWorker, prompts: list[list[int]], steps: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Greedy: the logits of every step (the prefill, then `steps` decodes) and the batch size of
+    each call the fused path took (none without it)."""
     model_runner = worker.model_runner
-    assert (model_runner.cpu_decode_runner is not None) == fused
     seen, processor, fused_calls = [], model_runner.logits_processor, []
-    if fused:
+    if model_runner.cpu_decode_runner is not None:
         replay = model_runner.cpu_decode_runner.replay
         model_runner.cpu_decode_runner.replay = lambda fb: fused_calls.append(fb.batch_size) or replay(fb)
 
-    def record(hidden, lm_head, fb):
+    def record(hidden, lm_head, fb):  # noqa: ANN001, ANN202 - the LogitsProcessor's signature
         fb.argmax_only = False  # the full logits are what this compares, not a greedy head's argmax
         out = processor(hidden, lm_head, fb)
         seen.append(out.next_token_logits.clone())
@@ -200,8 +209,3 @@ def test_fused_decode_is_off_with_a_log_line_when_the_build_cannot_run_wq(
         )
     assert made is None
     assert "cannot run weight-only quantized layers" in caplog.text
-
-
-def decoder_linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
-    """A decoder layer's four linears, in the fused stack's order (qkv, o, gate_up, down)."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
