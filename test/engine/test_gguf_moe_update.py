@@ -72,6 +72,11 @@ def test_update_from_another_gguf_file_decodes_as_that_file(flags, target, tmp_p
         ok, message = engine.update_weights_from_disk(model_path=path)
         assert ok, message
         assert _decode(engine) == want
+        # And back: the file served now is the new one, so the old one's forms come back too.
+        back = str(old) if target == "file" else _conversion(cache, "old")
+        ok, message = engine.update_weights_from_disk(model_path=back)
+        assert ok, message
+        assert _decode(engine) == before
 
 
 def test_update_from_a_file_of_another_architecture_is_refused(tmp_path, monkeypatch) -> None:

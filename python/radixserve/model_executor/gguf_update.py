@@ -36,15 +36,16 @@ def checkpoint_folder(model_path: str) -> str:
     return ensure_gguf_converted(model_path, show_progress=False) if is_gguf_file(model_path) else model_path
 
 
-def new_file_forms(runner: Any, folder: str) -> WeightOnlyForms | None:  # noqa: ANN401 - ModelRunner
+def new_file_forms(runner: Any, folder: str, served: str) -> WeightOnlyForms | None:  # noqa: ANN401
     """The forms of the GGUF file `folder` converts, when the runner serves a GGUF file's forms and
-    that file is another one; None otherwise (the update writes fp32 weights, and the forms of
-    the layers it changed are dropped: weight_only_forms.py)."""
+    that file is not the one the weights were last loaded from (`served`: the start's folder or
+    the last update's, whose file's forms are attached); None otherwise (the update writes fp32
+    weights, and the forms of the layers it changed are dropped: weight_only_forms.py)."""
     current = runner.weight_only
     if runner.server_args.quantization != "gguf" or current is None:
         return None
     source = gguf_source(folder)
-    if source is None or source == gguf_source(runner.model_config.path):
+    if source is None or source == gguf_source(served):
         return None
     forms, expert_forms = gguf_linear_forms(source, runner.model, runner.lm_head, fresh_experts=True)
     embedding = gguf_embedding_form(source, runner.model)

@@ -101,7 +101,7 @@ class ModelWeights:
             # A .gguf file: its conversion; a conversion's experts from its GGUF file (gguf_update.py).
             folder = gguf_update.checkpoint_folder(model_path)
             self._check_architecture(folder)
-            forms = gguf_update.new_file_forms(self.runner, folder)
+            forms = gguf_update.new_file_forms(self.runner, folder, self.source_path)
             weights = list(iterate_checkpoint(folder, show_progress=False))
             if forms is None:
                 weights += gguf_update.expert_weights(self.runner, folder)
