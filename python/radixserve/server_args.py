@@ -433,7 +433,9 @@ class ServerArgs:
         None,
         "CPU: override single crossovers as JSON, e.g. '{\"wq_max_tokens\": 4}' (bounds: "
         "wq_max_tokens, f32_small_max_tokens, f16_max_tokens; token counts 1-256; and "
-        "wq_a8_max_tokens, 0-256, 0: no int8 activations), on top of --cpu-kernel-tuning's.",
+        "wq_a8_max_tokens, 0-256, 0: no int8 activations; wq_batch_a8_max_tokens, 0-256, the largest "
+        "batch on int8-activation panels where the batches chose them, 0: every batch), on top of "
+        "--cpu-kernel-tuning's.",
     )
     disable_cpu_fused_decode: bool = _f(
         False,

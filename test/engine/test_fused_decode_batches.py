@@ -7,6 +7,7 @@ bound and the module forward for the batches."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -123,3 +124,7 @@ def test_bound_is_small_with_lora_tp_or_an_unknown_batch(tiny_model_dir, batch_a
     assert fused_batch_bound(layers, 64, single_rank=True, with_lora=True) == 8
     assert fused_batch_bound(layers, 64, single_rank=False, with_lora=False) == 8
     assert fused_batch_bound(layers, 0, single_rank=True, with_lora=False) == 8
+    # Batches above the panels' bound run oneDNN's GEMM in the module forward: the stack stops there.
+    cpu_crossovers.install(dataclasses.replace(BATCH_A8, wq_batch_a8_max_tokens=16))
+    assert fused_batch_bound(layers, 64, single_rank=True, with_lora=False) == 16
+    assert fused_batch_bound(layers, 12, single_rank=True, with_lora=False) == 12

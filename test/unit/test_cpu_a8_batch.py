@@ -80,8 +80,8 @@ def test_measured_a8_win_is_cached_installed_and_deterministic(monkeypatch) -> N
     assert all(has_panels(m.weight_wq) and m.weight_packed is None for m in again)
 
 
-@pytest.mark.parametrize("losing_rows", [16, 64, cpu_batch_numerics.PREFILL_ROWS])
-def test_a8_losing_at_any_row_count_keeps_the_gemm(monkeypatch, losing_rows: int) -> None:
+@pytest.mark.parametrize("losing_rows", cpu_batch_numerics.BATCH_ROWS)
+def test_a8_losing_at_a_decode_row_count_keeps_the_gemm(monkeypatch, losing_rows: int) -> None:
     _fake_timings(monkeypatch, {losing_rows: 2.5})
     layers = _layers()
     tune_and_install("measure", None, layers, 1)
@@ -96,6 +96,42 @@ def test_a8_losing_a_little_at_one_row_count_still_serves(monkeypatch) -> None:
     _fake_timings(monkeypatch, {cpu_batch_numerics.PREFILL_ROWS: 2.1})  # 5% behind the GEMM's 2 ms
     tune_and_install("measure", None, _layers(), 1)
     assert active().wq_batch_a8
+
+
+def test_a8_losing_only_at_a_prefill_serves_the_decode_batches(monkeypatch) -> None:
+    """Panels faster at every decode row count, 25% behind at a prefill's (an AVX2-only CPU):
+    the decode batches take them, the prefill keeps oneDNN's GEMM, whose copy the layers keep."""
+    _fake_timings(monkeypatch, {cpu_batch_numerics.PREFILL_ROWS: 2.5})
+    layers = _layers()
+    tune_and_install("measure", None, layers, 1)
+    chosen = active()
+    assert chosen.wq_batch_a8 and chosen.wq_batch_a8_max_tokens == max(cpu_batch_numerics.BATCH_ROWS)
+    assert "up to 64 rows" in chosen.describe()
+    assert all(has_panels(m.weight_wq) and m.weight_packed is not None for m in layers)
+    cached = json.loads(cache_path(_layers()).read_text())
+    assert cached["wq_batch_a8"] is True and cached["bounds"]["wq_batch_a8_max_tokens"] == 64
+    layer = layers[0]
+    w = layer.weight_wq
+    for rows, on_panels in ((64, True), (65, False), (300, False)):
+        x = torch.randn(rows, 64)
+        direct = cpu_kernels.linear_wq_a8(
+            x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None, packed=w.a8_packed
+        )
+        assert torch.equal(layer(x), direct) == on_panels, rows
+        if not on_panels:  # the exact fp32 GEMM over the dequantized weight
+            torch.testing.assert_close(layer(x), linear_wq_reference(x, w), rtol=1e-4, atol=1e-4)
+    # Turned off by a flag, the bound goes with the choice.
+    off = choose_a8_batch(chosen, False, None)
+    assert not off.wq_batch_a8 and off.wq_batch_a8_max_tokens == 0
+
+
+def test_a8_batch_bound_rule() -> None:
+    bound = cpu_batch_numerics.a8_batch_bound
+    assert bound({16: (2.0, 1.0), 64: (2.0, 1.0), 512: (2.0, 2.3)}) == 64  # prefill lost 15%
+    assert bound({16: (2.0, 1.0), 64: (2.0, 1.0), 512: (2.0, 2.1)}) == 0  # serves every batch
+    assert bound({16: (2.0, 2.1), 64: (2.0, 1.0), 512: (2.0, 2.3)}) == 0  # lost a decode count
+    assert bound({16: (2.0, 2.0), 64: (2.0, 1.0), 512: (2.0, 9.0)}) == 0  # a tie is no win
+    assert bound({}) == 0 and bound({16: (0.0, 1.0), 64: (2.0, 1.0), 512: (2.0, 3.0)}) == 0
 
 
 def test_a8_rule_takes_the_mean_and_bounds_the_worst_loss() -> None:

@@ -145,6 +145,7 @@ def test_the_cache_decides_and_measure_overwrites_it(monkeypatch) -> None:
         "f32_small_max_tokens": 5,
         "f16_max_tokens": 12,
         "wq_a8_max_tokens": 0,  # a cache from before that bound: not measured, off
+        "wq_batch_a8_max_tokens": 0,  # nor this one: no bound
     }
     # Overrides apply on top of the cached bounds.
     assert resolve_crossovers("auto", '{"wq_max_tokens": 2}', layers, 1).wq_max_tokens == 2

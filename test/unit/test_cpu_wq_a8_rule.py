@@ -21,6 +21,7 @@ from radixserve.layers.group_quant import (
     WQ_A8_PACKED,
     has_panels,
     linear_wq_a8_reference,
+    panels_serve_every_batch,
     wq_kernel,
     wq_rows_bound,
 )
@@ -35,7 +36,9 @@ needs_panels = pytest.mark.skipif(not WQ_A8_PACKED, reason="no int8-activation p
 W = 4  # wq_max_tokens of every case below
 
 
-def _expected(marked: bool, panels: bool, a: int, batch_a8: bool, small: bool, rows: int) -> str:
+def _expected(
+    marked: bool, panels: bool, a: int, batch_a8: bool, small: bool, rows: int, upto: int = 0
+) -> str:
     """The rule as docs/cpu_backend.md states it, written out independently of the code."""
     if not marked:
         return "wq" if rows <= W else "gemm"
@@ -45,7 +48,7 @@ def _expected(marked: bool, panels: bool, a: int, batch_a8: bool, small: bool, r
         return "a8"
     if rows <= W:
         return "wq"
-    return "a8" if panels and batch_a8 else "gemm"
+    return "a8" if panels and batch_a8 and (not upto or rows <= upto) else "gemm"
 
 
 class _FakePanels:
@@ -72,6 +75,29 @@ def test_rows_to_kernel_for_every_combination(marked, panels, a, batch_a8, small
         assert wq_kernel(form, rows) == want, rows
         # linear() reads the form for every row the rule does not give to the GEMM.
         assert (rows <= wq_rows_bound(form, W)) == (want != "gemm"), rows
+
+
+@pytest.mark.parametrize(("panels", "small"), [(True, False), (True, True), (False, False)])
+def test_batches_on_panels_up_to_their_bound(panels: bool, small: bool) -> None:
+    """wq_batch_a8_max_tokens: the batches' panels serve up to it, oneDNN's GEMM above."""
+    form = quantize_int8_groups(torch.randn(16, 64), 32)
+    form = dataclasses.replace(form, int8_activations=True, a8_packed=_FakePanels() if panels else None)
+    cpu_crossovers.install(
+        Crossovers(
+            wq_max_tokens=W,
+            wq_a8_max_tokens=1,
+            wq_batch_a8=True,
+            wq_batch_a8_max_tokens=16,
+            wq_a8_small_panels=small,
+        )
+    )
+    for rows in (1, 4, 5, 16, 17, 64, 512):
+        want = _expected(True, panels, 1, True, small, rows, upto=16)
+        assert wq_kernel(form, rows) == want, rows
+        assert (rows <= wq_rows_bound(form, W)) == (want != "gemm"), rows
+    assert not panels_serve_every_batch(form)
+    cpu_crossovers.install(Crossovers(wq_max_tokens=W, wq_batch_a8=True))  # unbounded
+    assert panels_serve_every_batch(form) == panels
 
 
 def _write_cache(layers: list[Linear], small: bool, batch_a8: bool = False) -> None:

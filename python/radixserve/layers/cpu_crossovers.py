@@ -50,6 +50,14 @@ class Crossovers:
     # (cpu_batch_numerics.py) and int8 activations are not disabled. linear.use_a8_batch_panels
     # makes the panels to match. Small products keep wq_a8_max_tokens' choice.
     wq_batch_a8: bool = False
+    # With wq_batch_a8: the largest batch that runs on those panels; 0 (the default) every batch,
+    # and the forms keep no oneDNN copy. Measured (cpu_batch_numerics.a8_batch_bound) where the
+    # panels won the decode batches' row counts but lost a prefill's by more than A8_BATCH_MAX_LOSS:
+    # on an AVX2-only Zen 3 int8 products have no VNNI, and the panels ran 16- and 64-row batches
+    # 2.15x faster than oneDNN's fp32 GEMM and a 512-row prefill 13% slower. Refusing them there
+    # ran every decode batch on the slower GEMM; taking them everywhere slowed every prefill. So
+    # the forms keep their oneDNN copy and batches above the bound (a prefill, a mixed chunk) use it.
+    wq_batch_a8_max_tokens: int = 0
     # Where the batches did not choose those panels (wq_batch_a8 False) but int8 activations on
     # panels won the one-row timing (cpu_tuning.py times small products on the panels that would
     # serve, made for the timing): the marked forms get panels for their small products only
@@ -68,9 +76,15 @@ class Crossovers:
     # Where these came from ("defaults", "measured <when>", "cache <path>", "+ overrides"): logged.
     source: str = dataclasses.field(default="defaults", compare=False)
 
-    BOUNDS = ("wq_max_tokens", "f32_small_max_tokens", "f16_max_tokens", "wq_a8_max_tokens")
-    # Bounds that may be 0 (the form is off).
-    MAY_BE_ZERO = ("wq_a8_max_tokens",)
+    BOUNDS = (
+        "wq_max_tokens",
+        "f32_small_max_tokens",
+        "f16_max_tokens",
+        "wq_a8_max_tokens",
+        "wq_batch_a8_max_tokens",
+    )
+    # Bounds that may be 0 (the form is off; for wq_batch_a8_max_tokens: unbounded).
+    MAY_BE_ZERO = ("wq_a8_max_tokens", "wq_batch_a8_max_tokens")
 
     def __post_init__(self) -> None:
         # int8 activations apply to linear_wq's products only: a bound above wq_max_tokens would
@@ -90,7 +104,13 @@ class Crossovers:
         bounds = ", ".join(f"{k}={v}" for k, v in self.bounds().items())
         batch = "bf16" if self.wq_batch_bf16 else "fp32"
         if self.wq_batch_a8:
-            batch = f"int8 activations on panels (unmarked forms: {batch})"
+            upto = self.wq_batch_a8_max_tokens
+            rest = (
+                f"up to {upto} rows (above, and unmarked forms: {batch})"
+                if upto
+                else f"(unmarked forms: {batch})"
+            )
+            batch = f"int8 activations on panels {rest}"
         elif self.wq_a8_small_panels and self.wq_a8_max_tokens:
             bounds += " (int8-activation products on panels)"
         experts = "int8 activations on panels" if self.moe_a8 else "exact (fp32 activations)"
@@ -138,7 +158,7 @@ def parse_overrides(text: str | None) -> dict[str, int]:
     if bad:
         raise ValueError(
             f"--cpu-kernel-crossovers: bounds are token counts from 1 to 256 (wq_a8_max_tokens from 0: "
-            f"off), got {bad}"
+            f"off; wq_batch_a8_max_tokens from 0: unbounded), got {bad}"
         )
     return dict(raw)
 

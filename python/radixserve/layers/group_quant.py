@@ -188,8 +188,9 @@ def wq_kernel(w: GroupQuantWeight, rows: int) -> str:
     - unmarked form: "wq" up to W rows, "gemm" above;
     - panels serving every row (panels_serve_every_row): "a8" at every row count;
     - else "a8" up to A rows, "wq" up to W, then "a8" where the batches chose the panels
-      (wq_batch_a8, a form with panels), "gemm" otherwise (the panels made for the small products
-      only, wq_a8_small_panels, keep the layer's oneDNN copy for these)."""
+      (wq_batch_a8, a form with panels; up to wq_batch_a8_max_tokens rows where that bound is
+      set), "gemm" otherwise (the panels made for the small products only, wq_a8_small_panels,
+      and the batches above that bound keep the layer's oneDNN copy for these)."""
     if rows <= a8_rows(w):
         return "a8"
     if rows <= crossovers().wq_max_tokens:
@@ -198,10 +199,12 @@ def wq_kernel(w: GroupQuantWeight, rows: int) -> str:
 
 
 def a8_batch(w: GroupQuantWeight, rows: int) -> bool:
-    """Whether a product of `rows` rows is one of the batches (above wq_max_tokens) that a form
-    with panels runs on int8 activations because this CPU chose that (Crossovers.wq_batch_a8)."""
+    """Whether a product of `rows` rows is one of the batches (above wq_max_tokens, and at most
+    wq_batch_a8_max_tokens where set) that a form with panels runs on int8 activations because
+    this CPU chose that (Crossovers.wq_batch_a8)."""
     bound = crossovers()
-    return bound.wq_batch_a8 and has_panels(w) and rows > bound.wq_max_tokens
+    upto = bound.wq_batch_a8_max_tokens
+    return bound.wq_batch_a8 and has_panels(w) and bound.wq_max_tokens < rows and (not upto or rows <= upto)
 
 
 def takes_int8_activations(w: GroupQuantWeight, rows: int) -> bool:
@@ -249,10 +252,22 @@ def linear_wq_a8_reference(
 def wq_rows_bound(w: GroupQuantWeight, wq_max_tokens: int) -> int:
     """Batches of up to this many rows read w (larger ones the fp32 weight's GEMM): the machine's
     wq_max_tokens crossover, or every batch (A8_PACKED_MAX_ROWS) for a form whose panels serve its
-    batches (every row, or the batches wq_batch_a8 gives them): wq_kernel's "gemm" rows."""
+    batches (every row, or the batches wq_batch_a8 gives them; up to wq_batch_a8_max_tokens where
+    that bound is set): wq_kernel's "gemm" rows."""
     bound = crossovers()
-    batches_on_panels = panels_serve_every_row(w) or (bound.wq_batch_a8 and has_panels(w))
-    return A8_PACKED_MAX_ROWS if batches_on_panels else wq_max_tokens
+    if panels_serve_every_row(w):
+        return A8_PACKED_MAX_ROWS
+    if not (bound.wq_batch_a8 and has_panels(w)):
+        return wq_max_tokens
+    upto = bound.wq_batch_a8_max_tokens
+    return max(upto, wq_max_tokens) if upto else A8_PACKED_MAX_ROWS
+
+
+def panels_serve_every_batch(w: GroupQuantWeight) -> bool:
+    """Whether w's panels serve its every batch (so it needs no oneDNN copy): panels for every row,
+    or the batches' panels (wq_batch_a8) with no wq_batch_a8_max_tokens bound above which the
+    GEMM serves."""
+    return wq_rows_bound(w, 0) >= A8_PACKED_MAX_ROWS
 
 
 def has_panels(w: GroupQuantWeight) -> bool:

@@ -59,8 +59,8 @@ from radixserve.layers.cpu_fused import cpu_kernels, fusable
 from radixserve.layers.group_quant import (
     WQ_A8_PACKED,
     GroupQuantWeight,
-    has_panels,
     linear_wq,
+    panels_serve_every_batch,
     with_int8_activations,
     wq_rows_bound,
 )
@@ -229,8 +229,10 @@ def prepare_cpu_linears(modules: list[nn.Module], fp16: bool, prepack: bool, bf1
     and what it cost."""
     # Quantized layers are left out: the int8 kernel serves every size.
     layers = [m for m in _cpu_fp32_linears(modules) if m.weight_int8 is None]
-    # A form read through its int8-activation panels serves every batch size (wq_rows_bound).
-    layers = [m for m in layers if m.weight_wq is None or not has_panels(m.weight_wq)]
+    # A form read through its int8-activation panels at every batch size needs no oneDNN copy; one
+    # with panels for some rows only (small products, or batches up to a bound) keeps it for the
+    # others, also when a weight update re-derives the forms of a checkpoint's kept panels.
+    layers = [m for m in layers if m.weight_wq is None or not panels_serve_every_batch(m.weight_wq)]
     if fp16:
         # A weight-only quantized layer reads its integers at the sizes the fp16 copy would serve.
         layers_f16 = [m for m in layers if m.weight_wq is None]
@@ -292,13 +294,14 @@ def use_bf16_batch_gemm(modules: list[nn.Module]) -> int:
     return len(layers)
 
 
-def use_a8_batch_panels(modules: list[nn.Module]) -> int:
+def use_a8_batch_panels(modules: list[nn.Module], keep_gemm: bool = False) -> int:
     """Give every CPU Linear in `modules` whose weight-only form is marked for int8 activations
     (and has no panels yet) its 8-row panels (group_quant.with_int8_activations(panels=True)), and
-    drop its oneDNN copy: its batches above wq_max_tokens then run linear_wq_a8 on the panels
+    drop its oneDNN copy unless `keep_gemm` (Crossovers.wq_batch_a8_max_tokens: batches above it
+    keep the GEMM): its batches above wq_max_tokens then run linear_wq_a8 on the panels
     (Crossovers.wq_batch_a8, group_quant.a8_batch). The fp32 weight stays. Returns how many layers
     changed; logs what it cost (the panels hold the form's own bytes: about the file's size)."""
-    return _add_a8_panels(modules, keep_gemm=False)
+    return _add_a8_panels(modules, keep_gemm=keep_gemm)
 
 
 def use_a8_small_panels(modules: list[nn.Module]) -> int:

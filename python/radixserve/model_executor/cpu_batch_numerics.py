@@ -152,7 +152,7 @@ def measure_a8_batch(
         timed = layers if n != PREFILL_ROWS else _first_weights(layers, total // PREFILL_SHARE)
         inputs = {m.in_features: torch.randn(n, m.in_features) for m in timed}
         table[n] = (round(pass_ms(timed, inputs, gemm), 3), round(pass_ms(timed, inputs, panels), 3))
-    won = a8_batches_win(table)
+    won = a8_batches_win(table) or a8_batch_bound(table) > 0
     return won, (panels if won else None), table
 
 
@@ -166,6 +166,20 @@ def a8_batches_win(table: dict[int, tuple[float, float]]) -> bool:
     if not ratios or len(ratios) != len(table):
         return False
     return sum(ratios) / len(ratios) < 1.0 and max(ratios) <= 1.0 + A8_BATCH_MAX_LOSS
+
+
+def a8_batch_bound(table: dict[int, tuple[float, float]]) -> int:
+    """The largest batch int8-activation panels serve (Crossovers.wq_batch_a8_max_tokens) given
+    a8_batch's timings: 0 where they serve every batch (a8_batches_win) or none; the largest decode
+    row count (BATCH_ROWS) where they won at every decode row count but lost a prefill's rows by
+    more than A8_BATCH_MAX_LOSS. Then the forms keep their oneDNN copy for the larger batches: the
+    memory of two forms for the speed of each where it is faster (an AVX2-only CPU, no VNNI)."""
+    if not table or a8_batches_win(table):
+        return 0
+    decode = [table.get(n) for n in BATCH_ROWS]
+    if any(t is None or t[0] <= 0 or t[1] >= t[0] for t in decode):
+        return 0
+    return max(BATCH_ROWS)
 
 
 def _first_weights(layers: list[Linear], limit: int) -> list[Linear]:
@@ -198,5 +212,9 @@ def choose_a8_batch(chosen: Crossovers, int8_forced: bool | None, bf16_forced: b
     # on, its own panels serve every row).
     small = int8_forced is None and chosen.wq_a8_max_tokens > 0
     return dataclasses.replace(
-        chosen, wq_batch_a8=False, wq_a8_small_panels=small, source=f"{chosen.source}; {why}"
+        chosen,
+        wq_batch_a8=False,
+        wq_batch_a8_max_tokens=0,
+        wq_a8_small_panels=small,
+        source=f"{chosen.source}; {why}",
     )

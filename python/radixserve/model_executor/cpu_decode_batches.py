@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from radixserve.layers.cpu_crossovers import active as crossovers
-from radixserve.layers.group_quant import has_panels, wq_kernel
+from radixserve.layers.group_quant import has_panels, wq_kernel, wq_rows_bound
 
 
 def decoder_linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
@@ -55,4 +55,12 @@ def fused_batch_bound(
     small = crossovers().wq_max_tokens
     if max_decode_batch <= small or not single_rank or with_lora or not batches_on_panels(layers):
         return small
-    return max_decode_batch
+    # Batches above the panels' bound (Crossovers.wq_batch_a8_max_tokens) run oneDNN's GEMM on the
+    # module forward, which this stack has not.
+    return min(max_decode_batch, panel_rows(layers))
+
+
+def panel_rows(layers: Iterable[torch.nn.Module]) -> int:
+    """The largest batch every decoder linear of `layers` runs on its panels (group_quant.wq_rows_bound)."""
+    small = crossovers().wq_max_tokens
+    return min(wq_rows_bound(lin.weight_wq, small) for layer in layers for lin in decoder_linears(layer))

@@ -72,6 +72,7 @@ from radixserve.layers.moe import fused_moe_a8
 from radixserve.layers.moe.layer import FusedMoE
 from radixserve.model_executor.cpu_batch_numerics import (
     A8Panels,
+    a8_batch_bound,
     choose_a8_batch,
     choose_bf16_batch,
     fastest_ms,
@@ -259,8 +260,9 @@ def install_tuned_forms(model: list[torch.nn.Module], chosen: Crossovers) -> Non
     lack them: at start, and again when a weight update or a resume rebuilt the layers' derived
     forms from the weights (weight_sync.rebuild_derived), which would otherwise serve without them."""
     if chosen.wq_batch_a8:
-        # First: the marked layers' oneDNN copies go, so bf16 repacks only the others.
-        use_a8_batch_panels(model)
+        # First: the marked layers' oneDNN copies go (unless batches above a bound keep their
+        # GEMM), so bf16 repacks only the others.
+        use_a8_batch_panels(model, keep_gemm=chosen.wq_batch_a8_max_tokens > 0)
     elif chosen.wq_a8_small_panels and chosen.wq_a8_max_tokens:
         use_a8_small_panels(model)  # the oneDNN copies stay: the batches keep their GEMM
     if chosen.wq_batch_bf16:
@@ -301,6 +303,8 @@ def measure(layers: list[Linear]) -> tuple[dict[str, Any], dict[str, Any]]:
     a8_batch, a8_gemm, timings["wq_batch_a8"] = measure_a8_batch(a8_layers, bf16_gemm, _pass_ms)
     if a8_gemm is not None:
         bf16_gemm = a8_gemm
+        # Where the panels won the decode batches only, larger batches keep the GEMM (a8_batch_bound).
+        bounds["wq_batch_a8_max_tokens"] = a8_batch_bound(timings["wq_batch_a8"])
     groups: dict[str, tuple[list[Linear], Callable[[Linear, torch.Tensor], torch.Tensor]]] = {
         "wq_max_tokens": ([m for m in layers if m.weight_wq is not None], _exact_wq),
         "f32_small_max_tokens": (

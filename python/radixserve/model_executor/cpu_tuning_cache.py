@@ -22,7 +22,8 @@ from radixserve.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 5  # v3: wq_batch_a8; v4: moe_a8 (and the experts in the key); v5: wq_a8_small_panels
+CACHE_VERSION = 6  # v3: wq_batch_a8; v4: moe_a8 (and the experts in the key); v5: wq_a8_small_panels;
+# v6: wq_batch_a8_max_tokens (a start re-measures, so a CPU that refused the batch panels may take them bounded)
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
@@ -83,7 +84,11 @@ def cache_path(layers: list[Linear], experts: list[list[Any]] | None = None) -> 
 def read_cache(path: Path) -> Crossovers:
     data = json.loads(path.read_text())
     # A cache from before the int8-activation bound existed: not measured, so off (its default).
-    stored = {"wq_a8_max_tokens": DEFAULTS.wq_a8_max_tokens, **data["bounds"]}
+    stored = {
+        "wq_a8_max_tokens": DEFAULTS.wq_a8_max_tokens,
+        "wq_batch_a8_max_tokens": DEFAULTS.wq_batch_a8_max_tokens,
+        **data["bounds"],
+    }
     bounds = {k: int(stored[k]) for k in Crossovers.BOUNDS}
     # Missing (written by hand or before the choice): not measured, so the exact fp32 GEMM.
     bf16, a8 = data.get("wq_batch_bf16", False), data.get("wq_batch_a8", False)
