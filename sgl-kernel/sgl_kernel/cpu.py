@@ -510,6 +510,22 @@ def decode_model_timers(reset: bool = False) -> tuple[dict[str, float], int]:
     return {name: t / 1e6 for name, t in zip(DECODE_MODEL_PARTS, ns)}, count
 
 
+def step_team_stats() -> dict[str, int]:
+    """The compiled decode step's thread team (csrc/cpu/thread_pool.h): `steps` that ran on it,
+    parallel `regions` it ran, `worker_chunks` its workers (not the stepping thread) ran, and its
+    `size` (0 before the first step); all zeros on a build without it."""
+    names = ("steps", "regions", "worker_chunks", "size")
+    if not hasattr(_lib(), "step_team_stats"):
+        return dict.fromkeys(names, 0)
+    return dict(zip(names, _lib().step_team_stats()))
+
+
+def step_team_probe(n: int, grain: int, throw_at: int = -1) -> list[tuple[int, int]]:
+    """Test hook: the chunks (sorted) that rs::parallel_for(0, n, grain) runs inside a step team
+    (at::parallel_for's with RADIXSERVE_STEP_TEAM=0); the chunk holding `throw_at` raises."""
+    return [tuple(c) for c in _lib().step_team_probe(n, grain, throw_at)]
+
+
 def shm_comm_available() -> bool:
     """Whether this build has `ShmComm` (shared-memory collectives; radixserve.distributed.shm_comm)."""
     return available() and hasattr(_ext, "ShmComm")

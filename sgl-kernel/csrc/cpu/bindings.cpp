@@ -104,6 +104,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_model_timers", &decode_timers::read, py::arg("reset") = false,
         "DecodeModel.forward's wall ns per part (norm, qkv, rope_kv, attention, o, gate_up, act, down, other) "
         "and the forwards counted; zeros unless RADIXSERVE_DECODE_TIMERS=1 at load");
+  m.def("step_team_stats", &rs::step_team_stats,
+        "The decode step team (thread_pool.h): [steps that held it, regions run on it, chunks its workers ran, "
+        "its size]");
+  m.def("step_team_probe", &rs::step_team_probe, py::arg("n"), py::arg("grain"), py::arg("throw_at") = -1,
+        "Test hook: rs::parallel_for(0, n, grain) inside a step team, the chunk holding throw_at raising; "
+        "returns the chunks run, sorted",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &rmsnorm, "RMSNorm of each row: x [M,N] fp32, w [N]");
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");

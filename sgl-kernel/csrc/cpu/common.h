@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "thread_pool.h"  // rs::parallel_for: the step team inside a decode step
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -177,7 +177,7 @@ struct Plan {
 template <typename F>
 void parallel_tasks(int64_t n, const F& f) {
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+  rs::parallel_for(0, std::min<int64_t>(rs::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t);
   });
 }
@@ -214,7 +214,7 @@ Plan make_plan(int64_t bs, int64_t Hkv, const std::vector<const int32_t*>& rows,
   // 4 tasks per thread, so that no thread is left with one long shared prefix.
   int64_t total_work = 0;
   for (const Range& r : ranges) total_work += (r.t1 - r.t0) * static_cast<int64_t>(r.members.size()) * Hkv;
-  const int64_t share = std::max<int64_t>(1, total_work / (4 * at::get_num_threads()));
+  const int64_t share = std::max<int64_t>(1, total_work / (4 * rs::get_num_threads()));
 
   Plan plan;
   plan.has_shared = ranges.size() > static_cast<size_t>(bs);
@@ -303,7 +303,7 @@ void decode_attention_impl(
     // A task folds one segment for every KV head (whole K/V rows: see fold_range), unless there
     // are too few segments to keep the threads busy; then one KV head each.
     const int64_t num_segments = static_cast<int64_t>(plan.segments.size());
-    const int64_t nh = num_segments >= 2 * at::get_num_threads() ? Hkv : 1;  // KV heads per task
+    const int64_t nh = num_segments >= 2 * rs::get_num_threads() ? Hkv : 1;  // KV heads per task
     const int64_t head_groups = Hkv / nh;
     // Segments come heaviest first (shared prefixes, then own tails), which dynamic scheduling
     // needs to balance well.
@@ -333,7 +333,7 @@ void decode_attention_impl(
       }
     });
     if (!plan.any_merge && direct_ok) return;
-    at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
+    rs::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / Hkv, kh = task % Hkv;
         if (direct(b)) continue;
@@ -344,7 +344,7 @@ void decode_attention_impl(
     return;
   }
 #endif
-  at::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
+  rs::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, kh = task % Hkv;

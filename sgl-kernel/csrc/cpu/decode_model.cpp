@@ -256,6 +256,8 @@ at::Tensor DecodeModel::forward(const at::Tensor& hidden, const at::Tensor& posi
                                 const c10::optional<at::Tensor>& token_slots,
                                 const std::function<bool()>& should_yield) const {
   TORCH_CHECK(!layers_.empty() && final_norm_.defined(), "DecodeModel: layers or final norm missing");
+  // The step's parallel loops run on the step team (thread_pool.h), which stays hot between them.
+  const rs::StepTeam step_team;
   for (const DecodeLayer& L : layers_)
     TORCH_CHECK(L.k_buf.scalar_type() != at::kChar || L.k_scale.has_value(),
                 "DecodeModel: an int8 KV pool needs its scales (set_layer_kv_scales)");

@@ -80,7 +80,7 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor out = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, M, grain_rows(N), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, M, grain_rows(N), [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) scale_row(xp + m * ldx, wp, op + m * N, N, static_cast<float>(eps));
   });
   return out;
@@ -96,7 +96,7 @@ void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   const int64_t M = x.size(0), N = x.size(1), ldx = x.stride(0), ldr = residual.stride(0);
   float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, M, grain_rows(N), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, M, grain_rows(N), [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       float* __restrict xr = xp + m * ldx;
       float* __restrict rr = rp + m * ldr;
@@ -130,7 +130,7 @@ void rotary_neox_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, con
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t Hq = q.size(1), Hk = k.size(1);
-  at::parallel_for(0, T, grain_rows((Hq + Hk) * D), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, T, grain_rows((Hq + Hk) * D), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pos[t] * half;
       const float* s = sp + pos[t] * half;
@@ -148,7 +148,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({M, d}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, M, grain_rows(2 * d), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, M, grain_rows(2 * d), [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) silu_mul_row(xp + m * ldx, xp + m * ldx + d, op + m * d, d);
   });
   return out;
@@ -184,7 +184,7 @@ void store_kv_quantized(at::Tensor& k_buf, at::Tensor& v_buf, const int64_t* lp,
   const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
   kv_t *kb = k_buf.data_ptr<kv_t>(), *vb = v_buf.data_ptr<kv_t>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows(2 * Hkv * D), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, T, grain_rows(2 * Hkv * D), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t row = lp[t] * Hkv + h;
@@ -229,7 +229,7 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const
   TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "store_kv: a float32 pool takes no scales");
   float *kb = k_buf.data_ptr<float>(), *vb = v_buf.data_ptr<float>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows(2 * row), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, T, grain_rows(2 * row), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       std::memcpy(kb + lp[t] * row, kp + t * k.stride(0), sizeof(float) * row);
       std::memcpy(vb + lp[t] * row, vp + t * v.stride(0), sizeof(float) * row);

@@ -50,7 +50,7 @@ QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K) {
   r.scale.resize(M);
   r.head_sum.resize(M);
   const int64_t K64 = K / 64 * 64;
-  at::parallel_for(0, M, quantize_grain(K), [&](int64_t m0, int64_t m1) {
+  rs::parallel_for(0, M, quantize_grain(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xr = x + m * ldx;
       float amax = 0.f;
@@ -250,7 +250,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // K=576: enough work per task, and enough blocks to balance the threads.
   constexpr int64_t kBlock = 96;
   const int64_t num_blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+  rs::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
     block(p, isa, b0 * kBlock, std::min(N, b1 * kBlock));
   });
   return y;

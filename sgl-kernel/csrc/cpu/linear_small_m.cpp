@@ -154,7 +154,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w, const c10::o
   // per-task overhead while leaving enough blocks to balance the threads.
   constexpr int64_t kBlock = 64;
   const int64_t num_blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+  rs::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
     linear_block<w_t>(x_ptr, ldx, w_ptr, bias_ptr, y_ptr, N, M, K, b0 * kBlock, std::min(N, b1 * kBlock));
   });
   return y;

@@ -416,7 +416,7 @@ at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& qweight, const at::T
   static_assert(kUnit % kHalfChunk == 0, "a thread's run starts at a chunk of rows_half");
   const auto* s_half = f.half ? scales.data_ptr<at::Half>() : nullptr;
   const auto* o_half = f.half ? static_cast<const at::Half*>(f.offsets) : nullptr;
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+  rs::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     const int64_t n0 = u0 * kUnit, n1 = std::min(N, u1 * kUnit);
     if (f.half) return rows_half(p, s_half, o_half, isa, n0, n1);
     rows(p, isa, n0, n1);

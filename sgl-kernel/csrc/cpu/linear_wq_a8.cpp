@@ -217,7 +217,7 @@ at::Tensor linear_wq_a8(const at::Tensor& x, const at::Tensor& qweight, const at
   constexpr int64_t kUnit = 8;
   const int64_t units = (N + kUnit - 1) / kUnit;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (kUnit * p.qrow));
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+  rs::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     rows(p, isa, u0 * kUnit, std::min(N, u1 * kUnit));
   });
   return y;

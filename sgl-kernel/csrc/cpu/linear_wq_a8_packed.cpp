@@ -59,7 +59,7 @@ static void linear_wq_a8_gemm(const at::Tensor& x, const at::Tensor& packed_q, c
   if (M <= wq_a8_gemm::kRowChunk)
     wq_a8_gemm::parallel_chunks(pairs, wq_a8_gemm::chunk_for(pairs, grain), run);
   else
-    at::parallel_for(0, pairs, grain, run);
+    rs::parallel_for(0, pairs, grain, run);
 }
 #else
 static void linear_wq_a8_gemm(const at::Tensor&, const at::Tensor&, const wq_a8_panels::PanelGroups&, const float*,
@@ -110,7 +110,7 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   if (M > 1)
     wq_a8_gemm::parallel_chunks(P, wq_a8_gemm::chunk_for(P, grain), run);
   else
-    at::parallel_for(0, P, grain, run);
+    rs::parallel_for(0, P, grain, run);
 #endif
   return y;
 }

@@ -127,7 +127,7 @@ LoraPlan plan(const int64_t* slots, int64_t n, int64_t num_slots) {
   std::vector<int64_t> fill(count.begin(), count.end() - 1);
   for (int64_t t = 0; t < n; ++t)
     if (slots[t] >= 0) order[fill[slots[t]]++] = t;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = std::max<int64_t>(1, rs::get_num_threads());
   const int64_t per_item = std::clamp((m + threads - 1) / threads, kMinRowsPerItem, kMaxRowsPerItem);
   std::vector<LoraPlan::Item> items;
   for (int64_t s = 0; s < num_slots; ++s)
@@ -165,7 +165,7 @@ void apply_typed(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, 
   const w_t* a_ptr = a.data_ptr<w_t>();
   const w_t* b_ptr = b.data_ptr<w_t>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t i0, int64_t i1) {
+  rs::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const LoraPlan::Item& it = p.items[i];
       run_item(x_ptr, ldx, a_ptr + it.slot * rank * d_in, b_ptr + it.slot * rank * d_out, out_ptr, ldo,

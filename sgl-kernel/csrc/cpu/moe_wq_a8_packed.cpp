@@ -152,7 +152,7 @@ void few_rows_run(const wq_a8_panels::PackedProblem& p, int64_t p0, int64_t p1, 
 void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Routing& r, float* y, int64_t isa) {
   const int64_t P = proj.panels, items = static_cast<int64_t>(r.expert.size()) * P;
   const int64_t pairs = r.start.back();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t threads = std::min<int64_t>(rs::get_num_threads(), items);
   const std::vector<int64_t> bounds = balanced_bounds(r, P, threads);
   auto run = [&](int64_t i0, int64_t i1) {
     // One run of panels per group in [i0, i1) (panel_run and gemm_block prefetch along a run).
@@ -191,7 +191,7 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
     }
   };
   if (threads <= 1) return run(0, items);
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  rs::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) run(bounds[t], bounds[t + 1]);
   });
 }

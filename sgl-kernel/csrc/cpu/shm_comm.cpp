@@ -14,6 +14,8 @@
 // peers' reads of call s-2 before their release of s-1), so there is no data race on the slots.
 #include "shm_comm.h"
 
+#include "thread_pool.h"
+
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
@@ -113,7 +115,7 @@ inline int64_t grain_for(int64_t unit_bytes) {
 void copy_bytes(char* dst, const char* src, int64_t bytes) {
   constexpr int64_t kPiece = 64 << 10;
   const int64_t pieces = (bytes + kPiece - 1) / kPiece;
-  at::parallel_for(0, pieces, grain_for(kPiece), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, pieces, grain_for(kPiece), [&](int64_t b, int64_t e) {
     const int64_t lo = b * kPiece, hi = std::min(bytes, e * kPiece);
     std::memcpy(dst + lo, src + lo, hi - lo);
   });
@@ -127,7 +129,7 @@ inline float load_f(const at::BFloat16* p, int64_t i) { return static_cast<float
 template <typename T>
 void sum_in_rank_order(T* out, const char* const* in, int64_t world, int64_t n) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, grain_for(kBlock * sizeof(T) * world), [&](int64_t b, int64_t e) {
+  rs::parallel_for(0, blocks, grain_for(kBlock * sizeof(T) * world), [&](int64_t b, int64_t e) {
     alignas(64) float acc[kBlock];
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t lo = blk * kBlock, len = std::min(kBlock, n - lo);
@@ -406,7 +408,7 @@ at::Tensor ShmComm::all_gather(const at::Tensor& input) {
     // Input bytes [off, off + len) of every rank land in the rows they cover, each rank's in its
     // column block; a chunk may start or end inside a row.
     const int64_t row_lo = off / row_bytes, row_hi = (off + len - 1) / row_bytes + 1;
-    at::parallel_for(row_lo, row_hi, grain_for(out_row), [&](int64_t b, int64_t e) {
+    rs::parallel_for(row_lo, row_hi, grain_for(out_row), [&](int64_t b, int64_t e) {
       for (int64_t row = b; row < e; ++row) {
         const int64_t lo = std::max(off, row * row_bytes), hi = std::min(off + len, (row + 1) * row_bytes);
         for (int64_t r = 0; r < world_; ++r) {

@@ -59,7 +59,7 @@ inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
     return;
   }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+  rs::parallel_for(0, std::min<int64_t>(rs::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
          t = next.fetch_add(1, std::memory_order_relaxed))
       f(t * chunk, std::min(n, (t + 1) * chunk));
@@ -68,7 +68,7 @@ inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
 
 // The run length for parallel_chunks over n items whose runs should not be shorter than `grain`.
 inline int64_t chunk_for(int64_t n, int64_t grain) {
-  const int64_t per_task = (n + kTasksPerThread * at::get_num_threads() - 1) / (kTasksPerThread * at::get_num_threads());
+  const int64_t per_task = (n + kTasksPerThread * rs::get_num_threads() - 1) / (kTasksPerThread * rs::get_num_threads());
   return std::max<int64_t>({int64_t{1}, grain, per_task});
 }
 
@@ -295,7 +295,7 @@ inline BlockQuantRows quantize_blocks_parallel(const float* x, int64_t ldx, int6
   BlockQuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * (nb / bpg), 0.f),
                    std::vector<int32_t>(M * nb)};
   // Runs of at least kInlineQuantElems elements a thread (at::parallel_for runs inline below that).
-  at::parallel_for(0, M, std::max<int64_t>(1, kInlineQuantElems / K), [&](int64_t m0, int64_t m1) {
+  rs::parallel_for(0, M, std::max<int64_t>(1, kInlineQuantElems / K), [&](int64_t m0, int64_t m1) {
     quantize_rows_simd(x, ldx, m0, m1, K, group_size, order, r);
   });
   return r;
