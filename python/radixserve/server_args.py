@@ -44,6 +44,8 @@ LOAD_BALANCE_METHODS = tuple(
 )
 # "auto" (SGLang's default) resolves to follow_bootstrap_room on a prefill server, else round_robin.
 LOAD_BALANCE_CHOICES = ("auto", *LOAD_BALANCE_METHODS)
+# Where token ids become text: the detokenizer process, or the tokenizer manager's own loop.
+DETOKENIZER_CHOICES = ("auto", "process", "inline")
 
 
 def resolve_load_balance_method(method: str, disaggregation_mode: str) -> str:
@@ -347,6 +349,14 @@ class ServerArgs:
         "Use the overlap loop on CPU too. On CPU the normal loop is the default: the overlap thread "
         "competes with the forward for the cores (docs/benchmarks.md: 12% slower on 2 cores).",
     )
+    detokenizer: str = _f(
+        "auto",
+        "Where token ids become text: 'process' (SGLang's detokenizer process, one more hop a step) "
+        "or 'inline' (the tokenizer manager decodes the scheduler's step message itself). 'auto': "
+        "inline on CPU, where the extra process's wake-up each token takes CPU from the forward "
+        "(docs/cpu_backend.md, 'One stream served'), the process elsewhere.",
+        choices=DETOKENIZER_CHOICES,
+    )
     enable_mixed_chunk: bool = _f(
         False,
         "Run a prefill chunk and the running decodes in one forward. On by default on CPU (one "
@@ -538,6 +548,8 @@ class ServerArgs:
             updates["chunked_prefill_size"] = 8192 if device == "cuda" else 2048
         if device == "cpu" and not self.enable_overlap_schedule:
             updates["disable_overlap_schedule"] = True
+        if self.detokenizer == "auto":
+            updates["detokenizer"] = "inline" if device == "cpu" else "process"
         if self._mixed_chunk_by_default(device):
             updates["enable_mixed_chunk"] = True
         if self.attention_backend is None:

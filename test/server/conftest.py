@@ -190,6 +190,9 @@ def fake_servers(tmp_path_factory: pytest.TempPathFactory):
         {
             "main": lambda: Server.fake(tok_dir, *main_flags),
             "auth": lambda: Server.fake(tok_dir, "--api-key", FAKE_API_KEY),
+            # The detokenizer process's route, beside main's default (inline on CPU):
+            # test_http_fake.py runs its text tests on both.
+            "process": lambda: Server.fake(tok_dir, "--detokenizer", "process", *main_flags),
         }
     )
     try:

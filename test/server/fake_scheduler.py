@@ -68,8 +68,15 @@ class FakeScheduler:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
         ctx = zmq.Context(2)
         self.recv = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
-        self.to_detok = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
         self.to_tm = get_zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        # Step messages take the real scheduler's route (SchedulerIO): with --detokenizer inline
+        # (the CPU default) the tokenizer manager decodes them, else the detokenizer process.
+        inline = server_args.detokenizer == "inline"
+        self.to_detok = (
+            self.to_tm
+            if inline
+            else get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+        )
         self.max_queued = server_args.max_queued_requests
         self.step_s = float(os.environ.get("FAKE_STEP_S", "0.005"))
         self.running: dict[str, FakeReq] = {}

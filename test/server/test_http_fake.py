@@ -32,6 +32,13 @@ def url(servers: dict[str, Server]) -> str:
     return servers["main"].url
 
 
+@pytest.fixture(scope="module", params=["main", "process"])
+def text_url(request: pytest.FixtureRequest, fake_servers: SharedServers) -> str:
+    """Text tests run on both routes of a step's token ids: main's default (on CPU, the tokenizer
+    manager decodes them: --detokenizer inline) and the detokenizer process's."""
+    return fake_servers.get(request.param)[request.param].url
+
+
 def detok(url: str, ids: list[int]) -> str:
     return httpx.post(f"{url}/v1/detokenize", json={"tokens": ids}).json()["text"]
 
@@ -64,13 +71,13 @@ def test_generate_single_batch_and_n(url: str) -> None:
     assert [o["meta_info"]["id"][-2:] for o in outs[:2]] == ["-0", "-1"]
 
 
-def test_generate_stream_and_stop_strings(url: str) -> None:
+def test_generate_stream_and_stop_strings(text_url: str) -> None:
     body = {
         "text": "Hello world STOP",
         "stream": True,
         "sampling_params": {"max_new_tokens": 40, "stop": ["STOP"]},
     }
-    with httpx.stream("POST", f"{url}/generate", json=body) as resp:
+    with httpx.stream("POST", f"{text_url}/generate", json=body) as resp:
         events = sse_events(resp)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -80,40 +87,44 @@ def test_generate_stream_and_stop_strings(url: str) -> None:
     assert sum(c["meta_info"]["finish_reason"] is not None for c in chunks) == 1
 
 
-def test_stop_token_and_no_stop_trim(url: str) -> None:
+def test_stop_token_and_no_stop_trim(text_url: str) -> None:
     params = {"max_new_tokens": 10, "stop_token_ids": [69], "skip_special_tokens": True}
-    out = httpx.post(f"{url}/generate", json={"input_ids": [67, 68, 69], "sampling_params": params}).json()
+    out = httpx.post(
+        f"{text_url}/generate", json={"input_ids": [67, 68, 69], "sampling_params": params}
+    ).json()
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 69}
-    assert out["text"] == detok(url, [67, 68])
+    assert out["text"] == detok(text_url, [67, 68])
     params = {"max_new_tokens": 10, "stop": "wor", "no_stop_trim": True}
-    out = httpx.post(f"{url}/generate", json={"text": "Hello world", "sampling_params": params}).json()
+    out = httpx.post(f"{text_url}/generate", json={"text": "Hello world", "sampling_params": params}).json()
     assert out["text"] == "Hello wor"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_strings_have_one_authority(url: str, stream: bool) -> None:
+def test_stop_strings_have_one_authority(text_url: str, stream: bool) -> None:
     """The scheduler ends the request at the stop string a token completes (here "o" once
     min_new_tokens allows it) and the detokenizer cuts the text there: the same text streamed or
     whole, one finish, no AbortReq back to the scheduler. Had the detokenizer matched too, the whole
     text would end at the first "o"; had neither, the output would run to max_new_tokens."""
-    ids = httpx.post(f"{url}/v1/tokenize", json={"prompt": "Hello world, the fox"}).json()["tokens"]
-    first_o = next(k for k in range(len(ids)) if "o" in detok(url, ids[: k + 1]))
+    ids = httpx.post(f"{text_url}/v1/tokenize", json={"prompt": "Hello world, the fox"}).json()["tokens"]
+    first_o = next(k for k in range(len(ids)) if "o" in detok(text_url, ids[: k + 1]))
     rid = f"one-authority-{stream}"
     params = {"max_new_tokens": 40, "stop": ["o"], "min_new_tokens": first_o + 2}
     body = {"input_ids": ids, "stream": stream, "rid": rid, "sampling_params": params}
     if stream:
-        with httpx.stream("POST", f"{url}/generate", json=body) as resp:
+        with httpx.stream("POST", f"{text_url}/generate", json=body) as resp:
             chunks = [json.loads(e) for e in sse_events(resp)[:-1]]
         text, last = chunks[-1]["text"], chunks[-1]  # native streams carry the text so far
         assert sum(c["meta_info"]["finish_reason"] is not None for c in chunks) == 1
     else:
-        last = httpx.post(f"{url}/generate", json=body).json()
+        last = httpx.post(f"{text_url}/generate", json=body).json()
         text = last["text"]
     assert text == "Hello w"
     assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": "o"}
-    expected_tokens = next(k for k in range(first_o + 2, len(ids) + 1) if detok(url, ids[:k]).count("o") == 2)
+    expected_tokens = next(
+        k for k in range(first_o + 2, len(ids) + 1) if detok(text_url, ids[:k]).count("o") == 2
+    )
     assert last["meta_info"]["completion_tokens"] == expected_tokens
-    assert rid not in httpx.get(f"{url}/get_server_info").json()["internal_states"][0]["aborted_rids"]
+    assert rid not in httpx.get(f"{text_url}/get_server_info").json()["internal_states"][0]["aborted_rids"]
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from radixserve.managers.decode_tokenizer import DecodeSpec
+from radixserve.managers.decode_tokenizer import DecodeSpec, decode_spec
 from radixserve.managers.detokenizer import DecodeState, TokenDecoder
 from radixserve.managers.io_struct import (
     PARTIAL_CHAR_DROPPED,
@@ -32,7 +32,7 @@ from radixserve.utils.process import limit_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PARTIAL_CHAR_DROPPED", "DetokenizerManager", "run_detokenizer_process"]
+__all__ = ["PARTIAL_CHAR_DROPPED", "DetokenizerManager", "inline_detokenizer", "run_detokenizer_process"]
 
 
 class DetokenizerManager:
@@ -106,6 +106,19 @@ def run_detokenizer_process(
             logger.error("Detokenizer got an unexpected %s", type(msg).__name__)
             continue
         send_out.send_pyobj(manager.handle(msg))
+
+
+def inline_detokenizer(tokenizer: Any) -> DetokenizerManager:
+    """The detokenizer's core for the tokenizer manager's own loop (--detokenizer inline): over a
+    backend rebuilt from the loaded tokenizer's spec, as the process would decode (and not shared
+    with the threads that encode prompts), else over the HF tokenizer itself, as the process falls
+    back to."""
+    spec = decode_spec(tokenizer)
+    if spec is None:
+        return DetokenizerManager(tokenizer)
+    from radixserve.managers.decode_tokenizer import BackendDecoder
+
+    return DetokenizerManager(BackendDecoder(spec))
 
 
 def load_decode_tokenizer(server_args: ServerArgs, spec: DecodeSpec | None) -> Any:

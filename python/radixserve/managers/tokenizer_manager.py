@@ -1,7 +1,8 @@
 """TokenizerManager: the main process's asyncio front of the scheduler.
 
 It tokenizes and validates requests, sends them to the scheduler, and turns the detokenizer's
-BatchStrOut messages into per-request state that HTTP handlers and the Engine await. All of its
+BatchStrOut messages (or, with --detokenizer inline, the scheduler's BatchTokenIDOut, decoded here)
+into per-request state that HTTP handlers and the Engine await. All of its
 methods run on one event loop (uvicorn's, or the Engine's private loop thread); tokenization, chat
 templates and grammar checks run on a small thread pool (`run_blocking`) so a huge prompt never
 stalls that loop.
@@ -22,6 +23,7 @@ import zmq
 from radixserve.constrained.validation import prewarm as prewarm_grammar
 from radixserve.managers.control_client import ControlClient
 from radixserve.managers.crash_dump import CrashDump
+from radixserve.managers.detokenizer_manager import inline_detokenizer
 from radixserve.managers.embedding_request import EmbedItem, prepare_embedding_items
 from radixserve.managers.errors import ClientDisconnected, RequestAbortedError
 from radixserve.managers.generate_request import GenerateReqInput, RequestItem
@@ -36,6 +38,7 @@ from radixserve.managers.io_struct import (
     AbortReq,
     BatchEmbeddingOut,
     BatchStrOut,
+    BatchTokenIDOut,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FinishAbort,
@@ -144,9 +147,13 @@ class TokenizerManager:
         # time.monotonic() of the last output from the scheduler: /health_generate's evidence of
         # progress (entrypoints/health.py); none yet at start.
         self.last_output_time = float("-inf")
+        # --detokenizer inline: the scheduler's step messages come here and are decoded on this
+        # loop (no detokenizer process woken per token); None: BatchStrOut from the process.
+        self._detokenizer = inline_detokenizer(tokenizer) if server_args.detokenizer == "inline" else None
         self._dispatch = TypeBasedDispatcher(
             [
                 (BatchStrOut, self._on_batch_str_out),
+                (BatchTokenIDOut, self._on_batch_token_id_out),
                 (BatchEmbeddingOut, self._on_batch_embedding_out),
                 (AbortReq, self._on_abort),
             ]
@@ -456,6 +463,11 @@ class TokenizerManager:
                 state.mark_dirty()
         self._update_load_metrics()
 
+    def _on_batch_token_id_out(self, msg: BatchTokenIDOut) -> None:
+        if self._detokenizer is None:  # a scheduler and a tokenizer manager that disagree: a bug
+            raise ValueError("BatchTokenIDOut reached the tokenizer manager without --detokenizer inline")
+        self._on_batch_str_out(self._detokenizer.handle(msg))
+
     def _on_abort(self, msg: AbortReq) -> None:
         """The scheduler dropped a request without a final output for it."""
         state = self.rid_to_state.get(msg.rid)
@@ -467,6 +479,9 @@ class TokenizerManager:
         if self.rid_to_state.get(state.rid) is not state:
             return  # already finished (the rid may since belong to a new request)
         del self.rid_to_state[state.rid]
+        if self._detokenizer is not None:
+            # Its decode state, when no finished message will free it (a scheduler lost in a crash).
+            self._detokenizer.states.pop(state.rid, None)
         state.finish(reason)
         if self.quarantine is not None:
             self.quarantine.finished(state.rid, ok=not isinstance(reason, FinishAbort))

@@ -1,7 +1,8 @@
 """The scheduler subprocess: the model worker and the Scheduler behind ZMQ sockets.
 
 Sockets (rank 0 only): requests arrive on a PULL socket (from the TokenizerManager);
-BatchTokenIDOut goes to the detokenizer; control replies
+BatchTokenIDOut goes to the detokenizer (with --detokenizer inline: to the TokenizerManager, which
+decodes it itself); control replies
 (flush, internal state) go straight back to the TokenizerManager.
 
 With --tp-size / --pp-size above 1 there is one such process per rank (the same
@@ -50,8 +51,13 @@ class SchedulerIO:
     A data-parallel replica's rank 0 (port_args.dp_controller_ipc_name set) also stamps its
     dp_rank on what it sends and reports its load to the DataParallelController."""
 
-    def __init__(self, port_args: PortArgs, load_watch_interval: float = 0.1) -> None:
+    def __init__(
+        self, port_args: PortArgs, load_watch_interval: float = 0.1, inline_detokenizer: bool = False
+    ) -> None:
         self.context = zmq.Context(2)
+        # --detokenizer inline: the step messages go to the tokenizer manager, which decodes them
+        # itself (one process fewer woken per token); else to the detokenizer process.
+        self.inline_detokenizer = inline_detokenizer
         self.recv = get_zmq_socket(self.context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True)
         self.to_detokenizer = get_zmq_socket(
             self.context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False
@@ -101,7 +107,8 @@ class SchedulerIO:
             return
         if self.dp_rank:
             msg = _stamp_dp_rank(msg, self.dp_rank)
-        sock = self.to_detokenizer if isinstance(msg, BatchTokenIDOut) else self.to_tokenizer
+        to_detokenizer = isinstance(msg, BatchTokenIDOut) and not self.inline_detokenizer
+        sock = self.to_detokenizer if to_detokenizer else self.to_tokenizer
         sock.send_pyobj(msg)
 
     def report_load(self, scheduler: Scheduler, force: bool = False) -> None:
@@ -319,7 +326,7 @@ def _build_rank(
         runtime = RankRuntime.for_server(server_args, rank, init_addr, device)
     is_entry = runtime is None or runtime.is_entry_rank
     io = (
-        SchedulerIO(port_args, server_args.load_watch_interval)
+        SchedulerIO(port_args, server_args.load_watch_interval, server_args.detokenizer == "inline")
         if is_entry and port_args is not None
         else None
     )
