@@ -23,20 +23,9 @@ import tempfile
 from pathlib import Path
 
 from peers.process import ServerProcess, free_port
+from profile_serving import CLK_TCK, children  # /proc helpers shared with the serving profile
 
 ROUTES = ("process", "inline")
-CLK_TCK = 100  # /proc/<pid>/stat ticks; Linux's USER_HZ
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of pid (Linux /proc)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
 
 
 def usage(pid: int) -> tuple[int, int]:
