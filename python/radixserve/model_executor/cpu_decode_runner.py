@@ -151,6 +151,10 @@ class CpuDecodeRunner:
         self.can_yield = tp_comm is None and "should_yield" in forward_doc
         # The panels the stack reads at one token, moved end to end in step order (cpu_panel_arena).
         self.panel_arena = gather_panels(step_order(inner.layers)) if wq_a8_max_tokens else None
+        # The forms' int8-activation marks and panels go to the stack when either its small
+        # products (wq_a8_max_tokens) or its batches (wq_batch_a8_above) read them: a start whose
+        # tuning gave the batches panels but the one-row products none must still hand them over.
+        a8_in_stack = bool(wq_a8_max_tokens or wq_batch_a8_above)
         for layer_id, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, dense_mlp(layer)  # mlp None: a MoE layer, no shared expert
             gate_up, down = (None, None) if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
@@ -185,7 +189,7 @@ class CpuDecodeRunner:
                     not (wq_a8_max_tokens and _takes_a8(lin) and _panels(lin) is None) for lin in linears
                 ]
                 self.decode_model.set_layer_wq(layer_id, *(_wq(lin, n) for lin, n in zip(linears, narrow)))
-                if wq_a8_max_tokens:
+                if a8_in_stack:
                     self.decode_model.set_layer_wq_a8(layer_id, *(_takes_a8(lin) for lin in linears))
                     if any(_panels(lin) is not None for lin in linears):
                         self.decode_model.set_layer_wq_a8_panels(layer_id, *(_panels(lin) for lin in linears))
