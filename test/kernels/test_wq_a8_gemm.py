@@ -1,5 +1,5 @@
 """linear_wq_a8 on pack_wq_a8 panels at batch sizes (sgl-kernel's wq_a8_gemm.h: the VNNI GEMM
-tiles and the threaded quantizer serve products of 5 rows and more) against its references:
+tiles and the threaded quantizer serve products of 2 rows and more) against its references:
 
 - each row's result is the same bits whether it runs alone (the one-row / panel path) or inside a
   batch of any size (whatever tile, remainder tile or row chunk it falls in);

@@ -55,7 +55,12 @@ static void linear_wq_a8_gemm(const at::Tensor& x, const at::Tensor& packed_q, c
       &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias, y.data_ptr<float>(), groups,
       group_size / kBlock, M, n, K};
   const int64_t pairs = (P + 1) / 2, grain = std::max<int64_t>(1, wq_a8_panels::grain_panels(nb, int4 ? 4 : 8) / 2);
-  const auto run = [&](int64_t q0, int64_t q1) { wq_a8_gemm::gemm_block(p, 2 * q0, std::min(P, 2 * q1), 0, M, int4); };
+  // Each run prefetches its next panels' weights (gemm_block) as the MoE experts' runs do: a decode
+  // batch's few tiles a panel pair otherwise wait on the weights streaming from memory (a model's
+  // layers are far past L3).
+  const auto run = [&](int64_t q0, int64_t q1) {
+    wq_a8_gemm::gemm_block(p, 2 * q0, std::min(P, 2 * q1), 0, M, int4, /*prefetch=*/true);
+  };
   if (M <= wq_a8_gemm::kRowChunk)
     wq_a8_gemm::parallel_chunks(pairs, wq_a8_gemm::chunk_for(pairs, grain), run);
   else

@@ -30,10 +30,12 @@ namespace wq_a8_gemm {
 using wq_a8_panels::kPanel;
 using wq_a8_panels::PackedProblem;
 
-// Products of at least this many rows take the GEMM tiles (fewer: the panel kernel's 4-row tiles,
-// the one-row work's). Both give the same bits, so the bound is speed only: on Zen 4 (one thread,
-// the built-in model's decoder shapes) the tiles ran 1.25-1.55x the panel kernel from 4 rows up.
-constexpr int64_t kMinRows = 5;
+// Products of at least this many rows take the GEMM tiles (one row: the one-row work). Both give
+// the same bits, so the bound is speed only: on Zen 4 (one thread, thread CPU time, in-process
+// alternation, weights in cache) the tiles ran 1.2-1.4x the panel kernel's 4-row tiles at 2, 3
+// and 4 rows (built-in model's Q4_1 / Q8_0 decoder shapes, Qwen3-30B-A3B's Q4_0 experts), and
+// 1.1-1.6x with the weights streaming from memory (the tiles prefetch the next panels).
+constexpr int64_t kMinRows = 2;
 // Rows of x per sweep of a thread's panels: 128 rows of the widest K here (1536) are 192 KB of
 // int8 x, inside Zen 4's 1 MB L2 beside the panels.
 constexpr int64_t kRowChunk = 128;
@@ -80,6 +82,28 @@ inline __m256i bcast4(const int8_t* q) {
   return _mm256_set1_epi32(v);
 }
 
+// y[m0 .. m0 + MB, the NP panels' rows] = acc (+ bias): a full panel in one vector store (and one
+// vector add of the bias: the same fp32 sums as one at a time), a part-filled last one through a
+// buffer. The scalar loop for every panel was 80-96 scalar stores (and bias loads) a tile.
+template <int MB, int NP>
+inline void store_rows(const PackedProblem& p, int64_t panel, int64_t m0, const __m256 (&acc)[MB][NP]) {
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n0 = (panel + j) * kPanel, rows = std::min(kPanel, p.N - n0);
+    const bool full = rows == kPanel;
+    const __m256 bias = full && p.bias != nullptr ? _mm256_loadu_ps(p.bias + n0) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) {
+      float* y = p.y + (m0 + m) * p.N + n0;
+      if (full) {
+        _mm256_storeu_ps(y, p.bias != nullptr ? _mm256_add_ps(acc[m][j], bias) : acc[m][j]);
+        continue;
+      }
+      alignas(32) float out[kPanel];
+      _mm256_store_ps(out, acc[m][j]);
+      for (int64_t r = 0; r < rows; ++r) y[r] = p.bias != nullptr ? out[r] + p.bias[n0 + r] : out[r];
+    }
+  }
+}
+
 // MB rows of x (from m0) against NP consecutive panels (from panel): y[m0 .. m0 + MB, the
 // panels' rows], by vpdpbusd on 256-bit vectors. kPrefetch: each block of the NP panels also
 // prefetches (into L2) the same block of the NP panels after them, so one tile's pass covers the
@@ -102,7 +126,8 @@ inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0, const u
   __m256 acc[MB][NP];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NP; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  // g: the block's group, counted along (b / bpg was a 64-bit idiv a block).
+  for (int64_t b = 0, g = 0, in_group = 0; b < nb; ++b) {
     if constexpr (kPrefetch) {
       for (int j = 0; j < NP; ++j) {
         const uint8_t* ahead = wq[j] + b * kPanelBlock + NP * nb * kPanelBlock;
@@ -146,7 +171,6 @@ inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0, const u
         }
       }
     }
-    const int64_t g = b / bpg;
     __m256 sw[NP];
     for (int j = 0; j < NP; ++j) sw[j] = wq_a8_panels::load8<kHalf>(p.g.s, g0[j] + g * kPanel);
     for (int m = 0; m < MB; ++m) {
@@ -154,25 +178,21 @@ inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0, const u
       for (int j = 0; j < NP; ++j)
         acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][j]), _mm256_mul_ps(sw[j], sx), acc[m][j]);
     }
-    if (offsets && b % bpg == bpg - 1) {
-      // As the panel kernel: the group's offsets (stored, or -zero * scale) times x's group sum.
-      for (int j = 0; j < NP; ++j) {
-        const __m256 ow =
-            p.g.o != nullptr ? wq_a8_panels::load8<kHalf>(p.g.o, g0[j] + g * kPanel) : _mm256_mul_ps(sw[j], neg_zero);
-        for (int m = 0; m < MB; ++m)
-          acc[m][j] = _mm256_fmadd_ps(ow, _mm256_set1_ps(p.xq->gsum[(m0 + m) * p.groups + g]), acc[m][j]);
+    if (++in_group == bpg) {
+      if (offsets) {
+        // As the panel kernel: the group's offsets (stored, or -zero * scale) times x's group sum.
+        for (int j = 0; j < NP; ++j) {
+          const __m256 ow = p.g.o != nullptr ? wq_a8_panels::load8<kHalf>(p.g.o, g0[j] + g * kPanel)
+                                             : _mm256_mul_ps(sw[j], neg_zero);
+          for (int m = 0; m < MB; ++m)
+            acc[m][j] = _mm256_fmadd_ps(ow, _mm256_set1_ps(p.xq->gsum[(m0 + m) * p.groups + g]), acc[m][j]);
+        }
       }
+      ++g;
+      in_group = 0;
     }
   }
-  alignas(32) float out[kPanel];
-  for (int j = 0; j < NP; ++j) {
-    const int64_t n0 = (panel + j) * kPanel, rows = std::min(kPanel, p.N - n0);
-    for (int m = 0; m < MB; ++m) {
-      _mm256_store_ps(out, acc[m][j]);
-      float* y = p.y + (m0 + m) * p.N + n0;
-      for (int64_t r = 0; r < rows; ++r) y[r] = p.bias != nullptr ? out[r] + p.bias[n0 + r] : out[r];
-    }
-  }
+  store_rows<MB, NP>(p, panel, m0, acc);
 }
 
 // One tile of `rows` (1..kMB) rows from m (kPrefetch: gemm_tile's prefetch up to `end`).
