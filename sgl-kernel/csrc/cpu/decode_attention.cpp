@@ -17,6 +17,7 @@
 // the softmax weights rounded to bf16); other pools, the fp32 block step.
 #include "attention_block.h"
 #include "attention_block_bf16.h"
+#include "attention_short_bf16.h"
 #include "common.h"
 #include "ops.h"
 
@@ -174,13 +175,59 @@ struct Plan {
 // Runs f(0..n-1) on the thread pool, each thread taking the next task when it finishes one:
 // segments differ in work (a shared prefix folded for 8 requests vs one request's tail), and
 // at::parallel_for's static halves left one thread idle for a third of the time.
+// f(task, next): `next` is the task this thread takes after `task` (claimed before `task` runs,
+// so that its K/V rows can be prefetched meanwhile), or -1.
 template <typename F>
 void parallel_tasks(int64_t n, const F& f) {
   std::atomic<int64_t> next{0};
   rs::parallel_for(0, std::min<int64_t>(rs::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t);
+    for (int64_t t = next.fetch_add(1); t < n;) {
+      const int64_t after = next.fetch_add(1);
+      f(t, after < n ? after : -1);
+      t = after;
+    }
   });
 }
+
+#if RS_HAVE_DECODE_BF16
+// RADIXSERVE_DECODE_ATTENTION_BLOCKS=1 keeps short requests on the block steps (A/B and tests);
+// read per call (one getenv against a call's tens of microseconds).
+bool short_path_enabled() {
+  const char* v = std::getenv("RADIXSERVE_DECODE_ATTENTION_BLOCKS");
+  return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
+}
+
+constexpr int64_t kShortTokens = kShortMaxTokens;
+#else
+constexpr int64_t kShortTokens = 0;
+#endif
+
+// Whether a kv_t pool of head_dim D takes the whole-request path for short requests.
+template <typename kv_t>
+bool short_path_applies([[maybe_unused]] int64_t D) {
+#if RS_HAVE_DECODE_BF16
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) return decode_bf16_applies(D) && short_path_enabled();
+#endif
+  return false;
+}
+
+#if RS_HAVE_DECODE_BF16
+bool fold_request_dispatch(const HeadView<at::BFloat16>* views, int64_t nh, int64_t G, int64_t D,
+                           const int32_t* slots, int64_t len, float* const* outs, int64_t out_stride,
+                           NextRowsPrefetch& next) {
+  switch (G) {
+    case 1: fold_request_bf16_g<1>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 2: fold_request_bf16_g<2>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 3: fold_request_bf16_g<3>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 4: fold_request_bf16_g<4>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 5: fold_request_bf16_g<5>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 6: fold_request_bf16_g<6>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 7: fold_request_bf16_g<7>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 8: fold_request_bf16_g<8>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    default: return false;
+  }
+}
+#endif
 
 int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
   int64_t i = 0;
@@ -305,13 +352,52 @@ void decode_attention_impl(
     const int64_t num_segments = static_cast<int64_t>(plan.segments.size());
     const int64_t nh = num_segments >= 2 * rs::get_num_threads() ? Hkv : 1;  // KV heads per task
     const int64_t head_groups = Hkv / nh;
+    // A request of up to kShortMaxTokens folded alone into its output rows takes the
+    // whole-request path on a bf16 pool (attention_short_bf16.h).
+    const bool short_on = short_path_applies<kv_t>(D);
+    // It writes the output rows at any stride, so its requests skip the merge pass either way.
+    auto short_request = [&](int64_t b) {
+      return short_on && plan.parts_of[b].size() == 1 && lens[b] <= kShortTokens;
+    };
+    auto is_short = [&](const Segment& seg) { return seg.me - seg.mb == 1 && short_request(plan.members[seg.mb]); };
+    auto fold_short = [&]([[maybe_unused]] const Segment& seg, [[maybe_unused]] int64_t h0,
+                          [[maybe_unused]] int64_t next_task) {
+#if RS_HAVE_DECODE_BF16
+      if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+        thread_local std::vector<HeadView<kv_t>> hviews;
+        thread_local std::vector<float*> outs;
+        const int64_t b = plan.members[seg.mb];
+        hviews.clear();
+        outs.clear();
+        for (int64_t kh = h0; kh < h0 + nh; ++kh) {
+          hviews.push_back({q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, Hkv * D,
+                            static_cast<float>(scale)});
+          outs.push_back(out_ptr + b * os0 + kh * G * os1);
+        }
+        // The rows of the task this thread takes next, requested into L2 while this one computes.
+        NextRowsPrefetch next;
+        if (next_task >= 0 && is_short(plan.segments[next_task / head_groups])) {
+          const Segment& ns = plan.segments[next_task / head_groups];
+          const int64_t nh0 = (next_task % head_groups) * nh, elem = sizeof(kv_t);
+          next = {reinterpret_cast<const char*>(k_ptr + nh0 * D), reinterpret_cast<const char*>(v_ptr + nh0 * D),
+                  Hkv * D * elem, nh * D * elem, rows[ns.rep] + ns.t0, ns.t1 - ns.t0, 0};
+        }
+        fold_request_dispatch(hviews.data(), nh, G, D, rows[seg.rep] + seg.t0, seg.t1 - seg.t0, outs.data(), os1,
+                              next);
+      }
+#endif
+    };
     // Segments come heaviest first (shared prefixes, then own tails), which dynamic scheduling
     // needs to balance well.
-    parallel_tasks(num_segments * head_groups, [&](int64_t task) {
+    parallel_tasks(num_segments * head_groups, [&](int64_t task, int64_t next_task) {
       thread_local std::vector<HeadView<kv_t>> views;  // [member][head]
       thread_local std::vector<HeadState> states;
       const Segment& seg = plan.segments[task / head_groups];
       const int64_t h0 = (task % head_groups) * nh;
+      if (is_short(seg)) {
+        fold_short(seg, h0, next_task);
+        return;
+      }
       views.clear();
       states.clear();
       for (int64_t i = seg.mb; i < seg.me; ++i) {
@@ -336,7 +422,7 @@ void decode_attention_impl(
     rs::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / Hkv, kh = task % Hkv;
-        if (direct(b)) continue;
+        if (direct(b) || short_request(b)) continue;
         merge_parts(plan.parts_of[b], [&](int64_t p) { return part_at(p, kh); }, G, D,
                     out_ptr + b * os0 + kh * G * os1, os1);
       }
