@@ -379,8 +379,9 @@ void decode_attention_impl(
         if (next_task >= 0 && is_short(plan.segments[next_task / head_groups])) {
           const Segment& ns = plan.segments[next_task / head_groups];
           const int64_t nh0 = (next_task % head_groups) * nh, elem = sizeof(kv_t);
-          next = {reinterpret_cast<const char*>(k_ptr + nh0 * D), reinterpret_cast<const char*>(v_ptr + nh0 * D),
-                  Hkv * D * elem, nh * D * elem, rows[ns.rep] + ns.t0, ns.t1 - ns.t0, 0};
+          thread_local std::vector<int64_t> lines;
+          next.set(reinterpret_cast<const char*>(k_ptr + nh0 * D), reinterpret_cast<const char*>(v_ptr + nh0 * D),
+                   Hkv * D * elem, nh * D * elem, rows[ns.rep] + ns.t0, ns.t1 - ns.t0, lines);
         }
         fold_request_dispatch(hviews.data(), nh, G, D, rows[seg.rep] + seg.t0, seg.t1 - seg.t0, outs.data(), os1,
                               next);
