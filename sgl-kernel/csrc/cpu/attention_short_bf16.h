@@ -8,11 +8,11 @@
 // - scores: 16 tokens at a time, padded to 16 by repeating the last slot (no branch per token),
 //   each K row read as bf16 pairs against q * scale rounded to bf16 (vdpbf16ps), 16 partial-sum
 //   vectors reduced together (reduce16x16);
-// - one max, one exp pass and one sum per query head, vectorized over tokens; the weights times
-//   1 / sum rounded to bf16 pairs, so the values' sums are the outputs (no rescale, no normalize);
+// - one max, one exp pass and one sum per query head, vectorized over tokens; the weights rounded
+//   to bf16 pairs (no running max, so no rescale of the accumulators);
 // - values: per KV head, G x kNB accumulators in registers over the whole context, two V rows
 //   interleaved into pairs (vpermt2w) for one vdpbf16ps per query head and 16 outputs, stored
-//   once into the output rows.
+//   once into the output rows, times 1 / sum.
 // The next request's K and V rows are prefetched into L2 while this one is computed (a batch's
 // rows are scattered in a pool far larger than the caches).
 // Numerics as attention_block_bf16.h: K, V exact; q * scale and the weights rounded to bf16;
@@ -93,8 +93,10 @@ inline void scores16_bf16(const uint32_t* qb, const at::BFloat16* k, const int64
 }
 
 // Scores s[0..len) (the buffer padded to a multiple of 32) -> pw[0..lpad / 2): the softmax weights
-// of tokens 2i, 2i + 1 as a bf16 pair, 0 past len.
-inline void softmax_weights_bf16(float* s, int64_t len, int64_t lpad, uint32_t* pw) {
+// exp(s - max) of tokens 2i, 2i + 1 as a bf16 pair, 0 past len; returns 1 / their sum. The sum
+// divides the outputs, not the weights: the largest weights (1) then round exactly, and
+// normalized weights measured ~10% more error against fp32 attention.
+inline float softmax_weights_bf16(float* s, int64_t len, int64_t lpad, uint32_t* pw) {
   auto valid = [len](int64_t i) {
     const int64_t left = len - i;
     return left >= 16 ? static_cast<__mmask16>(0xFFFF)
@@ -109,19 +111,19 @@ inline void softmax_weights_bf16(float* s, int64_t len, int64_t lpad, uint32_t* 
     _mm512_store_ps(s + i, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));  // the largest weight is 1: sum >= 1
   for (int64_t i = 0; i < lpad; i += 32) {
-    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_load_ps(s + i + 16), inv),
-                                          _mm512_mul_ps(_mm512_load_ps(s + i), inv));
+    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_load_ps(s + i + 16), _mm512_load_ps(s + i));
     _mm512_store_si512(pw + i / 2, (__m512i)w);
   }
+  return 1.f / _mm512_reduce_add_ps(sum);  // the largest weight is 1: sum >= 1
 }
 
-// out_g[d0, d0 + 16 kNB) = sum_i pw_g[i] . (V[2i], V[2i + 1]) over `pairs` pairs for the G query
-// heads of one KV head; offsets: element offsets of the rows (padded to an even count).
+// out_g[d0, d0 + 16 kNB) = inv_g sum_i pw_g[i] . (V[2i], V[2i + 1]) over `pairs` pairs for the G
+// query heads of one KV head; offsets: element offsets of the rows (padded to an even count).
 template <int G, int kNB>
 inline void values_bf16(const at::BFloat16* v, const int64_t* offsets, int64_t pairs, const uint32_t* pw,
-                        int64_t pw_stride, float* out, int64_t out_stride, NextRowsPrefetch& next) {
+                        int64_t pw_stride, const float* inv, float* out, int64_t out_stride,
+                        NextRowsPrefetch& next) {
   const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
   // The prefetch cursor in locals: with `next` written inside the loop GCC kept the accumulators
   // in memory.
@@ -152,7 +154,7 @@ inline void values_bf16(const at::BFloat16* v, const int64_t* offsets, int64_t p
   }
   next.at = at;
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < kNB; ++c) _mm512_storeu_ps(out + g * out_stride + 16 * c, o[g][c]);
+    for (int c = 0; c < kNB; ++c) _mm512_storeu_ps(out + g * out_stride + 16 * c, _mm512_mul_ps(o[g][c], _mm512_set1_ps(inv[g])));
 }
 
 // The attention of one request of len <= kShortMaxTokens tokens for num_heads KV heads: views[h]
@@ -197,11 +199,14 @@ void fold_request_bf16(const HeadView<at::BFloat16>* views, int64_t num_heads, i
       for (int64_t i = 0; i < kScoreBlockSteps; ++i) next.step();
     }
   }
-  for (int64_t r = 0; r < num_heads * G; ++r) softmax_weights_bf16(scores + r * lpad, len, lpad, pw + r * lpad / 2);
+  thread_local std::vector<float> inv;  // [head][G]: 1 / the softmax sums
+  inv.resize(static_cast<size_t>(num_heads * G));
+  for (int64_t r = 0; r < num_heads * G; ++r)
+    inv[r] = softmax_weights_bf16(scores + r * lpad, len, lpad, pw + r * lpad / 2);
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t d0 = 0; d0 < D; d0 += 16 * kNB)
       values_bf16<G, kNB>(views[h].v_buf + d0, offsets.data(), pairs, pw + h * G * lpad / 2, lpad / 2,
-                          outs[h] + d0, out_stride, next);
+                          inv.data() + h * G, outs[h] + d0, out_stride, next);
 }
 
 // fold_request_bf16 with its value chunk count for G and D (decode_bf16_applies(D)).
