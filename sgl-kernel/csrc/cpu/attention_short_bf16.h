@@ -21,6 +21,11 @@
 
 #include "attention_block_bf16.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <type_traits>
+#include <vector>
+
 #if RS_HAVE_DECODE_BF16
 
 // Longest context the whole-request path takes: scores of 8 query heads x 512 tokens are 16 KB
@@ -219,4 +224,40 @@ void fold_request_bf16_g(const HeadView<at::BFloat16>* views, int64_t num_heads,
   fold_request_bf16<G, 2>(views, num_heads, D, slots, len, outs, out_stride, next);
 }
 
+// fold_request_bf16 for G query heads per KV head (1 to 8).
+inline bool fold_request_dispatch(const HeadView<at::BFloat16>* views, int64_t nh, int64_t G, int64_t D,
+                                  const int32_t* slots, int64_t len, float* const* outs, int64_t out_stride,
+                                  NextRowsPrefetch& next) {
+  switch (G) {
+    case 1: fold_request_bf16_g<1>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 2: fold_request_bf16_g<2>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 3: fold_request_bf16_g<3>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 4: fold_request_bf16_g<4>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 5: fold_request_bf16_g<5>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 6: fold_request_bf16_g<6>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 7: fold_request_bf16_g<7>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    case 8: fold_request_bf16_g<8>(views, nh, D, slots, len, outs, out_stride, next); return true;
+    default: return false;
+  }
+}
+
+// RADIXSERVE_DECODE_ATTENTION_BLOCKS=1 keeps short requests on the block steps (A/B and tests);
+// read per call (one getenv against a call's tens of microseconds).
+inline bool short_path_enabled() {
+  const char* v = std::getenv("RADIXSERVE_DECODE_ATTENTION_BLOCKS");
+  return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
+}
+
+constexpr int64_t kShortTokens = kShortMaxTokens;
+#else
+constexpr int64_t kShortTokens = 0;  // no whole-request path in this build
 #endif  // RS_HAVE_DECODE_BF16
+
+// Whether a kv_t pool of head_dim D takes the whole-request path for its short requests.
+template <typename kv_t>
+bool short_path_applies([[maybe_unused]] int64_t D) {
+#if RS_HAVE_DECODE_BF16
+  if constexpr (std::is_same_v<kv_t, at::BFloat16>) return decode_bf16_applies(D) && short_path_enabled();
+#endif
+  return false;
+}

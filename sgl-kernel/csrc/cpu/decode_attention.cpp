@@ -189,45 +189,6 @@ void parallel_tasks(int64_t n, const F& f) {
   });
 }
 
-#if RS_HAVE_DECODE_BF16
-// RADIXSERVE_DECODE_ATTENTION_BLOCKS=1 keeps short requests on the block steps (A/B and tests);
-// read per call (one getenv against a call's tens of microseconds).
-bool short_path_enabled() {
-  const char* v = std::getenv("RADIXSERVE_DECODE_ATTENTION_BLOCKS");
-  return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
-}
-
-constexpr int64_t kShortTokens = kShortMaxTokens;
-#else
-constexpr int64_t kShortTokens = 0;
-#endif
-
-// Whether a kv_t pool of head_dim D takes the whole-request path for short requests.
-template <typename kv_t>
-bool short_path_applies([[maybe_unused]] int64_t D) {
-#if RS_HAVE_DECODE_BF16
-  if constexpr (std::is_same_v<kv_t, at::BFloat16>) return decode_bf16_applies(D) && short_path_enabled();
-#endif
-  return false;
-}
-
-#if RS_HAVE_DECODE_BF16
-bool fold_request_dispatch(const HeadView<at::BFloat16>* views, int64_t nh, int64_t G, int64_t D,
-                           const int32_t* slots, int64_t len, float* const* outs, int64_t out_stride,
-                           NextRowsPrefetch& next) {
-  switch (G) {
-    case 1: fold_request_bf16_g<1>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    case 2: fold_request_bf16_g<2>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    case 3: fold_request_bf16_g<3>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    case 4: fold_request_bf16_g<4>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    case 5: fold_request_bf16_g<5>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    case 6: fold_request_bf16_g<6>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    case 7: fold_request_bf16_g<7>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    case 8: fold_request_bf16_g<8>(views, nh, D, slots, len, outs, out_stride, next); return true;
-    default: return false;
-  }
-}
-#endif
 
 int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
   int64_t i = 0;
