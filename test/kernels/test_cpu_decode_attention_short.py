@@ -24,7 +24,16 @@ EXACT_BOUND = 1e-2  # the weights and q * scale in bf16
 PATHS_BOUND = 6e-3  # whole-request path against block steps (measured 0.0011 at 16 x 1-512 tokens)
 
 
-def _run(lens, heads, head_dim, page_size, share, seed, blocks=False, monkeypatch=None):
+def _run(
+    lens: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    page_size: int,
+    share: int,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], torch.Tensor, torch.Tensor | None]:
+    """(q, k_buf, v_buf, rows, out, out with the block steps or None) of a random bf16 pool."""
     gen = torch.Generator().manual_seed(seed)
     q, k_buf, v_buf, req_to_token, pool_idx, rows = paged_pool(
         lens, page_size, heads[0], heads[1], head_dim, len(lens), gen, share=share
@@ -40,7 +49,15 @@ def _run(lens, heads, head_dim, page_size, share, seed, blocks=False, monkeypatc
     return q, k_buf, v_buf, rows, out, blocks_out
 
 
-def _check(q, k_buf, v_buf, rows, out, heads, head_dim):
+def _check(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    rows: list[list[int]],
+    out: torch.Tensor,
+    heads: tuple[int, int],
+    head_dim: int,
+) -> None:
     scale = head_dim**-0.5
     bf16_dot = cpu_kernels.decode_attention_bf16_dot(head_dim) and heads[0] // heads[1] <= 8
     for b, r in enumerate(rows):
@@ -71,7 +88,15 @@ CASES = [
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens,heads,head_dim,page_size,share", CASES)
-def test_short_requests_error_is_bounded(lens, heads, head_dim, page_size, share, threads, monkeypatch):
+def test_short_requests_error_is_bounded(
+    lens: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    page_size: int,
+    share: int,
+    threads: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -85,7 +110,7 @@ def test_short_requests_error_is_bounded(lens, heads, head_dim, page_size, share
     assert (out - blocks_out).abs().max().item() < PATHS_BOUND
 
 
-def test_short_requests_random_shapes(monkeypatch):
+def test_short_requests_random_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(40)
     for trial in range(12):
         g = int(torch.randint(1, 9, (1,), generator=gen))
@@ -102,13 +127,21 @@ def test_short_requests_random_shapes(monkeypatch):
         assert (out - blocks_out).abs().max().item() < PATHS_BOUND
 
 
-def test_short_requests_strided_out_matches_contiguous_out():
+def test_short_requests_strided_out_matches_contiguous_out() -> None:
     """The whole-request path writes the output rows at their stride: a strided out gets the same
     bits as a contiguous one."""
     lens = [130, 1, 64, 65, 512]
     gen = torch.Generator().manual_seed(7)
     q, k_buf, v_buf, req_to_token, pool_idx, _ = paged_pool(lens, 1, 9, 3, 64, len(lens), gen)
-    args = (q.contiguous(), k_buf.bfloat16(), v_buf.bfloat16(), req_to_token, pool_idx, torch.tensor(lens), 0.125)
+    args = (
+        q.contiguous(),
+        k_buf.bfloat16(),
+        v_buf.bfloat16(),
+        req_to_token,
+        pool_idx,
+        torch.tensor(lens),
+        0.125,
+    )
     contiguous = cpu_kernels.decode_attention(*args)
     strided = torch.full((len(lens), 9, 128), float("nan"))[:, :, :64]
     cpu_kernels.decode_attention(*args, out=strided)

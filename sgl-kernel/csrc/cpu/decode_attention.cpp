@@ -15,6 +15,9 @@
 // Other shapes (and builds without AVX2) take a two-pass path: scores, softmax, values.
 // bf16 pools on AVX512_BF16 builds fold by bf16 dot products (attention_block_bf16.h: q * scale and
 // the softmax weights rounded to bf16); other pools, the fp32 block step.
+// There a request of up to kShortMaxTokens tokens folded alone (no shared prefix, no split)
+// takes the whole-request path instead (attention_short_bf16.h: all scores, one softmax, then the
+// values), and prefetches the K/V rows of the task its thread runs next.
 #include "attention_block.h"
 #include "attention_block_bf16.h"
 #include "attention_short_bf16.h"
