@@ -15,8 +15,12 @@
 // Other shapes (and builds without AVX2) take a two-pass path: scores, softmax, values.
 // bf16 pools on AVX512_BF16 builds fold by bf16 dot products (attention_block_bf16.h: q * scale and
 // the softmax weights rounded to bf16); other pools, the fp32 block step.
+// There a request of up to kShortMaxTokens tokens folded alone (no shared prefix, no split)
+// takes the whole-request path instead (attention_short_bf16.h: all scores, one softmax, then the
+// values), and prefetches the K/V rows of the task its thread runs next.
 #include "attention_block.h"
 #include "attention_block_bf16.h"
+#include "attention_short_bf16.h"
 #include "common.h"
 #include "ops.h"
 
@@ -174,13 +178,20 @@ struct Plan {
 // Runs f(0..n-1) on the thread pool, each thread taking the next task when it finishes one:
 // segments differ in work (a shared prefix folded for 8 requests vs one request's tail), and
 // at::parallel_for's static halves left one thread idle for a third of the time.
+// f(task, next): `next` is the task this thread takes after `task` (claimed before `task` runs,
+// so that its K/V rows can be prefetched meanwhile), or -1.
 template <typename F>
 void parallel_tasks(int64_t n, const F& f) {
   std::atomic<int64_t> next{0};
   rs::parallel_for(0, std::min<int64_t>(rs::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t);
+    for (int64_t t = next.fetch_add(1); t < n;) {
+      const int64_t after = next.fetch_add(1);
+      f(t, after < n ? after : -1);
+      t = after;
+    }
   });
 }
+
 
 int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
   int64_t i = 0;
@@ -305,13 +316,53 @@ void decode_attention_impl(
     const int64_t num_segments = static_cast<int64_t>(plan.segments.size());
     const int64_t nh = num_segments >= 2 * rs::get_num_threads() ? Hkv : 1;  // KV heads per task
     const int64_t head_groups = Hkv / nh;
+    // A request of up to kShortMaxTokens folded alone into its output rows takes the
+    // whole-request path on a bf16 pool (attention_short_bf16.h).
+    const bool short_on = short_path_applies<kv_t>(D);
+    // It writes the output rows at any stride, so its requests skip the merge pass either way.
+    auto short_request = [&](int64_t b) {
+      return short_on && plan.parts_of[b].size() == 1 && lens[b] <= kShortTokens;
+    };
+    auto is_short = [&](const Segment& seg) { return seg.me - seg.mb == 1 && short_request(plan.members[seg.mb]); };
+    auto fold_short = [&]([[maybe_unused]] const Segment& seg, [[maybe_unused]] int64_t h0,
+                          [[maybe_unused]] int64_t next_task) {
+#if RS_HAVE_DECODE_BF16
+      if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
+        thread_local std::vector<HeadView<kv_t>> hviews;
+        thread_local std::vector<float*> outs;
+        const int64_t b = plan.members[seg.mb];
+        hviews.clear();
+        outs.clear();
+        for (int64_t kh = h0; kh < h0 + nh; ++kh) {
+          hviews.push_back({q_ptr + b * qs0 + kh * G * qs1, qs1, k_ptr + kh * D, v_ptr + kh * D, Hkv * D,
+                            static_cast<float>(scale)});
+          outs.push_back(out_ptr + b * os0 + kh * G * os1);
+        }
+        // The rows of the task this thread takes next, requested into L2 while this one computes.
+        NextRowsPrefetch next;
+        if (next_task >= 0 && is_short(plan.segments[next_task / head_groups])) {
+          const Segment& ns = plan.segments[next_task / head_groups];
+          const int64_t nh0 = (next_task % head_groups) * nh, elem = sizeof(kv_t);
+          thread_local std::vector<int64_t> lines;
+          next.set(reinterpret_cast<const char*>(k_ptr + nh0 * D), reinterpret_cast<const char*>(v_ptr + nh0 * D),
+                   Hkv * D * elem, nh * D * elem, rows[ns.rep] + ns.t0, ns.t1 - ns.t0, lines);
+        }
+        fold_request_dispatch(hviews.data(), nh, G, D, rows[seg.rep] + seg.t0, seg.t1 - seg.t0, outs.data(), os1,
+                              next);
+      }
+#endif
+    };
     // Segments come heaviest first (shared prefixes, then own tails), which dynamic scheduling
     // needs to balance well.
-    parallel_tasks(num_segments * head_groups, [&](int64_t task) {
+    parallel_tasks(num_segments * head_groups, [&](int64_t task, int64_t next_task) {
       thread_local std::vector<HeadView<kv_t>> views;  // [member][head]
       thread_local std::vector<HeadState> states;
       const Segment& seg = plan.segments[task / head_groups];
       const int64_t h0 = (task % head_groups) * nh;
+      if (is_short(seg)) {
+        fold_short(seg, h0, next_task);
+        return;
+      }
       views.clear();
       states.clear();
       for (int64_t i = seg.mb; i < seg.me; ++i) {
@@ -336,7 +387,7 @@ void decode_attention_impl(
     rs::parallel_for(0, bs * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / Hkv, kh = task % Hkv;
-        if (direct(b)) continue;
+        if (direct(b) || short_request(b)) continue;
         merge_parts(plan.parts_of[b], [&](int64_t p) { return part_at(p, kh); }, G, D,
                     out_ptr + b * os0 + kh * G * os1, os1);
       }
