@@ -353,7 +353,7 @@ class ModelRunner:
         fb = self.init_forward_batch(batch, init_attn_metadata=fast_path is None)
         fb.capture_aux_layers = aux_layers
         # The fused CPU stack and the LM head in one step-team scope: the team stays hot from the
-        # first layer to the greedy head's candidate pass (sgl_kernel.cpu.step_team_held).
+        # first layer to the head's last product (sgl_kernel.cpu.step_team_held).
         with cpu_step_team(fast_path is not None and fast_path is self.cpu_decode_runner):
             try:
                 if fast_path is not None:

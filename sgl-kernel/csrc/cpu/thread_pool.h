@@ -57,8 +57,8 @@ class StepTeam {
 };
 
 // A step's scope held across Python (issue 40): the served one-token step runs the fused stack,
-// a Python gap, then the greedy head's candidate pass; held from before the stack to after the
-// head, the team stays hot through the gap (the stack's own StepTeam then nests and owns
+// a Python gap, then the LM head (the panels' one-row product or the greedy candidate pass); held
+// from before the stack to after the head, the team stays hot through the gap (the stack's own StepTeam then nests and owns
 // nothing) instead of parking at the stack's end and waking for the head. enter returns whether
 // this thread now holds a team (false: already held, team off, one thread, or another step has
 // it); exit releases what enter took (nothing when it took nothing). One thread's calls only.
@@ -106,6 +106,7 @@ template <class F>
 void parallel_runs(int64_t n, int64_t run, const F& f) {
   if (team::role() != team::Role::kMaster || team::size() <= 1 || n <= run || run <= 0)
     return parallel_for(0, n, run, f);
+  run = std::max(run, (n + 0xfffe) / 0xffff);  // the team's ticket counts at most 65535 tasks
   team::run(0, n, run, (n + run - 1) / run,
             [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
 }
