@@ -129,7 +129,12 @@ def profile(
     rest = total - sum(parts)
     line = " + ".join([*shares, f"rest {rest:.1f} ({100 * rest / total:.0f}%)"])
     cpu_ms, vcsw = statistics.median(cpu) * 1e3, statistics.median(switches)
-    summary = f"step {total:.1f} ms (process CPU {cpu_ms:.1f} ms, {vcsw:.0f} voluntary switches) = {line}"
+    least = [min(column) * 1e3 for column in zip(*rows)]  # a shared machine's least disturbed
+    minima = ", ".join(f"{name} {ms:.2f}" for name, ms in zip(("step", *PARTS), least) if ms > 0)
+    summary = (
+        f"step {total:.1f} ms (process CPU {cpu_ms:.1f} ms, {vcsw:.0f} voluntary switches) = {line}"
+        f"\n  minima (ms): {minima}"
+    )
     return summary + _stack_parts(runner.worker.model_config.num_layers)
 
 

@@ -8,6 +8,8 @@ Set RADIXSERVE_DISABLE_CPU_KERNELS=1 to force those paths (for A/B runs and test
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -518,6 +520,21 @@ def step_team_stats() -> dict[str, int]:
     if not hasattr(_lib(), "step_team_stats"):
         return dict.fromkeys(names, 0)
     return dict(zip(names, _lib().step_team_stats()))
+
+
+@contextmanager
+def step_team_held() -> Iterator[bool]:
+    """Holds the decode step team (csrc/cpu/thread_pool.h) on this thread for the block: the fused
+    stack and the greedy head's candidate pass run in one scope, the team hot through the Python
+    between them. Yields whether it took the team (False: off, one thread, already held, or a build
+    without it); the kernels' results are the same either way."""
+    lib = _lib()
+    took = bool(lib.step_team_enter()) if hasattr(lib, "step_team_enter") else False
+    try:
+        yield took
+    finally:
+        if took:
+            lib.step_team_exit()
 
 
 def step_team_probe(n: int, grain: int, throw_at: int = -1) -> list[tuple[int, int]]:

@@ -4,6 +4,7 @@ logits it keeps are the full head's bits, and it steps aside where it proves not
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -84,6 +85,28 @@ def test_every_path_finds_the_same_candidates(isa, m):
     full_argmax = linear_wq(x, w).argmax(dim=-1).tolist()
     for row, cands in zip(full_argmax, _candidates(x, w, isa)):
         assert row in cands and cands == sorted(cands)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_candidates_do_not_depend_on_the_threads_or_the_team(monkeypatch, num_threads):
+    """The candidate pass runs its blocks in runs the step team's threads pull (or OpenMP's halves
+    outside a step, or with the team off): the same candidates and counts every way."""
+    w = _q8(8192 + 37, 576, seed=4)  # 129 blocks of 64 rows: several runs a thread, a partial last
+    x = _states(3, 576, seed=5)
+    form = make_form(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = cpu_kernels.greedy_head_candidates(x, form.u, form.stats, form.umax)
+        torch.set_num_threads(num_threads)
+        for team in ("0", "1"):
+            monkeypatch.setenv("RADIXSERVE_STEP_TEAM", team)
+            for held in (False, True):
+                with cpu_kernels.step_team_held() if held else contextlib.nullcontext():
+                    got = cpu_kernels.greedy_head_candidates(x, form.u, form.stats, form.umax)
+                assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (team, held)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_ties_and_near_ties_keep_the_lowest_index():

@@ -148,3 +148,36 @@ def test_a_step_that_raises_leaves_the_team_usable(monkeypatch, threads):
     got = _run_steps(model, steps=2)
     assert cpu_kernels.step_team_stats()["steps"] == before + 2
     assert all(torch.equal(g, r) for g, r in zip(got, reference))
+
+
+def test_a_held_scope_spans_calls(monkeypatch, threads):
+    """step_team_held (the fused stack and the LM head in one scope): the kernels called inside
+    run on the held team as one step (their own scopes nest and own nothing), a nested hold and a
+    hold with the team off take nothing, and the team is free again after the block."""
+    threads(2)
+    monkeypatch.setenv("RADIXSERVE_STEP_TEAM", "1")
+    reference = cpu_kernels.step_team_probe(8, 1)
+    before = cpu_kernels.step_team_stats()
+    with cpu_kernels.step_team_held() as took:
+        assert took
+        with cpu_kernels.step_team_held() as nested:
+            assert not nested
+        for _ in range(3):
+            assert cpu_kernels.step_team_probe(8, 1) == reference
+    after = cpu_kernels.step_team_stats()
+    assert after["steps"] == before["steps"] + 1 and after["regions"] == before["regions"] + 3
+    assert cpu_kernels.step_team_probe(8, 1) == reference  # a new step of its own
+    assert cpu_kernels.step_team_stats()["steps"] == after["steps"] + 1
+    monkeypatch.setenv("RADIXSERVE_STEP_TEAM", "0")
+    with cpu_kernels.step_team_held() as took:
+        assert not took
+
+
+def test_a_held_scope_is_released_when_its_block_raises(monkeypatch, threads):
+    threads(2)
+    monkeypatch.setenv("RADIXSERVE_STEP_TEAM", "1")
+    with pytest.raises(ValueError), cpu_kernels.step_team_held() as took:
+        assert took
+        raise ValueError
+    with cpu_kernels.step_team_held() as took:
+        assert took

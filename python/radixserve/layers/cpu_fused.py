@@ -8,6 +8,8 @@ compiled path off for A/B runs.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 try:
@@ -21,3 +23,11 @@ ENABLED = cpu_kernels is not None and cpu_kernels.available()
 def fusable(*tensors: torch.Tensor) -> bool:
     """True when the compiled CPU kernels can take these tensors (all fp32, on the CPU)."""
     return ENABLED and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def step_team(on: bool) -> AbstractContextManager[bool]:
+    """The decode step team held for a block when `on` (sgl_kernel.cpu.step_team_held: the fused
+    stack and the LM head in one scope); a no-op where off or the build lacks it."""
+    if not on or not ENABLED or not hasattr(cpu_kernels, "step_team_held"):
+        return nullcontext(False)
+    return cpu_kernels.step_team_held()

@@ -15,6 +15,7 @@ from radixserve.distributed.model_parallel import ModelParallelism
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.cpu_crossovers import active as active_crossovers
+from radixserve.layers.cpu_fused import step_team as cpu_step_team
 from radixserve.layers.linear import prepare_cpu_linears, quantize_linears, quantize_lm_head
 from radixserve.layers.logits_processor import LogitsOutput, LogitsProcessor
 from radixserve.layers.moe.expert_distribution import ExpertDistributionRecorder, attach_recorder
@@ -351,20 +352,23 @@ class ModelRunner:
         # The fast paths read the pools themselves.
         fb = self.init_forward_batch(batch, init_attn_metadata=fast_path is None)
         fb.capture_aux_layers = aux_layers
-        try:
-            if fast_path is not None:
-                hidden = fast_path.replay(fb)  # [bs, hidden_size]
-            else:
-                hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
-        except StepYielded:
+        # The fused CPU stack and the LM head in one step-team scope: the team stays hot from the
+        # first layer to the head's last product (sgl_kernel.cpu.step_team_held).
+        with cpu_step_team(fast_path is not None and fast_path is self.cpu_decode_runner):
+            try:
+                if fast_path is not None:
+                    hidden = fast_path.replay(fb)  # [bs, hidden_size]
+                else:
+                    hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden_size]
+            except StepYielded:
+                if self.expert_recorder is not None:
+                    self.expert_recorder.discard_pass()  # the step runs again and counts then
+                raise
             if self.expert_recorder is not None:
-                self.expert_recorder.discard_pass()  # the step runs again and counts then
-            raise
-        if self.expert_recorder is not None:
-            self.expert_recorder.end_pass()
-        if capture_hidden and not aux_layers:
-            fb.spec_hidden = hidden
-        return fb, self._logits(batch, hidden, fb)
+                self.expert_recorder.end_pass()
+            if capture_hidden and not aux_layers:
+                fb.spec_hidden = hidden
+            return fb, self._logits(batch, hidden, fb)
 
     def _logits(self, batch: ModelWorkerBatch, hidden: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
         out = self.logits_processor(hidden, self.lm_head, fb)

@@ -107,6 +107,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_team_stats", &rs::step_team_stats,
         "The decode step team (thread_pool.h): [steps that held it, regions run on it, chunks its workers ran, "
         "its size]");
+  m.def("step_team_enter", &rs::step_team_enter,
+        "Holds the decode step team on this thread until step_team_exit (the fused stack and the LM head then "
+        "share one scope); returns whether it took the team");
+  m.def("step_team_exit", &rs::step_team_exit, "Releases what step_team_enter took on this thread");
   m.def("step_team_probe", &rs::step_team_probe, py::arg("n"), py::arg("grain"), py::arg("throw_at") = -1,
         "Test hook: rs::parallel_for(0, n, grain) inside a step team, the chunk holding throw_at raising; "
         "returns the chunks run, sorted",

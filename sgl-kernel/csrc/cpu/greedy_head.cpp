@@ -98,6 +98,7 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, double umax) {
 // streams ran at a third of the memory's speed on the development machine).
 constexpr int64_t kTileBytesPerStep = 4 * 32;
 constexpr int64_t kAhead = 4;  // tiles between a tile's prefetch and its use
+constexpr int64_t kRunsPerThread = 4;  // runs of blocks per thread on the step team (parallel_runs)
 constexpr int64_t kBlock = 64;  // vocabulary rows per task (36 KB of int8 at K = 576)
 
 struct Problem {
@@ -314,7 +315,11 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_candidates(const at::Tensor& x, c
   Problem p{xq, u.data_ptr<int8_t>(), stats.data_ptr<float>(), nullptr, nullptr, M, N, Kp, 0};
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   std::vector<double> lower(blocks * M), upper(blocks * M);  // [block][m]
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  // On the step team (its scope held from the stack's first layer, or opened here), in runs the
+  // threads pull: each block's bounds are its own, so which thread scores a run changes no bit.
+  const rs::StepTeam step_team;
+  const int64_t threads = rs::get_num_threads();
+  rs::parallel_runs(blocks, std::max<int64_t>(8, blocks / (threads * kRunsPerThread)), [&](int64_t b0, int64_t b1) {
     std::vector<float> scratch(2 * M * kBlock);  // this task's A and B, one block at a time
     Problem q = p;
     q.a = scratch.data();

@@ -236,12 +236,15 @@ class Team {
 Team* g_team = nullptr;
 std::mutex* g_mutex = new std::mutex;
 thread_local Team* tls_team = nullptr;
+// step_team_enter's scope on this thread (nullptr: none held by it).
+thread_local StepTeam* tls_held = nullptr;
 
 void after_fork_in_child() {
   g_team = nullptr;  // its threads did not follow: leaked, never joined
   g_mutex = new std::mutex;
   tls_role = team::Role::kNone;
   tls_team = nullptr;
+  tls_held = nullptr;  // its team is the parent's: leaked, never released
 }
 
 const bool g_atfork = [] { return pthread_atfork(nullptr, nullptr, after_fork_in_child) == 0; }();
@@ -285,6 +288,21 @@ StepTeam::~StepTeam() {
   tls_team = nullptr;
   tls_role = team::Role::kNone;
   g_mutex->unlock();
+}
+
+bool step_team_enter() {
+  if (tls_held != nullptr || tls_role != team::Role::kNone) return false;
+  auto* held = new StepTeam();
+  if (tls_role != team::Role::kMaster) {  // it took no team (off, one thread, another step's)
+    delete held;
+    return false;
+  }
+  tls_held = held;
+  return true;
+}
+
+void step_team_exit() {
+  delete std::exchange(tls_held, nullptr);
 }
 
 std::vector<int64_t> step_team_stats() {

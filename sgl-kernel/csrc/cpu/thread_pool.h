@@ -56,6 +56,15 @@ class StepTeam {
   bool owner_ = false;
 };
 
+// A step's scope held across Python (issue 40): the served one-token step runs the fused stack,
+// a Python gap, then the LM head (the panels' one-row product or the greedy candidate pass); held
+// from before the stack to after the head, the team stays hot through the gap (the stack's own StepTeam then nests and owns
+// nothing) instead of parking at the stack's end and waking for the head. enter returns whether
+// this thread now holds a team (false: already held, team off, one thread, or another step has
+// it); exit releases what enter took (nothing when it took nothing). One thread's calls only.
+bool step_team_enter();
+void step_team_exit();
+
 // For tests and profiles: steps that held the team, regions run on it, chunks its workers ran
 // (not the caller), and the team's size (0 before the first step).
 std::vector<int64_t> step_team_stats();
@@ -87,6 +96,18 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t split = grain > 0 ? std::min(threads, (n + grain - 1) / grain) : threads;
   const int64_t chunk = (n + split - 1) / split;
   team::run(begin, end, chunk, (n + chunk - 1) / chunk,
+            [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
+}
+
+// n items in runs of `run` that the team's threads pull, so a thread woken late or preempted leaves
+// its runs to one that runs (at::parallel_for's fixed halves wait for it). Only for loops whose
+// results do not depend on which items share a run. Outside a step: parallel_for's split.
+template <class F>
+void parallel_runs(int64_t n, int64_t run, const F& f) {
+  if (team::role() != team::Role::kMaster || team::size() <= 1 || n <= run || run <= 0)
+    return parallel_for(0, n, run, f);
+  run = std::max(run, (n + 0xfffe) / 0xffff);  // the team's ticket counts at most 65535 tasks
+  team::run(0, n, run, (n + run - 1) / run,
             [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
 }
 
