@@ -147,15 +147,14 @@ void fold_block_bf16(const HeadView<at::BFloat16>& v, const uint32_t* qb, int64_
 // 4 blocks 1.72-1.79, 8 blocks 1.66-1.76 (the fp32-step baseline 1.74-1.93 alongside).
 constexpr int64_t kPrefetchBlocksBf16 = 8;
 
-// fold_range for a bf16 pool (decode_bf16_applies(D)): each view's query rounded to bf16 once, then
-// the same block loop, prefetching and sharing of each block across sets.
-template <int G, int kNB, int64_t kStep>
-void fold_range_bf16_steps(const HeadView<at::BFloat16>* views, const HeadState* states, int64_t num_sets,
-                     int64_t num_heads, int64_t D, const int32_t* slots, int64_t t0, int64_t t1) {
-  thread_local std::vector<uint32_t> qstore;  // [set][head][G][D / 2] bf16 pairs of scale * q
-  const int64_t views_n = num_sets * num_heads, per_view = G * D / 2;
-  qstore.resize(static_cast<size_t>(views_n * per_view));
-  for (int64_t i = 0; i < views_n; ++i) {
+// The queries of n views (G heads each) times their softmax scale, rounded to bf16 pairs once:
+// qstore [view][G][D / 2], what the bf16 score dots read (here and attention_short_bf16.h).
+template <int G>
+inline void round_queries_bf16(const HeadView<at::BFloat16>* views, int64_t n, int64_t D,
+                               std::vector<uint32_t>& qstore) {
+  const int64_t per_view = G * D / 2;
+  qstore.resize(static_cast<size_t>(n * per_view));
+  for (int64_t i = 0; i < n; ++i) {
     const __m512 sc = _mm512_set1_ps(views[i].scale);
     for (int g = 0; g < G; ++g) {
       const float* q = views[i].q + g * views[i].q_head_stride;
@@ -166,6 +165,16 @@ void fold_range_bf16_steps(const HeadView<at::BFloat16>* views, const HeadState*
       }
     }
   }
+}
+
+// fold_range for a bf16 pool (decode_bf16_applies(D)): each view's query rounded to bf16 once, then
+// the same block loop, prefetching and sharing of each block across sets.
+template <int G, int kNB, int64_t kStep>
+void fold_range_bf16_steps(const HeadView<at::BFloat16>* views, const HeadState* states, int64_t num_sets,
+                     int64_t num_heads, int64_t D, const int32_t* slots, int64_t t0, int64_t t1) {
+  thread_local std::vector<uint32_t> qstore;  // [set][head][G][D / 2] bf16 pairs of scale * q
+  const int64_t views_n = num_sets * num_heads, per_view = G * D / 2;
+  round_queries_bf16<G>(views, views_n, D, qstore);
   const int64_t row_bytes = num_heads * D * static_cast<int64_t>(sizeof(at::BFloat16));
   constexpr int64_t ahead = kPrefetchBlocksBf16 * kBlockTokens;
   for (int64_t tb = t0; tb < t1; tb += kStep) {

@@ -177,18 +177,7 @@ void fold_request_bf16(const HeadView<at::BFloat16>* views, int64_t num_heads, i
   const int64_t row_stride = views[0].kv_row_stride;
   for (int64_t t = 0; t < lpad; ++t) offsets[t] = static_cast<int64_t>(slots[std::min(t, len - 1)]) * row_stride;
   const int64_t per_view = G * D / 2;
-  qstore.resize(static_cast<size_t>(num_heads * per_view));
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const __m512 sc = _mm512_set1_ps(views[h].scale);
-    for (int g = 0; g < G; ++g) {
-      const float* q = views[h].q + g * views[h].q_head_stride;
-      uint32_t* dst = qstore.data() + h * per_view + g * (D / 2);
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m256bh x = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + d), sc));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d / 2), (__m256i)x);
-      }
-    }
-  }
+  round_queries_bf16<G>(views, num_heads, D, qstore);
   scores_store.resize(static_cast<size_t>(num_heads * G * lpad + 16));
   pw_store.resize(static_cast<size_t>(num_heads * G * lpad / 2 + 16));
   float* scores = align64(scores_store.data());

@@ -192,7 +192,6 @@ void parallel_tasks(int64_t n, const F& f) {
   });
 }
 
-
 int64_t common_prefix(const int32_t* a, const int32_t* b, int64_t n) {
   int64_t i = 0;
   while (i < n && a[i] == b[i]) ++i;
