@@ -1,4 +1,5 @@
-"""The VNNI GEMM tiles (sgl-kernel's wq_a8_gemm.h) in G multiply-adds/s of one thread's CPU time, on
+"""The GEMM tiles (sgl-kernel's wq_a8_gemm.h; --isa avx512: VNNI, avx2: AVX2's vpmaddubsw sums) in
+G multiply-adds/s of one thread's CPU time, on
 the shapes they serve: the built-in model's decoder linears (hidden 576, intermediate 1536, 9 / 3
 heads x 64: qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) and Qwen3-30B-A3B's experts
 (gate_up 1536x2048, down 2048x768), each called on `--copies` copies in turn (1: the weights stay
@@ -11,6 +12,7 @@ vpdpbusd's two pipes (benchmark/dot_pipes.cpp), so ~164 for Q4_0/Q4_1 and ~181 f
 
     python benchmark/bench_wq_a8_tiles.py                       # both suites, default M
     python benchmark/bench_wq_a8_tiles.py --suite builtin --tokens 16 64 --repeats 7
+    python benchmark/bench_wq_a8_tiles.py --isa avx2            # the AVX2 path on any x86 CPU
 """
 
 from __future__ import annotations
@@ -57,7 +59,13 @@ def _time(fn: Callable[[], None], repeats: int, stat: str = "median") -> float:
 
 
 def run_suite(
-    shapes: dict[str, tuple[int, int]], kind: str, tokens: list[int], copies: int, repeats: int, stat: str
+    shapes: dict[str, tuple[int, int]],
+    kind: str,
+    tokens: list[int],
+    copies: int,
+    repeats: int,
+    stat: str,
+    isa: str = "auto",
 ) -> None:
     forms = {
         name: [_packed(n, k, kind, 7 * i + j) for j in range(copies)]
@@ -70,9 +78,7 @@ def run_suite(
 
             def call(packs: list[cpu_kernels.WqA8Packed] = forms[name], x: torch.Tensor = x) -> None:
                 for p in packs:
-                    cpu_kernels.linear_wq_a8(
-                        x, None, None, None, p.bits, p.group_size, isa="avx512", packed=p
-                    )
+                    cpu_kernels.linear_wq_a8(x, None, None, None, p.bits, p.group_size, isa=isa, packed=p)
 
             t = _time(call, repeats, stat)
             macs = m * n * k * copies
@@ -92,6 +98,7 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--stat", choices=["median", "min"], default="median")
+    ap.add_argument("--isa", choices=["auto", "avx2", "avx512"], default="auto", help="the tiles' path")
     ap.add_argument(
         "--copies", type=int, default=None, help="weight copies called in turn (default 4 builtin, 16 expert)"
     )
@@ -100,11 +107,19 @@ def main() -> None:
     if "builtin" in args.suite:
         for kind in args.types or ["Q4_1", "Q8_0"]:
             run_suite(
-                BUILTIN, kind, args.tokens or [16, 64, 512, 2048], args.copies or 4, args.repeats, args.stat
+                BUILTIN,
+                kind,
+                args.tokens or [16, 64, 512, 2048],
+                args.copies or 4,
+                args.repeats,
+                args.stat,
+                args.isa,
             )
     if "expert" in args.suite:
         for kind in args.types or ["Q4_0", "Q8_0"]:
-            run_suite(EXPERT, kind, args.tokens or [4, 8, 16], args.copies or 16, args.repeats, args.stat)
+            run_suite(
+                EXPERT, kind, args.tokens or [4, 8, 16], args.copies or 16, args.repeats, args.stat, args.isa
+            )
 
 
 if __name__ == "__main__":

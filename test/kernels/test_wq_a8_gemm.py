@@ -1,16 +1,17 @@
-"""linear_wq_a8 on pack_wq_a8 panels at batch sizes (sgl-kernel's wq_a8_gemm.h: the VNNI GEMM
-tiles and the threaded quantizer serve products of 2 rows and more) against its references:
+"""linear_wq_a8 on pack_wq_a8 panels at batch sizes (sgl-kernel's wq_a8_gemm.h: the GEMM tiles,
+on VNNI or on AVX2's vpmaddubsw sums, and the threaded quantizer serve products of 2 rows and
+more) against its references:
 
 - each row's result is the same bits whether it runs alone (the one-row / panel path) or inside a
   batch of any size (whatever tile, remainder tile or row chunk it falls in);
-- the batch equals the AVX2 panel path's bits (the same int32 block dots, the same fp32 epilogue);
+- the VNNI batch equals the AVX2 batch's bits (the same int32 block dots, the same fp32 epilogue);
 - it equals linear_wq_a8_reference within test_linear_wq_a8's bound.
 
 Random shapes with ragged tails: M past the 6-row tiles and the 128-row chunks, N not a multiple
 of the 16-row panel pairs (an odd last panel, a part-filled one), K of an odd number of blocks;
 Q4_0 (zero point, offsets formed), Q4_1 (stored offsets), Q8_0; fp16 and fp32 packed scales.
-Without AVX-512 VNNI the batch takes the panel path, which test_linear_wq_a8_packed covers; the
-VNNI-forced cases here skip with the reason."""
+Each case runs on every tile path compiled in and present on this CPU (avx2 on every x86 build;
+avx512 skips with the reason where VNNI is missing)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,15 @@ pytestmark = pytest.mark.skipif(
     reason="no AVX2 panel kernel for linear_wq_a8 in this build",
 )
 
-VNNI = "avx512" in cpu_kernels.linear_wq_a8_isas()
-needs_vnni = pytest.mark.skipif(
-    not VNNI, reason="the GEMM tiles need AVX-512 VNNI, not built or not on this CPU"
-)
+ISAS = [
+    pytest.param(
+        isa,
+        marks=pytest.mark.skipif(
+            isa not in cpu_kernels.linear_wq_a8_isas(), reason=f"no {isa} path built, or not on this CPU"
+        ),
+    )
+    for isa in ("avx512", "avx2")
+]
 
 
 def _run(
@@ -78,7 +84,7 @@ def _form(n: int, k: int, kind: str, seed: int) -> GroupQuantWeight:
 KINDS = ["Q4_0", "Q4_1", "Q4_1g64", "Q8_0"]
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "m, n, k",
@@ -93,57 +99,57 @@ KINDS = ["Q4_0", "Q4_1", "Q4_1g64", "Q8_0"]
         (133, 57, 320),
     ],
 )
-def test_rows_alone_and_in_a_batch_are_the_same_bits(kind: str, m: int, n: int, k: int) -> None:
+def test_rows_alone_and_in_a_batch_are_the_same_bits(kind: str, m: int, n: int, k: int, isa: str) -> None:
     w = _form(n, k, kind, seed=m + n)
     x = _x(m, k, seed=k + m)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)) if m % 2 else None
-    got = _run(x, w, bias, "avx512")
-    alone = torch.cat([_run(x[i : i + 1], w, bias, "avx512") for i in range(m)])
+    got = _run(x, w, bias, isa)
+    alone = torch.cat([_run(x[i : i + 1], w, bias, isa) for i in range(m)])
     assert torch.equal(got, alone)
     # Any cut of the batch: a row's tile neighbours do not move its bits.
     cut = 7 if m > 7 else 1
-    assert torch.equal(got, torch.cat([_run(x[:cut], w, bias, "avx512"), _run(x[cut:], w, bias, "avx512")]))
-    if "avx2" in cpu_kernels.linear_wq_a8_isas():
+    assert torch.equal(got, torch.cat([_run(x[:cut], w, bias, isa), _run(x[cut:], w, bias, isa)]))
+    if isa == "avx512" and "avx2" in cpu_kernels.linear_wq_a8_isas():
         assert torch.equal(got, _run(x, w, bias, "avx2"))
     _check(got, x, w, bias)
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_past_one_row_chunk(kind: str) -> None:
+def test_past_one_row_chunk(kind: str, isa: str) -> None:
     """300 rows: two full 128-row chunks and a ragged third, each ending in a part tile."""
     n, k, m = 45, 128, 300
     w = _form(n, k, kind, seed=3)
     x = _x(m, k, seed=4)
-    got = _run(x, w, None, "avx512")
-    alone = torch.cat([_run(x[i : i + 4], w, None, "avx512") for i in range(0, m, 4)])
+    got = _run(x, w, None, isa)
+    alone = torch.cat([_run(x[i : i + 4], w, None, isa) for i in range(0, m, 4)])
     assert torch.equal(got, alone)
     _check(got, x, w, None)
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_fp32_and_fp16_scales_give_the_same_bits(kind: str) -> None:
+def test_fp32_and_fp16_scales_give_the_same_bits(kind: str, isa: str) -> None:
     n, k, m = 24, 192, 20
     w = _form(n, k, kind, seed=5)
     x = _x(m, k, seed=6)
-    assert torch.equal(_run(x, w, None, "avx512", torch.float32), _run(x, w, None, "avx512", torch.float16))
+    assert torch.equal(_run(x, w, None, isa, torch.float32), _run(x, w, None, isa, torch.float16))
 
 
-@needs_vnni
-def test_strided_rows_and_threads() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_strided_rows_and_threads(isa: str) -> None:
     """x a view with a row stride past K (a slice of a wider buffer), and one thread against the
     default: the quantizer's and the tiles' split over threads does not move a bit."""
     n, k, m = 40, 256, 37
     w = _form(n, k, "Q4_1", seed=7)
     wide = _x(m, k + 64, seed=8)
     x = wide[:, :k]
-    got = _run(x, w, None, "avx512")
-    assert torch.equal(got, _run(x.contiguous(), w, None, "avx512"))
+    got = _run(x, w, None, isa)
+    assert torch.equal(got, _run(x.contiguous(), w, None, isa))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(got, _run(x, w, None, "avx512"))
+        assert torch.equal(got, _run(x, w, None, isa))
     finally:
         torch.set_num_threads(threads)
 
@@ -154,19 +160,6 @@ def test_auto_batches_match_the_reference() -> None:
         w = _form(33, 160, kind, seed=9)
         x = _x(40, 160, seed=10)
         _check(_run(x, w), x, w, None)
-
-
-@pytest.mark.skipif("avx2" not in cpu_kernels.linear_wq_a8_isas(), reason="no AVX2 path in this build")
-@pytest.mark.parametrize("kind", KINDS)
-def test_avx2_batches_quantize_on_every_thread_to_the_same_bits(kind: str) -> None:
-    """On the AVX2 panels (no GEMM tiles) a batch of 5+ rows takes the threaded quantizer: each
-    row's bits are still those of the row alone (the one-row quantizer)."""
-    n, k, m = 29, 160, 21
-    w = _form(n, k, kind, seed=11)
-    x = _x(m, k, seed=12)
-    got = _run(x, w, None, "avx2")
-    assert torch.equal(got, torch.cat([_run(x[i : i + 1], w, None, "avx2") for i in range(m)]))
-    _check(got, x, w, None)
 
 
 def _with_threads(threads: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -184,7 +177,7 @@ def test_batches_the_threads_pull_are_the_same_bits(isa: str, m: int) -> None:
     """Decode-sized batches (one row chunk) run in panel runs the threads pull from a counter
     (wq_a8_gemm.h's parallel_chunks): one thread, two, and three (more tasks taken by fewer cores
     than threads) give the bits of each row alone, at the built-in model's K (576) and an N of an
-    odd panel count (65 panels, ~33 pairs: several runs a thread). 3 rows: the panel path."""
+    odd panel count (65 panels, ~33 pairs: several runs a thread)."""
     if isa not in cpu_kernels.linear_wq_a8_isas():
         pytest.skip(f"no {isa} path in this build")
     n, k = 520, 576
@@ -197,14 +190,14 @@ def test_batches_the_threads_pull_are_the_same_bits(isa: str, m: int) -> None:
     _check(got, x, w, None)
 
 
-@needs_vnni
-def test_quantizer_on_threads_past_the_inline_bound() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_quantizer_on_threads_past_the_inline_bound(isa: str) -> None:
     """150 rows of K 1536 (230,400 elements, past kInlineQuantElems): x quantized on every thread,
     the tiles in one contiguous run a thread (past one row chunk); the bits of 4-row batches,
     whose x is quantized inline."""
     n, k, m = 40, 1536, 150
     w = _form(n, k, "Q8_0", seed=15)
     x = _x(m, k, seed=16)
-    got = _run(x, w, None, "avx512")
-    assert torch.equal(got, torch.cat([_run(x[i : i + 4], w, None, "avx512") for i in range(0, m, 4)]))
+    got = _run(x, w, None, isa)
+    assert torch.equal(got, torch.cat([_run(x[i : i + 4], w, None, isa) for i in range(0, m, 4)]))
     _check(got, x, w, None)

@@ -40,14 +40,14 @@
 
 using wq_a8_panels::kPanel;
 
-#if RS_HAVE_A8_VNNI
-// A batch (wq_a8_gemm::serves) on the GEMM tiles: x quantized (on every thread past
+#if RS_HAVE_AVX2
+// A batch (wq_a8_gemm::serves: 2 rows or more, VNNI or AVX2) on the GEMM tiles: x quantized (on every thread past
 // kInlineQuantElems), then the panel pairs (the tiles take two panels at a time): a decode batch
 // (one row chunk) in runs the threads pull (parallel_chunks), a longer one in one contiguous run a
 // thread (each sweeps its panels once per row chunk with that chunk's x hot in its L2).
 static void linear_wq_a8_gemm(const at::Tensor& x, const at::Tensor& packed_q, const wq_a8_panels::PanelGroups& pg,
                               const float* bias, at::Tensor& y, int64_t groups, int64_t group_size, int64_t n,
-                              bool int4) {
+                              bool int4, int64_t isa) {
   const int64_t M = x.size(0), K = x.size(1), P = (n + kPanel - 1) / kPanel, nb = K / kBlock;
   const BlockQuantRows xq = wq_a8_gemm::quantize_blocks_parallel(
       x.data_ptr<float>(), x.stride(0), M, K, group_size, int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
@@ -59,17 +59,12 @@ static void linear_wq_a8_gemm(const at::Tensor& x, const at::Tensor& packed_q, c
   // batch's few tiles a panel pair otherwise wait on the weights streaming from memory (a model's
   // layers are far past L3).
   const auto run = [&](int64_t q0, int64_t q1) {
-    wq_a8_gemm::gemm_block(p, 2 * q0, std::min(P, 2 * q1), 0, M, int4, /*prefetch=*/true);
+    wq_a8_gemm::gemm_block(p, 2 * q0, std::min(P, 2 * q1), 0, M, int4, isa, /*prefetch=*/true);
   };
   if (M <= wq_a8_gemm::kRowChunk)
     wq_a8_gemm::parallel_chunks(pairs, wq_a8_gemm::chunk_for(pairs, grain), run);
   else
     rs::parallel_for(0, pairs, grain, run);
-}
-#else
-static void linear_wq_a8_gemm(const at::Tensor&, const at::Tensor&, const wq_a8_panels::PanelGroups&, const float*,
-                              at::Tensor&, int64_t, int64_t, int64_t, bool) {
-  TORCH_CHECK(false, "linear_wq_a8_packed: the GEMM tiles are not compiled into this build");
 }
 #endif
 
@@ -95,27 +90,20 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   if (M == 0 || n == 0) return y;
 #if RS_HAVE_AVX2
   const bool int4 = bits == 4;
-  const A8Order order = int4 ? A8Order::kNibbleChunks : A8Order::kNatural;
   if (wq_a8_gemm::serves(M, isa)) {
-    linear_wq_a8_gemm(x, packed_q, pg, bias_ptr, y, groups, group_size, n, int4);
+    linear_wq_a8_gemm(x, packed_q, pg, bias_ptr, y, groups, group_size, n, int4, isa);
     return y;
   }
-  // A batch on the AVX2 panels (no GEMM tiles there) still quantizes on every thread (the same bytes).
-  const BlockQuantRows xq =
-      M >= wq_a8_gemm::kMinRows
-          ? wq_a8_gemm::quantize_blocks_parallel(x.data_ptr<float>(), x.stride(0), M, K, group_size, order)
-          : quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size, order);
+  // One row (the one-row work's domain, wq_a8_one_row.h): one contiguous run of panels a thread;
+  // short products stay on one thread (grain_panels).
+  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size,
+                                            int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
   const wq_a8_panels::PackedProblem p{
       &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias_ptr, y.data_ptr<float>(), groups,
       group_size / kBlock, M, n, K};
-  // A batch: runs of panels the threads pull (parallel_chunks); one row (the one-row work's domain,
-  // wq_a8_one_row.h): one contiguous run a thread. Short products stay on one thread (grain_panels).
-  const int64_t grain = wq_a8_panels::grain_panels(nb, bits);
-  const auto run = [&](int64_t p0, int64_t p1) { wq_a8_panels::panel_run(p, p0, p1, 0, M, int4, isa); };
-  if (M > 1)
-    wq_a8_gemm::parallel_chunks(P, wq_a8_gemm::chunk_for(P, grain), run);
-  else
-    rs::parallel_for(0, P, grain, run);
+  rs::parallel_for(0, P, wq_a8_panels::grain_panels(nb, bits), [&](int64_t p0, int64_t p1) {
+    wq_a8_panels::one_row_run(p, p0, p1, 0, int4, isa);
+  });
 #endif
   return y;
 }

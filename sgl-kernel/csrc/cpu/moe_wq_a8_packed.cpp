@@ -128,25 +128,6 @@ std::vector<int64_t> balanced_bounds(const Routing& r, int64_t P, int64_t thread
   return bounds;
 }
 
-// Rows [m0, m0 + MB) of x (MB 2..4) against panels [p0, p1), prefetching the run's weights
-// (wq_a8_one_row.h's rows_run: panel_tile's bits). A decode step at concurrency 16 gives most
-// experts 1-3 rows, whose few dots a panel leave its read from memory uncovered without it.
-template <int MB>
-void few_rows_run(const wq_a8_panels::PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, bool int4, int64_t isa) {
-  using wq_a8_panels::rows_run;
-#if RS_HAVE_A8_VNNI
-  if (isa == kA8IsaVnni) {
-    if (p.g.half)
-      return int4 ? rows_run<MB, true, true, true>(p, p0, p1, m0) : rows_run<MB, false, true, true>(p, p0, p1, m0);
-    return int4 ? rows_run<MB, true, false, true>(p, p0, p1, m0) : rows_run<MB, false, false, true>(p, p0, p1, m0);
-  }
-#endif
-  (void)isa;
-  if (p.g.half)
-    return int4 ? rows_run<MB, true, true, false>(p, p0, p1, m0) : rows_run<MB, false, true, false>(p, p0, p1, m0);
-  int4 ? rows_run<MB, true, false, false>(p, p0, p1, m0) : rows_run<MB, false, false, false>(p, p0, p1, m0);
-}
-
 // y [pairs, proj.n]: each group's rows of xq against its expert's panels, one parallel region over
 // every (group, panel), cut by balanced_bounds.
 void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Routing& r, float* y, int64_t isa) {
@@ -155,7 +136,7 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
   const int64_t threads = std::min<int64_t>(rs::get_num_threads(), items);
   const std::vector<int64_t> bounds = balanced_bounds(r, P, threads);
   auto run = [&](int64_t i0, int64_t i1) {
-    // One run of panels per group in [i0, i1) (panel_run and gemm_block prefetch along a run).
+    // One run of panels per group in [i0, i1) (one_row_run and gemm_block prefetch along a run).
     for (int64_t i = i0, next; i < i1; i = next) {
       const int64_t g = i / P, panel = i % P, e = r.expert[g];
       next = std::min(i1, (g + 1) * P);
@@ -173,21 +154,13 @@ void run_projection(const ExpertPanels& proj, const BlockQuantRows& xq, const Ro
                                           pairs,
                                           proj.n,
                                           proj.k};
-#if RS_HAVE_A8_VNNI
       // An expert with a batch of rows (prefill): the GEMM tiles, the same bits, prefetching the
       // run's weights (a few rows' arithmetic does not hide their read from memory).
       if (wq_a8_gemm::serves(r.start[g + 1] - r.start[g], isa)) {
-        wq_a8_gemm::gemm_block(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4, true);
+        wq_a8_gemm::gemm_block(p, panel, panel + next - i, r.start[g], r.start[g + 1], proj.bits == 4, isa, true);
         continue;
       }
-#endif
-      const int64_t m0 = r.start[g], p1 = panel + next - i, int4 = proj.bits == 4;
-      switch (r.start[g + 1] - m0) {
-        case 2: few_rows_run<2>(p, panel, p1, m0, int4, isa); break;
-        case 3: few_rows_run<3>(p, panel, p1, m0, int4, isa); break;
-        case 4: few_rows_run<4>(p, panel, p1, m0, int4, isa); break;
-        default: wq_a8_panels::panel_run(p, panel, p1, m0, r.start[g + 1], int4, isa); break;
-      }
+      wq_a8_panels::one_row_run(p, panel, panel + next - i, r.start[g], proj.bits == 4, isa);
     }
   };
   if (threads <= 1) return run(0, items);

@@ -9,7 +9,8 @@
 // cut in chunks of kRowChunk so a thread's run of panels is swept once per chunk with that
 // chunk's quantized x hot in L2 (prefill's thousands of rows would otherwise stream x from
 // memory once per panel pair). With 32 ymm registers (AVX512VL) a 6 x 2 tile of 8-bit weights
-// fits without spills; 4-bit weights take 5 x 2 (kTileRows).
+// fits without spills; 4-bit weights take 5 x 2 (kTileRows). AVX2 CPUs (no vpdpbusd) run the
+// same tiles on the panel kernel's vpmaddubsw sums, 4 x 2 (16 ymm registers).
 //
 // Numerics: per output element, the block's exact int32 dot (vpdpbusd; integer sums in any order
 // are the same int32), then acc = fma(float(dot), s_w * s_x, acc) block by block and the group's
@@ -74,13 +75,8 @@ inline int64_t chunk_for(int64_t n, int64_t grain) {
   return std::max<int64_t>({int64_t{1}, grain, per_task});
 }
 
-#if RS_HAVE_A8_VNNI
-// x's 4 bytes at q broadcast to every lane.
-inline __m256i bcast4(const int8_t* q) {
-  int32_t v;
-  std::memcpy(&v, q, sizeof v);
-  return _mm256_set1_epi32(v);
-}
+#if RS_HAVE_AVX2
+using wq_a8_panels::bcast4;
 
 // y[m0 .. m0 + MB, the NP panels' rows] = acc (+ bias): a full panel in one vector store (and one
 // vector add of the bias: the same fp32 sums as one at a time), a part-filled last one through a
@@ -104,17 +100,85 @@ inline void store_rows(const PackedProblem& p, int64_t panel, int64_t m0, const 
   }
 }
 
+// The block's exact int32 dots of MB rows of x (xb: each row's block) against NP panels (wb:
+// each panel's block): dot[m][j], one lane per panel row. VNNI: vpdpbusd (int8 weights read as
+// w + 128, each lane starting at -128 * the row's block sum bsum[m]). AVX2 (no vpdpbusd): the panel
+// kernel's sums (wq_a8_panels::block_dots_avx2): int4 adds a block's 8 vpmaddubsw in int16 before
+// one vpmaddwd, int8 widens each chunk's |w| * (x * sign(w)) pairs at once. The same int32s either
+// way, so the same bits.
+template <int MB, int NP, bool kInt4, bool kVnni>
+inline void tile_dots(const uint8_t* const* wb, const int8_t* const* xb, const int32_t* bsum, __m256i (&dot)[MB][NP]) {
+  constexpr int kChunks = kInt4 ? 4 : 8;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (kInt4) {
+    __m256i sum[MB][NP];  // VNNI: the int32 dots; AVX2: int16 sums (at most 30480 a lane)
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NP; ++j) sum[m][j] = _mm256_setzero_si256();
+    for (int c = 0; c < kChunks; ++c) {
+      __m256i lo[NP], hi[NP];
+      for (int j = 0; j < NP; ++j) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[j] + 32 * c));
+        lo[j] = _mm256_and_si256(raw, low4);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xl = bcast4(xb[m] + 8 * c), xh = bcast4(xb[m] + 8 * c + 4);
+        for (int j = 0; j < NP; ++j) {
+#if RS_HAVE_A8_VNNI
+          if constexpr (kVnni) {
+            sum[m][j] = _mm256_dpbusd_epi32(sum[m][j], lo[j], xl);
+            sum[m][j] = _mm256_dpbusd_epi32(sum[m][j], hi[j], xh);
+            continue;
+          }
+#endif
+          sum[m][j] = _mm256_add_epi16(sum[m][j], _mm256_maddubs_epi16(lo[j], xl));
+          sum[m][j] = _mm256_add_epi16(sum[m][j], _mm256_maddubs_epi16(hi[j], xh));
+          wq_a8_panels::keep_in_register(sum[m][j]);  // in order, in a register
+        }
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NP; ++j) dot[m][j] = kVnni ? sum[m][j] : _mm256_madd_epi16(sum[m][j], ones);
+  } else {
+    for (int m = 0; m < MB; ++m) {
+      const __m256i start = kVnni ? _mm256_set1_epi32(-128 * bsum[m]) : _mm256_setzero_si256();
+      for (int j = 0; j < NP; ++j) dot[m][j] = start;
+    }
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < kChunks; ++c) {
+      __m256i w[NP], aw[NP];
+      for (int j = 0; j < NP; ++j) {
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[j] + 32 * c));
+        aw[j] = kVnni ? _mm256_xor_si256(w[j], flip) : _mm256_sign_epi8(w[j], w[j]);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xv = bcast4(xb[m] + 4 * c);
+        for (int j = 0; j < NP; ++j) {
+#if RS_HAVE_A8_VNNI
+          if constexpr (kVnni) {
+            dot[m][j] = _mm256_dpbusd_epi32(dot[m][j], aw[j], xv);
+            continue;
+          }
+#endif
+          const __m256i pairs = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, w[j]));
+          dot[m][j] = _mm256_add_epi32(dot[m][j], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+  }
+}
+
 // MB rows of x (from m0) against NP consecutive panels (from panel): y[m0 .. m0 + MB, the
-// panels' rows], by vpdpbusd on 256-bit vectors. kPrefetch: each block of the NP panels also
-// prefetches (into L2) the same block of the NP panels after them, so one tile's pass covers the
-// next tile's weights; none at or past `end` (the run's last byte).
-template <int MB, int NP, bool kInt4, bool kHalf, bool kPrefetch = false>
+// panels' rows] (tile_dots on the kVnni or the AVX2 path). kPrefetch: each block of the NP panels
+// also prefetches (into L2) the same block of the NP panels after them, so one tile's pass covers
+// the next tile's weights; none at or past `end` (the run's last byte).
+template <int MB, int NP, bool kInt4, bool kHalf, bool kVnni, bool kPrefetch = false>
 inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0, const uint8_t* end = nullptr) {
   constexpr int64_t kChunks = kInt4 ? 4 : 8, kPanelBlock = kChunks * 32;
   const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
   const bool offsets = p.g.o != nullptr || p.g.zero != 0.f;
   const __m256 neg_zero = _mm256_set1_ps(-p.g.zero);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const uint8_t* wq[NP];
   int64_t g0[NP];
   for (int j = 0; j < NP; ++j) {
@@ -136,41 +200,16 @@ inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0, const u
             _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
       }
     }
-    __m256i dot[MB][NP];
+    const uint8_t* wb[NP];
+    for (int j = 0; j < NP; ++j) wb[j] = wq[j] + b * kPanelBlock;
+    const int8_t* xb[MB];
+    int32_t bsum[MB];
     for (int m = 0; m < MB; ++m) {
-      // int8: weights read as w + 128, so each lane starts at -128 * the block's sum(q).
-      const __m256i start =
-          kInt4 ? _mm256_setzero_si256() : _mm256_set1_epi32(-128 * p.xq->bsum[(m0 + m) * nb + b]);
-      for (int j = 0; j < NP; ++j) dot[m][j] = start;
+      xb[m] = xrow[m] + b * kBlock;
+      bsum[m] = kInt4 || !kVnni ? 0 : p.xq->bsum[(m0 + m) * nb + b];
     }
-    if constexpr (kInt4) {
-      for (int c = 0; c < kChunks; ++c) {
-        __m256i lo[NP], hi[NP];
-        for (int j = 0; j < NP; ++j) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq[j] + b * kPanelBlock + 32 * c));
-          lo[j] = _mm256_and_si256(raw, low4);
-          hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        }
-        for (int m = 0; m < MB; ++m) {
-          const __m256i xl = bcast4(xrow[m] + b * kBlock + 8 * c), xh = bcast4(xrow[m] + b * kBlock + 8 * c + 4);
-          for (int j = 0; j < NP; ++j) {
-            dot[m][j] = _mm256_dpbusd_epi32(dot[m][j], lo[j], xl);
-            dot[m][j] = _mm256_dpbusd_epi32(dot[m][j], hi[j], xh);
-          }
-        }
-      }
-    } else {
-      for (int c = 0; c < kChunks; ++c) {
-        __m256i w[NP];
-        for (int j = 0; j < NP; ++j)
-          w[j] = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq[j] + b * kPanelBlock + 32 * c)), flip);
-        for (int m = 0; m < MB; ++m) {
-          const __m256i xv = bcast4(xrow[m] + b * kBlock + 4 * c);
-          for (int j = 0; j < NP; ++j) dot[m][j] = _mm256_dpbusd_epi32(dot[m][j], w[j], xv);
-        }
-      }
-    }
+    __m256i dot[MB][NP];
+    tile_dots<MB, NP, kInt4, kVnni>(wb, xb, bsum, dot);
     __m256 sw[NP];
     for (int j = 0; j < NP; ++j) sw[j] = wq_a8_panels::load8<kHalf>(p.g.s, g0[j] + g * kPanel);
     for (int m = 0; m < MB; ++m) {
@@ -196,15 +235,15 @@ inline void gemm_tile(const PackedProblem& p, int64_t panel, int64_t m0, const u
 }
 
 // One tile of `rows` (1..kMB) rows from m (kPrefetch: gemm_tile's prefetch up to `end`).
-template <int kMB, int NP, bool kInt4, bool kHalf, bool kPrefetch>
+template <int kMB, int NP, bool kInt4, bool kHalf, bool kVnni, bool kPrefetch>
 inline void gemm_tile_rows(const PackedProblem& p, int64_t panel, int64_t m, int64_t rows, const uint8_t* end) {
   switch (rows) {
-    case 6: if constexpr (kMB >= 6) gemm_tile<6, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
-    case 5: if constexpr (kMB >= 5) gemm_tile<5, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
-    case 4: gemm_tile<4, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
-    case 3: gemm_tile<3, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
-    case 2: gemm_tile<2, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
-    case 1: gemm_tile<1, NP, kInt4, kHalf, kPrefetch>(p, panel, m, end); break;
+    case 6: if constexpr (kMB >= 6) gemm_tile<6, NP, kInt4, kHalf, kVnni, kPrefetch>(p, panel, m, end); break;
+    case 5: if constexpr (kMB >= 5) gemm_tile<5, NP, kInt4, kHalf, kVnni, kPrefetch>(p, panel, m, end); break;
+    case 4: if constexpr (kMB >= 4) gemm_tile<4, NP, kInt4, kHalf, kVnni, kPrefetch>(p, panel, m, end); break;
+    case 3: if constexpr (kMB >= 3) gemm_tile<3, NP, kInt4, kHalf, kVnni, kPrefetch>(p, panel, m, end); break;
+    case 2: gemm_tile<2, NP, kInt4, kHalf, kVnni, kPrefetch>(p, panel, m, end); break;
+    case 1: gemm_tile<1, NP, kInt4, kHalf, kVnni, kPrefetch>(p, panel, m, end); break;
     default: break;
   }
 }
@@ -213,54 +252,70 @@ inline void gemm_tile_rows(const PackedProblem& p, int64_t panel, int64_t m, int
 // sizes differing by at most one (8 rows: 4 + 4, not 6 + 2: a tile of few rows unpacks each
 // weight for little work; an expert's 5-16 rows of a prefill are mostly such remainders).
 // end != nullptr: the first tile prefetches the next NP panels' weights (gemm_tile), up to end.
-template <int kMB, int NP, bool kInt4, bool kHalf>
+template <int kMB, int NP, bool kInt4, bool kHalf, bool kVnni>
 inline void gemm_rows_np(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1, const uint8_t* end) {
   const int64_t rows = m1 - m0, tiles = (rows + kMB - 1) / kMB;
   for (int64_t t = 0, m = m0; t < tiles; ++t) {
     const int64_t n = rows / tiles + (t < rows % tiles ? 1 : 0);
     if (t == 0 && end != nullptr)
-      gemm_tile_rows<kMB, NP, kInt4, kHalf, true>(p, panel, m, n, end);
+      gemm_tile_rows<kMB, NP, kInt4, kHalf, kVnni, true>(p, panel, m, n, end);
     else
-      gemm_tile_rows<kMB, NP, kInt4, kHalf, false>(p, panel, m, n, nullptr);
+      gemm_tile_rows<kMB, NP, kInt4, kHalf, kVnni, false>(p, panel, m, n, nullptr);
     m += n;
   }
 }
 
-// Rows of x per tile: 4-bit weights take 5 (their unpacked low and high nibbles are 4 more live
-// registers: 6 rows' 12 dot + 12 accumulator registers then left too few and the compiler
-// spilled; one thread on Zen 4, the built-in model's Q4_1 layers: 64 rows 59 vs 64-67 ms a pass,
-// 512 rows 423-455 vs 479-489, 16 rows 20.7 vs 20.3), 8-bit ones 6 (5 ran 0-10% slower).
-template <bool kInt4>
-constexpr int kTileRows = kInt4 ? 5 : 6;
+// Rows of x per tile, against 2 panels. VNNI (32 ymm registers): 4-bit weights take 5 (their
+// unpacked low and high nibbles are 4 more live registers: 6 rows' 12 dot + 12 accumulator
+// registers then left too few and the compiler spilled; one thread on Zen 4, the built-in model's
+// Q4_1 layers: 64 rows 59 vs 64-67 ms a pass, 512 rows 423-455 vs 479-489, 16 rows 20.7 vs 20.3),
+// 8-bit ones 6 (5 ran 0-10% slower). AVX2 (16 ymm registers, int16 sums kept in registers by
+// keep_in_register): 4 x 2 for both, measured on Zen 3 (one thread, bench_wq_a8_tiles.py --isa
+// avx2, G MAC/s at 16 / 128 rows): Q4_1 4x2 76-78 / 78-81, 3x2 70-72 / 72-74, 4x1 53-55 / 54-56,
+// 2x2 66-67 / 67-69, 2x3 58-69 / 44-70; Q8_0 4x2 52-53 / 55, 3x2 51-53 / 54, 4x1 50-51 / 51-52;
+// 5 x 2 and 4 x 3 were no faster.
+template <bool kInt4, bool kVnni>
+constexpr int kTileRows = kVnni ? (kInt4 ? 5 : 6) : 4;
 constexpr int kTilePanels = 2;
 
 // Panels [p0, p1) for rows [m0, m1): the rows in chunks of kRowChunk, each chunk swept over the
-// panels two at a time (an odd last panel alone). prefetch: each pass also prefetches the next
-// panels' weights, never past p1 (for runs whose few rows leave the weight stream from memory
-// uncovered by the arithmetic: a prefill's 5-16 rows an expert).
-template <bool kInt4, bool kHalf>
+// panels kTilePanels at a time (the last ones one at a time). prefetch: each pass also prefetches
+// the next panels' weights, never past p1 (for runs whose few rows leave the weight stream from
+// memory uncovered by the arithmetic: a prefill's 5-16 rows an expert).
+template <bool kInt4, bool kHalf, bool kVnni>
 inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool prefetch) {
+  constexpr int kRows = kTileRows<kInt4, kVnni>, kPanels = kTilePanels;
   const uint8_t* end = prefetch ? p.q + p1 * (p.K / kBlock) * (kInt4 ? 128 : 256) : nullptr;
   for (int64_t c0 = m0; c0 < m1; c0 += kRowChunk) {
     const int64_t c1 = std::min(m1, c0 + kRowChunk);
     int64_t panel = p0;
-    for (; panel + kTilePanels <= p1; panel += kTilePanels)
-      gemm_rows_np<kTileRows<kInt4>, kTilePanels, kInt4, kHalf>(p, panel, c0, c1, end);
-    for (; panel < p1; ++panel) gemm_rows_np<kTileRows<kInt4>, 1, kInt4, kHalf>(p, panel, c0, c1, end);
+    if constexpr (kPanels > 1)
+      for (; panel + kPanels <= p1; panel += kPanels)
+        gemm_rows_np<kRows, kPanels, kInt4, kHalf, kVnni>(p, panel, c0, c1, end);
+    for (; panel < p1; ++panel) gemm_rows_np<kRows, 1, kInt4, kHalf, kVnni>(p, panel, c0, c1, end);
   }
 }
 
+template <bool kVnni>
 inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool int4,
-                       bool prefetch = false) {
+                       bool prefetch) {
   if (p.g.half)
-    int4 ? gemm_block<true, true>(p, p0, p1, m0, m1, prefetch) : gemm_block<false, true>(p, p0, p1, m0, m1, prefetch);
+    int4 ? gemm_block<true, true, kVnni>(p, p0, p1, m0, m1, prefetch)
+         : gemm_block<false, true, kVnni>(p, p0, p1, m0, m1, prefetch);
   else
-    int4 ? gemm_block<true, false>(p, p0, p1, m0, m1, prefetch)
-         : gemm_block<false, false>(p, p0, p1, m0, m1, prefetch);
+    int4 ? gemm_block<true, false, kVnni>(p, p0, p1, m0, m1, prefetch)
+         : gemm_block<false, false, kVnni>(p, p0, p1, m0, m1, prefetch);
 }
-#endif
 
-#if RS_HAVE_AVX2
+// isa: kA8IsaAvx2 or kA8IsaVnni (a8_resolve_isa's, so a VNNI isa is compiled in).
+inline void gemm_block(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool int4,
+                       int64_t isa, bool prefetch = false) {
+#if RS_HAVE_A8_VNNI
+  if (isa == kA8IsaVnni) return gemm_block<true>(p, p0, p1, m0, m1, int4, prefetch);
+#endif
+  (void)isa;
+  gemm_block<false>(p, p0, p1, m0, m1, int4, prefetch);
+}
 // quantize_blocks' bytes for the panel orders (kNatural, kNibbleChunks), vectorized and spread
 // over threads by rows: the same fp32 product x * (127 / amax), rounded half to even
 // (vroundps in the default rounding mode is nearbyint), clamped, and the same scale, bsum and
@@ -323,6 +378,8 @@ inline BlockQuantRows quantize_blocks_parallel(const float* x, int64_t ldx, int6
 #endif
 
 // Whether the GEMM tiles serve a product of `rows` rows on path `isa` (a8_resolve_isa's).
-inline bool serves(int64_t rows, int64_t isa) { return RS_HAVE_A8_VNNI && isa == kA8IsaVnni && rows >= kMinRows; }
+inline bool serves(int64_t rows, int64_t isa) {
+  return RS_HAVE_AVX2 && (isa == kA8IsaVnni || isa == kA8IsaAvx2) && rows >= kMinRows;
+}
 
 }  // namespace wq_a8_gemm

@@ -1,6 +1,6 @@
 // One row of int8 x (a decode step's token, an expert's one pair) against a run of panels
-// (wq_a8_panels.h): panel_tile's block dots and fp32 epilogue, op for op and in the same order (so
-// the same bits), with the weight stream prefetched.
+// (wq_a8_panels.h): the GEMM tiles' (wq_a8_gemm.h) exact int32 block dots and fp32 epilogue, op for
+// op and in the same order (so the same bits), with the weight stream prefetched.
 //
 // Why: at one row the panel kernel is bound neither by its arithmetic nor by memory alone but by
 // the two not overlapping: on Zen 4 one thread ran Q4_0 panels at ~40 GB/s from cache and at
@@ -12,8 +12,7 @@
 // offsets are prefetched ahead like the weights: a decode step is ~120 runs a thread, each of
 // three streams that began cold (1-2.5% on the built-in model's 120 one-row linears, one Zen 4
 // thread, A/B in one process). The prefetches cost ~20% from cache,
-// so 2-4 rows, where the integer work dominates, stay on panel_tile (this path at 4 rows: 10-16%
-// slower). Tried and dropped (no gain measured on Zen 4): VNNI int4 high nibbles used in place
+// so 2 rows and more, where the integer work dominates, take the GEMM tiles. Tried and dropped (no gain measured on Zen 4): VNNI int4 high nibbles used in place
 // (w & 0xF0), four vpdpbusd accumulators a row; two panels a pass sharing x's broadcasts ran ~15%
 // faster from cache and ~2x slower from memory (two streams 8 KB apart).
 #pragma once
@@ -49,8 +48,8 @@ struct RunStreams {
   int64_t group_ahead;
 };
 
-// y[m0 .. m0 + MB, the panel's rows]: panel_tile<MB, ...>'s result, bit for bit (groups walked
-// outside their blocks: no division a block).
+// y[m0 .. m0 + MB, the panel's rows]: the GEMM tile's result, bit for bit (groups walked outside
+// their blocks: no division a block).
 template <int MB, bool kInt4, bool kHalf, bool kVnni>
 inline void rows_panel(const PackedProblem& p, int64_t panel, int64_t m0, const RunStreams& run) {
   constexpr int64_t kPanelBlock = kInt4 ? 128 : 256;
@@ -138,18 +137,14 @@ inline void one_row_run(const PackedProblem& p, int64_t p0, int64_t p1, int64_t 
     int4 ? rows_run<1, true, false, kVnni>(p, p0, p1, m) : rows_run<1, false, false, kVnni>(p, p0, p1, m);
 }
 
-// Rows [m0, m1) of x against panels [p0, p1): one row by one_row_run, more by panel_rows' tiles.
-// isa as panel_rows'.
-inline void panel_run(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m0, int64_t m1, bool int4,
-                      int64_t isa) {
-  if (m1 - m0 != 1) {
-    for (int64_t panel = p0; panel < p1; ++panel) panel_rows(p, panel, m0, m1, int4, isa);
-    return;
-  }
+// Row m of x against panels [p0, p1). isa: kA8IsaAvx2 or kA8IsaVnni (a8_resolve_isa's, so a
+// VNNI isa is compiled in).
+inline void one_row_run(const PackedProblem& p, int64_t p0, int64_t p1, int64_t m, bool int4, int64_t isa) {
 #if RS_HAVE_A8_VNNI
-  if (isa == kA8IsaVnni) return one_row_run<true>(p, p0, p1, m0, int4);
+  if (isa == kA8IsaVnni) return one_row_run<true>(p, p0, p1, m, int4);
 #endif
-  one_row_run<false>(p, p0, p1, m0, int4);
+  (void)isa;
+  one_row_run<false>(p, p0, p1, m, int4);
 }
 #endif
 

@@ -1,7 +1,8 @@
-// The AVX2 and AVX-512 VNNI panel kernels of linear_wq_a8_packed.cpp (which describes the layout
-// and the numerics), shared with moe_wq_a8_packed.cpp: rows of int8-quantized x against one panel of 8 output rows.
-// A row's result does not depend on which rows share its tile, so any split of the rows (one
-// expert's tokens, all of a product's rows) gives the same numbers.
+// The panels of linear_wq_a8_packed.cpp (which describes the layout and the numerics), shared with
+// moe_wq_a8_packed.cpp: their checks, and the AVX2 and AVX-512 VNNI block dots of int8-quantized x
+// against one panel of 8 output rows (the one-row work's, wq_a8_one_row.h; the GEMM tiles',
+// wq_a8_gemm.h, give the same int32s). A row's result does not depend on which rows share its
+// tile, so any split of the rows (one expert's tokens, all of a product's rows) gives the same numbers.
 #pragma once
 
 #include "common.h"
@@ -69,6 +70,13 @@ inline PanelGroups check_panels(const char* name, const at::Tensor& q, const at:
 }
 
 #if RS_HAVE_AVX2
+// An empty asm that claims to change v, so the adds before and after it stay in their order and
+// v stays in a register. Without it GCC reassociates a block's integer sums (legal: int adds are
+// associative) into a tree over every vpmaddubsw result of the block, which with several rows of
+// x left 16 ymm registers too few: each result went to the stack and back (the 4-row int4 tile:
+// 32 stores and 32 loads a block; AVX2 has 16 ymm registers, AVX-512's 32 hid this).
+inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
+
 // x's 4 bytes at q broadcast to every lane.
 inline __m256i bcast4(const int8_t* q) {
   int32_t v;
@@ -141,6 +149,7 @@ inline void block_dots_avx2(const uint8_t* wb, const int8_t* const* xb, __m256i*
       for (int m = 0; m < MB; ++m) {
         s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, bcast4(xb[m] + 8 * c)));
         s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, bcast4(xb[m] + 8 * c + 4)));
+        keep_in_register(s16[m]);
       }
     }
     for (int m = 0; m < MB; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
@@ -167,78 +176,6 @@ inline void block_dots(const uint8_t* wb, const int8_t* const* xb, const int32_t
   block_dots_avx2<MB, kInt4>(wb, xb, dot);
 }
 
-// MB rows of x (from m0) against one panel: y[m0 .. m0 + MB, the panel's rows]. kVnni: the block
-// dots by block_dots_vnni (the same int32s, so the same bits).
-template <int MB, bool kInt4, bool kHalf, bool kVnni>
-inline void panel_tile(const PackedProblem& p, int64_t panel, int64_t m0) {
-  constexpr int64_t kChunks = kInt4 ? 4 : 8, kPanelBlock = kChunks * 32;
-  const int64_t nb = p.K / kBlock, bpg = p.blocks_per_group;
-  const uint8_t* wq = p.q + panel * nb * kPanelBlock;
-  const int64_t g0 = panel * p.groups * kPanel;  // this panel's first group element
-  const bool offsets = p.g.o != nullptr || p.g.zero != 0.f;
-  const __m256 neg_zero = _mm256_set1_ps(-p.g.zero);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = wq + b * kPanelBlock;
-    const int8_t* xb[MB];
-    for (int m = 0; m < MB; ++m) xb[m] = p.xq->q.data() + (m0 + m) * p.K + b * kBlock;
-    int32_t bsum[MB];
-    for (int m = 0; m < MB; ++m) bsum[m] = p.xq->bsum[(m0 + m) * nb + b];
-    __m256i dot[MB];
-    block_dots<MB, kInt4, kVnni>(wb, xb, bsum, dot);
-    const int64_t g = b / bpg;
-    const __m256 sw = load8<kHalf>(p.g.s, g0 + g * kPanel);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 sx = _mm256_set1_ps(p.xq->scale[(m0 + m) * nb + b]);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(sw, sx), acc[m]);
-    }
-    if (offsets && b % bpg == bpg - 1) {
-      // The group's offsets times x's dequantized sum over the group. -zero * scale is what the
-      // packer checked the dropped offsets equal, bit for bit (the same fp32 product).
-      const __m256 ow = p.g.o != nullptr ? load8<kHalf>(p.g.o, g0 + g * kPanel) : _mm256_mul_ps(sw, neg_zero);
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm256_fmadd_ps(ow, _mm256_set1_ps(p.xq->gsum[(m0 + m) * p.groups + g]), acc[m]);
-    }
-  }
-  const int64_t n0 = panel * kPanel, rows = std::min(kPanel, p.N - n0);
-  alignas(32) float out[kPanel];
-  for (int m = 0; m < MB; ++m) {
-    _mm256_store_ps(out, acc[m]);
-    float* y = p.y + (m0 + m) * p.N + n0;
-    for (int64_t r = 0; r < rows; ++r) y[r] = p.bias != nullptr ? out[r] + p.bias[n0 + r] : out[r];
-  }
-}
-
-// Rows [m0, m1) of x against one panel, 4 rows of x per tile (the panel's bytes stay in L1
-// between tiles). Each row's arithmetic is the same whatever tile it falls in.
-template <bool kInt4, bool kHalf, bool kVnni>
-inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) panel_tile<4, kInt4, kHalf, kVnni>(p, panel, m);
-  switch (m1 - m) {
-    case 3: panel_tile<3, kInt4, kHalf, kVnni>(p, panel, m); break;
-    case 2: panel_tile<2, kInt4, kHalf, kVnni>(p, panel, m); break;
-    case 1: panel_tile<1, kInt4, kHalf, kVnni>(p, panel, m); break;
-    default: break;
-  }
-}
-
-template <bool kVnni>
-inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1, bool int4) {
-  if (p.g.half)
-    int4 ? panel_rows<true, true, kVnni>(p, panel, m0, m1) : panel_rows<false, true, kVnni>(p, panel, m0, m1);
-  else
-    int4 ? panel_rows<true, false, kVnni>(p, panel, m0, m1) : panel_rows<false, false, kVnni>(p, panel, m0, m1);
-}
-
-// isa: kA8IsaAvx2 or kA8IsaVnni (a8_resolve_isa's, so a VNNI isa is compiled in).
-inline void panel_rows(const PackedProblem& p, int64_t panel, int64_t m0, int64_t m1, bool int4, int64_t isa) {
-#if RS_HAVE_A8_VNNI
-  if (isa == kA8IsaVnni) return panel_rows<true>(p, panel, m0, m1, int4);
-#endif
-  panel_rows<false>(p, panel, m0, m1, int4);
-}
 #endif
 
 }  // namespace wq_a8_panels
