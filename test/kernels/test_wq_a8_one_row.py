@@ -1,8 +1,8 @@
 """The panel kernels' one-row path (wq_a8_one_row.h: what a decode step and an expert's single
-pair take, with the weight stream prefetched) against their 4-row tiles (panel_tile, what more
-rows take), bit for bit: a row's result does not depend on which path or tile computes it, so each
-row of a 9-row product (tiles of 4, 4, 1) must equal the same row computed alone (and in 2-4 row
-products, which dispatch to the tiles). Every panel form (Q4_0's zero point, Q4_1's offsets,
+pair take, with the weight stream prefetched) against the GEMM tiles (wq_a8_gemm.h, what 2 rows
+and more take), bit for bit: a row's result does not depend on which path or tile computes it, so
+each row of a 9-row product (a tile and its remainder) must equal the same row computed alone (and
+in 2-4 row products). Every panel form (Q4_0's zero point, Q4_1's offsets,
 Q8_0; fp16 and fp32 panels; groups of 32 and 128), with and without a bias, a last panel of 5
 rows; the MoE one-call kernel at one token against the same token repeated 9 times."""
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
     reason="no AVX2 panel kernels in this build",
 )
 
-TILED_ROWS = 9  # panel_tile's 4, 4 and 1
+TILED_ROWS = 9  # two tiles of 5 and 4 rows (VNNI), three of 3 (AVX2: at most 4 a tile, evened out)
 
 
 def _linear(
