@@ -176,13 +176,14 @@ def main() -> None:
         global clock
         clock = time.thread_time
     max_bs = max(args.batch_size)
-    server_args = ServerArgs(
-        model_path=resolve_model_path(None),
-        quantization="gguf",  # the built-in model's CPU default (a resolved path is not "the built-in")
-        max_total_tokens=max_bs * (args.input_len + args.steps + 8) + 64,
-        max_running_requests=max_bs,
-        **json.loads(args.server_args),
-    ).resolve()
+    fields = {
+        "model_path": resolve_model_path(None),
+        "quantization": "gguf",  # the built-in model's CPU default (a resolved path is not "the built-in")
+        "max_total_tokens": max_bs * (args.input_len + args.steps + 8) + 64,
+        "max_running_requests": max_bs,
+    }
+    fields.update(json.loads(args.server_args))  # may name another model_path
+    server_args = ServerArgs(**fields).resolve()
     worker = build_model_worker(server_args, bench_one_batch._model_config(server_args))
     torch.set_num_threads(args.threads or server_args.cpu_threads or torch.get_num_threads())
     _install_timers()

@@ -103,7 +103,7 @@ inline void store_rows(const PackedProblem& p, int64_t panel, int64_t m0, const 
 // The block's exact int32 dots of MB rows of x (xb: each row's block) against NP panels (wb:
 // each panel's block): dot[m][j], one lane per panel row. VNNI: vpdpbusd (int8 weights read as
 // w + 128, each lane starting at -128 * the row's block sum bsum[m]). AVX2 (no vpdpbusd): the panel
-// kernel's sums (wq_a8_panels::block_dots_avx2): int4 adds a block's 8 vpmaddubsw in int16 before
+// kernel's sums (wq_a8_panels::row_block_dot_avx2): int4 adds a block's 8 vpmaddubsw in int16 before
 // one vpmaddwd, int8 widens each chunk's |w| * (x * sign(w)) pairs at once. The same int32s either
 // way, so the same bits.
 template <int MB, int NP, bool kInt4, bool kVnni>

@@ -94,28 +94,20 @@ inline __m256 load8(const void* base, int64_t i) {
 }
 
 #if RS_HAVE_A8_VNNI
-// The block's exact int32 dots (one lane per panel row) of MB rows of x by vpdpbusd: the AVX2
-// sums below, in one instruction per chunk and row of x instead of two to four, so the same
-// int32s. Two accumulators per row (int4: low / high nibbles; int8: even / odd chunks) halve the
-// dependency chain. int8 weights are read as w + 128 (unsigned) and each lane starts at
-// -128 * the block's sum(q) (bsum), which takes the 128s back off.
-template <int MB, bool kInt4>
-inline void block_dots_vnni(const uint8_t* wb, const int8_t* const* xb, const int32_t* bsum, __m256i* dot) {
-  __m256i d0[MB], d1[MB];
-  for (int m = 0; m < MB; ++m) {
-    d0[m] = kInt4 ? _mm256_setzero_si256() : _mm256_set1_epi32(-128 * bsum[m]);
-    d1[m] = _mm256_setzero_si256();
-  }
+// The block's exact int32 dots (one lane per panel row) of one row of x by vpdpbusd: the AVX2
+// sums below, in one instruction per chunk instead of two to four, so the same int32s. Two
+// accumulators (int4: low / high nibbles; int8: even / odd chunks) halve the dependency chain.
+// int8 weights are read as w + 128 (unsigned) and the lanes start at -128 * the block's sum(q)
+// (bsum), which takes the 128s back off.
+template <bool kInt4>
+inline __m256i row_block_dot_vnni(const uint8_t* wb, const int8_t* xb, int32_t bsum) {
+  __m256i d0 = kInt4 ? _mm256_setzero_si256() : _mm256_set1_epi32(-128 * bsum), d1 = _mm256_setzero_si256();
   if constexpr (kInt4) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-      const __m256i lo = _mm256_and_si256(raw, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      for (int m = 0; m < MB; ++m) {
-        d0[m] = _mm256_dpbusd_epi32(d0[m], lo, bcast4(xb[m] + 8 * c));
-        d1[m] = _mm256_dpbusd_epi32(d1[m], hi, bcast4(xb[m] + 8 * c + 4));
-      }
+      d0 = _mm256_dpbusd_epi32(d0, _mm256_and_si256(raw, low4), bcast4(xb + 8 * c));
+      d1 = _mm256_dpbusd_epi32(d1, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), bcast4(xb + 8 * c + 4));
     }
   } else {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -123,57 +115,55 @@ inline void block_dots_vnni(const uint8_t* wb, const int8_t* const* xb, const in
       const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c)), flip);
       const __m256i w1 =
           _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c + 32)), flip);
-      for (int m = 0; m < MB; ++m) {
-        d0[m] = _mm256_dpbusd_epi32(d0[m], w0, bcast4(xb[m] + 4 * c));
-        d1[m] = _mm256_dpbusd_epi32(d1[m], w1, bcast4(xb[m] + 4 * c + 4));
-      }
+      d0 = _mm256_dpbusd_epi32(d0, w0, bcast4(xb + 4 * c));
+      d1 = _mm256_dpbusd_epi32(d1, w1, bcast4(xb + 4 * c + 4));
     }
   }
-  for (int m = 0; m < MB; ++m) dot[m] = _mm256_add_epi32(d0[m], d1[m]);
+  return _mm256_add_epi32(d0, d1);
 }
 #endif
 
-// The block's exact int32 dots (one lane per panel row) of MB rows of x on AVX2. int4: a block's
-// 8 vpmaddubsw add up in int16 before one vpmaddwd (8 * 2 * 15 * 127 = 30480 < 2^15); int8:
-// |w| against x * sign(w) (pairs at most 2 * 128 * 127, so each chunk is widened to int32 at once).
-template <int MB, bool kInt4>
-inline void block_dots_avx2(const uint8_t* wb, const int8_t* const* xb, __m256i* dot) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+// The block's exact int32 dots (one lane per panel row) of one row of x on AVX2. int4: the
+// block's 8 vpmaddubsw add up in int16 (8 * 2 * 15 * 127 = 30480 < 2^15) before one vpmaddwd;
+// int8: |w| against x * sign(w) (pairs at most 2 * 128 * 127, so each chunk is widened to int32
+// at once). Integer sums in any order are the same, so the adds are a tree (a shorter chain).
+template <bool kInt4>
+inline __m256i row_block_dot_avx2(const uint8_t* wb, const int8_t* xb) {
+  const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (kInt4) {
-    __m256i s16[MB];
-    for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i part[4];
     for (int c = 0; c < 4; ++c) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-      const __m256i lo = _mm256_and_si256(raw, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      for (int m = 0; m < MB; ++m) {
-        s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, bcast4(xb[m] + 8 * c)));
-        s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, bcast4(xb[m] + 8 * c + 4)));
-        keep_in_register(s16[m]);
-      }
+      part[c] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(raw, low4), bcast4(xb + 8 * c)),
+                                 _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                                      bcast4(xb + 8 * c + 4)));
     }
-    for (int m = 0; m < MB; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(part[0], part[1]), _mm256_add_epi16(part[2], part[3])),
+                             ones);
   } else {
-    for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int m = 0; m < MB; ++m) {
-        const __m256i sx = _mm256_sign_epi8(bcast4(xb[m] + 4 * c), w);
-        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+    __m256i part[4];
+    for (int c = 0; c < 8; c += 2) {
+      __m256i two[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (c + h)));
+        two[h] = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(bcast4(xb + 4 * (c + h)), w)), ones);
       }
+      part[c / 2] = _mm256_add_epi32(two[0], two[1]);
     }
+    return _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_add_epi32(part[2], part[3]));
   }
 }
 
-// The block dots on the chosen path (kVnni: block_dots_vnni; the same int32s, so the same bits).
-template <int MB, bool kInt4, bool kVnni>
-inline void block_dots(const uint8_t* wb, const int8_t* const* xb, const int32_t* bsum, __m256i* dot) {
+// The block dots on the chosen path (kVnni: row_block_dot_vnni; the same int32s, so the same bits).
+template <bool kInt4, bool kVnni>
+inline __m256i row_block_dot(const uint8_t* wb, const int8_t* xb, int32_t bsum) {
 #if RS_HAVE_A8_VNNI
-  if constexpr (kVnni) return block_dots_vnni<MB, kInt4>(wb, xb, bsum, dot);
+  if constexpr (kVnni) return row_block_dot_vnni<kInt4>(wb, xb, bsum);
 #endif
   (void)bsum;
-  block_dots_avx2<MB, kInt4>(wb, xb, dot);
+  return row_block_dot_avx2<kInt4>(wb, xb);
 }
 
 #endif
