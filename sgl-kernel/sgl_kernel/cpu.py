@@ -447,6 +447,17 @@ def rotary_neox_(
     _lib().rotary_neox_(positions, q, k, cos, sin)
 
 
+def argmax_rows_available() -> bool:
+    """Whether this build has argmax_rows (older builds: torch.argmax)."""
+    return available() and hasattr(_ext, "argmax_rows")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a CPU fp32 [rows, n] with contiguous rows, vectorized: the same
+    indices (the first of each row's maximum; a NaN counts as the greatest)."""
+    return _lib().argmax_rows(x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [M, 2d] fp32 (gate then up) -> silu(gate) * up, [M, d]."""
     return _lib().silu_and_mul(x)

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from radixserve.layers.cpu_fused import cpu_kernels
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+# sgl-kernel's argmax_rows: torch.argmax's indices ~10x faster on CPU (torch's walks the row one
+# element at a time: 0.2-0.4 ms a 152k-token row, several ms a step for 64 rows). Decided once.
+_ARGMAX_KERNEL = cpu_kernels is not None and cpu_kernels.argmax_rows_available()
 
 
 @dataclass
@@ -57,7 +62,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None  # [bs, vocab]
         logits = _constrain(logits, info)
         if info.is_all_greedy:
-            next_ids, drawn = logits.argmax(dim=-1), None
+            next_ids, drawn = argmax(logits), None
         else:
             next_ids, drawn = _sample(logits, info, positions, self.generator)
         next_ids, invalid = _guard(next_ids, logits, drawn)
@@ -67,6 +72,15 @@ class Sampler:
         top_val, top_idx = _top_logprobs(raw_logprobs, top_logprobs_nums)
         tid_val = gather_token_ids(raw_logprobs, token_ids_logprobs)
         return SampleOutput(next_ids, chosen, top_val, top_idx, invalid, tid_val)
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """logits.argmax(dim=-1) of [bs, vocab] logits: the same indices (the first of each row's
+    maximum, a NaN the greatest), from sgl-kernel's vectorized loop where it applies."""
+    if _ARGMAX_KERNEL and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        if logits.shape[1] > 0 and logits.stride(1) == 1:
+            return cpu_kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def _guard(next_ids: Tensor, logits: Tensor, drawn: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -116,7 +130,7 @@ def _sample(
     next_ids, drawn = _inverse_cdf(probs, _uniforms(info.seeds, positions, probs, generator))
     greedy_rows = info.top_ks == 1  # [bs]
     if bool(greedy_rows.any()):
-        next_ids = torch.where(greedy_rows, logits.argmax(dim=-1), next_ids)
+        next_ids = torch.where(greedy_rows, argmax(logits), next_ids)
         drawn = drawn | greedy_rows  # greedy rows are judged by their chosen logit (_guard)
     return next_ids, drawn
 

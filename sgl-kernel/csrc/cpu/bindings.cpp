@@ -119,6 +119,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rmsnorm_", &fused_add_rmsnorm_, "In place: residual += x; x = rmsnorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "Neox rotary in place on q [T,H,D] and k [T,Hkv,D]");
   m.def("silu_and_mul", &silu_and_mul, "x [M, 2d] -> silu(x[:, :d]) * x[:, d:]");
+  m.def("argmax_rows", &argmax_rows,
+        "torch.argmax(x, dim=-1) of x fp32 [rows, n] with contiguous rows (first index of the maximum, NaN the "
+        "greatest): int64 [rows]");
   m.def("store_kv", &store_kv,
         "k_buf[loc] = k; v_buf[loc] = v (k/v fp32); bf16/fp8/int8 pools quantize each row (int8: scales into "
         "k_scale/v_scale fp32 [N,Hkv])",

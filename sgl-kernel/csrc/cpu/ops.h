@@ -53,6 +53,9 @@ void fused_add_rmsnorm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 void rotary_neox_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                   const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+// torch.argmax(x, dim=-1) of a fp32 [rows, n] with contiguous rows (the first index of each row's
+// maximum, a NaN the greatest), vectorized (argmax_rows.cpp): int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& x);
 // k_buf[loc] = k; v_buf[loc] = v (k/v fp32 [T, Hkv, D]); a bf16 / fp8 / int8 pool gets each row
 // quantized as mem_cache/kv_dtype.py does (int8: its scale into k_scale / v_scale fp32 [N, Hkv]).
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v,
