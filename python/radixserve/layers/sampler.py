@@ -28,7 +28,8 @@ from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 # sgl-kernel's argmax_rows: torch.argmax's indices ~10x faster on CPU (torch's walks the row one
 # element at a time: 0.2-0.4 ms a 152k-token row, several ms a step for 64 rows). Decided once.
-_ARGMAX_KERNEL = cpu_kernels is not None and cpu_kernels.argmax_rows_available()
+# An older sgl_kernel on PYTHONPATH (as A/B runs put one) has none.
+_ARGMAX_KERNEL = getattr(cpu_kernels, "argmax_rows_available", lambda: False)()
 
 
 @dataclass
