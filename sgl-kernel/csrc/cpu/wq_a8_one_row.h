@@ -108,9 +108,10 @@ inline void row_panel_groups(const PackedProblem& p, int64_t panel, int64_t m, c
 // same operations on each output as row_panel_groups (so the same bits) in one flat loop, the
 // offsets' form fixed at compile time (kOff: 0 none, 1 a zero point, 2 stored), and the
 // prefetches in a first part of the loop that ends where they would pass the run's end (the rest
-// goes without) instead of a test a block. On one Zen 3 thread with the weights in cache, a Q4_0
-// panel block took ~20 cycles in row_panel_groups (its group loop, branches, 64-bit remainder and
-// reloads through p ran once a block here) against ~16 in this loop and ~10 for the dots alone.
+// goes without) instead of a test a block. row_panel_groups' group loop (branches, a 64-bit
+// remainder, reloads through p) ran once a block here; this loop: Q4_0 / Q4_1 one-row products
+// ~1.3x and Q8_0 ~1.15x faster from cache on one Zen 3 thread (bench_wq_a8_tiles.py --tokens 1
+// --copies 1, docs/cpu_backend.md).
 template <int kOff, bool kInt4, bool kHalf, bool kVnni>
 inline void row_panel_blocks(const PackedProblem& p, int64_t panel, int64_t m, const RunStreams& run) {
   constexpr int64_t kPanelBlock = kInt4 ? 128 : 256;
