@@ -3,8 +3,9 @@
 //
 // Why: torch's CPU argmax walks the row one element at a time: 0.2-0.4 ms of a Zen 3 core for
 // Qwen3's 151,936-entry vocabulary at every greedy decode step, ~5 ms for 64 rows of the built-in
-// model's 49,152 (benchmark/bench_argmax.py; the whole step is 5-15 ms at one row, ~100 ms at 64). Here four chains of eight lanes each keep their lane's maximum and the
-// first index where it was seen; the lanes are then reduced by value, ties to the lowest index.
+// model's 49,152 (benchmark/bench_argmax.py; the whole step is 5-15 ms at one row, ~100 ms at
+// 64). Here four chains of eight lanes each keep their lane's maximum and the first index where
+// it was seen; the lanes are then reduced by value, ties to the lowest index.
 #include "common.h"
 #include "ops.h"
 
