@@ -458,6 +458,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return _lib().argmax_rows(x)
 
 
+def argmax_rows_checked_available() -> bool:
+    """Whether this build has argmax_rows_checked (older builds: argmax and a torch guard)."""
+    return available() and hasattr(_ext, "argmax_rows_checked")
+
+
+def argmax_rows_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax_rows(x) and, per row, whether the chosen logit x[row, id] is not finite (NaN or
+    +-inf): (int64 [rows], bool [rows])."""
+    return _lib().argmax_rows_checked(x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [M, 2d] fp32 (gate then up) -> silu(gate) * up, [M, d]."""
     return _lib().silu_and_mul(x)

@@ -87,3 +87,55 @@ def test_sampler_argmax_takes_the_kernel_and_falls_back() -> None:
     assert torch.equal(sampler.argmax(x.double()), x.argmax(dim=-1))
     t = torch.randn(777, 5).t()
     assert torch.equal(sampler.argmax(t), t.argmax(dim=-1))
+
+
+def _torch_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: the sampler's torch guard over torch's argmax."""
+    x = x.float()
+    return sampler._guard(x.argmax(dim=-1), x, None)
+
+
+@pytest.mark.skipif(not cpu_kernels.argmax_rows_checked_available(), reason="argmax_rows_checked not built")
+@pytest.mark.parametrize("n", LENGTHS)
+def test_argmax_rows_checked_equals_the_torch_guard(n: int) -> None:
+    """Ids and invalid flags as the torch guard gives them: NaN rows, all -inf rows and rows whose
+    maximum is +inf are invalid, every finite maximum is valid."""
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(n + 1))
+    for name, form in _forms(x).items():
+        ids, invalid = cpu_kernels.argmax_rows_checked(form)
+        want_ids, want_invalid = _torch_checked(form)
+        assert torch.equal(ids, want_ids), name
+        assert torch.equal(invalid, want_invalid), name
+        assert invalid.dtype == torch.bool and ids.dtype == torch.int64
+    mixed = x.clone()
+    mixed[1, n // 2] = float("nan")
+    ids, invalid = cpu_kernels.argmax_rows_checked(mixed)
+    assert invalid.tolist() == [False, True, False]  # one bad row, the others valid
+
+
+@pytest.mark.skipif(not cpu_kernels.argmax_rows_checked_available(), reason="argmax_rows_checked not built")
+def test_argmax_rows_checked_takes_any_layout_and_float_dtype() -> None:
+    """The sampler calls it on whatever CPU logits it gets: strided columns, half precision and
+    zero rows are handled; rows of zero elements are refused, as torch.argmax refuses them."""
+    t = torch.randn(777, 5, generator=torch.Generator().manual_seed(3)).t()
+    for form in (t, t.to(torch.bfloat16), t.double(), t.contiguous()[:, 100:700]):
+        ids, invalid = cpu_kernels.argmax_rows_checked(form)
+        want_ids, want_invalid = _torch_checked(form)
+        assert torch.equal(ids, want_ids) and torch.equal(invalid, want_invalid)
+    ids, invalid = cpu_kernels.argmax_rows_checked(torch.zeros(0, 10))
+    assert ids.shape == invalid.shape == (0,)
+    with pytest.raises(RuntimeError, match="zero elements"):
+        cpu_kernels.argmax_rows_checked(torch.zeros(2, 0))
+
+
+def test_sampler_greedy_checked_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """greedy_checked gives the torch guard's answer on the kernel path and on the fallback."""
+    x = torch.randn(4, 999, generator=torch.Generator().manual_seed(4))
+    x[2, 5] = float("nan")
+    x[3] = float("-inf")
+    want_ids, want_invalid = _torch_checked(x)
+    for kernel in (True, False):
+        monkeypatch.setattr(sampler, "_CHECKED_KERNEL", kernel and cpu_kernels.argmax_rows_checked_available())
+        ids, invalid = sampler.greedy_checked(x)
+        assert torch.equal(ids, want_ids) and torch.equal(invalid, want_invalid)
+        assert invalid.tolist() == [False, False, True, True]

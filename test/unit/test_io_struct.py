@@ -104,3 +104,17 @@ def test_rid_matches_the_rid_and_its_samples_only():
     assert not io.rid_matches("job-extra", "job") and not io.rid_matches("jobs", "job")
     assert not io.rid_matches("x-10", "x-1") and io.rid_matches("x-1-0", "x-1")
     assert not io.rid_matches("anything", "")
+
+
+@pytest.mark.parametrize("cls", [io.BatchTokenIDOut, io.BatchStrOut])
+def test_step_outputs_pickle_keeps_every_field(cls):
+    """StepOutputs pickles as (class, field values): every field, set to a value of its own
+    (defaults included), comes back, and the copy stays frozen."""
+    values = {f.name: [f"{f.name}-value"] for f in dataclasses.fields(cls)}
+    values["dp_rank"] = 3
+    msg = cls(**values)
+    copy = pickle.loads(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+    assert type(copy) is cls and copy == msg
+    assert {f.name: getattr(copy, f.name) for f in dataclasses.fields(cls)} == values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.rids = []  # type: ignore[misc]

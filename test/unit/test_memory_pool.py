@@ -44,3 +44,17 @@ def test_kv_pool_shapes_and_write_with_cast():
 def test_kv_bytes_per_token():
     assert MHATokenToKVPool.kv_bytes_per_token(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4
     assert MHATokenToKVPool.kv_bytes_per_token(32, 8, 128, torch.bfloat16) == 131072
+
+
+def test_host_table_shares_the_cpu_table():
+    """host_table() is a numpy view of req_to_token: writes through either show in the other, and
+    a replaced table gets a new view."""
+    pool = ReqToTokenPool(size=2, max_context_len=8, device="cpu")
+    host = pool.host_table()
+    assert host is not None and host.shape == (2, 8) and pool.host_table() is host
+    host[[0, 1], [3, 5]] = [7, 9]
+    assert pool.req_to_token[0, 3] == 7 and pool.req_to_token[1, 5] == 9
+    pool.req_to_token[1, 0] = 4
+    assert host[1, 0] == 4
+    pool.req_to_token = torch.zeros(2, 8, dtype=torch.int32)
+    assert pool.host_table() is not host and pool.host_table()[1, 0] == 0

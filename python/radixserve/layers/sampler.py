@@ -30,6 +30,7 @@ from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 # element at a time: 0.2-0.4 ms a 152k-token row, several ms a step for 64 rows). Decided once.
 # An older sgl_kernel on PYTHONPATH (as A/B runs put one) has none.
 _ARGMAX_KERNEL = getattr(cpu_kernels, "argmax_rows_available", lambda: False)()
+_CHECKED_KERNEL = getattr(cpu_kernels, "argmax_rows_checked_available", lambda: False)()
 
 
 @dataclass
@@ -59,14 +60,15 @@ class Sampler:
         token_ids_logprobs: list[tuple[int, ...] | None] | None = None,
     ) -> SampleOutput:
         """logits [bs, vocab] raw; positions [bs] int64 = position of the token being sampled."""
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # each call here is a torch op: see greedy_checked
+            logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None  # [bs, vocab]
         logits = _constrain(logits, info)
         if info.is_all_greedy:
-            next_ids, drawn = argmax(logits), None
+            next_ids, invalid = greedy_checked(logits)
         else:
             next_ids, drawn = _sample(logits, info, positions, self.generator)
-        next_ids, invalid = _guard(next_ids, logits, drawn)
+            next_ids, invalid = _guard(next_ids, logits, drawn)
         if raw_logprobs is None:
             return SampleOutput(next_ids, None, None, None, invalid)
         chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [bs]
@@ -82,6 +84,17 @@ def argmax(logits: Tensor) -> Tensor:
         if logits.shape[1] > 0 and logits.stride(1) == 1:
             return cpu_kernels.argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def greedy_checked(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """_guard(argmax(logits), logits, None) for [bs, vocab] fp32 logits: the argmax and whether
+    its logit is not finite. On CPU one sgl-kernel call: every small torch op right after a forward
+    costs ~20-45 us of a core (the forward streamed the weights through the caches, and each op's
+    dispatch runs cold), and the torch guard is eleven of them (docs/cpu_backend.md, "Host work
+    around a step")."""
+    if _CHECKED_KERNEL and logits.is_cpu:  # the kernel takes any layout (and refuses empty rows)
+        return cpu_kernels.argmax_rows_checked(logits)
+    return _guard(argmax(logits), logits, None)
 
 
 def _guard(next_ids: Tensor, logits: Tensor, drawn: Tensor | None) -> tuple[Tensor, Tensor]:

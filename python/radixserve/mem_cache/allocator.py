@@ -8,10 +8,16 @@ pages are ``1 .. num_pages``.
 The allocator hands out whole pages and tracks which pages are free. Every slot tensor it returns
 is a CPU ``int64`` tensor: slot bookkeeping is scheduler-side data, and the model runner copies
 ``out_cache_loc`` to the device with the rest of the batch.
+
+The page-level state (the free list, the free flags) is numpy: a decode step takes a page or a
+few every step, right after the forward has streamed the weights through the caches, where a small
+torch op costs ~20-45 us of a core and a numpy one a fraction of it (docs/cpu_backend.md, "Host
+work around a step"). The slot tensors handed out share nothing with that state.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -30,13 +36,14 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Mark every usable page free (page 0 stays reserved)."""
-        # Pages are popped from the front of `_free_pages`; freed pages wait in `_released` and are
-        # merged lazily, so a free is O(1) Python work and a merge costs one torch.cat.
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)  # [num_free]
-        self._released: list[torch.Tensor] = []
+        # Pages are taken from `_free_pages[_head:]`; freed pages wait in `_released` and are
+        # merged lazily, so a free is O(1) Python work and a merge costs one concatenate.
+        self._free_pages = np.arange(1, self.num_pages + 1, dtype=np.int64)  # [num_free + _head]
+        self._head = 0
+        self._released: list[np.ndarray] = []
         self._num_free = self.num_pages
         # Page-level free flags, only for catching double frees and foreign slots.
-        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)  # [num_pages + 1]
+        self._page_is_free = np.ones(self.num_pages + 1, dtype=np.bool_)  # [num_pages + 1]
         self._page_is_free[0] = False
 
     def available_size(self) -> int:
@@ -46,14 +53,22 @@ class TokenToKVPoolAllocator:
     # ------------------------------------------------------------------ page level
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
-        """Pop ``num_pages`` free page ids ([num_pages] int64), or None without side effects."""
+        """Pop ``num_pages`` free page ids (a new [num_pages] int64 tensor), or None without side
+        effects."""
+        pages = self._take_page_ids(num_pages)
+        return None if pages is None else torch.from_numpy(pages)
+
+    def _take_page_ids(self, num_pages: int) -> np.ndarray | None:
+        """_take_pages as a new numpy array (the caller owns it)."""
         if num_pages > self._num_free:
             return None
-        if num_pages > self._free_pages.numel():
-            self._free_pages = torch.cat([self._free_pages, *self._released])
+        head = self._head
+        if head + num_pages > len(self._free_pages):
+            self._free_pages = np.concatenate([self._free_pages[head:], *self._released])
             self._released.clear()
-        pages = self._free_pages[:num_pages]
-        self._free_pages = self._free_pages[num_pages:]
+            head = 0
+        pages = self._free_pages[head : head + num_pages].copy()
+        self._head = head + num_pages
         self._page_is_free[pages] = False
         self._num_free -= num_pages
         return pages
@@ -61,7 +76,7 @@ class TokenToKVPoolAllocator:
     def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """[P] page ids -> [P * page_size] slots, page by page."""
         if self.page_size == 1:
-            return pages.clone()
+            return pages  # _take_pages' tensor is the caller's own
         offsets = torch.arange(self.page_size, dtype=torch.int64)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
@@ -104,8 +119,7 @@ class TokenToKVPoolAllocator:
             )
         if ps == 1:
             # Every token is its own page: no partial pages to fill.
-            pages = self._take_pages(extend_num_tokens)
-            return None if pages is None else pages.clone()
+            return self._take_pages(extend_num_tokens)
 
         # Room left in the page holding position prefix_len-1 (0 when prefix_len is page-aligned).
         room = (ps - prefix % ps) % ps  # [bs]
@@ -131,7 +145,7 @@ class TokenToKVPoolAllocator:
         bad_page = (pages_f < 1) | (pages_f > self.num_pages)
         if bool((bad_offset | bad_page).any()):
             raise ValueError(f"last_loc {loc_f.tolist()} inconsistent with prefix_lens {prefix_f.tolist()}")
-        if bool(self._page_is_free[pages_f].any()):
+        if bool(self._page_is_free[pages_f.numpy()].any()):
             raise RuntimeError("alloc_extend: last_loc lies in a page that is free (use after free)")
 
     def _scatter_extend(
@@ -177,17 +191,17 @@ class TokenToKVPoolAllocator:
         starts a page, otherwise the slot after ``last_loc`` is used.
         """
         if self.page_size == 1:
-            pages = self._take_pages(len(seq_lens))
-            return None if pages is None else pages.clone()
+            return self._take_pages(len(seq_lens))
+        # Python lists: a decode step's few rows cost less than the torch ops would (module doc).
         ps = self.page_size
-        pos = torch.tensor(seq_lens, dtype=torch.int64) - 1  # [bs] position of the new token
-        needs_page = pos % ps == 0  # [bs]
-        pages = self._take_pages(int(needs_page.sum()))
+        starts = [i for i, s in enumerate(seq_lens) if (s - 1) % ps == 0]  # rows whose token opens a page
+        pages = self._take_page_ids(len(starts))
         if pages is None:
             return None
-        out = torch.tensor(last_loc, dtype=torch.int64) + 1  # [bs]
-        out[needs_page] = pages * ps
-        return out
+        out = [loc + 1 for loc in last_loc]
+        for i, page in zip(starts, pages.tolist()):
+            out[i] = page * ps
+        return torch.tensor(out, dtype=torch.int64)  # [bs]
 
     # ------------------------------------------------------------------ free
 
@@ -195,10 +209,11 @@ class TokenToKVPoolAllocator:
         """Free every page touched by these slots. Freeing a page that is already free raises."""
         if free_index.numel() == 0:
             return
-        slots = free_index.reshape(-1).to(device="cpu", dtype=torch.int64)
-        # clone: the caller may reuse its tensor, and `_released` keeps this one until the next merge.
-        pages = torch.unique(slots // self.page_size) if self.page_size > 1 else slots.clone()
-        if self.page_size == 1 and torch.unique(pages).numel() != pages.numel():
+        slots = free_index.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
+        # A copy either way: the caller may reuse its tensor, and `_released` keeps this one until
+        # the next merge.
+        pages = np.unique(slots // self.page_size) if self.page_size > 1 else slots.copy()
+        if self.page_size == 1 and len(np.unique(pages)) != len(pages):
             raise RuntimeError("double free: the same KV slot appears twice in one free() call")
         if bool(((pages < 1) | (pages > self.num_pages)).any()):
             raise ValueError(f"free() got slots outside the usable pool: {slots.tolist()[:16]}")
@@ -208,8 +223,9 @@ class TokenToKVPoolAllocator:
             raise RuntimeError(f"double free of KV page(s) {dup} (page_size={self.page_size})")
         self._page_is_free[pages] = True
         self._released.append(pages)
-        self._num_free += pages.numel()
+        self._num_free += len(pages)
 
     def is_free_mask(self, slots: torch.Tensor) -> torch.Tensor:
         """Debug helper: [N] bool, whether the page holding each slot is free (page 0 never is)."""
-        return self._page_is_free[slots.to(device="cpu", dtype=torch.int64) // self.page_size]
+        pages = slots.to(device="cpu", dtype=torch.int64).numpy() // self.page_size
+        return torch.from_numpy(self._page_is_free[pages])

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from radixserve.mem_cache import cpu_alloc
@@ -35,7 +36,20 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         # int32 halves the table's footprint; slot ids fit easily (pools are < 2**31 tokens).
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self._host_source: torch.Tensor | None = None
+        self._host_table: np.ndarray | None = None
         self.clear()
+
+    def host_table(self) -> np.ndarray | None:
+        """req_to_token as numpy, sharing its memory, when it lives on the CPU (else None): a decode
+        step reads and writes a few entries per request, which numpy does for a fraction of a small
+        torch op's cost (mem_cache/allocator.py says why that matters)."""
+        table = self.req_to_token
+        if table.device.type != "cpu":
+            return None
+        if self._host_source is not table:  # made again if the table was ever replaced
+            self._host_table, self._host_source = table.numpy(), table
+        return self._host_table
 
     def clear(self) -> None:
         # A stack popped from the end; built reversed so low row ids come out first (readable logs).

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.speculative.tree import flat_tree_mask, tree_positions
+from radixserve.utils.host_tensors import int64_tensor
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionBackend
@@ -262,7 +263,8 @@ class ForwardBatch:
             assert batch.extend_seq_lens is not None and batch.extend_prefix_lens is not None
             positions = _extend_positions(batch.extend_prefix_lens, batch.extend_seq_lens)
         else:
-            positions = batch.seq_lens - 1  # the new token sits at seq_len - 1
+            # The new token sits at seq_len - 1 (from the list: cheaper than a tensor op, see int64_tensor).
+            positions = int64_tensor([n - 1 for n in seq_lens_cpu])
         fb = cls(
             **{name: _on_device(getattr(batch, name), device) for name in _FROM_BATCH},
             batch_size=len(seq_lens_cpu),
@@ -288,7 +290,8 @@ _FROM_BATCH = tuple({f.name for f in fields(ForwardBatch)} & {f.name for f in fi
 
 def _on_device(value: Any, device: torch.device) -> Any:  # noqa: ANN401 - any batch field
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        # The device test costs half a no-op .to() (whose argument parsing runs every step).
+        return value if value.device == device else value.to(device, non_blocking=True)
     return value.to(device) if isinstance(value, InputEmbeds) else value
 
 

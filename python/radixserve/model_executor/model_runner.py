@@ -42,6 +42,7 @@ from radixserve.model_executor.weight_sync import ModelWeights
 from radixserve.model_loader.loader import load_model
 from radixserve.multimodal.embedding_cache import embedding_cache_of
 from radixserve.server_args import ServerArgs
+from radixserve.utils.host_tensors import inference_mode
 
 if TYPE_CHECKING:
     from radixserve.lora.manager import LoRAManager
@@ -331,7 +332,7 @@ class ModelRunner:
             attn_causal=attn_causal,
         )
 
-    @torch.inference_mode()
+    @inference_mode  # cheap when the caller is in it already (Scheduler.run_batch)
     def forward(
         self,
         batch: ModelWorkerBatch,
@@ -419,7 +420,7 @@ class ModelRunner:
             return runner
         return None
 
-    @torch.inference_mode()
+    @inference_mode
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
         assert fb.sampling_info is not None
         # The sampled token will sit at position seq_len: seeded draws hash (seed, that position).

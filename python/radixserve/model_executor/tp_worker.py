@@ -14,12 +14,17 @@ import torch
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.rank_runtime import RankRuntime
 from radixserve.layers.logits_processor import LogitsOutput
+from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.io_struct import EmbeddingBatchResult
 from radixserve.model_executor.forward_batch import ForwardBatch, GenerationBatchResult, ModelWorkerBatch
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.model_executor.worker_api import KVPools, WorkerInfo
 from radixserve.server_args import ServerArgs
 from radixserve.utils.process import bound_onednn_caches
+
+# A result's tokens before its sample ran (one shared empty tensor: a torch op per step saved).
+_NOT_SAMPLED = torch.empty(0, dtype=torch.int64)
+_SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(SampleOutput))
 
 
 class TpModelWorker:
@@ -76,7 +81,7 @@ class TpModelWorker:
         """The batch's result from its forward's logits: sampled now, or with
         batch.delay_sample_launch by the result's delay_sample_func."""
         result = GenerationBatchResult(
-            next_token_ids=torch.empty(0, dtype=torch.int64),
+            next_token_ids=_NOT_SAMPLED,
             input_token_logprobs=logits_output.input_token_logprobs,
             input_top_logprobs_val=logits_output.input_top_logprobs_val,
             input_top_logprobs_idx=logits_output.input_top_logprobs_idx,
@@ -86,8 +91,8 @@ class TpModelWorker:
 
         def sample() -> None:
             drawn = self.model_runner.sample(logits_output, fb)
-            for f in dataclasses.fields(drawn):  # every SampleOutput field, under the same name
-                setattr(result, f.name, getattr(drawn, f.name))
+            for name in _SAMPLE_FIELDS:  # every SampleOutput field, under the same name
+                setattr(result, name, getattr(drawn, name))
 
         if batch.delay_sample_launch:
             result.delay_sample_func = sample

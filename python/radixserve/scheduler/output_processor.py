@@ -97,8 +97,9 @@ class OutputProcessor:
             result.copy_done.synchronize()
         next_token_ids: list[int | None] = result.next_token_ids.tolist()  # [bs]
         logprobs = result.next_token_logprobs.tolist() if result.next_token_logprobs is not None else None
-        if result.invalid_rows is not None and bool(result.invalid_rows.any()):
-            invalid = result.invalid_rows.tolist()
+        # tolist and Python's any: one torch op, not .any() and bool() (two; see greedy_checked).
+        invalid = result.invalid_rows.tolist() if result.invalid_rows is not None else None
+        if invalid is not None and any(invalid):
             next_token_ids = [None if bad else t for t, bad in zip(next_token_ids, invalid)]
         return next_token_ids, logprobs
 

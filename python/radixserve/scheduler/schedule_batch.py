@@ -17,14 +17,11 @@ from radixserve.multimodal.inputs import image_slices, mrope_batch_positions
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 from radixserve.scheduler.kv_memory import KVMemory
 from radixserve.scheduler.req import Req
+from radixserve.utils.host_tensors import int64_tensor as _i64
 
 # Retraction assumes each kept request still decodes this many tokens before the next check
 # (upstream SGLang's constant; the seeds give no formula for the new ratio).
 RETRACT_DECODE_STEPS = 20
-
-
-def _i64(values: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
 
 
 class ScheduleBatch:
@@ -194,14 +191,27 @@ class ScheduleBatch:
         self.extend_logprob_start_lens = None
         self.token_type_ids = None
         self.input_embeds = None
-        rows = [r.req_pool_idx for r in reqs]
-        table = self.mem.req_to_token_pool.req_to_token
-        rows_t, pos_t = _i64(rows), _i64(self.prefix_lens)
-        last_loc = table[rows_t, pos_t - 1].tolist() if reqs else []
-        self.out_cache_loc = self.mem.alloc_decode(self.seq_lens, last_loc)  # [bs]
-        table[rows_t, pos_t] = self.out_cache_loc.to(table.device, table.dtype)
+        self._write_decode_slots([r.req_pool_idx for r in reqs])
         for r in reqs:
             r.kv_committed_len += 1
+
+    def _write_decode_slots(self, rows: list[int]) -> None:
+        """Allocate each request's slot for its new token and enter it in its row of the table. A
+        table on the CPU is read and written through numpy: these few entries run right after the
+        forward, where each small torch op costs ~20-45 us (mem_cache/allocator.py)."""
+        pool, page_size = self.mem.req_to_token_pool, self.mem.page_size
+        host = pool.host_table()
+        if host is None:
+            table = pool.req_to_token
+            rows_t, pos_t = _i64(rows), _i64(self.prefix_lens)
+            last_loc = table[rows_t, pos_t - 1].tolist() if rows and page_size > 1 else []
+            self.out_cache_loc = self.mem.alloc_decode(self.seq_lens, last_loc)  # [bs]
+            table[rows_t, pos_t] = self.out_cache_loc.to(table.device, table.dtype)
+            return
+        # Only a paged pool continues the page of the slot before (the allocator's last_loc).
+        last_loc = host[rows, [p - 1 for p in self.prefix_lens]].tolist() if page_size > 1 else []
+        self.out_cache_loc = self.mem.alloc_decode(self.seq_lens, last_loc)  # [bs]
+        host[rows, self.prefix_lens] = self.out_cache_loc.numpy()
 
     def check_decode_mem(self) -> bool:
         return self.mem.can_decode([r.kv_committed_len + 1 for r in self.reqs])

@@ -6,6 +6,11 @@
 // model's 49,152 (benchmark/bench_argmax.py; the whole step is 5-15 ms at one row, ~100 ms at
 // 64). Here four chains of eight lanes each keep their lane's maximum and the first index where
 // it was seen; the lanes are then reduced by value, ties to the lowest index.
+//
+// argmax_rows_checked also says which rows' chosen logit is not finite (a NaN row, every token
+// masked to -inf, a +inf): the greedy sampler's whole guard in the same pass, where the Python
+// guard took ~11 small torch ops, ~0.3 ms a step when they run right after the forward has
+// streamed the weights through the caches (docs/cpu_backend.md, "Host work around a step").
 #include "common.h"
 #include "ops.h"
 
@@ -82,18 +87,45 @@ int64_t row_argmax(const float* x, int64_t n) {
 
 }  // namespace
 
-at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "argmax_rows: x must be a CPU float32 [rows, n] with contiguous rows, got ", x.scalar_type(), " ",
-              x.sizes(), " strides ", x.strides());
-  TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows of zero elements have no argmax");
+namespace {
+
+void check_logits(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, name,
+              ": x must be a CPU float32 [rows, n] with contiguous rows, got ", x.scalar_type(), " ", x.sizes(),
+              " strides ", x.strides());
+  TORCH_CHECK(x.size(1) > 0, name, ": rows of zero elements have no argmax");
+}
+
+// Each row's argmax into ids; with `invalid`, also whether the chosen logit is not finite.
+void argmax_into(const at::Tensor& x, int64_t* ids, bool* invalid) {
   const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* base = x.data_ptr<float>();
-  int64_t* dst = out.data_ptr<int64_t>();
   // Tasks of at least ~1M elements (~0.1-0.2 ms): a decode step's one row stays on its thread.
   rs::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 20) / n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) dst[r] = row_argmax(base + r * ld, n);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = base + r * ld;
+      ids[r] = row_argmax(row, n);
+      if (invalid != nullptr) invalid[r] = !std::isfinite(row[ids[r]]);
+    }
   });
+}
+
+}  // namespace
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_logits(x, "argmax_rows");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  argmax_into(x, out.data_ptr<int64_t>(), nullptr);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> argmax_rows_checked(const at::Tensor& logits) {
+  // Any layout and float dtype: the caller then tests only the device (each test is a Python-to-
+  // torch call, ~10-20 us right after a forward). The usual fp32 rows pass through untouched.
+  const at::Tensor x = logits.dim() == 2 ? logits.to(at::kFloat).contiguous() : logits;
+  check_logits(x, "argmax_rows_checked");
+  at::Tensor ids = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  at::Tensor invalid = at::empty({x.size(0)}, x.options().dtype(at::kBool));
+  argmax_into(x, ids.data_ptr<int64_t>(), invalid.data_ptr<bool>());
+  return {ids, invalid};
 }

@@ -122,6 +122,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows,
         "torch.argmax(x, dim=-1) of x fp32 [rows, n] with contiguous rows (first index of the maximum, NaN the "
         "greatest): int64 [rows]");
+  m.def("argmax_rows_checked", &argmax_rows_checked,
+        "argmax_rows(x) and, per row, whether x[row, argmax] is not finite: (int64 [rows], bool [rows])");
   m.def("store_kv", &store_kv,
         "k_buf[loc] = k; v_buf[loc] = v (k/v fp32); bf16/fp8/int8 pools quantize each row (int8: scales into "
         "k_scale/v_scale fp32 [N,Hkv])",

@@ -56,6 +56,9 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // torch.argmax(x, dim=-1) of a fp32 [rows, n] with contiguous rows (the first index of each row's
 // maximum, a NaN the greatest), vectorized (argmax_rows.cpp): int64 [rows].
 at::Tensor argmax_rows(const at::Tensor& x);
+// argmax_rows and, per row, whether the chosen logit is not finite: (int64 [rows], bool [rows]).
+// Takes any CPU float [rows, n] (made fp32 with contiguous rows first when it is not).
+std::tuple<at::Tensor, at::Tensor> argmax_rows_checked(const at::Tensor& logits);
 // k_buf[loc] = k; v_buf[loc] = v (k/v fp32 [T, Hkv, D]); a bf16 / fp8 / int8 pool gets each row
 // quantized as mem_cache/kv_dtype.py does (int8: its scale into k_scale / v_scale fp32 [N, Hkv]).
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v,
