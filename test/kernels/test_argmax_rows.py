@@ -135,7 +135,9 @@ def test_sampler_greedy_checked_on_both_paths(monkeypatch: pytest.MonkeyPatch) -
     x[3] = float("-inf")
     want_ids, want_invalid = _torch_checked(x)
     for kernel in (True, False):
-        monkeypatch.setattr(sampler, "_CHECKED_KERNEL", kernel and cpu_kernels.argmax_rows_checked_available())
+        monkeypatch.setattr(
+            sampler, "_CHECKED_KERNEL", kernel and cpu_kernels.argmax_rows_checked_available()
+        )
         ids, invalid = sampler.greedy_checked(x)
         assert torch.equal(ids, want_ids) and torch.equal(invalid, want_invalid)
         assert invalid.tolist() == [False, False, True, True]

@@ -268,7 +268,7 @@ class ForwardBatch:
         fb = cls(
             **{name: _on_device(getattr(batch, name), device) for name in _FROM_BATCH},
             batch_size=len(seq_lens_cpu),
-            positions=positions.to(device, non_blocking=True),
+            positions=_on_device(positions, device),
             seq_lens_cpu=seq_lens_cpu,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
