@@ -94,7 +94,7 @@ class LogitsProcessor:
             if logits is not None:
                 return logits
         logits = lm_head(hidden)
-        # A no-op .float() still costs a torch call, ~20 us right after a forward (utils/host_tensors.py).
+        # A no-op .float() still costs a torch call, cold right after a forward (utils/host_tensors.py).
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def _prompt_logprobs(

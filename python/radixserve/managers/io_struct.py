@@ -322,9 +322,8 @@ class StepOutputs:
 
     def __reduce__(self) -> tuple[Callable[..., StepOutputs], tuple[type, tuple[Any, ...]]]:
         """Pickled as (class, field values). A frozen slots dataclass's own pickling looks its
-        fields up by name on both sides: ~150 us of a core per message to dump and as much to load
-        when it runs right after a forward (cold caches), once per decode step at one request
-        (docs/cpu_backend.md, "Host work around a step")."""
+        fields up by name on both sides, once per decode step at one request, right after a
+        forward when the caches are cold (docs/cpu_backend.md, "Host work around a step")."""
         cls = type(self)
         return _rebuild_step_outputs, (cls, _field_getter(cls)(self))
 

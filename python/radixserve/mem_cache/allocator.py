@@ -11,7 +11,7 @@ is a CPU ``int64`` tensor: slot bookkeeping is scheduler-side data, and the mode
 
 The page-level state (the free list, the free flags) is numpy: a decode step takes a page or a
 few every step, right after the forward has streamed the weights through the caches, where a small
-torch op costs ~20-45 us of a core and a numpy one a fraction of it (docs/cpu_backend.md, "Host
+torch op costs several times a numpy one (benchmark/bench_cold_ops.py; docs/cpu_backend.md, "Host
 work around a step"). The slot tensors handed out share nothing with that state.
 """
 

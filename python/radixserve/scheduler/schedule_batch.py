@@ -198,7 +198,7 @@ class ScheduleBatch:
     def _write_decode_slots(self, rows: list[int]) -> None:
         """Allocate each request's slot for its new token and enter it in its row of the table. A
         table on the CPU is read and written through numpy: these few entries run right after the
-        forward, where each small torch op costs ~20-45 us (mem_cache/allocator.py)."""
+        forward, where a small torch op costs several times a numpy one (mem_cache/allocator.py)."""
         pool, page_size = self.mem.req_to_token_pool, self.mem.page_size
         host = pool.host_table()
         if host is None:

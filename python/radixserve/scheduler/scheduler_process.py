@@ -90,9 +90,9 @@ class SchedulerIO:
         if block and not self.poller.poll(IDLE_POLL_MS):
             return msgs
         for sock in (self.recv, self.recv_from_rpc):
-            # ZMQ_EVENTS says whether a message waits without a failed receive: zmq.Again raised
-            # per socket per step cost ~40 us of a core at one decoding request (a step's host work
-            # runs with cold caches: docs/cpu_backend.md, "Host work around a step").
+            # ZMQ_EVENTS says whether a message waits without a failed receive: a zmq.Again raised
+            # per socket per step is an exception built every step, in host work that runs with
+            # cold caches (docs/cpu_backend.md, "Host work around a step").
             while sock is not None and sock.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     msgs.append(sock.recv_pyobj(zmq.NOBLOCK))

@@ -2,10 +2,10 @@
 
 A decode step's host work (the scheduler's bookkeeping, the batch's input tensors, the sampler's
 call, result processing) runs right after the forward has streamed the model's weights through
-the caches, so its code and data are cold: each small torch op then costs ~20-70 us of a core
-against a few us warm, and at one request such work came to ~1.4 ms of a ~8 ms step on the
-built-in model (docs/cpu_backend.md, "Host work around a step"). These helpers do the common
-cases with fewer torch calls.
+the caches, so its code and data are cold: a small torch call then costs many times its warm
+cost (benchmark/bench_cold_ops.py), and at one request such work came to ~1.3-1.8 ms of a ~8-9 ms
+step on the built-in model (benchmark/bench_step_host.py; docs/cpu_backend.md, "Host work around
+a step"). These helpers do the common cases with fewer torch calls.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 //
 // argmax_rows_checked also says which rows' chosen logit is not finite (a NaN row, every token
 // masked to -inf, a +inf): the greedy sampler's whole guard in the same pass, where the Python
-// guard took ~11 small torch ops, ~0.3 ms a step when they run right after the forward has
-// streamed the weights through the caches (docs/cpu_backend.md, "Host work around a step").
+// guard took 11 small torch ops, each slow right after the forward has streamed the weights
+// through the caches (benchmark/bench_cold_ops.py; docs/cpu_backend.md, "Host work around a step").
 #include "common.h"
 #include "ops.h"
 
@@ -121,7 +121,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 std::tuple<at::Tensor, at::Tensor> argmax_rows_checked(const at::Tensor& logits) {
   // Any layout and float dtype: the caller then tests only the device (each test is a Python-to-
-  // torch call, ~10-20 us right after a forward). The usual fp32 rows pass through untouched.
+  // torch call, cold right after a forward). The usual fp32 rows pass through untouched.
   const at::Tensor x = logits.dim() == 2 ? logits.to(at::kFloat).contiguous() : logits;
   check_logits(x, "argmax_rows_checked");
   at::Tensor ids = at::empty({x.size(0)}, x.options().dtype(at::kLong));
