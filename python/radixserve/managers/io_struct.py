@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
-from operator import attrgetter
 from typing import Any
 
 from radixserve.managers.control_messages import *  # noqa: F403 - the control plane's messages
 from radixserve.managers.control_messages import ControlOutcome, ControlReq, Ordering, SessionParams
+from radixserve.managers.frozen_pickle import field_values, rebuild_frozen
 from radixserve.sampling.sampling_params import SamplingParams
 
 # Native finish_reason key: the output ended inside a multi-byte character (left out of the text).
@@ -320,34 +320,12 @@ class StepOutputs:
     # --enable-trace: per request its ReqTrace, sent once with its finish (None: nothing traced).
     traces: list[ReqTrace | None] | None = None
 
-    def __reduce__(self) -> tuple[Callable[..., StepOutputs], tuple[type, tuple[Any, ...]]]:
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[type, tuple[Any, ...]]]:
         """Pickled as (class, field values). A frozen slots dataclass's own pickling looks its
         fields up by name on both sides, once per decode step at one request, right after a
         forward when the caches are cold (docs/cpu_backend.md, "Host work around a step")."""
         cls = type(self)
-        return _rebuild_step_outputs, (cls, _field_getter(cls)(self))
-
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-_FIELD_GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
-
-
-def _field_getter(cls: type) -> Callable[[Any], tuple[Any, ...]]:
-    getter = _FIELD_GETTERS.get(cls)
-    if getter is None:
-        names = tuple(f.name for f in fields(cls))
-        _FIELD_NAMES[cls], getter = names, attrgetter(*names)  # every StepOutputs has > 1 field
-        _FIELD_GETTERS[cls] = getter
-    return getter
-
-
-def _rebuild_step_outputs(cls: type, values: tuple[Any, ...]) -> StepOutputs:
-    """StepOutputs.__reduce__'s inverse: the fields set as the frozen dataclass's __init__ would."""
-    _field_getter(cls)
-    obj = object.__new__(cls)
-    for name, value in zip(_FIELD_NAMES[cls], values):
-        object.__setattr__(obj, name, value)
-    return obj
+        return rebuild_frozen, (cls, field_values(self))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
