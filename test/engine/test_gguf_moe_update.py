@@ -45,11 +45,12 @@ def _conversion(cache: Path, stem: str) -> str:
     return str(next(p.parent for p in (cache / "gguf").glob(f"{stem}-*/config.json")))
 
 
-# make test: every form with the folder, the file (converted first) under the default; the other
-# two file cases are make test-all's (the conversion is the only difference).
+# make test: the file (converted first) under the default expert path, and the folder under the
+# two other paths; the rest are make test-all's (docs/testing.md): each differs from a make test
+# case only in where the update comes from (the conversion folder or the .gguf file).
 _SLOW = pytest.mark.slow
 CASES = [
-    pytest.param("folder", {}, id="folder-gguf"),
+    pytest.param("folder", {}, id="folder-gguf", marks=_SLOW),
     pytest.param("folder", {"cpu_wq_int8_activations": True}, id="folder-gguf-panels"),
     pytest.param("folder", {"quantization": "unquant"}, id="folder-unquant"),
     pytest.param("file", {}, id="file-gguf"),
