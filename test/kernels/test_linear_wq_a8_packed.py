@@ -101,6 +101,29 @@ def test_int8_panels_at_the_extremes(isa: str) -> None:
     assert torch.equal(got, x @ q.float().T)
 
 
+@pytest.mark.parametrize("isa", PANEL_ISAS)
+def test_x_is_quantized_as_the_reference_at_every_row_count(isa: str) -> None:
+    """One row (the one-row loop), a few rows (the tiles) and the canonical-row kernel quantize x
+    to the same bytes as group_quant.quantize_act_blocks: against a one-hot int8 weight (row i has
+    a single 1 at input i, scale 1) each output is one block's int8 value times its scale, one fp32
+    product, so it must equal the reference's dequantized x bit for bit (ties at .5 included). The
+    int4 forms' offsets add a group term whose cancellation is not exact, so int8 carries this."""
+    k = 96
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)) * torch.tensor([1.0, 1e-3, 50.0]).view(
+        3, 1
+    )
+    x[0, :32] = 0.0  # an all-zero block
+    # amax 127: x * (127 / amax) is x itself, so the halves are ties (round half to even: 2.5 -> 2)
+    x[1, 32:64] = torch.cat([torch.tensor([127.0, -127.0]), torch.arange(30) - 14.5])
+    w = GroupQuantWeight(torch.eye(k, dtype=torch.int8), torch.ones(k, k // 32), None, 32, 8)
+    expect = group_quant.quantize_act_blocks(x)
+    assert torch.equal(_run(x, w, isa=isa), expect)  # 3 rows: the tiles
+    for i in range(3):
+        assert torch.equal(_run(x[i : i + 1], w, isa=isa), expect[i : i + 1])  # one row
+    canonical = cpu_kernels.linear_wq_a8(x, w.qweight, w.scales, w.offsets, w.bits, w.group_size, None)
+    assert torch.equal(canonical, expect)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pack_is_a_lossless_relayout(bits: int) -> None:
     """The panel bytes and scales are the canonical ones moved (rows past N zero)."""

@@ -95,9 +95,12 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
     return y;
   }
   // One row (the one-row work's domain, wq_a8_one_row.h): one contiguous run of panels a thread;
-  // short products stay on one thread (grain_panels).
-  const BlockQuantRows xq = quantize_blocks(x.data_ptr<float>(), x.stride(0), M, K, group_size,
-                                            int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
+  // short products stay on one thread (grain_panels). x is quantized by the tiles' vectorized
+  // quantizer (the same bytes as quantize_blocks; one row runs inline): the scalar one took 2-5 us
+  // of each one-row call, ~4-7% of the built-in model's fused stack at one request (Zen 3,
+  // docs/cpu_backend.md).
+  const BlockQuantRows xq = wq_a8_gemm::quantize_blocks_parallel(
+      x.data_ptr<float>(), x.stride(0), M, K, group_size, int4 ? A8Order::kNibbleChunks : A8Order::kNatural);
   const wq_a8_panels::PackedProblem p{
       &xq, reinterpret_cast<const uint8_t*>(packed_q.data_ptr()), pg, bias_ptr, y.data_ptr<float>(), groups,
       group_size / kBlock, M, n, K};
