@@ -14,30 +14,28 @@ from dataclasses import fields
 from operator import attrgetter
 from typing import Any
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-_FIELD_GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+# Per class: its field names and one attrgetter over them (made at the first message of the class).
+_FIELDS: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]] = {}
 
 
-def _getter(cls: type) -> Callable[[Any], tuple[Any, ...]]:
-    getter = _FIELD_GETTERS.get(cls)
-    if getter is None:
+def _fields_of(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    known = _FIELDS.get(cls)
+    if known is None:
         names = tuple(f.name for f in fields(cls))
         if len(names) < 2:  # attrgetter of one name returns the value, not a tuple
             raise TypeError(f"{cls.__name__}: frozen_pickle serves dataclasses of two fields or more")
-        _FIELD_NAMES[cls], getter = names, attrgetter(*names)
-        _FIELD_GETTERS[cls] = getter
-    return getter
+        known = _FIELDS[cls] = (names, attrgetter(*names))
+    return known
 
 
 def field_values(obj: Any) -> tuple[Any, ...]:  # noqa: ANN401 - any such dataclass
     """Every field of the dataclass `obj`, in field order."""
-    return _getter(type(obj))(obj)
+    return _fields_of(type(obj))[1](obj)
 
 
 def rebuild_frozen(cls: type, values: tuple[Any, ...]) -> Any:  # noqa: ANN401 - an instance of cls
     """field_values' inverse: the fields set as the frozen dataclass's __init__ would."""
-    _getter(cls)
     obj = object.__new__(cls)
-    for name, value in zip(_FIELD_NAMES[cls], values):
+    for name, value in zip(_fields_of(cls)[0], values):
         object.__setattr__(obj, name, value)
     return obj

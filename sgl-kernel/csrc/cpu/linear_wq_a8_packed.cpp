@@ -96,7 +96,7 @@ at::Tensor linear_wq_a8_packed(const at::Tensor& x, const at::Tensor& packed_q, 
   }
   // One row (the one-row work's domain, wq_a8_one_row.h): one contiguous run of panels a thread;
   // short products stay on one thread (grain_panels). x is quantized by the tiles' vectorized
-  // quantizer (the same bytes as quantize_blocks; one row runs inline): the scalar one took 2-5 us
+  // quantizer (the same bytes as quantize_blocks; one row runs inline): the scalar one took 2-3.6 us
   // of each one-row call, ~4-7% of the built-in model's fused stack at one request (Zen 3,
   // docs/cpu_backend.md).
   const BlockQuantRows xq = wq_a8_gemm::quantize_blocks_parallel(
